@@ -1,0 +1,118 @@
+"""What a dense or grouped GEMM kernel is asked to compute, independent of the arch.
+
+The logical modes follow CuTe's GEMM convention: A is (M, K, L), B is (N, K, L), C is
+(M, N, L), so ``C[m, n, l] = sum_k A[m, k, l] * B[n, k, l]``. Each operand has one unit-stride
+("major") mode; every other stride is dynamic and a multiple of 16 bytes, which TMA needs.
+The batch count is C's L; an operand whose L extent is 1 is broadcast over every batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jax_cute.kernels.abi import DYN, Dyn, Signature, StreamArg, TensorArg
+
+ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1, "int32": 4}
+
+
+def stride_div(dtype: str) -> int:
+    """Strides (in elements) must be multiples of this to stay 16-byte aligned."""
+    return 16 // ITEMSIZE[dtype]
+
+
+def _operand(name: str, dtype: str, rank: int, major: int) -> TensorArg:
+    stride = tuple(1 if i == major else Dyn(stride_div(dtype)) for i in range(rank))
+    return TensorArg(name, dtype, (DYN,) * rank, stride, align=16)
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmSpec:
+    """Static part of a dense GEMM: dtypes and which mode of each operand is contiguous.
+
+    ``a_major`` is "k" or "m", ``b_major`` "k" or "n", ``c_major`` "n" or "m".
+    """
+
+    a_dtype: str
+    b_dtype: str
+    c_dtype: str
+    a_major: str = "k"
+    b_major: str = "k"
+    c_major: str = "n"
+    acc_dtype: str = "float32"
+
+    def __post_init__(self):
+        if self.a_major not in ("k", "m") or self.b_major not in ("k", "n") or self.c_major not in ("n", "m"):
+            raise ValueError(f"bad major-ness in {self}")
+
+    def key(self) -> str:
+        return (f"{self.a_dtype}.{self.b_dtype}.{self.c_dtype}.acc{self.acc_dtype}."
+                f"{self.a_major}{self.b_major}{self.c_major}")
+
+    def signature(self, extra: tuple = ()) -> Signature:
+        """(a (M,K,L), b (N,K,L), c (M,N,L), *extra, stream)."""
+        return (
+            _operand("a", self.a_dtype, 3, 1 if self.a_major == "k" else 0),
+            _operand("b", self.b_dtype, 3, 1 if self.b_major == "k" else 0),
+            _operand("c", self.c_dtype, 3, 1 if self.c_major == "n" else 0),
+            *extra,
+            StreamArg(),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedSpec:
+    """Static part of a grouped GEMM with group sizes read on the device.
+
+    ``mode="ragged_m"`` (forward and lhs gradient): a (M,K,L), b (N,K,G,L), c (M,N,L),
+    group_sizes (G,L) int32. Rows are split into consecutive groups; row m of batch l belongs
+    to group g when off[g-1] <= m < off[g], off = clip(cumsum(max(group_sizes, 0)), 0, M), and
+    ``c[m,n,l] = sum_k a[m,k,l] * b[n,k,g,l]``; rows m >= off[G-1] are written as zeros.
+
+    ``mode="ragged_k"`` (rhs gradient): a (M,K,L), b (N,K,L), c (M,N,G,L), group_sizes (G,L);
+    ``c[m,n,g,l] = sum over k in [off[g-1], off[g]) of a[m,k,l] * b[n,k,l]``, zero for empty
+    groups. Here K is the ragged (token) mode.
+
+    Any operand, group_sizes included, may have L extent 1 (broadcast over batches).
+    """
+
+    mode: str
+    a_dtype: str
+    b_dtype: str
+    c_dtype: str
+    a_major: str = "k"
+    b_major: str = "k"
+    c_major: str = "n"
+    acc_dtype: str = "float32"
+
+    def key(self) -> str:
+        return (f"{self.mode}.{self.a_dtype}.{self.b_dtype}.{self.c_dtype}.acc{self.acc_dtype}."
+                f"{self.a_major}{self.b_major}{self.c_major}")
+
+    def signature(self, extra: tuple = ()) -> Signature:
+        a = _operand("a", self.a_dtype, 3, 1 if self.a_major == "k" else 0)
+        if self.mode == "ragged_m":
+            b = _operand("b", self.b_dtype, 4, 1 if self.b_major == "k" else 0)
+            c = _operand("c", self.c_dtype, 3, 1 if self.c_major == "n" else 0)
+        elif self.mode == "ragged_k":
+            b = _operand("b", self.b_dtype, 3, 1 if self.b_major == "k" else 0)
+            c = _operand("c", self.c_dtype, 4, 1 if self.c_major == "n" else 0)
+        else:
+            raise ValueError(f"unknown grouped mode {self.mode!r}")
+        gs = TensorArg("group_sizes", "int32", (DYN, DYN), (1, DYN), align=4)
+        return (a, b, c, gs, *extra, StreamArg())
+
+
+def reference_gemm(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """float64 reference in the (M,K,L) x (N,K,L) -> (M,N,L) convention, with broadcast L."""
+    return np.einsum("mkl,nkl->mnl", a.astype(np.float64), b.astype(np.float64))
+
+
+@dataclasses.dataclass(frozen=True)
+class Workspace:
+    """An extra device buffer a kernel needs; XLA allocates it as an extra output."""
+
+    name: str
+    nbytes: int
+    zeroed: bool = False
