@@ -10,11 +10,18 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import hashlib
+import os
 import re
+import tempfile
 import threading
 from typing import Callable
 
 from jax_cute.kernels import abi
+
+# The DSL writes kept artifacts (PTX, cubin) to the working directory unless told otherwise,
+# and reads this once when it is imported: point it somewhere harmless first.
+os.environ.setdefault("CUTE_DSL_DUMP_DIR", os.path.join(tempfile.gettempdir(), "jax_cute_dsl_dump"))
+os.makedirs(os.environ["CUTE_DSL_DUMP_DIR"], exist_ok=True)  # kept PTX comes back empty without it
 
 _runtime_lock = threading.Lock()
 _runtime_loaded = False
@@ -75,3 +82,26 @@ def compile_launcher(launcher: Callable, signature: abi.Signature, *, arch: str,
     if keep_ptx:
         ptx = getattr(compiled.artifacts, "PTX", None)
     return KernelBinary(name=name, symbol=symbol, arch=arch, signature=signature, obj=bytes(obj), ptx=ptx)
+
+
+def save_binary(binary: KernelBinary, path: str) -> None:
+    """Write a binary as two files: ``path.o`` (the object) and ``path.json`` (the rest)."""
+    import json
+    from pathlib import Path
+
+    meta = {"name": binary.name, "symbol": binary.symbol, "arch": binary.arch,
+            "signature": abi.signature_to_json(binary.signature), "sha256": binary.digest}
+    Path(path + ".o").write_bytes(binary.obj)
+    Path(path + ".json").write_text(json.dumps(meta, sort_keys=True))
+
+
+def load_binary(path: str) -> KernelBinary:
+    import json
+    from pathlib import Path
+
+    meta = json.loads(Path(path + ".json").read_text())
+    obj = Path(path + ".o").read_bytes()
+    if hashlib.sha256(obj).hexdigest() != meta["sha256"]:
+        raise ValueError(f"{path}.o does not match its recorded checksum")
+    return KernelBinary(name=meta["name"], symbol=meta["symbol"], arch=meta["arch"],
+                        signature=abi.signature_from_json(meta["signature"]), obj=obj)

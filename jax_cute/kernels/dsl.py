@@ -21,6 +21,8 @@ import cutlass.utils.blackwell_helpers as sm100_utils  # noqa: E402
 from cutlass.cute.nvgpu import cpasync, tcgen05, warpgroup, warp  # noqa: E402
 from cutlass.cute.runtime import make_fake_tensor, make_fake_compact_tensor  # noqa: E402
 import cuda.bindings.driver as cuda_driver  # noqa: E402
+import cutlass.memory as memory  # noqa: E402  (TMEM/SMEM allocators; cutlass.utils' copies are deprecated)
+from cutlass.tensor_utils import LayoutEnum  # noqa: E402
 
 Int32 = cutlass.Int32
 Int64 = cutlass.Int64
@@ -70,5 +72,5 @@ __all__ = [
     "cutlass", "cute", "pipeline", "utils", "sm90_utils", "sm100_utils", "cpasync", "tcgen05",
     "warpgroup", "warp", "make_fake_tensor", "make_fake_compact_tensor", "cuda_driver", "Int32",
     "Int64", "Float32", "Boolean", "Constexpr", "dsl_dtype", "sym_int32", "sym_int64",
-    "fake_stream", "target_arch",
+    "fake_stream", "target_arch", "memory", "LayoutEnum",
 ]

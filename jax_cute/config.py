@@ -1,0 +1,101 @@
+"""User-facing switches, each readable from the environment and settable from Python.
+
+| switch                | environment variable              | meaning                                        |
+|-----------------------|-----------------------------------|------------------------------------------------|
+| target_arch           | JAX_CUTE_TARGET_ARCH (e.g. sm_90a)| lower for this arch instead of the device's    |
+| strict                | JAX_CUTE_STRICT=1                 | a fallback to XLA raises instead of logging    |
+| nan_fill              | JAX_CUTE_NAN_FILL=1               | fill our outputs with NaN before each launch   |
+| unverified_kernels    | JAX_CUTE_UNVERIFIED_KERNELS=1     | allow kernels never run on hardware (sm_100a)  |
+| cache_dir             | JAX_CUTE_CACHE_DIR                | where compiled kernels are kept on disk        |
+| disk_cache            | JAX_CUTE_DISK_CACHE=0             | turn the disk cache off                        |
+| autotune              | JAX_CUTE_AUTOTUNE=1               | time candidate configs on the GPU, keep best   |
+
+Python settings win over the environment; ``None`` means "ask the environment".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from typing import Iterator
+
+_overrides: dict[str, object] = {}
+
+_ENV = {
+    "target_arch": "JAX_CUTE_TARGET_ARCH",
+    "strict": "JAX_CUTE_STRICT",
+    "nan_fill": "JAX_CUTE_NAN_FILL",
+    "unverified_kernels": "JAX_CUTE_UNVERIFIED_KERNELS",
+    "cache_dir": "JAX_CUTE_CACHE_DIR",
+    "disk_cache": "JAX_CUTE_DISK_CACHE",
+    "autotune": "JAX_CUTE_AUTOTUNE",
+}
+_BOOL_DEFAULTS = {"strict": False, "nan_fill": False, "unverified_kernels": False, "disk_cache": True,
+                  "autotune": False}
+
+
+def _flag(name: str) -> bool:
+    if name in _overrides and _overrides[name] is not None:
+        return bool(_overrides[name])
+    raw = os.environ.get(_ENV[name])
+    if raw is None or raw == "":
+        return _BOOL_DEFAULTS[name]
+    return raw.strip().lower() not in ("0", "false", "no", "off")
+
+
+def target_arch() -> str | None:
+    """The explicitly requested arch (``sm_90a``, ``sm_100a``...), or None to use the device's."""
+    value = _overrides.get("target_arch") or os.environ.get(_ENV["target_arch"]) or None
+    return str(value) if value else None
+
+
+def strict() -> bool:
+    return _flag("strict")
+
+
+def nan_fill() -> bool:
+    return _flag("nan_fill")
+
+
+def unverified_kernels() -> bool:
+    return _flag("unverified_kernels")
+
+
+def autotune() -> bool:
+    return _flag("autotune")
+
+
+def disk_cache() -> bool:
+    return _flag("disk_cache")
+
+
+def cache_dir() -> Path:
+    value = _overrides.get("cache_dir") or os.environ.get(_ENV["cache_dir"])
+    if value:
+        return Path(str(value))
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "jax_cute"
+
+
+def set(**values: object) -> None:  # noqa: A001 - mirrors jax.config.update in spirit
+    """Set switches from Python, e.g. ``jax_cute.config.set(target_arch="sm_90a", strict=True)``."""
+    for name, value in values.items():
+        if name not in _ENV:
+            raise ValueError(f"jax_cute.config: unknown switch {name!r}; known: {sorted(_ENV)}")
+        _overrides[name] = value
+
+
+@contextlib.contextmanager
+def override(**values: object) -> Iterator[None]:
+    """Temporarily set switches (tests, or a block lowered for another arch)."""
+    saved = {k: _overrides.get(k) for k in values}
+    set(**values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                _overrides.pop(k, None)
+            else:
+                _overrides[k] = v

@@ -1,0 +1,523 @@
+"""Hopper (sm_90a) dense GEMM: C[m, n, l] = sum_k A[m, k, l] * B[n, k, l] (see gemm_spec.GemmSpec).
+
+Kernel shape (one persistent CTA per SM, 384 threads):
+- warpgroup 0 is the producer: its first warp walks the tile sequence and issues TMA loads of
+  A and B k-slices into a ring of shared-memory stages (multicast to the other CTAs of a 2x1 or
+  1x2 cluster, which share the same B or A slice); it then keeps only 40 registers (setmaxnreg).
+- warpgroups 1 and 2 are the consumers (232 registers each): each owns 64 rows of the 128-row
+  tile, runs WGMMA from shared memory into fp32 accumulators, releases stages back to the
+  producer(s), and stores the tile through shared memory with TMA (clipped at the tensor edge).
+- work is a linear sequence of (cluster tile, batch, k-split) units in a grouped ("swizzled")
+  raster order; every CTA strides through it by the number of resident clusters.
+- split-K (Config.split_k = S > 1): each unit covers 1/S of the k-tiles, writes its fp32
+  partial tile to a workspace and bumps a per-tile counter; the CTA that arrives last sums the
+  S partials in split order (deterministic) and runs the epilogue, then resets the counter.
+
+The DSL is imported lazily (inside launcher), so routing can use heuristic/signature/workspace on
+machines that only load compiled kernels.
+"""
+
+import dataclasses
+import functools
+
+from jax_cute.kernels import abi
+from jax_cute.kernels.gemm_spec import GemmSpec, Workspace
+
+FAMILY = "sm90_gemm"
+VERSION = 1
+ARCH = "sm_90a"
+
+NUM_SMS = 132            # H100 SXM / H200; compiled into the persistent grid bound
+SMEM_BYTES = 232448      # opt-in dynamic shared memory per block on sm_90 (227 KiB)
+TILE_K = 64              # one 128-byte swizzle atom of 16-bit elements
+_IN_DTYPES = ("bfloat16", "float16")
+_OUT_DTYPES = ("bfloat16", "float16", "float32")
+_ITEM = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    tile_m: int = 128
+    tile_n: int = 256
+    cluster_m: int = 2     # CTAs along M sharing (multicasting) each B slice
+    cluster_n: int = 1     # CTAs along N sharing each A slice
+    raster: str = "m"      # which cluster index moves fastest inside a group band
+    group: int = 8         # band width of the grouped raster, in clusters
+    split_k: int = 1
+    stages: int = 0        # A/B ring depth; 0 fills shared memory
+
+    def key(self) -> str:
+        return (f"t{self.tile_m}x{self.tile_n}.c{self.cluster_m}x{self.cluster_n}."
+                f"r{self.raster}{self.group}.sk{self.split_k}.st{self.stages}")
+
+
+# --- static configuration -----------------------------------------------------------------------
+
+def unsupported(spec) -> str | None:
+    if not isinstance(spec, GemmSpec):
+        return f"{FAMILY} runs dense GEMMs only, not {type(spec).__name__}"
+    if spec.a_dtype not in _IN_DTYPES:
+        return f"{FAMILY}: input dtype {spec.a_dtype} not supported (bfloat16, float16)"
+    if spec.b_dtype != spec.a_dtype:
+        return f"{FAMILY}: A and B must share a dtype ({spec.a_dtype} vs {spec.b_dtype})"
+    if spec.c_dtype not in _OUT_DTYPES:
+        return f"{FAMILY}: output dtype {spec.c_dtype} not supported (bfloat16, float16, float32)"
+    if spec.acc_dtype != "float32":
+        return f"{FAMILY}: accumulation must be float32, not {spec.acc_dtype}"
+    return None
+
+
+def _check_config(config: Config) -> None:
+    if config.tile_m != 128 or config.tile_n not in (128, 256):
+        raise ValueError(f"{FAMILY}: unsupported tile {config.tile_m}x{config.tile_n}")
+    if (config.cluster_m, config.cluster_n) not in ((1, 1), (2, 1), (1, 2)):
+        raise ValueError(f"{FAMILY}: unsupported cluster {config.cluster_m}x{config.cluster_n}")
+    if config.raster not in ("m", "n") or config.group < 1 or not 1 <= config.split_k <= 16:
+        raise ValueError(f"{FAMILY}: bad raster/group/split in {config}")
+
+
+def candidate_configs(spec) -> list[Config]:
+    if unsupported(spec):
+        return []
+    out = []
+    for split in (1, 2, 4):
+        for tn in (256, 128):
+            for cm, cn in ((2, 1), (1, 2)):
+                out.append(Config(128, tn, cm, cn, "m", 8, split))
+    out.append(Config(128, 256, 2, 1, "n", 8, 1))
+    out.append(Config(128, 128, 1, 1, "m", 8, 1))
+    return out
+
+
+def _stage_plan(tile_n: int, c_dtype: str, stages: int) -> tuple[int, int]:
+    """(A/B stages, epilogue stages) for a 128 x tile_n x 64 tile."""
+    epi_stages = 2 if _ITEM[c_dtype] == 4 else 4
+    epi_bytes = 128 * 32 * _ITEM[c_dtype] * epi_stages
+    ab_bytes = (128 + tile_n) * TILE_K * 2
+    fit = (SMEM_BYTES - 1024 - epi_bytes) // ab_bytes
+    return (min(stages, fit) if stages else fit), epi_stages
+
+
+def _tile_grid(config: Config, m: int, n: int, l: int) -> tuple[int, int, int]:
+    """Output tiles along M and N (rounded up to whole clusters) and the batch count."""
+    tm = -(-max(m, 1) // config.tile_m)
+    tn = -(-max(n, 1) // config.tile_n)
+    return (-(-tm // config.cluster_m) * config.cluster_m, -(-tn // config.cluster_n) * config.cluster_n, l)
+
+
+def _estimate(config: Config, m: int, n: int, k: int, l: int, num_sms: int) -> float:
+    """Rough time model (units of one 128x128x64 MMA step on one SM) used to rank configs."""
+    tm, tn, _ = _tile_grid(config, m, n, l)
+    csize = config.cluster_m * config.cluster_n
+    units = tm * tn * l * config.split_k
+    slots = (num_sms // csize) * csize
+    waves = -(-units // slots)
+    k_tiles = -(-max(k, 1) // TILE_K)
+    k_per_unit = -(-k_tiles // config.split_k)
+    size = config.tile_n / 128
+    speed = 1.0 if config.tile_n == 256 else 0.88      # 128x128 tiles reach less of peak
+    step = k_per_unit * size / speed + 2.0 * size        # mainloop + epilogue
+    if config.split_k > 1:
+        step += 3.0 * size                               # partial write, counter, fold
+    return waves * step * (1.02 if csize == 1 else 1.0)
+
+
+def heuristic(spec, m: int, n: int, k: int, l: int, num_sms: int = NUM_SMS) -> Config:
+    cands = [c for c in candidate_configs(spec) if c.raster == "m" and c.group == 8]
+    tiles_m = -(-max(m, 1) // 128)
+    if tiles_m == 1:   # a 2x1 cluster would idle half its CTAs; share A along N instead
+        cands = [c for c in cands if c.cluster_m == 1]
+    else:
+        cands = [c for c in cands if c.cluster_m == 2]
+    best = min(cands, key=lambda c: (_estimate(c, m, n, k, l, num_sms), c.split_k, -c.tile_n))
+    # raster: inside a band of 8 clusters the M index moves fastest by default; when N has many
+    # more tiles than M, band along N instead so the band is not clipped by the short side.
+    if best.split_k == 1 and best.cluster_m == 2 and best.tile_n == 256:
+        tn = -(-max(n, 1) // best.tile_n)
+        if tn > 2 * tiles_m:
+            best = dataclasses.replace(best, raster="n")
+    return best
+
+
+# --- arguments and workspace ----------------------------------------------------------------
+
+def _ws_args(config: Config) -> tuple:
+    if config.split_k == 1:
+        return ()
+    return (abi.TensorArg("splitk_partials", "float32", (abi.DYN,), (1,), align=16),
+            abi.TensorArg("splitk_flags", "int32", (abi.DYN,), (1,), align=16))
+
+
+def signature(spec, config: Config) -> abi.Signature:
+    """(a, b, c[, splitk_partials, splitk_flags], stream); workspaces are 1-D, nbytes/4 long."""
+    return spec.signature(_ws_args(config))
+
+
+def workspace(spec, config: Config, m: int, n: int, k: int, l: int) -> list[Workspace]:
+    if config.split_k == 1:
+        return []
+    tm, tn, _ = _tile_grid(config, m, n, l)
+    tiles = tm * tn * l
+    return [Workspace("splitk_partials", 4 * config.split_k * tiles * config.tile_m * config.tile_n, False),
+            Workspace("splitk_flags", 16 * (-(-tiles // 4)), True)]
+
+
+def launcher(spec, config: Config):
+    reason = unsupported(spec)
+    if reason:
+        raise ValueError(reason)
+    _check_config(config)
+    return _make_launcher(spec, config)
+
+
+# --- the kernel -------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def _kernel_class():
+    from jax_cute.kernels.dsl import cute, cutlass, pipeline, utils, sm90_utils, cpasync, warpgroup, warp
+    from jax_cute.kernels.dsl import Int32, Int64, Float32, cuda_driver
+
+    const_expr = cutlass.const_expr
+    range_constexpr = cutlass.range_constexpr
+
+    class Sm90Gemm:
+        def __init__(self, spec: GemmSpec, config: Config):
+            self.cfg = config
+            self.bm, self.bn, self.bk = config.tile_m, config.tile_n, TILE_K
+            self.cm, self.cn = config.cluster_m, config.cluster_n
+            self.split = config.split_k
+            self.ab_stages, self.epi_stages = _stage_plan(config.tile_n, spec.c_dtype, config.stages)
+            self.epi_tile = (128, 32)
+            self.threads = 384
+            self.mma_threads = 256
+            self.store_warp = 4      # first consumer warp issues the TMA stores
+
+        # ----------------------------------------------------------------------- host side
+        @cute.jit
+        def run(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, ws, flags, stream):
+            ab_t, c_t = a.element_type, c.element_type
+            self.ab_t, self.c_t = ab_t, c_t
+            a_lay, b_lay = utils.LayoutEnum.from_tensor(a), utils.LayoutEnum.from_tensor(b)
+            c_lay = utils.LayoutEnum.from_tensor(c)
+            self.c_lay = c_lay
+            tiled_mma = sm90_utils.make_trivial_tiled_mma(
+                ab_t, ab_t, a_lay.sm90_mma_major_mode(), b_lay.sm90_mma_major_mode(), Float32,
+                (2, 1, 1), tiler_mn=(64, self.bn))
+            a_k = a_lay.sm90_mma_major_mode() == warpgroup.OperandMajorMode.K
+            b_k = b_lay.sm90_mma_major_mode() == warpgroup.OperandMajorMode.K
+            # Swizzled smem layouts WGMMA reads directly (128B atoms along the major mode).
+            sa = cute.tile_to_shape(
+                warpgroup.make_smem_layout_atom(
+                    sm90_utils.get_smem_layout_atom(a_lay, ab_t, self.bk if a_k else self.bm), ab_t),
+                (self.bm, self.bk, self.ab_stages), order=(0, 1, 2) if a_k else (1, 0, 2))
+            sb = cute.tile_to_shape(
+                warpgroup.make_smem_layout_atom(
+                    sm90_utils.get_smem_layout_atom(b_lay, ab_t, self.bk if b_k else self.bn), ab_t),
+                (self.bn, self.bk, self.ab_stages), order=(0, 1, 2) if b_k else (1, 0, 2))
+            c_n = c_lay.is_n_major_c()
+            sc = cute.tile_to_shape(
+                warpgroup.make_smem_layout_atom(
+                    sm90_utils.get_smem_layout_atom(
+                        c_lay, c_t, self.epi_tile[1] if c_n else self.epi_tile[0]), c_t),
+                (*self.epi_tile, self.epi_stages), order=(0, 1, 2) if c_n else (1, 0, 2))
+
+            # TMA: A multicast along the cluster's N extent, B along its M extent.
+            def load_atom(t, s_staged, box, mcast):
+                op = cpasync.CopyBulkTensorTileG2SMulticastOp() if mcast > 1 else cpasync.CopyBulkTensorTileG2SOp()
+                return cpasync.make_tiled_tma_atom(op, t, cute.slice_(s_staged, (None, None, 0)), box,
+                                                   num_multicast=mcast)
+
+            tma_a, tA = load_atom(a, sa, (self.bm, self.bk), self.cn)
+            tma_b, tB = load_atom(b, sb, (self.bn, self.bk), self.cm)
+            tma_c, tC = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(), c, cute.slice_(sc, (None, None, 0)), self.epi_tile)
+
+            # Persistent grid: one cluster per resident slot, never more than there are units.
+            tiles_m = (c.shape[0] + self.bm - 1) // self.bm
+            tiles_n = (c.shape[1] + self.bn - 1) // self.bn
+            units = ((tiles_m + self.cm - 1) // self.cm) * ((tiles_n + self.cn - 1) // self.cn) \
+                * c.shape[2] * self.split
+            slots = NUM_SMS // (self.cm * self.cn)
+            n_clusters = cutlass.max(cutlass.min(units, slots), 1)
+
+            @cute.struct
+            class Storage:
+                bars: cute.struct.MemRange[cutlass.Int64, self.ab_stages * 2]
+                last: cute.struct.MemRange[cutlass.Int32, 4]
+                sA: cute.struct.Align[cute.struct.MemRange[ab_t, cute.cosize(sa)], 1024]
+                sB: cute.struct.Align[cute.struct.MemRange[ab_t, cute.cosize(sb)], 1024]
+                sC: cute.struct.Align[cute.struct.MemRange[c_t, cute.cosize(sc)], 1024]
+
+            self.storage = Storage
+            self.kernel(tma_a, tA, tma_b, tB, tma_c, tC, ws, flags, tiled_mma, sa, sb, sc).launch(
+                grid=[self.cm, self.cn, n_clusters], block=[self.threads, 1, 1],
+                cluster=[self.cm, self.cn, 1], min_blocks_per_mp=1, stream=stream)
+
+        # --------------------------------------------------------------------- device side
+        def work(self, w, cl_m, cl_n, batches, cc):
+            """Unit w -> (tile_m, tile_n, l, split) of this CTA (cc: its coord in the cluster).
+
+            Splits are the slowest index, then batches; inside a batch the clusters go in bands
+            of `group` along the raster dimension (fastest), then across the band.
+            """
+            per_batch = cl_m * cl_n
+            z = w // per_batch
+            r = w - z * per_batch
+            s = z // batches
+            l = z - s * batches
+            g = self.cfg.group
+            fast, slow = (cl_m, cl_n) if const_expr(self.cfg.raster == "m") else (cl_n, cl_m)
+            band = r // (g * slow)
+            rr = r - band * (g * slow)
+            width = cutlass.min(fast - band * g, g)
+            i_slow = rr // width
+            i_fast = band * g + (rr - i_slow * width)
+            if const_expr(self.cfg.raster == "m"):
+                ci_m, ci_n = i_fast, i_slow
+            else:
+                ci_m, ci_n = i_slow, i_fast
+            return ci_m * self.cm + cc[0], ci_n * self.cn + cc[1], l, s
+
+        def k_range(self, s, k_tiles):
+            """Contiguous k-tiles [k0, k0 + count) of split s."""
+            if const_expr(self.split == 1):
+                return Int32(0), k_tiles
+            k0 = (s * k_tiles) // self.split
+            return k0, ((s + 1) * k_tiles) // self.split - k0
+
+        @cute.kernel
+        def kernel(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
+                   tma_c: cute.CopyAtom, mC: cute.Tensor, ws, flags, tiled_mma: cute.TiledMma,
+                   sa_layout: cute.ComposedLayout, sb_layout: cute.ComposedLayout,
+                   sc_layout: cute.ComposedLayout):
+            tidx, _, _ = cute.arch.thread_idx()
+            warp_id = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            wg = cute.arch.make_warp_uniform(tidx // 128)
+            if warp_id == 0:
+                cpasync.prefetch_descriptor(tma_a)
+                cpasync.prefetch_descriptor(tma_b)
+                cpasync.prefetch_descriptor(tma_c)
+
+            cta_layout = cute.make_layout((self.cm, self.cn, 1))
+            rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+            cc = cta_layout.get_flat_coord(rank)
+            # Multicast masks: the CTAs sharing this CTA's row of A (same m) / column of B.
+            a_mask = cute.make_layout_image_mask(cta_layout, cc, mode=1) if const_expr(self.cn > 1) else 0
+            b_mask = cute.make_layout_image_mask(cta_layout, cc, mode=0) if const_expr(self.cm > 1) else 0
+
+            smem = utils.SmemAllocator()
+            st = smem.allocate(self.storage)
+            stage_bytes = cute.size_in_bytes(self.ab_t, cute.slice_(sa_layout, (None, None, 0))) + \
+                cute.size_in_bytes(self.ab_t, cute.slice_(sb_layout, (None, None, 0)))
+            # Every consumer warp releases a stage to each CTA that multicasts into it.
+            mcast = self.cm + self.cn - 1
+            ab_pipe = pipeline.PipelineTmaAsync.create(
+                barrier_storage=st.bars.data_ptr(), num_stages=self.ab_stages,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, mcast * 8),
+                tx_count=stage_bytes, cta_layout_vmnk=cute.make_layout((1, self.cm, self.cn, 1)),
+                defer_sync=True)
+            pipeline.pipeline_init_arrive(cluster_shape_mn=(self.cm, self.cn), is_relaxed=True)
+
+            sA = st.sA.get_tensor(sa_layout.outer, swizzle=sa_layout.inner)
+            sB = st.sB.get_tensor(sb_layout.outer, swizzle=sb_layout.inner)
+            sC = st.sC.get_tensor(sc_layout.outer, swizzle=sc_layout.inner)
+
+            gA = cute.local_tile(mA, (self.bm, self.bk), (None, None, None))   # (bm,bk,M/bm,K/bk,L)
+            gB = cute.local_tile(mB, (self.bn, self.bk), (None, None, None))
+            gC = cute.local_tile(mC, (self.bm, self.bn), (None, None, None))   # (bm,bn,M/bm,N/bn,L)
+            tAsA, tAgA = cpasync.tma_partition(tma_a, cc[1], cute.make_layout(self.cn),
+                                               cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
+            tBsB, tBgB = cpasync.tma_partition(tma_b, cc[0], cute.make_layout(self.cm),
+                                               cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2))
+
+            k_tiles = cute.size(gA, mode=[3])
+            cl_m = (cute.size(gC, mode=[2]) + self.cm - 1) // self.cm
+            cl_n = (cute.size(gC, mode=[3]) + self.cn - 1) // self.cn
+            batches = mC.shape[2]
+            total = cl_m * cl_n * batches * self.split
+            la_last, lb_last = mA.shape[2] - 1, mB.shape[2] - 1   # extent 1: broadcast batch 0
+            first, stride = cute.arch.block_idx()[2], cute.arch.grid_dim()[2]
+
+            pipeline.pipeline_init_wait(cluster_shape_mn=(self.cm, self.cn))
+
+            if wg == 0:
+                # ---------------------------------------------------------------- producer
+                cute.arch.setmaxregister_decrease(40)
+                if warp_id == 0:
+                    prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
+                    w = first
+                    while w < total:
+                        tm, tn, l, s = self.work(w, cl_m, cl_n, batches, cc)
+                        k0, kc = self.k_range(s, k_tiles)
+                        tAgA_t = tAgA[(None, tm, None, cutlass.min(l, la_last))]
+                        tBgB_t = tBgB[(None, tn, None, cutlass.min(l, lb_last))]
+                        for kt in range(kc):
+                            ab_pipe.producer_acquire(prod)
+                            bar = ab_pipe.producer_get_barrier(prod)
+                            cute.copy(tma_a, tAgA_t[(None, k0 + kt)], tAsA[(None, prod.index)],
+                                      tma_bar_ptr=bar, mcast_mask=a_mask)
+                            cute.copy(tma_b, tBgB_t[(None, k0 + kt)], tBsB[(None, prod.index)],
+                                      tma_bar_ptr=bar, mcast_mask=b_mask)
+                            ab_pipe.producer_commit(prod)
+                            prod.advance()
+                        w += stride
+                    # keep this CTA (its smem and barriers) alive until peers stop signalling it
+                    ab_pipe.producer_tail(prod)
+            else:
+                # ---------------------------------------------------------------- consumers
+                cute.arch.setmaxregister_increase(232)
+                ctid = tidx - 128
+                # WGMMA partitions per warpgroup: slice by the warpgroup's first thread
+                thr_mma = tiled_mma.get_slice((wg - 1) * 128)
+                tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+                tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+                acc = cute.make_rmem_tensor(thr_mma.partition_C(gC).shape[:3], Float32)
+                n_kb = cute.size(tCrA, mode=[2])
+                read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
+                release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
+                epi_bar = pipeline.NamedBarrier(barrier_id=1, num_threads=self.mma_threads)
+
+                # registers -> smem in epi_tile pieces: stmatrix for 16-bit outputs, plain stores
+                # for fp32. The thread/value layout always comes from the 16-bit stmatrix atom
+                # (typed Float16 on purpose: its layout is defined in 16-bit elements).
+                r2s = cute.make_tiled_copy_S(
+                    sm90_utils.sm90_get_smem_store_op(self.c_lay, elem_ty_d=self.c_t, elem_ty_acc=Float32),
+                    cute.make_tiled_copy_C_atom(
+                        cute.make_copy_atom(warp.StMatrix8x8x16bOp(self.c_lay.is_m_major_c(), 4),
+                                            cutlass.Float16), tiled_mma))
+                thr_r2s = r2s.get_slice(ctid)
+                tRS_sC = thr_r2s.partition_D(sC)
+                tRS_acc = r2s.retile(acc)
+                rd_shape = cute.shape(thr_r2s.partition_S(sC))[:3]
+                tRS_r32 = cute.make_rmem_tensor(rd_shape, Float32)
+                tRS_rC = cute.make_rmem_tensor(rd_shape, self.c_t)
+                n_rd = cute.size(tRS_r32)
+                store_pipe = pipeline.PipelineTmaStore.create(
+                    num_stages=self.epi_stages,
+                    producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.mma_threads))
+                n_epi = (self.bm // self.epi_tile[0]) * (self.bn // self.epi_tile[1])
+                epi_grid = cute.make_layout((self.bm // self.epi_tile[0], self.bn // self.epi_tile[1]),
+                                            stride=(self.bn // self.epi_tile[1], 1))
+                frag = cute.size(acc)
+                acc_flat = cute.make_tensor(acc.iterator, cute.make_layout(frag))
+
+                w = first
+                while w < total:
+                    tm, tn, l, s = self.work(w, cl_m, cl_n, batches, cc)
+                    k0, kc = self.k_range(s, k_tiles)
+
+                    # ---- mainloop: keep one WGMMA batch in flight, release the stage before it
+                    acc.fill(0.0)
+                    tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                    warpgroup.fence()
+                    lead = cutlass.min(kc, 1)
+                    for kt in range(lead):
+                        ab_pipe.consumer_wait(read)
+                        for kb in range_constexpr(n_kb):
+                            cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, read.index)],
+                                      tCrB[(None, None, kb, read.index)], acc)
+                        warpgroup.commit_group()
+                        read.advance()
+                    for kt in range(lead, kc):
+                        ab_pipe.consumer_wait(read)
+                        for kb in range_constexpr(n_kb):
+                            cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, read.index)],
+                                      tCrB[(None, None, kb, read.index)], acc)
+                        warpgroup.commit_group()
+                        warpgroup.wait_group(1)          # the previous stage's WGMMAs are done
+                        ab_pipe.consumer_release(release)
+                        release.advance()
+                        read.advance()
+                    warpgroup.wait_group(0)
+                    for kt in range(lead):
+                        ab_pipe.consumer_release(release)
+                        release.advance()
+
+                    gC_t = gC[(None, None, tm, tn, l)]
+                    if const_expr(self.split == 1):
+                        self.epilogue(tma_c, gC_t, sC, acc, r2s, tRS_acc, tRS_r32, tRS_rC, tRS_sC,
+                                      n_rd, n_epi, epi_grid, epi_bar, store_pipe, warp_id)
+                    else:
+                        # ---- split-K: publish the partial, the last of the S arrivals folds them
+                        tile_id = (Int64(l) * (cl_n * self.cn) + tn) * (cl_m * self.cm) + tm
+                        n_tiles = Int64(cl_m * self.cm) * (cl_n * self.cn) * batches
+                        tile_elems = self.bm * self.bn
+                        mine = cute.make_tensor(ws.iterator + ((s * n_tiles + tile_id) * tile_elems + ctid),
+                                                cute.make_layout(frag, stride=self.mma_threads))
+                        for v in range_constexpr(frag):
+                            mine[v] = acc_flat[v]
+                        cute.arch.fence_acq_rel_gpu()      # partial visible before the count
+                        epi_bar.arrive_and_wait()
+                        last = st.last.get_tensor(cute.make_layout(1))
+                        if ctid == 0:
+                            old = cute.arch.atomic_add(flags.iterator + tile_id, Int32(1),
+                                                       sem="acq_rel", scope="gpu")
+                            is_last = old == self.split - 1
+                            last[0] = Int32(is_last)
+                            if is_last:
+                                flags[tile_id] = Int32(0)  # ready for the next launch
+                        epi_bar.arrive_and_wait()
+                        if last[0] != 0:
+                            cute.arch.fence_acq_rel_gpu()  # see every other split's partial
+                            for sp in range_constexpr(self.split):
+                                part = cute.make_tensor(
+                                    ws.iterator + ((sp * n_tiles + tile_id) * tile_elems + ctid),
+                                    cute.make_layout(frag, stride=self.mma_threads))
+                                if const_expr(sp == 0):
+                                    for v in range_constexpr(frag):
+                                        acc_flat[v] = part[v]
+                                else:
+                                    for v in range_constexpr(frag):
+                                        acc_flat[v] = acc_flat[v] + part[v]
+                            self.epilogue(tma_c, gC_t, sC, acc, r2s, tRS_acc, tRS_r32, tRS_rC, tRS_sC,
+                                          n_rd, n_epi, epi_grid, epi_bar, store_pipe, warp_id)
+                    w += stride
+                store_pipe.producer_tail()
+
+        @cute.jit
+        def epilogue(self, tma_c, gC_t, sC, acc, r2s, tRS_acc, tRS_r32, tRS_rC, tRS_sC, n_rd: cutlass.Constexpr,
+                     n_epi: cutlass.Constexpr, epi_grid, epi_bar, store_pipe, warp_id):
+            """acc -> output dtype -> smem ring -> TMA store, one epi_tile at a time.
+
+            The ring is used round-robin across tiles (n_epi is a multiple of its depth), and the
+            store warp waits until at most depth-1 stores still read smem before anyone refills.
+            """
+            bSG_sC, bSG_gC = cpasync.tma_partition(
+                tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2),
+                cute.zipped_divide(gC_t, self.epi_tile))
+            for e in range_constexpr(n_epi):
+                for v in range_constexpr(n_rd):
+                    tRS_r32[v] = tRS_acc[e * n_rd + v]
+                tRS_rC.store(tRS_r32.load().to(self.c_t))
+                buf = e % self.epi_stages
+                cute.copy(r2s, tRS_rC, tRS_sC[(None, None, None, buf)])
+                # generic-proxy smem writes must be visible to the TMA (async proxy) store
+                cute.arch.fence_proxy("async.shared", space="cta")
+                epi_bar.arrive_and_wait()
+                if warp_id == self.store_warp:
+                    cute.copy(tma_c, bSG_sC[(None, buf)], bSG_gC[(None, epi_grid.get_hier_coord(e))])
+                    store_pipe.producer_commit()
+                    store_pipe.producer_acquire()
+                epi_bar.arrive_and_wait()
+
+    return Sm90Gemm, cute, cuda_driver
+
+
+def _make_launcher(spec: GemmSpec, config: Config):
+    Sm90Gemm, cute, cuda_driver = _kernel_class()
+    # the epilogue reuses its smem ring round-robin across tiles: subtiles per tile must fill it
+    assert (config.tile_n // 32) % _stage_plan(config.tile_n, spec.c_dtype, config.stages)[1] == 0
+    gemm = Sm90Gemm(spec, config)
+
+    if config.split_k == 1:
+        @cute.jit
+        def launch(a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, stream: cuda_driver.CUstream):
+            gemm.run(a, b, c, None, None, stream)
+    else:
+        @cute.jit
+        def launch(a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, partials: cute.Tensor,
+                   flags: cute.Tensor, stream: cuda_driver.CUstream):
+            gemm.run(a, b, c, partials, flags, stream)
+    return launch
+

@@ -1,0 +1,80 @@
+"""Emitting our custom call for a compiled kernel.
+
+:func:`kernel_call` is the one way a :class:`~jax_cute.kernels.build.KernelBinary` reaches
+XLA: it packs the descriptors (see ``kernels/abi.py``), embeds the object in the call's
+attributes so the lowered module is self-contained (it survives ``jax.export``), and, in debug
+mode, hands the kernel NaN-filled output buffers so unwritten elements show.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_cute import config, runtime
+from jax_cute.kernels import abi
+from jax_cute.kernels.build import KernelBinary
+from jax_cute.routing import capability_of
+
+Layout = tuple[Sequence[int], Sequence[int]]  # (shape, stride) in elements over a buffer
+
+
+def _fill_value(dtype) -> object:
+    return jnp.nan if jnp.issubdtype(dtype, jnp.floating) else -1
+
+
+def kernel_call(binary: KernelBinary, inputs: Mapping[str, tuple[jax.Array, Sequence[int], Sequence[int]]],
+                outputs: Mapping[str, tuple[jax.ShapeDtypeStruct, Sequence[int], Sequence[int]]],
+                scalars: Mapping[str, object] | None = None, *,
+                zeroed: Sequence[str] = ()) -> dict[str, jax.Array]:
+    """Launch ``binary`` on XLA's stream; returns the outputs by name.
+
+    ``inputs`` maps a tensor argument's name to (physical array, logical shape, logical
+    stride); ``outputs`` maps a name to (physical ShapeDtypeStruct, shape, stride). Outputs
+    named in ``zeroed`` start as zeros (workspaces a kernel accumulates into); with
+    ``config.nan_fill()`` every other output starts as NaN (or -1 for integers).
+    """
+    runtime.ensure_registered()
+    in_names, out_names = list(inputs), list(outputs)
+    layouts = {n: (tuple(v[1]), tuple(v[2])) for n, v in {**inputs, **outputs}.items()}
+    nan_fill = config.nan_fill()
+    prefilled = [n for n in out_names if n in zeroed or nan_fill]
+    # A prefilled output is passed in as an extra input that XLA aliases to the output.
+    buffers = in_names + out_names
+    packed = abi.pack_args(binary.signature, buffers, layouts, dict(scalars or {}))
+    major, minor = capability_of(binary.arch)
+    attrs = dict(name=binary.name, key=binary.digest, symbol=binary.symbol,
+                 object=np.frombuffer(binary.obj, np.uint8), arch_major=np.int64(major),
+                 arch_minor=np.int64(minor), **packed.attributes())
+    out_types = [outputs[n][0] for n in out_names]
+    args = [inputs[n][0] for n in in_names]
+    aliases = {}
+    for n in prefilled:
+        sds = outputs[n][0]
+        fill = 0 if n in zeroed else _fill_value(sds.dtype)
+        aliases[len(args)] = out_names.index(n)
+        args.append(jnp.full(sds.shape, fill, sds.dtype))
+    if prefilled:
+        # The aliased fill buffers are extra operands the handler must skip: they sit after
+        # the real inputs, so shift output indices past them.
+        shift = len(prefilled)
+        kinds = packed.kinds.copy()
+        kinds[kinds >= len(in_names)] += shift
+        attrs["arg_kinds"] = kinds
+    call = jax.ffi.ffi_call(runtime.TARGET_NAME, out_types, input_output_aliases=aliases or None)
+    results = call(*args, **attrs)
+    return dict(zip(out_names, results))
+
+
+def workspace_outputs(binary: KernelBinary, workspaces) -> dict:
+    """Output entries for a kernel's workspaces, typed as its signature declares them (1-D)."""
+    args = {a.name: a for a in binary.signature if isinstance(a, abi.TensorArg)}
+    out = {}
+    for w in workspaces:
+        dtype = np.dtype(args[w.name].dtype)
+        n = -(-w.nbytes // dtype.itemsize)
+        out[w.name] = (jax.ShapeDtypeStruct((n,), dtype), (n,), (1,))
+    return out

@@ -1,0 +1,223 @@
+"""``jax_cute.cute_call``: run a user's ``@cute.jit`` launcher from JAX, inside ``jax.jit``.
+
+The launcher's signature is ``(stream, *inputs, *outputs)``. Each tensor reaches it with static
+shape and strides: row-major by default, or a permutation of the array's axes (``(1, 0)`` hands
+a row-major matrix to the kernel as its transpose, without a copy). It is compiled once per
+(launcher identity, shapes, dtypes, layouts, arch), where the identity is its qualified name
+and a hash of its source, or a key the user gives; never a Python object id.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import inspect
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core
+from jax.interpreters import ad, batching, mlir
+
+from jax_cute.kernels import abi
+from jax_cute.layout import row_major
+
+cute_call_p = core.Primitive("jax_cute_call")
+cute_call_p.multiple_results = True
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class UserKernel:
+    """A launcher and its stable identity. Equality and hashing use the identity only."""
+
+    launcher: Callable
+    identity: str
+    reference: Callable | None = None
+
+    def __eq__(self, other):
+        return isinstance(other, UserKernel) and other.identity == self.identity
+
+    def __hash__(self):
+        return hash(self.identity)
+
+
+def _identity(launcher: Callable, key: str | None) -> str:
+    fn = inspect.unwrap(launcher)
+    qual = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+    if key is not None:
+        return f"{qual}#key={key}"
+    try:
+        src = inspect.getsource(fn)
+    except (OSError, TypeError):
+        raise ValueError(f"jax_cute.cute_call: cannot read the source of {qual} to key its compile "
+                         "cache; pass key='...' (change it whenever the kernel changes)") from None
+    return f"{qual}#src={hashlib.sha256(src.encode()).hexdigest()[:24]}"
+
+
+def _perm_layout(shape: Sequence[int], perm: Sequence[int] | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(shape, stride) the kernel sees for an array of ``shape`` viewed through ``perm``."""
+    stride = row_major(tuple(shape)).stride
+    stride = tuple(1 if s == 1 and d == 0 else d for s, d in zip(shape, stride))  # keep legal strides
+    if perm is None:
+        return tuple(shape), tuple(stride)
+    return tuple(shape[p] for p in perm), tuple(stride[p] for p in perm)
+
+
+def _signature(in_avals, out_avals, in_layouts, out_layouts) -> abi.Signature:
+    args: list[abi.Arg] = [abi.StreamArg()]
+    for prefix, avals, lays in (("in", in_avals, in_layouts), ("out", out_avals, out_layouts)):
+        for i, (av, perm) in enumerate(zip(avals, lays)):
+            shape, stride = _perm_layout(av.shape, perm)
+            args.append(abi.TensorArg(f"{prefix}{i}", np.dtype(av.dtype).name, shape, stride, align=16))
+    return tuple(args)
+
+
+def _abstract_eval(*avals, out_avals, **_):
+    return list(out_avals)
+
+
+cute_call_p.def_abstract_eval(_abstract_eval)
+
+
+def _eager(*args, **params):
+    return jax.jit(functools.partial(cute_call_p.bind, **params))(*args)
+
+
+cute_call_p.def_impl(_eager)
+
+
+def _reference_lowering(ctx, *args, kernel: UserKernel, name, **_):
+    if kernel.reference is None:
+        raise NotImplementedError(
+            f"jax_cute.cute_call({name}): this kernel runs only on CUDA GPUs; pass reference=fn "
+            "(plain jax.numpy with the same inputs and outputs) to run it elsewhere")
+    ref = lambda *xs: list(kernel.reference(*xs))  # noqa: E731
+    return mlir.lower_fun(ref, multiple_results=True)(ctx, *args)
+
+
+def _cuda_lowering(ctx, *args, kernel: UserKernel, out_avals, in_layouts, out_layouts, name, **_):
+    from jax_cute import routing
+    from jax_cute.cache import CACHE
+    from jax_cute.kernels.build import compile_launcher
+    from jax_cute.launch import kernel_call
+
+    arch, why = routing.target_arch()
+    if arch is None:
+        if kernel.reference is not None:
+            routing.fallback("cute_call", f"{name}: {why}")
+            return _reference_lowering(ctx, *args, kernel=kernel, name=name)
+        raise RuntimeError(f"jax_cute.cute_call({name}): {why}")
+    in_avals = ctx.avals_in
+    sig = _signature(in_avals, out_avals, in_layouts, out_layouts)
+    fields = {"family": "user", "identity": kernel.identity, "arch": arch, "signature": abi.signature_to_json(sig)}
+    binary = CACHE.get(fields, lambda: compile_launcher(kernel.launcher, sig, arch=arch, name=name))
+
+    def impl(*xs):
+        inputs = {f"in{i}": (x, *_perm_layout(x.shape, p)) for i, (x, p) in enumerate(zip(xs, in_layouts))}
+        outputs = {f"out{i}": (jax.ShapeDtypeStruct(av.shape, av.dtype), *_perm_layout(av.shape, p))
+                   for i, (av, p) in enumerate(zip(out_avals, out_layouts))}
+        res = kernel_call(binary, inputs, outputs)
+        return [res[f"out{i}"] for i in range(len(out_avals))]
+
+    return mlir.lower_fun(impl, multiple_results=True)(ctx, *args)
+
+
+mlir.register_lowering(cute_call_p, _reference_lowering)
+mlir.register_lowering(cute_call_p, _cuda_lowering, platform="cuda")
+
+
+def _no_jvp(primals, tangents, **params):
+    raise NotImplementedError(
+        f"jax_cute.cute_call({params['name']}) has no derivative: wrap the call in jax.custom_vjp "
+        "(or jax.custom_jvp) and give its backward pass, e.g. as another cute_call")
+
+
+ad.primitive_jvps[cute_call_p] = _no_jvp
+
+
+def _batch_rule(args, dims, *, kernel, out_avals, in_layouts, out_layouts, name, batch_mode=False):
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    args = [jnp.moveaxis(a, d, 0) if d is not None else a for a, d in zip(args, dims)]
+    if batch_mode:
+        # The user declared the launcher takes a leading batch mode on every tensor.
+        args = [a if d is not None else jnp.broadcast_to(a, (size, *a.shape)) for a, d in zip(args, dims)]
+        outs = tuple(jax.core.ShapedArray((size, *av.shape), av.dtype) for av in out_avals)
+        lift = lambda p: None if p is None else (0, *(q + 1 for q in p))  # noqa: E731
+        res = cute_call_p.bind(*args, kernel=kernel, out_avals=outs, in_layouts=tuple(map(lift, in_layouts)),
+                               out_layouts=tuple(map(lift, out_layouts)), name=name, batch_mode=True)
+        return res, [0] * len(res)
+    batched = [a for a, d in zip(args, dims) if d is not None]
+
+    def one(xs):
+        it = iter(xs)
+        full = [next(it) if d is not None else a for a, d in zip(args, dims)]
+        return cute_call_p.bind(*full, kernel=kernel, out_avals=out_avals, in_layouts=in_layouts,
+                                out_layouts=out_layouts, name=name, batch_mode=False)
+
+    res = jax.lax.map(one, batched)
+    return list(res), [0] * len(res)
+
+
+batching.primitive_batchers[cute_call_p] = _batch_rule
+
+
+def cute_call(launcher: Callable, *, out_shape: Any, in_layouts: Sequence[Sequence[int] | None] | None = None,
+              out_layouts: Sequence[Sequence[int] | None] | None = None, key: str | None = None,
+              reference: Callable | None = None, batch_mode: bool = False, name: str | None = None) -> Callable:
+    """Wrap ``launcher(stream, *inputs, *outputs)`` as a JAX function of the inputs.
+
+    ``out_shape``: a ``jax.ShapeDtypeStruct`` or a sequence of them. ``in_layouts`` /
+    ``out_layouts``: per tensor, None (row-major) or a permutation of its axes. ``key``:
+    overrides the source hash as the launcher's identity. ``reference``: a jax.numpy function
+    used where no GPU kernel can run (CPU, or no target arch). ``batch_mode``: under vmap, the
+    launcher accepts every tensor with a leading batch axis (else vmap loops over the batch).
+    The call has no derivative: wrap it in ``jax.custom_vjp``.
+    """
+    single = isinstance(out_shape, jax.ShapeDtypeStruct)
+    outs = [out_shape] if single else list(out_shape)
+    fn = inspect.unwrap(launcher)
+    label = name or getattr(fn, "__qualname__", "kernel")
+    kernel = UserKernel(launcher, _identity(launcher, key), reference)
+    params = [p for p in inspect.signature(fn).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    out_avals = tuple(jax.core.ShapedArray(tuple(o.shape), np.dtype(o.dtype)) for o in outs)
+
+    def call(*inputs):
+        if len(params) != 1 + len(inputs) + len(outs):
+            raise TypeError(f"jax_cute.cute_call({label}): the launcher takes {len(params)} arguments "
+                            f"(stream, inputs, outputs) but was given 1 stream + {len(inputs)} inputs + "
+                            f"{len(outs)} outputs")
+        arrays = []
+        for p, x in zip(params[1:], inputs):
+            x = jnp.asarray(x)
+            if x.dtype.name not in _DSL_DTYPES:
+                raise TypeError(f"jax_cute.cute_call({label}): argument {p.name!r} has dtype {x.dtype}, "
+                                f"which CuTe DSL kernels cannot take (supported: {', '.join(_DSL_DTYPES)})")
+            arrays.append(x)
+        ins = _check_layouts(label, "in_layouts", in_layouts, [a.shape for a in arrays], [p.name for p in params[1:]])
+        ous = _check_layouts(label, "out_layouts", out_layouts, [o.shape for o in outs],
+                             [p.name for p in params[1 + len(inputs):]])
+        res = cute_call_p.bind(*arrays, kernel=kernel, out_avals=out_avals, in_layouts=ins, out_layouts=ous,
+                               name=label, batch_mode=batch_mode)
+        return res[0] if single else tuple(res)
+
+    return call
+
+
+_DSL_DTYPES = ("bfloat16", "float16", "float32", "int32", "int64", "uint8", "int8", "float8_e4m3fn", "float8_e5m2")
+
+
+def _check_layouts(label, what, layouts, shapes, names) -> tuple:
+    if layouts is None:
+        return (None,) * len(shapes)
+    if len(layouts) != len(shapes):
+        raise ValueError(f"jax_cute.cute_call({label}): {what} has {len(layouts)} entries for {len(shapes)} tensors")
+    out = []
+    for lay, shape, nm in zip(layouts, shapes, names):
+        if lay is not None and sorted(lay) != list(range(len(shape))):
+            raise ValueError(f"jax_cute.cute_call({label}): {what} for {nm!r} must be a permutation of "
+                             f"{len(shape)} axes, got {lay}")
+        out.append(None if lay is None else tuple(int(i) for i in lay))
+    return tuple(out)

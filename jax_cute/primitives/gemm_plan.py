@@ -1,0 +1,165 @@
+"""From hierarchical GEMM layouts to the flat (M,K,L)/(N,K,L)/(M,N,L) problem a kernel takes.
+
+Kernels take one extent and one stride per mode (see ``kernels/gemm_spec.py``). This module
+coalesces the hierarchical modes the batching and autodiff rules built, folds batch sub-modes
+into M (or N) where an operand is broadcast and the strides continue, and checks what TMA
+needs (a unit-stride mode per operand, other strides multiples of 16 bytes). An operand that
+cannot be expressed gets exactly one copy into a canonical layout; an output that cannot, or a
+misaligned canonical operand, sends the whole call to the XLA fallback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+from jax_cute.layout import Layout, make_layout
+from jax_cute.primitives.gemm_layouts import GemmLayouts, refined
+
+ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "float8_e4m3fn": 1, "float8_e5m2": 1}
+
+
+@dataclasses.dataclass(frozen=True)
+class FlatOperand:
+    shape: tuple[int, int, int]
+    stride: tuple[int, int, int]
+    major: str  # which matrix mode has unit stride: "k", "m", "n"
+
+
+@dataclasses.dataclass(frozen=True)
+class FlatGemm:
+    m: int
+    n: int
+    k: int
+    l: int
+    a: FlatOperand
+    b: FlatOperand
+    c: FlatOperand
+    copies: tuple[tuple[str, str], ...] = ()  # (operand, why) materialised before the launch
+    a_src: Layout | None = None  # for a copied operand: its (rows, cols, L) layout to read from
+    b_src: Layout | None = None
+
+
+def _coalesce_l(g: GemmLayouts) -> list[tuple[int, int, int, int]]:
+    """Joint coalescing of the L sub-modes: (extent, stride_a, stride_b, stride_c) each."""
+    fa, fb, fc = (x.mode(2).flat_modes() for x in (g.a, g.b, g.c))
+    out: list[list[int]] = []
+    for (s, da), (_, db), (_, dc) in zip(fa, fb, fc):
+        if s == 1:
+            continue
+        if out:
+            ps, pa, pb, pc = out[-1]
+            if all((p == 0 and d == 0) or (p != 0 and d == p * ps) for p, d in ((pa, da), (pb, db), (pc, dc))):
+                out[-1][0] *= s
+                continue
+        out.append([s, da, db, dc])
+    return [tuple(x) for x in out]  # type: ignore[misc]
+
+
+def _single(mode: Layout) -> tuple[int, int] | None:
+    c = mode.coalesce()
+    fm = c.flat_modes()
+    return fm[0] if len(fm) == 1 else None
+
+
+def _operand(name: str, rows: Layout, cols: Layout, l_ext: int, l_stride: int, dtype: str,
+             names: tuple[str, str]) -> FlatOperand | str:
+    r, c = _single(rows), _single(cols)
+    if r is None or c is None:
+        return f"operand {name}: a matrix mode does not coalesce ({rows}, {cols})"
+    (rs, rd), (cs, cd) = r, c
+    div = 16 // ITEMSIZE[dtype]
+    # An extent-1 mode's stride is free: give it a legal, 16-byte aligned value.
+    if rs == 1:
+        rd = 0
+    if cs == 1:
+        cd = 0
+    if cd in (0, 1) and (cd == 1 or rd != 1):
+        major, cd = names[1], 1
+        rd = rd or -(-cs // div) * div
+        other = rd
+    elif rd in (0, 1):
+        major, rd = names[0], 1
+        cd = cd or -(-rs // div) * div
+        other = cd
+    else:
+        return f"operand {name}: neither mode has unit stride (strides {rd}, {cd})"
+    if other % div:
+        return f"operand {name}: stride {other} is not a multiple of 16 bytes"
+    if l_ext == 1 or l_stride == 0:
+        l_ext, l_stride = 1, -(-(rs * cs) // div) * div
+    elif l_stride % div:
+        return f"operand {name}: batch stride {l_stride} is not a multiple of 16 bytes"
+    return FlatOperand((rs, cs, l_ext), (rd, cd, l_stride), major)
+
+
+def flatten_gemm(g: GemmLayouts, dtypes: Sequence[str]) -> FlatGemm | str:
+    """The kernel problem for ``g``, or why no kernel can take it (then the call falls back)."""
+    g = refined(g)
+    a_dt, b_dt, c_dt = dtypes
+    ms, ns, ks = (_single(g.c.mode(0)), _single(g.c.mode(1)), _single(g.a.mode(1)))
+    ext = g.extents()
+    lmodes = _coalesce_l(g)
+    am, ak, bn, bk, cm, cn = g.a.mode(0), g.a.mode(1), g.b.mode(0), g.b.mode(1), g.c.mode(0), g.c.mode(1)
+
+    # Fold batch sub-modes into M (B broadcast) or N (A broadcast) while the strides continue.
+    def fold(x: Layout, y: Layout, s: int, dx: int, dy: int) -> tuple[Layout, Layout] | None:
+        sx, sy = _single(x), _single(y)
+        if sx is None or sy is None:
+            return None
+        if dx == sx[0] * sx[1] and dy == sy[0] * sy[1]:
+            return Layout((sx[0] * s,), (sx[1],)), Layout((sy[0] * s,), (sy[1],))
+        return None
+
+    while lmodes:
+        s, da, db, dc = lmodes[0]
+        if db == 0 and (f := fold(am, cm, s, da, dc)):
+            am, cm = f
+        elif da == 0 and (f := fold(bn, cn, s, db, dc)):
+            bn, cn = f
+        else:
+            break
+        lmodes.pop(0)
+    copies: list[tuple[str, str]] = []
+    if len(lmodes) > 1:
+        return f"{len(lmodes)} batch modes do not coalesce into one"
+    l_ext, (la, lb, lc) = (lmodes[0][0], lmodes[0][1:]) if lmodes else (1, (0, 0, 0))
+    m = _single(cm)[0] if _single(cm) else ext["m"]
+    n = _single(cn)[0] if _single(cn) else ext["n"]
+    del ms, ns, ks
+
+    c = _operand("c", cm, cn, l_ext, lc, c_dt, ("m", "n"))
+    if isinstance(c, str):
+        return c
+    if c.stride[2] == 0 or (l_ext > 1 and lc == 0):
+        return "output broadcast over a batch mode"
+    l_mode = Layout((l_ext,), (0,)) if l_ext == 1 else None
+    srcs = {}
+    ops = {}
+    for name, rows, cols, ls, dt, names, r in (("a", am, ak, la, a_dt, ("m", "k"), m),
+                                                ("b", bn, bk, lb, b_dt, ("n", "k"), n)):
+        op = _operand(name, rows, cols, l_ext, ls, dt, names)
+        if isinstance(op, str):
+            copies.append((name, op))
+            lx = 1 if ls == 0 else l_ext
+            srcs[name] = make_layout(rows, cols, l_mode or Layout((l_ext,), (ls,)))
+            op = _operand(name, Layout((r,), (ext["k"],)), Layout((ext["k"],), (1,)), lx, r * ext["k"], dt, names)
+            if isinstance(op, str):
+                return op
+        ops[name] = op
+    a, b = ops["a"], ops["b"]
+    return FlatGemm(m, n, ext["k"], l_ext, a, b, c, tuple(copies), srcs.get("a"), srcs.get("b"))
+
+
+def materialise(x, lay: Layout, rows: int, cols: int, l: int):
+    """Copy an operand into a (L, rows, cols) row-major buffer: the one logged copy a plan may
+    need for an operand no kernel layout can express."""
+    import jax.numpy as jnp
+
+    from jax_cute import layout as L
+
+    if l == 1:
+        lay = make_layout(lay.mode(0), lay.mode(1), Layout((1,), (0,)))
+    logical = L.read(x, lay)  # (rows, cols, l) as three flat axes
+    logical = jnp.reshape(logical, (rows, cols, l))
+    return jnp.transpose(logical, (2, 0, 1))

@@ -1,0 +1,170 @@
+"""The ``jax_cute_matmul`` primitive: a GEMM whose operands are read through layouts.
+
+One place for each rule, as in ``jax/_src/lax``:
+- abstract evaluation: the output buffer's shape and dtype;
+- reference lowering (CPU, and the fallback everywhere): reads the buffers *through the
+  layouts* with reshape/transpose/broadcast and contracts with ``dot_general``;
+- CUDA lowering: our FFI custom call through ``jax_cute.routing`` (else the reference);
+- batching: a vmapped axis becomes an L sub-mode (stride 0 on an unbatched operand), the
+  layouts re-targeted at the batched buffers by composition, no data moved;
+- autodiff: bilinear; each cotangent is another ``jax_cute_matmul`` over the same buffers with
+  permuted modes (``gemm_layouts.cotangent_a``/``cotangent_b``).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core
+from jax.interpreters import ad, batching, mlir
+
+from jax_cute import layout as L
+from jax_cute import routing
+from jax_cute.primitives.gemm_layouts import GemmLayouts, cotangent_a, cotangent_b
+
+logger = logging.getLogger("jax_cute")
+
+matmul_p = core.Primitive("jax_cute_matmul")
+
+
+def _abstract_eval(a, b, *, layouts: GemmLayouts, out_dtype, acc_dtype):
+    if int(np.prod(a.shape)) < layouts.a.cosize() or int(np.prod(b.shape)) < layouts.b.cosize():
+        raise ValueError(f"jax_cute_matmul: layouts {layouts.a} / {layouts.b} reach past buffers "
+                         f"{a.shape} / {b.shape}")
+    return jax.core.ShapedArray(layouts.c_shape, np.dtype(out_dtype))
+
+
+matmul_p.def_abstract_eval(_abstract_eval)
+
+
+def _eager(*args, **params):
+    # Outside jit, run the primitive as a one-op jitted computation (like jax's own primitives).
+    return jax.jit(functools.partial(matmul_p.bind, **params))(*args)
+
+
+matmul_p.def_impl(_eager)
+
+
+def reference(a, b, *, layouts: GemmLayouts, out_dtype, acc_dtype):
+    """The GEMM in plain lax ops, reading and writing through the layouts."""
+    av = L.read(a, layouts.a)  # (M, K, L)
+    bv = L.read(b, layouts.b)  # (N, K, L)
+    acc = np.dtype(acc_dtype)
+    # Widening first is exact (products of 16-bit floats are exact in f32) and every backend's
+    # dot supports it; XLA:CPU has no bf16 x bf16 -> f32 batched dot.
+    av, bv = av.astype(acc), bv.astype(acc)
+    cv = jax.lax.dot_general(av, bv, (((1,), (1,)), ((2,), (2,))), preferred_element_type=acc)  # (L, M, N)
+    cv = jnp.transpose(cv, (1, 2, 0)).astype(out_dtype)
+    return L.write(cv, layouts.c, layouts.c_shape)
+
+
+mlir.register_lowering(matmul_p, mlir.lower_fun(reference, multiple_results=False))
+
+
+def _cuda_lowering(ctx, a, b, **params):
+    from jax_cute.primitives import gemm_route
+
+    impl = gemm_route.matmul_impl(ctx.avals_in[0].dtype, ctx.avals_in[1].dtype, **params)
+    return mlir.lower_fun(impl or functools.partial(reference, **params), multiple_results=False)(ctx, a, b)
+
+
+mlir.register_lowering(matmul_p, _cuda_lowering, platform="cuda")
+
+
+# -- batching ---------------------------------------------------------------------------------
+
+def _batched_layout(lay: L.Layout, buffer_shape, axis, size) -> L.Layout:
+    if axis is None:
+        return lay.append_to_mode(2, size, 0)
+    unbatched = tuple(s for i, s in enumerate(buffer_shape) if i != axis)
+    relocate, inner = L.insert_axis(unbatched, axis, size)
+    return relocate.compose(lay).append_to_mode(2, size, inner)
+
+
+def _batch_rule(args, dims, *, layouts: GemmLayouts, out_dtype, acc_dtype):
+    a, b = args
+    da, db = dims
+    size = a.shape[da] if da is not None else b.shape[db]
+    new = GemmLayouts(
+        _batched_layout(layouts.a, a.shape, da, size),
+        _batched_layout(layouts.b, b.shape, db, size),
+        # The output gets the batch axis in front: old offsets are unchanged at index 0.
+        layouts.c.append_to_mode(2, size, int(np.prod(layouts.c_shape))),
+        (size,) + tuple(layouts.c_shape),
+    )
+    return matmul_p.bind(a, b, layouts=new, out_dtype=out_dtype, acc_dtype=acc_dtype), 0
+
+
+batching.primitive_batchers[matmul_p] = _batch_rule
+
+
+# -- autodiff ---------------------------------------------------------------------------------
+
+def _cotangent_dtype(ct, operand_dtype):
+    # Mixed precision: an f32 cotangent of a 16-bit GEMM is rounded once to the operand dtype,
+    # so the gradient GEMMs run on the 16-bit kernels as training frameworks do.
+    return ct.astype(operand_dtype) if ct.dtype != operand_dtype else ct
+
+
+def _transpose_a(ct, a, b, *, layouts: GemmLayouts, out_dtype, acc_dtype):
+    if type(ct) is ad.Zero:
+        return ad.Zero(a.aval)
+    shape, dtype = a.aval.shape, a.aval.dtype
+    ct = _cotangent_dtype(ct, dtype)
+    return matmul_p.bind(ct, b, layouts=cotangent_a(layouts, shape), out_dtype=np.dtype(dtype).name,
+                         acc_dtype=acc_dtype)
+
+
+def _transpose_b(ct, a, b, *, layouts: GemmLayouts, out_dtype, acc_dtype):
+    if type(ct) is ad.Zero:
+        return ad.Zero(b.aval)
+    shape, dtype = b.aval.shape, b.aval.dtype
+    ct = _cotangent_dtype(ct, dtype)
+    return matmul_p.bind(ct, a, layouts=cotangent_b(layouts, shape), out_dtype=np.dtype(dtype).name,
+                         acc_dtype=acc_dtype)
+
+
+ad.defbilinear(matmul_p, _transpose_a, _transpose_b)
+
+
+# -- public API -------------------------------------------------------------------------------
+
+def _acc_dtype(dtype: np.dtype) -> np.dtype:
+    if jnp.issubdtype(dtype, jnp.floating):
+        return np.dtype("float64") if dtype == np.dtype("float64") else np.dtype("float32")
+    return np.dtype("int64") if dtype == np.dtype("int64") else np.dtype("int32")
+
+
+def matmul(a, b, *, transpose_a: bool = False, transpose_b: bool = False, preferred_element_type=None):
+    """``jnp.matmul(a', b')`` with ``a' = swapaxes(a, -1, -2)`` when ``transpose_a`` (likewise b).
+
+    Batch dimensions broadcast as in ``jnp.matmul``; 1-D operands are promoted and the added
+    mode dropped, as there. Transposes are layout changes, not copies. With
+    ``preferred_element_type=float32`` on 16-bit inputs the result is float32, and in the
+    backward pass its cotangent is rounded once to the input dtype before the gradient GEMMs.
+    """
+    from jax_cute.primitives.gemm_layouts import matmul_layouts
+
+    a, b = jnp.asarray(a), jnp.asarray(b)
+    if a.ndim == 0 or b.ndim == 0:
+        raise ValueError(f"jax_cute.matmul: operands must be at least 1-D, got shapes {a.shape} and {b.shape}")
+    if (transpose_a and a.ndim < 2) or (transpose_b and b.ndim < 2):
+        raise ValueError(f"jax_cute.matmul: transpose_a/transpose_b need a 2-D or higher operand, got shapes "
+                         f"{a.shape} and {b.shape}")
+    for what, x in (("a", a), ("b", b)):
+        if not (jnp.issubdtype(x.dtype, jnp.floating) or jnp.issubdtype(x.dtype, jnp.integer)):
+            raise TypeError(f"jax_cute.matmul: operand {what} has unsupported dtype {x.dtype} "
+                            f"(shapes {a.shape}:{a.dtype}, {b.shape}:{b.dtype})")
+    dtype = jnp.result_type(a, b)
+    a, b = a.astype(dtype), b.astype(dtype)
+    out_dtype = np.dtype(preferred_element_type) if preferred_element_type is not None else np.dtype(dtype)
+    layouts, out_shape = matmul_layouts(a.shape, b.shape, transpose_a, transpose_b)
+    acc = _acc_dtype(np.dtype(dtype))
+    if jnp.issubdtype(out_dtype, jnp.floating) and not jnp.issubdtype(acc, jnp.floating):
+        acc = np.dtype("float32")
+    c = matmul_p.bind(a, b, layouts=layouts, out_dtype=out_dtype.name, acc_dtype=acc.name)
+    return jnp.reshape(c, out_shape) if c.shape != out_shape else c

@@ -1,0 +1,82 @@
+"""Finding and loading what jax_cute needs at run time.
+
+Two native pieces meet here: our XLA FFI extension ``jax_cute._ffi`` (built with this package)
+and NVIDIA's ``libcute_dsl_runtime.so`` (shipped by the nvidia-cutlass-dsl wheel, never by
+us). The extension loads the DSL runtime itself, by dlopen, from the path handed over here.
+
+Nothing in this module imports the DSL's compiler (``cutlass``): a machine that only runs
+kernels compiled elsewhere may have the DSL's runtime part alone.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import threading
+
+TARGET_NAME = "jax_cute_launch"
+STATE_TYPE_NAME = "jax_cute_launch_state"
+
+# Flavours of the DSL runtime, most preferred first (the wheel's cu13 extra is what we pin).
+_FLAVOURS = ("cu13", "cu12")
+_LIBRARY = "libcute_dsl_runtime.so"
+
+_register_lock = threading.Lock()
+_registered = False
+
+
+def dsl_runtime_library() -> str:
+    """The path of ``libcute_dsl_runtime.so`` in the installed nvidia-cutlass-dsl."""
+    spec = importlib.util.find_spec("nvidia_cutlass_dsl")
+    roots = list(spec.submodule_search_locations or []) if spec is not None else []
+    tried = []
+    for flavour in _FLAVOURS:
+        for root in roots:
+            path = os.path.join(root, flavour, "lib", _LIBRARY)
+            if os.path.isfile(path):
+                return path
+            tried.append(path)
+    where = ", ".join(tried) if tried else "no 'nvidia_cutlass_dsl' package on sys.path"
+    raise RuntimeError(
+        f"jax_cute: cannot find {_LIBRARY} of the CuTe DSL runtime ({where}). "
+        'Install it with: pip install "nvidia-cutlass-dsl[cu13]==4.8.1"')
+
+
+def extension():
+    """The compiled extension ``jax_cute._ffi``."""
+    try:
+        from jax_cute import _ffi
+    except ImportError as e:
+        raise ImportError(
+            "jax_cute: the native extension jax_cute._ffi is not built or failed to load "
+            f"({e}). Reinstall the package, e.g. `pip install -e .` from a source checkout.") from e
+    return _ffi
+
+
+def ensure_registered() -> None:
+    """Register the ``jax_cute_launch`` FFI target with JAX for CUDA (idempotent, thread-safe).
+
+    Registration only queues the handler when no CUDA backend is present, so this works on a
+    CPU-only jaxlib too (lowering for CUDA then finds the target).
+    """
+    global _registered
+    if _registered:
+        return
+    with _register_lock:
+        if _registered:
+            return
+        import jax
+
+        ext = extension()
+        ext.set_runtime_library(dsl_runtime_library())
+        # The handler keeps per-instance state (ffi::State); XLA needs its type registered
+        # before the first instantiation. Names must be unique per process: done once.
+        jax.ffi.register_ffi_type(STATE_TYPE_NAME, ext.state_type(), platform="CUDA")
+        jax.ffi.register_ffi_target(TARGET_NAME, ext.registrations(), platform="CUDA",
+                                    api_version=1)
+        _registered = True
+
+
+def stats() -> dict[str, int]:
+    """Counters of the handler in this process: modules_created, functions_loaded, launches."""
+    return dict(extension().stats())

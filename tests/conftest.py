@@ -1,0 +1,81 @@
+"""Test-suite policy.
+
+- GPU tests carry ``@pytest.mark.gpu``; the default run deselects them (pyproject addopts) and
+  ``pytest -m gpu`` selects them. Under ``-m gpu`` a skipped test counts as a failure: a GPU
+  run that silently skipped its checks proves nothing.
+- A ``-m gpu`` run writes its outcomes to ``$JAX_CUTE_GPU_RESULTS`` (default
+  ``gpu-test-results.json``) with the commit, device and date, to be committed with the code.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+
+import pytest
+
+try:  # JAX traces and compiles per example: no per-example deadline, fewer examples on 2 cores.
+    from hypothesis import settings
+
+    settings.register_profile("jax_cute", deadline=None, max_examples=40)
+    settings.load_profile("jax_cute")
+except ImportError:
+    pass
+
+_outcomes: list[dict] = []
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _private_kernel_cache(tmp_path_factory):
+    """Tests compile into a cache of their own, never the user's (unless one is named)."""
+    if "JAX_CUTE_CACHE_DIR" not in os.environ:
+        os.environ["JAX_CUTE_CACHE_DIR"] = str(tmp_path_factory.mktemp("jax_cute_cache"))
+    yield
+
+
+def _gpu_run(config) -> bool:
+    return "gpu" in (config.getoption("-m") or "") and "not gpu" not in (config.getoption("-m") or "")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if not _gpu_run(item.config):
+        return
+    if report.skipped and item.get_closest_marker("gpu") is not None:
+        report.outcome = "failed"
+        report.longrepr = f"GPU test skipped under -m gpu (counts as a failure): {report.longrepr}"
+    if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
+        _outcomes.append({"test": item.nodeid, "outcome": report.outcome, "seconds": round(report.duration, 3)})
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if not _gpu_run(session.config) or not _outcomes:
+        return
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                cwd=session.config.rootpath).stdout.strip()
+    except OSError:
+        commit = ""
+    try:
+        import jax
+
+        device = str(jax.devices()[0].device_kind)
+        jax_version = jax.__version__
+    except Exception as e:  # noqa: BLE001 - record what was there
+        device, jax_version = f"unknown ({e})", ""
+    record = {
+        "commit": os.environ.get("JAX_CUTE_COMMIT") or commit,
+        "device": device,
+        "jax": jax_version,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "passed": sum(o["outcome"] == "passed" for o in _outcomes),
+        "failed": sum(o["outcome"] == "failed" for o in _outcomes),
+        "tests": _outcomes,
+    }
+    path = os.environ.get("JAX_CUTE_GPU_RESULTS", "gpu-test-results.json")
+    with open(path, "w") as f:
+        json.dump(record, f, indent=1)

@@ -1,0 +1,152 @@
+"""jax_cute.matmul on the CPU (reference path, which reads buffers through the layouts)."""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+import jax_cute
+
+RNG = np.random.default_rng(1234)
+
+
+def rand(shape, dtype=np.float32):
+    return jnp.asarray(RNG.standard_normal(shape).astype(np.float32)).astype(dtype)
+
+
+def ref_matmul(a, b, ta=False, tb=False, pet=None):
+    a = jnp.swapaxes(a, -1, -2) if ta else a
+    b = jnp.swapaxes(b, -1, -2) if tb else b
+    return jnp.matmul(a.astype(np.float32), b.astype(np.float32)).astype(pet or a.dtype)
+
+
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2, jnp.float16: 2e-3}
+
+
+@pytest.mark.parametrize("sa,sb", [
+    ((7, 5), (5, 3)), ((1, 9), (9, 1)), ((4, 7, 5), (5, 3)), ((7, 5), (4, 5, 3)),
+    ((2, 1, 7, 5), (3, 5, 6)), ((5,), (5, 3)), ((7, 5), (5,)), ((5,), (5,)), ((3, 0, 4), (4, 2)),
+])
+def test_matches_jnp_matmul(sa, sb):
+    a, b = rand(sa), rand(sb)
+    out = jax.jit(jax_cute.matmul)(a, b)
+    want = jnp.matmul(a, b)
+    assert out.shape == want.shape and out.dtype == want.dtype
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("ta,tb", list(itertools.product([False, True], repeat=2)))
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_transposes_and_dtypes(ta, tb, dtype):
+    m, n, k = 13, 6, 9
+    a = rand((3, k, m) if ta else (3, m, k), dtype)
+    b = rand((n, k) if tb else (k, n), dtype)
+    out = jax_cute.matmul(a, b, transpose_a=ta, transpose_b=tb)
+    want = ref_matmul(a, b, ta, tb)
+    assert out.dtype == dtype
+    np.testing.assert_allclose(out.astype(np.float32), want.astype(np.float32), rtol=TOL[dtype], atol=TOL[dtype] * 4)
+
+
+def test_integer_inputs_are_exact():
+    a = jnp.asarray(RNG.integers(-3, 4, (6, 5)), jnp.int32)
+    b = jnp.asarray(RNG.integers(-3, 4, (5, 4)), jnp.int32)
+    np.testing.assert_array_equal(jax_cute.matmul(a, b), jnp.matmul(a, b))
+
+
+def test_preferred_element_type_and_mixed_precision_gradient():
+    a, b = rand((8, 16), jnp.bfloat16), rand((16, 4), jnp.bfloat16)
+    out = jax_cute.matmul(a, b, preferred_element_type=jnp.float32)
+    assert out.dtype == jnp.float32
+    np.testing.assert_allclose(out, ref_matmul(a, b, pet=jnp.float32), rtol=1e-2, atol=1e-2)
+    ga, gb = jax.grad(lambda a, b: jax_cute.matmul(a, b, preferred_element_type=jnp.float32).sum(), (0, 1))(a, b)
+    assert ga.dtype == jnp.bfloat16 and gb.dtype == jnp.bfloat16
+    # The f32 cotangent is rounded once to bf16 (documented); here it is all ones, so exact.
+    np.testing.assert_allclose(ga.astype(np.float32), jnp.broadcast_to(b.astype(np.float32).sum(1), (8, 16)),
+                               rtol=1e-2, atol=1e-2)
+
+
+AXES = [0, 1, 2, None]
+
+
+@pytest.mark.parametrize("ia,ib", [(x, y) for x in AXES for y in AXES if (x, y) != (None, None)])
+@pytest.mark.parametrize("out_axis", [0, 2])
+def test_vmap_every_axis(ia, ib, out_axis):
+    bsz, m, k, n = 3, 5, 4, 6
+
+    def batched(shape, axis):
+        if axis is None:
+            return rand(shape)
+        return rand(shape[:axis] + (bsz,) + shape[axis:])
+
+    a, b = batched((m, k), ia), batched((k, n), ib)
+    ia2, ib2 = (ia if ia is None else min(ia, 2)), (ib if ib is None else min(ib, 2))
+    f = jax.vmap(jax_cute.matmul, in_axes=(ia2, ib2), out_axes=out_axis)
+    g = jax.vmap(jnp.matmul, in_axes=(ia2, ib2), out_axes=out_axis)
+    np.testing.assert_allclose(jax.jit(f)(a, b), g(a, b), rtol=1e-5, atol=1e-5)
+
+
+def test_nested_vmap_and_transposes():
+    a, b = rand((4, 5, 3, 6)), rand((2, 6, 3, 4))  # batch axes sit at different places per level
+
+    def f(x, y):
+        return jax_cute.matmul(x, y, transpose_b=True)
+
+    def g(x, y):
+        return jnp.matmul(x, jnp.swapaxes(y, -1, -2))
+
+    inner = dict(in_axes=(1, 2))
+    outer = dict(in_axes=(0, 3))
+    want = jax.vmap(jax.vmap(g, **inner), **outer)(a, b)
+    got = jax.jit(jax.vmap(jax.vmap(f, **inner), **outer))(a, b)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("sa,sb,ta,tb", [
+    ((5, 4), (4, 3), False, False), ((4, 5), (3, 4), True, True), ((2, 5, 4), (4, 3), False, False),
+    ((5, 4), (2, 4, 3), False, False), ((2, 1, 5, 4), (3, 3, 4), False, True),
+])
+def test_gradients_to_second_order(sa, sb, ta, tb):
+    a, b = rand(sa), rand(sb)
+    check_grads(lambda x, y: jax_cute.matmul(x, y, transpose_a=ta, transpose_b=tb), (a, b), order=2,
+                modes=("fwd", "rev"), atol=2e-2, rtol=2e-2)
+    ga = jax.grad(lambda x, y: (jax_cute.matmul(x, y, transpose_a=ta, transpose_b=tb) ** 2).sum(), (0, 1))(a, b)
+    gr = jax.grad(lambda x, y: (ref_matmul(x, y, ta, tb) ** 2).sum(), (0, 1))(a, b)
+    for x, y in zip(ga, gr):
+        np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-4)
+
+
+def test_vmap_of_grad_and_grad_of_vmap():
+    a, b = rand((3, 5, 4)), rand((3, 4, 2))
+    loss = lambda x, y: jnp.sin(jax_cute.matmul(x, y)).sum()  # noqa: E731
+    ref = lambda x, y: jnp.sin(jnp.matmul(x, y)).sum()  # noqa: E731
+    vg = jax.jit(jax.vmap(jax.grad(loss, (0, 1))))(a, b)
+    vr = jax.vmap(jax.grad(ref, (0, 1)))(a, b)
+    gv = jax.grad(lambda x, y: jax.vmap(loss)(x, y).sum(), (0, 1))(a, b)
+    for x, y, z in zip(vg, vr, gv):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(z, y, rtol=1e-5, atol=1e-5)
+
+
+def test_jvp_matches_jnp():
+    a, b, da, db = rand((5, 4)), rand((4, 3)), rand((5, 4)), rand((4, 3))
+    _, t = jax.jvp(jax_cute.matmul, (a, b), (da, db))
+    _, tr = jax.jvp(jnp.matmul, (a, b), (da, db))
+    np.testing.assert_allclose(t, tr, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_input_is_a_trace_time_error():
+    with pytest.raises(ValueError, match=r"contracting dimensions differ: a\(5, 4\).*b\(3, 2\)"):
+        jax_cute.matmul(rand((5, 4)), rand((3, 2)))
+    with pytest.raises(ValueError, match="at least 1-D"):
+        jax_cute.matmul(jnp.float32(1), rand((3,)))
+    with pytest.raises(ValueError, match="do not broadcast"):
+        jax_cute.matmul(rand((2, 5, 4)), rand((3, 4, 2)))
+    with pytest.raises(TypeError, match="unsupported dtype bool"):
+        jax_cute.matmul(jnp.ones((2, 2), bool), jnp.ones((2, 2), bool))
+    with pytest.raises(ValueError, match="transpose_a"):
+        jax_cute.matmul(rand((3,)), rand((3, 2)), transpose_a=True)

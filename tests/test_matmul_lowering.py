@@ -1,0 +1,145 @@
+"""The CUDA lowering of jax_cute.matmul, checked on a machine without a GPU.
+
+With ``target_arch="sm_90a"`` the lowering compiles our Hopper kernel with the DSL (offline) and
+emits the ``jax_cute_launch`` custom call. Every copy-free case must lower to custom calls with
+no transpose, copy, gather, concatenate or pad around them; the documented non-copy-free cases
+log one copy; unsupported ones fall back to XLA with a log line, or raise in strict mode.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jax_cute
+from jax_cute import config
+
+FORBIDDEN = ("stablehlo.transpose", "stablehlo.copy", "stablehlo.gather", "stablehlo.concatenate", "stablehlo.pad")
+BF16 = jnp.bfloat16
+
+
+def lowered(f, *shapes, dtype=BF16) -> str:
+    args = [jax.ShapeDtypeStruct(s, dtype) for s in shapes]
+    with config.override(target_arch="sm_90a"):
+        return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def assert_copy_free(text: str, calls: int) -> None:
+    assert text.count("stablehlo.custom_call @jax_cute_launch") == calls, text[:2000]
+    for op in FORBIDDEN:
+        assert op not in text, f"{op} in the lowered module"
+    assert "dot_general" not in text  # nothing fell back to XLA
+
+
+COPY_FREE = {
+    "plain": (lambda a, b: jax_cute.matmul(a, b), [(256, 128), (128, 64)]),
+    "transpose_a": (lambda a, b: jax_cute.matmul(a, b, transpose_a=True), [(128, 256), (128, 64)]),
+    "transpose_b": (lambda a, b: jax_cute.matmul(a, b, transpose_b=True), [(256, 128), (64, 128)]),
+    "both_transposed": (lambda a, b: jax_cute.matmul(a, b, transpose_a=True, transpose_b=True),
+                        [(128, 256), (64, 128)]),
+    "batched_both": (lambda a, b: jax_cute.matmul(a, b), [(4, 256, 128), (4, 128, 64)]),
+    "broadcast_b": (lambda a, b: jax_cute.matmul(a, b), [(4, 256, 128), (128, 64)]),
+    "broadcast_a": (lambda a, b: jax_cute.matmul(a, b), [(256, 128), (4, 128, 64)]),
+    "vmap_a_axis0": (jax.vmap(jax_cute.matmul, in_axes=(0, None)), [(4, 256, 128), (128, 64)]),
+    "vmap_a_axis1": (jax.vmap(jax_cute.matmul, in_axes=(1, None)), [(256, 4, 128), (128, 64)]),
+    "vmap_both": (jax.vmap(jax_cute.matmul, in_axes=(0, 1)), [(4, 256, 128), (128, 4, 64)]),
+    "vmap_b_only": (jax.vmap(jax_cute.matmul, in_axes=(None, 0)), [(256, 128), (4, 128, 64)]),
+    # Nested levels are copy-free when they coalesce into the kernel's one batch mode.
+    "nested_vmap": (jax.vmap(jax.vmap(jax_cute.matmul)), [(2, 3, 256, 128), (2, 3, 128, 64)]),
+    "nested_vmap_folds_into_m": (jax.vmap(jax.vmap(jax_cute.matmul, in_axes=(0, None)), in_axes=(0, None)),
+                                 [(2, 3, 256, 128), (128, 64)]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(COPY_FREE))
+def test_copy_free_forward(case):
+    f, shapes = COPY_FREE[case]
+    assert_copy_free(lowered(f, *shapes), 1)
+
+
+# The gradient of an operand broadcast over a batch sums over that batch: the batch joins the
+# reduction mode K, which is copy-free only where it continues K in memory. With row-major
+# buffers it does for a batched left operand's weight gradient (the common x @ W case), not for
+# the cases below, which copy the operands of that one gradient GEMM (logged).
+GRAD_COPIES = {"broadcast_a": 2, "vmap_b_only": 2, "vmap_a_axis1": 1}
+
+
+@pytest.mark.parametrize("case", sorted(COPY_FREE))
+def test_gradients(case, caplog):
+    f, shapes = COPY_FREE[case]
+    loss = lambda *xs: f(*xs).astype(jnp.float32).sum()  # noqa: E731
+    with caplog.at_level(logging.WARNING, logger="jax_cute"):
+        text = lowered(jax.grad(loss, argnums=(0, 1)), *shapes)
+    copies = [r for r in caplog.records if "copying operand" in r.getMessage()]
+    if case not in GRAD_COPIES:
+        assert_copy_free(text, 2)
+        assert not copies
+    else:
+        assert text.count("stablehlo.custom_call @jax_cute_launch") == 2
+        assert len(copies) == GRAD_COPIES[case]
+        assert "dot_general" not in text
+
+
+def test_mixed_precision_gradient_converts_once():
+    def loss(a, b):
+        return jax_cute.matmul(a, b, preferred_element_type=jnp.float32).sum()
+    text = lowered(jax.grad(loss, argnums=(0, 1)), (256, 128), (128, 64))
+    assert_copy_free(text, 2)
+    assert text.count("stablehlo.convert") <= 2
+
+
+def test_custom_call_carries_the_object_and_layouts():
+    text = lowered(jax_cute.matmul, (256, 128), (128, 64))
+    for attr in ("object = dense<", "arg_words", "arg_kinds", "symbol =", "arch_major = 9"):
+        assert attr in text
+
+
+def test_vmap_over_the_contiguous_axis_logs_one_copy(caplog):
+    f = jax.vmap(jax_cute.matmul, in_axes=(2, None))
+    with caplog.at_level(logging.WARNING, logger="jax_cute"):
+        text = lowered(f, (256, 128, 4), (128, 64))
+    assert text.count("@jax_cute_launch") == 1
+    copies = [r for r in caplog.records if "copying operand a" in r.getMessage()]
+    assert len(copies) == 1
+
+
+def test_misaligned_leading_dimension_falls_back_with_a_log(caplog):
+    with caplog.at_level(logging.WARNING, logger="jax_cute"):
+        text = lowered(jax_cute.matmul, (256, 127), (127, 64))  # K*2 bytes is not a multiple of 16
+    assert "@jax_cute_launch" not in text and "dot_general" in text
+    assert any("falling back to XLA" in r.getMessage() for r in caplog.records)
+
+
+# Switches are read when a function is lowered and JAX caches lowerings per function, so each
+# test lowers a function of its own.
+def test_strict_mode_raises_instead_of_falling_back():
+    with config.override(strict=True), pytest.raises(jax_cute.FallbackError, match="16 bytes"):
+        lowered(lambda a, b: jax_cute.matmul(a, b), (256, 127), (127, 64))
+
+
+def test_unsupported_dtype_falls_back_and_strict_raises():
+    with config.override(strict=True), pytest.raises(jax_cute.FallbackError):
+        lowered(lambda a, b: jax_cute.matmul(a, b), (64, 64), (64, 64), dtype=jnp.float32)
+
+
+def test_no_target_arch_without_gpu_falls_back(caplog):
+    args = [jax.ShapeDtypeStruct((64, 64), BF16)] * 2
+    with caplog.at_level(logging.WARNING, logger="jax_cute"):
+        text = jax.jit(jax_cute.matmul).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "@jax_cute_launch" not in text
+    assert any("JAX_CUTE_TARGET_ARCH" in r.getMessage() for r in caplog.records)
+
+
+def test_export_serialises_on_a_cpu_machine():
+    from jax import export
+
+    args = [jax.ShapeDtypeStruct((256, 128), BF16), jax.ShapeDtypeStruct((128, 64), BF16)]
+    with config.override(target_arch="sm_90a"):
+        exp = export.export(jax.jit(jax_cute.matmul), platforms=["cuda"],
+                            disabled_checks=jax_cute.export_disabled_checks())(*args)
+    blob = exp.serialize()
+    again = export.deserialize(blob)
+    assert "jax_cute_launch" in again.mlir_module()

@@ -1,0 +1,214 @@
+"""CPU tests of jax_cute.runtime and the jax_cute._ffi extension (no GPU needed)."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_cute import runtime
+from jax_cute.kernels import abi
+
+SIGNATURE = (
+    abi.TensorArg("x", "float32", (abi.DYN,), (1,)),
+    abi.TensorArg("y", "float32", (abi.DYN,), (1,)),
+    abi.StreamArg(),
+)
+
+
+def _launch(x, *, obj: bytes, symbol: str = "jc_test_affine"):
+    """A jax_cute_launch custom call binding x -> y, as the primitives emit it."""
+    n = x.shape[0]
+    packed = abi.pack_args(SIGNATURE, ["x", "y"], {"x": ((n,), (1,)), "y": ((n,), (1,))})
+    return jax.ffi.ffi_call(runtime.TARGET_NAME, jax.ShapeDtypeStruct(x.shape, x.dtype))(
+        x, name="test/affine", key="ab" * 32, symbol=symbol, object=np.frombuffer(obj, np.uint8),
+        arch_major=9, arch_minor=0, **packed.attributes())
+
+
+def test_extension_imports():
+    ext = runtime.extension()
+    for name in ("set_runtime_library", "load_runtime_library", "registrations", "stats",
+                 "state_type", "object_has_function"):
+        assert hasattr(ext, name), name
+    assert set(ext.registrations()) == {"instantiate", "initialize", "execute"}
+    assert set(ext.state_type()) == {"type_id", "type_info"}
+
+
+def test_runtime_library_exists():
+    path = runtime.dsl_runtime_library()
+    assert os.path.isfile(path)
+    assert os.path.basename(path) == "libcute_dsl_runtime.so"
+    assert os.sep + "cu13" + os.sep in path  # the flavour we pin is preferred
+
+
+def test_runtime_library_loads_without_gpu():
+    runtime.ensure_registered()
+    ext = runtime.extension()
+    assert ext.runtime_library() == runtime.dsl_runtime_library()
+    ext.load_runtime_library()  # dlopen only: no CUDA needed
+    ext.set_runtime_library(runtime.dsl_runtime_library())  # same path again: fine
+    with pytest.raises(RuntimeError, match="already loaded"):
+        ext.set_runtime_library("/nonexistent/libcute_dsl_runtime.so")
+
+
+def test_registration_is_idempotent_and_thread_safe():
+    errors = []
+
+    def register():
+        try:
+            runtime.ensure_registered()
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=register) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    runtime.ensure_registered()
+    assert not errors
+
+
+def test_stats_start_at_zero_without_gpu():
+    stats = runtime.stats()
+    assert set(stats) == {"modules_created", "functions_loaded", "launches"}
+    assert all(isinstance(v, int) and v >= 0 for v in stats.values())
+
+
+def test_lowering_for_cuda_emits_the_custom_call():
+    runtime.ensure_registered()
+    x = jnp.zeros((1000,), jnp.float32)
+    obj = b"\x7fELF" + bytes(60)
+    text = jax.jit(lambda x: _launch(x, obj=obj)).trace(x).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "stablehlo.custom_call @jax_cute_launch" in text
+    for attr in ("name = \"test/affine\"", "symbol = \"jc_test_affine\"", "arch_major = 9",
+                 "arch_minor = 0", "arg_kinds", "arg_offsets", "arg_words", "arg_align",
+                 "key = \"" + "ab" * 32 + "\"", "object = dense<"):
+        assert attr in text, attr
+    # The descriptor of x holds its dynamic extent (word 1) after the pointer word.
+    assert "arg_words = dense<[0, 1000, 0, 1000, 0]>" in text
+    assert "arg_kinds = dense<[0, 1, -1]>" in text
+
+
+def test_object_check_rejects_non_elf():
+    ext = runtime.extension()
+    assert not ext.object_has_function(b"", "jc_x")
+    assert not ext.object_has_function(b"\x7fELF" + bytes(200), "jc_x")
+    assert not ext.object_has_function(b"jc_x_function_name\0jc_x_version\0" * 4, "jc_x")
+
+
+BLOCK = 128
+
+
+def _compile_affine(name: str):
+    """Compile a tiny element-wise launcher (y = 2x + 1) for sm_90a; needs the DSL compiler."""
+    pytest.importorskip("cutlass", reason="the CuTe DSL compiler is not installed")
+    from jax_cute.kernels import build, dsl
+
+    # The DSL re-reads the kernels' source and resolves names in this module's globals, so
+    # the DSL modules must be globals here (imported lazily: collection must not need them).
+    globals().update(dsl=dsl, cute=dsl.cute, cutlass=dsl.cutlass)
+
+    @cute.kernel  # noqa: F821
+    def affine_kernel(x: cute.Tensor, y: cute.Tensor, n: cutlass.Int32):  # noqa: F821
+        tidx, _, _ = cute.arch.thread_idx()  # noqa: F821
+        bidx, _, _ = cute.arch.block_idx()  # noqa: F821
+        i = bidx * BLOCK + tidx
+        if i < n:
+            y[i] = x[i] * 2.0 + 1.0
+
+    @cute.jit  # noqa: F821
+    def launcher(x: cute.Tensor, y: cute.Tensor, stream: dsl.cuda_driver.CUstream):  # noqa: F821
+        n = cute.size(x, mode=[0])  # noqa: F821
+        affine_kernel(x, y, n).launch(grid=((n + BLOCK - 1) // BLOCK, 1, 1),
+                                      block=(BLOCK, 1, 1), stream=stream)
+
+    return build.compile_launcher(launcher, SIGNATURE, arch="sm_90a", name=name)
+
+
+def test_object_check_finds_exact_prefix_only():
+    binary = _compile_affine("test/affine")
+    ext = runtime.extension()
+    assert binary.obj[:4] == b"\x7fELF"
+    assert ext.object_has_function(binary.obj, binary.symbol)
+    # Prefixes and suffixes of the real one must not pass: the runtime would abort on them.
+    for wrong in ("jc_test", "test_affine", "jc_test_affine_", "jc_test_affinex", "", "jc_other"):
+        assert not ext.object_has_function(binary.obj, wrong), wrong
+
+
+# The instantiate stage runs on any backend, so XLA:CPU can exercise our attribute decoding and
+# validation. It runs in a fresh CPU-only process: the handler's state type may be registered
+# with one XLA per process only, and here it goes to XLA:CPU instead of the CUDA plugin.
+_CPU_PROBE = r"""
+import json, sys
+import jax, numpy as np
+from jax_cute import runtime
+from jax_cute.kernels import abi
+
+jax.devices("cpu")  # XLA:CPU takes handlers before types: let it start first
+ext = runtime.extension()
+ext.set_runtime_library(runtime.dsl_runtime_library())
+jax.ffi.register_ffi_type("jax_cute_probe_state", ext.state_type(), platform="cpu")
+jax.ffi.register_ffi_target("jax_cute_probe", ext.registrations(), platform="cpu", api_version=1)
+
+obj = open(sys.argv[1], "rb").read()
+sig = (abi.TensorArg("x", "float32", (abi.DYN,), (1,)), abi.TensorArg("y", "float32", (abi.DYN,), (1,)),
+       abi.StreamArg())
+packed = abi.pack_args(sig, ["x", "y"], {"x": ((8,), (1,)), "y": ((8,), (1,))})
+base = dict(name="test/affine", key="k", symbol=sys.argv[2], object=np.frombuffer(obj, np.uint8),
+            arch_major=9, arch_minor=0, **packed.attributes())
+cases = {
+    "good": {},
+    "wrong_symbol": {"symbol": "jc_test"},
+    "offsets_short": {"arg_offsets": np.array([0, 2, 4, 4], np.int64)},
+    "offsets_decrease": {"arg_offsets": np.array([0, 3, 2, 5], np.int64)},
+    "align_count": {"arg_align": np.array([16, 16], np.int64)},
+    "align_not_pow2": {"arg_align": np.array([3, 16, 0], np.int64)},
+    "unknown_kind": {"arg_kinds": np.array([0, 1, -7], np.int64)},
+    "bad_arch": {"arch_major": 0},
+}
+out = {}
+x = jax.numpy.zeros(8, jax.numpy.float32)
+for case, over in cases.items():
+    attrs = {**base, **over}
+    call = jax.ffi.ffi_call("jax_cute_probe", jax.ShapeDtypeStruct(x.shape, x.dtype))
+    try:
+        jax.jit(lambda x: call(x, **attrs))(x).block_until_ready()
+        out[case] = "ok"
+    except Exception as e:
+        out[case] = str(e)
+print("RESULT" + json.dumps(out))
+"""
+
+
+def test_instantiate_validates_attributes_on_cpu(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    binary = _compile_affine("test/affine")
+    obj_path = tmp_path / "affine.o"
+    obj_path.write_bytes(binary.obj)
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", _CPU_PROBE, str(obj_path), binary.symbol],
+                          capture_output=True, text=True, env=env, timeout=300)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    out = json.loads(lines[-1][len("RESULT"):])
+    # A well-formed call passes instantiate and fails only where XLA:CPU has no CUDA stream.
+    assert "jax_cute" not in out["good"] and "stream" in out["good"].lower(), out["good"]
+    assert "defining function 'jc_test'" in out["wrong_symbol"]
+    assert "arg_offsets ends at 4" in out["offsets_short"]
+    assert "arg_offsets decreases" in out["offsets_decrease"]
+    assert "arg_align has 2 entries" in out["align_count"]
+    assert "not a power of two" in out["align_not_pow2"]
+    assert "unknown kind -7" in out["unknown_kind"]
+    assert "not a compute capability" in out["bad_arch"]
+    for case, message in out.items():
+        if case != "good":
+            assert "kernel test/affine" in message, (case, message)

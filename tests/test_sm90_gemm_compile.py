@@ -1,0 +1,100 @@
+"""Compile-only checks of the sm90_gemm family (no GPU needed; about a minute on two cores)."""
+
+import dataclasses
+
+import pytest
+
+from jax_cute.kernels import sm90_gemm
+from jax_cute.kernels.gemm_spec import GemmSpec, GroupedSpec
+
+BF, F16, F32 = "bfloat16", "float16", "float32"
+BENCH = [(8192, 8192, 8192, 1), (4096, 14336, 4096, 1), (4096, 4096, 4096, 1), (2048, 2048, 2048, 1),
+         (4096, 4096, 14336, 1), (16384, 2048, 2048, 1), (512, 8192, 8192, 1)]
+ODD = [(1, 1, 1, 1), (64, 4096, 16384, 1), (256, 4096, 8192, 1), (1000, 1032, 776, 3), (128, 128, 65536, 1),
+       (100000, 64, 64, 1), (64, 100000, 64, 2)]
+
+
+def _compile(spec, cfg):
+    pytest.importorskip("cutlass")
+    import os
+    from jax_cute.kernels import build
+    # the DSL writes the kept PTX there and reads it back: it must exist
+    os.makedirs(os.environ.get("CUTE_DSL_DUMP_DIR") or ".", exist_ok=True)
+    name = f"test_{spec.key()}_{cfg.key()}"
+    binary = build.compile_launcher(sm90_gemm.launcher(spec, cfg), sm90_gemm.signature(spec, cfg),
+                                    arch="sm_90a", name=name, keep_ptx=True)
+    ptx = binary.ptx or ""
+    assert binary.obj, "empty object"
+    assert "wgmma.mma_async" in ptx
+    assert "cp.async.bulk.tensor" in ptx                       # TMA loads and stores
+    assert "setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx  # warp-specialised register split
+    assert "fence.proxy.async" in ptx                           # smem writes -> TMA store
+    if cfg.cluster_m * cfg.cluster_n > 1:
+        assert ".multicast::cluster" in ptx
+    if cfg.split_k > 1:
+        assert "atom.global" in ptx and "fence.acq_rel.gpu" in ptx   # split-K arrival counter
+    return binary
+
+
+def test_unsupported_reasons():
+    assert sm90_gemm.unsupported(GemmSpec(BF, BF, BF)) is None
+    assert sm90_gemm.unsupported(GemmSpec(F16, F16, F32, "m", "n", "m")) is None
+    for bad in (GemmSpec("float8_e4m3fn", "float8_e4m3fn", BF), GemmSpec(BF, F16, BF), GemmSpec(BF, BF, "int32"),
+                GemmSpec(F32, F32, F32), GemmSpec(BF, BF, BF, acc_dtype=F16), GroupedSpec("ragged_m", BF, BF, BF)):
+        reason = sm90_gemm.unsupported(bad)
+        assert isinstance(reason, str) and reason, bad
+        assert sm90_gemm.candidate_configs(bad) == []
+        with pytest.raises(ValueError):
+            sm90_gemm.launcher(bad, sm90_gemm.Config())
+
+
+@pytest.mark.parametrize("majors", ["kkn", "knn", "mnm", "mkn"])
+def test_heuristic_picks_a_candidate(majors):
+    spec = GemmSpec(BF, BF, BF, *majors)
+    cands = sm90_gemm.candidate_configs(spec)
+    assert len(set(cands)) == len(cands)
+    for m, n, k, l in BENCH + ODD:
+        cfg = sm90_gemm.heuristic(spec, m, n, k, l)
+        assert cfg in cands, (m, n, k, l, cfg)
+    # the big squares use the CUTLASS-proven shape: 128x256 tiles, B multicast over a 2x1 cluster
+    big = sm90_gemm.heuristic(spec, 8192, 8192, 8192, 1)
+    assert (big.tile_m, big.tile_n, big.cluster_m, big.cluster_n, big.split_k) == (128, 256, 2, 1, 1)
+    # too few output tiles and a long K: split it
+    assert sm90_gemm.heuristic(spec, 256, 4096, 8192, 1).split_k > 1
+    assert sm90_gemm.heuristic(spec, 64, 4096, 16384, 1).cluster_m == 1
+
+
+def test_workspace_matches_signature():
+    spec = GemmSpec(BF, BF, BF)
+    for cfg in sm90_gemm.candidate_configs(spec):
+        sig_names = [a.name for a in sm90_gemm.signature(spec, cfg)]
+        ws = sm90_gemm.workspace(spec, cfg, 1000, 1032, 776, 3)
+        assert sig_names[:3] == ["a", "b", "c"] and sig_names[-1] == "stream"
+        assert sig_names[3:-1] == [w.name for w in ws]
+        for w in ws:
+            assert w.nbytes > 0 and w.nbytes % 16 == 0
+        if cfg.split_k > 1:
+            flags = [w for w in ws if w.name == "splitk_flags"][0]
+            assert flags.zeroed
+            parts = [w for w in ws if w.name == "splitk_partials"][0]
+            tiles = (-(-1000 // 128) + 1) // 2 * 2 if cfg.cluster_m == 2 else -(-1000 // 128)
+            assert parts.nbytes >= 4 * cfg.split_k * tiles * cfg.tile_m * cfg.tile_n
+
+
+@pytest.mark.parametrize("cfg", sm90_gemm.candidate_configs(GemmSpec(BF, BF, BF)), ids=lambda c: c.key())
+def test_compile_every_candidate(cfg):
+    _compile(GemmSpec(BF, BF, BF), cfg)
+
+
+_MAIN = sm90_gemm.Config()
+_COMBOS = [(a, c, "kkn", _MAIN) for a in (BF, F16) for c in (BF, F16, F32)]
+_COMBOS += [(BF, BF, mj, _MAIN) for mj in ("knn", "mkn", "mnm")]
+_COMBOS += [(F16, F32, "knm", _MAIN), (BF, BF, "mnm", sm90_gemm.Config(raster="n"))]
+_COMBOS += [(F16, F32, "mnm", sm90_gemm.Config(128, 128, 1, 2, split_k=4)),
+            (BF, F16, "knn", sm90_gemm.Config(128, 256, 2, 1, split_k=2))]
+
+
+@pytest.mark.parametrize("in_dt,out_dt,majors,cfg", _COMBOS,
+                         ids=lambda x: x.key() if dataclasses.is_dataclass(x) else str(x))
+def test_compile_dtypes_and_majors(in_dt, out_dt, majors, cfg):
+    _compile(GemmSpec(in_dt, in_dt, out_dt, *majors), cfg)

@@ -1,0 +1,55 @@
+"""CPU-only: every candidate config of the sm90_grouped family compiles for sm_90a, and its PTX
+holds the Hopper pieces the design relies on (WGMMA, TMA, setmaxnreg, warp shuffles)."""
+
+import os
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+import pytest
+
+pytest.importorskip("cutlass")
+
+from jax_cute.kernels import build, sm90_grouped as fam  # noqa: E402
+from jax_cute.kernels.gemm_spec import GroupedSpec  # noqa: E402
+
+
+def _specs():
+    for dt in ("bfloat16", "float16"):
+        for am in ("k", "m"):
+            for bm in ("k", "n"):
+                yield GroupedSpec("ragged_m", dt, dt, dt, a_major=am, b_major=bm)
+        yield GroupedSpec("ragged_k", dt, dt, dt, a_major="m", b_major="n")
+    # other outputs: fp32 (the rhs gradient is often kept in fp32) and an M-major ragged_k out
+    yield GroupedSpec("ragged_m", "bfloat16", "bfloat16", "float32")
+    yield GroupedSpec("ragged_k", "bfloat16", "bfloat16", "float32", a_major="m", b_major="n")
+    yield GroupedSpec("ragged_k", "bfloat16", "bfloat16", "bfloat16", a_major="m", b_major="n", c_major="m")
+
+
+CASES = [(s, c) for s in _specs() for c in fam.candidate_configs(s)]
+
+
+def test_contract():
+    assert fam.FAMILY == "sm90_grouped" and fam.ARCH == "sm_90a" and isinstance(fam.VERSION, int)
+    spec = GroupedSpec("ragged_m", "bfloat16", "bfloat16", "bfloat16", b_major="n")
+    cfg = fam.heuristic(spec, 16384, 14336, 4096, 8, 1)
+    assert cfg in fam.candidate_configs(spec)
+    assert fam.workspace(spec, cfg, 16384, 14336, 4096, 8, 1) == []
+    assert fam.unsupported(spec) is None
+    # documented limits of the clipped-TMA design
+    assert fam.unsupported(GroupedSpec("ragged_k", "bfloat16", "bfloat16", "bfloat16")) is not None
+    assert fam.unsupported(GroupedSpec("ragged_m", "bfloat16", "bfloat16", "bfloat16", c_major="m")) is not None
+    assert fam.unsupported(GroupedSpec("ragged_m", "float32", "float32", "float32")) is not None
+
+
+@pytest.mark.parametrize("spec,cfg", CASES, ids=[f"{s.key()}-{c.key()}" for s, c in CASES])
+def test_compiles(spec, cfg):
+    assert fam.unsupported(spec) is None
+    kb = build.compile_launcher(fam.launcher(spec, cfg), fam.signature(spec, cfg), arch=fam.ARCH,
+                                name=f"{fam.FAMILY}.{spec.key()}.{cfg.key()}", keep_ptx=True)
+    assert kb.obj
+    ptx = kb.ptx or ""
+    assert "wgmma.mma_async" in ptx
+    assert "cp.async.bulk.tensor" in ptx                       # TMA loads and stores
+    assert "setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx  # warp specialisation
+    assert "shfl.sync" in ptx                                   # device-side group scan
+    assert f"n{cfg.tile_n}k16" in ptx                           # the configured WGMMA tile
