@@ -49,9 +49,19 @@ CHECKS = [
     ("c_f16_knn_f16_sk4", GemmSpec("float16", "float16", "float16", "k", "n", "n"), C(128, 256, 1, 2, split_k=4)),
 ]
 
-# (M, N, K, L, which operand is broadcast over L: None/"a"/"b")
+# (M, N, K, L, which operand is broadcast over L: None/"a"/"b"). The first four also run on
+# small integers (exact). Odd extents put C's contiguous edge off a 16-byte boundary (TMA
+# stores would write the padding behind it); an odd K puts A's/B's k edge there (NaN padding).
 PROBLEMS = [(1000, 1032, 776, 1, None), (264, 136, 72, 1, None), (1001, 1003, 520, 3, "a"),
-            (300, 260, 1000, 2, "b"), (8, 16, 8, 1, None), (128, 256, 64, 1, None), (520, 2056, 4096, 1, None)]
+            (300, 260, 1000, 2, "b"), (136, 1001, 1003, 1, None), (1001, 136, 520, 2, None),
+            (8, 16, 8, 1, None), (128, 256, 64, 1, None), (520, 2056, 4096, 1, None)]
+N_INT = 5
+
+# Bench sweep: every benchmark shape runs the heuristic's pick and these alternatives, per
+# operand form. (What the first H200 run left open: cluster shape, raster, band width, tile.)
+SWEEP = [C(), C(128, 256, 1, 2), C(128, 256, 1, 1), C(raster="n"), C(group=4), C(group=16),
+         C(128, 128, 2, 1), C(128, 256, 1, 2, raster="n")]
+SPLIT_ALTS = [C(128, 128, 2, 1, split_k=2), C(128, 256, 1, 2, split_k=2)]   # thin shape only
 
 
 def bench_specs():
@@ -59,38 +69,43 @@ def bench_specs():
     return {"kn": GemmSpec(BF, BF, BF, "k", "n", "n"), "kk": GemmSpec(BF, BF, BF, "k", "k", "n")}
 
 
-def cmd_build(out: str) -> None:
-    os.makedirs(out, exist_ok=True)
-    index = []
+def _pname(tag, cfg):
+    return f"p_{tag}_{cfg.key().replace('.', '_')}"
 
-    def add(name, spec, cfg, purpose, shape=None):
+
+def cmd_build(out: str, sweep: bool = True) -> None:
+    os.makedirs(out, exist_ok=True)
+    for f in os.listdir(out):       # stale objects would ride along in the carry
+        if f.endswith((".o", ".json")):
+            os.remove(os.path.join(out, f))
+    index = []
+    built = set()
+
+    def add(name, spec, cfg, purpose):
+        if name in built:
+            return
         t = time.time()
         binary = build.compile_launcher(sm90_gemm.launcher(spec, cfg), sm90_gemm.signature(spec, cfg),
                                         arch=sm90_gemm.ARCH, name=name)
         build.save_binary(binary, os.path.join(out, name))
         index.append({"name": name, "spec": dataclasses.asdict(spec), "config": dataclasses.asdict(cfg),
-                      "purpose": purpose, "shape": shape})
+                      "purpose": purpose})
+        built.add(name)
         print(f"  built {name:42s} {cfg.key():32s} {time.time() - t:5.1f}s", flush=True)
 
     for name, spec, cfg in CHECKS:
         add(name, spec, cfg, "check")
-    built = {}
     for tag, spec in bench_specs().items():
         for (m, n, k) in BENCH_SHAPES:
-            cfg = sm90_gemm.heuristic(spec, m, n, k, 1)
-            print(f"heuristic {tag} {m}x{n}x{k}: {cfg.key()}")
-            name = f"p_{tag}_{cfg.key().replace('.', '_')}"
-            if name not in built:
-                add(name, spec, cfg, "perf")
-                built[name] = True
-            index.append({"name": name, "purpose": "bench", "tag": tag, "shape": [m, n, k]})
-    # split-K alternatives for the thin shape, to compare with the heuristic's pick
-    for cfg in (C(128, 128, 2, 1, split_k=2), C(128, 256, 2, 1, split_k=2)):
-        name = f"p_kn_{cfg.key().replace('.', '_')}"
-        if name not in built:
-            add(name, bench_specs()["kn"], cfg, "perf")
-            built[name] = True
-        index.append({"name": name, "purpose": "bench_alt", "tag": "kn", "shape": [512, 8192, 8192]})
+            pick = sm90_gemm.heuristic(spec, m, n, k, 1)
+            print(f"heuristic {tag} {m}x{n}x{k}: {pick.key()}")
+            cfgs = [pick] + ([c for c in SWEEP if c != pick] if sweep else [])
+            if sweep and (m, n, k) == (512, 8192, 8192):
+                cfgs += SPLIT_ALTS
+            for cfg in cfgs:
+                add(_pname(tag, cfg), spec, cfg, "perf")
+            index.append({"name": "bench", "purpose": "bench", "tag": tag, "shape": [m, n, k],
+                          "pick": _pname(tag, pick), "configs": [_pname(tag, c) for c in cfgs]})
     with open(os.path.join(out, "index.json"), "w") as f:
         json.dump(index, f, indent=1)
     print(f"wrote {len(index)} entries to {out}/index.json")
@@ -180,17 +195,31 @@ def check_one(binary, spec: GemmSpec, cfg, prob, rng, integer: bool) -> tuple[bo
         out = np.asarray(jax.block_until_ready(f(jax.numpy.asarray(pa), jax.numpy.asarray(pb)))).astype(np.float32)
     got, pad = _logical_out(out, (m, n, l), c_mode)
     ref = reference_gemm(np.broadcast_to(a, (m, k, l)), np.broadcast_to(b, (n, k, l)))
-    if np.isnan(got).any():
-        return False, f"{int(np.isnan(got).sum())} NaN left in C"
+    problems = []
+    n_nan = int(np.isnan(got).sum())
+    if n_nan:
+        problems.append(f"{n_nan} NaN left in C")
     if pad.size and not np.isnan(pad).all():
-        return False, "wrote into C's padding"
+        hit = ~np.isnan(pad)
+        cols = np.nonzero(hit.any(axis=(0, 1)))[0]
+        problems.append(f"wrote into C's padding ({int(hit.sum())} elems, batches "
+                        f"{sorted(set(np.nonzero(hit.any(axis=(1, 2)))[0].tolist()))}, pad cols "
+                        f"{cols.min()}..{cols.max()} of {pad.shape[2]})")
+    fin = np.isfinite(got)
     if integer:
         want = ref.astype(out_dt).astype(np.float32)
         bad = int((got != want).sum())
-        return bad == 0, f"exact: {bad} mismatches"
-    tol = {"bfloat16": 1e-2, "float16": 5e-3, "float32": 1e-3}[spec.c_dtype]
-    err = float(np.abs(got - ref).max() / max(np.abs(ref).max(), 1e-30))
-    return err <= tol, f"rel err {err:.2e} (tol {tol:.0e})"
+        if bad:
+            problems.append(f"exact: {bad} mismatches")
+        detail = f"exact: {bad} mismatches"
+    else:
+        tol = {"bfloat16": 1e-2, "float16": 5e-3, "float32": 1e-3}[spec.c_dtype]
+        diff = np.where(fin, np.abs(got - ref), np.inf)
+        err = float(diff.max() / max(np.abs(ref).max(), 1e-30))
+        if not err <= tol:
+            problems.append(f"rel err {err:.2e} > tol {tol:.0e}")
+        detail = f"rel err {err:.2e} (tol {tol:.0e})"
+    return (not problems), ("; ".join(problems) if problems else detail)
 
 
 def _time(fn, args, reps=20, rounds=5) -> float:
@@ -206,97 +235,183 @@ def _time(fn, args, reps=20, rounds=5) -> float:
     return sorted(samples)[len(samples) // 2]
 
 
-def _check_config(bins: str, name: str) -> int:
-    """Correctness sweep of one compiled config (run in a child process)."""
+def _check_config(bins: str, names: list[str]) -> int:
+    """Correctness sweep of some compiled configs (run in a child process)."""
     import numpy as np
 
-    e = {x["name"]: x for x in json.load(open(os.path.join(bins, "index.json")))}[name]
-    spec, cfg = GemmSpec(**e["spec"]), sm90_gemm.Config(**e["config"])
-    binary = build.load_binary(os.path.join(bins, name))
-    rng = np.random.default_rng(zlib.crc32(name.encode()))
+    entries = {x["name"]: x for x in json.load(open(os.path.join(bins, "index.json")))}
     failures = 0
-    for i, prob in enumerate(PROBLEMS):
-        for integer in ((False, True) if i < 4 else (False,)):
-            try:
-                ok, msg = check_one(binary, spec, cfg, prob, rng, integer)
-            except Exception as ex:  # keep going: report every problem of this config
-                ok, msg = False, f"{type(ex).__name__}: {str(ex)[:300]}"
-            failures += not ok
-            print(f"{'ok  ' if ok else 'FAIL'} {name:28s} {str(prob):30s} int={int(integer)}: {msg}", flush=True)
+    for name in names:
+        e = entries[name]
+        spec, cfg = GemmSpec(**e["spec"]), sm90_gemm.Config(**e["config"])
+        binary = build.load_binary(os.path.join(bins, name))
+        rng = np.random.default_rng(zlib.crc32(name.encode()))
+        print(f"---- {name} {cfg.key()}", flush=True)
+        for i, prob in enumerate(PROBLEMS):
+            for integer in ((False, True) if i < N_INT else (False,)):
+                try:
+                    ok, msg = check_one(binary, spec, cfg, prob, rng, integer)
+                except Exception as ex:  # keep going: report every problem of this config
+                    ok, msg = False, f"{type(ex).__name__}: {str(ex)[:300]}"
+                failures += not ok
+                print(f"{'ok  ' if ok else 'FAIL'} {name:28s} {str(prob):30s} int={int(integer)}: {msg}", flush=True)
     return 1 if failures else 0
 
 
+def _timed_call(bins, e_name, spec, cfg, m, n, k, tag):
+    import jax.numpy as jnp  # noqa: F401
+    b_ss = ((n, k, 1), (1, n, n * k)) if tag == "kn" else ((n, k, 1), (k, 1, n * k))
+    return _make_call(build.load_binary(os.path.join(bins, e_name)), spec, cfg, m, n, k, 1,
+                      ((m, k, 1), (k, 1, m * k)), b_ss, (m, n), (m, n, 1), (n, 1, m * n))
+
+
 def _bench(bins: str) -> int:
-    """Time the benchmark shapes next to XLA (run in a child process); prints the table."""
+    """Time every benchmark shape with each built config next to XLA (child process)."""
+    import math
     import jax
     import jax.numpy as jnp
 
     index = json.load(open(os.path.join(bins, "index.json")))
     configs = {x["name"]: x for x in index if x["purpose"] == "perf"}
     specs = bench_specs()
-    failures, rows = 0, []
-    print(jax.devices()[0].device_kind, "jax", jax.__version__, flush=True)
+    failures, rows, best = 0, [], []
+    print(jax.devices()[0].device_kind, "jax", jax.__version__, time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+          flush=True)
     for e in index:
-        if e["purpose"] not in ("bench", "bench_alt"):
+        if e["purpose"] != "bench":
             continue
         m, n, k = e["shape"]
-        spec, cfg = specs[e["tag"]], sm90_gemm.Config(**configs[e["name"]]["config"])
+        tag = e["tag"]
+        spec = specs[tag]
         ka, kb = jax.random.split(jax.random.PRNGKey(0))
         a = jax.random.normal(ka, (m, k), jnp.bfloat16)
-        b_phys = jax.random.normal(kb, (k, n) if e["tag"] == "kn" else (n, k), jnp.bfloat16)
-        b_ss = ((n, k, 1), (1, n, n * k)) if e["tag"] == "kn" else ((n, k, 1), (k, 1, n * k))
-        f = _make_call(build.load_binary(os.path.join(bins, e["name"])), spec, cfg, m, n, k, 1,
-                       ((m, k, 1), (k, 1, m * k)), b_ss, (m, n), (m, n, 1), (n, 1, m * n))
-        if e["tag"] == "kn":
+        b_phys = jax.random.normal(kb, (k, n) if tag == "kn" else (n, k), jnp.bfloat16)
+        if tag == "kn":
             ref = jax.jit(lambda x, y: jnp.matmul(x, y))
         else:
             ref = jax.jit(lambda x, y: jax.lax.dot_general(x, y, (((1,), (1,)), ((), ()))))
-        try:
-            t_ours = _time(f, (a, b_phys))
-            got, want = f(a, b_phys).astype(jnp.float32), ref(a, b_phys).astype(jnp.float32)
-            rel = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
-        except Exception as ex:
-            print(f"FAIL timing {e['name']} {m}x{n}x{k}: {type(ex).__name__}: {str(ex)[:300]}", flush=True)
-            failures += 1
-            continue
         t_xla = _time(ref, (a, b_phys))
+        want = ref(a, b_phys).astype(jnp.float32)
         fl = 2.0 * m * n * k
-        rows.append((f"{m}x{n}x{k}", e["tag"], ("" if e["purpose"] == "bench" else "alt ") + cfg.key(),
-                     fl / t_ours / 1e12, fl / t_xla / 1e12, rel))
-        print(f"  timed {rows[-1]}", flush=True)
-    print(f"\n{'shape':18s} {'B':2s} {'config':38s} {'ours':>7s} {'xla':>7s} {'ratio':>6s} {'rel|d|':>8s}")
+        xla = fl / t_xla / 1e12
+        shape_rows = []
+        for name in e["configs"]:
+            cfg = sm90_gemm.Config(**configs[name]["config"])
+            try:
+                f = _timed_call(bins, name, spec, cfg, m, n, k, tag)
+                t_ours = _time(f, (a, b_phys))
+                got = f(a, b_phys).astype(jnp.float32)
+                rel = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
+            except Exception as ex:
+                print(f"FAIL timing {name} {m}x{n}x{k}: {type(ex).__name__}: {str(ex)[:300]}", flush=True)
+                failures += 1
+                continue
+            if not rel < 1e-2:
+                print(f"FAIL timing {name} {m}x{n}x{k}: result differs from XLA (rel {rel:.2g})", flush=True)
+                failures += 1
+            row = (f"{m}x{n}x{k}", tag, ("*" if name == e["pick"] else " ") + cfg.key(), fl / t_ours / 1e12, xla, rel)
+            rows.append(row)
+            shape_rows.append(row)
+            print(f"  timed {row}", flush=True)
+        if shape_rows:
+            pick_rows = [r for r in shape_rows if r[2].startswith("*")] or shape_rows[:1]
+            best.append((pick_rows[0], max(shape_rows, key=lambda r: r[3])))
+    print(f"\n{'shape':18s} {'B':2s} {'config (* = heuristic pick)':38s} {'ours':>7s} {'xla':>7s} {'ratio':>6s} {'rel|d|':>8s}")
     for shape, tag, key, ours, xla, rel in rows:
         print(f"{shape:18s} {tag:2s} {key:38s} {ours:7.1f} {xla:7.1f} {ours / xla:6.3f} {rel:8.2g}")
     print("(TFLOP/s, median of 5 rounds x 20 async launches; rel|d| = max|ours-xla| / max|xla|)")
+    if best:
+        print(f"\n{'shape':18s} {'B':2s} {'pick':30s} {'ours':>6s} {'best config':30s} {'best':>6s} {'xla':>6s}")
+        for p, bst in best:
+            print(f"{p[0]:18s} {p[1]:2s} {p[2][1:]:30s} {p[3]:6.1f} {bst[2].strip('* '):30s} {bst[3]:6.1f} {p[4]:6.1f}")
+        g_pick = math.exp(sum(math.log(p[3] / p[4]) for p, _ in best) / len(best))
+        g_best = math.exp(sum(math.log(b[3] / b[4]) for _, b in best) / len(best))
+        print(f"geomean vs XLA: heuristic picks {g_pick:.3f}, best per shape {g_best:.3f}")
+    _power_probe(bins, index, configs, specs)
     return 1 if failures else 0
 
 
-def cmd_run(bins: str, check_timeout: int = 150, bench_timeout: int = 300) -> int:
-    """Each config's check and the benchmark run in child processes with a timeout, so that a
-    hang (e.g. a pipeline barrier that never completes) is reported and the rest still runs."""
+def _power_probe(bins, index, configs, specs):
+    """Same 8192^3 product on normal vs small-integer vs zero data: is the clock power-bound?"""
+    import jax
+    import jax.numpy as jnp
+    e = [x for x in index if x["purpose"] == "bench" and x["shape"] == [8192, 8192, 8192] and x["tag"] == "kn"]
+    if not e:
+        return
+    e = e[0]
+    m = n = k = 8192
+    name = e["pick"]
+    cfg = sm90_gemm.Config(**configs[name]["config"])
+    f = _timed_call(bins, name, specs["kn"], cfg, m, n, k, "kn")
+    ref = jax.jit(lambda x, y: jnp.matmul(x, y))
+    ka, kb = jax.random.split(jax.random.PRNGKey(1))
+    data = {
+        "normal": (jax.random.normal(ka, (m, k), jnp.bfloat16), jax.random.normal(kb, (k, n), jnp.bfloat16)),
+        "int[-2,2]": (jax.random.randint(ka, (m, k), -2, 3).astype(jnp.bfloat16),
+                      jax.random.randint(kb, (k, n), -2, 3).astype(jnp.bfloat16)),
+        "zeros": (jnp.zeros((m, k), jnp.bfloat16), jnp.zeros((k, n), jnp.bfloat16)),
+    }
+    fl = 2.0 * m * n * k
+    for what, args in data.items():
+        t1, t2 = _time(f, args), _time(ref, args)
+        print(f"power probe 8192^3 kn {what:10s} ours {fl / t1 / 1e12:6.1f}  xla {fl / t2 / 1e12:6.1f}", flush=True)
+
+
+def cmd_run(bins: str, check_timeout: int = 60, bench_timeout: int = 110) -> int:
+    """The checks (in two child processes) and the benchmark run with timeouts, so that a hang
+    (e.g. a pipeline barrier that never completes) is reported and the rest still runs. Every
+    failure is listed again at the end; the exit status is non-zero on any."""
     import subprocess
 
     index = json.load(open(os.path.join(bins, "index.json")))
     me = os.path.abspath(__file__)
-    summary = []
+    fails, summary = [], []
 
-    def child(args, timeout):
+    def child(args, timeout, label):
+        lines = []
         try:
-            r = subprocess.run([sys.executable, me, *args, "--bins", bins], timeout=timeout)
-            return "ok" if r.returncode == 0 else f"FAILED (rc {r.returncode})"
-        except subprocess.TimeoutExpired:
-            return f"TIMEOUT after {timeout}s (hang?)"
+            p = subprocess.Popen([sys.executable, me, *args, "--bins", bins], stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True, bufsize=1)
+            t_end = time.time() + timeout
+            import selectors
+            sel = selectors.DefaultSelector()
+            sel.register(p.stdout, selectors.EVENT_READ)
+            while True:
+                left = t_end - time.time()
+                if left <= 0:
+                    p.kill()
+                    p.wait()
+                    last = [x for x in lines if x.startswith("----")]
+                    fails.append(f"{label}: TIMEOUT after {timeout}s (hang?) in {last[-1] if last else '?'}")
+                    return "TIMEOUT"
+                if sel.select(timeout=min(left, 5.0)):
+                    line = p.stdout.readline()
+                    if not line:
+                        break
+                    print(line, end="", flush=True)
+                    lines.append(line.rstrip("\n"))
+            rc = p.wait()
+        except Exception as ex:
+            fails.append(f"{label}: {type(ex).__name__}: {ex}")
+            return "ERROR"
+        fails.extend(x for x in lines if x.startswith("FAIL"))
+        if rc != 0 and not any(x.startswith("FAIL") for x in lines):
+            fails.append(f"{label}: exit {rc}: " + " | ".join(lines[-3:]))
+        return "ok" if rc == 0 else f"FAILED (rc {rc})"
 
-    for e in index:
-        if e["purpose"] == "check":
-            summary.append((e["name"], e["config"], child(["check-one", "--name", e["name"]], check_timeout)))
-    print("\ncorrectness by config:")
-    for name, cfg, res in summary:
-        print(f"  {name:28s} {sm90_gemm.Config(**cfg).key():32s} {res}")
-    print(flush=True)
-    bench = child(["bench"], bench_timeout)   # its table comes last
-    print(f"overall: {sum(r == 'ok' for *_, r in summary)}/{len(summary)} configs correct; benchmark {bench}")
-    return 0 if all(r == "ok" for *_, r in summary) and bench == "ok" else 1
+    checks = [e["name"] for e in index if e["purpose"] == "check"]
+    half = (len(checks) + 1) // 2
+    for part in (checks[:half], checks[half:]):
+        if part:
+            summary.append((part, child(["check", "--names", ",".join(part)], check_timeout, "check " + part[0])))
+    bench = child(["bench"], bench_timeout, "bench")
+    n_fail_checks = sum(1 for x in fails if not x.startswith("FAIL timing") and not x.startswith("bench"))
+    print(f"\n==== {len(fails)} failure(s) ({n_fail_checks} in the checks); benchmark {bench}")
+    for x in fails:
+        print("  " + x)
+    ok = not fails and all(r == "ok" for _, r in summary) and bench == "ok"
+    print("overall:", "PASS" if ok else "FAIL")
+    return 0 if ok else 1
 
 
 def main() -> int:
@@ -304,17 +419,18 @@ def main() -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build")
     b.add_argument("--out", required=True)
-    for cmd in ("run", "check-one", "bench"):
+    b.add_argument("--no-sweep", action="store_true", help="bench only the heuristic's picks")
+    for cmd in ("run", "check", "bench"):
         r = sub.add_parser(cmd)
         r.add_argument("--bins", required=True)
-        if cmd == "check-one":
-            r.add_argument("--name", required=True)
+        if cmd == "check":
+            r.add_argument("--names", required=True, help="comma-separated check configs")
     args = p.parse_args()
     if args.cmd == "build":
-        cmd_build(args.out)
+        cmd_build(args.out, sweep=not args.no_sweep)
         return 0
-    if args.cmd == "check-one":
-        return _check_config(args.bins, args.name)
+    if args.cmd == "check":
+        return _check_config(args.bins, args.names.split(","))
     if args.cmd == "bench":
         return _bench(args.bins)
     return cmd_run(args.bins)

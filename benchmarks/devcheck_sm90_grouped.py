@@ -18,24 +18,29 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-# (role, mode, dtype, out dtype, a_major, b_major, c_major, tile_n)
+# (role, mode, dtype, out dtype, a_major, b_major, c_major, tile_n[, extra])
+#   extra "diag": spec refused by unsupported(); built anyway, its checks are informational
+#   extra "noepi": timing-only variant without the C store (epilogue cost = its speed-up)
 BINS = [
+    ("drhs", "ragged_k", "bfloat16", "bfloat16", "m", "n", "n", 256),
+    ("drhs", "ragged_k", "bfloat16", "bfloat16", "m", "n", "n", 128),
+    ("drhs32", "ragged_k", "bfloat16", "float32", "m", "n", "n", 256),
+    ("drhsT", "ragged_k", "float16", "float16", "m", "n", "m", 128),
     ("fwd", "ragged_m", "bfloat16", "bfloat16", "k", "n", "n", 256),
     ("fwd", "ragged_m", "bfloat16", "bfloat16", "k", "n", "n", 128),
     ("dlhs", "ragged_m", "bfloat16", "bfloat16", "k", "k", "n", 256),
     ("dlhs", "ragged_m", "bfloat16", "bfloat16", "k", "k", "n", 128),
-    ("drhs", "ragged_k", "bfloat16", "bfloat16", "m", "n", "n", 256),
-    ("drhs", "ragged_k", "bfloat16", "bfloat16", "m", "n", "n", 128),
     ("fwd16", "ragged_m", "float16", "float16", "k", "n", "n", 256),
     ("fwd32", "ragged_m", "bfloat16", "float32", "k", "n", "n", 128),
-    ("fwdmA", "ragged_m", "bfloat16", "bfloat16", "m", "n", "n", 128),
-    ("drhs32", "ragged_k", "bfloat16", "float32", "m", "n", "n", 256),
-    ("drhsT", "ragged_k", "float16", "float16", "m", "n", "m", 128),
+    ("fwdmA", "ragged_m", "bfloat16", "bfloat16", "m", "n", "n", 128, "diag"),
+    ("fwd", "ragged_m", "bfloat16", "bfloat16", "k", "n", "n", 256, "noepi"),
+    ("drhs", "ragged_k", "bfloat16", "bfloat16", "m", "n", "n", 256, "noepi"),
 ]
 
 
 def _name(b):
-    return f"{b[0]}_{b[1]}_{b[2]}_{b[3]}_{b[4]}{b[5]}{b[6]}_n{b[7]}"
+    x = f"_{b[8]}" if len(b) > 8 else ""
+    return f"{b[0]}_{b[1]}_{b[2]}_{b[3]}_{b[4]}{b[5]}{b[6]}_n{b[7]}{x}"
 
 
 def cmd_build(out):
@@ -45,16 +50,19 @@ def cmd_build(out):
     os.makedirs(out, exist_ok=True)
     index = []
     for b in BINS:
-        role, mode, dt, cdt, am, bm, cm, tn = b
+        role, mode, dt, cdt, am, bm, cm, tn = b[:8]
+        extra = b[8] if len(b) > 8 else ""
         spec = GroupedSpec(mode, dt, dt, cdt, a_major=am, b_major=bm, c_major=cm)
-        cfg = fam.Config(tile_n=tn)
+        cfg = fam.Config(tile_n=tn, epilogue=extra != "noepi")
         t = time.time()
-        kb = build.compile_launcher(fam.launcher(spec, cfg), fam.signature(spec, cfg), arch=fam.ARCH,
+        launch = fam._build(spec, cfg) if extra == "diag" else fam.launcher(spec, cfg)
+        kb = build.compile_launcher(launch, fam.signature(spec, cfg), arch=fam.ARCH,
                                     name=f"{fam.FAMILY}.{spec.key()}.{cfg.key()}")
         build.save_binary(kb, os.path.join(out, _name(b)))
         index.append(dict(file=_name(b), role=role, mode=mode, dtype=dt, out_dtype=cdt, a_major=am,
-                          b_major=bm, c_major=cm, tile_n=tn, version=fam.VERSION))
-        print(f"built {_name(b)} in {time.time() - t:.1f}s")
+                          b_major=bm, c_major=cm, tile_n=tn, extra=extra, version=fam.VERSION,
+                          config=cfg.key()))
+        print(f"built {_name(b)} in {time.time() - t:.1f}s", flush=True)
     with open(os.path.join(out, "index.json"), "w") as f:
         json.dump(index, f, indent=1)
 
@@ -104,13 +112,17 @@ class Runner:
         from jax_cute.kernels import build
         with open(os.path.join(bins, "index.json")) as f:
             self.index = json.load(f)
-        self.bin = {e["file"]: build.load_binary(os.path.join(bins, e["file"])) for e in self.index}
+        self.dir = bins
+        self.bin = {}
 
-    def find(self, role, tile_n):
+    def find(self, role, tile_n, extra=""):
         for e in self.index:
-            if e["role"] == role and e["tile_n"] == tile_n:
+            if e["role"] == role and e["tile_n"] == tile_n and e.get("extra", "") == extra:
                 return e
         return None
+
+    def entry(self, file):
+        return {e["file"]: e for e in self.index}[file]
 
     def call(self, e, a, b, gs):
         """Physical arrays: ragged_m: a (La,M,K) [k-major] or (La,K,M) [m-major]; b (Lb,G,K,N)
@@ -118,6 +130,9 @@ class Runner:
         import jax
         import jax.numpy as jnp
         from jax_cute.launch import kernel_call
+        from jax_cute.kernels import build
+        if e["file"] not in self.bin:
+            self.bin[e["file"]] = build.load_binary(os.path.join(self.dir, e["file"]))
         kb = self.bin[e["file"]]
         cdt = jnp.dtype(e["out_dtype"])
         Lg, G = gs.shape
@@ -175,6 +190,9 @@ def _sizes(rng, kind, G, M):
     elif kind == "negative":   # negative sizes count as zero
         s = rng.multinomial(M, np.full(G, 1 / G)).astype(np.int64)
         s[::3] = -rng.integers(1, 50, size=len(s[::3]))
+    elif kind in ("align128", "align8"):   # boundaries on multiples of 128 / 8 rows
+        q = 128 if kind == "align128" else 8
+        s = rng.multinomial(M // q, np.full(G, 1 / G)) * q
     elif kind == "huge":       # int32 extremes must not overflow the device scan
         s = np.zeros(G, np.int64)
         s[1] = 2**31 - 1
@@ -191,110 +209,91 @@ def _rel_err(out, ref):
     return float(np.max(np.abs(out - ref)) / max(1.0, float(np.max(np.abs(ref)))))
 
 
-def run_checks(r, rng):
+KINDS = ("uniform", "skewed", "empty", "short", "over", "negative", "huge")
+SHAPES_M = [(1000, 200, 264, 7), (4096, 512, 1024, 16), (257, 64, 136, 33), (2048, 128, 512, 64)]
+SHAPES_K = [(1000, 200, 264, 7), (4096, 512, 1024, 16), (259, 64, 136, 33), (2048, 128, 512, 64),
+            (384, 136, 72, 130)]
+
+
+def check_binary(r, e, rng, kinds=KINDS):
+    """Correctness of one binary on fresh random data, NaN-prefilled outputs; returns results."""
     import numpy as np
     import jax
     import jax.numpy as jnp
     os.environ["JAX_CUTE_NAN_FILL"] = "1"  # outputs start as NaN: unwritten elements show
     results = []
+    f = jax.jit(lambda a, b, gs: r.call(e, a, b, gs))
 
     def rnd(shape, dt):
-        x = rng.standard_normal(shape).astype(np.float32)
-        return jnp.asarray(x, dt)
+        return jnp.asarray(rng.standard_normal(shape).astype(np.float32), dt)
 
-    def check(label, e, a, b, gs, ref_fn, tol):
+    def check(label, a, b, gs, ref_fn, tol):
         try:
-            f = jax.jit(lambda a, b, gs: r.call(e, a, b, gs))
             out = np.asarray(f(a, b, gs).astype(jnp.float32))
             err = _rel_err(out, ref_fn())
             ok = err <= tol
         except Exception as ex:  # keep going: report every case
-            err, ok = repr(ex)[:200], False
-        results.append((label, e["file"], ok, err))
-        print(f"{'PASS' if ok else 'FAIL'} {label:<44} {e['file']:<44} err={err}", flush=True)
+            err, ok = repr(ex)[:160], False
+        results.append((label, ok, err))
+        print(f"{'PASS' if ok else 'FAIL'} {label:<40} {e['file']:<44} err={err}", flush=True)
 
-    def tol_of(e):
-        return 1e-5 if e["out_dtype"] == "float32" else 1e-2
-
-    # ragged_m: forward (b n-major), lhs gradient (b k-major), fp16, fp32 out, m-major A
-    shapes_m = [(1000, 200, 264, 7), (4096, 512, 1024, 16), (257, 64, 136, 33), (2048, 128, 512, 64)]
-    for e in r.index:
-        if e["mode"] != "ragged_m":
-            continue
-        dt = jnp.dtype(e["dtype"])
-        for (M, K, N, G) in shapes_m:
+    tol = 1e-5 if e["out_dtype"] == "float32" else 1e-2
+    dt = jnp.dtype(e["dtype"])
+    f32 = lambda x: np.asarray(x.astype(jnp.float32))  # noqa: E731
+    if e["mode"] == "ragged_m":
+        for (M, K, N, G) in SHAPES_M:
             if e["a_major"] == "m" and M % 8:
                 M += 8 - M % 8
-            for kind in ("uniform", "skewed", "empty", "short", "over", "negative", "huge"):
-                if kind == "empty" and G < 3:
-                    continue
+            phys_a = lambda x: x if e["a_major"] == "k" else jnp.swapaxes(x, 1, 2)  # noqa: E731
+            phys_b = lambda x: x if e["b_major"] == "k" else jnp.swapaxes(x, 2, 3)  # noqa: E731
+            for kind in kinds:
                 s = _sizes(rng, kind, G, M)[None]
-                a_log = rnd((1, M, K), dt)
-                b_log = rnd((1, G, N, K), dt)
-                a_phys = a_log if e["a_major"] == "k" else jnp.swapaxes(a_log, 1, 2)
-                b_phys = b_log if e["b_major"] == "k" else jnp.swapaxes(b_log, 2, 3)
-                check(f"m {M}x{K}x{N} G{G} {kind}", e, a_phys, b_phys, jnp.asarray(s),
-                      lambda: ref_ragged_m(np.asarray(a_log.astype(jnp.float32)),
-                                           np.asarray(b_log.astype(jnp.float32)), s), tol_of(e))
-            if (M, K, N, G) != shapes_m[0]:
+                a_log, b_log = rnd((1, M, K), dt), rnd((1, G, N, K), dt)
+                check(f"m {M}x{K}x{N} G{G} {kind}", phys_a(a_log), phys_b(b_log), jnp.asarray(s),
+                      lambda: ref_ragged_m(f32(a_log), f32(b_log), s), tol)
+            if (M, K, N, G) != SHAPES_M[0] or len(kinds) < 3:
                 continue
             # batches: L=3 with B broadcast (L=1) and per-batch group sizes
-            L = 3
             s = np.stack([_sizes(rng, k, G, M) for k in ("uniform", "skewed", "short")])
-            a_log, b_log = rnd((L, M, K), dt), rnd((1, G, N, K), dt)
-            a_phys = a_log if e["a_major"] == "k" else jnp.swapaxes(a_log, 1, 2)
-            b_phys = b_log if e["b_major"] == "k" else jnp.swapaxes(b_log, 2, 3)
-            check(f"m {M}x{K}x{N} G{G} L3 bcast-b", e, a_phys, b_phys, jnp.asarray(s),
-                  lambda: ref_ragged_m(np.asarray(a_log.astype(jnp.float32)),
-                                       np.asarray(b_log.astype(jnp.float32)), s), tol_of(e))
-
-    # ragged_k (rhs gradient): out[g] = lhs[rows of g]^T . dout[rows of g]
-    shapes_k = [(1000, 200, 264, 7), (4096, 512, 1024, 16), (259, 64, 136, 33), (2048, 128, 512, 64)]
-    for e in r.index:
-        if e["mode"] != "ragged_k":
-            continue
-        dt = jnp.dtype(e["dtype"])
-        for (T, Km, N, G) in shapes_k:
-            for kind in ("uniform", "skewed", "empty", "short", "over", "negative", "huge"):
+            a_log, b_log = rnd((3, M, K), dt), rnd((1, G, N, K), dt)
+            check(f"m {M}x{K}x{N} G{G} L3 bcast-b", phys_a(a_log), phys_b(b_log), jnp.asarray(s),
+                  lambda: ref_ragged_m(f32(a_log), f32(b_log), s), tol)
+    else:
+        # ragged_k (rhs gradient): out[g] = lhs[rows of g]^T . dout[rows of g]
+        for (T, Km, N, G) in SHAPES_K:
+            for kind in kinds:
                 s = _sizes(rng, kind, G, T)[None]
                 a, b = rnd((1, T, Km), dt), rnd((1, T, N), dt)
-                check(f"k {T}x{Km}x{N} G{G} {kind}", e, a, b, jnp.asarray(s),
-                      lambda: ref_ragged_k(np.asarray(a.astype(jnp.float32)),
-                                           np.asarray(b.astype(jnp.float32)), s), tol_of(e))
-            if (T, Km, N, G) != shapes_k[0]:
+                check(f"k {T}x{Km}x{N} G{G} {kind}", a, b, jnp.asarray(s),
+                      lambda: ref_ragged_k(f32(a), f32(b), s), tol)
+            if (T, Km, N, G) != SHAPES_K[0]:
                 continue
-            L = 2
+            # batches: L=2, per-batch sizes, dout broadcast; and L=3 with lhs broadcast, sizes L=1
             s = np.stack([_sizes(rng, k, G, T) for k in ("skewed", "empty")])
-            a, b = rnd((L, T, Km), dt), rnd((1, T, N), dt)
-            check(f"k {T}x{Km}x{N} G{G} L2 bcast-b", e, a, b, jnp.asarray(s),
-                  lambda: ref_ragged_k(np.asarray(a.astype(jnp.float32)),
-                                       np.asarray(b.astype(jnp.float32)), s), tol_of(e))
-
+            a, b = rnd((2, T, Km), dt), rnd((1, T, N), dt)
+            check(f"k {T}x{Km}x{N} G{G} L2 bcast-b", a, b, jnp.asarray(s),
+                  lambda: ref_ragged_k(f32(a), f32(b), s), tol)
+            s = _sizes(rng, "skewed", G, T)[None]
+            a, b = rnd((1, T, Km), dt), rnd((3, T, N), dt)
+            check(f"k {T}x{Km}x{N} G{G} L3 bcast-a,gs", a, b, jnp.asarray(s),
+                  lambda: ref_ragged_k(f32(a), f32(b), s), tol)
     # replay: one jitted function, new group sizes on each call (must not be baked in)
-    for role in ("fwd", "drhs"):
-        e = r.find(role, 256)
-        dt = jnp.dtype(e["dtype"])
+    if e["role"] in ("fwd", "drhs") and e["tile_n"] == 256 and not e.get("extra"):
         M, K, N, G = 3000, 256, 512, 12
-        if role == "fwd":
+        if e["role"] == "fwd":
             a, b = rnd((1, M, K), dt), rnd((1, G, K, N), dt)
-            ref = lambda s: ref_ragged_m(np.asarray(a.astype(jnp.float32)),
-                                         np.asarray(jnp.swapaxes(b, 2, 3).astype(jnp.float32)), s)
+            ref = lambda s: ref_ragged_m(f32(a), f32(jnp.swapaxes(b, 2, 3)), s)  # noqa: E731
         else:
             a, b = rnd((1, M, K), dt), rnd((1, M, N), dt)
-            ref = lambda s: ref_ragged_k(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)), s)
-        f = jax.jit(lambda a, b, gs: r.call(e, a, b, gs))
+            ref = lambda s: ref_ragged_k(f32(a), f32(b), s)  # noqa: E731
         for i, kind in enumerate(("uniform", "skewed", "empty", "short", "skewed")):
             s = _sizes(rng, kind, G, M)[None]
-            out = np.asarray(f(a, b, jnp.asarray(s)).astype(jnp.float32))
-            err = _rel_err(out, ref(s))
-            ok = err <= 1e-2
-            results.append((f"replay {role} #{i} {kind}", e["file"], ok, err))
-            print(f"{'PASS' if ok else 'FAIL'} replay {role} #{i} {kind} err={err}", flush=True)
+            check(f"replay #{i} {kind}", a, b, jnp.asarray(s), lambda: ref(s), 1e-2)
     os.environ["JAX_CUTE_NAN_FILL"] = "0"
     return results
 
 
-def _time(f, *args, reps=10, batches=7):
+def _time(f, *args, reps=5, batches=5):
     """Median over batches of (time of `reps` back-to-back async calls) / reps, in seconds."""
     import numpy as np
     out = f(*args)
@@ -309,7 +308,12 @@ def _time(f, *args, reps=10, batches=7):
     return float(np.median(ts))
 
 
-def run_bench(r, rng):
+BENCH_SHAPES = [(8, 16384, 4096, 14336), (64, 32768, 2048, 1408), (16, 16384, 2048, 16384),
+                (128, 16384, 4096, 1536)]
+
+
+def run_bench(r, which, out_json):
+    """which: "fwd" or "drhs". Appends one dict per (shape, sizes) to out_json as it goes."""
     import numpy as np
     import jax
     import jax.numpy as jnp
@@ -319,72 +323,155 @@ def run_bench(r, rng):
     except Exception as ex:  # noqa: BLE001
         print("pallas kernels unavailable:", ex)
         ragged_dot_mgpu = transposed_ragged_dot_mgpu = None
-    rows = []
-    shapes = [(8, 16384, 4096, 14336), (64, 32768, 2048, 1408), (16, 16384, 2048, 16384), (128, 16384, 4096, 1536)]
+    rng = np.random.default_rng(1234)
     dt = jnp.bfloat16
-    for (G, M, K, N) in shapes:
+    ours = [(f"{which} n{tn}", r.find(which, tn)) for tn in (256, 128)]
+    ours.append((f"{which} noepi", r.find(which, 256, "noepi")))
+    ours = [(k, e) for k, e in ours if e is not None]
+    calls = {k: jax.jit(lambda a, b, gs, e=e: r.call(e, a[None], b[None], gs[None])) for k, e in ours}
+    if which == "fwd":
+        pallas_kws = [dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1),
+                      dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=8)]
+        pallas = None if ragged_dot_mgpu is None else [
+            jax.jit(lambda a, b, gs, kw=kw: ragged_dot_mgpu.ragged_dot(a, b, group_sizes=gs, **kw))
+            for kw in pallas_kws]
+        xla = jax.jit(lambda a, b, gs: jax.lax.ragged_dot(a, b, gs))
+    else:
+        pallas = None if transposed_ragged_dot_mgpu is None else [
+            jax.jit(lambda a, b, gs: transposed_ragged_dot_mgpu.transposed_ragged_dot(
+                a, b, group_sizes=gs, block_m=128, block_n=128, block_k=64, max_concurrent_steps=4,
+                grid_block_n=1))]
+        xla = None
+    for (G, M, K, N) in BENCH_SHAPES:
         lhs = jnp.asarray(rng.standard_normal((M, K), np.float32), dt)
-        rhs = jnp.asarray(rng.standard_normal((G, K, N), np.float32), dt)
-        dout = jnp.asarray(rng.standard_normal((M, N), np.float32), dt)
+        other = jnp.asarray(rng.standard_normal((G, K, N) if which == "fwd" else (M, N), np.float32), dt)
         for kind in ("uniform", "skewed"):
             s = jnp.asarray(_sizes(rng, kind, G, M))
             flops = 2.0 * M * K * N
             row = {"shape": f"G{G} M{M} K{K} N{N}", "sizes": kind}
-            # forward
-            for tn in (256, 128):
-                e = r.find("fwd", tn)
-                f = jax.jit(lambda a, b, gs, e=e: r.call(e, a[None], b[None], gs[None]))
-                row[f"fwd n{tn}"] = flops / _time(f, lhs, rhs, s) / 1e12
-            f = jax.jit(lambda a, b, gs: jax.lax.ragged_dot(a, b, gs))
-            row["fwd xla"] = flops / _time(f, lhs, rhs, s, reps=2, batches=3) / 1e12
+            for k, f in calls.items():
+                try:
+                    row[k] = flops / _time(f, lhs, other, s) / 1e12
+                except Exception as ex:  # noqa: BLE001
+                    print(f"FAIL timing {k}: {repr(ex)[:200]}", flush=True)
+                    row[k] = 0.0
             best = 0.0
-            if ragged_dot_mgpu is not None:
-                for kw in (dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1),
-                           dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=8)):
-                    try:
-                        f = jax.jit(lambda a, b, gs, kw=kw: ragged_dot_mgpu.ragged_dot(a, b, group_sizes=gs, **kw))
-                        best = max(best, flops / _time(f, lhs, rhs, s) / 1e12)
-                    except Exception:  # noqa: BLE001  (config not valid for this shape)
-                        pass
-            row["fwd pallas"] = best
-            # rhs gradient
-            for tn in (256, 128):
-                e = r.find("drhs", tn)
-                f = jax.jit(lambda a, b, gs, e=e: r.call(e, a[None], b[None], gs[None]))
-                row[f"drhs n{tn}"] = flops / _time(f, lhs, dout, s) / 1e12
-            best = 0.0
-            if transposed_ragged_dot_mgpu is not None:
-                for kw in (dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1),):
-                    try:
-                        f = jax.jit(lambda a, b, gs, kw=kw: transposed_ragged_dot_mgpu.transposed_ragged_dot(
-                            a, b, group_sizes=gs, **kw))
-                        best = max(best, flops / _time(f, lhs, dout, s) / 1e12)
-                    except Exception:  # noqa: BLE001
-                        pass
-            row["drhs pallas"] = best
+            for f in pallas or []:
+                try:
+                    best = max(best, flops / _time(f, lhs, other, s) / 1e12)
+                except Exception as ex:  # noqa: BLE001  (config not valid for this shape)
+                    print(f"pallas config failed: {repr(ex)[:160]}", flush=True)
+            row[f"{which} pallas"] = best
+            if xla is not None:
+                try:
+                    row[f"{which} xla"] = flops / _time(xla, lhs, other, s, reps=1, batches=3) / 1e12
+                except Exception as ex:  # noqa: BLE001
+                    print(f"xla failed: {repr(ex)[:160]}", flush=True)
             print(row, flush=True)
-            rows.append(row)
-    return rows
+            with open(out_json, "a") as fh:
+                fh.write(json.dumps(row) + "\n")
 
 
-def cmd_run(bins, skip_bench=False):
-    import numpy as np
-    import jax
-    print("devices:", jax.devices())
-    r = Runner(bins)
-    rng = np.random.default_rng(int(time.time()) % 2**31)
-    results = run_checks(r, rng)
-    rows = [] if skip_bench else run_bench(r, rng)
-    bad = [x for x in results if not x[2]]
-    print(f"\n== correctness: {len(results) - len(bad)}/{len(results)} pass")
-    for x in bad[:40]:
-        print("  FAIL", x)
-    if rows:
-        cols = ["fwd n256", "fwd n128", "fwd xla", "fwd pallas", "drhs n256", "drhs n128", "drhs pallas"]
-        print("\n== TFLOP/s (bf16, median)")
-        print(f"{'shape':<26}{'sizes':<9}" + "".join(f"{c:>12}" for c in cols))
-        for row in rows:
-            print(f"{row['shape']:<26}{row['sizes']:<9}" + "".join(f"{row[c]:>12.1f}" for c in cols))
+def _print_table(rows):
+    import math
+    for which in ("fwd", "drhs"):
+        rr = [x for x in rows if f"{which} n256" in x]
+        if not rr:
+            continue
+        cols = [c for c in (f"{which} n256", f"{which} n128", f"{which} noepi", f"{which} pallas",
+                            f"{which} xla") if c in rr[0]]
+        print(f"\n== {which} TFLOP/s (bf16, median); best = max(n256, n128)")
+        print(f"{'shape':<26}{'sizes':<9}" + "".join(f"{c:>13}" for c in cols)
+              + f"{'best/pallas':>12}{'best/xla':>10}")
+        ratios_p, ratios_x = [], []
+        for x in rr:
+            best = max(x.get(f"{which} n256", 0), x.get(f"{which} n128", 0))
+            p, xl = x.get(f"{which} pallas", 0), x.get(f"{which} xla", 0)
+            rp = best / p if p else float("nan")
+            rx = best / xl if xl else float("nan")
+            if p:
+                ratios_p.append(rp)
+            if xl:
+                ratios_x.append(rx)
+            print(f"{x['shape']:<26}{x['sizes']:<9}" + "".join(f"{x.get(c, 0):>13.1f}" for c in cols)
+                  + f"{rp:>12.3f}{rx:>10.1f}")
+        gm = lambda v: math.exp(sum(map(math.log, v)) / len(v)) if v else float("nan")  # noqa: E731
+        print(f"geomean best/pallas {gm(ratios_p):.3f}   best/xla {gm(ratios_x):.1f}")
+
+
+def cmd_run(bins, skip_bench=False, budget=228.0):
+    """Every binary's checks run in their own child process (in parallel: a crash, e.g. an
+    illegal instruction that poisons the CUDA context, only loses that binary), then the
+    forward and rhs-gradient benchmarks in two more children, within ``budget`` seconds."""
+    import subprocess
+    t0 = time.time()
+    with open(os.path.join(bins, "index.json")) as f:
+        index = json.load(f)
+    out = os.environ.get("OUT") or "/tmp/devcheck_grouped"
+    logs = os.path.join(out, "grouped_children")
+    os.makedirs(logs, exist_ok=True)
+    me = os.path.abspath(__file__)
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    jobs = []  # (name, args, informational)
+    for e in index:
+        if e.get("extra") == "noepi":
+            continue
+        if e.get("extra") == "diag":
+            for kinds in ("align128", "align8", "uniform"):
+                jobs.append((f"{e['file']}[{kinds}]", ["check-one", "--file", e["file"], "--kinds", kinds], True))
+        else:
+            jobs.append((e["file"], ["check-one", "--file", e["file"]], False))
+    procs = []
+    for name, args, info in jobs:
+        fh = open(os.path.join(logs, name.replace("[", "_").replace("]", "") + ".log"), "w")
+        procs.append((name, info, fh, subprocess.Popen([sys.executable, me, *args, "--bins", bins],
+                                                         stdout=fh, stderr=subprocess.STDOUT, env=env)))
+    summary = []
+    check_deadline = t0 + min(110.0, budget * 0.45)
+    for name, info, fh, p in procs:
+        try:
+            rc = p.wait(timeout=max(1.0, check_deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+            rc = "TIMEOUT"
+        fh.close()
+        lines = open(fh.name, errors="replace").read().splitlines()
+        res = [ln for ln in lines if ln.startswith(("PASS", "FAIL"))]
+        fails = [ln for ln in res if ln.startswith("FAIL")]
+        summary.append((name, info, rc, len(res) - len(fails), len(res), fails))
+    print(f"== correctness by binary ({time.time() - t0:.0f}s)")
+    bad = False
+    for name, info, rc, npass, n, fails in summary:
+        status = "ok" if rc == 0 and not fails and n else f"FAILED rc={rc}"
+        if status != "ok" and not info:
+            bad = True
+        print(f"  {name:<52} {npass:>3}/{n:<3} {status}{'  (informational)' if info else ''}")
+        for ln in fails[:4]:
+            print("     " + " ".join(ln.split())[:230])
+        if len(fails) > 4:
+            print(f"     ... {len(fails) - 4} more")
+    sys.stdout.flush()
+    rows = []
+    if not skip_bench:
+        bench_json = os.path.join(out, "grouped_bench.jsonl")
+        if os.path.exists(bench_json):
+            os.remove(bench_json)
+        for which, share in (("fwd", 0.62), ("drhs", 1.0)):
+            left = budget - (time.time() - t0)
+            timeout = max(5.0, left * share)
+            try:
+                rc = subprocess.run([sys.executable, me, "bench", "--which", which, "--bins", bins,
+                                     "--json", bench_json], timeout=timeout).returncode
+            except subprocess.TimeoutExpired:
+                rc = f"TIMEOUT after {timeout:.0f}s"
+            print(f"bench {which}: rc={rc}", flush=True)
+            if rc != 0:
+                bad = True
+        if os.path.exists(bench_json):
+            rows = [json.loads(ln) for ln in open(bench_json)]
+        _print_table(rows)
+    print(f"\noverall: {'FAIL' if bad else 'OK'} ({time.time() - t0:.0f}s)")
     return 1 if bad else 0
 
 
@@ -396,11 +483,28 @@ def main():
     rr = sub.add_parser("run")
     rr.add_argument("--bins", required=True)
     rr.add_argument("--no-bench", action="store_true")
+    c = sub.add_parser("check-one")
+    c.add_argument("--bins", required=True)
+    c.add_argument("--file", required=True)
+    c.add_argument("--kinds", default=",".join(KINDS))
+    bb = sub.add_parser("bench")
+    bb.add_argument("--bins", required=True)
+    bb.add_argument("--which", choices=("fwd", "drhs"), required=True)
+    bb.add_argument("--json", required=True)
     args = p.parse_args()
     if args.cmd == "build":
         cmd_build(args.out)
-    else:
+    elif args.cmd == "run":
         sys.exit(cmd_run(args.bins, args.no_bench))
+    elif args.cmd == "check-one":
+        import zlib
+        import numpy as np
+        r = Runner(args.bins)
+        rng = np.random.default_rng(zlib.crc32(args.file.encode()) + int(time.time()) % 1000)
+        res = check_binary(r, r.entry(args.file), rng, tuple(args.kinds.split(",")))
+        sys.exit(0 if res and all(x[1] for x in res) else 1)
+    else:
+        run_bench(Runner(args.bins), args.which, args.json)
 
 
 if __name__ == "__main__":

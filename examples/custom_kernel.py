@@ -16,7 +16,6 @@ import cutlass
 import cutlass.cute as cute
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import jax_cute
 
@@ -87,7 +86,7 @@ def axpby(a: jax.Array, b: jax.Array, alpha: jax.Array) -> jax.Array:
 
 
 def _axpby_fwd(a, b, alpha):
-    return axpby_raw(a, b, alpha), (a, alpha)
+    return axpby_raw(a, b, alpha), (a, jnp.asarray(alpha, jnp.float32))  # alpha may be a Python float
 
 
 def _axpby_bwd(res, g):
@@ -119,7 +118,7 @@ def main(argv: list[str] | None = None) -> dict:
           f"{'CuTe kernel on ' + jax.devices()[0].device_kind if on_gpu else 'reference path on CPU (no GPU found)'}")
     ka, kb = jax.random.split(jax.random.key(0))
     results: dict = {}
-    for dtype, tol in ((jnp.float32, 1e-6), (jnp.bfloat16, 1e-2)):
+    for dtype, tol in ((jnp.float32, 1e-5), (jnp.bfloat16, 3e-2)):
         a = jax.random.normal(ka, (args.n,), dtype)
         b = jax.random.normal(kb, (args.n,), dtype)
         alpha = jnp.float32(1.5)

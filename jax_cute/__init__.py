@@ -13,7 +13,16 @@ __version__ = "0.1.0"
 from jax_cute import config, layout  # noqa: E402
 from jax_cute.primitives.cute_call import cute_call  # noqa: E402
 from jax_cute.primitives.matmul import matmul  # noqa: E402
+from jax_cute.primitives.ragged_dot import ragged_dot  # noqa: E402
 from jax_cute.routing import FallbackError  # noqa: E402
+from jax_cute.runtime import ensure_registered as register_ffi  # noqa: E402
+
+try:  # Register our FFI target now, so deserialised (jax.export) modules that use it can run.
+    register_ffi()
+except (ImportError, RuntimeError) as _e:  # not built / no DSL runtime: lowering will say so
+    import logging as _logging
+
+    _logging.getLogger("jax_cute").debug("jax_cute: FFI target not registered at import: %s", _e)
 
 
 def export_disabled_checks() -> list:
@@ -29,4 +38,4 @@ def export_disabled_checks() -> list:
 
     return [export.DisabledSafetyCheck.custom_call(TARGET_NAME)]
 
-__all__ = ["matmul", "cute_call", "config", "layout", "FallbackError", "export_disabled_checks", "__version__"]
+__all__ = ["matmul", "ragged_dot", "cute_call", "config", "layout", "FallbackError", "export_disabled_checks", "register_ffi", "__version__"]

@@ -24,7 +24,7 @@ from jax_cute.kernels import abi
 from jax_cute.kernels.gemm_spec import GemmSpec, Workspace
 
 FAMILY = "sm90_gemm"
-VERSION = 1
+VERSION = 2
 ARCH = "sm_90a"
 
 NUM_SMS = 132            # H100 SXM / H200; compiled into the persistent grid bound
@@ -33,6 +33,7 @@ TILE_K = 64              # one 128-byte swizzle atom of 16-bit elements
 _IN_DTYPES = ("bfloat16", "float16")
 _OUT_DTYPES = ("bfloat16", "float16", "float32")
 _ITEM = {"bfloat16": 2, "float16": 2, "float32": 4}
+_ITEM_OF = {16: 2, 32: 4}   # output element width in bits -> bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,6 +124,9 @@ def _estimate(config: Config, m: int, n: int, k: int, l: int, num_sms: int) -> f
 
 
 def heuristic(spec, m: int, n: int, k: int, l: int, num_sms: int = NUM_SMS) -> Config:
+    reason = unsupported(spec)
+    if reason:
+        raise ValueError(reason)
     cands = [c for c in candidate_configs(spec) if c.raster == "m" and c.group == 8]
     tiles_m = -(-max(m, 1) // 128)
     if tiles_m == 1:   # a 2x1 cluster would idle half its CTAs; share A along N instead
@@ -249,7 +253,7 @@ def _kernel_class():
                 sC: cute.struct.Align[cute.struct.MemRange[c_t, cute.cosize(sc)], 1024]
 
             self.storage = Storage
-            self.kernel(tma_a, tA, tma_b, tB, tma_c, tC, ws, flags, tiled_mma, sa, sb, sc).launch(
+            self.kernel(tma_a, tA, tma_b, tB, tma_c, tC, c, ws, flags, tiled_mma, sa, sb, sc).launch(
                 grid=[self.cm, self.cn, n_clusters], block=[self.threads, 1, 1],
                 cluster=[self.cm, self.cn, 1], min_blocks_per_mp=1, stream=stream)
 
@@ -287,7 +291,8 @@ def _kernel_class():
 
         @cute.kernel
         def kernel(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
-                   tma_c: cute.CopyAtom, mC: cute.Tensor, ws, flags, tiled_mma: cute.TiledMma,
+                   tma_c: cute.CopyAtom, mC: cute.Tensor, gmem_c: cute.Tensor, ws, flags,
+                   tiled_mma: cute.TiledMma,
                    sa_layout: cute.ComposedLayout, sb_layout: cute.ComposedLayout,
                    sc_layout: cute.ComposedLayout):
             tidx, _, _ = cute.arch.thread_idx()
@@ -401,6 +406,14 @@ def _kernel_class():
                                             stride=(self.bn // self.epi_tile[1], 1))
                 frag = cute.size(acc)
                 acc_flat = cute.make_tensor(acc.iterator, cute.make_layout(frag))
+                # TMA stores write whole 16-byte chunks: when C's contiguous extent is not a
+                # multiple of 16 bytes, a store clipped at that edge would also write the
+                # caller's padding behind it. Subtiles crossing such an edge are stored with
+                # predicated per-element stores instead (runtime check; aligned shapes never
+                # take that path).
+                c_m_extent, c_n_extent = gmem_c.shape[0], gmem_c.shape[1]
+                contig = c_n_extent if const_expr(self.c_lay.is_n_major_c()) else c_m_extent
+                ragged = (contig * _ITEM_OF[self.c_t.width]) % 16 != 0
 
                 w = first
                 while w < total:
@@ -437,7 +450,8 @@ def _kernel_class():
                     gC_t = gC[(None, None, tm, tn, l)]
                     if const_expr(self.split == 1):
                         self.epilogue(tma_c, gC_t, sC, acc, r2s, tRS_acc, tRS_r32, tRS_rC, tRS_sC,
-                                      n_rd, n_epi, epi_grid, epi_bar, store_pipe, warp_id)
+                                      n_rd, n_epi, epi_grid, epi_bar, store_pipe, warp_id,
+                                      gmem_c, tm, tn, l, ragged, ctid)
                     else:
                         # ---- split-K: publish the partial, the last of the S arrivals folds them
                         tile_id = (Int64(l) * (cl_n * self.cn) + tn) * (cl_m * self.cm) + tm
@@ -471,21 +485,28 @@ def _kernel_class():
                                     for v in range_constexpr(frag):
                                         acc_flat[v] = acc_flat[v] + part[v]
                             self.epilogue(tma_c, gC_t, sC, acc, r2s, tRS_acc, tRS_r32, tRS_rC, tRS_sC,
-                                          n_rd, n_epi, epi_grid, epi_bar, store_pipe, warp_id)
+                                          n_rd, n_epi, epi_grid, epi_bar, store_pipe, warp_id,
+                                          gmem_c, tm, tn, l, ragged, ctid)
                     w += stride
                 store_pipe.producer_tail()
 
         @cute.jit
         def epilogue(self, tma_c, gC_t, sC, acc, r2s, tRS_acc, tRS_r32, tRS_rC, tRS_sC, n_rd: cutlass.Constexpr,
-                     n_epi: cutlass.Constexpr, epi_grid, epi_bar, store_pipe, warp_id):
+                     n_epi: cutlass.Constexpr, epi_grid, epi_bar, store_pipe, warp_id,
+                     gmem_c, tm, tn, l, ragged, ctid):
             """acc -> output dtype -> smem ring -> TMA store, one epi_tile at a time.
 
             The ring is used round-robin across tiles (n_epi is a multiple of its depth), and the
             store warp waits until at most depth-1 stores still read smem before anyone refills.
+            A subtile that crosses C's contiguous edge while that edge is not 16-byte aligned
+            (`ragged`) is written by all consumer threads with predicated stores instead.
             """
             bSG_sC, bSG_gC = cpasync.tma_partition(
                 tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2),
                 cute.zipped_divide(gC_t, self.epi_tile))
+            em, en = self.epi_tile
+            c_n = self.c_lay.is_n_major_c()
+            m_ext, n_ext = gmem_c.shape[0], gmem_c.shape[1]
             for e in range_constexpr(n_epi):
                 for v in range_constexpr(n_rd):
                     tRS_r32[v] = tRS_acc[e * n_rd + v]
@@ -495,8 +516,23 @@ def _kernel_class():
                 # generic-proxy smem writes must be visible to the TMA (async proxy) store
                 cute.arch.fence_proxy("async.shared", space="cta")
                 epi_bar.arrive_and_wait()
+                e_m, e_n = epi_grid.get_hier_coord(e)
+                m0 = tm * self.bm + e_m * em
+                n0 = tn * self.bn + e_n * en
+                edge = ragged and ((n0 + en > n_ext) if const_expr(c_n) else (m0 + em > m_ext))
+                if edge:
+                    # consecutive threads walk the contiguous mode (coalesced, conflict-light)
+                    for it in range_constexpr((em * en) // self.mma_threads):
+                        idx = ctid + it * self.mma_threads
+                        if const_expr(c_n):
+                            r, q = idx // en, idx % en
+                        else:
+                            r, q = idx % em, idx // em
+                        if m0 + r < m_ext and n0 + q < n_ext:
+                            gmem_c[(m0 + r, n0 + q, l)] = sC[(r, q, buf)]
                 if warp_id == self.store_warp:
-                    cute.copy(tma_c, bSG_sC[(None, buf)], bSG_gC[(None, epi_grid.get_hier_coord(e))])
+                    if not edge:
+                        cute.copy(tma_c, bSG_sC[(None, buf)], bSG_gC[(None, (e_m, e_n))])
                     store_pipe.producer_commit()
                     store_pipe.producer_acquire()
                 epi_bar.arrive_and_wait()

@@ -51,9 +51,10 @@ class Config:
     tile_n: int = 256     # tile_m is always 128 (two consumer warpgroups of 64 rows)
     raster: int = 8       # ragged_m: m-tiles per raster panel (L2 reuse of B)
     sms: int = 132        # persistent grid size
+    epilogue: bool = True  # False: timing diagnostic only (no C store; never routed)
 
     def key(self) -> str:
-        return f"n{self.tile_n}.r{self.raster}.sm{self.sms}"
+        return f"n{self.tile_n}.r{self.raster}.sm{self.sms}" + ("" if self.epilogue else ".noepi")
 
 
 TILE_M = 128
@@ -71,6 +72,10 @@ def unsupported(spec) -> str | None:
         return "accumulation must be float32"
     if spec.mode == "ragged_m" and spec.c_major != "n":
         return "ragged_m needs an N-major output (clipped TMA store along M)"
+    if spec.mode == "ragged_m" and spec.a_major != "k":
+        # M-major A hit CUDA_ERROR_ILLEGAL_INSTRUCTION on an H200 (2026-11-21, first GPU run);
+        # ragged_dot's forward and lhs gradient use K-major A, so the routing falls back.
+        return "ragged_m with M-major A is not supported (illegal instruction on sm_90a, unfixed)"
     if spec.mode == "ragged_k" and (spec.a_major != "m" or spec.b_major != "n"):
         return "ragged_k needs MN-major A and B (clipped TMA loads along K)"
     return None
@@ -438,7 +443,7 @@ def _build(spec: GroupedSpec, cfg: Config):
                     n_epi = cute.size(gC_epi, mode=[1])
                     epi_shape = gC_epi.shape[1]
                     epi_layout = cute.make_layout(epi_shape, stride=(epi_shape[1], 1))
-                    for e in cutlass.range_constexpr(n_epi):
+                    for e in cutlass.range_constexpr(n_epi if cfg.epilogue else 0):
                         for v in cutlass.range_constexpr(n_rd):
                             rD[v] = tRS_acc[e * n_rd + v]
                         rD_out.store(rD.load().to(c_dt))

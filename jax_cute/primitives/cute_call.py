@@ -93,7 +93,11 @@ def _reference_lowering(ctx, *args, kernel: UserKernel, name, **_):
         raise NotImplementedError(
             f"jax_cute.cute_call({name}): this kernel runs only on CUDA GPUs; pass reference=fn "
             "(plain jax.numpy with the same inputs and outputs) to run it elsewhere")
-    ref = lambda *xs: list(kernel.reference(*xs))  # noqa: E731
+    def ref(*xs):
+        outs = kernel.reference(*xs)
+        # One output may come back bare; list() would walk a traced array element by element.
+        return list(outs) if isinstance(outs, (tuple, list)) else [outs]
+
     return mlir.lower_fun(ref, multiple_results=True)(ctx, *args)
 
 

@@ -12,7 +12,7 @@ from typing import Callable
 import jax
 import numpy as np
 
-from jax_cute import kernels, routing
+from jax_cute import kernels, routing, selfcheck
 from jax_cute.cache import CACHE
 from jax_cute.kernels.build import compile_launcher
 from jax_cute.kernels.gemm_spec import GemmSpec
@@ -90,6 +90,9 @@ def matmul_impl(a_dtype, b_dtype, *, layouts: GemmLayouts, out_dtype: str, acc_d
     cfg = fam.heuristic(spec, flat.m, flat.n, flat.k, flat.l, num_sms(arch))
     binary = binary_for(fam, arch, spec, cfg)
     workspaces = fam.workspace(spec, cfg, flat.m, flat.n, flat.k, flat.l)
+    if not selfcheck.trusted(binary, selfcheck.gemm_check(binary, flat, workspaces, dts)):
+        routing.fallback("matmul", f"{binary.name} failed its first-use check on this device")
+        return None
     logger.info("jax_cute.matmul: %s on %s (M=%d N=%d K=%d L=%d)", binary.name, arch, flat.m, flat.n, flat.k, flat.l)
     return lambda a, b: _launch(a, b, flat, binary, workspaces, layouts, dts[2])
 

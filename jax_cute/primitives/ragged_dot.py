@@ -3,7 +3,7 @@
 The same rules as ``matmul.py``, one place each:
 - abstract evaluation: the output buffer's shape and dtype;
 - reference lowering (CPU, and the fallback everywhere): reads the buffers through the layouts,
-  clips the group sizes as documented, and contracts with ``lax.ragged_dot_general``;
+  clips the group sizes as documented, and contracts masked rows with ``dot_general``;
 - CUDA lowering: the grouped kernel family through ``jax_cute.routing`` (else the reference);
 - batching: a vmapped axis becomes an L sub-mode of every operand (stride 0 where unbatched,
   group sizes included), layouts re-targeted by composition, no data moved;
@@ -106,7 +106,7 @@ def _jvp(prim, primals, tangents, **params):
     if type(db) is not ad.Zero:
         terms.append(prim.bind(a, db, gs, **params))
     if not terms:
-        return out, ad.Zero.from_primal_value(out)
+        return out, ad.Zero(jax.typeof(out).to_tangent_aval())
     return out, terms[0] if len(terms) == 1 else terms[0] + terms[1]
 
 

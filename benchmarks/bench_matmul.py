@@ -1,0 +1,94 @@
+"""GEMM suite: jax_cute.matmul vs XLA (jnp.matmul) vs Pallas Mosaic-GPU Hopper matmul, bf16.
+
+Also: vmap of 8 independent problems (both operands batched) against one flat problem of the
+same total size, and the MLP block training step (forward + backward) on jax_cute vs jnp.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+
+import jax_cute  # noqa: E402
+from common import Impl, best_of, measure, suite_main  # noqa: E402
+
+SHAPES = [(8192, 8192, 8192), (4096, 4096, 4096), (2048, 2048, 2048), (4096, 14336, 4096),
+          (4096, 4096, 14336), (16384, 2048, 2048), (512, 8192, 8192)]  # (M, N, K)
+SMOKE_SHAPES = [(128, 256, 64), (256, 128, 128)]
+
+
+def pallas_impls() -> list[Impl]:
+    """A few Hopper matmul configs from Pallas' own tuning sweep (best one is reported)."""
+    try:
+        from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
+    except Exception as e:  # noqa: BLE001 - a missing rival is recorded, not fatal
+        msg = f"{type(e).__name__}: {e}"
+
+        def missing(a, b):
+            raise RuntimeError(f"Pallas hopper_matmul_mgpu unavailable: {msg}")
+
+        return [Impl("pallas", missing, "import")]
+    D = hm.MatmulDimension
+    out = []
+    for tm, tn, minor, width, wg in [(128, 128, D.M, 4, D.N), (256, 128, D.N, 8, D.M),
+                                     (128, 128, D.N, 16, D.N), (256, 64, D.M, 8, D.M)]:
+        cfg = hm.TuningConfig(tile_m=tm, tile_n=tn, tile_k=64, max_concurrent_steps=4, epi_tile_n=64,
+                              epi_tile_m=64, grid_minor_dim=minor, grid_tile_width=width, wg_dimension=wg)
+        name = f"tm{tm} tn{tn} tk64 s4 minor={minor.name} w{width} wg={wg.name}"
+        out.append(Impl("pallas", functools.partial(lambda a, b, c: hm.matmul(a, b, None, c), c=cfg), name))
+    return out
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    on_gpu = jax.default_backend() == "gpu"
+    dt = jnp.bfloat16
+    rounds = 2 if args.smoke else args.rounds
+    recs: list[dict] = []
+    rivals = pallas_impls() if on_gpu else []  # Mosaic GPU cannot run on a CPU
+    for m, n, k in SMOKE_SHAPES if args.smoke else SHAPES:
+        impls = [Impl("jax_cute", jax_cute.matmul), Impl("xla", jnp.matmul), *rivals]
+        mk = lambda s, m=m, n=n, k=k: tuple(jax.random.normal(key, sh, dt) for key, sh in  # noqa: E731
+                                            zip(jax.random.split(jax.random.key(s)), [(m, k), (k, n)]))
+        recs += measure("matmul", "gemm", f"{m}x{n}x{k}", impls, mk, 2.0 * m * n * k, rounds=rounds,
+                        meta={"m": m, "n": n, "k": k, "dtype": "bfloat16"})
+
+    # vmap: 8 problems, both operands batched, vs one flat problem with the same FLOPs.
+    b, m, n, k = (2, 64, 128, 64) if args.smoke else (8, 2048, 1536, 1024)
+    mkb = lambda s: (jax.random.normal(jax.random.key(s), (b, m, k), dt),  # noqa: E731
+                     jax.random.normal(jax.random.key(s + 10_000), (b, k, n), dt))
+    recs += measure("matmul", "gemm", f"vmap {b}x({m}x{n}x{k})",
+                    [Impl("jax_cute", jax.vmap(jax_cute.matmul)), Impl("xla", jax.vmap(jnp.matmul))],
+                    mkb, 2.0 * b * m * n * k, rounds=rounds, meta={"batch": b, "m": m, "n": n, "k": k})
+    mkf = lambda s: (jax.random.normal(jax.random.key(s), (b * m, k), dt),  # noqa: E731
+                     jax.random.normal(jax.random.key(s + 10_000), (k, n), dt))
+    recs += measure("matmul", "gemm", f"flat {b * m}x{n}x{k}",
+                    [Impl("jax_cute", jax_cute.matmul), Impl("xla", jnp.matmul)],
+                    mkf, 2.0 * b * m * n * k, rounds=rounds, meta={"m": b * m, "n": n, "k": k})
+
+    # The README's MLP training step (forward + backward + SGD update), jax_cute vs jnp.
+    import mlp_training as mlp
+
+    size = "tiny" if args.smoke else "large"
+    batch, d_model, d_ff, _, lr = mlp.SIZES[size]
+    params = mlp.init(jax.random.key(0), d_model, d_ff)
+    x, y = mlp.data(jax.random.key(1), batch, d_model, n_batches=1)
+    step_dt = jnp.bfloat16 if on_gpu else jnp.float32
+    mks = lambda s: (params, jax.random.normal(jax.random.key(s), x[0].shape, jnp.float32), y[0])  # noqa: E731
+    recs += measure("matmul", "e2e", f"MLP train step {batch}x{d_model}x{d_ff}",
+                    [Impl("jax_cute", mlp.make_step(jax_cute.matmul, step_dt, lr)),
+                     Impl("xla", mlp.make_step(jnp.matmul, step_dt, lr))],
+                    mks, 6 * 2.0 * batch * d_model * d_ff, rounds=rounds, check=False,
+                    meta={"dtype": jnp.dtype(step_dt).name})
+    return best_of(recs, "pallas")
+
+
+if __name__ == "__main__":
+    suite_main(run, __doc__.splitlines()[0])

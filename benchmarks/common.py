@@ -1,0 +1,158 @@
+"""One timing method for every implementation in every suite.
+
+``measure`` jits each implementation, warms it up, then runs interleaved rounds: in round r it
+times implementation A, then B, then C on the same fresh random inputs (never zeros: zero data
+can make hardware draw less power and run faster), each as N back-to-back calls ended by one
+``block_until_ready``. The result per implementation is the median over rounds, so slow drift
+(clocks, temperature) hits all implementations alike. A failing implementation (a rival that
+cannot compile a shape, an import missing on this jax) becomes a record with ``error`` set,
+never a crash.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+import traceback
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass
+class Impl:
+    name: str                 # "jax_cute", "xla", "pallas", ...
+    fn: Callable              # a function of the case's arguments (jitted here)
+    config: str | None = None  # e.g. a Pallas tuning config; several configs may share a name
+
+
+def _block(x) -> None:
+    jax.tree.map(lambda a: a.block_until_ready() if hasattr(a, "block_until_ready") else a, x)
+
+
+def uses_kernel(fn: Callable, args: Sequence) -> bool | None:
+    """Whether ``fn`` lowers to our custom call here (None when lowering itself fails)."""
+    try:
+        return "jax_cute_launch" in jax.jit(fn).lower(*args).as_text()
+    except Exception:  # noqa: BLE001 - reported as unknown
+        return None
+
+
+def _rel_err(out, ref) -> float:
+    o = np.asarray(jax.tree.leaves(out)[0], np.float32)
+    r = np.asarray(jax.tree.leaves(ref)[0], np.float32)
+    return float(np.max(np.abs(o - r)) / max(float(np.max(np.abs(r))), 1e-30))
+
+
+def measure(suite: str, table: str, case: str, impls: Sequence[Impl], make_args: Callable[[int], tuple],
+            flops: float, *, rounds: int = 7, warmup: int = 2, target_s: float = 0.02,
+            meta: dict | None = None, check: bool = True) -> list[dict]:
+    """Time ``impls`` on ``make_args(seed)`` as described above; one record per implementation.
+
+    ``flops`` gives TFLOP/s (0 for cases where only time matters). With ``check`` each output
+    is compared with the first working implementation's on the same inputs (``max_rel_err``).
+    """
+    base = {"suite": suite, "table": table, "case": case, "flops": flops, **(meta or {})}
+    records: dict[int, dict] = {}
+    jitted: dict[int, Callable] = {}
+    args = make_args(0)
+    ref_out = None
+    for i, im in enumerate(impls):
+        rec = {**base, "impl": im.name, "config": im.config, "ms": None, "tflops": None, "error": None}
+        records[i] = rec
+        out = None
+        try:
+            f = jax.jit(im.fn)
+            out = f(*args)
+            _block(out)
+            for _ in range(warmup - 1):
+                _block(f(*args))
+            t0 = time.perf_counter()
+            _block(f(*args))
+            rec["calls"] = int(max(1, min(100, target_s / max(time.perf_counter() - t0, 1e-6))))
+            if im.name == "jax_cute":
+                rec["kernel"] = uses_kernel(im.fn, args)  # False: it ran XLA's fallback, say so
+            if check:
+                if ref_out is None:
+                    ref_out = out
+                else:
+                    rec["max_rel_err"] = _rel_err(out, ref_out)
+            jitted[i] = f
+        except Exception as e:  # noqa: BLE001 - a failing rival is a result, not a crash
+            rec["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+            print(f"  [{case}] {im.name}{' ' + im.config if im.config else ''} failed: {rec['error']}",
+                  file=sys.stderr)
+            if "--traceback" in sys.argv:
+                traceback.print_exc()
+        out = None  # free the output before the next implementation runs
+    times: dict[int, list[float]] = {i: [] for i in jitted}
+    for r in range(rounds):
+        args = make_args(r + 1)
+        _block(args)
+        for i, f in jitted.items():
+            n = records[i]["calls"]
+            try:
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    out = f(*args)
+                _block(out)
+                times[i].append((time.perf_counter() - t0) / n * 1e3)
+            except Exception as e:  # noqa: BLE001
+                records[i]["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        del args
+    for i, ts in times.items():
+        rec = records[i]
+        if rec["error"] or not ts:
+            continue
+        rec["rounds_ms"] = ts
+        rec["ms"] = statistics.median(ts)
+        rec["tflops"] = flops / (rec["ms"] * 1e-3) / 1e12 if flops else None
+        print(f"  [{case}] {rec['impl']:9s}{' ' + rec['config'] if rec['config'] else ''}: {rec['ms']:.4f} ms"
+              + (f", {rec['tflops']:.1f} TFLOP/s" if rec["tflops"] else "")
+              + (f", rel err {rec['max_rel_err']:.1e}" if rec.get("max_rel_err") is not None else ""))
+    return list(records.values())
+
+
+def best_of(records: list[dict], impl: str) -> list[dict]:
+    """Keep, per case, only the fastest working record of ``impl`` (best of its configs);
+    if none worked, keep one error record so the report can say it failed."""
+    out, groups = [], {}
+    for r in records:
+        if r["impl"] == impl:
+            groups.setdefault((r["table"], r["case"]), []).append(r)
+        else:
+            out.append(r)
+    for rs in groups.values():
+        ok = [r for r in rs if r["ms"] is not None]
+        if ok:
+            best = min(ok, key=lambda r: r["ms"])
+            best["configs_tried"] = len(rs)
+            out.append(best)
+        else:
+            rs[0]["error"] = "; ".join(sorted({str(r['error']) for r in rs}))[:600]
+            rs[0]["configs_tried"] = len(rs)
+            out.append(rs[0])
+    return out
+
+
+def suite_main(run: Callable[[argparse.Namespace], list[dict]], description: str) -> None:
+    """Command line shared by the bench_*.py files: ``--records PATH`` writes the record list."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--records", help="write the records here as JSON (run.py reads them)")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes, a few rounds: checks the script, not speed")
+    p.add_argument("--rounds", type=int, default=7, help="timed rounds per case (median is reported)")
+    args = p.parse_args()
+    recs = run(args)
+    if args.records:
+        dev = jax.devices()[0]
+        with open(args.records, "w") as f:
+            json.dump({"device": dev.device_kind, "backend": jax.default_backend(), "device_count": jax.device_count(),
+                       "jax_version": jax.__version__, "records": recs}, f, indent=1, default=str)
+    print(f"{len(recs)} records, {sum(r['error'] is not None for r in recs)} failed")
+

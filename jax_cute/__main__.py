@@ -1,0 +1,118 @@
+"""``python -m jax_cute cache list|clear|precompile``: manage the kernel cache.
+
+``precompile`` lowers the listed problems for a target arch exactly as a jitted model would
+(so the same cache keys are filled), on any machine: no GPU is needed. Each arch compiles in a
+process of its own with ``CUTE_DSL_ARCH`` set. Copy the cache directory (``JAX_CUTE_CACHE_DIR``)
+to the GPU machines and they only load objects.
+
+Problem syntax:
+  --matmul 4096x4096,4096x14336[:bfloat16][:ta][:tb][:grad]   shapes of a and b as for
+           jax_cute.matmul (batch dims allowed, e.g. 8x2048x1024,8x1024x1536)
+  --ragged M,K,N,G[:bfloat16][:grad]                           lhs [M,K], rhs [G,K,N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import subprocess
+import sys
+
+
+def _shape(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split("x"))
+
+
+def _lower_problem(kind: str, text: str) -> None:
+    import jax
+    import jax.numpy as jnp
+
+    import jax_cute
+
+    parts = text.split(":")
+    flags = set(parts[1:])
+    dtype = next((jnp.dtype(f) for f in flags if f not in ("ta", "tb", "grad")), jnp.dtype(jnp.bfloat16))
+    if kind == "matmul":
+        sa, sb = (_shape(s) for s in parts[0].split(","))
+        args = [jax.ShapeDtypeStruct(sa, dtype), jax.ShapeDtypeStruct(sb, dtype)]
+
+        def f(a, b):
+            return jax_cute.matmul(a, b, transpose_a="ta" in flags, transpose_b="tb" in flags)
+    else:
+        m, k, n, g = (int(x) for x in parts[0].split(","))
+        args = [jax.ShapeDtypeStruct((m, k), dtype), jax.ShapeDtypeStruct((g, k, n), dtype),
+                jax.ShapeDtypeStruct((g,), jnp.int32)]
+
+        def f(lhs, rhs, gs):
+            return jax_cute.ragged_dot(lhs, rhs, gs)
+    jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+    if "grad" in flags:  # the backward GEMMs are kernels of their own
+        def grads(*xs):
+            return jax.grad(lambda *ys: f(*ys).astype(jnp.float32).sum(), argnums=(0, 1))(*xs)
+        jax.jit(grads).trace(*args).lower(lowering_platforms=("cuda",))
+
+
+def _precompile_one(arch: str, matmuls: list[str], raggeds: list[str]) -> int:
+    from jax_cute import config
+    from jax_cute.cache import CACHE
+
+    config.set(target_arch=arch, strict=True)
+    for kind, items in (("matmul", matmuls), ("ragged", raggeds)):
+        for text in items:
+            before = CACHE.stats.compiles
+            _lower_problem(kind, text)
+            print(f"{arch} {kind} {text}: {CACHE.stats.compiles - before} compiled, "
+                  f"{CACHE.stats.disk_hits} from disk so far")
+    return 0
+
+
+def _list() -> int:
+    from jax_cute.cache import CACHE
+
+    rows = list(CACHE.entries())
+    print(f"cache: {CACHE.directory()} ({len(rows)} entries)")
+    for r in rows:
+        when = datetime.datetime.fromtimestamp(r.get("created", 0)).strftime("%Y-%m-%d %H:%M")
+        print(f"{r['key'][:12]}  {r['arch']:8s} {r['bytes']:>9d} B  hits {r.get('hits', 0):>4d}  {when}  {r['name']}")
+    total = sum(r["bytes"] for r in rows)
+    print(f"total {total} bytes")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m jax_cute", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="group", required=True)
+    cache = sub.add_parser("cache").add_subparsers(dest="cmd", required=True)
+    cache.add_parser("list", help="show entries, sizes and hits")
+    cache.add_parser("clear", help="delete every entry")
+    pre = cache.add_parser("precompile", help="compile the kernels listed problems need")
+    pre.add_argument("--arch", action="append", required=True, help="sm_90a or sm_100a (repeatable)")
+    pre.add_argument("--matmul", action="append", default=[])
+    pre.add_argument("--ragged", action="append", default=[])
+    pre.add_argument("--in-process", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    if args.cmd == "list":
+        return _list()
+    if args.cmd == "clear":
+        from jax_cute.cache import CACHE
+
+        print(f"removed {CACHE.clear_disk()} entries from {CACHE.directory()}")
+        return 0
+    if args.in_process:
+        return _precompile_one(args.arch[0], args.matmul, args.ragged)
+    rc = 0
+    for arch in args.arch:  # one process per arch: the DSL fixes its target per process
+        cmd = [sys.executable, "-m", "jax_cute", "cache", "precompile", "--in-process", "--arch", arch]
+        for m in args.matmul:
+            cmd += ["--matmul", m]
+        for r in args.ragged:
+            cmd += ["--ragged", r]
+        rc |= subprocess.run(cmd, env=dict(os.environ, CUTE_DSL_ARCH=arch, JAX_PLATFORMS="cpu")).returncode
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

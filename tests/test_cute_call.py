@@ -1,0 +1,116 @@
+"""jax_cute.cute_call on the CPU: reference path, CUDA lowering for sm_90a, and its errors."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+
+import cutlass
+import cutlass.cute as cute
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_cute
+from jax_cute import config
+from jax_cute.kernels.build import KernelCompileError
+
+_EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "custom_kernel.py"
+_spec = importlib.util.spec_from_file_location("custom_kernel_example", _EXAMPLE)
+example = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(example)
+
+
+def call_for(n: int, dtype=jnp.float32, **kw):
+    return jax_cute.cute_call(example.axpby_launcher, out_shape=jax.ShapeDtypeStruct((n,), dtype),
+                              reference=example._axpby_reference, name="axpby", **kw)
+
+
+def args(n: int, dtype=jnp.float32, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    a = jnp.asarray(rng.standard_normal(n), dtype)
+    b = jnp.asarray(rng.standard_normal(n), dtype)
+    return a, b, jnp.asarray([1.5], jnp.float32)
+
+
+def cuda_text(f, *xs) -> str:
+    with config.override(target_arch="sm_90a"):
+        return jax.jit(f).trace(*xs).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_reference_path_on_cpu():
+    a, b, alpha = args(1000)
+    out = jax.jit(call_for(1000))(a, b, alpha)
+    np.testing.assert_allclose(out, a * 1.5 + b, rtol=1e-6, atol=1e-6)
+
+
+def test_no_reference_on_cpu_is_a_clear_error():
+    f = jax_cute.cute_call(example.axpby_launcher, out_shape=jax.ShapeDtypeStruct((8,), jnp.float32), name="nref")
+    with pytest.raises(NotImplementedError, match="runs only on CUDA GPUs; pass reference="):
+        jax.jit(f)(*args(8))
+
+
+@pytest.mark.parametrize("n", [8, 1000, 4099])
+def test_lowers_to_our_custom_call_for_sm90(n):
+    text = cuda_text(call_for(n), *args(n))
+    assert text.count("@jax_cute_launch") == 1
+    assert "arch_major = 9" in text
+
+
+def test_permuted_layout_reaches_the_kernel_as_strides():
+    f = jax_cute.cute_call(example.axpby_launcher, out_shape=jax.ShapeDtypeStruct((16,), jnp.float32),
+                           in_layouts=[(0,), (0,), None], reference=example._axpby_reference)
+    assert "@jax_cute_launch" in cuda_text(f, *args(16))
+    with pytest.raises(ValueError, match="permutation of 1 axes"):
+        jax_cute.cute_call(example.axpby_launcher, out_shape=jax.ShapeDtypeStruct((16,), jnp.float32),
+                           in_layouts=[(1,), None, None])(*args(16))
+
+
+def test_wrong_number_of_arguments_names_the_counts():
+    with pytest.raises(TypeError, match=r"takes 5 arguments .* 2 inputs"):
+        call_for(8)(*args(8)[:2])
+
+
+def test_unsupported_dtype_names_the_argument():
+    a, b, alpha = args(8)
+    with pytest.raises(TypeError, match="argument 'a' has dtype complex64"):
+        call_for(8)(a.astype(jnp.complex64), b, alpha)
+
+
+def test_no_derivative_points_to_custom_vjp():
+    a, b, alpha = args(8)
+    with pytest.raises(NotImplementedError, match="custom_vjp"):
+        jax.grad(lambda x: call_for(8)(x, b, alpha).sum())(a)
+
+
+def test_vmap_loops_over_the_batch():
+    a, b, alpha = args(3 * 8)
+    a, b = a.reshape(3, 8), b.reshape(3, 8)
+    f = jax.vmap(call_for(8), in_axes=(0, 0, None))
+    np.testing.assert_allclose(jax.jit(f)(a, b, alpha), a * 1.5 + b, rtol=1e-6, atol=1e-6)
+    assert "@jax_cute_launch" in cuda_text(f, a, b, alpha)
+
+
+def test_identity_is_the_source_not_the_object():
+    from jax_cute.primitives.cute_call import _identity
+
+    assert _identity(example.axpby_launcher, None) == _identity(example.axpby_launcher, None)
+    assert "#key=v2" in _identity(example.axpby_launcher, "v2")
+
+
+def test_nan_fill_aliases_prefilled_outputs():
+    with config.override(nan_fill=True):
+        text = cuda_text(call_for(64), *args(64))
+    assert "output_operand_aliases" in text and "dense<0x7FC00000>" in text  # f32 NaN
+
+
+@cute.jit
+def _broken_launcher(stream, a: cute.Tensor, out: cute.Tensor):
+    out[0] = a[0] * cutlass.Float32(2.0)  # f32 into an f16 tensor: the DSL refuses it
+
+
+def test_compile_error_carries_the_dsl_message():
+    f = jax_cute.cute_call(_broken_launcher, out_shape=jax.ShapeDtypeStruct((8,), jnp.float16))
+    with pytest.raises(KernelCompileError, match="Type mismatch"):
+        cuda_text(f, jnp.zeros((8,), jnp.float16))

@@ -1,0 +1,103 @@
+"""CPU checks of the examples (tiny sizes, in-process) and of the benchmark report generator.
+
+The JSON the report test writes is synthetic and lives only in pytest's tmp_path.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+
+def test_mlp_training_loss_goes_down():
+    import mlp_training
+
+    out = mlp_training.main(["--size", "tiny", "--steps", "8", "--quiet"])
+    assert out["losses"][-1] < 0.8 * out["losses"][0]
+    assert out["ref_losses"] == pytest.approx(out["losses"], rel=1e-4)  # same math as jnp.matmul on CPU
+    assert "CPU" in out["path"]
+
+
+def test_moe_training_loss_goes_down():
+    import moe_training
+
+    out = moe_training.main(["--size", "tiny", "--steps", "8", "--quiet"])
+    assert out["losses"][-1] < 0.9 * out["losses"][0]
+    assert out["ref_losses"] == pytest.approx(out["losses"], rel=1e-4)
+
+
+def test_custom_kernel_matches_and_lowers_for_sm90a():
+    pytest.importorskip("cutlass")
+    import custom_kernel
+
+    out = custom_kernel.main(["--n", "1027", "--batch", "3"])
+    assert out["err_float32"] <= 1e-5 and out["vmap_err"] <= 1e-5 and out["grad_err"] <= 1e-5
+    assert out["sm90a_lowered"]
+
+
+def test_custom_kernel_grad_against_autodiff():
+    import custom_kernel
+
+    a, b = jax.random.normal(jax.random.key(0), (2, 33))
+    f = lambda a, b, s: jnp.sum(jnp.sin(custom_kernel.axpby(a, b, s)))  # noqa: E731
+    g = lambda a, b, s: jnp.sum(jnp.sin(a * s + b))  # noqa: E731
+    for x, y in zip(jax.grad(f, (0, 1, 2))(a, b, 0.7), jax.grad(g, (0, 1, 2))(a, b, jnp.float32(0.7))):
+        assert jnp.allclose(x, y, rtol=1e-5, atol=1e-5)
+
+
+def test_measure_records_failures_without_crashing():
+    from common import Impl, measure
+
+    def broken(a, b):
+        raise ValueError("rival cannot do this shape")
+
+    mk = lambda s: tuple(jax.random.normal(k, (8, 8)) for k in jax.random.split(jax.random.key(s)))  # noqa: E731
+    recs = measure("t", "gemm", "8x8x8", [Impl("xla", jnp.matmul), Impl("pallas", broken)], mk, 2.0 * 8 ** 3,
+                   rounds=2)
+    ok, bad = recs
+    assert ok["ms"] > 0 and ok["tflops"] > 0 and len(ok["rounds_ms"]) == 2
+    assert bad["ms"] is None and "rival cannot" in bad["error"]
+
+
+def test_report_from_synthetic_json(tmp_path):
+    pytest.importorskip("matplotlib")
+    import run
+
+    def rec(table, case, impl, **kw):
+        base = {"suite": "synthetic", "table": table, "case": case, "impl": impl, "error": None, "ms": None,
+                "tflops": None}
+        return {**base, **kw}
+
+    data = {"device": "SYNTHETIC-TEST-DEVICE", "date": "2000-01-01T00:00:00+00:00", "commit": "synthetic0000",
+            "jax_version": "0.0-test", "records": [
+                rec("gemm", "64x64x64", "jax_cute", ms=2.0, tflops=100.0, kernel=True),
+                rec("gemm", "64x64x64", "xla", ms=4.0, tflops=50.0),
+                rec("gemm", "64x64x64", "pallas", error="RuntimeError: synthetic failure"),
+                rec("gemm", "32x32x32", "jax_cute", ms=1.0, tflops=7.0, kernel=False),
+                rec("gemm", "32x32x32", "xla", ms=1.0, tflops=7.0),
+                rec("e2e", "step", "jax_cute", ms=3.0, kernel=True), rec("e2e", "step", "xla", ms=6.0),
+                rec("launch", "tiny", "jax_cute", ms=5.0, us_per_iter=5.0, kernel=True),
+                rec("launch", "tiny", "xla", ms=4.0, us_per_iter=4.0),
+            ]}
+    src = tmp_path / "synthetic.json"
+    src.write_text(json.dumps(data))
+    md, plots = tmp_path / "BENCHMARKS.md", tmp_path / "plots"
+    run.main(["--report", str(src), "--md", str(md), "--plots", str(plots)])
+    text = md.read_text()
+    assert "SYNTHETIC-TEST-DEVICE" in text and "2000-01-01" in text and "synthetic0000" in text
+    assert "| 64x64x64 | 100.0 | 50.0 | failed | 2.00× | — |" in text   # ratio vs XLA; Pallas failed
+    assert "7.00 (XLA fallback)" in text                                # never presented as our kernel
+    assert "| step | 3.00 | 6.00 | 2.00× |" in text                     # time: ratio = theirs / ours
+    assert "| tiny | 5.00 | 4.00 | 0.80× |" in text
+    assert "### Grouped GEMM" not in text                               # nothing unmeasured is written
+    assert sorted(p.name for p in plots.iterdir()) == ["synthetic_e2e.png", "synthetic_gemm.png",
+                                                       "synthetic_launch.png"]

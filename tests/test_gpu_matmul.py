@@ -1,0 +1,200 @@
+"""jax_cute.matmul on a Hopper GPU (``pytest -m gpu``).
+
+Every test first checks, from the compiled HLO, that our kernel runs (our custom call, no cuBLAS
+GEMM), then compares with a float32 reference on fresh random data. Tolerance: the largest
+absolute error over the largest reference magnitude, 1e-2 for 16-bit outputs (one bf16
+rounding of the result) and 1e-4 for f32 outputs (f32 accumulation order only).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_cute
+from jax_cute import config
+
+pytestmark = pytest.mark.gpu
+
+_seed = iter(range(10_000))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _hopper():
+    if jax.default_backend() != "gpu" or jax.devices()[0].compute_capability != "9.0":
+        pytest.skip("needs a compute capability 9.0 GPU")
+
+
+@pytest.fixture(autouse=True)
+def _strict_and_nan_filled():
+    # Strict: a silent fallback would pass the numerics and prove nothing about our kernel.
+    # NaN fill: an output element the kernel never writes stays NaN and fails the comparison.
+    with config.override(strict=True, nan_fill=True):
+        yield
+
+
+def rand(shape, dtype=jnp.bfloat16):
+    rng = np.random.default_rng(next(_seed))
+    return jnp.asarray(rng.standard_normal(shape, dtype=np.float32)).astype(dtype)
+
+
+def compiled_text(f, *args) -> str:
+    return jax.jit(f).lower(*args).compile().as_text()
+
+
+def assert_ours(f, *args, calls: int | None = None) -> None:
+    text = compiled_text(f, *args)
+    assert "jax_cute_launch" in text, "our custom call is missing"
+    assert "cublas" not in text.lower(), "a cuBLAS GEMM is in the compiled module"
+    if calls is not None:
+        assert text.count('custom_call_target="jax_cute_launch"') == calls
+
+
+def check(out, ref, dtype) -> None:
+    out = np.asarray(out.astype(jnp.float32))
+    ref = np.asarray(ref, np.float32)
+    assert out.shape == ref.shape and np.isfinite(out).all()
+    tol = 1e-4 if dtype == jnp.float32 else 1e-2
+    err = np.abs(out - ref).max() / max(np.abs(ref).max(), 1e-30)
+    assert err <= tol, f"relative error {err:.2e} > {tol}"
+
+
+def ref_mm(a, b, ta=False, tb=False):
+    a = jnp.swapaxes(a, -1, -2) if ta else a
+    b = jnp.swapaxes(b, -1, -2) if tb else b
+    return jnp.matmul(a.astype(jnp.float32), b.astype(jnp.float32), precision="highest")
+
+
+SHAPES = [(1000, 1032, 776), (264, 136, 72), (8, 16, 8), (4096, 4096, 4096), (512, 8192, 8192), (130, 2056, 1032)]
+
+
+@pytest.mark.parametrize("m,n,k", SHAPES)
+@pytest.mark.parametrize("out", [jnp.bfloat16, jnp.float32])
+def test_random_data(m, n, k, out):
+    a, b = rand((m, k)), rand((k, n))
+    f = lambda x, y: jax_cute.matmul(x, y, preferred_element_type=out)  # noqa: E731
+    assert_ours(f, a, b, calls=1)
+    check(jax.jit(f)(a, b), ref_mm(a, b), out)
+
+
+@pytest.mark.parametrize("ta,tb", [(False, False), (True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_every_layout(ta, tb, dtype):
+    m, n, k = 520, 264, 1000
+    a = rand((k, m) if ta else (m, k), dtype)
+    b = rand((n, k) if tb else (k, n), dtype)
+    f = lambda x, y: jax_cute.matmul(x, y, transpose_a=ta, transpose_b=tb)  # noqa: E731
+    assert_ours(f, a, b, calls=1)
+    check(jax.jit(f)(a, b), ref_mm(a, b, ta, tb), dtype)
+
+
+def test_small_integers_are_exact():
+    rng = np.random.default_rng(next(_seed))
+    a = jnp.asarray(rng.integers(-4, 5, (1000, 776)), jnp.bfloat16)
+    b = jnp.asarray(rng.integers(-4, 5, (776, 1032)), jnp.bfloat16)
+    f = lambda x, y: jax_cute.matmul(x, y, preferred_element_type=jnp.float32)  # noqa: E731
+    assert_ours(f, a, b)
+    np.testing.assert_array_equal(np.asarray(jax.jit(f)(a, b)), np.asarray(ref_mm(a, b)))
+
+
+@pytest.mark.parametrize("sa,sb", [((3, 1000, 776), (3, 776, 520)), ((4, 264, 136), (136, 72)),
+                                   ((264, 136), (5, 136, 72))])
+def test_batched_and_broadcast(sa, sb):
+    a, b = rand(sa), rand(sb)
+    assert_ours(jax_cute.matmul, a, b, calls=1)
+    check(jax.jit(jax_cute.matmul)(a, b), ref_mm(a, b), jnp.bfloat16)
+
+
+@pytest.mark.parametrize("in_axes", [(0, 0), (1, None), (None, 2), (0, 1)])
+def test_vmap(in_axes):
+    bsz, m, k, n = 6, 264, 520, 136
+
+    def make(shape, axis):
+        return rand(shape) if axis is None else rand(shape[:axis] + (bsz,) + shape[axis:])
+
+    a, b = make((m, k), in_axes[0]), make((k, n), in_axes[1])
+    f = jax.vmap(jax_cute.matmul, in_axes=in_axes)
+    assert_ours(f, a, b, calls=1)
+    check(jax.jit(f)(a, b), jax.vmap(ref_mm, in_axes=in_axes)(a, b), jnp.bfloat16)
+
+
+@pytest.mark.parametrize("sa,sb", [((520, 264), (264, 136)), ((4, 520, 264), (264, 136))])
+def test_grad(sa, sb):
+    a, b, w = rand(sa), rand(sb), rand(sa[:-1] + (sb[-1],))
+
+    def loss(f):
+        return lambda x, y: (f(x, y).astype(jnp.float32) * w.astype(jnp.float32)).sum()
+
+    g = jax.grad(loss(jax_cute.matmul), (0, 1))
+    assert_ours(g, a, b, calls=2)
+    ga, gb = jax.jit(g)(a, b)
+    ra, rb = jax.grad(loss(ref_mm), (0, 1))(a.astype(jnp.float32), b.astype(jnp.float32))
+    check(ga, ra, jnp.bfloat16)
+    check(gb, rb, jnp.bfloat16)
+
+
+def test_misaligned_sizes_fall_back_with_correct_results():
+    a, b = rand((1001, 1003)), rand((1003, 517))  # K*2 bytes is no multiple of 16: no TMA
+    with config.override(strict=False):
+        f = lambda x, y: jax_cute.matmul(x, y)  # noqa: E731
+        text = compiled_text(f, a, b)
+        assert "jax_cute_launch" not in text
+        check(jax.jit(f)(a, b), ref_mm(a, b), jnp.bfloat16)
+
+
+def test_two_threads_at_once():
+    pairs = [(rand((1000, 776)), rand((776, 1032))) for _ in range(2)]
+    f = jax.jit(jax_cute.matmul)
+    f(*pairs[0]).block_until_ready()
+    results: dict[int, object] = {}
+
+    def work(i):
+        for _ in range(20):
+            results[i] = f(*pairs[i]).block_until_ready()
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i in range(2):
+        check(results[i], ref_mm(*pairs[i]), jnp.bfloat16)
+
+
+_GRAPH_PROBE = textwrap.dedent("""
+    import glob, os, re, sys, numpy as np, jax, jax.numpy as jnp, jax_cute
+    f = jax.jit(lambda x, y: jax_cute.matmul(jnp.tanh(x), y) * 2)
+    rng = np.random.default_rng(0)
+    for rep in range(3):  # replays must see new input values
+        a = jnp.asarray(rng.standard_normal((520, 264)), jnp.bfloat16)
+        b = jnp.asarray(rng.standard_normal((264, 136)), jnp.bfloat16)
+        out = np.asarray(f(a, b).astype(jnp.float32))
+        ref = np.asarray(jnp.matmul(jnp.tanh(a).astype(jnp.float32), b.astype(jnp.float32)) * 2)
+        assert np.abs(out - ref).max() / np.abs(ref).max() < 2e-2, rep
+    dumps = glob.glob(os.path.join(sys.argv[1], "*after_optimizations.txt"))
+    text = "".join(open(p).read() for p in dumps)
+    # A command buffer is an HLO computation XLA records as one CUDA graph: ours must be in one.
+    blocks = text.split("\n\n")
+    graphs = [blk for blk in blocks if re.match(r"\s*(ENTRY\s+)?%?command_buffer", blk)]
+    assert graphs, "no command buffer in the optimized HLO: " + str([b.strip()[:60] for b in blocks])
+    print("CAPTURED", any("jax_cute_launch" in blk for blk in graphs), len(graphs))
+""")
+
+
+def test_captured_in_a_cuda_graph(tmp_path):
+    """XLA command buffers (CUDA graphs) capture our custom call, and replays see new inputs."""
+    env = dict(os.environ, JAX_CUTE_STRICT="1", XLA_FLAGS=(
+        f"--xla_gpu_graph_min_graph_size=1 --xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL "
+        f"--xla_dump_to={tmp_path} --xla_dump_hlo_as_text"))
+    out = subprocess.run([sys.executable, "-c", _GRAPH_PROBE, str(tmp_path)], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "CAPTURED True" in out.stdout, out.stdout

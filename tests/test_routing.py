@@ -1,0 +1,97 @@
+"""Kernel routing by compute capability, the Blackwell opt-in and its first-use check.
+
+The device's compute capability is faked: no Blackwell GPU exists here, and these rules must
+hold before one does.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jax_cute
+from jax_cute import config, routing, selfcheck
+
+ARGS = [jax.ShapeDtypeStruct((256, 128), jnp.bfloat16), jax.ShapeDtypeStruct((128, 64), jnp.bfloat16)]
+
+
+def lower() -> str:
+    f = lambda a, b: jax_cute.matmul(a, b)  # noqa: E731 - a new function: no cached lowering
+    return jax.jit(f).trace(*ARGS).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.fixture
+def device(monkeypatch):
+    def fake(major: int, minor: int):
+        monkeypatch.setattr(routing, "device_capability", lambda: (major, minor))
+        selfcheck._verdicts.clear()
+    yield fake
+    selfcheck._verdicts.clear()
+
+
+@pytest.mark.parametrize("cc,arch", [((9, 0), "sm_90a"), ((10, 0), "sm_100a"), ((10, 3), None),
+                                     ((12, 0), None), ((8, 0), None), ((9, 1), None)])
+def test_arch_for_capability(cc, arch):
+    assert routing.arch_for_capability(*cc) == arch
+
+
+def test_explicit_arch_wins_and_unknown_arch_is_refused(device):
+    device(8, 0)
+    with config.override(target_arch="sm_90a"):
+        assert routing.target_arch() == ("sm_90a", "explicit")
+    with config.override(target_arch="sm_80"):
+        arch, why = routing.target_arch()
+        assert arch is None and "sm_80" in why
+
+
+def test_hopper_device_gets_the_hopper_kernel(device):
+    device(9, 0)
+    text = lower()
+    assert "@jax_cute_launch" in text and "arch_major = 9" in text
+
+
+@pytest.mark.parametrize("cc", [(10, 3), (12, 0), (8, 9)])
+def test_other_devices_fall_back(device, cc, caplog):
+    device(*cc)
+    with caplog.at_level(logging.WARNING, logger="jax_cute"):
+        assert "@jax_cute_launch" not in lower()
+    assert any(f"{cc[0]}.{cc[1]} has no jax_cute kernels" in r.getMessage() for r in caplog.records)
+
+
+def test_blackwell_is_opt_in(device, caplog):
+    device(10, 0)
+    with caplog.at_level(logging.WARNING, logger="jax_cute"):
+        assert "@jax_cute_launch" not in lower()
+    assert any("JAX_CUTE_UNVERIFIED_KERNELS=1" in r.getMessage() for r in caplog.records)
+    with config.override(strict=True), pytest.raises(jax_cute.FallbackError, match="compile-verified only"):
+        lower()
+
+
+def test_opted_in_blackwell_kernel_that_fails_its_check_falls_back(device, monkeypatch, caplog):
+    device(10, 0)
+    monkeypatch.setattr(selfcheck, "gemm_check", lambda *a, **k: (lambda: 0.5))
+    with config.override(unverified_kernels=True), caplog.at_level(logging.WARNING, logger="jax_cute"):
+        assert "@jax_cute_launch" not in lower()
+    assert any("failed its first-use check" in r.getMessage() for r in caplog.records)
+
+
+def test_opted_in_blackwell_kernel_that_passes_is_used_and_checked_once(device, monkeypatch):
+    device(10, 0)
+    runs = []
+    monkeypatch.setattr(selfcheck, "gemm_check", lambda *a, **k: (lambda: runs.append(1) or 1e-3))
+    with config.override(unverified_kernels=True):
+        text = lower()
+        lower()
+    assert "@jax_cute_launch" in text and "arch_major = 10" in text
+    assert runs == [1]
+
+
+def test_blackwell_lowered_for_export_without_a_device_is_unchecked(device, caplog):
+    device(9, 0)  # a Hopper machine lowering for sm_100a: nothing here can run the check
+    with config.override(target_arch="sm_100a", unverified_kernels=True), \
+            caplog.at_level(logging.WARNING, logger="jax_cute"):
+        assert "arch_major = 10" in lower()
+    assert any("will run unchecked" in r.getMessage() for r in caplog.records)

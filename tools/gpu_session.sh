@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# One call on the GPU machine (device tool): build the extension, then run the named steps,
+# each logged under $OUT. The DSL comes from ../shared/tools/device-bundle: a first call runs
+# `bash .device/dsl-a/setup.sh` (carry .device/dsl-a), later calls carry .device/dsl-b.
+# Usage: tools/gpu_session.sh STEP...   (steps: info build ffi devcheck-gemm devcheck-grouped
+#        gpu-tests bench-matmul bench-ragged bench-launch)
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+[ -f .device/dsl-b/setup.sh ] && source .device/dsl-b/setup.sh
+export JAX_CUTE_COMMIT=$(git rev-parse HEAD 2>/dev/null || echo unknown)
+rc=0
+for step in "$@"; do
+  echo "=== $step $(date -u +%H:%M:%S)"
+  case $step in
+    info) nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv
+          python3 -c "import jax; print(jax.__version__, jax.devices())" ;;
+    build) python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 \
+             || { tail -40 "$OUT/build.log"; rc=1; } ;;
+    ffi) python3 -m pytest -m gpu -q -x tests/test_ffi_gpu.py 2>&1 | tee "$OUT/ffi.log" | tail -25 ;;
+    devcheck-gemm) timeout 240 python3 benchmarks/devcheck_sm90_gemm.py run --bins .device/bins/gemm 2>&1 \
+             | tee "$OUT/devcheck_gemm.log" | tail -60 ;;
+    devcheck-grouped) timeout 240 python3 benchmarks/devcheck_sm90_grouped.py run --bins .device/bins/grouped 2>&1 \
+             | tee "$OUT/devcheck_grouped.log" | tail -60 ;;
+    gpu-tests) JAX_CUTE_GPU_RESULTS="$OUT/gpu-test-results.json" timeout 400 python3 -m pytest -m gpu -q tests 2>&1 \
+             | tee "$OUT/gpu_tests.log" | tail -40 ;;
+    bench-*) timeout 500 python3 benchmarks/run.py --suite "${step#bench-}" --out "$OUT/${step#bench-}.json" 2>&1 \
+             | tee "$OUT/${step}.log" | tail -40 ;;
+    *) echo "unknown step $step"; rc=1 ;;
+  esac
+done
+exit $rc
