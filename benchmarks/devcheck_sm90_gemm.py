@@ -47,6 +47,10 @@ CHECKS = [
     ("c_bf16_kkn_bf16_sk2", GemmSpec(BF, BF, BF, "k", "k", "n"), C(split_k=2)),
     ("c_bf16_mnm_f32_sk4", GemmSpec(BF, BF, "float32", "m", "n", "m"), C(128, 128, 1, 2, split_k=4)),
     ("c_f16_knn_f16_sk4", GemmSpec("float16", "float16", "float16", "k", "n", "n"), C(128, 256, 1, 2, split_k=4)),
+    # pingpong (each consumer warpgroup owns whole 64-row tiles); checked in their own child
+    ("c_bf16_kkn_bf16_pp", GemmSpec(BF, BF, BF, "k", "k", "n"), C(64, 256, 2, 1, pingpong=True)),
+    ("c_f16_mnm_f32_pp12", GemmSpec("float16", "float16", "float32", "m", "n", "m"), C(64, 128, 1, 2, pingpong=True)),
+    ("c_bf16_knn_bf16_pp11", GemmSpec(BF, BF, BF, "k", "n", "n"), C(64, 256, 1, 1, pingpong=True)),
 ]
 
 # (M, N, K, L, which operand is broadcast over L: None/"a"/"b"). The first four also run on
@@ -60,7 +64,9 @@ N_INT = 5
 # Bench sweep: every benchmark shape runs the heuristic's pick and these alternatives, per
 # operand form. (What the first H200 run left open: cluster shape, raster, band width, tile.)
 SWEEP = [C(), C(128, 256, 1, 2), C(128, 256, 1, 1), C(raster="n"), C(group=4), C(group=16),
-         C(128, 128, 2, 1), C(128, 256, 1, 2, raster="n")]
+         C(128, 128, 2, 1), C(128, 256, 1, 2, raster="n"),
+         C(64, 256, 2, 1, pingpong=True), C(64, 256, 1, 2, pingpong=True), C(64, 256, 1, 1, pingpong=True),
+         C(64, 128, 2, 1, pingpong=True)]
 SPLIT_ALTS = [C(128, 128, 2, 1, split_k=2), C(128, 256, 1, 2, split_k=2)]   # thin shape only
 
 
@@ -265,8 +271,9 @@ def _timed_call(bins, e_name, spec, cfg, m, n, k, tag):
                       ((m, k, 1), (k, 1, m * k)), b_ss, (m, n), (m, n, 1), (n, 1, m * n))
 
 
-def _bench(bins: str) -> int:
-    """Time every benchmark shape with each built config next to XLA (child process)."""
+def _bench(bins: str, pp: bool | None = None) -> int:
+    """Time every benchmark shape with each built config next to XLA (child process).
+    pp: True/False times only the pingpong / cooperative configs (None: all)."""
     import math
     import jax
     import jax.numpy as jnp
@@ -297,6 +304,8 @@ def _bench(bins: str) -> int:
         shape_rows = []
         for name in e["configs"]:
             cfg = sm90_gemm.Config(**configs[name]["config"])
+            if pp is not None and cfg.pingpong != pp and name != e["pick"]:
+                continue
             try:
                 f = _timed_call(bins, name, spec, cfg, m, n, k, tag)
                 t_ours = _time(f, (a, b_phys))
@@ -327,7 +336,8 @@ def _bench(bins: str) -> int:
         g_pick = math.exp(sum(math.log(p[3] / p[4]) for p, _ in best) / len(best))
         g_best = math.exp(sum(math.log(b[3] / b[4]) for _, b in best) / len(best))
         print(f"geomean vs XLA: heuristic picks {g_pick:.3f}, best per shape {g_best:.3f}")
-    _power_probe(bins, index, configs, specs)
+    if not pp:
+        _power_probe(bins, index, configs, specs)
     return 1 if failures else 0
 
 
@@ -399,12 +409,17 @@ def cmd_run(bins: str, check_timeout: int = 60, bench_timeout: int = 110) -> int
             fails.append(f"{label}: exit {rc}: " + " | ".join(lines[-3:]))
         return "ok" if rc == 0 else f"FAILED (rc {rc})"
 
-    checks = [e["name"] for e in index if e["purpose"] == "check"]
-    half = (len(checks) + 1) // 2
-    for part in (checks[:half], checks[half:]):
+    checks = [e for e in index if e["purpose"] == "check"]
+    coop = [e["name"] for e in checks if not e["config"].get("pingpong")]
+    pping = [e["name"] for e in checks if e["config"].get("pingpong")]
+    half = (len(coop) + 1) // 2
+    for part, tmo in ((coop[:half], check_timeout), (coop[half:], check_timeout), (pping, 45)):
         if part:
-            summary.append((part, child(["check", "--names", ",".join(part)], check_timeout, "check " + part[0])))
-    bench = child(["bench"], bench_timeout, "bench")
+            summary.append((part, child(["check", "--names", ",".join(part)], tmo, "check " + part[0])))
+    bench = child(["bench", "--pp", "no"], bench_timeout, "bench")
+    if pping and summary[-1][1] == "ok":      # time pingpong only where it computed right
+        bench_pp = child(["bench", "--pp", "yes"], 45, "bench pingpong")
+        bench = bench if bench_pp == "ok" else f"{bench}; pingpong {bench_pp}"
     n_fail_checks = sum(1 for x in fails if not x.startswith("FAIL timing") and not x.startswith("bench"))
     print(f"\n==== {len(fails)} failure(s) ({n_fail_checks} in the checks); benchmark {bench}")
     for x in fails:
@@ -425,6 +440,8 @@ def main() -> int:
         r.add_argument("--bins", required=True)
         if cmd == "check":
             r.add_argument("--names", required=True, help="comma-separated check configs")
+        if cmd == "bench":
+            r.add_argument("--pp", choices=("yes", "no", "all"), default="all")
     args = p.parse_args()
     if args.cmd == "build":
         cmd_build(args.out, sweep=not args.no_sweep)
@@ -432,7 +449,7 @@ def main() -> int:
     if args.cmd == "check":
         return _check_config(args.bins, args.names.split(","))
     if args.cmd == "bench":
-        return _bench(args.bins)
+        return _bench(args.bins, {"yes": True, "no": False, "all": None}[args.pp])
     return cmd_run(args.bins)
 
 

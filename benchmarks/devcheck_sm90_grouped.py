@@ -20,7 +20,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 # (role, mode, dtype, out dtype, a_major, b_major, c_major, tile_n[, extra])
 #   extra "diag": spec refused by unsupported(); built anyway, its checks are informational
-#   extra "noepi": timing-only variant without the C store (epilogue cost = its speed-up)
 BINS = [
     ("drhs", "ragged_k", "bfloat16", "bfloat16", "m", "n", "n", 256),
     ("drhs", "ragged_k", "bfloat16", "bfloat16", "m", "n", "n", 128),
@@ -33,8 +32,6 @@ BINS = [
     ("fwd16", "ragged_m", "float16", "float16", "k", "n", "n", 256),
     ("fwd32", "ragged_m", "bfloat16", "float32", "k", "n", "n", 128),
     ("fwdmA", "ragged_m", "bfloat16", "bfloat16", "m", "n", "n", 128, "diag"),
-    ("fwd", "ragged_m", "bfloat16", "bfloat16", "k", "n", "n", 256, "noepi"),
-    ("drhs", "ragged_k", "bfloat16", "bfloat16", "m", "n", "n", 256, "noepi"),
 ]
 
 
@@ -53,7 +50,7 @@ def cmd_build(out):
         role, mode, dt, cdt, am, bm, cm, tn = b[:8]
         extra = b[8] if len(b) > 8 else ""
         spec = GroupedSpec(mode, dt, dt, cdt, a_major=am, b_major=bm, c_major=cm)
-        cfg = fam.Config(tile_n=tn, epilogue=extra != "noepi")
+        cfg = fam.Config(tile_n=tn)
         t = time.time()
         launch = fam._build(spec, cfg) if extra == "diag" else fam.launcher(spec, cfg)
         kb = build.compile_launcher(launch, fam.signature(spec, cfg), arch=fam.ARCH,
@@ -326,7 +323,6 @@ def run_bench(r, which, out_json):
     rng = np.random.default_rng(1234)
     dt = jnp.bfloat16
     ours = [(f"{which} n{tn}", r.find(which, tn)) for tn in (256, 128)]
-    ours.append((f"{which} noepi", r.find(which, 256, "noepi")))
     ours = [(k, e) for k, e in ours if e is not None]
     calls = {k: jax.jit(lambda a, b, gs, e=e: r.call(e, a[None], b[None], gs[None])) for k, e in ours}
     if which == "fwd":
@@ -378,14 +374,14 @@ def _print_table(rows):
         rr = [x for x in rows if f"{which} n256" in x]
         if not rr:
             continue
-        cols = [c for c in (f"{which} n256", f"{which} n128", f"{which} noepi", f"{which} pallas",
-                            f"{which} xla") if c in rr[0]]
-        print(f"\n== {which} TFLOP/s (bf16, median); best = max(n256, n128)")
-        print(f"{'shape':<26}{'sizes':<9}" + "".join(f"{c:>13}" for c in cols)
-              + f"{'best/pallas':>12}{'best/xla':>10}")
+        cols = [c for c in rr[0] if c.startswith(which)]
+        print(f"\n== {which} TFLOP/s (bf16, median); ours = the tile_n that heuristic() picks")
+        print(f"{'shape':<26}{'sizes':<9}" + "".join(f"{c.replace(which + ' ', ''):>11}" for c in cols)
+              + f"{'ours/pallas':>12}{'ours/xla':>10}")
         ratios_p, ratios_x = [], []
         for x in rr:
-            best = max(x.get(f"{which} n256", 0), x.get(f"{which} n128", 0))
+            G, M, K, N = (int(v[1:]) for v in x["shape"].split())
+            best = x.get(f"{which} n{_heur_tile(which, G, M, K, N)}", 0)
             p, xl = x.get(f"{which} pallas", 0), x.get(f"{which} xla", 0)
             rp = best / p if p else float("nan")
             rx = best / xl if xl else float("nan")
@@ -393,10 +389,27 @@ def _print_table(rows):
                 ratios_p.append(rp)
             if xl:
                 ratios_x.append(rx)
-            print(f"{x['shape']:<26}{x['sizes']:<9}" + "".join(f"{x.get(c, 0):>13.1f}" for c in cols)
+            print(f"{x['shape']:<26}{x['sizes']:<9}" + "".join(f"{x.get(c, 0):>11.1f}" for c in cols)
                   + f"{rp:>12.3f}{rx:>10.1f}")
         gm = lambda v: math.exp(sum(map(math.log, v)) / len(v)) if v else float("nan")  # noqa: E731
-        print(f"geomean best/pallas {gm(ratios_p):.3f}   best/xla {gm(ratios_x):.1f}")
+        print(f"geomean ours/pallas {gm(ratios_p):.3f}   ours/xla {gm(ratios_x):.1f}")
+        for x in rr:
+            if x["sizes"] == "skewed":
+                u = [y for y in rr if y["shape"] == x["shape"] and y["sizes"] == "uniform"]
+                G, M, K, N = (int(v[1:]) for v in x["shape"].split())
+                c = f"{which} n{_heur_tile(which, G, M, K, N)}"
+                if u and u[0].get(c):
+                    print(f"  skewed/uniform {x['shape']}: {x.get(c, 0) / u[0][c]:.3f}")
+
+
+def _heur_tile(which, G, M, K, N):
+    from jax_cute.kernels import sm90_grouped as fam
+    from jax_cute.kernels.gemm_spec import GroupedSpec
+    if which == "fwd":
+        spec = GroupedSpec("ragged_m", "bfloat16", "bfloat16", "bfloat16", b_major="n")
+        return fam.heuristic(spec, M, N, K, G, 1).tile_n
+    spec = GroupedSpec("ragged_k", "bfloat16", "bfloat16", "bfloat16", a_major="m", b_major="n")
+    return fam.heuristic(spec, K, N, M, G, 1).tile_n
 
 
 def cmd_run(bins, skip_bench=False, budget=228.0):
@@ -414,8 +427,6 @@ def cmd_run(bins, skip_bench=False, budget=228.0):
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
     jobs = []  # (name, args, informational)
     for e in index:
-        if e.get("extra") == "noepi":
-            continue
         if e.get("extra") == "diag":
             for kinds in ("align128", "align8", "uniform"):
                 jobs.append((f"{e['file']}[{kinds}]", ["check-one", "--file", e["file"], "--kinds", kinds], True))

@@ -48,36 +48,22 @@ def trusted(binary, check: Callable[[], float], tolerance: float = 2e-2) -> bool
         return ok
 
 
-def gemm_check(binary, flat, workspaces, dtypes) -> Callable[[], float]:
-    """A check for a dense GEMM binary: the same majors and dtypes on a small problem."""
+def compare(impl: Callable, reference: Callable, avals, make_int: Callable | None = None) -> Callable[[], float]:
+    """A check running ``impl`` (our kernel) and ``reference`` (plain lax) on the call's own
+    shapes with fresh random data; integer inputs (group sizes) come from ``make_int``."""
     import jax
     import jax.numpy as jnp
 
-    from jax_cute.launch import kernel_call, workspace_outputs
-
-    m, n, k = 200, 136, 264
-
-    def operand(rows: int, cols: int, rows_contiguous: bool, dtype, seed: int):
-        """(logical values as the kernel sees them, physical buffer, stride) of a matrix."""
-        x = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
-        buf = jnp.asarray(x.T if rows_contiguous else x, dtype)
-        stride = (1, rows, rows * cols) if rows_contiguous else (cols, 1, rows * cols)
-        logical = np.asarray(buf, np.float32)
-        return (logical.T if rows_contiguous else logical), buf, stride
-
     def run() -> float:
-        a, a_buf, a_stride = operand(m, k, flat.a.major == "m", dtypes[0], 1)
-        b, b_buf, b_stride = operand(n, k, flat.b.major == "n", dtypes[1], 2)
-        c_cols = flat.c.major == "m"  # C stored (N, M)
-        c_stride = (1, m, m * n) if c_cols else (n, 1, m * n)
-        outputs = {"c": (jax.ShapeDtypeStruct((n, m) if c_cols else (m, n), dtypes[2]), (m, n, 1), c_stride)}
-        outputs.update(workspace_outputs(binary, workspaces))
-        zeroed = [w.name for w in workspaces if w.zeroed]
-        f = jax.jit(lambda x, y: kernel_call(binary, {"a": (x, (m, k, 1), a_stride), "b": (y, (n, k, 1), b_stride)},
-                                             outputs, zeroed=zeroed)["c"])
-        c = np.asarray(f(a_buf, b_buf), np.float32)
-        c = c.T if c_cols else c
-        want = a @ b.T
-        return float(np.abs(c - want).max() / max(np.abs(want).max(), 1e-30))
+        rng = np.random.default_rng(0)
+        xs = []
+        for av in avals:
+            if jnp.issubdtype(av.dtype, jnp.integer):
+                xs.append(jnp.asarray(make_int(rng, av.shape), av.dtype))
+            else:
+                xs.append(jnp.asarray(rng.standard_normal(av.shape, dtype=np.float32)).astype(av.dtype))
+        got = np.asarray(jax.jit(impl)(*xs), np.float32)
+        want = np.asarray(jax.jit(reference)(*xs), np.float32)
+        return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
 
     return run

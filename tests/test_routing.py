@@ -72,7 +72,7 @@ def test_blackwell_is_opt_in(device, caplog):
 
 def test_opted_in_blackwell_kernel_that_fails_its_check_falls_back(device, monkeypatch, caplog):
     device(10, 0)
-    monkeypatch.setattr(selfcheck, "gemm_check", lambda *a, **k: (lambda: 0.5))
+    monkeypatch.setattr(selfcheck, "compare", lambda *a, **k: (lambda: 0.5))
     with config.override(unverified_kernels=True), caplog.at_level(logging.WARNING, logger="jax_cute"):
         assert "@jax_cute_launch" not in lower()
     assert any("failed its first-use check" in r.getMessage() for r in caplog.records)
@@ -81,7 +81,7 @@ def test_opted_in_blackwell_kernel_that_fails_its_check_falls_back(device, monke
 def test_opted_in_blackwell_kernel_that_passes_is_used_and_checked_once(device, monkeypatch):
     device(10, 0)
     runs = []
-    monkeypatch.setattr(selfcheck, "gemm_check", lambda *a, **k: (lambda: runs.append(1) or 1e-3))
+    monkeypatch.setattr(selfcheck, "compare", lambda *a, **k: (lambda: runs.append(1) or 1e-3))
     with config.override(unverified_kernels=True):
         text = lower()
         lower()
@@ -95,3 +95,24 @@ def test_blackwell_lowered_for_export_without_a_device_is_unchecked(device, capl
             caplog.at_level(logging.WARNING, logger="jax_cute"):
         assert "arch_major = 10" in lower()
     assert any("will run unchecked" in r.getMessage() for r in caplog.records)
+
+
+def test_autotune_reuses_a_remembered_winner(tmp_path, device):
+    """A winner in autotune.json is used as it is (timing needs a GPU; reuse does not)."""
+    import json
+
+    from jax_cute import autotune
+    from jax_cute.kernels import sm90_gemm
+    from jax_cute.kernels.gemm_spec import GemmSpec
+
+    device(8, 0)  # no matching GPU: nothing is timed, the table alone decides
+    spec = GemmSpec("bfloat16", "bfloat16", "bfloat16", "k", "n", "n")
+    default = sm90_gemm.heuristic(spec, 256, 64, 128, 1)
+    choice = next(c for c in sm90_gemm.candidate_configs(spec) if c.key() != default.key() and c.split_k == 1)
+    key = autotune.problem_key(sm90_gemm, "sm_90a", spec, (256, 64, 128, 1))
+    (tmp_path / "autotune.json").write_text(json.dumps({key: {"config": choice.key()}}))
+    with config.override(target_arch="sm_90a", autotune=True, cache_dir=str(tmp_path)):
+        text = lower()
+    assert choice.key() in text
+    with config.override(target_arch="sm_90a", autotune=False, cache_dir=str(tmp_path)):
+        assert choice.key() not in lower()  # the heuristic's own choice

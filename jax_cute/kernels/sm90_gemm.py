@@ -46,10 +46,13 @@ class Config:
     group: int = 8         # band width of the grouped raster, in clusters
     split_k: int = 1
     stages: int = 0        # A/B ring depth; 0 fills shared memory
+    # pingpong: each consumer warpgroup owns whole 64 x tile_n tiles (alternate tiles of the
+    # CTA's sequence), so one warpgroup's epilogue overlaps the other's mainloop
+    pingpong: bool = False
 
     def key(self) -> str:
         return (f"t{self.tile_m}x{self.tile_n}.c{self.cluster_m}x{self.cluster_n}."
-                f"r{self.raster}{self.group}.sk{self.split_k}.st{self.stages}")
+                f"r{self.raster}{self.group}.sk{self.split_k}.st{self.stages}" + (".pp" if self.pingpong else ""))
 
 
 # --- static configuration -----------------------------------------------------------------------
@@ -69,8 +72,11 @@ def unsupported(spec) -> str | None:
 
 
 def _check_config(config: Config) -> None:
-    if config.tile_m != 128 or config.tile_n not in (128, 256):
-        raise ValueError(f"{FAMILY}: unsupported tile {config.tile_m}x{config.tile_n}")
+    if config.tile_m != (64 if config.pingpong else 128) or config.tile_n not in (128, 256):
+        raise ValueError(f"{FAMILY}: unsupported tile {config.tile_m}x{config.tile_n}"
+                         f"{' (pingpong tiles are 64 x 128|256)' if config.pingpong else ''}")
+    if config.pingpong and config.split_k != 1:
+        raise ValueError(f"{FAMILY}: pingpong does not split K")
     if (config.cluster_m, config.cluster_n) not in ((1, 1), (2, 1), (1, 2)):
         raise ValueError(f"{FAMILY}: unsupported cluster {config.cluster_m}x{config.cluster_n}")
     if config.raster not in ("m", "n") or config.group < 1 or not 1 <= config.split_k <= 16:
@@ -90,11 +96,19 @@ def candidate_configs(spec) -> list[Config]:
     return out
 
 
-def _stage_plan(tile_n: int, c_dtype: str, stages: int) -> tuple[int, int]:
-    """(A/B stages, epilogue stages) for a 128 x tile_n x 64 tile."""
-    epi_stages = 2 if _ITEM[c_dtype] == 4 else 4
-    epi_bytes = 128 * 32 * _ITEM[c_dtype] * epi_stages
-    ab_bytes = (128 + tile_n) * TILE_K * 2
+def _stage_plan(tile_n: int, c_dtype: str, stages: int, pingpong: bool = False) -> tuple[int, int]:
+    """(A/B stages, epilogue stages per epilogue group) for a tile_m x tile_n x 64 tile.
+
+    Cooperative: one 128 x 32 epilogue ring shared by both consumer warpgroups; pingpong: one
+    64 x 32 ring per warpgroup, 2 deep (its A/B stages matter more)."""
+    if pingpong:
+        epi_stages = 2
+        epi_bytes = 2 * 64 * 32 * _ITEM[c_dtype] * epi_stages
+        ab_bytes = (64 + tile_n) * TILE_K * 2
+    else:
+        epi_stages = 2 if _ITEM[c_dtype] == 4 else 4
+        epi_bytes = 128 * 32 * _ITEM[c_dtype] * epi_stages
+        ab_bytes = (128 + tile_n) * TILE_K * 2
     fit = (SMEM_BYTES - 1024 - epi_bytes) // ab_bytes
     return (min(stages, fit) if stages else fit), epi_stages
 
@@ -190,11 +204,14 @@ def _kernel_class():
             self.bm, self.bn, self.bk = config.tile_m, config.tile_n, TILE_K
             self.cm, self.cn = config.cluster_m, config.cluster_n
             self.split = config.split_k
-            self.ab_stages, self.epi_stages = _stage_plan(config.tile_n, spec.c_dtype, config.stages)
-            self.epi_tile = (128, 32)
+            self.pp = config.pingpong
+            self.ab_stages, self.epi_stages = _stage_plan(config.tile_n, spec.c_dtype, config.stages, self.pp)
+            self.epi_tile = (64 if self.pp else 128, 32)
             self.threads = 384
             self.mma_threads = 256
-            self.store_warp = 4      # first consumer warp issues the TMA stores
+            # threads that share one epilogue (its named barrier, smem ring and store warp)
+            self.epi_threads = 128 if self.pp else 256
+            self.store_warp = 4      # first consumer warp issues the TMA stores (pingpong: 4, 8)
 
         # ----------------------------------------------------------------------- host side
         @cute.jit
@@ -206,7 +223,7 @@ def _kernel_class():
             self.c_lay = c_lay
             tiled_mma = sm90_utils.make_trivial_tiled_mma(
                 ab_t, ab_t, a_lay.sm90_mma_major_mode(), b_lay.sm90_mma_major_mode(), Float32,
-                (2, 1, 1), tiler_mn=(64, self.bn))
+                (1, 1, 1) if self.pp else (2, 1, 1), tiler_mn=(64, self.bn))
             a_k = a_lay.sm90_mma_major_mode() == warpgroup.OperandMajorMode.K
             b_k = b_lay.sm90_mma_major_mode() == warpgroup.OperandMajorMode.K
             # Swizzled smem layouts WGMMA reads directly (128B atoms along the major mode).
@@ -223,7 +240,7 @@ def _kernel_class():
                 warpgroup.make_smem_layout_atom(
                     sm90_utils.get_smem_layout_atom(
                         c_lay, c_t, self.epi_tile[1] if c_n else self.epi_tile[0]), c_t),
-                (*self.epi_tile, self.epi_stages), order=(0, 1, 2) if c_n else (1, 0, 2))
+                (*self.epi_tile, self.epi_stages * (2 if self.pp else 1)), order=(0, 1, 2) if c_n else (1, 0, 2))
 
             # TMA: A multicast along the cluster's N extent, B along its M extent.
             def load_atom(t, s_staged, box, mcast):
@@ -319,7 +336,7 @@ def _kernel_class():
             ab_pipe = pipeline.PipelineTmaAsync.create(
                 barrier_storage=st.bars.data_ptr(), num_stages=self.ab_stages,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, mcast * 8),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, mcast * (4 if self.pp else 8)),
                 tx_count=stage_bytes, cta_layout_vmnk=cute.make_layout((1, self.cm, self.cn, 1)),
                 defer_sync=True)
             pipeline.pipeline_init_arrive(cluster_shape_mn=(self.cm, self.cn), is_relaxed=True)
@@ -373,15 +390,28 @@ def _kernel_class():
                 # ---------------------------------------------------------------- consumers
                 cute.arch.setmaxregister_increase(232)
                 ctid = tidx - 128
+                # thread index inside its epilogue group (both consumer warpgroups, or its own)
+                etid = ctid % 128 if const_expr(self.pp) else ctid
                 # WGMMA partitions per warpgroup: slice by the warpgroup's first thread
-                thr_mma = tiled_mma.get_slice((wg - 1) * 128)
+                thr_mma = tiled_mma.get_slice(0 if const_expr(self.pp) else (wg - 1) * 128)
                 tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
                 tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
                 acc = cute.make_rmem_tensor(thr_mma.partition_C(gC).shape[:3], Float32)
                 n_kb = cute.size(tCrA, mode=[2])
                 read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
                 release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
-                epi_bar = pipeline.NamedBarrier(barrier_id=1, num_threads=self.mma_threads)
+                if const_expr(self.pp):
+                    # one barrier, store warp and half of the smem ring per warpgroup
+                    epi_bar = pipeline.NamedBarrier(barrier_id=wg, num_threads=self.epi_threads)
+                    store_warp = wg * 4
+                    buf0 = (wg - 1) * self.epi_stages
+                    # mainloop turn tokens (ids 3: to warpgroup 1, 4: to warpgroup 2)
+                    turn_mine = pipeline.NamedBarrier(barrier_id=wg + 2, num_threads=self.mma_threads)
+                    turn_other = pipeline.NamedBarrier(barrier_id=5 - wg, num_threads=self.mma_threads)
+                else:
+                    epi_bar = pipeline.NamedBarrier(barrier_id=1, num_threads=self.epi_threads)
+                    store_warp = self.store_warp
+                    buf0 = 0
 
                 # registers -> smem in epi_tile pieces: stmatrix for 16-bit outputs, plain stores
                 # for fp32. The thread/value layout always comes from the 16-bit stmatrix atom
@@ -391,7 +421,7 @@ def _kernel_class():
                     cute.make_tiled_copy_C_atom(
                         cute.make_copy_atom(warp.StMatrix8x8x16bOp(self.c_lay.is_m_major_c(), 4),
                                             cutlass.Float16), tiled_mma))
-                thr_r2s = r2s.get_slice(ctid)
+                thr_r2s = r2s.get_slice(etid)
                 tRS_sC = thr_r2s.partition_D(sC)
                 tRS_acc = r2s.retile(acc)
                 rd_shape = cute.shape(thr_r2s.partition_S(sC))[:3]
@@ -400,7 +430,7 @@ def _kernel_class():
                 n_rd = cute.size(tRS_r32)
                 store_pipe = pipeline.PipelineTmaStore.create(
                     num_stages=self.epi_stages,
-                    producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.mma_threads))
+                    producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.epi_threads))
                 n_epi = (self.bm // self.epi_tile[0]) * (self.bn // self.epi_tile[1])
                 epi_grid = cute.make_layout((self.bm // self.epi_tile[0], self.bn // self.epi_tile[1]),
                                             stride=(self.bn // self.epi_tile[1], 1))
@@ -416,9 +446,26 @@ def _kernel_class():
                 ragged = (contig * _ITEM_OF[self.c_t.width]) % 16 != 0
 
                 w = first
+                step = stride
+                if const_expr(self.pp):
+                    # warpgroup 2 takes the CTA's 2nd, 4th, ... unit: its ring position starts
+                    # after the first unit's k-tiles (the producer fills the ring in unit order)
+                    step = stride * 2
+                    if wg == 2:
+                        w = first + stride
+                        for _ in range(k_tiles):
+                            read.advance()
+                            release.advance()
                 while w < total:
                     tm, tn, l, s = self.work(w, cl_m, cl_n, batches, cc)
                     k0, kc = self.k_range(s, k_tiles)
+
+                    if const_expr(self.pp):
+                        # mainloops take turns: the ring's barriers only tell apart adjacent
+                        # phases, so a warpgroup may wait on its first stage only once the
+                        # other one has consumed all of its unit's stages
+                        if wg == 2 or w != first:
+                            turn_mine.arrive_and_wait()
 
                     # ---- mainloop: keep one WGMMA batch in flight, release the stage before it
                     acc.fill(0.0)
@@ -446,12 +493,15 @@ def _kernel_class():
                     for kt in range(lead):
                         ab_pipe.consumer_release(release)
                         release.advance()
+                    if const_expr(self.pp):
+                        if w + stride < total:      # the other warpgroup's next unit may start
+                            turn_other.arrive()
 
                     gC_t = gC[(None, None, tm, tn, l)]
                     if const_expr(self.split == 1):
                         self.epilogue(tma_c, gC_t, sC, acc, r2s, tRS_acc, tRS_r32, tRS_rC, tRS_sC,
                                       n_rd, n_epi, epi_grid, epi_bar, store_pipe, warp_id,
-                                      gmem_c, tm, tn, l, ragged, ctid)
+                                      gmem_c, tm, tn, l, ragged, etid, store_warp, buf0)
                     else:
                         # ---- split-K: publish the partial, the last of the S arrivals folds them
                         tile_id = (Int64(l) * (cl_n * self.cn) + tn) * (cl_m * self.cm) + tm
@@ -486,14 +536,18 @@ def _kernel_class():
                                         acc_flat[v] = acc_flat[v] + part[v]
                             self.epilogue(tma_c, gC_t, sC, acc, r2s, tRS_acc, tRS_r32, tRS_rC, tRS_sC,
                                           n_rd, n_epi, epi_grid, epi_bar, store_pipe, warp_id,
-                                          gmem_c, tm, tn, l, ragged, ctid)
-                    w += stride
+                                          gmem_c, tm, tn, l, ragged, etid, store_warp, buf0)
+                    if const_expr(self.pp):
+                        for _ in range(k_tiles):            # the other warpgroup's next unit
+                            read.advance()
+                            release.advance()
+                    w += step
                 store_pipe.producer_tail()
 
         @cute.jit
         def epilogue(self, tma_c, gC_t, sC, acc, r2s, tRS_acc, tRS_r32, tRS_rC, tRS_sC, n_rd: cutlass.Constexpr,
                      n_epi: cutlass.Constexpr, epi_grid, epi_bar, store_pipe, warp_id,
-                     gmem_c, tm, tn, l, ragged, ctid):
+                     gmem_c, tm, tn, l, ragged, etid, store_warp, buf0):
             """acc -> output dtype -> smem ring -> TMA store, one epi_tile at a time.
 
             The ring is used round-robin across tiles (n_epi is a multiple of its depth), and the
@@ -511,7 +565,7 @@ def _kernel_class():
                 for v in range_constexpr(n_rd):
                     tRS_r32[v] = tRS_acc[e * n_rd + v]
                 tRS_rC.store(tRS_r32.load().to(self.c_t))
-                buf = e % self.epi_stages
+                buf = buf0 + e % self.epi_stages
                 cute.copy(r2s, tRS_rC, tRS_sC[(None, None, None, buf)])
                 # generic-proxy smem writes must be visible to the TMA (async proxy) store
                 cute.arch.fence_proxy("async.shared", space="cta")
@@ -522,15 +576,15 @@ def _kernel_class():
                 edge = ragged and ((n0 + en > n_ext) if const_expr(c_n) else (m0 + em > m_ext))
                 if edge:
                     # consecutive threads walk the contiguous mode (coalesced, conflict-light)
-                    for it in range_constexpr((em * en) // self.mma_threads):
-                        idx = ctid + it * self.mma_threads
+                    for it in range_constexpr((em * en) // self.epi_threads):
+                        idx = etid + it * self.epi_threads
                         if const_expr(c_n):
                             r, q = idx // en, idx % en
                         else:
                             r, q = idx % em, idx // em
                         if m0 + r < m_ext and n0 + q < n_ext:
                             gmem_c[(m0 + r, n0 + q, l)] = sC[(r, q, buf)]
-                if warp_id == self.store_warp:
+                if warp_id == store_warp:
                     if not edge:
                         cute.copy(tma_c, bSG_sC[(None, buf)], bSG_gC[(None, (e_m, e_n))])
                     store_pipe.producer_commit()
@@ -543,7 +597,7 @@ def _kernel_class():
 def _make_launcher(spec: GemmSpec, config: Config):
     Sm90Gemm, cute, cuda_driver = _kernel_class()
     # the epilogue reuses its smem ring round-robin across tiles: subtiles per tile must fill it
-    assert (config.tile_n // 32) % _stage_plan(config.tile_n, spec.c_dtype, config.stages)[1] == 0
+    assert (config.tile_n // 32) % _stage_plan(config.tile_n, spec.c_dtype, config.stages, config.pingpong)[1] == 0
     gemm = Sm90Gemm(spec, config)
 
     if config.split_k == 1:

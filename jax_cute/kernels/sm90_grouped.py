@@ -37,7 +37,7 @@ from jax_cute.kernels import abi
 from jax_cute.kernels.gemm_spec import GroupedSpec, Workspace
 
 FAMILY = "sm90_grouped"
-VERSION = 1
+VERSION = 3
 ARCH = "sm_90a"
 
 _IN_DTYPES = ("bfloat16", "float16")
@@ -51,10 +51,9 @@ class Config:
     tile_n: int = 256     # tile_m is always 128 (two consumer warpgroups of 64 rows)
     raster: int = 8       # ragged_m: m-tiles per raster panel (L2 reuse of B)
     sms: int = 132        # persistent grid size
-    epilogue: bool = True  # False: timing diagnostic only (no C store; never routed)
 
     def key(self) -> str:
-        return f"n{self.tile_n}.r{self.raster}.sm{self.sms}" + ("" if self.epilogue else ".noepi")
+        return f"n{self.tile_n}.r{self.raster}.sm{self.sms}"
 
 
 TILE_M = 128
@@ -73,9 +72,12 @@ def unsupported(spec) -> str | None:
     if spec.mode == "ragged_m" and spec.c_major != "n":
         return "ragged_m needs an N-major output (clipped TMA store along M)"
     if spec.mode == "ragged_m" and spec.a_major != "k":
-        # M-major A hit CUDA_ERROR_ILLEGAL_INSTRUCTION on an H200 (2026-11-21, first GPU run);
-        # ragged_dot's forward and lhs gradient use K-major A, so the routing falls back.
-        return "ragged_m with M-major A is not supported (illegal instruction on sm_90a, unfixed)"
+        # Tiles start at arbitrary group rows, which for M-major A is the TMA box start along
+        # the contiguous mode: an H200 raises CUDA_ERROR_ILLEGAL_INSTRUCTION unless it is
+        # 16-byte aligned (2026-11-21: groups on multiples of 8 rows pass, 143-row groups trap).
+        # ragged_dot's forward and lhs gradient use K-major A; the routing falls back.
+        return ("ragged_m with M-major A is not supported: group starts are unaligned TMA "
+                "coordinates along A's contiguous mode (illegal instruction on sm_90a)")
     if spec.mode == "ragged_k" and (spec.a_major != "m" or spec.b_major != "n"):
         return "ragged_k needs MN-major A and B (clipped TMA loads along K)"
     return None
@@ -88,11 +90,9 @@ def candidate_configs(spec) -> list[Config]:
 def heuristic(spec, m, n, k, g, l, num_sms: int = 132) -> Config:
     # 128x256 is the most efficient tile; narrow N (or, for ragged_k, too few tiles to fill
     # the SMs) prefers 128x128 to waste less on the N tail / balance better.
-    n256 = -(-n // 256) * 256
-    n128 = -(-n // 128) * 128
-    tile_n = 256
-    if n128 < n256 and (n256 - n) > 64:
-        tile_n = 128
+    # Measured on an H200 (2026-11-21): 128x256 won for ragged_m even at N=1408 (557 vs 547
+    # TFLOP/s), so 128 only where one 128-wide tile covers N.
+    tile_n = 128 if n <= 128 else 256
     if spec.mode == "ragged_k" and -(-m // TILE_M) * -(-n // 256) * g * l < 2 * num_sms:
         tile_n = 128
     return Config(tile_n=tile_n, sms=num_sms)
@@ -443,7 +443,7 @@ def _build(spec: GroupedSpec, cfg: Config):
                     n_epi = cute.size(gC_epi, mode=[1])
                     epi_shape = gC_epi.shape[1]
                     epi_layout = cute.make_layout(epi_shape, stride=(epi_shape[1], 1))
-                    for e in cutlass.range_constexpr(n_epi if cfg.epilogue else 0):
+                    for e in cutlass.range_constexpr(n_epi):
                         for v in cutlass.range_constexpr(n_rd):
                             rD[v] = tRS_acc[e * n_rd + v]
                         rD_out.store(rD.load().to(c_dt))

@@ -117,17 +117,14 @@ def cotangent_a(g: GemmLayouts, a_shape: Sequence[int]) -> GemmLayouts:
     return GemmLayouts(new_a, new_b, new_c, tuple(a_shape))
 
 
+def swapped(g: GemmLayouts) -> GemmLayouts:
+    """The same product with the operands' roles exchanged: C^T[n,m,l] = sum_k B[n,k,l] A[m,k,l]."""
+    return GemmLayouts(g.b, g.a, g.c.select(1, 0, 2), g.c_shape)
+
+
 def cotangent_b(g: GemmLayouts, b_shape: Sequence[int]) -> GemmLayouts:
-    """dB[n,k,l] = sum_m dC[m,n,l] A[m,k,l]: a GEMM (M'=N, N'=K, K'=M) over the same buffers."""
-    g = refined(g)
-    al, bl, cl = (x.mode(2) for x in (g.a, g.b, g.c))
-    fb = bl.flat_modes()
-    bcast = [i for i, (s, d) in enumerate(fb) if d == 0 and s > 1]
-    keep = [i for i, (s, d) in enumerate(fb) if not (d == 0 and s > 1)]
-    new_a = make_layout(g.c.mode(1), _cat(g.c.mode(0), _sub(cl, bcast)), _sub(cl, keep))
-    new_b = make_layout(g.a.mode(1), _cat(g.a.mode(0), _sub(al, bcast)), _sub(al, keep))
-    new_c = make_layout(g.b.mode(0), g.b.mode(1), _sub(bl, keep))
-    return GemmLayouts(new_a, new_b, new_c, tuple(b_shape))
+    """dB[n,k,l] = sum_m dC[m,n,l] A[m,k,l]: dA of the swapped product (M'=N, N'=K, K'=M)."""
+    return cotangent_a(swapped(g), b_shape)
 
 
 def matmul_layouts(a_shape: Sequence[int], b_shape: Sequence[int], transpose_a: bool,

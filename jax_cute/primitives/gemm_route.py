@@ -6,13 +6,14 @@ routing has logged (or, in strict mode, raised) why the reference path is taken.
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Callable
 
 import jax
 import numpy as np
 
-from jax_cute import kernels, routing, selfcheck
+from jax_cute import config, kernels, routing, selfcheck
 from jax_cute.cache import CACHE
 from jax_cute.kernels.build import compile_launcher
 from jax_cute.kernels.gemm_spec import GemmSpec
@@ -67,8 +68,29 @@ def binary_for(fam, arch: str, spec, cfg):
                                                       arch=arch, name=name))
 
 
-def matmul_impl(a_dtype, b_dtype, *, layouts: GemmLayouts, out_dtype: str, acc_dtype: str) -> Callable | None:
-    dts = [np.dtype(a_dtype).name, np.dtype(b_dtype).name, np.dtype(out_dtype).name]
+def family_for(op: str, kind: str, spec, what: str):
+    """(arch, family) whose kernels take ``spec``, or None after the fallback was logged."""
+    picked = select_family(kind, op)
+    if picked is None:
+        return None
+    arch, fam = picked
+    why = fam.unsupported(spec)
+    if why:
+        routing.fallback(op, f"{why} ({what})")
+        return None
+    return arch, fam
+
+
+def trusted(op: str, binary, impl: Callable, reference: Callable, avals, make_int=None) -> bool:
+    """False (after the fallback was logged) when an unverified kernel fails its first-use check."""
+    if selfcheck.trusted(binary, selfcheck.compare(impl, reference, avals, make_int)):
+        return True
+    routing.fallback(op, f"{binary.name} failed its first-use check on this device")
+    return False
+
+
+def matmul_impl(a_aval, b_aval, *, layouts: GemmLayouts, out_dtype: str, acc_dtype: str) -> Callable | None:
+    dts = [np.dtype(a_aval.dtype).name, np.dtype(b_aval.dtype).name, np.dtype(out_dtype).name]
     ext = layouts.extents()
     if 0 in ext.values():
         return None  # nothing to launch: the reference path writes the zeros
@@ -76,25 +98,28 @@ def matmul_impl(a_dtype, b_dtype, *, layouts: GemmLayouts, out_dtype: str, acc_d
     if isinstance(flat, str):
         routing.fallback("matmul", f"{flat} ({_describe(layouts, dts)})")
         return None
-    picked = select_family("gemm", "matmul")
+    spec = GemmSpec(dts[0], dts[1], dts[2], flat.a.major, flat.b.major, flat.c.major, acc_dtype)
+    picked = family_for("matmul", "gemm", spec, _describe(layouts, dts))
     if picked is None:
         return None
     arch, fam = picked
-    spec = GemmSpec(dts[0], dts[1], dts[2], flat.a.major, flat.b.major, flat.c.major, acc_dtype)
-    why = fam.unsupported(spec)
-    if why:
-        routing.fallback("matmul", f"{why} ({_describe(layouts, dts)})")
-        return None
     for operand, reason in flat.copies:
         logger.warning("jax_cute.matmul: copying operand %s into a kernel layout: %s", operand, reason)
     cfg = fam.heuristic(spec, flat.m, flat.n, flat.k, flat.l, num_sms(arch))
+    if config.autotune():
+        from jax_cute import autotune
+
+        cfg = autotune.tuned_gemm_config(fam, arch, spec, flat, dts, cfg)
     binary = binary_for(fam, arch, spec, cfg)
     workspaces = fam.workspace(spec, cfg, flat.m, flat.n, flat.k, flat.l)
-    if not selfcheck.trusted(binary, selfcheck.gemm_check(binary, flat, workspaces, dts)):
-        routing.fallback("matmul", f"{binary.name} failed its first-use check on this device")
+    impl = lambda a, b: _launch(a, b, flat, binary, workspaces, layouts, dts[2])  # noqa: E731
+    from jax_cute.primitives.matmul import reference
+
+    ref = functools.partial(reference, layouts=layouts, out_dtype=out_dtype, acc_dtype=acc_dtype)
+    if not trusted("matmul", binary, impl, ref, (a_aval, b_aval)):
         return None
     logger.info("jax_cute.matmul: %s on %s (M=%d N=%d K=%d L=%d)", binary.name, arch, flat.m, flat.n, flat.k, flat.l)
-    return lambda a, b: _launch(a, b, flat, binary, workspaces, layouts, dts[2])
+    return impl
 
 
 def _launch(a, b, flat: FlatGemm, binary, workspaces, layouts: GemmLayouts, out_dtype: str):

@@ -68,7 +68,7 @@ mlir.register_lowering(matmul_p, mlir.lower_fun(reference, multiple_results=Fals
 def _cuda_lowering(ctx, a, b, **params):
     from jax_cute.primitives import gemm_route
 
-    impl = gemm_route.matmul_impl(ctx.avals_in[0].dtype, ctx.avals_in[1].dtype, **params)
+    impl = gemm_route.matmul_impl(*ctx.avals_in, **params)
     return mlir.lower_fun(impl or functools.partial(reference, **params), multiple_results=False)(ctx, a, b)
 
 
@@ -110,24 +110,23 @@ def _cotangent_dtype(ct, operand_dtype):
     return ct.astype(operand_dtype) if ct.dtype != operand_dtype else ct
 
 
-def _transpose_a(ct, a, b, *, layouts: GemmLayouts, out_dtype, acc_dtype):
-    if type(ct) is ad.Zero:
-        return ad.Zero(a.aval)
-    shape, dtype = a.aval.shape, a.aval.dtype
-    ct = _cotangent_dtype(ct, dtype)
-    return matmul_p.bind(ct, b, layouts=cotangent_a(layouts, shape), out_dtype=np.dtype(dtype).name,
-                         acc_dtype=acc_dtype)
+def _cotangent_rule(which: str):
+    """Transpose rule for operand ``which``: another matmul over the cotangent and the other
+    operand, its layouts from ``gemm_layouts.cotangent_a``/``cotangent_b``."""
+    layouts_for = cotangent_a if which == "a" else cotangent_b
+
+    def rule(ct, a, b, *, layouts: GemmLayouts, out_dtype, acc_dtype):
+        undefined, other = (a, b) if which == "a" else (b, a)
+        if type(ct) is ad.Zero:
+            return ad.Zero(undefined.aval)
+        shape, dtype = undefined.aval.shape, undefined.aval.dtype
+        return matmul_p.bind(_cotangent_dtype(ct, dtype), other, layouts=layouts_for(layouts, shape),
+                             out_dtype=np.dtype(dtype).name, acc_dtype=acc_dtype)
+
+    return rule
 
 
-def _transpose_b(ct, a, b, *, layouts: GemmLayouts, out_dtype, acc_dtype):
-    if type(ct) is ad.Zero:
-        return ad.Zero(b.aval)
-    shape, dtype = b.aval.shape, b.aval.dtype
-    ct = _cotangent_dtype(ct, dtype)
-    return matmul_p.bind(ct, a, layouts=cotangent_b(layouts, shape), out_dtype=np.dtype(dtype).name,
-                         acc_dtype=acc_dtype)
-
-
+_transpose_a, _transpose_b = _cotangent_rule("a"), _cotangent_rule("b")
 ad.defbilinear(matmul_p, _transpose_a, _transpose_b)
 
 

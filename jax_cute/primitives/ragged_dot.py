@@ -84,7 +84,7 @@ def reference(a, b, gs, *, layouts: RaggedLayouts, out_dtype, acc_dtype):
 
 
 def _cuda_lowering(ctx, a, b, gs, **params):
-    impl = grouped_impl(*(x.dtype for x in ctx.avals_in[:2]), **params)
+    impl = grouped_impl(*ctx.avals_in, **params)
     return mlir.lower_fun(impl or functools.partial(reference, **params), multiple_results=False)(ctx, a, b, gs)
 
 
@@ -141,13 +141,14 @@ for _p in PRIMITIVES.values():
 
 # -- CUDA lowering: the grouped kernel family ---------------------------------------------------
 
-def grouped_impl(a_dtype, b_dtype, *, layouts: RaggedLayouts, out_dtype: str, acc_dtype: str) -> Callable | None:
+def grouped_impl(a_aval, b_aval, gs_aval, *, layouts: RaggedLayouts, out_dtype: str,
+                 acc_dtype: str) -> Callable | None:
     """An implementation built from ``kernel_call``, or None (the reference) after routing logged
     (or, in strict mode, raised) why."""
     from jax_cute.kernels.gemm_spec import GroupedSpec
-    from jax_cute.primitives.gemm_route import binary_for, num_sms, select_family
+    from jax_cute.primitives.gemm_route import binary_for, family_for, num_sms, trusted
 
-    dts = [np.dtype(a_dtype).name, np.dtype(b_dtype).name, np.dtype(out_dtype).name]
+    dts = [np.dtype(a_aval.dtype).name, np.dtype(b_aval.dtype).name, np.dtype(out_dtype).name]
     e = layouts.extents()
     what = f"{layouts.mode} M={e['m']} N={e['n']} K={e['k']} G={e['g']} L={e['l']}, dtypes {'/'.join(dts)}"
     if 0 in e.values():
@@ -159,30 +160,35 @@ def grouped_impl(a_dtype, b_dtype, *, layouts: RaggedLayouts, out_dtype: str, ac
     if isinstance(flat, str):
         routing.fallback("ragged_dot", f"{flat} ({what})")
         return None
-    picked = select_family("grouped", "ragged_dot")
+    spec = GroupedSpec(layouts.mode, *dts, flat.a.major, flat.b.major, flat.c.major, acc_dtype)
+    picked = family_for("ragged_dot", "grouped", spec, what)
     if picked is None:
         return None
     arch, fam = picked
-    spec = GroupedSpec(layouts.mode, *dts, flat.a.major, flat.b.major, flat.c.major, acc_dtype)
-    why = fam.unsupported(spec)
-    if why:
-        routing.fallback("ragged_dot", f"{why} ({what})")
-        return None
     cfg = fam.heuristic(spec, flat.m, flat.n, flat.k, flat.g, flat.l, num_sms(arch))
     binary = binary_for(fam, arch, spec, cfg)
     workspaces = fam.workspace(spec, cfg, flat.m, flat.n, flat.k, flat.g, flat.l)
+    impl = lambda a, b, gs: _launch(a, b, gs, flat, binary, workspaces, layouts, dts[2])  # noqa: E731
+    ragged = e["m"] if layouts.mode == "ragged_m" else e["k"]
+
+    def sizes(rng, shape):  # a random split of the ragged extent, some groups empty
+        cuts = np.sort(rng.integers(0, ragged + 1, shape), axis=0)
+        return np.diff(cuts, axis=0, prepend=0)
+
+    ref = functools.partial(reference, layouts=layouts, out_dtype=out_dtype, acc_dtype=acc_dtype)
+    if not trusted("ragged_dot", binary, impl, ref, (a_aval, b_aval, gs_aval), sizes):
+        return None
     logger.info("jax_cute.ragged_dot: %s on %s (%s)", binary.name, arch, what)
-    return lambda a, b, gs: _launch(a, b, gs, flat, binary, workspaces, layouts, dts[2])
+    return impl
 
 
 def _launch(a, b, gs, flat: FlatGrouped, binary, workspaces, layouts: RaggedLayouts, out_dtype: str):
-    from jax_cute.launch import kernel_call
+    from jax_cute.launch import kernel_call, workspace_outputs
 
     b_desc = flat.b4 or (flat.b.shape, flat.b.stride)
     c_desc = flat.c4 or (flat.c.shape, flat.c.stride)
     outputs = {"c": (jax.ShapeDtypeStruct(layouts.c_shape, np.dtype(out_dtype)), *c_desc)}
-    for w in workspaces:
-        outputs[w.name] = (jax.ShapeDtypeStruct((w.nbytes,), np.uint8), (w.nbytes,), (1,))
+    outputs.update(workspace_outputs(binary, workspaces))
     inputs = {"a": (a, flat.a.shape, flat.a.stride), "b": (b, *b_desc), "group_sizes": (gs, *flat.gs)}
     return kernel_call(binary, inputs, outputs, zeroed=[w.name for w in workspaces if w.zeroed])["c"]
 

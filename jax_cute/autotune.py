@@ -1,0 +1,113 @@
+"""Optional autotuning (``JAX_CUTE_AUTOTUNE=1``): time every candidate config on the GPU once per
+problem and remember the winner on disk (``<cache dir>/autotune.json``).
+
+Without it, configs come from each family's heuristic. Tuning runs when a problem is first
+lowered on a machine whose GPU is the target; winners found elsewhere are reused as they are.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from jax_cute import config, routing
+
+logger = logging.getLogger("jax_cute")
+_lock = threading.Lock()
+
+
+def _table_path() -> Path:
+    return config.cache_dir() / "autotune.json"
+
+
+def _load() -> dict:
+    try:
+        return json.loads(_table_path().read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _store(table: dict) -> None:
+    path = _table_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(table, f, indent=1, sort_keys=True)
+    os.replace(tmp, path)
+
+
+def problem_key(fam, arch: str, spec, dims: tuple[int, ...]) -> str:
+    return f"{fam.FAMILY}/v{fam.VERSION}/{arch}/{spec.key()}/{'x'.join(map(str, dims))}"
+
+
+def _time(fn, args, reps: int = 10, rounds: int = 5) -> float:
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    samples = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        for _ in range(reps):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        samples.append((time.perf_counter() - t) / reps)
+    return statistics.median(samples)
+
+
+def tuned_gemm_config(fam, arch: str, spec, flat, dts, default):
+    """The best config for a dense GEMM problem (timed here if unknown), or ``default``."""
+    import jax
+    import jax.numpy as jnp
+
+    from jax_cute.launch import kernel_call, workspace_outputs
+    from jax_cute.primitives.gemm_route import binary_for
+
+    key = problem_key(fam, arch, spec, (flat.m, flat.n, flat.k, flat.l))
+    candidates = {c.key(): c for c in fam.candidate_configs(spec)}
+    with _lock:
+        known = _load().get(key)
+        if known and known["config"] in candidates:
+            return candidates[known["config"]]
+        cc = routing.device_capability()
+        if cc is None or routing.arch_for_capability(*cc) != arch:
+            return default  # nothing here to time on
+        rng = np.random.default_rng(0)
+
+        def cosize(op) -> int:  # the buffer a flat operand spans
+            return 1 + sum((s - 1) * d for s, d in zip(op.shape, op.stride))
+
+        a = jnp.asarray(rng.standard_normal(cosize(flat.a), dtype=np.float32)).astype(dts[0])
+        b = jnp.asarray(rng.standard_normal(cosize(flat.b), dtype=np.float32)).astype(dts[1])
+        c_size = cosize(flat.c)
+        results = {}
+        for name, cfg in candidates.items():
+            try:
+                binary = binary_for(fam, arch, spec, cfg)
+                ws = fam.workspace(spec, cfg, flat.m, flat.n, flat.k, flat.l)
+                outs = {"c": (jax.ShapeDtypeStruct((c_size,), dts[2]), flat.c.shape, flat.c.stride)}
+                outs.update(workspace_outputs(binary, ws))
+                zeroed = [w.name for w in ws if w.zeroed]
+                fn = jax.jit(lambda x, y, binary=binary, outs=outs, zeroed=zeroed: kernel_call(
+                    binary, {"a": (x, flat.a.shape, flat.a.stride), "b": (y, flat.b.shape, flat.b.stride)},
+                    outs, zeroed=zeroed)["c"])
+                results[name] = _time(fn, (a, b))
+            except Exception as e:  # noqa: BLE001 - a config that fails here is just not chosen
+                logger.warning("jax_cute autotune: %s failed on %s: %s", name, key, e)
+        if not results:
+            return default
+        best = min(results, key=results.get)
+        flops = 2 * flat.m * flat.n * flat.k * flat.l
+        logger.info("jax_cute autotune %s: %s", key, ", ".join(
+            f"{n} {flops / t / 1e12:.0f} TFLOP/s" for n, t in sorted(results.items(), key=lambda kv: kv[1])))
+        table = _load()
+        table[key] = {"config": best, "seconds": results[best], "timed": len(results)}
+        _store(table)
+        return candidates[best]
