@@ -12,7 +12,16 @@ Correctness: fresh random data against a float64 reference (gemm_spec.reference_
 tolerance on max|err| / max|ref|: 1e-2 for bf16 output, 5e-3 for fp16, 1e-3 for fp32; exact
 (bit-equal after rounding the reference to the output dtype) on small-integer inputs. Inputs
 have NaN in their row padding (a read outside the logical operand poisons the result); outputs
-start NaN-filled (config.nan_fill) and must hold no NaN inside C and only NaN in its padding.
+start NaN-filled (config.nan_fill) and must hold no NaN inside C and only NaN in its padding
+(every problem is reported: NaN left, padding written, error). Experimental configs (pingpong,
+2x2 clusters) are checked in their own child and timed only if they pass.
+
+Timing: per benchmark shape, XLA and every built config are sampled in turn (7 rounds of ~60 ms
+of async launches each, median), so clock/power drift hits all alike (the H200 is power-bound:
+see the power probe at the end). `run` lists every failure again at the end and exits non-zero
+on any. Everything `run` does is decided by `build` (index.json), so the device command stays
+`python3 benchmarks/devcheck_sm90_gemm.py run --bins DIR` (~3 min); `build --no-sweep` times
+only the heuristic's picks.
 """
 
 from __future__ import annotations
@@ -47,11 +56,19 @@ CHECKS = [
     ("c_bf16_kkn_bf16_sk2", GemmSpec(BF, BF, BF, "k", "k", "n"), C(split_k=2)),
     ("c_bf16_mnm_f32_sk4", GemmSpec(BF, BF, "float32", "m", "n", "m"), C(128, 128, 1, 2, split_k=4)),
     ("c_f16_knn_f16_sk4", GemmSpec("float16", "float16", "float16", "k", "n", "n"), C(128, 256, 1, 2, split_k=4)),
-    # pingpong (each consumer warpgroup owns whole 64-row tiles); checked in their own child
+    # experimental (checked in their own child, timed only if that passes): pingpong (each
+    # consumer warpgroup owns whole 64-row tiles) and 2x2 clusters (A and B both multicast)
     ("c_bf16_kkn_bf16_pp", GemmSpec(BF, BF, BF, "k", "k", "n"), C(64, 256, 2, 1, pingpong=True)),
     ("c_f16_mnm_f32_pp12", GemmSpec("float16", "float16", "float32", "m", "n", "m"), C(64, 128, 1, 2, pingpong=True)),
     ("c_bf16_knn_bf16_pp11", GemmSpec(BF, BF, BF, "k", "n", "n"), C(64, 256, 1, 1, pingpong=True)),
+    ("c_bf16_kkn_f32_pp", GemmSpec(BF, BF, "float32", "k", "k", "n"), C(64, 256, 2, 1, pingpong=True)),
+    ("c_bf16_kkn_bf16_c22", GemmSpec(BF, BF, BF, "k", "k", "n"), C(128, 256, 2, 2)),
+    ("c_f16_mnm_f32_c22sk2", GemmSpec("float16", "float16", "float32", "m", "n", "m"), C(128, 128, 2, 2, split_k=2)),
 ]
+
+
+def experimental(cfg) -> bool:
+    return bool(cfg.pingpong) or (cfg.cluster_m, cfg.cluster_n) == (2, 2)
 
 # (M, N, K, L, which operand is broadcast over L: None/"a"/"b"). The first four also run on
 # small integers (exact). Odd extents put C's contiguous edge off a 16-byte boundary (TMA
@@ -63,11 +80,10 @@ N_INT = 5
 
 # Bench sweep: every benchmark shape runs the heuristic's pick and these alternatives, per
 # operand form. (What the first H200 run left open: cluster shape, raster, band width, tile.)
-SWEEP = [C(), C(128, 256, 1, 2), C(128, 256, 1, 1), C(raster="n"), C(group=4), C(group=16),
-         C(128, 128, 2, 1), C(128, 256, 1, 2, raster="n"),
-         C(64, 256, 2, 1, pingpong=True), C(64, 256, 1, 2, pingpong=True), C(64, 256, 1, 1, pingpong=True),
-         C(64, 128, 2, 1, pingpong=True)]
-SPLIT_ALTS = [C(128, 128, 2, 1, split_k=2), C(128, 256, 1, 2, split_k=2)]   # thin shape only
+SWEEP = [C(), C(raster="n"), C(group=16), C(128, 256, 1, 2), C(128, 256, 2, 2),
+         C(64, 256, 2, 1, pingpong=True), C(64, 256, 2, 1, raster="n", pingpong=True),
+         C(64, 256, 2, 1, group=16, pingpong=True)]
+THIN_EXTRA = [C(128, 256, 1, 2, raster="n")]   # 512x8192x8192 (one wave of 128 tiles)
 
 
 def bench_specs():
@@ -107,7 +123,7 @@ def cmd_build(out: str, sweep: bool = True) -> None:
             print(f"heuristic {tag} {m}x{n}x{k}: {pick.key()}")
             cfgs = [pick] + ([c for c in SWEEP if c != pick] if sweep else [])
             if sweep and (m, n, k) == (512, 8192, 8192):
-                cfgs += SPLIT_ALTS
+                cfgs += [c for c in THIN_EXTRA if c != pick]
             for cfg in cfgs:
                 add(_pname(tag, cfg), spec, cfg, "perf")
             index.append({"name": "bench", "purpose": "bench", "tag": tag, "shape": [m, n, k],
@@ -228,17 +244,29 @@ def check_one(binary, spec: GemmSpec, cfg, prob, rng, integer: bool) -> tuple[bo
     return (not problems), ("; ".join(problems) if problems else detail)
 
 
-def _time(fn, args, reps=20, rounds=5) -> float:
+def _sample(fn, args, reps) -> float:
     import jax
-    jax.block_until_ready(fn(*args))
-    samples = []
+    t = time.perf_counter()
+    for _ in range(reps):
+        out = fn(*args)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - t) / reps
+
+
+def _time_interleaved(fns, args, rounds=7, window=0.06) -> list[float]:
+    """Median time per call of each function, sampled in turn (A B C A B C ...) so that clock
+    and power drift hit all of them alike; each sample is ~`window` s of async launches."""
+    import jax
+    reps = []
+    for fn in fns:
+        jax.block_until_ready(fn(*args))
+        t = _sample(fn, args, 3)
+        reps.append(max(5, min(400, int(window / max(t, 1e-6)))))
+    samples = [[] for _ in fns]
     for _ in range(rounds):
-        t = time.perf_counter()
-        for _ in range(reps):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        samples.append((time.perf_counter() - t) / reps)
-    return sorted(samples)[len(samples) // 2]
+        for i, fn in enumerate(fns):
+            samples[i].append(_sample(fn, args, reps[i]))
+    return [sorted(x)[len(x) // 2] for x in samples]
 
 
 def _check_config(bins: str, names: list[str]) -> int:
@@ -271,9 +299,9 @@ def _timed_call(bins, e_name, spec, cfg, m, n, k, tag):
                       ((m, k, 1), (k, 1, m * k)), b_ss, (m, n), (m, n, 1), (n, 1, m * n))
 
 
-def _bench(bins: str, pp: bool | None = None) -> int:
+def _bench(bins: str, exp: bool = True) -> int:
     """Time every benchmark shape with each built config next to XLA (child process).
-    pp: True/False times only the pingpong / cooperative configs (None: all)."""
+    exp=False leaves out the experimental configs (see experimental())."""
     import math
     import jax
     import jax.numpy as jnp
@@ -297,18 +325,15 @@ def _bench(bins: str, pp: bool | None = None) -> int:
             ref = jax.jit(lambda x, y: jnp.matmul(x, y))
         else:
             ref = jax.jit(lambda x, y: jax.lax.dot_general(x, y, (((1,), (1,)), ((), ()))))
-        t_xla = _time(ref, (a, b_phys))
         want = ref(a, b_phys).astype(jnp.float32)
         fl = 2.0 * m * n * k
-        xla = fl / t_xla / 1e12
-        shape_rows = []
+        names, fns, rels = [], [], []
         for name in e["configs"]:
             cfg = sm90_gemm.Config(**configs[name]["config"])
-            if pp is not None and cfg.pingpong != pp and name != e["pick"]:
+            if not exp and experimental(cfg) and name != e["pick"]:
                 continue
             try:
                 f = _timed_call(bins, name, spec, cfg, m, n, k, tag)
-                t_ours = _time(f, (a, b_phys))
                 got = f(a, b_phys).astype(jnp.float32)
                 rel = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
             except Exception as ex:
@@ -318,7 +343,15 @@ def _bench(bins: str, pp: bool | None = None) -> int:
             if not rel < 1e-2:
                 print(f"FAIL timing {name} {m}x{n}x{k}: result differs from XLA (rel {rel:.2g})", flush=True)
                 failures += 1
-            row = (f"{m}x{n}x{k}", tag, ("*" if name == e["pick"] else " ") + cfg.key(), fl / t_ours / 1e12, xla, rel)
+            names.append(name)
+            fns.append(f)
+            rels.append(rel)
+        times = _time_interleaved([ref] + fns, (a, b_phys))
+        xla = fl / times[0] / 1e12
+        shape_rows = []
+        for name, t, rel in zip(names, times[1:], rels):
+            cfg = sm90_gemm.Config(**configs[name]["config"])
+            row = (f"{m}x{n}x{k}", tag, ("*" if name == e["pick"] else " ") + cfg.key(), fl / t / 1e12, xla, rel)
             rows.append(row)
             shape_rows.append(row)
             print(f"  timed {row}", flush=True)
@@ -328,7 +361,8 @@ def _bench(bins: str, pp: bool | None = None) -> int:
     print(f"\n{'shape':18s} {'B':2s} {'config (* = heuristic pick)':38s} {'ours':>7s} {'xla':>7s} {'ratio':>6s} {'rel|d|':>8s}")
     for shape, tag, key, ours, xla, rel in rows:
         print(f"{shape:18s} {tag:2s} {key:38s} {ours:7.1f} {xla:7.1f} {ours / xla:6.3f} {rel:8.2g}")
-    print("(TFLOP/s, median of 5 rounds x 20 async launches; rel|d| = max|ours-xla| / max|xla|)")
+    print("(TFLOP/s; per shape XLA and every config sampled in turn, 7 rounds of ~60 ms of async launches each,"
+          " median; rel|d| = max|ours-xla| / max|xla|)")
     if best:
         print(f"\n{'shape':18s} {'B':2s} {'pick':30s} {'ours':>6s} {'best config':30s} {'best':>6s} {'xla':>6s}")
         for p, bst in best:
@@ -336,8 +370,7 @@ def _bench(bins: str, pp: bool | None = None) -> int:
         g_pick = math.exp(sum(math.log(p[3] / p[4]) for p, _ in best) / len(best))
         g_best = math.exp(sum(math.log(b[3] / b[4]) for _, b in best) / len(best))
         print(f"geomean vs XLA: heuristic picks {g_pick:.3f}, best per shape {g_best:.3f}")
-    if not pp:
-        _power_probe(bins, index, configs, specs)
+    _power_probe(bins, index, configs, specs)
     return 1 if failures else 0
 
 
@@ -363,7 +396,7 @@ def _power_probe(bins, index, configs, specs):
     }
     fl = 2.0 * m * n * k
     for what, args in data.items():
-        t1, t2 = _time(f, args), _time(ref, args)
+        t1, t2 = _time_interleaved([f, ref], args, rounds=5)
         print(f"power probe 8192^3 kn {what:10s} ours {fl / t1 / 1e12:6.1f}  xla {fl / t2 / 1e12:6.1f}", flush=True)
 
 
@@ -410,16 +443,17 @@ def cmd_run(bins: str, check_timeout: int = 60, bench_timeout: int = 110) -> int
         return "ok" if rc == 0 else f"FAILED (rc {rc})"
 
     checks = [e for e in index if e["purpose"] == "check"]
-    coop = [e["name"] for e in checks if not e["config"].get("pingpong")]
-    pping = [e["name"] for e in checks if e["config"].get("pingpong")]
-    half = (len(coop) + 1) // 2
-    for part, tmo in ((coop[:half], check_timeout), (coop[half:], check_timeout), (pping, 45)):
+    main = [e["name"] for e in checks if not experimental(sm90_gemm.Config(**e["config"]))]
+    exp = [e["name"] for e in checks if experimental(sm90_gemm.Config(**e["config"]))]
+    half = (len(main) + 1) // 2
+    exp_ok = True
+    for part, tmo in ((main[:half], check_timeout), (main[half:], check_timeout), (exp, 50)):
         if part:
-            summary.append((part, child(["check", "--names", ",".join(part)], tmo, "check " + part[0])))
-    bench = child(["bench", "--pp", "no"], bench_timeout, "bench")
-    if pping and summary[-1][1] == "ok":      # time pingpong only where it computed right
-        bench_pp = child(["bench", "--pp", "yes"], 45, "bench pingpong")
-        bench = bench if bench_pp == "ok" else f"{bench}; pingpong {bench_pp}"
+            res = child(["check", "--names", ",".join(part)], tmo, "check " + part[0])
+            summary.append((part, res))
+            exp_ok = res == "ok"          # (the last part is the experimental one)
+    # time the experimental configs only where they computed right
+    bench = child(["bench", "--exp", "yes" if exp_ok else "no"], bench_timeout, "bench")
     n_fail_checks = sum(1 for x in fails if not x.startswith("FAIL timing") and not x.startswith("bench"))
     print(f"\n==== {len(fails)} failure(s) ({n_fail_checks} in the checks); benchmark {bench}")
     for x in fails:
@@ -441,7 +475,7 @@ def main() -> int:
         if cmd == "check":
             r.add_argument("--names", required=True, help="comma-separated check configs")
         if cmd == "bench":
-            r.add_argument("--pp", choices=("yes", "no", "all"), default="all")
+            r.add_argument("--exp", choices=("yes", "no"), default="yes")
     args = p.parse_args()
     if args.cmd == "build":
         cmd_build(args.out, sweep=not args.no_sweep)
@@ -449,7 +483,7 @@ def main() -> int:
     if args.cmd == "check":
         return _check_config(args.bins, args.names.split(","))
     if args.cmd == "bench":
-        return _bench(args.bins, {"yes": True, "no": False, "all": None}[args.pp])
+        return _bench(args.bins, args.exp == "yes")
     return cmd_run(args.bins)
 
 
