@@ -3,13 +3,13 @@
 # each logged under $OUT. The DSL comes from ../shared/tools/device-bundle: a first call runs
 # `bash .device/dsl-a/setup.sh` (carry .device/dsl-a), later calls carry .device/dsl-b.
 # Usage: tools/gpu_session.sh STEP...   (steps: info build ffi devcheck-gemm devcheck-grouped
-#        gpu-tests sanitize first-call first-call-warm multigpu bench-matmul bench-ragged bench-launch)
+#        gpu-tests sanitize first-call-warm first-call-cold unpack-compiler multigpu bench-matmul bench-ragged bench-launch)
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 [ -f .device/dsl-b/setup.sh ] && source .device/dsl-b/setup.sh
-export JAX_CUTE_COMMIT=$(git rev-parse HEAD 2>/dev/null || echo unknown)
+export JAX_CUTE_COMMIT=${JAX_CUTE_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 rc=0
 for step in "$@"; do
   echo "=== $step $(date -u +%H:%M:%S)"
@@ -26,14 +26,15 @@ for step in "$@"; do
     gpu-tests) JAX_CUTE_GPU_RESULTS="$OUT/gpu-test-results.json" timeout 400 python3 -m pytest -m gpu -q tests 2>&1 \
              | tee "$OUT/gpu_tests.log" | tail -40 ;;
     sanitize) for tool in memcheck racecheck; do
-               XLA_PYTHON_CLIENT_ALLOCATOR=platform timeout 280 compute-sanitizer --tool $tool \
+               XLA_PYTHON_CLIENT_ALLOCATOR=platform timeout 150 compute-sanitizer --tool $tool \
                  --error-exitcode 9 python3 tools/sanitize_probe.py > "$OUT/sanitize_$tool.log" 2>&1
                echo "$tool rc=$?"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|SANITIZE PROBE DONE" "$OUT/sanitize_$tool.log"
              done ;;
-    first-call) python3 -m jax_cute cache list | tail -3
-             python3 benchmarks/bench_first_call.py --cache "${JAX_CUTE_CACHE_DIR:-.device/cache}" --out "$OUT/first_call.jsonl"
-             python3 benchmarks/bench_first_call.py --cache /tmp/jc_cold --cold --out "$OUT/first_call.jsonl" ;;
-    first-call-warm) python3 benchmarks/bench_first_call.py --cache .device/cache --out "$OUT/first_call.jsonl" ;;
+    first-call-warm) JAX_CUTE_CACHE_DIR=.device/cache python3 -m jax_cute cache list | tail -2
+             python3 -c "import cutlass" 2>/dev/null && echo "DSL compiler importable" || echo "DSL compiler absent"
+             python3 benchmarks/bench_first_call.py --cache .device/cache --out "$OUT/first_call.jsonl" ;;
+    first-call-cold) python3 benchmarks/bench_first_call.py --cache /tmp/jc_cold --cold --out "$OUT/first_call.jsonl" ;;
+    unpack-compiler) bash .device/dsl-a/setup.sh && echo "DSL compiler unpacked" ;;
     multigpu) python3 -m pytest -m multigpu -q tests/test_multigpu.py 2>&1 | tee "$OUT/multigpu.log" | tail -15 ;;
     bench-*) timeout 500 python3 benchmarks/run.py --suite "${step#bench-}" --out "$OUT/${step#bench-}.json" 2>&1 \
              | tee "$OUT/${step}.log" | tail -40 ;;
