@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import graph_capture
 from jax_cute import config
 
 pytestmark = pytest.mark.gpu
@@ -89,7 +90,7 @@ def test_two_threads(example):
 
 
 _PROBE = textwrap.dedent("""
-    import glob, importlib.util, os, re, sys, numpy as np, jax, jax.numpy as jnp
+    import importlib.util, sys, numpy as np, jax, jax.numpy as jnp
     spec = importlib.util.spec_from_file_location("ex", sys.argv[2]); ex = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ex)
     alpha = jnp.asarray([2.0], jnp.float32)
@@ -99,17 +100,13 @@ _PROBE = textwrap.dedent("""
         a = jnp.asarray(rng.standard_normal(5000), jnp.float32); b = jnp.asarray(rng.standard_normal(5000), jnp.float32)
         want = np.asarray(jnp.sin(a)) * 2 + np.asarray(b) + 1
         np.testing.assert_allclose(np.asarray(f(a, b)), want, rtol=1e-6, atol=1e-6)
-    text = "".join(open(p).read() for p in glob.glob(os.path.join(sys.argv[1], "*after_optimizations.txt")))
-    graphs = [blk for blk in text.split("\\n\\n") if re.match(r"\\s*(ENTRY\\s+)?%?command_buffer", blk)]
-    print("CAPTURED", any("jax_cute_launch" in blk for blk in graphs))
+    sys.path.insert(0, sys.argv[-1]); import graph_capture; graph_capture.report(sys.argv[1])
 """)
 
 
 def test_captured_in_a_cuda_graph(example, tmp_path):
-    env = dict(os.environ, XLA_FLAGS=(
-        f"--xla_gpu_graph_min_graph_size=1 --xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL "
-        f"--xla_dump_to={tmp_path} --xla_dump_hlo_as_text"))
-    out = subprocess.run([sys.executable, "-c", _PROBE, str(tmp_path), str(_EXAMPLE)], env=env,
-                         capture_output=True, text=True, timeout=300)
+    env = dict(os.environ, XLA_FLAGS=graph_capture.graph_flags(str(tmp_path)))
+    out = subprocess.run([sys.executable, "-c", _PROBE, str(tmp_path), str(_EXAMPLE), str(pathlib.Path(__file__).parent)],
+                         env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "CAPTURED True" in out.stdout, out.stdout + out.stderr[-2000:]

@@ -23,6 +23,8 @@ for step in "$@"; do
              | tee "$OUT/devcheck_gemm.log" | tail -60 ;;
     devcheck-grouped) timeout 240 python3 benchmarks/devcheck_sm90_grouped.py run --bins .device/bins/grouped 2>&1 \
              | tee "$OUT/devcheck_grouped.log" | tail -60 ;;
+    graph-tests) python3 -m pytest -m gpu -q -k captured tests/test_gpu_matmul.py tests/test_gpu_cute_call.py 2>&1 \
+             | tee "$OUT/graph_tests.log" | grep -E "CAPTURED|command buffer|holding|passed|failed" | head -20 ;;
     gpu-tests) JAX_CUTE_GPU_RESULTS="$OUT/gpu-test-results.json" timeout 400 python3 -m pytest -m gpu -q tests 2>&1 \
              | tee "$OUT/gpu_tests.log" | tail -40 ;;
     sanitize) for tool in memcheck racecheck; do
