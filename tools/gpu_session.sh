@@ -2,6 +2,8 @@
 # One call on the GPU machine (device tool): build the extension, then run the named steps,
 # each logged under $OUT. The DSL comes from ../shared/tools/device-bundle: a first call runs
 # `bash .device/dsl-a/setup.sh` (carry .device/dsl-a), later calls carry .device/dsl-b.
+# sanitize: --report-api-errors no, because the DSL compiler probes the driver (cuGetProcAddress)
+# and those refused probes would drown the memory and race reports that matter here.
 # Usage: tools/gpu_session.sh STEP...   (steps: info build ffi devcheck-gemm devcheck-grouped
 #        gpu-tests sanitize first-call-warm first-call-cold unpack-compiler multigpu bench-matmul bench-ragged bench-launch)
 set -u
@@ -28,7 +30,7 @@ for step in "$@"; do
     gpu-tests) JAX_CUTE_GPU_RESULTS="$OUT/gpu-test-results.json" timeout 400 python3 -m pytest -m gpu -q tests 2>&1 \
              | tee "$OUT/gpu_tests.log" | tail -40 ;;
     sanitize) for tool in memcheck racecheck; do
-               XLA_PYTHON_CLIENT_ALLOCATOR=platform timeout 150 compute-sanitizer --tool $tool \
+               XLA_PYTHON_CLIENT_ALLOCATOR=platform timeout 150 compute-sanitizer --tool $tool --report-api-errors no \
                  --error-exitcode 9 python3 tools/sanitize_probe.py > "$OUT/sanitize_$tool.log" 2>&1
                echo "$tool rc=$?"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|SANITIZE PROBE DONE" "$OUT/sanitize_$tool.log"
              done ;;
