@@ -16,25 +16,28 @@ def graph_flags(dump_dir: str) -> str:
             f"--xla_dump_to={dump_dir} --xla_dump_hlo_as_text")
 
 
-def report(dump_dir: str, runs: int) -> None:
-    """Print ``CAPTURED True|False`` and the evidence.
+def report(dump_dir: str, call, runs: int = 5) -> None:
+    """Print ``CAPTURED True|False`` and the evidence, after the caller checked correct results
+    with new inputs.
 
-    The proof: our handler's execute stage counts its launches. A call recorded into a CUDA
-    graph runs that host code when it is captured, not when the graph is replayed, so after
-    ``runs`` calls with new inputs (all checked correct by the caller) fewer launches than
-    runs means the kernel ran from graph replays. The dump's command-buffer computations, where
-    this XLA shows them in HLO, are printed as well.
+    ``call()`` runs the jitted function once more on fixed inputs. Our handler's execute stage
+    counts launches; a call recorded into a CUDA graph runs that host code when XLA records the
+    graph, not when it replays it. So ``runs`` further calls that add fewer than ``runs``
+    launches ran our kernel from graph replays. A profile of those calls shows the graph
+    launches themselves (``cudaGraphLaunch``) as a second witness.
     """
+    import jax
+
     from jax_cute import runtime
 
-    launches = runtime.stats()["launches"]
-    text = "".join(open(p).read() for p in sorted(glob.glob(os.path.join(dump_dir, "*after_optimizations.txt"))))
-    blocks = re.split(r"\n\s*\n", text)
-    graphs = [b for b in blocks if re.match(r"\s*(ENTRY\s+)?%?command_buffer", b)]
-    mentions = sorted(os.path.basename(p) for p in glob.glob(os.path.join(dump_dir, "*"))
-                      if "command_buffer" in open(p, errors="ignore").read())[:5]
-    print("CAPTURED", launches < runs, f"(handler launches {launches} for {runs} calls)")
-    print("files mentioning command_buffer:", mentions)
-    print("command buffer computations:", [b.strip().split("\n")[0][:80] for b in graphs])
-    print("computations holding our call:",
-          [b.strip().split("\n")[0][:80] for b in blocks if "jax_cute_launch" in b])
+    call()
+    before = runtime.stats()["launches"]
+    with jax.profiler.trace(os.path.join(dump_dir, "trace")):
+        for _ in range(runs):
+            jax.block_until_ready(call())
+    added = runtime.stats()["launches"] - before
+    blobs = b"".join(open(p, "rb").read() for p in glob.glob(os.path.join(dump_dir, "trace", "**", "*"),
+                                                                recursive=True) if os.path.isfile(p))
+    graph_launches = blobs.count(b"cudaGraphLaunch") + blobs.count(b"cuGraphLaunch")
+    print("CAPTURED", added < runs, f"(handler ran {added} times for {runs} calls; "
+          f"{graph_launches} graph launches in the profile)")

@@ -100,7 +100,7 @@ _PROBE = textwrap.dedent("""
         a = jnp.asarray(rng.standard_normal(5000), jnp.float32); b = jnp.asarray(rng.standard_normal(5000), jnp.float32)
         want = np.asarray(jnp.sin(a)) * 2 + np.asarray(b) + 1
         np.testing.assert_allclose(np.asarray(f(a, b)), want, rtol=1e-6, atol=1e-6)
-    sys.path.insert(0, sys.argv[-1]); import graph_capture; graph_capture.report(sys.argv[1], runs=3)
+    sys.path.insert(0, sys.argv[-1]); import graph_capture; graph_capture.report(sys.argv[1], lambda: f(a, b))
 """)
 
 

@@ -181,7 +181,7 @@ _GRAPH_PROBE = textwrap.dedent("""
         out = np.asarray(f(a, b).astype(jnp.float32))
         ref = np.asarray(jnp.matmul(jnp.tanh(a).astype(jnp.float32), b.astype(jnp.float32)) * 2)
         assert np.abs(out - ref).max() / np.abs(ref).max() < 2e-2, rep
-    sys.path.insert(0, sys.argv[-1]); import graph_capture; graph_capture.report(sys.argv[1], runs=3)
+    sys.path.insert(0, sys.argv[-1]); import graph_capture; graph_capture.report(sys.argv[1], lambda: f(a, b))
 """)
 
 
