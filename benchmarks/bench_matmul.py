@@ -47,6 +47,27 @@ def pallas_impls() -> list[Impl]:
     return out
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def jnp_matmul_bf16_grads(a, b, preferred_element_type=None):
+    """jnp.matmul with jax_cute's documented mixed-precision rule: the f32 cotangent is rounded
+    once to the input dtype, so the gradient GEMMs run in bf16 (plain jnp would run them on the
+    f32 cotangent): the like-for-like XLA baseline for the training step."""
+    return jnp.matmul(a, b, preferred_element_type=preferred_element_type)
+
+
+def _bf16_fwd(a, b, preferred_element_type):
+    return jnp.matmul(a, b, preferred_element_type=preferred_element_type), (a, b)
+
+
+def _bf16_bwd(preferred_element_type, res, ct):
+    a, b = res
+    ct = ct.astype(a.dtype)
+    return jnp.matmul(ct, b.T), jnp.matmul(a.T, ct)
+
+
+jnp_matmul_bf16_grads.defvjp(_bf16_fwd, _bf16_bwd)
+
+
 def run(args: argparse.Namespace) -> list[dict]:
     on_gpu = jax.default_backend() == "gpu"
     dt = jnp.bfloat16
@@ -84,7 +105,10 @@ def run(args: argparse.Namespace) -> list[dict]:
     mks = lambda s: (params, jax.random.normal(jax.random.key(s), x[0].shape, jnp.float32), y[0])  # noqa: E731
     recs += measure("matmul", "e2e", f"MLP train step {batch}x{d_model}x{d_ff}",
                     [Impl("jax_cute", mlp.make_step(jax_cute.matmul, step_dt, lr)),
-                     Impl("xla", mlp.make_step(jnp.matmul, step_dt, lr))],
+                     Impl("xla", mlp.make_step(jnp.matmul, step_dt, lr)),
+                     Impl("xla_bf16_grads", mlp.make_step(
+                         lambda a, b, preferred_element_type=None: jnp_matmul_bf16_grads(a, b, preferred_element_type),
+                         step_dt, lr))],
                     mks, 6 * 2.0 * batch * d_model * d_ff, rounds=rounds, check=False,
                     meta={"dtype": jnp.dtype(step_dt).name})
     return best_of(recs, "pallas")
