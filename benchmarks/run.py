@@ -189,6 +189,9 @@ def report(files: list[str], md: str, plots: str) -> str:
            "a measurement in those files (median over interleaved rounds, see benchmarks/common.py). "
            "Ratios > 1 mean jax_cute is faster. \"failed\" means the implementation did not run on that "
            "case; \"XLA fallback\" means jax_cute ran without its kernel.", ""]
+    notes = Path(__file__).with_name("notes.md")  # hand-written reading notes, kept with the code
+    if notes.exists():
+        out += [notes.read_text().strip(), ""]
     for f in files:
         if f.endswith(".jsonl"):  # first-call latency records (benchmarks/bench_first_call.py)
             out += first_call_section(f)
