@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
 import jax_cute
+from training_loop import path_taken, train
 
 SIZES = {  # (batch, d_model, d_ff, steps, lr)
     "tiny": (64, 32, 128, 20, 1.0),  # lr 1.0 was stable from d_model 32 to 1024 (scanned on CPU)
@@ -62,28 +62,6 @@ def data(key: jax.Array, batch: int, d_model: int, n_batches: int = 4) -> tuple[
     x = jax.random.normal(kx, (n_batches, batch, d_model), jnp.float32)
     y = jax.vmap(lambda xb: block(teacher, xb, jnp.matmul, jnp.float32))(x)
     return x, y
-
-
-def path_taken(step: Callable, *args) -> str:
-    if jax.default_backend() != "gpu":
-        return "reference path on CPU (no GPU found)"
-    hlo = step.lower(*args).as_text()
-    dev = jax.devices()[0].device_kind
-    return f"jax_cute kernels on {dev}" if "jax_cute_launch" in hlo else f"XLA fallback on {dev} (see the jax_cute log)"
-
-
-def train(step: Callable, params: Params, x: jax.Array, y: jax.Array, steps: int,
-          label: str, verbose: bool) -> tuple[list[float], list[float]]:
-    losses, times = [], []
-    for i in range(steps):
-        t0 = time.perf_counter()
-        params, loss = step(params, x[i % len(x)], y[i % len(y)])
-        loss = float(loss)  # blocks until the step is done
-        times.append((time.perf_counter() - t0) * 1e3)
-        losses.append(loss)
-        if verbose:
-            print(f"[{label}] step {i:3d}  loss {loss:10.5f}  {times[-1]:8.2f} ms/step")
-    return losses, times
 
 
 def main(argv: list[str] | None = None) -> dict:

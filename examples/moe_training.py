@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
 import jax_cute
+from training_loop import path_taken, train
 
 SIZES = {  # (tokens, d_model, d_ff, experts, top_k, steps, lr)
     "tiny": (128, 32, 64, 8, 2, 20, 1.0),
@@ -73,27 +73,6 @@ def make_step(rdot: Callable, dtype, top_k: int, lr: float) -> Callable:
         return jax.tree.map(lambda p, g: p - lr * g, params, grads), loss  # plain SGD on f32 masters
 
     return step
-
-
-def path_taken(step: Callable, *args) -> str:
-    if jax.default_backend() != "gpu":
-        return "reference path on CPU (no GPU found)"
-    dev = jax.devices()[0].device_kind
-    hlo = step.lower(*args).as_text()
-    return f"jax_cute kernels on {dev}" if "jax_cute_launch" in hlo else f"XLA on {dev} (no jax_cute kernel in the step)"
-
-
-def train(step, params, x, y, steps, label, verbose) -> tuple[list[float], list[float]]:
-    losses, times = [], []
-    for i in range(steps):
-        t0 = time.perf_counter()
-        params, loss = step(params, x[i % len(x)], y[i % len(y)])
-        loss = float(loss)  # blocks until the step is done
-        times.append((time.perf_counter() - t0) * 1e3)
-        losses.append(loss)
-        if verbose:
-            print(f"[{label}] step {i:3d}  loss {loss:10.5f}  {times[-1]:8.2f} ms/step")
-    return losses, times
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import glob
 import os
-import re
 
 
 def graph_flags(dump_dir: str) -> str:

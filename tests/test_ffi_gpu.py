@@ -24,13 +24,7 @@ pytestmark = pytest.mark.gpu
 
 JaxRuntimeError = getattr(jax.errors, "JaxRuntimeError", Exception)
 
-BLOCK = 128
-SIGNATURE = (
-    abi.TensorArg("x", "float32", (abi.DYN,), (1,)),
-    abi.TensorArg("y", "float32", (abi.DYN,), (1,)),
-    abi.StreamArg(),
-)
-SIZES = [1, 127, 128, 129, 4096, 1_000_003]  # includes non-multiples of BLOCK
+SIZES = [1, 127, 128, 129, 4096, 1_000_003]  # includes non-multiples of the kernel's 128-wide block
 
 
 def _gpus():
@@ -56,29 +50,11 @@ def _arch_numbers(arch: str) -> tuple[int, int]:
 
 
 def _compile(name: str, arch: str = "sm_90a"):
-    """Compile the y = 2x + 1 launcher for ``arch`` under a unique ``name`` (so a unique key)."""
+    """The y = 2x + 1 test kernel compiled for ``arch`` under a unique ``name`` (a unique key)."""
     pytest.importorskip("cutlass", reason="the CuTe DSL compiler is not installed")
-    from jax_cute.kernels import build, dsl
+    from affine_kernel import compile_affine
 
-    # The DSL re-reads the kernels' source and resolves names in this module's globals, so
-    # the DSL modules must be globals here (imported lazily: collection must not need them).
-    globals().update(dsl=dsl, cute=dsl.cute, cutlass=dsl.cutlass)
-
-    @cute.kernel  # noqa: F821
-    def affine_kernel(x: cute.Tensor, y: cute.Tensor, n: cutlass.Int32):  # noqa: F821
-        tidx, _, _ = cute.arch.thread_idx()  # noqa: F821
-        bidx, _, _ = cute.arch.block_idx()  # noqa: F821
-        i = bidx * BLOCK + tidx
-        if i < n:
-            y[i] = x[i] * 2.0 + 1.0
-
-    @cute.jit  # noqa: F821
-    def launcher(x: cute.Tensor, y: cute.Tensor, stream: dsl.cuda_driver.CUstream):  # noqa: F821
-        n = cute.size(x, mode=[0])  # noqa: F821
-        affine_kernel(x, y, n).launch(grid=((n + BLOCK - 1) // BLOCK, 1, 1),
-                                      block=(BLOCK, 1, 1), stream=stream)
-
-    return build.compile_launcher(launcher, SIGNATURE, arch=arch, name=name)
+    return compile_affine(name, arch)
 
 
 def affine(binary, x, *, symbol: str | None = None, x_align: int | None = None,

@@ -113,3 +113,37 @@ def test_replay_with_new_sizes():
     # documented bad sizes: negative counts as zero, ends clipped at M
     bad = jnp.asarray([-5, m, 300, -1, 7, 0, m, 2], jnp.int32)
     _close(f(x, w, bad), ref_f32(x, w, bad))
+
+
+_GRAPH_PROBE = """
+import sys, numpy as np, jax, jax.numpy as jnp, jax_cute
+jax_cute.config.set(strict=True)
+f = jax.jit(lambda x, w, gs: jax_cute.ragged_dot(jnp.tanh(x), w, gs) * 2)
+rng = np.random.default_rng(0)
+m, k, n, g = 520, 264, 136, 5
+for rep in range(3):  # replays see new inputs and new group sizes
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((g, k, n)), jnp.bfloat16)
+    cuts = np.sort(rng.integers(0, m + 1, g - 1))
+    gs = jnp.asarray(np.diff(np.concatenate([[0], cuts, [m]])), jnp.int32)
+    out = np.asarray(f(x, w, gs), np.float32)
+    ref = np.asarray(jax.lax.ragged_dot(jnp.tanh(x).astype(jnp.float32), w.astype(jnp.float32), gs)) * 2
+    assert np.abs(out - ref).max() / np.abs(ref).max() < 2e-2, rep
+sys.path.insert(0, sys.argv[2]); import graph_capture; graph_capture.report(sys.argv[1], lambda: f(x, w, gs))
+"""
+
+
+def test_captured_in_a_cuda_graph(tmp_path):
+    """XLA command buffers capture the grouped kernel; replays with new group sizes are right."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    import graph_capture
+
+    env = dict(os.environ, XLA_FLAGS=graph_capture.graph_flags(str(tmp_path)))
+    out = subprocess.run([sys.executable, "-c", _GRAPH_PROBE, str(tmp_path), str(pathlib.Path(__file__).parent)],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "CAPTURED True" in out.stdout, out.stdout + out.stderr[-2000:]

@@ -102,33 +102,12 @@ def test_object_check_rejects_non_elf():
     assert not ext.object_has_function(b"jc_x_function_name\0jc_x_version\0" * 4, "jc_x")
 
 
-BLOCK = 128
-
-
 def _compile_affine(name: str):
-    """Compile a tiny element-wise launcher (y = 2x + 1) for sm_90a; needs the DSL compiler."""
+    """The y = 2x + 1 test kernel compiled for sm_90a; needs the DSL compiler."""
     pytest.importorskip("cutlass", reason="the CuTe DSL compiler is not installed")
-    from jax_cute.kernels import build, dsl
+    from affine_kernel import compile_affine
 
-    # The DSL re-reads the kernels' source and resolves names in this module's globals, so
-    # the DSL modules must be globals here (imported lazily: collection must not need them).
-    globals().update(dsl=dsl, cute=dsl.cute, cutlass=dsl.cutlass)
-
-    @cute.kernel  # noqa: F821
-    def affine_kernel(x: cute.Tensor, y: cute.Tensor, n: cutlass.Int32):  # noqa: F821
-        tidx, _, _ = cute.arch.thread_idx()  # noqa: F821
-        bidx, _, _ = cute.arch.block_idx()  # noqa: F821
-        i = bidx * BLOCK + tidx
-        if i < n:
-            y[i] = x[i] * 2.0 + 1.0
-
-    @cute.jit  # noqa: F821
-    def launcher(x: cute.Tensor, y: cute.Tensor, stream: dsl.cuda_driver.CUstream):  # noqa: F821
-        n = cute.size(x, mode=[0])  # noqa: F821
-        affine_kernel(x, y, n).launch(grid=((n + BLOCK - 1) // BLOCK, 1, 1),
-                                      block=(BLOCK, 1, 1), stream=stream)
-
-    return build.compile_launcher(launcher, SIGNATURE, arch="sm_90a", name=name)
+    return compile_affine(name)
 
 
 def test_object_check_finds_exact_prefix_only():

@@ -5,9 +5,6 @@ the instructions the design depends on. Nothing here runs a kernel: these kernel
 run on hardware (see docs/blackwell.md).
 """
 
-import ctypes
-import os
-
 import pytest
 
 pytest.importorskip("cutlass")
@@ -19,29 +16,8 @@ COMMON = ("tcgen05.mma", "tcgen05.alloc", "tcgen05.dealloc", "tcgen05.ld", "tcge
           "tcgen05.relinquish_alloc_permit", "cp.async.bulk.tensor")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _dsl_runtime():
-    """compile_launcher loads the DSL runtime through jax_cute.runtime; until that module
-    exists, load the wheel's copy globally here (it is what the runtime module would find)."""
-    try:
-        import jax_cute.runtime  # noqa: F401
-    except ImportError:
-        import nvidia_cutlass_dsl
-        root = os.path.dirname(nvidia_cutlass_dsl.__file__)
-        for flavour in ("cu13", "cu12"):
-            lib = os.path.join(root, flavour, "lib", "libcute_dsl_runtime.so")
-            if os.path.exists(lib):
-                ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
-                build._runtime_loaded = True
-                break
-
-
 def _ptx(binary) -> str:
-    text = binary.ptx or ""
-    if len(text) < 4096 and os.path.isfile(text):   # some DSL versions hand back the dump's path
-        with open(text) as f:
-            text = f.read()
-    return text
+    return binary.ptx or ""
 
 
 def _compile(family, spec, cfg):

@@ -25,7 +25,8 @@ for step in "$@"; do
              | tee "$OUT/devcheck_gemm.log" | tail -60 ;;
     devcheck-grouped) timeout 240 python3 benchmarks/devcheck_sm90_grouped.py run --bins .device/bins/grouped 2>&1 \
              | tee "$OUT/devcheck_grouped.log" | tail -60 ;;
-    graph-tests) python3 -m pytest -m gpu -q -k captured tests/test_gpu_matmul.py tests/test_gpu_cute_call.py 2>&1 \
+    graph-tests) python3 -m pytest -m gpu -q -k captured tests/test_gpu_matmul.py tests/test_gpu_cute_call.py \
+               tests/test_ragged_dot_gpu.py 2>&1 \
              | tee "$OUT/graph_tests.log" | grep -E "CAPTURED|command buffer|holding|passed|failed" | head -20 ;;
     gpu-tests) JAX_CUTE_GPU_RESULTS="$OUT/gpu-test-results.json" timeout 400 python3 -m pytest -m gpu -q tests 2>&1 \
              | tee "$OUT/gpu_tests.log" | tail -40 ;;
@@ -39,6 +40,9 @@ for step in "$@"; do
              python3 benchmarks/bench_first_call.py --cache .device/cache --out "$OUT/first_call.jsonl" ;;
     first-call-cold) python3 benchmarks/bench_first_call.py --cache /tmp/jc_cold --cold --out "$OUT/first_call.jsonl" ;;
     unpack-compiler) bash .device/dsl-a/setup.sh && echo "DSL compiler unpacked" ;;
+    examples) for ex in "mlp_training.py --steps 8" "moe_training.py --steps 8" "custom_kernel.py"; do
+               timeout 120 python3 examples/$ex 2>&1 | grep -v "^\[" | tee -a "$OUT/examples.log" | tail -6
+             done ;;
     multigpu) python3 -m pytest -m multigpu -q tests/test_multigpu.py 2>&1 | tee "$OUT/multigpu.log" | tail -15 ;;
     bench-*) timeout 500 python3 benchmarks/run.py --suite "${step#bench-}" --out "$OUT/${step#bench-}.json" 2>&1 \
              | tee "$OUT/${step}.log" | tail -40 ;;

@@ -81,6 +81,9 @@ def compile_launcher(launcher: Callable, signature: abi.Signature, *, arch: str,
     ptx = None
     if keep_ptx:
         ptx = getattr(compiled.artifacts, "PTX", None)
+        if ptx and len(ptx) < 4096 and os.path.isfile(ptx):  # some DSL builds hand back the dump's path
+            with open(ptx) as f:
+                ptx = f.read()
     return KernelBinary(name=name, symbol=symbol, arch=arch, signature=signature, obj=bytes(obj), ptx=ptx)
 
 

@@ -23,7 +23,6 @@ from jax.extend import core
 from jax.interpreters import ad, batching, mlir
 
 from jax_cute import layout as L
-from jax_cute import routing
 from jax_cute.primitives.gemm_layouts import GemmLayouts, cotangent_a, cotangent_b
 
 logger = logging.getLogger("jax_cute")
