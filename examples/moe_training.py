@@ -93,7 +93,8 @@ def main(argv: list[str] | None = None) -> dict:
     teacher = init(jax.random.key(1), d_model, d_ff, experts)
     x = jax.random.normal(jax.random.key(2), (4, tokens, d_model), jnp.float32)
     # lax.map, not vmap: jax.lax.ragged_dot has no batching rule for this case.
-    y = jax.jit(lambda xs: jax.lax.map(lambda xb: moe(teacher, xb, jax.lax.ragged_dot, jnp.float32, top_k), xs))(x)
+    # The teacher is an argument, not a closure: closed-over arrays become constants in the program.
+    y = jax.jit(lambda t, xs: jax.lax.map(lambda xb: moe(t, xb, jax.lax.ragged_dot, jnp.float32, top_k), xs))(teacher, x)
     step = make_step(rdot, dtype, top_k, lr)
     print(f"MoE layer: {tokens} tokens, d_model {d_model}, d_ff {d_ff}, top-{top_k} of {experts} experts, "
           f"{jnp.dtype(dtype).name} grouped GEMMs on {rname}, {steps} SGD steps (lr {lr})")
