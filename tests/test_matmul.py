@@ -150,3 +150,20 @@ def test_bad_input_is_a_trace_time_error():
         jax_cute.matmul(jnp.ones((2, 2), bool), jnp.ones((2, 2), bool))
     with pytest.raises(ValueError, match="transpose_a"):
         jax_cute.matmul(rand((3,)), rand((3, 2)), transpose_a=True)
+
+
+@pytest.mark.parametrize("ours,ref,sa,sb", [
+    (jax_cute.matmul, jnp.matmul, (256, 128), (4, 128, 64)),                     # a broadcast
+    (jax.vmap(jax_cute.matmul, in_axes=(1, None)), jax.vmap(jnp.matmul, in_axes=(1, None)),
+     (64, 4, 32), (32, 16)),                                                        # b broadcast
+    (jax.vmap(jax_cute.matmul, in_axes=(None, 0)), jax.vmap(jnp.matmul, in_axes=(None, 0)),
+     (64, 32), (3, 32, 16)),                                                        # a broadcast
+])
+def test_broadcast_operand_gradients_through_partials(ours, ref, sa, sb):
+    """16-bit gradients of a batch-broadcast operand, summed from per-batch f32 partials."""
+    a, b = rand(sa, jnp.bfloat16), rand(sb, jnp.bfloat16)
+    ga, gb = jax.jit(jax.grad(lambda x, y: (ours(x, y).astype(jnp.float32) ** 2).sum(), (0, 1)))(a, b)
+    ra, rb = jax.grad(lambda x, y: (ref(x, y) ** 2).sum(), (0, 1))(a.astype(jnp.float32), b.astype(jnp.float32))
+    for x, y in ((ga, ra), (gb, rb)):
+        assert x.dtype == jnp.bfloat16
+        np.testing.assert_allclose(x.astype(np.float32), y, rtol=3e-2, atol=3e-2 * float(jnp.abs(y).max()))

@@ -60,27 +60,18 @@ def test_copy_free_forward(case):
     assert_copy_free(lowered(f, *shapes), 1)
 
 
-# The gradient of an operand broadcast over a batch sums over that batch: the batch joins the
-# reduction mode K, which is copy-free only where it continues K in memory. With row-major
-# buffers it does for a batched left operand's weight gradient (the common x @ W case), not for
-# the cases below, which copy the operands of that one gradient GEMM (logged).
-GRAD_COPIES = {"broadcast_a": 2, "vmap_b_only": 2, "vmap_a_axis1": 1}
-
-
+# The gradient of an operand broadcast over a batch sums over that batch. Where the batch
+# continues K in memory it joins the reduction (the common x @ W weight gradient); elsewhere
+# (broadcast_a, vmap_b_only, vmap_a_axis1) the kernel writes per-batch f32 partials that one
+# reduction sums: still no copy, transpose or XLA dot.
 @pytest.mark.parametrize("case", sorted(COPY_FREE))
-def test_gradients(case, caplog):
+def test_copy_free_gradients(case, caplog):
     f, shapes = COPY_FREE[case]
     loss = lambda *xs: f(*xs).astype(jnp.float32).sum()  # noqa: E731
     with caplog.at_level(logging.WARNING, logger="jax_cute"):
         text = lowered(jax.grad(loss, argnums=(0, 1)), *shapes)
-    copies = [r for r in caplog.records if "copying operand" in r.getMessage()]
-    if case not in GRAD_COPIES:
-        assert_copy_free(text, 2)
-        assert not copies
-    else:
-        assert text.count("stablehlo.custom_call @jax_cute_launch") == 2
-        assert len(copies) == GRAD_COPIES[case]
-        assert "dot_general" not in text
+    assert_copy_free(text, 2)
+    assert not [r for r in caplog.records if "copying operand" in r.getMessage()]
 
 
 def test_mixed_precision_gradient_converts_once():

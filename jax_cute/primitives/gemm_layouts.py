@@ -117,6 +117,37 @@ def cotangent_a(g: GemmLayouts, a_shape: Sequence[int]) -> GemmLayouts:
     return GemmLayouts(new_a, new_b, new_c, tuple(a_shape))
 
 
+def cotangent_a_partials(g: GemmLayouts, a_shape: Sequence[int]) -> tuple[GemmLayouts, int] | None:
+    """dA as per-batch partial products, for when the broadcast batch cannot join K.
+
+    The GEMM keeps every L sub-mode as a batch and writes ``dA_l`` for each broadcast batch
+    index into a new buffer of shape ``(*broadcast extents reversed, *a_shape)``: its leading
+    axes are summed afterwards (a reduction, not a copy). Returns (layouts, number of leading
+    axes), or None when A is broadcast over nothing.
+    """
+    g = refined(g)
+    fa = g.a.mode(2).flat_modes()
+    bcast = [i for i, (s, d) in enumerate(fa) if d == 0 and s > 1]
+    if not bcast:
+        return None
+    size = 1
+    for x in a_shape:
+        size *= x
+    strides, step = [], size
+    for i, (s, d) in enumerate(fa):
+        if i in bcast:  # a fresh slab of the output per broadcast index
+            strides.append(step)
+            step *= s
+        else:
+            strides.append(d)
+    out_l = Layout(tuple(s for s, _ in fa), tuple(strides))
+    extents = tuple(fa[i][0] for i in reversed(bcast))  # row-major: the first sub-mode is fastest
+    new_a = make_layout(g.c.mode(0), g.c.mode(1), g.c.mode(2))
+    new_b = make_layout(g.b.mode(1), g.b.mode(0), g.b.mode(2))
+    new_c = make_layout(g.a.mode(0), g.a.mode(1), out_l)
+    return GemmLayouts(new_a, new_b, new_c, extents + tuple(a_shape)), len(bcast)
+
+
 def swapped(g: GemmLayouts) -> GemmLayouts:
     """The same product with the operands' roles exchanged: C^T[n,m,l] = sum_k B[n,k,l] A[m,k,l]."""
     return GemmLayouts(g.b, g.a, g.c.select(1, 0, 2), g.c_shape)
@@ -125,6 +156,10 @@ def swapped(g: GemmLayouts) -> GemmLayouts:
 def cotangent_b(g: GemmLayouts, b_shape: Sequence[int]) -> GemmLayouts:
     """dB[n,k,l] = sum_m dC[m,n,l] A[m,k,l]: dA of the swapped product (M'=N, N'=K, K'=M)."""
     return cotangent_a(swapped(g), b_shape)
+
+
+def cotangent_b_partials(g: GemmLayouts, b_shape: Sequence[int]) -> tuple[GemmLayouts, int] | None:
+    return cotangent_a_partials(swapped(g), b_shape)
 
 
 def matmul_layouts(a_shape: Sequence[int], b_shape: Sequence[int], transpose_a: bool,

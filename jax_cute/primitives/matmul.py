@@ -23,7 +23,8 @@ from jax.extend import core
 from jax.interpreters import ad, batching, mlir
 
 from jax_cute import layout as L
-from jax_cute.primitives.gemm_layouts import GemmLayouts, cotangent_a, cotangent_b
+from jax_cute.primitives.gemm_layouts import (GemmLayouts, cotangent_a, cotangent_a_partials, cotangent_b,
+                                               cotangent_b_partials)
 
 logger = logging.getLogger("jax_cute")
 
@@ -109,18 +110,40 @@ def _cotangent_dtype(ct, operand_dtype):
     return ct.astype(operand_dtype) if ct.dtype != operand_dtype else ct
 
 
+def _kernel_needs_copies(g: GemmLayouts, dtypes) -> bool:
+    from jax_cute.primitives.gemm_plan import flatten_gemm
+
+    flat = flatten_gemm(g, dtypes)
+    return isinstance(flat, str) or bool(flat.copies)
+
+
 def _cotangent_rule(which: str):
     """Transpose rule for operand ``which``: another matmul over the cotangent and the other
-    operand, its layouts from ``gemm_layouts.cotangent_a``/``cotangent_b``."""
+    operand, its layouts from ``gemm_layouts.cotangent_a``/``cotangent_b``.
+
+    A batch the operand was broadcast over is summed by joining the reduction K. Where that
+    batch does not continue K in memory, a kernel would need copies; for 16-bit operands the
+    sum is then taken over per-batch f32 partial products instead (one more reduction, no
+    copy), rounded once to the operand dtype.
+    """
     layouts_for = cotangent_a if which == "a" else cotangent_b
+    partials_for = cotangent_a_partials if which == "a" else cotangent_b_partials
 
     def rule(ct, a, b, *, layouts: GemmLayouts, out_dtype, acc_dtype):
         undefined, other = (a, b) if which == "a" else (b, a)
         if type(ct) is ad.Zero:
             return ad.Zero(undefined.aval)
-        shape, dtype = undefined.aval.shape, undefined.aval.dtype
-        return matmul_p.bind(_cotangent_dtype(ct, dtype), other, layouts=layouts_for(layouts, shape),
-                             out_dtype=np.dtype(dtype).name, acc_dtype=acc_dtype)
+        shape, dtype = undefined.aval.shape, np.dtype(undefined.aval.dtype)
+        ct = _cotangent_dtype(ct, dtype)
+        folded = layouts_for(layouts, shape)
+        dts = [dtype.name, np.dtype(other.dtype).name, dtype.name]
+        if dtype.itemsize == 2 and _kernel_needs_copies(folded, dts):
+            partial = partials_for(layouts, shape)
+            if partial is not None and not _kernel_needs_copies(partial[0], dts[:2] + ["float32"]):
+                g, lead = partial
+                out = matmul_p.bind(ct, other, layouts=g, out_dtype="float32", acc_dtype=acc_dtype)
+                return jnp.sum(out, axis=tuple(range(lead))).astype(dtype)
+        return matmul_p.bind(ct, other, layouts=folded, out_dtype=dtype.name, acc_dtype=acc_dtype)
 
     return rule
 
