@@ -21,7 +21,6 @@ import traceback
 from typing import Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 

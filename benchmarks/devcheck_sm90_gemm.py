@@ -293,7 +293,6 @@ def _check_config(bins: str, names: list[str]) -> int:
 
 
 def _timed_call(bins, e_name, spec, cfg, m, n, k, tag):
-    import jax.numpy as jnp  # noqa: F401
     b_ss = ((n, k, 1), (1, n, n * k)) if tag == "kn" else ((n, k, 1), (k, 1, n * k))
     return _make_call(build.load_binary(os.path.join(bins, e_name)), spec, cfg, m, n, k, 1,
                       ((m, k, 1), (k, 1, m * k)), b_ss, (m, n), (m, n, 1), (n, 1, m * n))

@@ -109,7 +109,6 @@ def ref_ragged_k(a, b, gs):
 
 class Runner:
     def __init__(self, bins):
-        from jax_cute.kernels import build
         with open(os.path.join(bins, "index.json")) as f:
             self.index = json.load(f)
         self.dir = bins

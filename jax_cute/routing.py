@@ -14,7 +14,6 @@ What only the device knows (its real arch, pointer alignment) is checked by the 
 from __future__ import annotations
 
 import logging
-from typing import Sequence
 
 from jax_cute import config
 
@@ -91,6 +90,3 @@ def fallback(op: str, reason: str) -> None:
         raise FallbackError(message + " (JAX_CUTE_STRICT is set)")
     logger.warning(message)
 
-
-def describe(shapes: Sequence[Sequence[int]], dtypes: Sequence[object]) -> str:
-    return ", ".join(f"{tuple(s)}:{d}" for s, d in zip(shapes, dtypes))

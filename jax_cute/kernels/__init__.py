@@ -23,6 +23,3 @@ def family(kind: str, arch: str) -> ModuleType | None:
     name = _FAMILIES.get((kind, arch))
     return importlib.import_module(name) if name else None
 
-
-def family_names() -> dict[tuple[str, str], str]:
-    return dict(_FAMILIES)

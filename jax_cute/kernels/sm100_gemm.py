@@ -20,7 +20,7 @@ import functools
 import math
 
 from jax_cute.kernels import abi
-from jax_cute.kernels.gemm_spec import GemmSpec, Workspace
+from jax_cute.kernels.gemm_spec import Workspace
 
 FAMILY = "sm100_gemm"
 VERSION = 1

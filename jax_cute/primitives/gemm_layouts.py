@@ -38,10 +38,6 @@ class GemmLayouts:
         return {M: product(self.c.mode(0).shape), N: product(self.c.mode(1).shape),
                 K: product(self.a.mode(1).shape), L: product(self.c.mode(2).shape)}
 
-    def flops(self) -> int:
-        e = self.extents()
-        return 2 * e[M] * e[N] * e[K] * e[L]
-
 
 def refine(modes: Sequence[Layout]) -> list[Layout]:
     """Split the sub-modes of congruent-in-size modes until they share one flat structure.
@@ -130,10 +126,7 @@ def cotangent_a_partials(g: GemmLayouts, a_shape: Sequence[int]) -> tuple[GemmLa
     bcast = [i for i, (s, d) in enumerate(fa) if d == 0 and s > 1]
     if not bcast:
         return None
-    size = 1
-    for x in a_shape:
-        size *= x
-    strides, step = [], size
+    strides, step = [], math.prod(a_shape)
     for i, (s, d) in enumerate(fa):
         if i in bcast:  # a fresh slab of the output per broadcast index
             strides.append(step)
@@ -222,6 +215,3 @@ def _broadcast_batch(x: Sequence[int], y: Sequence[int]) -> tuple[int, ...]:
         out.append(max(p, q) if 0 not in (p, q) else 0)
     return tuple(out)
 
-
-def buffer_size(shape: Sequence[int]) -> int:
-    return math.prod(shape)

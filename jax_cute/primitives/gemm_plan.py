@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from jax_cute.layout import Layout, make_layout
+from jax_cute.layout import Layout, make_layout, product
 from jax_cute.primitives.gemm_layouts import GemmLayouts, refined
 
 ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "float8_e4m3fn": 1, "float8_e5m2": 1}
@@ -97,7 +97,6 @@ def flatten_gemm(g: GemmLayouts, dtypes: Sequence[str]) -> FlatGemm | str:
     """The kernel problem for ``g``, or why no kernel can take it (then the call falls back)."""
     g = refined(g)
     a_dt, b_dt, c_dt = dtypes
-    ms, ns, ks = (_single(g.c.mode(0)), _single(g.c.mode(1)), _single(g.a.mode(1)))
     ext = g.extents()
     lmodes = _coalesce_l(g)
     am, ak, bn, bk, cm, cn = g.a.mode(0), g.a.mode(1), g.b.mode(0), g.b.mode(1), g.c.mode(0), g.c.mode(1)
@@ -124,16 +123,13 @@ def flatten_gemm(g: GemmLayouts, dtypes: Sequence[str]) -> FlatGemm | str:
     if len(lmodes) > 1:
         return f"{len(lmodes)} batch modes do not coalesce into one"
     l_ext, (la, lb, lc) = (lmodes[0][0], lmodes[0][1:]) if lmodes else (1, (0, 0, 0))
-    m = _single(cm)[0] if _single(cm) else ext["m"]
-    n = _single(cn)[0] if _single(cn) else ext["n"]
-    del ms, ns, ks
+    m, n = product(cm.shape), product(cn.shape)  # M and N after any fold
 
     c = _operand("c", cm, cn, l_ext, lc, c_dt, ("m", "n"))
     if isinstance(c, str):
         return c
     if c.stride[2] == 0 or (l_ext > 1 and lc == 0):
         return "output broadcast over a batch mode"
-    l_mode = Layout((l_ext,), (0,)) if l_ext == 1 else None
     srcs = {}
     ops = {}
     for name, rows, cols, ls, dt, names, r in (("a", am, ak, la, a_dt, ("m", "k"), m),
@@ -142,7 +138,7 @@ def flatten_gemm(g: GemmLayouts, dtypes: Sequence[str]) -> FlatGemm | str:
         if isinstance(op, str):
             copies.append((name, op))
             lx = 1 if ls == 0 else l_ext
-            srcs[name] = make_layout(rows, cols, l_mode or Layout((l_ext,), (ls,)))
+            srcs[name] = make_layout(rows, cols, Layout((l_ext,), (ls,)))
             op = _operand(name, Layout((r,), (ext["k"],)), Layout((ext["k"],), (1,)), lx, r * ext["k"], dt, names)
             if isinstance(op, str):
                 return op
