@@ -84,6 +84,13 @@ SWEEP = [C(), C(raster="n"), C(group=16), C(128, 256, 1, 2), C(128, 256, 2, 2),
          C(64, 256, 2, 1, pingpong=True), C(64, 256, 2, 1, raster="n", pingpong=True),
          C(64, 256, 2, 1, group=16, pingpong=True)]
 THIN_EXTRA = [C(128, 256, 1, 2, raster="n")]   # 512x8192x8192 (one wave of 128 tiles)
+# Shapes of under a wave of 128x256 tiles (2048^3) also try smaller tiles and split-K.
+SMALL_EXTRA = [C(128, 128, 2, 1), C(128, 128, 1, 2), C(128, 256, 2, 1, split_k=2),
+               C(128, 128, 2, 1, split_k=2), C(64, 128, 2, 1, pingpong=True)]
+# Products under this many FLOPs take a few tens of microseconds: one call per dispatch would
+# time the host, so they are timed as CHAIN products (distinct B buffers) inside one jit.
+CHAIN_BELOW_FLOPS = 2e11
+CHAIN = 8
 
 
 def bench_specs():
@@ -124,6 +131,8 @@ def cmd_build(out: str, sweep: bool = True) -> None:
             cfgs = [pick] + ([c for c in SWEEP if c != pick] if sweep else [])
             if sweep and (m, n, k) == (512, 8192, 8192):
                 cfgs += [c for c in THIN_EXTRA if c != pick]
+            if sweep and (m, n, k) == (2048, 2048, 2048):
+                cfgs += [c for c in SMALL_EXTRA if c != pick]
             for cfg in cfgs:
                 add(_pname(tag, cfg), spec, cfg, "perf")
             index.append({"name": "bench", "purpose": "bench", "tag": tag, "shape": [m, n, k],
@@ -345,7 +354,15 @@ def _bench(bins: str, exp: bool = True) -> int:
             names.append(name)
             fns.append(f)
             rels.append(rel)
-        times = _time_interleaved([ref] + fns, (a, b_phys))
+        if fl < CHAIN_BELOW_FLOPS:
+            # device-bound timing: CHAIN products on distinct B buffers in one jit
+            bs = tuple(jax.random.normal(jax.random.PRNGKey(100 + i), b_phys.shape, jnp.bfloat16)
+                       for i in range(CHAIN))
+            chain = lambda g: jax.jit(lambda x, ys: [g(x, y) for y in ys])  # noqa: E731
+            times = [t / CHAIN for t in _time_interleaved([chain(g) for g in [ref] + fns], (a, bs))]
+            print(f"  {m}x{n}x{k} {tag}: timed as {CHAIN} chained products per jit", flush=True)
+        else:
+            times = _time_interleaved([ref] + fns, (a, b_phys))
         xla = fl / times[0] / 1e12
         shape_rows = []
         for name, t, rel in zip(names, times[1:], rels):

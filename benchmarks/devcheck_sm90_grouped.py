@@ -35,6 +35,8 @@ BINS = [
     ("fwdmA", "ragged_m", "bfloat16", "bfloat16", "m", "n", "n", 128, "diag"),
     ("fwd", "ragged_m", "bfloat16", "bfloat16", "k", "n", "n", 256, "hs"),
     ("drhs", "ragged_k", "bfloat16", "bfloat16", "m", "n", "n", 256, "hs"),
+    ("dlhs", "ragged_m", "bfloat16", "bfloat16", "k", "k", "n", 256, "hs"),
+    ("fwd", "ragged_m", "bfloat16", "bfloat16", "k", "n", "n", 128, "hs"),
 ]
 
 

@@ -65,12 +65,38 @@ ffi::Error Err(ffi::ErrorCode code, std::string message) {
   return ffi::Error(code, "jax_cute: " + std::move(message));
 }
 
-// Loads `name` from `lib` into `*fn`; records the name in `missing` when absent.
-template <typename Fn>
-void BindSymbol(void* lib, const char* name, Fn* fn, std::string* missing) {
-  *fn = reinterpret_cast<Fn>(dlsym(lib, name));
-  if (*fn == nullptr) *missing += std::string(missing->empty() ? "" : ", ") + name;
-}
+// A library opened with dlopen whose entry points are bound one by one; the first failure
+// (library absent, symbols missing) becomes the error, naming `what` and every missing symbol.
+class LibraryBinder {
+ public:
+  LibraryBinder(const std::string& path, int flags, std::string what)
+      : what_(std::move(what)), lib_(dlopen(path.c_str(), flags)) {
+    if (lib_ == nullptr) {
+      const char* why = dlerror();
+      open_error_ = "cannot load " + what_ + ": " + (why ? why : "?");
+    }
+  }
+
+  template <typename Fn>
+  void Bind(const char* name, Fn* fn) {
+    *fn = lib_ == nullptr ? nullptr : reinterpret_cast<Fn>(dlsym(lib_, name));
+    if (*fn == nullptr) missing_ += std::string(missing_.empty() ? "" : ", ") + name;
+  }
+
+  ffi::Error Status() const {
+    if (!open_error_.empty()) return Err(ffi::ErrorCode::kFailedPrecondition, open_error_);
+    if (!missing_.empty()) {
+      return Err(ffi::ErrorCode::kFailedPrecondition, what_ + " lacks " + missing_);
+    }
+    return ffi::Error::Success();
+  }
+
+ private:
+  std::string what_;
+  void* lib_;
+  std::string open_error_;
+  std::string missing_;
+};
 
 // ------------------------------------------------------------------------------------------
 // CUDA driver, loaded at run time (only the handful of entry points we need)
@@ -111,28 +137,19 @@ ffi::Error GetDriver(const Driver** out) {
   if ((*out = g_driver.load(std::memory_order_acquire)) != nullptr) return ffi::Error::Success();
   std::lock_guard<std::mutex> lock(g_load_mu);
   if ((*out = g_driver.load(std::memory_order_relaxed)) != nullptr) return ffi::Error::Success();
-  void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
-  if (lib == nullptr) {
-    const char* why = dlerror();
-    return Err(ffi::ErrorCode::kFailedPrecondition,
-               std::string("cannot load the CUDA driver libcuda.so.1: ") + (why ? why : "?"));
-  }
+  LibraryBinder lib("libcuda.so.1", RTLD_NOW | RTLD_LOCAL, "the CUDA driver libcuda.so.1");
   auto d = std::make_unique<Driver>();
-  std::string missing;
   // The _v2 names are what cuda.h maps the plain names to.
-  BindSymbol(lib, "cuInit", &d->Init, &missing);
-  BindSymbol(lib, "cuDeviceGetAttribute", &d->DeviceGetAttribute, &missing);
-  BindSymbol(lib, "cuStreamGetCtx", &d->StreamGetCtx, &missing);
-  BindSymbol(lib, "cuCtxGetCurrent", &d->CtxGetCurrent, &missing);
-  BindSymbol(lib, "cuCtxGetDevice", &d->CtxGetDevice, &missing);
-  BindSymbol(lib, "cuCtxPushCurrent_v2", &d->CtxPushCurrent, &missing);
-  BindSymbol(lib, "cuCtxPopCurrent_v2", &d->CtxPopCurrent, &missing);
-  BindSymbol(lib, "cuGetErrorName", &d->GetErrorName, &missing);
-  BindSymbol(lib, "cuGetErrorString", &d->GetErrorString, &missing);
-  if (!missing.empty()) {
-    return Err(ffi::ErrorCode::kFailedPrecondition,
-               "the CUDA driver libcuda.so.1 lacks " + missing);
-  }
+  lib.Bind("cuInit", &d->Init);
+  lib.Bind("cuDeviceGetAttribute", &d->DeviceGetAttribute);
+  lib.Bind("cuStreamGetCtx", &d->StreamGetCtx);
+  lib.Bind("cuCtxGetCurrent", &d->CtxGetCurrent);
+  lib.Bind("cuCtxGetDevice", &d->CtxGetDevice);
+  lib.Bind("cuCtxPushCurrent_v2", &d->CtxPushCurrent);
+  lib.Bind("cuCtxPopCurrent_v2", &d->CtxPopCurrent);
+  lib.Bind("cuGetErrorName", &d->GetErrorName);
+  lib.Bind("cuGetErrorString", &d->GetErrorString);
+  if (ffi::Error e = lib.Status(); e.failure()) return e;
   if (CUresult r = d->Init(0); r != 0) {
     return Err(ffi::ErrorCode::kFailedPrecondition, "cuInit failed: " + d->Describe(r));
   }
@@ -206,24 +223,15 @@ ffi::Error GetRuntime(const DslRuntime** out) {
                "jax_cute.runtime.ensure_registered() before running kernels)");
   }
   // RTLD_GLOBAL: the objects the runtime JIT-links resolve their helpers against it.
-  void* lib = dlopen(g_runtime_path.c_str(), RTLD_NOW | RTLD_GLOBAL);
-  if (lib == nullptr) {
-    const char* why = dlerror();
-    return Err(ffi::ErrorCode::kFailedPrecondition,
-               "cannot load the CuTe DSL runtime " + g_runtime_path + ": " + (why ? why : "?"));
-  }
+  LibraryBinder lib(g_runtime_path, RTLD_NOW | RTLD_GLOBAL, "the CuTe DSL runtime " + g_runtime_path);
   auto rt = std::make_unique<DslRuntime>();
-  std::string missing;
-  BindSymbol(lib, "CuteDSLRT_Module_Create_From_Bytes", &rt->ModuleCreateFromBytes, &missing);
-  BindSymbol(lib, "CuteDSLRT_Module_Get_Function", &rt->ModuleGetFunction, &missing);
-  BindSymbol(lib, "CuteDSLRT_Function_Run", &rt->FunctionRun, &missing);
-  BindSymbol(lib, "CuteDSLRT_Module_Destroy", &rt->ModuleDestroy, &missing);
-  BindSymbol(lib, "CuteDSLRT_GetErrorName", &rt->GetErrorName, &missing);
-  BindSymbol(lib, "CuteDSLRT_GetErrorString", &rt->GetErrorString, &missing);
-  if (!missing.empty()) {
-    return Err(ffi::ErrorCode::kFailedPrecondition,
-               "the CuTe DSL runtime " + g_runtime_path + " lacks " + missing);
-  }
+  lib.Bind("CuteDSLRT_Module_Create_From_Bytes", &rt->ModuleCreateFromBytes);
+  lib.Bind("CuteDSLRT_Module_Get_Function", &rt->ModuleGetFunction);
+  lib.Bind("CuteDSLRT_Function_Run", &rt->FunctionRun);
+  lib.Bind("CuteDSLRT_Module_Destroy", &rt->ModuleDestroy);
+  lib.Bind("CuteDSLRT_GetErrorName", &rt->GetErrorName);
+  lib.Bind("CuteDSLRT_GetErrorString", &rt->GetErrorString);
+  if (ffi::Error e = lib.Status(); e.failure()) return e;
   *out = rt.release();
   g_runtime.store(*out, std::memory_order_release);
   return ffi::Error::Success();
