@@ -3,7 +3,10 @@
 ``measure`` jits each implementation, warms it up, then runs interleaved rounds: in round r it
 times implementation A, then B, then C on the same fresh random inputs (never zeros: zero data
 can make hardware draw less power and run faster), each as N back-to-back calls ended by one
-``block_until_ready``. The result per implementation is the median over rounds, so slow drift
+``block_until_ready``. With ``chain=C`` one call runs the implementation on C independent input
+sets inside one jit, as a model's jitted step would: products of a few tens of microseconds
+are then timed on the device, not by the host's per-call dispatch, and no product finds its
+inputs already in L2 from the previous call. The result per implementation is the median over rounds, so slow drift
 (clocks, temperature) hits all implementations alike. A failing implementation (a rival that
 cannot compile a shape, an import missing on this jax) becomes a record with ``error`` set,
 never a crash.
@@ -43,6 +46,11 @@ def uses_kernel(fn: Callable, args: Sequence) -> bool | None:
         return None
 
 
+def _chained(fn: Callable) -> Callable:
+    """``fn`` applied to each of several argument tuples, in one program."""
+    return lambda *arg_sets: [fn(*a) for a in arg_sets]
+
+
 def _rel_err(out, ref) -> float:
     o = np.asarray(jax.tree.leaves(out)[0], np.float32)
     r = np.asarray(jax.tree.leaves(ref)[0], np.float32)
@@ -51,15 +59,21 @@ def _rel_err(out, ref) -> float:
 
 def measure(suite: str, table: str, case: str, impls: Sequence[Impl], make_args: Callable[[int], tuple],
             flops: float, *, rounds: int = 7, warmup: int = 2, target_s: float = 0.02,
-            meta: dict | None = None, check: bool = True) -> list[dict]:
+            meta: dict | None = None, check: bool = True, chain: int = 1) -> list[dict]:
     """Time ``impls`` on ``make_args(seed)`` as described above; one record per implementation.
 
     ``flops`` gives TFLOP/s (0 for cases where only time matters). With ``check`` each output
     is compared with the first working implementation's on the same inputs (``max_rel_err``).
+    ``chain`` > 1 times each call as ``chain`` independent products in one jit (``ms`` is per
+    product).
     """
-    base = {"suite": suite, "table": table, "case": case, "flops": flops, **(meta or {})}
+    base = {"suite": suite, "table": table, "case": case, "flops": flops, "chain": chain, **(meta or {})}
     records: dict[int, dict] = {}
     jitted: dict[int, Callable] = {}
+    if chain > 1:
+        impls = [dataclasses.replace(im, fn=_chained(im.fn)) for im in impls]
+        one_set = make_args
+        make_args = lambda seed: tuple(one_set(seed * chain + j) for j in range(chain))  # noqa: E731
     args = make_args(0)
     ref_out = None
     for i, im in enumerate(impls):
@@ -101,7 +115,7 @@ def measure(suite: str, table: str, case: str, impls: Sequence[Impl], make_args:
                 for _ in range(n):
                     out = f(*args)
                 _block(out)
-                times[i].append((time.perf_counter() - t0) / n * 1e3)
+                times[i].append((time.perf_counter() - t0) / (n * chain) * 1e3)
             except Exception as e:  # noqa: BLE001
                 records[i]["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         del args

@@ -58,10 +58,11 @@ CHECKS = [
     ("c_f16_knn_f16_sk4", GemmSpec("float16", "float16", "float16", "k", "n", "n"), C(128, 256, 1, 2, split_k=4)),
     # experimental (checked in their own child, timed only if that passes): pingpong (each
     # consumer warpgroup owns whole 64-row tiles) and 2x2 clusters (A and B both multicast)
-    ("c_bf16_kkn_bf16_pp", GemmSpec(BF, BF, BF, "k", "k", "n"), C(64, 256, 2, 1, pingpong=True)),
+    ("c_bf16_kkn_bf16_pp", GemmSpec(BF, BF, BF, "k", "k", "n"), C(64, 256, 2, 1, raster="n", pingpong=True)),
     ("c_f16_mnm_f32_pp12", GemmSpec("float16", "float16", "float32", "m", "n", "m"), C(64, 128, 1, 2, pingpong=True)),
     ("c_bf16_knn_bf16_pp11", GemmSpec(BF, BF, BF, "k", "n", "n"), C(64, 256, 1, 1, pingpong=True)),
-    ("c_bf16_kkn_f32_pp", GemmSpec(BF, BF, "float32", "k", "k", "n"), C(64, 256, 2, 1, pingpong=True)),
+    ("c_bf16_kkn_f32_pp", GemmSpec(BF, BF, "float32", "k", "k", "n"), C(64, 256, 2, 1, raster="n", pingpong=True)),
+    ("c_bf16_knn_bf16_pprm", GemmSpec(BF, BF, BF, "k", "n", "n"), C(64, 256, 2, 1, pingpong=True)),
     ("c_bf16_kkn_bf16_c22", GemmSpec(BF, BF, BF, "k", "k", "n"), C(128, 256, 2, 2)),
     ("c_f16_mnm_f32_c22sk2", GemmSpec("float16", "float16", "float32", "m", "n", "m"), C(128, 128, 2, 2, split_k=2)),
 ]
@@ -82,7 +83,8 @@ N_INT = 5
 # operand form. (What the first H200 run left open: cluster shape, raster, band width, tile.)
 SWEEP = [C(), C(raster="n"), C(group=16), C(128, 256, 1, 2), C(128, 256, 2, 2),
          C(64, 256, 2, 1, pingpong=True), C(64, 256, 2, 1, raster="n", pingpong=True),
-         C(64, 256, 2, 1, group=16, pingpong=True)]
+         C(64, 256, 2, 1, group=16, pingpong=True), C(64, 256, 2, 1, raster="n", group=4, pingpong=True),
+         C(64, 256, 2, 1, raster="n", group=16, pingpong=True)]
 THIN_EXTRA = [C(128, 256, 1, 2, raster="n")]   # 512x8192x8192 (one wave of 128 tiles)
 # Shapes of under a wave of 128x256 tiles (2048^3) also try smaller tiles and split-K.
 SMALL_EXTRA = [C(128, 128, 2, 1), C(128, 128, 1, 2), C(128, 256, 2, 1, split_k=2),

@@ -56,11 +56,11 @@ def test_heuristic_picks_a_candidate(majors):
     for m, n, k, l in BENCH + ODD:
         cfg = sm90_gemm.heuristic(spec, m, n, k, l)
         assert cfg in cands, (m, n, k, l, cfg)
-    # the big squares: B multicast over a 2x1 cluster, two 64x256 pingpong tiles per CTA (the
-    # measured winner over the cooperative 128x256 tile, H200 2026-11-21)
+    # the big squares: B multicast over a 2x1 cluster, two 64x256 pingpong tiles per CTA, N
+    # fastest in bands of 8 clusters (the measured winner, H200 2026-11-21)
     big = sm90_gemm.heuristic(spec, 8192, 8192, 8192, 1)
-    assert (big.tile_m, big.tile_n, big.cluster_m, big.cluster_n, big.split_k, big.pingpong) == \
-        (64, 256, 2, 1, 1, True)
+    assert (big.tile_m, big.tile_n, big.cluster_m, big.cluster_n, big.split_k, big.pingpong,
+            big.raster, big.group) == (64, 256, 2, 1, 1, True, "n", 8)
     # too few output tiles and a long K: split it
     assert sm90_gemm.heuristic(spec, 256, 4096, 8192, 1).split_k > 1
     assert sm90_gemm.heuristic(spec, 64, 4096, 16384, 1).cluster_m == 1

@@ -104,11 +104,13 @@ def candidate_configs(spec) -> list[Config]:
 
 
 # What the heuristic runs where its cost model picks the unsplit 128x256 2x1-cluster tile:
-# on an H200 (2026-11-21, bf16, XLA and each config timed in turn) it beat that cooperative
-# tile on all 12 benchmark shape/layout pairs above 2048^3, by 1.7-20% (median ~6%), and tied at
-# 2048^3. Pingpong 64x256 tiles without B multicast (1x2, 1x1 clusters) were 35-45% slower, and
-# 2x2 clusters (A and B both multicast) ~40% slower: neither is a candidate.
-_PINGPONG = Config(64, 256, 2, 1, "m", 8, 1, pingpong=True)
+# on an H200 (2026-11-21, bf16, XLA and each config timed in turn) pingpong 64x256 tiles beat
+# that cooperative tile on all 12 benchmark shape/layout pairs above 2048^3, and walking N
+# fastest inside bands of 8 clusters ("n" raster) beat the M-fastest walk of the same tiles on
+# 13 of 14 pairs (+3..+10%, geomean 1.12x XLA vs 1.04x; the 14th, 2048^3 kn, tied within 1%).
+# Pingpong without B multicast (1x2, 1x1 clusters) was 35-45% slower, and 2x2 clusters (A and
+# B both multicast) ~40% slower: neither is a candidate.
+_PINGPONG = Config(64, 256, 2, 1, "n", 8, 1, pingpong=True)
 
 
 def _stage_plan(tile_n: int, c_dtype: str, stages: int, pingpong: bool = False) -> tuple[int, int]:
@@ -165,9 +167,7 @@ def heuristic(spec, m: int, n: int, k: int, l: int, num_sms: int = NUM_SMS) -> C
     best = min(cands, key=lambda c: (_estimate(c, m, n, k, l, num_sms), c.split_k, -c.tile_n))
     if best.split_k == 1 and best.cluster_m == 2 and best.tile_n == 256:
         # the same tile area as two 64-row tiles per CTA, one per consumer warpgroup, so each
-        # warpgroup's epilogue runs under the other's mainloop (see _PINGPONG). Its raster stays
-        # M-fastest in bands of 8 clusters (also measured best on 512x8192x8192, where the
-        # cooperative tile preferred banding along N).
+        # warpgroup's epilogue runs under the other's mainloop (see _PINGPONG for its raster).
         return _PINGPONG
     return best
 
