@@ -1,15 +1,17 @@
 """One timing method for every implementation in every suite.
 
-``measure`` jits each implementation, warms it up, then runs interleaved rounds: in round r it
-times implementation A, then B, then C on the same fresh random inputs (never zeros: zero data
-can make hardware draw less power and run faster), each as N back-to-back calls ended by one
-``block_until_ready``. With ``chain=C`` one call runs the implementation on C independent input
-sets inside one jit, as a model's jitted step would: products of a few tens of microseconds
-are then timed on the device, not by the host's per-call dispatch, and no product finds its
-inputs already in L2 from the previous call. The result per implementation is the median over rounds, so slow drift
-(clocks, temperature) hits all implementations alike. A failing implementation (a rival that
-cannot compile a shape, an import missing on this jax) becomes a record with ``error`` set,
-never a crash.
+``measure`` jits each implementation, warms it up, then runs interleaved rounds: in each round
+it times every implementation on the same fresh random inputs (never zeros: zero data can make
+hardware draw less power and run faster), each as N back-to-back calls ended by one
+``block_until_ready``. Round r starts with implementation r (mod their number), after one
+untimed call, so the clock's ramp after the idle gap between rounds does not always fall on the
+same implementation. With ``chain=C`` one call runs the implementation on C independent input
+sets inside one jit, as a model's jitted step would: products of a few tens of microseconds are
+then timed on the device rather than by the host's per-call dispatch, and no product finds its
+inputs in L2 from the previous call. The result per implementation is the median over rounds,
+so slow drift (clocks, temperature) hits all implementations alike. A failing implementation
+(a rival that cannot compile a shape, an import missing on this jax) becomes a record with
+``error`` set, never a crash.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ def _rel_err(out, ref) -> float:
 
 
 def measure(suite: str, table: str, case: str, impls: Sequence[Impl], make_args: Callable[[int], tuple],
-            flops: float, *, rounds: int = 7, warmup: int = 2, target_s: float = 0.02,
+            flops: float, *, rounds: int = 7, warmup: int = 2, target_s: float = 0.05,
             meta: dict | None = None, check: bool = True, chain: int = 1) -> list[dict]:
     """Time ``impls`` on ``make_args(seed)`` as described above; one record per implementation.
 
@@ -105,10 +107,21 @@ def measure(suite: str, table: str, case: str, impls: Sequence[Impl], make_args:
                 traceback.print_exc()
         out = None  # free the output before the next implementation runs
     times: dict[int, list[float]] = {i: [] for i in jitted}
+    order = list(jitted)
     for r in range(rounds):
         args = make_args(r + 1)
         _block(args)
-        for i, f in jitted.items():
+        # Each round starts with a different implementation, after one untimed call: the GPU's
+        # clock ramps up again after the idle gap while inputs are made, and a fixed order
+        # would hand that slow start to the same implementation every round.
+        turn = order[r % len(order):] + order[:r % len(order)] if order else []
+        if turn:
+            try:
+                _block(jitted[turn[0]](*args))
+            except Exception:  # noqa: BLE001 - reported by its timed call below
+                pass
+        for i in turn:
+            f = jitted[i]
             n = records[i]["calls"]
             try:
                 t0 = time.perf_counter()

@@ -265,7 +265,7 @@ def _sample(fn, args, reps) -> float:
 
 
 def _time_interleaved(fns, args, rounds=7, window=0.06) -> list[float]:
-    """Median time per call of each function, sampled in turn (A B C A B C ...) so that clock
+    """Median time per call of each function, sampled in turn (A B C, B C A, ...) so that clock
     and power drift hit all of them alike; each sample is ~`window` s of async launches."""
     import jax
     reps = []
@@ -274,9 +274,12 @@ def _time_interleaved(fns, args, rounds=7, window=0.06) -> list[float]:
         t = _sample(fn, args, 3)
         reps.append(max(5, min(400, int(window / max(t, 1e-6)))))
     samples = [[] for _ in fns]
-    for _ in range(rounds):
-        for i, fn in enumerate(fns):
-            samples[i].append(_sample(fn, args, reps[i]))
+    for r in range(rounds):
+        # rotate who goes first (after one untimed call) so no config always gets the round's start
+        turn = [(r + j) % len(fns) for j in range(len(fns))]
+        jax.block_until_ready(fns[turn[0]](*args))
+        for i in turn:
+            samples[i].append(_sample(fns[i], args, reps[i]))
     return [sorted(x)[len(x) // 2] for x in samples]
 
 

@@ -44,7 +44,7 @@ for step in "$@"; do
                timeout 120 python3 examples/$ex 2>&1 | grep -v "^\[" | tee -a "$OUT/examples.log" | tail -6
              done ;;
     multigpu) python3 -m pytest -m multigpu -q tests/test_multigpu.py 2>&1 | tee "$OUT/multigpu.log" | tail -15 ;;
-    bench-*) timeout 500 python3 benchmarks/run.py --suite "${step#bench-}" --out "$OUT/${step#bench-}.json" 2>&1 \
+    bench-*) timeout 500 python3 benchmarks/run.py --suite "${step#bench-}" --out "$OUT/${step#bench-}.json" ${BENCH_ROUNDS:+--rounds $BENCH_ROUNDS} 2>&1 \
              | tee "$OUT/${step}.log" | tail -40 ;;
     *) echo "unknown step $step"; rc=1 ;;
   esac
