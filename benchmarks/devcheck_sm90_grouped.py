@@ -20,7 +20,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 # (role, mode, dtype, out dtype, a_major, b_major, c_major, tile_n[, extra])
 #   extra "diag": spec refused by unsupported(); built anyway, its checks are informational
-#   extra "hs":   Config(half_skip=True), experimental; checked, and timed as its own column
 BINS = [
     ("drhs", "ragged_k", "bfloat16", "bfloat16", "m", "n", "n", 256),
     ("drhs", "ragged_k", "bfloat16", "bfloat16", "m", "n", "n", 128),
@@ -33,10 +32,6 @@ BINS = [
     ("fwd16", "ragged_m", "float16", "float16", "k", "n", "n", 256),
     ("fwd32", "ragged_m", "bfloat16", "float32", "k", "n", "n", 128),
     ("fwdmA", "ragged_m", "bfloat16", "bfloat16", "m", "n", "n", 128, "diag"),
-    ("fwd", "ragged_m", "bfloat16", "bfloat16", "k", "n", "n", 256, "hs"),
-    ("drhs", "ragged_k", "bfloat16", "bfloat16", "m", "n", "n", 256, "hs"),
-    ("dlhs", "ragged_m", "bfloat16", "bfloat16", "k", "k", "n", 256, "hs"),
-    ("fwd", "ragged_m", "bfloat16", "bfloat16", "k", "n", "n", 128, "hs"),
 ]
 
 
@@ -55,7 +50,7 @@ def cmd_build(out):
         role, mode, dt, cdt, am, bm, cm, tn = b[:8]
         extra = b[8] if len(b) > 8 else ""
         spec = GroupedSpec(mode, dt, dt, cdt, a_major=am, b_major=bm, c_major=cm)
-        cfg = fam.Config(tile_n=tn, half_skip=extra == "hs")
+        cfg = fam.Config(tile_n=tn)
         t = time.time()
         launch = fam._build(spec, cfg) if extra == "diag" else fam.launcher(spec, cfg)
         kb = build.compile_launcher(launch, fam.signature(spec, cfg), arch=fam.ARCH,
@@ -327,7 +322,6 @@ def run_bench(r, which, out_json):
     rng = np.random.default_rng(1234)
     dt = jnp.bfloat16
     ours = [(f"{which} n{tn}", r.find(which, tn)) for tn in (256, 128)]
-    ours.append((f"{which} n256 hs", r.find(which, 256, "hs")))
     ours = [(k, e) for k, e in ours if e is not None]
     calls = {k: jax.jit(lambda a, b, gs, e=e: r.call(e, a[None], b[None], gs[None])) for k, e in ours}
     if which == "fwd":

@@ -51,14 +51,9 @@ class Config:
     tile_n: int = 256     # tile_m is always 128 (two consumer warpgroups of 64 rows)
     raster: int = 8       # ragged_m: m-tiles per raster panel (L2 reuse of B)
     sms: int = 132        # persistent grid size
-    # EXPERIMENTAL, off (not yet measured on a GPU): warpgroup 2 runs no WGMMA on a tile whose
-    # rows 64..127 are all out of range (group tail in ragged_m, M edge in ragged_k), so
-    # warpgroup 1 has the tensor cores alone. Only the k-loop trip count changes (a branch
-    # around the WGMMAs cost 8% on 2026-11-21).
-    half_skip: bool = False
 
     def key(self) -> str:
-        return f"n{self.tile_n}.r{self.raster}.sm{self.sms}" + (".hs" if self.half_skip else "")
+        return f"n{self.tile_n}.r{self.raster}.sm{self.sms}"
 
 
 TILE_M = 128
@@ -408,20 +403,11 @@ def _build(spec: GroupedSpec, cfg: Config):
                             k_tiles = (K + BK - 1) // BK
                     else:
                         k_tiles = (t1 - t0 + BK - 1) // BK
-                    k_mma = k_tiles
-                    if cutlass.const_expr(cfg.half_skip):
-                        if cutlass.const_expr(ragged_m):
-                            rows_left = t1 - (t0 + m_t * BM)
-                        else:
-                            rows_left = M - m_t * BM
-                        if wg == 2:
-                            if rows_left <= BM // 2:
-                                k_mma = Int32(0)
                     acc.fill(0.0)
                     tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
                     warpgroup.fence()
                     # keep one WGMMA batch in flight; release the stage of the previous k-tile
-                    n_pro = min(k_mma, 1)
+                    n_pro = min(k_tiles, 1)
                     for kt in range(n_pro):
                         mainloop.consumer_wait(cons)
                         for kb in cutlass.range_constexpr(num_kb):
@@ -429,7 +415,7 @@ def _build(spec: GroupedSpec, cfg: Config):
                                       tCrB[(None, None, kb, cons.index)], acc)
                         warpgroup.commit_group()
                         cons.advance()
-                    for kt in range(n_pro, k_mma):
+                    for kt in range(n_pro, k_tiles):
                         mainloop.consumer_wait(cons)
                         for kb in cutlass.range_constexpr(num_kb):
                             cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, cons.index)],
@@ -443,12 +429,6 @@ def _build(spec: GroupedSpec, cfg: Config):
                     for kt in range(n_pro):
                         mainloop.consumer_release(rel)
                         rel.advance()
-                    if cutlass.const_expr(cfg.half_skip):
-                        for kt in range(k_mma, k_tiles):   # skipped: just pass the stages on
-                            mainloop.consumer_wait(cons)
-                            mainloop.consumer_release(rel)
-                            rel.advance()
-                            cons.advance()
 
                     # destination tile; TMA clips it at the group end (ragged_m) / M, N edges
                     if cutlass.const_expr(ragged_m):
