@@ -104,12 +104,12 @@ def candidate_configs(spec) -> list[Config]:
 
 
 # What the heuristic runs where its cost model picks the unsplit 128x256 2x1-cluster tile:
-# on an H200 (2026-11-21, bf16, XLA and each config timed in turn) pingpong 64x256 tiles beat
-# that cooperative tile on all 12 benchmark shape/layout pairs above 2048^3, and walking N
-# fastest inside bands of 8 clusters ("n" raster) beat the M-fastest walk of the same tiles on
-# 13 of 14 pairs (+3..+10%, geomean 1.12x XLA vs 1.04x; the 14th, 2048^3 kn, tied within 1%).
-# Pingpong without B multicast (1x2, 1x1 clusters) was 35-45% slower, and 2x2 clusters (A and
-# B both multicast) ~40% slower: neither is a candidate.
+# pingpong 64x256 tiles, B multicast over a 2x1 cluster, N fastest inside bands of 8 clusters.
+# H200 sweeps (2026-11-21): pingpong beat the cooperative tile in fixed-order sweeps, and the
+# N-fastest walk beat M-fastest there by 3-10%; with the order of configs rotated each round
+# (benchmarks/common.py), all unsplit 2x1/1x2 configs land within ~3% of each other and of
+# cuBLAS, so the ranking among them is within noise. Pingpong without B multicast (1x2, 1x1
+# clusters) was 35-45% slower and 2x2 clusters ~40% slower in every sweep: not candidates.
 _PINGPONG = Config(64, 256, 2, 1, "n", 8, 1, pingpong=True)
 
 
@@ -207,7 +207,8 @@ def launcher(spec, config: Config):
 
 @functools.lru_cache(maxsize=None)
 def _kernel_class():
-    from jax_cute.kernels.dsl import cute, cutlass, pipeline, utils, sm90_utils, cpasync, warpgroup, warp
+    from jax_cute.kernels.dsl import cute, cutlass, pipeline, sm90_utils, cpasync, warpgroup, warp
+    from jax_cute.kernels.dsl import memory, LayoutEnum
     from jax_cute.kernels.dsl import Int32, Int64, Float32, cuda_driver
 
     const_expr = cutlass.const_expr
@@ -233,14 +234,14 @@ def _kernel_class():
         def run(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, ws, flags, stream):
             ab_t, c_t = a.element_type, c.element_type
             self.ab_t, self.c_t = ab_t, c_t
-            a_lay, b_lay = utils.LayoutEnum.from_tensor(a), utils.LayoutEnum.from_tensor(b)
-            c_lay = utils.LayoutEnum.from_tensor(c)
+            a_lay, b_lay = LayoutEnum.from_tensor(a), LayoutEnum.from_tensor(b)
+            c_lay = LayoutEnum.from_tensor(c)
             self.c_lay = c_lay
             tiled_mma = sm90_utils.make_trivial_tiled_mma(
                 ab_t, ab_t, a_lay.sm90_mma_major_mode(), b_lay.sm90_mma_major_mode(), Float32,
                 (1, 1, 1) if self.pp else (2, 1, 1), tiler_mn=(64, self.bn))
-            a_k = a_lay.sm90_mma_major_mode() == warpgroup.OperandMajorMode.K
-            b_k = b_lay.sm90_mma_major_mode() == warpgroup.OperandMajorMode.K
+            a_k = a_lay.sm90_mma_major_mode() == cute.nvgpu.OperandMajorMode.K
+            b_k = b_lay.sm90_mma_major_mode() == cute.nvgpu.OperandMajorMode.K
             # Swizzled smem layouts WGMMA reads directly (128B atoms along the major mode).
             sa = cute.tile_to_shape(
                 warpgroup.make_smem_layout_atom(
@@ -342,7 +343,7 @@ def _kernel_class():
             a_mask = cute.make_layout_image_mask(cta_layout, cc, mode=1) if const_expr(self.cn > 1) else 0
             b_mask = cute.make_layout_image_mask(cta_layout, cc, mode=0) if const_expr(self.cm > 1) else 0
 
-            smem = utils.SmemAllocator()
+            smem = memory.SmemAllocator()
             st = smem.allocate(self.storage)
             stage_bytes = cute.size_in_bytes(self.ab_t, cute.slice_(sa_layout, (None, None, 0))) + \
                 cute.size_in_bytes(self.ab_t, cute.slice_(sb_layout, (None, None, 0)))

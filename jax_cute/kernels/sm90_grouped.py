@@ -119,7 +119,8 @@ def launcher(spec, config):
 
 def _build(spec: GroupedSpec, cfg: Config):
     from jax_cute.kernels import dsl
-    from jax_cute.kernels.dsl import cute, cutlass, pipeline, utils, sm90_utils, cpasync, warpgroup
+    from jax_cute.kernels.dsl import cute, cutlass, pipeline, sm90_utils, cpasync, warpgroup
+    from jax_cute.kernels.dsl import memory, LayoutEnum
     Int32, Int64 = dsl.Int32, dsl.Int64
 
     ragged_m = spec.mode == "ragged_m"
@@ -149,9 +150,9 @@ def _build(spec: GroupedSpec, cfg: Config):
     class GroupedGemm:
         @cute.jit
         def __call__(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, gs: cute.Tensor, stream):
-            a_layout = utils.LayoutEnum.from_tensor(a)
-            b_layout = utils.LayoutEnum.from_tensor(b)
-            c_layout = utils.LayoutEnum.from_tensor(c)
+            a_layout = LayoutEnum.from_tensor(a)
+            b_layout = LayoutEnum.from_tensor(b)
+            c_layout = LayoutEnum.from_tensor(c)
             tiled_mma = sm90_utils.make_trivial_tiled_mma(
                 ab_dt, ab_dt, a_layout.sm90_mma_major_mode(), b_layout.sm90_mma_major_mode(),
                 cutlass.Float32, (2, 1, 1), tiler_mn=(64, BN))
@@ -159,7 +160,7 @@ def _build(spec: GroupedSpec, cfg: Config):
             # Shared memory: as many A/B stages as fit beside the epilogue buffers.
             ab_bytes = (BM * BK + BN * BK) * ab_dt.width // 8
             epi_bytes = BM * 32 * c_dt.width // 8 * EPI_STAGES
-            smem_cap = utils.get_smem_capacity_in_bytes("sm_90")
+            smem_cap = memory.get_smem_capacity_in_bytes("sm_90")
             self.stages = (smem_cap - 2048 - epi_bytes) // ab_bytes
             a_sl = sm90_utils.make_smem_layout_a(a_layout, tile_mnk, ab_dt, self.stages)
             b_sl = sm90_utils.make_smem_layout_b(b_layout, tile_mnk, ab_dt, self.stages)
@@ -295,7 +296,7 @@ def _build(spec: GroupedSpec, cfg: Config):
                 cpasync.prefetch_descriptor(tma_b)
                 cpasync.prefetch_descriptor(tma_c)
 
-            smem = utils.SmemAllocator()
+            smem = memory.SmemAllocator()
             st = smem.allocate(self.storage)
             a_s = cute.slice_(a_sl, (None, None, 0))
             b_s = cute.slice_(b_sl, (None, None, 0))
