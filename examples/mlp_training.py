@@ -11,7 +11,6 @@ The same step is then timed with ``jnp.matmul`` in place of ``jax_cute.matmul``.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 from typing import Callable
 
@@ -19,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 import jax_cute
-from training_loop import path_taken, train
+from training_loop import parse_args, path_taken, train
 
 SIZES = {  # (batch, d_model, d_ff, steps, lr)
     "tiny": (64, 32, 128, 20, 1.0),  # lr 1.0 was stable from d_model 32 to 1024 (scanned on CPU)
@@ -66,13 +65,7 @@ def data(key: jax.Array, batch: int, d_model: int, n_batches: int = 4) -> tuple[
 
 def main(argv: list[str] | None = None) -> dict:
     on_gpu = jax.default_backend() == "gpu"
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--size", choices=sorted(SIZES), default="large" if on_gpu else "small")
-    p.add_argument("--steps", type=int)
-    p.add_argument("--lr", type=float)
-    p.add_argument("--no-compare", action="store_true", help="skip the jnp.matmul run")
-    p.add_argument("--quiet", action="store_true", help="no per-step lines")
-    args = p.parse_args(argv)
+    args = parse_args(__doc__, SIZES, "jnp.matmul", argv)
     batch, d_model, d_ff, steps, lr = SIZES[args.size]
     steps, lr = args.steps or steps, args.lr or lr
     dtype = jnp.bfloat16 if on_gpu else jnp.float32

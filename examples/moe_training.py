@@ -11,7 +11,6 @@ MoE (synthetic regression); the same step is then timed on ``jax.lax.ragged_dot`
 
 from __future__ import annotations
 
-import argparse
 import statistics
 from typing import Callable
 
@@ -19,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 import jax_cute
-from training_loop import path_taken, train
+from training_loop import parse_args, path_taken, train
 
 SIZES = {  # (tokens, d_model, d_ff, experts, top_k, steps, lr)
     "tiny": (128, 32, 64, 8, 2, 20, 1.0),
@@ -77,13 +76,7 @@ def make_step(rdot: Callable, dtype, top_k: int, lr: float) -> Callable:
 
 def main(argv: list[str] | None = None) -> dict:
     on_gpu = jax.default_backend() == "gpu"
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--size", choices=sorted(SIZES), default="large" if on_gpu else "small")
-    p.add_argument("--steps", type=int)
-    p.add_argument("--lr", type=float)
-    p.add_argument("--no-compare", action="store_true", help="skip the jax.lax.ragged_dot run")
-    p.add_argument("--quiet", action="store_true", help="no per-step lines")
-    args = p.parse_args(argv)
+    args = parse_args(__doc__, SIZES, "jax.lax.ragged_dot", argv)
     tokens, d_model, d_ff, experts, top_k, steps, lr = SIZES[args.size]
     steps, lr = args.steps or steps, args.lr or lr
     dtype = jnp.bfloat16 if on_gpu else jnp.float32

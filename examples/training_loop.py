@@ -1,11 +1,24 @@
-"""What the training examples share: which path a step took, and the timed step loop."""
+"""What the training examples share: their command line, which path a step took, and the timed
+step loop."""
 
 from __future__ import annotations
 
+import argparse
 import time
 from typing import Callable
 
 import jax
+
+
+def parse_args(doc: str, sizes: dict, rival: str, argv: list[str] | None) -> argparse.Namespace:
+    """The examples' shared options; ``rival`` names what --no-compare skips."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--size", choices=sorted(sizes), default="large" if jax.default_backend() == "gpu" else "small")
+    p.add_argument("--steps", type=int)
+    p.add_argument("--lr", type=float)
+    p.add_argument("--no-compare", action="store_true", help=f"skip the {rival} run")
+    p.add_argument("--quiet", action="store_true", help="no per-step lines")
+    return p.parse_args(argv)
 
 
 def path_taken(step: Callable, *args) -> str:

@@ -68,6 +68,28 @@ def test_measure_records_failures_without_crashing():
     assert bad["ms"] is None and "rival cannot" in bad["error"]
 
 
+def test_measure_chain_times_independent_products():
+    from common import Impl, measure
+
+    seen = []
+
+    def probe(a, b):
+        seen.append(a.shape)          # traced once per product in the chained program
+        return a @ b
+
+    mk = lambda s: tuple(jax.random.normal(k, (8, 8)) for k in jax.random.split(jax.random.key(s)))  # noqa: E731
+    rec, = measure("t", "gemm", "8x8x8", [Impl("xla", probe)], mk, 2.0 * 8 ** 3, rounds=2, chain=3)
+    assert rec["chain"] == 3 and rec["ms"] > 0 and len(seen) == 3
+
+
+def test_report_order_skips_logs_and_puts_dense_first():
+    import run
+    files = ["r/h200-examples.log", "r/h200-first-call.jsonl", "r/h200-launch.json", "r/h200-ragged.json",
+             "r/h200-matmul.json"]
+    assert run.report_order(files) == ["r/h200-matmul.json", "r/h200-ragged.json", "r/h200-launch.json",
+                                       "r/h200-first-call.jsonl"]
+
+
 def test_report_from_synthetic_json(tmp_path):
     pytest.importorskip("matplotlib")
     import run
