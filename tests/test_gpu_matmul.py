@@ -145,6 +145,39 @@ def test_grad(sa, sb):
     check(gb, rb, jnp.bfloat16)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
+@pytest.mark.parametrize("m,n,k", [(1000, 1032, 784), (264, 136, 80), (4096, 4096, 4096)])
+@pytest.mark.parametrize("out", [jnp.bfloat16, jnp.float32])
+def test_fp8_inputs(dtype, m, n, k, out):
+    # fp8 WGMMA takes both operands K-major: x (M, K) @ w (N, K)^T. The reference multiplies the
+    # same fp8-rounded values in f32, so only accumulation order and the output rounding differ.
+    x, w = rand((m, k), dtype), rand((n, k), dtype)
+    f = lambda a, b: jax_cute.matmul(a, b, transpose_b=True, preferred_element_type=out)  # noqa: E731
+    assert_ours(f, x, w, calls=1)
+    check(jax.jit(f)(x, w), ref_mm(x, w, tb=True), out)
+
+
+def test_fp8_small_integers_are_exact_and_grads_run_in_bf16():
+    rng = np.random.default_rng(next(_seed))
+    x = jnp.asarray(rng.integers(-4, 5, (520, 272)), jnp.float8_e4m3fn)
+    w = jnp.asarray(rng.integers(-4, 5, (264, 272)), jnp.float8_e4m3fn)
+    f = lambda a, b: jax_cute.matmul(a, b, transpose_b=True, preferred_element_type=jnp.float32)  # noqa: E731
+    np.testing.assert_array_equal(np.asarray(jax.jit(f)(x, w)), np.asarray(ref_mm(x, w, tb=True)))
+    # integer cotangent: every sum is exact in f32, so bf16 then fp8 rounding match bit for bit
+    ct = jnp.asarray(rng.integers(-2, 3, (520, 264)), jnp.float32)
+    g = jax.grad(lambda a, b: (f(a, b) * ct).sum(), (0, 1))
+    assert_ours(g, x, w, calls=2)                    # both gradient GEMMs on the bf16 kernel
+    gx, gw = jax.jit(g)(x, w)
+    assert gx.dtype == x.dtype and gw.dtype == w.dtype
+
+    def rounded(v):  # the documented rule: bf16 gradient GEMM, then rounded to the fp8 dtype
+        return np.asarray(jnp.asarray(v).astype(jnp.bfloat16).astype(jnp.float8_e4m3fn).astype(jnp.float32))
+
+    c, xf, wf = (np.asarray(v, np.float32) for v in (ct, x, w))
+    np.testing.assert_array_equal(np.asarray(gx.astype(jnp.float32)), rounded(c @ wf))
+    np.testing.assert_array_equal(np.asarray(gw.astype(jnp.float32)), rounded(c.T @ xf))
+
+
 def test_misaligned_sizes_fall_back_with_correct_results():
     a, b = rand((1001, 1003)), rand((1003, 517))  # K*2 bytes is no multiple of 16: no TMA
     with config.override(strict=False):

@@ -139,6 +139,29 @@ def test_jvp_matches_jnp():
     np.testing.assert_allclose(t, tr, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
+def test_fp8_inputs_and_their_bf16_gradients(dtype):
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.integers(-4, 5, (40, 64)), dtype)
+    w = jnp.asarray(rng.integers(-4, 5, (24, 64)), dtype)
+    xf, wf = np.asarray(x, np.float32), np.asarray(w, np.float32)
+    y = jax_cute.matmul(x, w, transpose_b=True, preferred_element_type=jnp.float32)
+    np.testing.assert_array_equal(np.asarray(y), xf @ wf.T)
+    # the cotangent is rounded once to bf16 (not to fp8), the gradient GEMMs run in bf16 and
+    # their results are rounded to the operand's fp8 dtype
+    ct = rng.integers(-3, 4, (40, 24)).astype(np.float32) / 2   # exact sums: no order sensitivity
+    gx, gw = jax.grad(lambda a, b: (jax_cute.matmul(a, b, transpose_b=True, preferred_element_type=jnp.float32)
+                                    * ct).sum(), (0, 1))(x, w)
+    ct16 = np.asarray(jnp.asarray(ct).astype(jnp.bfloat16), np.float32)
+
+    def rounded(v):
+        return np.asarray(jnp.asarray(v).astype(jnp.bfloat16).astype(dtype), np.float32)
+
+    assert gx.dtype == dtype and gw.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(gx, np.float32), rounded(ct16 @ wf))
+    np.testing.assert_array_equal(np.asarray(gw, np.float32), rounded(ct16.T @ xf))
+
+
 def test_bad_input_is_a_trace_time_error():
     with pytest.raises(ValueError, match=r"contracting dimensions differ: a\(5, 4\).*b\(3, 2\)"):
         jax_cute.matmul(rand((5, 4)), rand((3, 2)))

@@ -116,6 +116,33 @@ def test_unsupported_dtype_falls_back_and_strict_raises():
         lowered(lambda a, b: jax_cute.matmul(a, b), (64, 64), (64, 64), dtype=jnp.float32)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
+def test_fp8_inputs_run_the_kernel_when_both_are_k_major(dtype):
+    f = lambda x, w: jax_cute.matmul(x, w, transpose_b=True, preferred_element_type=BF16)  # noqa: E731
+    text = lowered(f, (256, 128), (64, 128), dtype=dtype)
+    assert_copy_free(text, 1)
+    assert "float8" in text and "sm90_gemm.float8" in text
+
+
+def test_fp8_gradients_run_on_the_bf16_kernel():
+    def loss(x, w):
+        return jax_cute.matmul(x, w, transpose_b=True, preferred_element_type=jnp.float32).sum()
+
+    text = lowered(jax.grad(loss, (0, 1)), (256, 128), (64, 128), dtype=jnp.float8_e4m3fn)
+    assert text.count("stablehlo.custom_call @jax_cute_launch") == 2 and "dot_general" not in text
+    assert text.count("sm90_gemm.bfloat16.bfloat16.bfloat16") == 2   # fp8 -> bf16 is exact
+
+
+def test_fp8_with_n_major_b_falls_back_and_strict_says_why(caplog):
+    f = lambda x, w: jax_cute.matmul(x, w, preferred_element_type=BF16)  # noqa: E731
+    with caplog.at_level(logging.WARNING, logger="jax_cute"):
+        text = lowered(f, (256, 128), (128, 64), dtype=jnp.float8_e4m3fn)
+    assert "@jax_cute_launch" not in text and "dot_general" in text
+    with config.override(strict=True), pytest.raises(jax_cute.FallbackError, match="contiguous along K"):
+        lowered(lambda x, w: jax_cute.matmul(x, w, preferred_element_type=BF16), (256, 128), (128, 64),
+                dtype=jnp.float8_e4m3fn)
+
+
 def test_no_target_arch_without_gpu_falls_back(caplog):
     args = [jax.ShapeDtypeStruct((64, 64), BF16)] * 2
     with caplog.at_level(logging.WARNING, logger="jax_cute"):

@@ -39,7 +39,10 @@ def _compile(spec, cfg):
 def test_unsupported_reasons():
     assert sm90_gemm.unsupported(GemmSpec(BF, BF, BF)) is None
     assert sm90_gemm.unsupported(GemmSpec(F16, F16, F32, "m", "n", "m")) is None
-    for bad in (GemmSpec("float8_e4m3fn", "float8_e4m3fn", BF), GemmSpec(BF, F16, BF), GemmSpec(BF, BF, "int32"),
+    assert sm90_gemm.unsupported(GemmSpec("float8_e4m3fn", "float8_e4m3fn", BF, "k", "k", "n")) is None
+    for bad in (GemmSpec("float8_e4m3fn", "float8_e4m3fn", BF, "k", "n", "n"),
+                GemmSpec("float8_e5m2", "float8_e5m2", F32, "m", "k", "n"),
+                GemmSpec("float8_e4m3fn", "float8_e5m2", BF), GemmSpec(BF, F16, BF), GemmSpec(BF, BF, "int32"),
                 GemmSpec(F32, F32, F32), GemmSpec(BF, BF, BF, acc_dtype=F16), GroupedSpec("ragged_m", BF, BF, BF)):
         reason = sm90_gemm.unsupported(bad)
         assert isinstance(reason, str) and reason, bad
@@ -132,3 +135,18 @@ def test_ragged_edge_store_path():
     # that edge (a TMA store there would write the padding behind it): the path must exist
     binary = _compile(GemmSpec(BF, BF, BF, "k", "k", "n"), sm90_gemm.Config(128, 128, 1, 1))
     assert "st.global" in binary.ptx
+
+
+_FP8 = [("float8_e4m3fn", BF, sm90_gemm._PINGPONG), ("float8_e5m2", F32, sm90_gemm.Config(128, 128, 1, 2, split_k=2))]
+
+
+@pytest.mark.parametrize("in_dt,out_dt,cfg", _FP8, ids=lambda x: x.key() if dataclasses.is_dataclass(x) else str(x))
+def test_compile_fp8(in_dt, out_dt, cfg):
+    # 8-bit inputs: 128-element k-tiles (one 128-byte row), WGMMA k32 on e4m3/e5m2 operands
+    spec = GemmSpec(in_dt, in_dt, out_dt, "k", "k", "n")
+    assert sm90_gemm.tile_k(in_dt) == 128 and sm90_gemm.heuristic(spec, 4096, 4096, 4096, 1) in \
+        sm90_gemm.candidate_configs(spec)
+    binary = _compile(spec, cfg)
+    kind = "e4m3" if "e4m3" in in_dt else "e5m2"
+    assert f"wgmma.mma_async.sync.aligned.m64n{cfg.tile_n}k32.f32.{kind}.{kind}" in binary.ptx
+    assert "cp.async.bulk.tensor" in binary.ptx

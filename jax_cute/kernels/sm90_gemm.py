@@ -35,10 +35,11 @@ ARCH = "sm_90a"
 
 NUM_SMS = 132            # H100 SXM / H200; compiled into the persistent grid bound
 SMEM_BYTES = 232448      # opt-in dynamic shared memory per block on sm_90 (227 KiB)
-TILE_K = 64              # one 128-byte swizzle atom of 16-bit elements
-_IN_DTYPES = ("bfloat16", "float16")
+ROW_BYTES = 128          # a k-tile row is one 128-byte swizzle atom: 64 16-bit or 128 8-bit elements
+_FP8 = ("float8_e4m3fn", "float8_e5m2")
+_IN_DTYPES = ("bfloat16", "float16", *_FP8)
 _OUT_DTYPES = ("bfloat16", "float16", "float32")
-_ITEM = {"bfloat16": 2, "float16": 2, "float32": 4}
+_ITEM = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1}
 _ITEM_OF = {16: 2, 32: 4}   # output element width in bits -> bytes
 
 
@@ -67,9 +68,13 @@ def unsupported(spec) -> str | None:
     if not isinstance(spec, GemmSpec):
         return f"{FAMILY} runs dense GEMMs only, not {type(spec).__name__}"
     if spec.a_dtype not in _IN_DTYPES:
-        return f"{FAMILY}: input dtype {spec.a_dtype} not supported (bfloat16, float16)"
+        return f"{FAMILY}: input dtype {spec.a_dtype} not supported ({', '.join(_IN_DTYPES)})"
     if spec.b_dtype != spec.a_dtype:
         return f"{FAMILY}: A and B must share a dtype ({spec.a_dtype} vs {spec.b_dtype})"
+    if spec.a_dtype in _FP8 and (spec.a_major, spec.b_major) != ("k", "k"):
+        # WGMMA takes 8-bit operands from shared memory only K-major (contiguous along K)
+        return (f"{FAMILY}: fp8 inputs need A and B contiguous along K (A {spec.a_major}-major, "
+                f"B {spec.b_major}-major given; for a @ b pass b as (N, K) with transpose_b=True)")
     if spec.c_dtype not in _OUT_DTYPES:
         return f"{FAMILY}: output dtype {spec.c_dtype} not supported (bfloat16, float16, float32)"
     if spec.acc_dtype != "float32":
@@ -113,19 +118,24 @@ def candidate_configs(spec) -> list[Config]:
 _PINGPONG = Config(64, 256, 2, 1, "n", 8, 1, pingpong=True)
 
 
+def tile_k(in_dtype: str) -> int:
+    """K extent of one k-tile: a 128-byte row of the input dtype."""
+    return ROW_BYTES // _ITEM[in_dtype]
+
+
 def _stage_plan(tile_n: int, c_dtype: str, stages: int, pingpong: bool = False) -> tuple[int, int]:
-    """(A/B stages, epilogue stages per epilogue group) for a tile_m x tile_n x 64 tile.
+    """(A/B stages, epilogue stages per epilogue group) for a tile_m x tile_n x tile_k tile.
 
     Cooperative: one 128 x 32 epilogue ring shared by both consumer warpgroups; pingpong: one
     64 x 32 ring per warpgroup, 2 deep (its A/B stages matter more)."""
     if pingpong:
         epi_stages = 2
         epi_bytes = 2 * 64 * 32 * _ITEM[c_dtype] * epi_stages
-        ab_bytes = (64 + tile_n) * TILE_K * 2
+        ab_bytes = (64 + tile_n) * ROW_BYTES
     else:
         epi_stages = 2 if _ITEM[c_dtype] == 4 else 4
         epi_bytes = 128 * 32 * _ITEM[c_dtype] * epi_stages
-        ab_bytes = (128 + tile_n) * TILE_K * 2
+        ab_bytes = (128 + tile_n) * ROW_BYTES
     fit = (SMEM_BYTES - 1024 - epi_bytes) // ab_bytes
     return (min(stages, fit) if stages else fit), epi_stages
 
@@ -137,14 +147,16 @@ def _tile_grid(config: Config, m: int, n: int, l: int) -> tuple[int, int, int]:
     return (-(-tm // config.cluster_m) * config.cluster_m, -(-tn // config.cluster_n) * config.cluster_n, l)
 
 
-def _estimate(config: Config, m: int, n: int, k: int, l: int, num_sms: int) -> float:
-    """Rough time model (units of one 128x128x64 MMA step on one SM) used to rank configs."""
+def _estimate(config: Config, m: int, n: int, k: int, l: int, num_sms: int, bk: int = 64) -> float:
+    """Rough time model (units of one 128 x 128 x k-tile MMA step on one SM, the same for every
+    input dtype: an 8-bit k-tile is twice as deep and WGMMA runs it twice as fast) used to rank
+    configs."""
     tm, tn, _ = _tile_grid(config, m, n, l)
     csize = config.cluster_m * config.cluster_n
     units = tm * tn * l * config.split_k
     slots = (num_sms // csize) * csize
     waves = -(-units // slots)
-    k_tiles = -(-max(k, 1) // TILE_K)
+    k_tiles = -(-max(k, 1) // bk)
     k_per_unit = -(-k_tiles // config.split_k)
     size = config.tile_n / 128
     speed = 1.0 if config.tile_n == 256 else 0.88      # 128x128 tiles reach less of peak
@@ -164,7 +176,8 @@ def heuristic(spec, m: int, n: int, k: int, l: int, num_sms: int = NUM_SMS) -> C
         cands = [c for c in cands if c.cluster_m == 1]
     else:
         cands = [c for c in cands if c.cluster_m == 2]
-    best = min(cands, key=lambda c: (_estimate(c, m, n, k, l, num_sms), c.split_k, -c.tile_n))
+    bk = tile_k(spec.a_dtype)
+    best = min(cands, key=lambda c: (_estimate(c, m, n, k, l, num_sms, bk), c.split_k, -c.tile_n))
     if best.split_k == 1 and best.cluster_m == 2 and best.tile_n == 256:
         # the same tile area as two 64-row tiles per CTA, one per consumer warpgroup, so each
         # warpgroup's epilogue runs under the other's mainloop (see _PINGPONG for its raster).
@@ -217,7 +230,7 @@ def _kernel_class():
     class Sm90Gemm:
         def __init__(self, spec: GemmSpec, config: Config):
             self.cfg = config
-            self.bm, self.bn, self.bk = config.tile_m, config.tile_n, TILE_K
+            self.bm, self.bn, self.bk = config.tile_m, config.tile_n, tile_k(spec.a_dtype)
             self.cm, self.cn = config.cluster_m, config.cluster_n
             self.split = config.split_k
             self.pp = config.pingpong

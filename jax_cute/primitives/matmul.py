@@ -110,6 +110,15 @@ def _cotangent_dtype(ct, operand_dtype):
     return ct.astype(operand_dtype) if ct.dtype != operand_dtype else ct
 
 
+def _gradient_dtype(operand_dtype: np.dtype) -> np.dtype:
+    """Dtype the gradient GEMMs of an operand run in: the operand's own for 16-bit floats;
+    bfloat16 for 8-bit floats, whose 2-3 mantissa bits would ruin a cotangent (fp8 -> bf16 is
+    exact, so only the cotangent is rounded, as for 16-bit inputs)."""
+    if operand_dtype.itemsize == 1 and jnp.issubdtype(operand_dtype, jnp.floating):
+        return np.dtype(jnp.bfloat16)
+    return operand_dtype
+
+
 def _kernel_needs_copies(g: GemmLayouts, dtypes) -> bool:
     from jax_cute.primitives.gemm_plan import flatten_gemm
 
@@ -134,16 +143,20 @@ def _cotangent_rule(which: str):
         if type(ct) is ad.Zero:
             return ad.Zero(undefined.aval)
         shape, dtype = undefined.aval.shape, np.dtype(undefined.aval.dtype)
-        ct = _cotangent_dtype(ct, dtype)
+        gdt = _gradient_dtype(dtype)
+        ct = _cotangent_dtype(ct, gdt)
+        if gdt != dtype:
+            other = other.astype(_gradient_dtype(np.dtype(other.dtype)))
         folded = layouts_for(layouts, shape)
-        dts = [dtype.name, np.dtype(other.dtype).name, dtype.name]
-        if dtype.itemsize == 2 and _kernel_needs_copies(folded, dts):
+        dts = [gdt.name, np.dtype(other.dtype).name, gdt.name]
+        if gdt.itemsize == 2 and _kernel_needs_copies(folded, dts):
             partial = partials_for(layouts, shape)
             if partial is not None and not _kernel_needs_copies(partial[0], dts[:2] + ["float32"]):
                 g, lead = partial
                 out = matmul_p.bind(ct, other, layouts=g, out_dtype="float32", acc_dtype=acc_dtype)
                 return jnp.sum(out, axis=tuple(range(lead))).astype(dtype)
-        return matmul_p.bind(ct, other, layouts=folded, out_dtype=dtype.name, acc_dtype=acc_dtype)
+        out = matmul_p.bind(ct, other, layouts=folded, out_dtype=gdt.name, acc_dtype=acc_dtype)
+        return out.astype(dtype) if gdt != dtype else out
 
     return rule
 
@@ -167,6 +180,10 @@ def matmul(a, b, *, transpose_a: bool = False, transpose_b: bool = False, prefer
     mode dropped, as there. Transposes are layout changes, not copies. With
     ``preferred_element_type=float32`` on 16-bit inputs the result is float32, and in the
     backward pass its cotangent is rounded once to the input dtype before the gradient GEMMs.
+    With 8-bit float inputs (``float8_e4m3fn``/``float8_e5m2``; the Hopper kernel needs both
+    contiguous along K, e.g. ``matmul(x, w, transpose_b=True)`` for a (N, K) weight) pass
+    ``preferred_element_type`` (bfloat16, float16 or float32): the gradient GEMMs then run in
+    bfloat16 and the gradients are rounded to the fp8 dtype at the end.
     """
     from jax_cute.primitives.gemm_layouts import matmul_layouts
 
