@@ -151,10 +151,13 @@ def test_grad(sa, sb):
 def test_fp8_inputs(dtype, m, n, k, out):
     # fp8 WGMMA takes both operands K-major: x (M, K) @ w (N, K)^T. The reference multiplies the
     # same fp8-rounded values in f32, so only accumulation order and the output rounding differ.
+    # Tolerance 1e-2 even for f32 outputs: Hopper's fp8 WGMMA accumulates in reduced precision
+    # inside each instruction chain (we do not promote partial sums to f32 per k-tile), measured
+    # 1e-4..5e-3 relative error on an H200; small integers stay exact (next test).
     x, w = rand((m, k), dtype), rand((n, k), dtype)
     f = lambda a, b: jax_cute.matmul(a, b, transpose_b=True, preferred_element_type=out)  # noqa: E731
     assert_ours(f, x, w, calls=1)
-    check(jax.jit(f)(x, w), ref_mm(x, w, tb=True), out)
+    check(jax.jit(f)(x, w), ref_mm(x, w, tb=True), jnp.bfloat16)
 
 
 def test_fp8_small_integers_are_exact_and_grads_run_in_bf16():
