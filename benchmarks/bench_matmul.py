@@ -1,7 +1,8 @@
 """GEMM suite: jax_cute.matmul vs XLA (jnp.matmul) vs Pallas Mosaic-GPU Hopper matmul, bf16.
 
-Also: vmap of 8 independent problems (both operands batched) against one flat problem of the
-same total size, and the MLP block training step (forward + backward) on jax_cute vs jnp.
+Also: fp8 (e4m3) products against XLA's, vmap of 8 independent problems (both operands batched)
+against one flat problem of the same total size, and the MLP block training step (forward +
+backward) on jax_cute vs jnp.
 """
 
 from __future__ import annotations
@@ -50,6 +51,17 @@ def pallas_impls() -> list[Impl]:
     return out
 
 
+FP8_SHAPES = [(8192, 8192, 8192), (4096, 14336, 4096), (2048, 2048, 2048)]
+
+
+def _fp8_ours(x, w):
+    return jax_cute.matmul(x, w, transpose_b=True, preferred_element_type=jnp.bfloat16)
+
+
+def _fp8_xla(x, w):
+    return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.bfloat16)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def jnp_matmul_bf16_grads(a, b, preferred_element_type=None):
     """jnp.matmul with jax_cute's documented mixed-precision rule: the f32 cotangent is rounded
@@ -84,6 +96,16 @@ def run(args: argparse.Namespace) -> list[dict]:
                                             zip(jax.random.split(jax.random.key(s)), [(m, k), (k, n)]))
         recs += measure("matmul", "gemm", f"{m}x{n}x{k}", impls, mk, 2.0 * m * n * k, rounds=rounds,
                         meta={"m": m, "n": n, "k": k, "dtype": "bfloat16"}, chain=chain)
+
+    # fp8 (e4m3) inputs, x (M, K) times w (N, K) transposed, bf16 out: the only fp8 layout our
+    # Hopper kernel takes (both operands K-major); XLA gets the same dot_general.
+    for m, n, k in SMOKE_SHAPES if args.smoke else FP8_SHAPES:
+        mk8 = lambda s, m=m, n=n, k=k: tuple(  # noqa: E731
+            jax.random.normal(key, sh, jnp.float32).astype(jnp.float8_e4m3fn)
+            for key, sh in zip(jax.random.split(jax.random.key(s)), [(m, k), (n, k)]))
+        recs += measure("matmul", "gemm", f"fp8 e4m3 {m}x{n}x{k}",
+                        [Impl("jax_cute", _fp8_ours), Impl("xla", _fp8_xla)], mk8, 2.0 * m * n * k,
+                        rounds=rounds, meta={"m": m, "n": n, "k": k, "dtype": "float8_e4m3fn"}, chain=chain)
 
     # vmap: 8 problems, both operands batched, vs one flat problem with the same FLOPs.
     b, m, n, k = (2, 64, 128, 64) if args.smoke else (8, 2048, 1536, 1024)

@@ -90,7 +90,7 @@ THIN_EXTRA = [C(128, 256, 1, 2, raster="n")]   # 512x8192x8192 (one wave of 128 
 SMALL_EXTRA = [C(128, 128, 2, 1), C(128, 128, 1, 2), C(128, 256, 2, 1, split_k=2),
                C(128, 128, 2, 1, split_k=2), C(64, 128, 2, 1, pingpong=True)]
 # Products under this many FLOPs take a few tens of microseconds: one call per dispatch would
-# time the host, so they are timed as CHAIN products (distinct B buffers) inside one jit.
+# time the host, so they are timed as CHAIN products (independent A, B pairs) inside one jit.
 CHAIN_BELOW_FLOPS = 2e11
 CHAIN = 8
 
@@ -360,11 +360,13 @@ def _bench(bins: str, exp: bool = True) -> int:
             fns.append(f)
             rels.append(rel)
         if fl < CHAIN_BELOW_FLOPS:
-            # device-bound timing: CHAIN products on distinct B buffers in one jit
-            bs = tuple(jax.random.normal(jax.random.PRNGKey(100 + i), b_phys.shape, jnp.bfloat16)
-                       for i in range(CHAIN))
-            chain = lambda g: jax.jit(lambda x, ys: [g(x, y) for y in ys])  # noqa: E731
-            times = [t / CHAIN for t in _time_interleaved([chain(g) for g in [ref] + fns], (a, bs))]
+            # device-bound timing: CHAIN products on independent (A, B) pairs in one jit (a
+            # shared A would let XLA merge the dots into one, concatenating the Bs)
+            pairs = tuple((jax.random.normal(jax.random.PRNGKey(200 + i), a.shape, jnp.bfloat16),
+                           jax.random.normal(jax.random.PRNGKey(100 + i), b_phys.shape, jnp.bfloat16))
+                          for i in range(CHAIN))
+            chain = lambda g: jax.jit(lambda ps: [g(x, y) for x, y in ps])  # noqa: E731
+            times = [t / CHAIN for t in _time_interleaved([chain(g) for g in [ref] + fns], (pairs,))]
             print(f"  {m}x{n}x{k} {tag}: timed as {CHAIN} chained products per jit", flush=True)
         else:
             times = _time_interleaved([ref] + fns, (a, b_phys))
