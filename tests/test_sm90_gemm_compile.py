@@ -86,9 +86,14 @@ def test_workspace_matches_signature():
             assert parts.nbytes >= 4 * cfg.split_k * tiles * cfg.tile_m * cfg.tile_n
 
 
-@pytest.mark.parametrize("cfg", sm90_gemm.candidate_configs(GemmSpec(BF, BF, BF)), ids=lambda c: c.key())
-def test_compile_every_candidate(cfg):
-    _compile(GemmSpec(BF, BF, BF), cfg)
+_E4M3 = GemmSpec("float8_e4m3fn", "float8_e4m3fn", BF, "k", "k", "n")
+
+
+@pytest.mark.parametrize("spec,cfg", [(s, c) for s in (GemmSpec(BF, BF, BF), _E4M3)
+                                      for c in sm90_gemm.candidate_configs(s)],
+                         ids=lambda x: x.key() if hasattr(x, "key") else str(x))
+def test_compile_every_candidate(spec, cfg):
+    _compile(spec, cfg)
 
 
 _MAIN = sm90_gemm.Config()
