@@ -11,14 +11,13 @@ The same step is then timed with ``jnp.matmul`` in place of ``jax_cute.matmul``.
 
 from __future__ import annotations
 
-import statistics
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
 import jax_cute
-from training_loop import parse_args, path_taken, train
+from training_loop import parse_args, path_taken, train_and_compare
 
 SIZES = {  # (batch, d_model, d_ff, steps, lr)
     "tiny": (64, 32, 128, 20, 1.0),  # lr 1.0 was stable from d_model 32 to 1024 (scanned on CPU)
@@ -77,22 +76,11 @@ def main(argv: list[str] | None = None) -> dict:
           f"{steps} SGD steps (lr {lr})")
     path = path_taken(step, params, x[0], y[0])
     print(f"path: {path}")
-    losses, times = train(step, params, x, y, steps, "jax_cute", not args.quiet)
-    # The first step includes compilation: report the median of the rest.
-    ms = statistics.median(times[1:] or times)
-    flops = 6 * 2 * batch * d_model * d_ff  # 2 GEMMs forward, 4 backward
-    print(f"jax_cute.matmul: loss {losses[0]:.5f} -> {losses[-1]:.5f}; median {ms:.2f} ms/step "
-          f"({flops / ms / 1e9:.1f} TFLOP/s in the GEMMs)")
-    out = {"path": path, "losses": losses, "ms": ms}
-    if not args.no_compare:
-        ref_losses, ref_times = train(make_step(jnp.matmul, dtype, lr), params, x, y, steps, "jnp", False)
-        ref_ms = statistics.median(ref_times[1:] or ref_times)
-        print(f"jnp.matmul:      loss {ref_losses[0]:.5f} -> {ref_losses[-1]:.5f}; median {ref_ms:.2f} ms/step "
-              f"(jax_cute/jnp time ratio {ms / ref_ms:.2f})")
-        out.update(ref_losses=ref_losses, ref_ms=ref_ms)
-    if not losses[-1] < losses[0]:
-        raise SystemExit(f"loss did not go down: {losses[0]} -> {losses[-1]}")
-    return out
+    ref_step = None if args.no_compare else make_step(jnp.matmul, dtype, lr)
+    out = train_and_compare(step, ref_step, params, x, y, steps, names=("jax_cute.matmul", "jnp.matmul"),
+                            labels=("jax_cute", "jnp"), flops=6 * 2 * batch * d_model * d_ff,  # 2 GEMMs fwd, 4 bwd
+                            gemms="GEMMs", ratio="jax_cute/jnp time ratio", verbose=not args.quiet)
+    return {"path": path, **out}
 
 
 if __name__ == "__main__":

@@ -11,14 +11,13 @@ MoE (synthetic regression); the same step is then timed on ``jax.lax.ragged_dot`
 
 from __future__ import annotations
 
-import statistics
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
 import jax_cute
-from training_loop import parse_args, path_taken, train
+from training_loop import parse_args, path_taken, train_and_compare
 
 SIZES = {  # (tokens, d_model, d_ff, experts, top_k, steps, lr)
     "tiny": (128, 32, 64, 8, 2, 20, 1.0),
@@ -93,22 +92,12 @@ def main(argv: list[str] | None = None) -> dict:
           f"{jnp.dtype(dtype).name} grouped GEMMs on {rname}, {steps} SGD steps (lr {lr})")
     path = path_taken(step, params, x[0], y[0])
     print(f"path: {path}")
-    losses, times = train(step, params, x, y, steps, "moe", not args.quiet)
-    ms = statistics.median(times[1:] or times)  # the first step includes compilation
-    flops = 6 * 2 * tokens * top_k * d_model * d_ff  # 2 grouped GEMMs forward, 4 backward
-    print(f"{rname}: loss {losses[0]:.5f} -> {losses[-1]:.5f}; median {ms:.2f} ms/step "
-          f"({flops / ms / 1e9:.1f} TFLOP/s in the grouped GEMMs)")
-    out = {"path": path, "losses": losses, "ms": ms, "ragged_dot": rname}
-    if not args.no_compare:
-        ref_losses, ref_times = train(make_step(jax.lax.ragged_dot, dtype, top_k, lr), params, x, y, steps,
-                                      "lax", False)
-        ref_ms = statistics.median(ref_times[1:] or ref_times)
-        print(f"jax.lax.ragged_dot: loss {ref_losses[0]:.5f} -> {ref_losses[-1]:.5f}; median {ref_ms:.2f} ms/step "
-              f"(time ratio {ms / ref_ms:.2f})")
-        out.update(ref_losses=ref_losses, ref_ms=ref_ms)
-    if not losses[-1] < losses[0]:
-        raise SystemExit(f"loss did not go down: {losses[0]} -> {losses[-1]}")
-    return out
+    ref_step = None if args.no_compare else make_step(jax.lax.ragged_dot, dtype, top_k, lr)
+    out = train_and_compare(step, ref_step, params, x, y, steps, names=(rname, "jax.lax.ragged_dot"),
+                            labels=("moe", "lax"),
+                            flops=6 * 2 * tokens * top_k * d_model * d_ff,  # 2 grouped GEMMs fwd, 4 bwd
+                            gemms="grouped GEMMs", ratio="time ratio", verbose=not args.quiet)
+    return {"path": path, **out, "ragged_dot": rname}
 
 
 if __name__ == "__main__":

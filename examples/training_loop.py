@@ -4,6 +4,7 @@ step loop."""
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from typing import Callable
 
@@ -43,3 +44,25 @@ def train(step: Callable, params, x: jax.Array, y: jax.Array, steps: int, label:
         if verbose:
             print(f"[{label}] step {i:3d}  loss {loss:10.5f}  {times[-1]:8.2f} ms/step")
     return losses, times
+
+
+def train_and_compare(step: Callable, ref_step: Callable | None, params, x: jax.Array, y: jax.Array,
+                      steps: int, *, names: tuple[str, str], labels: tuple[str, str], flops: float,
+                      gemms: str, ratio: str, verbose: bool) -> dict:
+    """Train with ``step`` and, unless ``ref_step`` is None, again with ``ref_step`` from the same
+    start; print both lines and fail when the loss did not go down. ``names`` head the printed
+    lines, ``labels`` the per-step lines; ``flops`` per step are reported as TFLOP/s in ``gemms``."""
+    losses, times = train(step, params, x, y, steps, labels[0], verbose)
+    ms = statistics.median(times[1:] or times)  # the first step includes compilation
+    print(f"{names[0]}: loss {losses[0]:.5f} -> {losses[-1]:.5f}; median {ms:.2f} ms/step "
+          f"({flops / ms / 1e9:.1f} TFLOP/s in the {gemms})")
+    out = {"losses": losses, "ms": ms}
+    if ref_step is not None:
+        ref_losses, ref_times = train(ref_step, params, x, y, steps, labels[1], False)
+        ref_ms = statistics.median(ref_times[1:] or ref_times)
+        print(f"{names[1] + ':':<{len(names[0]) + 1}} loss {ref_losses[0]:.5f} -> {ref_losses[-1]:.5f}; median {ref_ms:.2f} ms/step "
+              f"({ratio} {ms / ref_ms:.2f})")
+        out.update(ref_losses=ref_losses, ref_ms=ref_ms)
+    if not losses[-1] < losses[0]:
+        raise SystemExit(f"loss did not go down: {losses[0]} -> {losses[-1]}")
+    return out
