@@ -15,6 +15,7 @@ from jax_cute import cache as cache_mod
 from jax_cute import config
 from jax_cute.kernels import abi
 from jax_cute.kernels.build import KernelBinary
+from concurrently import run_concurrently
 
 SIG = (abi.TensorArg("x", "float32", (abi.DYN,), (1,)), abi.StreamArg())
 
@@ -91,12 +92,7 @@ def test_concurrent_first_calls_build_once(fresh):
         return fake_binary()
 
     results = []
-    threads = [threading.Thread(target=lambda: results.append(c.get({"family": "f", "n": 4}, slow_build)))
-               for _ in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_concurrently(lambda: results.append(c.get({"family": "f", "n": 4}, slow_build)), [()] * 8)
     assert len(calls) == 1 and len({id(r) for r in results}) == 1 and len(results) == 8
 
 

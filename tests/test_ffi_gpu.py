@@ -19,6 +19,7 @@ from jax import lax
 
 from jax_cute import runtime
 from jax_cute.kernels import abi
+from concurrently import run_concurrently
 
 pytestmark = pytest.mark.gpu
 
@@ -151,11 +152,7 @@ def test_two_threads_at_once(affine_jit):
         except BaseException as e:  # reported in the main thread
             failures.append(e)
 
-    threads = [threading.Thread(target=worker, args=(s,)) for s in (11, 12)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_concurrently(worker, [(11,), (12,)])
     assert not failures, failures
 
 

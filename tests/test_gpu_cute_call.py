@@ -10,7 +10,6 @@ import pathlib
 import subprocess
 import sys
 import textwrap
-import threading
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +18,7 @@ import pytest
 
 import graph_capture
 from jax_cute import config
+from concurrently import run_concurrently
 
 pytestmark = pytest.mark.gpu
 
@@ -80,11 +80,7 @@ def test_two_threads(example):
         for _ in range(50):
             out[i] = f(*inputs[i], ALPHA).block_until_ready()
 
-    ts = [threading.Thread(target=work, args=(i,)) for i in range(2)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
+    run_concurrently(work, [(0,), (1,)])
     for i in range(2):
         np.testing.assert_array_equal(np.asarray(out[i]), np.asarray(ref(*inputs[i])))
 

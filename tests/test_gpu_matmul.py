@@ -13,7 +13,6 @@ import pathlib
 import subprocess
 import sys
 import textwrap
-import threading
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +22,7 @@ import pytest
 import graph_capture
 import jax_cute
 from jax_cute import config
+from concurrently import run_concurrently
 
 pytestmark = pytest.mark.gpu
 
@@ -200,11 +200,7 @@ def test_two_threads_at_once():
         for _ in range(20):
             results[i] = f(*pairs[i]).block_until_ready()
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_concurrently(work, [(0,), (1,)])
     for i in range(2):
         check(results[i], ref_mm(*pairs[i]), jnp.bfloat16)
 

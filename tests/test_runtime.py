@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import threading
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +11,7 @@ import pytest
 
 from jax_cute import runtime
 from jax_cute.kernels import abi
+from concurrently import run_concurrently
 
 SIGNATURE = (
     abi.TensorArg("x", "float32", (abi.DYN,), (1,)),
@@ -64,11 +64,7 @@ def test_registration_is_idempotent_and_thread_safe():
         except Exception as e:  # pragma: no cover - reported below
             errors.append(e)
 
-    threads = [threading.Thread(target=register) for _ in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_concurrently(register, [()] * 8)
     runtime.ensure_registered()
     assert not errors
 
