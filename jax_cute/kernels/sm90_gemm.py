@@ -76,7 +76,7 @@ def unsupported(spec) -> str | None:
         return (f"{FAMILY}: fp8 inputs need A and B contiguous along K (A {spec.a_major}-major, "
                 f"B {spec.b_major}-major given; for a @ b pass b as (N, K) with transpose_b=True)")
     if spec.c_dtype not in _OUT_DTYPES:
-        return f"{FAMILY}: output dtype {spec.c_dtype} not supported (bfloat16, float16, float32)"
+        return f"{FAMILY}: output dtype {spec.c_dtype} not supported ({', '.join(_OUT_DTYPES)})"
     if spec.acc_dtype != "float32":
         return f"{FAMILY}: accumulation must be float32, not {spec.acc_dtype}"
     return None
@@ -147,7 +147,7 @@ def _tile_grid(config: Config, m: int, n: int, l: int) -> tuple[int, int, int]:
     return (-(-tm // config.cluster_m) * config.cluster_m, -(-tn // config.cluster_n) * config.cluster_n, l)
 
 
-def _estimate(config: Config, m: int, n: int, k: int, l: int, num_sms: int, bk: int = 64) -> float:
+def _estimate(config: Config, m: int, n: int, k: int, l: int, num_sms: int, bk: int) -> float:
     """Rough time model (units of one 128 x 128 x k-tile MMA step on one SM, the same for every
     input dtype: an 8-bit k-tile is twice as deep and WGMMA runs it twice as fast) used to rank
     configs."""

@@ -146,7 +146,7 @@ def _cotangent_rule(which: str):
         gdt = _gradient_dtype(dtype)
         ct = _cotangent_dtype(ct, gdt)
         if gdt != dtype:
-            other = other.astype(_gradient_dtype(np.dtype(other.dtype)))
+            other = other.astype(gdt)  # both operands share the fp8 dtype; bf16 holds it exactly
         folded = layouts_for(layouts, shape)
         dts = [gdt.name, np.dtype(other.dtype).name, gdt.name]
         if gdt.itemsize == 2 and _kernel_needs_copies(folded, dts):
@@ -156,7 +156,7 @@ def _cotangent_rule(which: str):
                 out = matmul_p.bind(ct, other, layouts=g, out_dtype="float32", acc_dtype=acc_dtype)
                 return jnp.sum(out, axis=tuple(range(lead))).astype(dtype)
         out = matmul_p.bind(ct, other, layouts=folded, out_dtype=gdt.name, acc_dtype=acc_dtype)
-        return out.astype(dtype) if gdt != dtype else out
+        return out.astype(dtype)  # a no-op unless the gradient GEMM ran in bf16 for fp8
 
     return rule
 
