@@ -48,6 +48,12 @@ def uses_kernel(fn: Callable, args: Sequence) -> bool | None:
         return None
 
 
+def round_order(items: Sequence, r: int) -> list:
+    """``items`` rotated so that round ``r`` starts with item ``r`` (mod their number)."""
+    k = r % len(items) if items else 0
+    return list(items[k:]) + list(items[:k])
+
+
 def _chained(fn: Callable) -> Callable:
     """``fn`` applied to each of several argument tuples, in one program."""
     return lambda *arg_sets: [fn(*a) for a in arg_sets]
@@ -114,7 +120,7 @@ def measure(suite: str, table: str, case: str, impls: Sequence[Impl], make_args:
         # Each round starts with a different implementation, after one untimed call: the GPU's
         # clock ramps up again after the idle gap while inputs are made, and a fixed order
         # would hand that slow start to the same implementation every round.
-        turn = order[r % len(order):] + order[:r % len(order)] if order else []
+        turn = round_order(order, r)
         if turn:
             try:
                 _block(jitted[turn[0]](*args))

@@ -38,6 +38,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from jax_cute.kernels import build, sm90_gemm  # noqa: E402  (neither imports the DSL compiler)
 from jax_cute.kernels.gemm_spec import GemmSpec, reference_gemm  # noqa: E402
+from common import round_order  # noqa: E402  (benchmarks/common.py, beside this script)
 
 BENCH_SHAPES = [(8192, 8192, 8192), (4096, 14336, 4096), (4096, 4096, 4096), (2048, 2048, 2048),
                 (4096, 4096, 14336), (16384, 2048, 2048), (512, 8192, 8192)]
@@ -276,7 +277,7 @@ def _time_interleaved(fns, args, rounds=7, window=0.06) -> list[float]:
     samples = [[] for _ in fns]
     for r in range(rounds):
         # rotate who goes first (after one untimed call) so no config always gets the round's start
-        turn = [(r + j) % len(fns) for j in range(len(fns))]
+        turn = round_order(range(len(fns)), r)
         jax.block_until_ready(fns[turn[0]](*args))
         for i in turn:
             samples[i].append(_sample(fns[i], args, reps[i]))
