@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 # (role, mode, dtype, out dtype, a_major, b_major, c_major, tile_n[, extra])
 #   extra "diag": spec refused by unsupported(); built anyway, its checks are informational
+#   extra "pp": the pingpong config (sm90_grouped._PINGPONG)
 BINS = [
     ("drhs", "ragged_k", "bfloat16", "bfloat16", "m", "n", "n", 256),
     ("drhs", "ragged_k", "bfloat16", "bfloat16", "m", "n", "n", 128),
@@ -32,6 +33,11 @@ BINS = [
     ("fwd16", "ragged_m", "float16", "float16", "k", "n", "n", 256),
     ("fwd32", "ragged_m", "bfloat16", "float32", "k", "n", "n", 128),
     ("fwdmA", "ragged_m", "bfloat16", "bfloat16", "m", "n", "n", 128, "diag"),
+    # pingpong: 64-row tiles, one per consumer warpgroup (ragged_m only)
+    ("fwd", "ragged_m", "bfloat16", "bfloat16", "k", "n", "n", 256, "pp"),
+    ("dlhs", "ragged_m", "bfloat16", "bfloat16", "k", "k", "n", 256, "pp"),
+    ("fwd16", "ragged_m", "float16", "float16", "k", "n", "n", 256, "pp"),
+    ("fwd32", "ragged_m", "bfloat16", "float32", "k", "n", "n", 256, "pp"),
 ]
 
 
@@ -50,7 +56,7 @@ def cmd_build(out):
         role, mode, dt, cdt, am, bm, cm, tn = b[:8]
         extra = b[8] if len(b) > 8 else ""
         spec = GroupedSpec(mode, dt, dt, cdt, a_major=am, b_major=bm, c_major=cm)
-        cfg = fam.Config(tile_n=tn)
+        cfg = fam._PINGPONG if extra == "pp" else fam.Config(tile_n=tn)
         t = time.time()
         launch = fam._build(spec, cfg) if extra == "diag" else fam.launcher(spec, cfg)
         kb = build.compile_launcher(launch, fam.signature(spec, cfg), arch=fam.ARCH,
@@ -274,7 +280,7 @@ def check_binary(r, e, rng, kinds=KINDS):
             check(f"k {T}x{Km}x{N} G{G} L3 bcast-a,gs", a, b, jnp.asarray(s),
                   lambda: ref_ragged_k(f32(a), f32(b), s), tol)
     # replay: one jitted function, new group sizes on each call (must not be baked in)
-    if e["role"] in ("fwd", "drhs") and e["tile_n"] == 256 and not e.get("extra"):
+    if e["role"] in ("fwd", "drhs") and e["tile_n"] == 256 and e.get("extra", "") in ("", "pp"):
         M, K, N, G = 3000, 256, 512, 12
         if e["role"] == "fwd":
             a, b = rnd((1, M, K), dt), rnd((1, G, K, N), dt)
@@ -321,7 +327,7 @@ def run_bench(r, which, out_json):
         ragged_dot_mgpu = transposed_ragged_dot_mgpu = None
     rng = np.random.default_rng(1234)
     dt = jnp.bfloat16
-    ours = [(f"{which} n{tn}", r.find(which, tn)) for tn in (256, 128)]
+    ours = [(f"{which} n{tn}", r.find(which, tn)) for tn in (256, 128)] + [(f"{which} pp", r.find(which, 256, "pp"))]
     ours = [(k, e) for k, e in ours if e is not None]
     calls = {k: jax.jit(lambda a, b, gs, e=e: r.call(e, a[None], b[None], gs[None])) for k, e in ours}
     if which == "fwd":
@@ -380,7 +386,7 @@ def _print_table(rows):
         ratios_p, ratios_x = [], []
         for x in rr:
             G, M, K, N = (int(v[1:]) for v in x["shape"].split())
-            best = x.get(f"{which} n{_heur_tile(which, G, M, K, N)}", 0)
+            best = x.get(f"{which} {_heur_tile(which, G, M, K, N)}", 0)
             p, xl = x.get(f"{which} pallas", 0), x.get(f"{which} xla", 0)
             rp = best / p if p else float("nan")
             rx = best / xl if xl else float("nan")
@@ -396,19 +402,24 @@ def _print_table(rows):
             if x["sizes"] == "skewed":
                 u = [y for y in rr if y["shape"] == x["shape"] and y["sizes"] == "uniform"]
                 G, M, K, N = (int(v[1:]) for v in x["shape"].split())
-                c = f"{which} n{_heur_tile(which, G, M, K, N)}"
-                if u and u[0].get(c):
-                    print(f"  skewed/uniform {x['shape']}: {x.get(c, 0) / u[0][c]:.3f}")
+                if u:   # every config of ours, the heuristic's pick marked
+                    pick = f"{which} {_heur_tile(which, G, M, K, N)}"
+                    print(f"  skewed/uniform {x['shape']}: " + "  ".join(
+                        f"{c.replace(which + ' ', '')}{'*' if c == pick else ''} {x[c] / u[0][c]:.3f}"
+                        for c in cols if c.endswith(("n256", "n128", "pp")) and u[0].get(c)))
 
 
 def _heur_tile(which, G, M, K, N):
+    """The bench column of the config heuristic() picks: "n256", "n128" or "pp"."""
     from jax_cute.kernels import sm90_grouped as fam
     from jax_cute.kernels.gemm_spec import GroupedSpec
     if which == "fwd":
         spec = GroupedSpec("ragged_m", "bfloat16", "bfloat16", "bfloat16", b_major="n")
-        return fam.heuristic(spec, M, N, K, G, 1).tile_n
-    spec = GroupedSpec("ragged_k", "bfloat16", "bfloat16", "bfloat16", a_major="m", b_major="n")
-    return fam.heuristic(spec, K, N, M, G, 1).tile_n
+        cfg = fam.heuristic(spec, M, N, K, G, 1)
+    else:
+        spec = GroupedSpec("ragged_k", "bfloat16", "bfloat16", "bfloat16", a_major="m", b_major="n")
+        cfg = fam.heuristic(spec, K, N, M, G, 1)
+    return "pp" if cfg.pingpong else f"n{cfg.tile_n}"
 
 
 def cmd_run(bins, skip_bench=False, budget=228.0):
@@ -493,6 +504,7 @@ def main():
     rr = sub.add_parser("run")
     rr.add_argument("--bins", required=True)
     rr.add_argument("--no-bench", action="store_true")
+    rr.add_argument("--budget", type=float, default=228.0, help="seconds for checks and benchmarks")
     c = sub.add_parser("check-one")
     c.add_argument("--bins", required=True)
     c.add_argument("--file", required=True)
@@ -505,7 +517,7 @@ def main():
     if args.cmd == "build":
         cmd_build(args.out)
     elif args.cmd == "run":
-        sys.exit(cmd_run(args.bins, args.no_bench))
+        sys.exit(cmd_run(args.bins, args.no_bench, args.budget))
     elif args.cmd == "check-one":
         import zlib
         import numpy as np

@@ -23,7 +23,8 @@ for step in "$@"; do
     ffi) python3 -m pytest -m gpu -q -x tests/test_ffi_gpu.py 2>&1 | tee "$OUT/ffi.log" | tail -25 ;;
     devcheck-gemm) timeout 240 python3 benchmarks/devcheck_sm90_gemm.py run --bins .device/bins/gemm 2>&1 \
              | tee "$OUT/devcheck_gemm.log" | tail -60 ;;
-    devcheck-grouped) timeout 240 python3 benchmarks/devcheck_sm90_grouped.py run --bins .device/bins/grouped 2>&1 \
+    devcheck-grouped) timeout $(( ${DEVCHECK_BUDGET:-228} + 12 )) python3 benchmarks/devcheck_sm90_grouped.py run \
+             --bins .device/bins/grouped --budget ${DEVCHECK_BUDGET:-228} 2>&1 \
              | tee "$OUT/devcheck_grouped.log" | tail -60 ;;
     graph-tests) python3 -m pytest -m gpu -q -k captured tests/test_gpu_matmul.py tests/test_gpu_cute_call.py \
                tests/test_ragged_dot_gpu.py 2>&1 \

@@ -26,8 +26,13 @@ work keeps SMs balanced even for skewed sizes in ragged_m; in ragged_k the round
 each CTA's tiles over all groups.
 
 Warp roles: warpgroup 0 is the producer (warp 0 issues TMA, registers lowered with setmaxnreg),
-warpgroups 1-2 cooperate on one 128 x tile_n tile with WGMMA (fp32 accumulators), then stage
-the converted tile through shared memory and store it with TMA.
+warpgroups 1-2 are the consumers: WGMMA with fp32 accumulators, then the converted tile is
+staged through shared memory and stored with TMA. Cooperative (default): both consumer
+warpgroups share one 128 x tile_n tile, 64 rows each. Pingpong (Config.pingpong, ragged_m
+only): tiles are 64 x tile_n and the two warpgroups own alternate tiles of the CTA's sequence,
+their mainloops taking turns (named-barrier tokens) so one's epilogue runs under the other's
+mainloop. A group's last tile then overhangs its group by at most 63 rows instead of 127,
+which is what skewed group sizes lose to.
 """
 
 
@@ -37,7 +42,7 @@ from jax_cute.kernels import abi
 from jax_cute.kernels.gemm_spec import GroupedSpec, Workspace
 
 FAMILY = "sm90_grouped"
-VERSION = 3
+VERSION = 4
 ARCH = "sm_90a"
 
 _IN_DTYPES = ("bfloat16", "float16")
@@ -48,15 +53,19 @@ _MAXI = 2**31 - 1     # extent of the two extra wrap-around modes
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    tile_n: int = 256     # tile_m is always 128 (two consumer warpgroups of 64 rows)
+    tile_n: int = 256
     raster: int = 8       # ragged_m: m-tiles per raster panel (L2 reuse of B)
     sms: int = 132        # persistent grid size
+    pingpong: bool = False  # 64-row tiles, one per consumer warpgroup (ragged_m only)
+
+    @property
+    def tile_m(self) -> int:
+        return 64 if self.pingpong else 128
 
     def key(self) -> str:
-        return f"n{self.tile_n}.r{self.raster}.sm{self.sms}"
+        return f"n{self.tile_n}.r{self.raster}.sm{self.sms}" + (".pp" if self.pingpong else "")
 
 
-TILE_M = 128
 TILE_K = 64
 
 
@@ -84,7 +93,14 @@ def unsupported(spec) -> str | None:
 
 
 def candidate_configs(spec) -> list[Config]:
-    return [Config(tile_n=256), Config(tile_n=128)]
+    out = [Config(tile_n=256), Config(tile_n=128)]
+    if getattr(spec, "mode", None) == "ragged_m":
+        out.append(_PINGPONG)
+    return out
+
+
+# 64 x 256 tiles; 16 of them per raster panel keep the panel as tall as the cooperative one's.
+_PINGPONG = Config(tile_n=256, raster=16, pingpong=True)
 
 
 def heuristic(spec, m, n, k, g, l, num_sms: int = 132) -> Config:
@@ -93,7 +109,7 @@ def heuristic(spec, m, n, k, g, l, num_sms: int = 132) -> Config:
     # Measured on an H200 (2026-11-21): 128x256 won for ragged_m even at N=1408 (557 vs 547
     # TFLOP/s), so 128 only where one 128-wide tile covers N.
     tile_n = 128 if n <= 128 else 256
-    if spec.mode == "ragged_k" and -(-m // TILE_M) * -(-n // 256) * g * l < 2 * num_sms:
+    if spec.mode == "ragged_k" and -(-m // 128) * -(-n // 256) * g * l < 2 * num_sms:
         tile_n = 128
     return Config(tile_n=tile_n, sms=num_sms)
 
@@ -110,6 +126,8 @@ def launcher(spec, config):
     why = unsupported(spec)
     if why:
         raise ValueError(f"{FAMILY}: {why}")
+    if config.pingpong and spec.mode != "ragged_m":
+        raise ValueError(f"{FAMILY}: pingpong tiles are for ragged_m only (ragged K has no row tail)")
     return _build(spec, config)
 
 
@@ -124,14 +142,21 @@ def _build(spec: GroupedSpec, cfg: Config):
     Int32, Int64 = dsl.Int32, dsl.Int64
 
     ragged_m = spec.mode == "ragged_m"
-    BM, BN, BK = TILE_M, cfg.tile_n, TILE_K
+    PP = cfg.pingpong
+    BM, BN, BK = cfg.tile_m, cfg.tile_n, TILE_K
     RASTER = cfg.raster
     c_dt = dsl.dsl_dtype(spec.c_dtype)
     ab_dt = dsl.dsl_dtype(spec.a_dtype)
-    EPI_STAGES = 4 if c_dt.width == 16 else 2
+    # epilogue smem ring per epilogue group; pingpong has one per warpgroup, kept 2 deep so
+    # its A/B ring can be deeper
+    EPI_STAGES = 2 if PP or c_dt.width == 32 else 4
+    EPI_RINGS = 2 if PP else 1
     NUM_THREADS = 384            # 1 producer + 2 consumer warpgroups
     MMA_THREADS = 256
+    EPI_THREADS = 128 if PP else 256   # threads sharing one epilogue (barrier, ring, store warp)
     epi_tile = (BM, 32)          # epilogue sub-tile staged through shared memory
+    # the ring is used round-robin and every tile fills it a whole number of times
+    assert (BN // 32) % EPI_STAGES == 0
 
     def ragged(t, dim):
         """Rank-3 tensor -> rank-5 ragged-TMA view along ``dim`` (see module docstring)."""
@@ -155,16 +180,16 @@ def _build(spec: GroupedSpec, cfg: Config):
             c_layout = LayoutEnum.from_tensor(c)
             tiled_mma = sm90_utils.make_trivial_tiled_mma(
                 ab_dt, ab_dt, a_layout.sm90_mma_major_mode(), b_layout.sm90_mma_major_mode(),
-                cutlass.Float32, (2, 1, 1), tiler_mn=(64, BN))
+                cutlass.Float32, (1, 1, 1) if PP else (2, 1, 1), tiler_mn=(64, BN))
             tile_mnk = (BM, BN, BK)
             # Shared memory: as many A/B stages as fit beside the epilogue buffers.
             ab_bytes = (BM * BK + BN * BK) * ab_dt.width // 8
-            epi_bytes = BM * 32 * c_dt.width // 8 * EPI_STAGES
+            epi_bytes = BM * 32 * c_dt.width // 8 * EPI_STAGES * EPI_RINGS
             smem_cap = memory.get_smem_capacity_in_bytes("sm_90")
             self.stages = (smem_cap - 2048 - epi_bytes) // ab_bytes
             a_sl = sm90_utils.make_smem_layout_a(a_layout, tile_mnk, ab_dt, self.stages)
             b_sl = sm90_utils.make_smem_layout_b(b_layout, tile_mnk, ab_dt, self.stages)
-            c_sl = sm90_utils.make_smem_layout_epi(c_dt, c_layout, epi_tile, EPI_STAGES)
+            c_sl = sm90_utils.make_smem_layout_epi(c_dt, c_layout, epi_tile, EPI_STAGES * EPI_RINGS)
             self.c_layout = c_layout
 
             load = cpasync.CopyBulkTensorTileG2SOp()
@@ -304,7 +329,8 @@ def _build(spec: GroupedSpec, cfg: Config):
             mainloop = pipeline.PipelineTmaAsync.create(
                 barrier_storage=st.bars.data_ptr(), num_stages=self.stages,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, MMA_THREADS // 32),
+                # every consumer warp of the warpgroup(s) reading a stage releases it
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, (128 if PP else 256) // 32),
                 tx_count=tx, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)), defer_sync=True)
             pipeline.pipeline_init_arrive()
             sA = st.sA.get_tensor(a_sl.outer, swizzle=a_sl.inner)
@@ -362,7 +388,9 @@ def _build(spec: GroupedSpec, cfg: Config):
             if wg > 0:
                 cute.arch.setmaxregister_increase(232)
                 mtid = tidx - 128
-                thr_mma = tiled_mma.get_slice(cute.make_layout(2, stride=128)(wg - 1))
+                etid = mtid % 128 if cutlass.const_expr(PP) else mtid   # index in its epilogue group
+                # WGMMA partitions per warpgroup: slice by the warpgroup's first thread
+                thr_mma = tiled_mma.get_slice(0 if cutlass.const_expr(PP) else (wg - 1) * 128)
                 tCsA = thr_mma.partition_A(sA)
                 tCsB = thr_mma.partition_B(sB)
                 tCrA = tiled_mma.make_fragment_A(tCsA)
@@ -370,6 +398,9 @@ def _build(spec: GroupedSpec, cfg: Config):
                 acc_shape = thr_mma.partition_shape_C((BM, BN))
                 acc = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
                 num_kb = cute.size(tCrA, mode=[2])
+                # accumulate into acc (zeroed per tile); set once here, since a staged value
+                # rebound inside the mainloop helper could not leave it
+                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
 
                 # epilogue: registers -> smem (stmatrix for 16-bit) -> TMA store
                 r2s_atom = sm90_utils.sm90_get_smem_store_op(self.c_layout, elem_ty_d=c_dt,
@@ -377,18 +408,27 @@ def _build(spec: GroupedSpec, cfg: Config):
                 c_atom = cute.make_copy_atom(
                     cute.nvgpu.warp.StMatrix8x8x16bOp(self.c_layout.is_m_major_c(), 4), c_dt)
                 r2s = cute.make_tiled_copy_S(r2s_atom, cute.make_tiled_copy_C_atom(c_atom, tiled_mma))
-                thr_r2s = r2s.get_slice(mtid)
+                thr_r2s = r2s.get_slice(etid)
                 tRS_sC = thr_r2s.partition_D(sC)
                 tRS_acc = r2s.retile(acc)
                 rD_shape = cute.shape(thr_r2s.partition_S(sC))[:3]
                 rD = cute.make_rmem_tensor(rD_shape, cutlass.Float32)
                 rD_out = cute.make_rmem_tensor(rD_shape, c_dt)
-                n_rd = cute.size(rD)
-                epi_bar = pipeline.NamedBarrier(barrier_id=1, num_threads=MMA_THREADS)
                 store_pipe = pipeline.PipelineTmaStore.create(
                     num_stages=EPI_STAGES,
-                    producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, MMA_THREADS))
-                epi_count = Int32(0)
+                    producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, EPI_THREADS))
+                if cutlass.const_expr(PP):
+                    # one barrier, store warp and smem ring per warpgroup
+                    epi_bar = pipeline.NamedBarrier(barrier_id=wg, num_threads=EPI_THREADS)
+                    store_warp = wg * 4
+                    buf0 = (wg - 1) * EPI_STAGES
+                    # mainloop turn tokens (ids 3: to warpgroup 1, 4: to warpgroup 2)
+                    turn_mine = pipeline.NamedBarrier(barrier_id=wg + 2, num_threads=MMA_THREADS)
+                    turn_other = pipeline.NamedBarrier(barrier_id=5 - wg, num_threads=MMA_THREADS)
+                else:
+                    epi_bar = pipeline.NamedBarrier(barrier_id=1, num_threads=EPI_THREADS)
+                    store_warp = 4
+                    buf0 = 0
 
                 cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
                 rel = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
@@ -397,6 +437,7 @@ def _build(spec: GroupedSpec, cfg: Config):
                 w = Int32(bid)
                 cl, cg0, rows0, tiles0, start, end, incl, valid, g, t0, t1, m_t, n_t = self.find(
                     gs, w, cl, cg0, rows0, tiles0, start, end, incl, M, N, K, G, L, lg_n)
+                unit = Int32(0)      # position in this CTA's tile sequence
                 while valid:
                     k_tiles = Int32(0)
                     if cutlass.const_expr(ragged_m):
@@ -404,65 +445,99 @@ def _build(spec: GroupedSpec, cfg: Config):
                             k_tiles = (K + BK - 1) // BK
                     else:
                         k_tiles = (t1 - t0 + BK - 1) // BK
-                    acc.fill(0.0)
-                    tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-                    warpgroup.fence()
-                    # keep one WGMMA batch in flight; release the stage of the previous k-tile
-                    n_pro = min(k_tiles, 1)
-                    for kt in range(n_pro):
-                        mainloop.consumer_wait(cons)
-                        for kb in cutlass.range_constexpr(num_kb):
-                            cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, cons.index)],
-                                      tCrB[(None, None, kb, cons.index)], acc)
-                        warpgroup.commit_group()
-                        cons.advance()
-                    for kt in range(n_pro, k_tiles):
-                        mainloop.consumer_wait(cons)
-                        for kb in cutlass.range_constexpr(num_kb):
-                            cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, cons.index)],
-                                      tCrB[(None, None, kb, cons.index)], acc)
-                        warpgroup.commit_group()
-                        warpgroup.wait_group(1)
-                        mainloop.consumer_release(rel)
-                        rel.advance()
-                        cons.advance()
-                    warpgroup.wait_group(0)
-                    for kt in range(n_pro):
-                        mainloop.consumer_release(rel)
-                        rel.advance()
-
-                    # destination tile; TMA clips it at the group end (ragged_m) / M, N edges
-                    if cutlass.const_expr(ragged_m):
-                        row0 = t0 + m_t * BM
-                        gC = cute.local_tile(ragged_view(mC, 0, row0, t1 - row0)[(None, None, cl)],
-                                             (BM, BN), (0, n_t))
-                    else:
-                        gC = cute.local_tile(mC[(None, None, g, cl)], (BM, BN), (m_t, n_t))
-                    gC_epi = cute.zipped_divide(gC, epi_tile)
-                    bSG_sC, bSG_gC = cpasync.tma_partition(tma_c, 0, cute.make_layout(1),
-                                                           cute.group_modes(sC, 0, 2), gC_epi)
-                    n_epi = cute.size(gC_epi, mode=[1])
-                    epi_shape = gC_epi.shape[1]
-                    epi_layout = cute.make_layout(epi_shape, stride=(epi_shape[1], 1))
-                    for e in cutlass.range_constexpr(n_epi):
-                        for v in cutlass.range_constexpr(n_rd):
-                            rD[v] = tRS_acc[e * n_rd + v]
-                        rD_out.store(rD.load().to(c_dt))
-                        buf = (epi_count + e) % EPI_STAGES
-                        cute.copy(r2s, rD_out, tRS_sC[(None, None, None, buf)])
-                        cute.arch.fence_proxy("async.shared", space="cta")
-                        epi_bar.arrive_and_wait()
-                        if warp == 4:
-                            cute.copy(tma_c, bSG_sC[(None, buf)], bSG_gC[(None, epi_layout.get_hier_coord(e))])
-                            store_pipe.producer_commit()
-                            store_pipe.producer_acquire()
-                        epi_bar.arrive_and_wait()
-                    epi_count = (epi_count + n_epi) % EPI_STAGES
-
+                    # this unit's tile; then walk on: pingpong needs to know whether a next unit
+                    # exists before it hands the mainloop turn over
+                    u_cl, u_g, u_t0, u_t1, u_m, u_n = cl, g, t0, t1, m_t, n_t
                     w = w + nblk
                     cl, cg0, rows0, tiles0, start, end, incl, valid, g, t0, t1, m_t, n_t = self.find(
                         gs, w, cl, cg0, rows0, tiles0, start, end, incl, M, N, K, G, L, lg_n)
-                if warp == 4:
+                    if cutlass.const_expr(PP):
+                        if unit % 2 == wg - 1:
+                            # the ring's barriers only tell apart adjacent phases, so a warpgroup
+                            # waits on its first stage only once the other has consumed its unit
+                            if unit > 0:
+                                turn_mine.arrive_and_wait()
+                            cons, rel = self.mma_tile(tiled_mma, acc, tCrA, tCrB, mainloop, cons, rel, k_tiles, num_kb)
+                            if valid:
+                                turn_other.arrive()
+                            self.store_tile(tma_c, mC, sC, r2s, tRS_acc, tRS_sC, rD, rD_out, epi_bar,
+                                            store_pipe, warp, store_warp, buf0, u_cl, u_g, u_t0, u_t1,
+                                            u_m, u_n)
+                        else:
+                            for _ in range(k_tiles):        # the other warpgroup's unit
+                                cons.advance()
+                                rel.advance()
+                    else:
+                        cons, rel = self.mma_tile(tiled_mma, acc, tCrA, tCrB, mainloop, cons, rel, k_tiles, num_kb)
+                        self.store_tile(tma_c, mC, sC, r2s, tRS_acc, tRS_sC, rD, rD_out, epi_bar,
+                                        store_pipe, warp, store_warp, buf0, u_cl, u_g, u_t0, u_t1,
+                                        u_m, u_n)
+                    unit = unit + 1
+                if warp == store_warp:
                     store_pipe.producer_tail()
+
+        @cute.jit
+        def mma_tile(self, tiled_mma, acc, tCrA, tCrB, mainloop, cons, rel, k_tiles,
+                     num_kb: cutlass.Constexpr):
+            """acc = the tile's product over k_tiles ring stages (cons: next to read, rel: next
+            to release); keeps one WGMMA batch in flight and releases the stage before it."""
+            acc.fill(0.0)
+            warpgroup.fence()
+            n_pro = min(k_tiles, 1)
+            for kt in range(n_pro):
+                mainloop.consumer_wait(cons)
+                for kb in cutlass.range_constexpr(num_kb):
+                    cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, cons.index)],
+                              tCrB[(None, None, kb, cons.index)], acc)
+                warpgroup.commit_group()
+                cons.advance()
+            for kt in range(n_pro, k_tiles):
+                mainloop.consumer_wait(cons)
+                for kb in cutlass.range_constexpr(num_kb):
+                    cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, cons.index)],
+                              tCrB[(None, None, kb, cons.index)], acc)
+                warpgroup.commit_group()
+                warpgroup.wait_group(1)
+                mainloop.consumer_release(rel)
+                rel.advance()
+                cons.advance()
+            warpgroup.wait_group(0)
+            for kt in range(n_pro):
+                mainloop.consumer_release(rel)
+                rel.advance()
+            return cons, rel    # rebound by the caller: the tracer carries only rebound locals
+
+        @cute.jit
+        def store_tile(self, tma_c, mC, sC, r2s, tRS_acc, tRS_sC, rD, rD_out, epi_bar, store_pipe,
+                       warp, store_warp, buf0, cl, g, t0, t1, m_t, n_t):
+            """acc (via tRS_acc) -> output dtype -> smem ring -> TMA store of one tile; TMA clips
+            it at the group end (ragged_m) or the M, N edges."""
+            if cutlass.const_expr(ragged_m):
+                row0 = t0 + m_t * BM
+                gC = cute.local_tile(ragged_view(mC, 0, row0, t1 - row0)[(None, None, cl)],
+                                     (BM, BN), (0, n_t))
+            else:
+                gC = cute.local_tile(mC[(None, None, g, cl)], (BM, BN), (m_t, n_t))
+            gC_epi = cute.zipped_divide(gC, epi_tile)
+            bSG_sC, bSG_gC = cpasync.tma_partition(tma_c, 0, cute.make_layout(1),
+                                                   cute.group_modes(sC, 0, 2), gC_epi)
+            n_epi = cute.size(gC_epi, mode=[1])
+            epi_shape = gC_epi.shape[1]
+            epi_layout = cute.make_layout(epi_shape, stride=(epi_shape[1], 1))
+            n_rd = cute.size(rD)
+            for e in cutlass.range_constexpr(n_epi):
+                for v in cutlass.range_constexpr(n_rd):
+                    rD[v] = tRS_acc[e * n_rd + v]
+                rD_out.store(rD.load().to(c_dt))
+                buf = buf0 + e % EPI_STAGES
+                cute.copy(r2s, rD_out, tRS_sC[(None, None, None, buf)])
+                # generic-proxy smem writes must be visible to the TMA (async proxy) store
+                cute.arch.fence_proxy("async.shared", space="cta")
+                epi_bar.arrive_and_wait()
+                if warp == store_warp:
+                    cute.copy(tma_c, bSG_sC[(None, buf)], bSG_gC[(None, epi_layout.get_hier_coord(e))])
+                    store_pipe.producer_commit()
+                    store_pipe.producer_acquire()
+                epi_bar.arrive_and_wait()
 
     return GroupedGemm()
