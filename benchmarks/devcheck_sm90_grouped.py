@@ -390,9 +390,9 @@ def _print_table(rows):
             p, xl = x.get(f"{which} pallas", 0), x.get(f"{which} xla", 0)
             rp = best / p if p else float("nan")
             rx = best / xl if xl else float("nan")
-            if p:
+            if p and best:
                 ratios_p.append(rp)
-            if xl:
+            if xl and best:
                 ratios_x.append(rx)
             print(f"{x['shape']:<26}{x['sizes']:<9}" + "".join(f"{x.get(c, 0):>11.1f}" for c in cols)
                   + f"{rp:>12.3f}{rx:>10.1f}")
