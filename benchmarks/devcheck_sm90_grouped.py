@@ -295,79 +295,46 @@ def check_binary(r, e, rng, kinds=KINDS):
     return results
 
 
-def _time(f, *args, reps=5, batches=5):
-    """Median over batches of (time of `reps` back-to-back async calls) / reps, in seconds."""
-    import numpy as np
-    out = f(*args)
-    out.block_until_ready()
-    ts = []
-    for _ in range(batches):
-        t = time.perf_counter()
-        for _ in range(reps):
-            out = f(*args)
-        out.block_until_ready()
-        ts.append((time.perf_counter() - t) / reps)
-    return float(np.median(ts))
-
-
 BENCH_SHAPES = [(8, 16384, 4096, 14336), (64, 32768, 2048, 1408), (16, 16384, 2048, 16384),
                 (128, 16384, 4096, 1536)]
 
 
 def run_bench(r, which, out_json):
-    """which: "fwd" or "drhs". Appends one dict per (shape, sizes) to out_json as it goes."""
+    """which: "fwd" or "drhs". Every config binary of ours next to the benchmark suite's Pallas
+    configs, timed with the suite's method (benchmarks/common.measure: rotated rounds, 50 ms
+    samples) on the suite's own group sizes (bench_ragged.group_sizes), so a ranking here is
+    the ranking the suite would see. Appends one dict per (shape, sizes) to out_json."""
     import numpy as np
-    import jax
     import jax.numpy as jnp
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from common import Impl, measure
+    from bench_ragged import group_sizes, pallas_impls
     os.environ["JAX_CUTE_NAN_FILL"] = "0"
-    try:
-        from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
-    except Exception as ex:  # noqa: BLE001
-        print("pallas kernels unavailable:", ex)
-        ragged_dot_mgpu = transposed_ragged_dot_mgpu = None
-    rng = np.random.default_rng(1234)
-    dt = jnp.bfloat16
     ours = [(f"{which} n{tn}", r.find(which, tn)) for tn in (256, 128)] + [(f"{which} pp", r.find(which, 256, "pp"))]
     ours = [(k, e) for k, e in ours if e is not None]
-    calls = {k: jax.jit(lambda a, b, gs, e=e: r.call(e, a[None], b[None], gs[None])) for k, e in ours}
-    if which == "fwd":
-        pallas_kws = [dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1),
-                      dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=8)]
-        pallas = None if ragged_dot_mgpu is None else [
-            jax.jit(lambda a, b, gs, kw=kw: ragged_dot_mgpu.ragged_dot(a, b, group_sizes=gs, **kw))
-            for kw in pallas_kws]
-        xla = jax.jit(lambda a, b, gs: jax.lax.ragged_dot(a, b, gs))
-    else:
-        pallas = None if transposed_ragged_dot_mgpu is None else [
-            jax.jit(lambda a, b, gs: transposed_ragged_dot_mgpu.transposed_ragged_dot(
-                a, b, group_sizes=gs, block_m=128, block_n=128, block_k=64, max_concurrent_steps=4,
-                grid_block_n=1))]
-        xla = None
+    dt = jnp.bfloat16
     for (G, M, K, N) in BENCH_SHAPES:
-        lhs = jnp.asarray(rng.standard_normal((M, K), np.float32), dt)
-        other = jnp.asarray(rng.standard_normal((G, K, N) if which == "fwd" else (M, N), np.float32), dt)
-        for kind in ("uniform", "skewed"):
-            s = jnp.asarray(_sizes(rng, kind, G, M))
-            flops = 2.0 * M * K * N
-            row = {"shape": f"G{G} M{M} K{K} N{N}", "sizes": kind}
-            for k, f in calls.items():
-                try:
-                    row[k] = flops / _time(f, lhs, other, s) / 1e12
-                except Exception as ex:  # noqa: BLE001
-                    print(f"FAIL timing {k}: {repr(ex)[:200]}", flush=True)
-                    row[k] = 0.0
-            best = 0.0
-            for f in pallas or []:
-                try:
-                    best = max(best, flops / _time(f, lhs, other, s) / 1e12)
-                except Exception as ex:  # noqa: BLE001  (config not valid for this shape)
-                    print(f"pallas config failed: {repr(ex)[:160]}", flush=True)
-            row[f"{which} pallas"] = best
-            if xla is not None:
-                try:
-                    row[f"{which} xla"] = flops / _time(xla, lhs, other, s, reps=1, batches=3) / 1e12
-                except Exception as ex:  # noqa: BLE001
-                    print(f"xla failed: {repr(ex)[:160]}", flush=True)
+        impls = [Impl("jax_cute", (lambda lhs, rhs, gs, ct, e=e: r.call(e, lhs[None], rhs[None], gs[None])[0])
+                      if which == "fwd" else
+                      (lambda lhs, rhs, gs, ct, e=e: r.call(e, lhs[None], ct[None], gs[None])[0]), k)
+                 for k, e in ours]
+        impls += pallas_impls(which, N)
+        for dist in ("uniform", "dirichlet0.3"):
+            gs = jnp.asarray(group_sizes(G, M, dist))
+
+            def mk(seed, gs=gs):
+                rng = np.random.default_rng(seed)
+                return (jnp.asarray(rng.standard_normal((M, K), np.float32), dt),
+                        jnp.asarray(rng.standard_normal((G, K, N), np.float32), dt), gs,
+                        jnp.asarray(rng.standard_normal((M, N), np.float32), dt))
+
+            recs = measure("devcheck", which, f"{which} G{G} {dist}", impls, mk, 2.0 * M * K * N, rounds=5)
+            row = {"shape": f"G{G} M{M} K{K} N{N}", "sizes": "uniform" if dist == "uniform" else "skewed"}
+            for rec in recs:
+                key = rec["config"] if rec["impl"] == "jax_cute" else f"{which} pallas"
+                row[key] = max(row.get(key, 0.0), rec["tflops"] or 0.0)
+                if rec.get("max_rel_err", 0) > 2e-2:
+                    print(f"MISMATCH {rec['config']} {row['shape']} {dist}: {rec['max_rel_err']}", flush=True)
             print(row, flush=True)
             with open(out_json, "a") as fh:
                 fh.write(json.dumps(row) + "\n")
@@ -422,7 +389,7 @@ def _heur_tile(which, G, M, K, N):
     return "pp" if cfg.pingpong else f"n{cfg.tile_n}"
 
 
-def cmd_run(bins, skip_bench=False, budget=228.0):
+def cmd_run(bins, skip_bench=False, budget=228.0, which="fwd,drhs"):
     """Every binary's checks run in their own child process (in parallel: a crash, e.g. an
     illegal instruction that poisons the CUDA context, only loses that binary), then the
     forward and rhs-gradient benchmarks in two more children, within ``budget`` seconds."""
@@ -436,7 +403,7 @@ def cmd_run(bins, skip_bench=False, budget=228.0):
     me = os.path.abspath(__file__)
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
     jobs = []  # (name, args, informational)
-    for e in index:
+    for e in [] if os.environ.get("DEVCHECK_SKIP_CHECKS") == "1" else index:
         if e.get("extra") == "diag":
             for kinds in ("align128", "align8", "uniform"):
                 jobs.append((f"{e['file']}[{kinds}]", ["check-one", "--file", e["file"], "--kinds", kinds], True))
@@ -478,7 +445,8 @@ def cmd_run(bins, skip_bench=False, budget=228.0):
         bench_json = os.path.join(out, "grouped_bench.jsonl")
         if os.path.exists(bench_json):
             os.remove(bench_json)
-        for which, share in (("fwd", 0.62), ("drhs", 1.0)):
+        plan = {"fwd": 0.62, "drhs": 1.0} if which == "fwd,drhs" else {w: 1.0 for w in which.split(",")}
+        for which, share in plan.items():
             left = budget - (time.time() - t0)
             timeout = max(5.0, left * share)
             try:
@@ -505,6 +473,7 @@ def main():
     rr.add_argument("--bins", required=True)
     rr.add_argument("--no-bench", action="store_true")
     rr.add_argument("--budget", type=float, default=228.0, help="seconds for checks and benchmarks")
+    rr.add_argument("--which", default="fwd,drhs", help="benchmarks to run: fwd, drhs or both")
     c = sub.add_parser("check-one")
     c.add_argument("--bins", required=True)
     c.add_argument("--file", required=True)
@@ -517,7 +486,7 @@ def main():
     if args.cmd == "build":
         cmd_build(args.out)
     elif args.cmd == "run":
-        sys.exit(cmd_run(args.bins, args.no_bench, args.budget))
+        sys.exit(cmd_run(args.bins, args.no_bench, args.budget, args.which))
     elif args.cmd == "check-one":
         import zlib
         import numpy as np

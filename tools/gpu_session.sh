@@ -4,6 +4,8 @@
 # `bash .device/dsl-a/setup.sh` (carry .device/dsl-a), later calls carry .device/dsl-b.
 # sanitize: --report-api-errors no, because the DSL compiler probes the driver (cuGetProcAddress)
 # and those refused probes would drown the memory and race reports that matter here.
+# devcheck-grouped reads DEVCHECK_BUDGET (seconds), DEVCHECK_WHICH (fwd,drhs) and
+# DEVCHECK_SKIP_CHECKS=1 (timings only).
 # Usage: tools/gpu_session.sh STEP...   (steps: info build ffi devcheck-gemm devcheck-grouped
 #        gpu-tests sanitize first-call-warm first-call-cold unpack-compiler multigpu bench-matmul bench-ragged bench-launch)
 set -u
@@ -24,7 +26,7 @@ for step in "$@"; do
     devcheck-gemm) timeout 240 python3 benchmarks/devcheck_sm90_gemm.py run --bins .device/bins/gemm 2>&1 \
              | tee "$OUT/devcheck_gemm.log" | tail -60 ;;
     devcheck-grouped) timeout $(( ${DEVCHECK_BUDGET:-228} + 12 )) python3 benchmarks/devcheck_sm90_grouped.py run \
-             --bins .device/bins/grouped --budget ${DEVCHECK_BUDGET:-228} 2>&1 \
+             --bins .device/bins/grouped --budget ${DEVCHECK_BUDGET:-228} --which ${DEVCHECK_WHICH:-fwd,drhs} 2>&1 \
              | tee "$OUT/devcheck_grouped.log" | tail -60 ;;
     graph-tests) python3 -m pytest -m gpu -q -k captured tests/test_gpu_matmul.py tests/test_gpu_cute_call.py \
                tests/test_ragged_dot_gpu.py 2>&1 \
