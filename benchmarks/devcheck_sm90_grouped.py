@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 # (role, mode, dtype, out dtype, a_major, b_major, c_major, tile_n[, extra])
 #   extra "diag": spec refused by unsupported(); built anyway, its checks are informational
-#   extra "pp": the pingpong config (sm90_grouped._PINGPONG)
+#   extra "st": Config(split_tail=True)
 BINS = [
     ("drhs", "ragged_k", "bfloat16", "bfloat16", "m", "n", "n", 256),
     ("drhs", "ragged_k", "bfloat16", "bfloat16", "m", "n", "n", 128),
@@ -33,11 +33,14 @@ BINS = [
     ("fwd16", "ragged_m", "float16", "float16", "k", "n", "n", 256),
     ("fwd32", "ragged_m", "bfloat16", "float32", "k", "n", "n", 128),
     ("fwdmA", "ragged_m", "bfloat16", "bfloat16", "m", "n", "n", 128, "diag"),
-    # pingpong: 64-row tiles, one per consumer warpgroup (ragged_m only)
-    ("fwd", "ragged_m", "bfloat16", "bfloat16", "k", "n", "n", 256, "pp"),
-    ("dlhs", "ragged_m", "bfloat16", "bfloat16", "k", "k", "n", 256, "pp"),
-    ("fwd16", "ragged_m", "float16", "float16", "k", "n", "n", 256, "pp"),
-    ("fwd32", "ragged_m", "bfloat16", "float32", "k", "n", "n", 256, "pp"),
+    # split tails: tiles of <= 64 rows split along N (ragged_m only)
+    ("fwd", "ragged_m", "bfloat16", "bfloat16", "k", "n", "n", 256, "st"),
+    ("fwd", "ragged_m", "bfloat16", "bfloat16", "k", "n", "n", 128, "st"),
+    ("dlhs", "ragged_m", "bfloat16", "bfloat16", "k", "k", "n", 256, "st"),
+    ("dlhs", "ragged_m", "bfloat16", "bfloat16", "k", "k", "n", 128, "st"),
+    ("fwd16", "ragged_m", "float16", "float16", "k", "n", "n", 256, "st"),
+    ("fwd32", "ragged_m", "bfloat16", "float32", "k", "n", "n", 256, "st"),
+    ("fwd32", "ragged_m", "bfloat16", "float32", "k", "n", "n", 128, "st"),
 ]
 
 
@@ -56,7 +59,7 @@ def cmd_build(out):
         role, mode, dt, cdt, am, bm, cm, tn = b[:8]
         extra = b[8] if len(b) > 8 else ""
         spec = GroupedSpec(mode, dt, dt, cdt, a_major=am, b_major=bm, c_major=cm)
-        cfg = fam._PINGPONG if extra == "pp" else fam.Config(tile_n=tn)
+        cfg = fam.Config(tile_n=tn, split_tail=extra == "st")
         t = time.time()
         launch = fam._build(spec, cfg) if extra == "diag" else fam.launcher(spec, cfg)
         kb = build.compile_launcher(launch, fam.signature(spec, cfg), arch=fam.ARCH,
@@ -195,6 +198,8 @@ def _sizes(rng, kind, G, M):
     elif kind in ("align128", "align8"):   # boundaries on multiples of 128 / 8 rows
         q = 128 if kind == "align128" else 8
         s = rng.multinomial(M // q, np.full(G, 1 / G)) * q
+    elif kind == "tails":      # last tiles of 1, 63, 64, 65, 127, 128, 129 ... rows
+        s = rng.choice(np.array([1, 63, 64, 65, 127, 128, 129, 191, 192, 193, 0]), size=G)
     elif kind == "huge":       # int32 extremes must not overflow the device scan
         s = np.zeros(G, np.int64)
         s[1] = 2**31 - 1
@@ -211,7 +216,7 @@ def _rel_err(out, ref):
     return float(np.max(np.abs(out - ref)) / max(1.0, float(np.max(np.abs(ref)))))
 
 
-KINDS = ("uniform", "skewed", "empty", "short", "over", "negative", "huge")
+KINDS = ("uniform", "skewed", "empty", "short", "over", "negative", "huge", "tails")
 SHAPES_M = [(1000, 200, 264, 7), (4096, 512, 1024, 16), (257, 64, 136, 33), (2048, 128, 512, 64)]
 SHAPES_K = [(1000, 200, 264, 7), (4096, 512, 1024, 16), (259, 64, 136, 33), (2048, 128, 512, 64),
             (384, 136, 72, 130)]
@@ -280,7 +285,7 @@ def check_binary(r, e, rng, kinds=KINDS):
             check(f"k {T}x{Km}x{N} G{G} L3 bcast-a,gs", a, b, jnp.asarray(s),
                   lambda: ref_ragged_k(f32(a), f32(b), s), tol)
     # replay: one jitted function, new group sizes on each call (must not be baked in)
-    if e["role"] in ("fwd", "drhs") and e["tile_n"] == 256 and e.get("extra", "") in ("", "pp"):
+    if e["role"] in ("fwd", "drhs") and e["tile_n"] == 256 and e.get("extra", "") in ("", "st"):
         M, K, N, G = 3000, 256, 512, 12
         if e["role"] == "fwd":
             a, b = rnd((1, M, K), dt), rnd((1, G, K, N), dt)
@@ -304,29 +309,30 @@ def run_bench(r, which, out_json):
     configs, timed with the suite's method (benchmarks/common.measure: rotated rounds, 50 ms
     samples) on the suite's own group sizes (bench_ragged.group_sizes), so a ranking here is
     the ranking the suite would see. Appends one dict per (shape, sizes) to out_json."""
-    import numpy as np
+    import jax
     import jax.numpy as jnp
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from common import Impl, measure
     from bench_ragged import group_sizes, pallas_impls
     os.environ["JAX_CUTE_NAN_FILL"] = "0"
-    ours = [(f"{which} n{tn}", r.find(which, tn)) for tn in (256, 128)] + [(f"{which} pp", r.find(which, 256, "pp"))]
+    ours = [(f"{which} n{tn}{x and ' ' + x}", r.find(which, tn, x)) for x in ("", "st") for tn in (256, 128)]
     ours = [(k, e) for k, e in ours if e is not None]
     dt = jnp.bfloat16
-    for (G, M, K, N) in BENCH_SHAPES:
+    shapes = [x for x in BENCH_SHAPES if str(x[0]) in os.environ.get("DEVCHECK_G", "8,64,16,128").split(",")]
+    for (G, M, K, N) in shapes:
         impls = [Impl("jax_cute", (lambda lhs, rhs, gs, ct, e=e: r.call(e, lhs[None], rhs[None], gs[None])[0])
                       if which == "fwd" else
                       (lambda lhs, rhs, gs, ct, e=e: r.call(e, lhs[None], ct[None], gs[None])[0]), k)
                  for k, e in ours]
-        impls += pallas_impls(which, N)
+        if os.environ.get("DEVCHECK_NO_PALLAS") != "1":
+            impls += pallas_impls(which, N)
         for dist in ("uniform", "dirichlet0.3"):
             gs = jnp.asarray(group_sizes(G, M, dist))
 
-            def mk(seed, gs=gs):
-                rng = np.random.default_rng(seed)
-                return (jnp.asarray(rng.standard_normal((M, K), np.float32), dt),
-                        jnp.asarray(rng.standard_normal((G, K, N), np.float32), dt), gs,
-                        jnp.asarray(rng.standard_normal((M, N), np.float32), dt))
+            def mk(seed, gs=gs):   # drawn on the device: host draws of ~1e9 values take minutes
+                k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+                return (jax.random.normal(k1, (M, K), dt), jax.random.normal(k2, (G, K, N), dt), gs,
+                        jax.random.normal(k3, (M, N), dt))
 
             recs = measure("devcheck", which, f"{which} G{G} {dist}", impls, mk, 2.0 * M * K * N, rounds=5)
             row = {"shape": f"G{G} M{M} K{K} N{N}", "sizes": "uniform" if dist == "uniform" else "skewed"}
@@ -373,11 +379,11 @@ def _print_table(rows):
                     pick = f"{which} {_heur_tile(which, G, M, K, N)}"
                     print(f"  skewed/uniform {x['shape']}: " + "  ".join(
                         f"{c.replace(which + ' ', '')}{'*' if c == pick else ''} {x[c] / u[0][c]:.3f}"
-                        for c in cols if c.endswith(("n256", "n128", "pp")) and u[0].get(c)))
+                        for c in cols if "pallas" not in c and "xla" not in c and u[0].get(c)))
 
 
 def _heur_tile(which, G, M, K, N):
-    """The bench column of the config heuristic() picks: "n256", "n128" or "pp"."""
+    """The bench column of the config heuristic() picks: "n256", "n128", "n256 st", ..."""
     from jax_cute.kernels import sm90_grouped as fam
     from jax_cute.kernels.gemm_spec import GroupedSpec
     if which == "fwd":
@@ -386,7 +392,7 @@ def _heur_tile(which, G, M, K, N):
     else:
         spec = GroupedSpec("ragged_k", "bfloat16", "bfloat16", "bfloat16", a_major="m", b_major="n")
         cfg = fam.heuristic(spec, K, N, M, G, 1)
-    return "pp" if cfg.pingpong else f"n{cfg.tile_n}"
+    return f"n{cfg.tile_n}" + (" st" if getattr(cfg, "split_tail", False) else "")
 
 
 def cmd_run(bins, skip_bench=False, budget=228.0, which="fwd,drhs"):

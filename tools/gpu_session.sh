@@ -5,7 +5,8 @@
 # sanitize: --report-api-errors no, because the DSL compiler probes the driver (cuGetProcAddress)
 # and those refused probes would drown the memory and race reports that matter here.
 # devcheck-grouped reads DEVCHECK_BUDGET (seconds), DEVCHECK_WHICH (fwd,drhs) and
-# DEVCHECK_SKIP_CHECKS=1 (timings only).
+# DEVCHECK_SKIP_CHECKS=1 (timings only), DEVCHECK_NO_PALLAS=1 and DEVCHECK_G (e.g. 64,16: the
+# benchmark shapes to time, by group count).
 # Usage: tools/gpu_session.sh STEP...   (steps: info build ffi devcheck-gemm devcheck-grouped
 #        gpu-tests sanitize first-call-warm first-call-cold unpack-compiler multigpu bench-matmul bench-ragged bench-launch)
 set -u
