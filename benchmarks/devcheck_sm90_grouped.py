@@ -5,9 +5,12 @@
 
 ``build`` compiles the kernels and saves them with an index; ``run`` loads them, checks them on
 fresh random data against a float64 numpy reference of the GroupedSpec arithmetic (uniform,
-skewed, empty groups, sum < M, sum > M, negative sizes, odd extents, batches with broadcast,
-NaN-prefilled outputs, a jitted replay with new group sizes), then times forward and rhs-gradient
-TFLOP/s next to jax.lax.ragged_dot and the Pallas Mosaic-GPU kernels, and prints a table last.
+skewed, empty groups, sum < M, sum > M, negative sizes, last tiles of 1 to 193 rows, odd
+extents, batches with broadcast, NaN-prefilled outputs, a jitted replay with new group sizes),
+then times forward and rhs-gradient TFLOP/s of every binary next to the suite's Pallas
+Mosaic-GPU configs (benchmarks/common.measure on bench_ragged's group sizes), and prints a table
+last. Environment: DEVCHECK_SKIP_CHECKS=1 (timings only), DEVCHECK_NO_PALLAS=1, DEVCHECK_G
+(group counts of the shapes to time, e.g. "64,16").
 """
 
 import argparse
@@ -20,7 +23,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 # (role, mode, dtype, out dtype, a_major, b_major, c_major, tile_n[, extra])
 #   extra "diag": spec refused by unsupported(); built anyway, its checks are informational
-#   extra "st": Config(split_tail=True)
 BINS = [
     ("drhs", "ragged_k", "bfloat16", "bfloat16", "m", "n", "n", 256),
     ("drhs", "ragged_k", "bfloat16", "bfloat16", "m", "n", "n", 128),
@@ -33,14 +35,6 @@ BINS = [
     ("fwd16", "ragged_m", "float16", "float16", "k", "n", "n", 256),
     ("fwd32", "ragged_m", "bfloat16", "float32", "k", "n", "n", 128),
     ("fwdmA", "ragged_m", "bfloat16", "bfloat16", "m", "n", "n", 128, "diag"),
-    # split tails: tiles of <= 64 rows split along N (ragged_m only)
-    ("fwd", "ragged_m", "bfloat16", "bfloat16", "k", "n", "n", 256, "st"),
-    ("fwd", "ragged_m", "bfloat16", "bfloat16", "k", "n", "n", 128, "st"),
-    ("dlhs", "ragged_m", "bfloat16", "bfloat16", "k", "k", "n", 256, "st"),
-    ("dlhs", "ragged_m", "bfloat16", "bfloat16", "k", "k", "n", 128, "st"),
-    ("fwd16", "ragged_m", "float16", "float16", "k", "n", "n", 256, "st"),
-    ("fwd32", "ragged_m", "bfloat16", "float32", "k", "n", "n", 256, "st"),
-    ("fwd32", "ragged_m", "bfloat16", "float32", "k", "n", "n", 128, "st"),
 ]
 
 
@@ -59,7 +53,7 @@ def cmd_build(out):
         role, mode, dt, cdt, am, bm, cm, tn = b[:8]
         extra = b[8] if len(b) > 8 else ""
         spec = GroupedSpec(mode, dt, dt, cdt, a_major=am, b_major=bm, c_major=cm)
-        cfg = fam.Config(tile_n=tn, split_tail=extra == "st")
+        cfg = fam.Config(tile_n=tn)
         t = time.time()
         launch = fam._build(spec, cfg) if extra == "diag" else fam.launcher(spec, cfg)
         kb = build.compile_launcher(launch, fam.signature(spec, cfg), arch=fam.ARCH,
@@ -285,7 +279,7 @@ def check_binary(r, e, rng, kinds=KINDS):
             check(f"k {T}x{Km}x{N} G{G} L3 bcast-a,gs", a, b, jnp.asarray(s),
                   lambda: ref_ragged_k(f32(a), f32(b), s), tol)
     # replay: one jitted function, new group sizes on each call (must not be baked in)
-    if e["role"] in ("fwd", "drhs") and e["tile_n"] == 256 and e.get("extra", "") in ("", "st"):
+    if e["role"] in ("fwd", "drhs") and e["tile_n"] == 256 and not e.get("extra"):
         M, K, N, G = 3000, 256, 512, 12
         if e["role"] == "fwd":
             a, b = rnd((1, M, K), dt), rnd((1, G, K, N), dt)
@@ -315,7 +309,7 @@ def run_bench(r, which, out_json):
     from common import Impl, measure
     from bench_ragged import group_sizes, pallas_impls
     os.environ["JAX_CUTE_NAN_FILL"] = "0"
-    ours = [(f"{which} n{tn}{x and ' ' + x}", r.find(which, tn, x)) for x in ("", "st") for tn in (256, 128)]
+    ours = [(f"{which} n{tn}", r.find(which, tn)) for tn in (256, 128)]
     ours = [(k, e) for k, e in ours if e is not None]
     dt = jnp.bfloat16
     shapes = [x for x in BENCH_SHAPES if str(x[0]) in os.environ.get("DEVCHECK_G", "8,64,16,128").split(",")]
@@ -383,7 +377,7 @@ def _print_table(rows):
 
 
 def _heur_tile(which, G, M, K, N):
-    """The bench column of the config heuristic() picks: "n256", "n128", "n256 st", ..."""
+    """The bench column of the config heuristic() picks: "n256" or "n128"."""
     from jax_cute.kernels import sm90_grouped as fam
     from jax_cute.kernels.gemm_spec import GroupedSpec
     if which == "fwd":
@@ -392,7 +386,7 @@ def _heur_tile(which, G, M, K, N):
     else:
         spec = GroupedSpec("ragged_k", "bfloat16", "bfloat16", "bfloat16", a_major="m", b_major="n")
         cfg = fam.heuristic(spec, K, N, M, G, 1)
-    return f"n{cfg.tile_n}" + (" st" if getattr(cfg, "split_tail", False) else "")
+    return f"n{cfg.tile_n}"
 
 
 def cmd_run(bins, skip_bench=False, budget=228.0, which="fwd,drhs"):

@@ -41,6 +41,19 @@ def test_contract():
     assert fam.unsupported(GroupedSpec("ragged_m", "bfloat16", "bfloat16", "bfloat16", a_major="m")) is not None
 
 
+def test_heuristic_tile_n():
+    """128-wide tiles where 256-wide ones would leave the last N tile at least half empty."""
+    fwd = GroupedSpec("ragged_m", "bfloat16", "bfloat16", "bfloat16", b_major="n")
+    picks = {n: fam.heuristic(fwd, 32768, n, 2048, 64, 1).tile_n
+             for n in (64, 128, 1408, 1536, 1600, 1700, 4096, 14336, 16384, 16400)}
+    assert picks == {64: 128, 128: 128, 1408: 128, 1536: 256, 1600: 128, 1700: 256, 4096: 256, 14336: 256,
+                     16384: 256, 16400: 128}
+    # ragged_k: too few (m, n) tiles per group to fill the SMs twice -> 128-wide
+    drhs = GroupedSpec("ragged_k", "bfloat16", "bfloat16", "bfloat16", a_major="m", b_major="n")
+    assert fam.heuristic(drhs, 4096, 14336, 16384, 8, 1).tile_n == 256
+    assert fam.heuristic(drhs, 256, 512, 16384, 2, 1).tile_n == 128
+
+
 @pytest.mark.parametrize("spec,cfg", CASES, ids=[f"{s.key()}-{c.key()}" for s, c in CASES])
 def test_compiles(spec, cfg):
     assert fam.unsupported(spec) is None

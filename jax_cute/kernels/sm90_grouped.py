@@ -28,14 +28,6 @@ each CTA's tiles over all groups.
 Warp roles: warpgroup 0 is the producer (warp 0 issues TMA, registers lowered with setmaxnreg),
 warpgroups 1-2 cooperate on one 128 x tile_n tile with WGMMA (fp32 accumulators), then stage
 the converted tile through shared memory and store it with TMA.
-
-Split tails (Config.split_tail, ragged_m): a group's last tile often holds 64 rows or fewer. Run
-as usual, its second warpgroup would multiply rows of the next group only to have the store
-drop them, which is what skewed group sizes lose most to. Such a tile is instead split along N:
-both warpgroups multiply its first 64 rows, each by one half of the B tile (a (1,2,1) tiled
-WGMMA), so it takes half the time. The accumulator of a 64 x tile_n/2 half is the first half of
-the registers of a 64 x tile_n one, so the usual epilogue writes it to shared memory; only the
-TMA store changes (two 64-row boxes per subtile, one per warpgroup's column half).
 """
 
 
@@ -45,7 +37,7 @@ from jax_cute.kernels import abi
 from jax_cute.kernels.gemm_spec import GroupedSpec, Workspace
 
 FAMILY = "sm90_grouped"
-VERSION = 4
+VERSION = 3
 ARCH = "sm_90a"
 
 _IN_DTYPES = ("bfloat16", "float16")
@@ -59,10 +51,9 @@ class Config:
     tile_n: int = 256     # tile_m is always 128 (two consumer warpgroups of 64 rows)
     raster: int = 8       # ragged_m: m-tiles per raster panel (L2 reuse of B)
     sms: int = 132        # persistent grid size
-    split_tail: bool = False  # ragged_m: tiles of <= 64 rows split along N (module docstring)
 
     def key(self) -> str:
-        return f"n{self.tile_n}.r{self.raster}.sm{self.sms}" + (".st" if self.split_tail else "")
+        return f"n{self.tile_n}.r{self.raster}.sm{self.sms}"
 
 
 TILE_M = 128
@@ -93,18 +84,17 @@ def unsupported(spec) -> str | None:
 
 
 def candidate_configs(spec) -> list[Config]:
-    out = [Config(tile_n=256), Config(tile_n=128)]
-    if getattr(spec, "mode", None) == "ragged_m":
-        out += [Config(tile_n=256, split_tail=True), Config(tile_n=128, split_tail=True)]
-    return out
+    return [Config(tile_n=256), Config(tile_n=128)]
 
 
 def heuristic(spec, m, n, k, g, l, num_sms: int = 132) -> Config:
-    # 128x256 is the most efficient tile; narrow N (or, for ragged_k, too few tiles to fill
-    # the SMs) prefers 128x128 to waste less on the N tail / balance better.
-    # Measured on an H200 (2026-11-21): 128x256 won for ragged_m even at N=1408 (557 vs 547
-    # TFLOP/s), so 128 only where one 128-wide tile covers N.
-    tile_n = 128 if n <= 128 else 256
+    # 128x256 is the most efficient tile; 128x128 where 256-wide tiles would pad N by 128
+    # columns or more (N % 256 in (0, 128]: the last 256-wide tile is at least half empty)
+    # or, for ragged_k, where there are too few tiles to fill the SMs.
+    # Measured on an H200 (2026-11-21, rotated timing, the suite's group sizes): at N=1408
+    # 128x128 beat 128x256 by 1-6% on uniform and 4-10% on Dirichlet(0.3) group sizes in two
+    # runs; at N=14336, 16384, 1536 (multiples of 256) 128x256 stays.
+    tile_n = 128 if n <= 128 or 0 < n % 256 <= 128 else 256
     if spec.mode == "ragged_k" and -(-m // TILE_M) * -(-n // 256) * g * l < 2 * num_sms:
         tile_n = 128
     return Config(tile_n=tile_n, sms=num_sms)
@@ -122,8 +112,6 @@ def launcher(spec, config):
     why = unsupported(spec)
     if why:
         raise ValueError(f"{FAMILY}: {why}")
-    if config.split_tail and spec.mode != "ragged_m":
-        raise ValueError(f"{FAMILY}: split_tail is for ragged_m (ragged_k has no row tail)")
     return _build(spec, config)
 
 
@@ -138,7 +126,6 @@ def _build(spec: GroupedSpec, cfg: Config):
     Int32, Int64 = dsl.Int32, dsl.Int64
 
     ragged_m = spec.mode == "ragged_m"
-    SPLIT = cfg.split_tail
     BM, BN, BK = TILE_M, cfg.tile_n, TILE_K
     RASTER = cfg.raster
     c_dt = dsl.dsl_dtype(spec.c_dtype)
@@ -147,7 +134,6 @@ def _build(spec: GroupedSpec, cfg: Config):
     NUM_THREADS = 384            # 1 producer + 2 consumer warpgroups
     MMA_THREADS = 256
     epi_tile = (BM, 32)          # epilogue sub-tile staged through shared memory
-    half_tile = (BM // 2, 32)    # split tails: one warpgroup's half of an epilogue sub-tile
 
     def ragged(t, dim):
         """Rank-3 tensor -> rank-5 ragged-TMA view along ``dim`` (see module docstring)."""
@@ -191,19 +177,6 @@ def _build(spec: GroupedSpec, cfg: Config):
             tma_b, mB = cpasync.make_tiled_tma_atom(load, b_src, cute.slice_(b_sl, (None, None, 0)), (BN, BK))
             tma_c, mC = cpasync.make_tiled_tma_atom(
                 cpasync.CopyBulkTensorTileS2GOp(), c_dst, cute.slice_(c_sl, (None, None, 0)), epi_tile)
-            # split tails: an MMA of 64 rows x two N halves, one per warpgroup, and 64-row stores
-            # from the two row halves of each epilogue buffer (c_sl_h stage 2b+h = rows
-            # 64h..64h+63 of c_sl stage b: the 64-row halves of a buffer are contiguous)
-            tiled_mma_h = tiled_mma
-            c_sl_h = c_sl
-            tma_ch, mCh = tma_c, mC
-            if cutlass.const_expr(SPLIT):
-                tiled_mma_h = sm90_utils.make_trivial_tiled_mma(
-                    ab_dt, ab_dt, a_layout.sm90_mma_major_mode(), b_layout.sm90_mma_major_mode(),
-                    cutlass.Float32, (1, 2, 1), tiler_mn=(64, BN // 2))
-                c_sl_h = sm90_utils.make_smem_layout_epi(c_dt, c_layout, half_tile, 2 * EPI_STAGES)
-                tma_ch, mCh = cpasync.make_tiled_tma_atom(
-                    cpasync.CopyBulkTensorTileS2GOp(), c_dst, cute.slice_(c_sl_h, (None, None, 0)), half_tile)
 
             M, K = a.shape[0], a.shape[1]
             N = b.shape[0]
@@ -222,8 +195,8 @@ def _build(spec: GroupedSpec, cfg: Config):
                 sC: cute.struct.Align[cute.struct.MemRange[c_dt, cute.cosize(c_sl)], 1024]
 
             self.storage = Storage
-            self.kernel(tma_a, mA, tma_b, mB, tma_c, mC, tma_ch, mCh, gs, tiled_mma, tiled_mma_h,
-                        a_sl, b_sl, c_sl, c_sl_h, M, N, K, G, L, la_n, lb_n, lg_n).launch(
+            self.kernel(tma_a, mA, tma_b, mB, tma_c, mC, gs, tiled_mma, a_sl, b_sl, c_sl,
+                        M, N, K, G, L, la_n, lb_n, lg_n).launch(
                 grid=(cfg.sms, 1, 1), block=(NUM_THREADS, 1, 1), min_blocks_per_mp=1, stream=stream)
 
         # -- device-side schedule ---------------------------------------------------------------
@@ -311,10 +284,8 @@ def _build(spec: GroupedSpec, cfg: Config):
         # -- the kernel -------------------------------------------------------------------------
         @cute.kernel
         def kernel(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
-                   tma_c: cute.CopyAtom, mC: cute.Tensor, tma_ch: cute.CopyAtom, mCh: cute.Tensor,
-                   gs: cute.Tensor, tiled_mma: cute.TiledMma, tiled_mma_h: cute.TiledMma,
+                   tma_c: cute.CopyAtom, mC: cute.Tensor, gs: cute.Tensor, tiled_mma: cute.TiledMma,
                    a_sl: cute.ComposedLayout, b_sl: cute.ComposedLayout, c_sl: cute.ComposedLayout,
-                   c_sl_h: cute.ComposedLayout,
                    M: Int32, N: Int32, K: Int32, G: Int32, L: Int32, la_n: Int32, lb_n: Int32,
                    lg_n: Int32):
             tidx, _, _ = cute.arch.thread_idx()
@@ -326,8 +297,6 @@ def _build(spec: GroupedSpec, cfg: Config):
                 cpasync.prefetch_descriptor(tma_a)
                 cpasync.prefetch_descriptor(tma_b)
                 cpasync.prefetch_descriptor(tma_c)
-                if cutlass.const_expr(SPLIT):
-                    cpasync.prefetch_descriptor(tma_ch)
 
             smem = memory.SmemAllocator()
             st = smem.allocate(self.storage)
@@ -343,7 +312,6 @@ def _build(spec: GroupedSpec, cfg: Config):
             sA = st.sA.get_tensor(a_sl.outer, swizzle=a_sl.inner)
             sB = st.sB.get_tensor(b_sl.outer, swizzle=b_sl.inner)
             sC = st.sC.get_tensor(c_sl.outer, swizzle=c_sl.inner)
-            sCh = st.sC.get_tensor(c_sl_h.outer, swizzle=c_sl_h.inner)   # same bytes, 64-row view
             pipeline.pipeline_init_wait()
 
             # walker state, identical in every warp that runs it
@@ -404,25 +372,6 @@ def _build(spec: GroupedSpec, cfg: Config):
                 acc_shape = thr_mma.partition_shape_C((BM, BN))
                 acc = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
                 num_kb = cute.size(tCrA, mode=[2])
-                # the MMA accumulates into acc (zeroed per tile); set here, outside the helper,
-                # because the tracer cannot carry a value rebound inside it out of a branch
-                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-                # split tails: warpgroup w multiplies rows 0-63 of the A stage by B half w; its
-                # accumulator aliases the first half of acc's registers (same value order)
-                tCrA_h, tCrB_h, acc_h = tCrA, tCrB, acc
-                if cutlass.const_expr(SPLIT):
-                    thr_h = tiled_mma_h.get_slice(cute.make_layout(2, stride=128)(wg - 1))
-                    # the A partition covers both 64-row halves of the stage (MMA_M = 2): keep
-                    # the first only, as an M mode of extent 1
-                    fa = tiled_mma_h.make_fragment_A(thr_h.partition_A(sA))
-                    la = fa.layout
-                    tCrA_h = cute.make_tensor(fa.iterator, cute.make_layout(
-                        (la.shape[0], 1, la.shape[2], la.shape[3]),
-                        stride=(la.stride[0], 0, la.stride[2], la.stride[3])))
-                    tCrB_h = tiled_mma_h.make_fragment_B(thr_h.partition_B(sB))
-                    acc_h = cute.make_tensor(acc.iterator,
-                                             cute.make_layout(thr_h.partition_shape_C((BM // 2, BN))))
-                    tiled_mma_h.set(warpgroup.Field.ACCUMULATE, True)
 
                 # epilogue: registers -> smem (stmatrix for 16-bit) -> TMA store
                 r2s_atom = sm90_utils.sm90_get_smem_store_op(self.c_layout, elem_ty_d=c_dt,
@@ -436,6 +385,7 @@ def _build(spec: GroupedSpec, cfg: Config):
                 rD_shape = cute.shape(thr_r2s.partition_S(sC))[:3]
                 rD = cute.make_rmem_tensor(rD_shape, cutlass.Float32)
                 rD_out = cute.make_rmem_tensor(rD_shape, c_dt)
+                n_rd = cute.size(rD)
                 epi_bar = pipeline.NamedBarrier(barrier_id=1, num_threads=MMA_THREADS)
                 store_pipe = pipeline.PipelineTmaStore.create(
                     num_stages=EPI_STAGES,
@@ -456,114 +406,65 @@ def _build(spec: GroupedSpec, cfg: Config):
                             k_tiles = (K + BK - 1) // BK
                     else:
                         k_tiles = (t1 - t0 + BK - 1) // BK
-                    if cutlass.const_expr(SPLIT):
-                        if t1 - (t0 + m_t * BM) <= BM // 2:     # the tile's rows fit one half
-                            cons, rel = self.mma_tile(tiled_mma_h, acc_h, tCrA_h, tCrB_h, mainloop, cons,
-                                                      rel, k_tiles, num_kb, True)
-                            epi_count = self.store_tile(tma_ch, mCh, sCh, r2s, tRS_acc, tRS_sC, rD, rD_out,
-                                                        epi_bar, store_pipe, warp, epi_count, cl, g, t0, t1,
-                                                        m_t, n_t, True)
-                        else:
-                            cons, rel = self.mma_tile(tiled_mma, acc, tCrA, tCrB, mainloop, cons, rel,
-                                                      k_tiles, num_kb, False)
-                            epi_count = self.store_tile(tma_c, mC, sC, r2s, tRS_acc, tRS_sC, rD, rD_out,
-                                                        epi_bar, store_pipe, warp, epi_count, cl, g, t0, t1,
-                                                        m_t, n_t, False)
+                    acc.fill(0.0)
+                    tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                    warpgroup.fence()
+                    # keep one WGMMA batch in flight; release the stage of the previous k-tile
+                    n_pro = min(k_tiles, 1)
+                    for kt in range(n_pro):
+                        mainloop.consumer_wait(cons)
+                        for kb in cutlass.range_constexpr(num_kb):
+                            cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, cons.index)],
+                                      tCrB[(None, None, kb, cons.index)], acc)
+                        warpgroup.commit_group()
+                        cons.advance()
+                    for kt in range(n_pro, k_tiles):
+                        mainloop.consumer_wait(cons)
+                        for kb in cutlass.range_constexpr(num_kb):
+                            cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, cons.index)],
+                                      tCrB[(None, None, kb, cons.index)], acc)
+                        warpgroup.commit_group()
+                        warpgroup.wait_group(1)
+                        mainloop.consumer_release(rel)
+                        rel.advance()
+                        cons.advance()
+                    warpgroup.wait_group(0)
+                    for kt in range(n_pro):
+                        mainloop.consumer_release(rel)
+                        rel.advance()
+
+                    # destination tile; TMA clips it at the group end (ragged_m) / M, N edges
+                    if cutlass.const_expr(ragged_m):
+                        row0 = t0 + m_t * BM
+                        gC = cute.local_tile(ragged_view(mC, 0, row0, t1 - row0)[(None, None, cl)],
+                                             (BM, BN), (0, n_t))
                     else:
-                        cons, rel = self.mma_tile(tiled_mma, acc, tCrA, tCrB, mainloop, cons, rel,
-                                                  k_tiles, num_kb, False)
-                        epi_count = self.store_tile(tma_c, mC, sC, r2s, tRS_acc, tRS_sC, rD, rD_out,
-                                                    epi_bar, store_pipe, warp, epi_count, cl, g, t0, t1,
-                                                    m_t, n_t, False)
+                        gC = cute.local_tile(mC[(None, None, g, cl)], (BM, BN), (m_t, n_t))
+                    gC_epi = cute.zipped_divide(gC, epi_tile)
+                    bSG_sC, bSG_gC = cpasync.tma_partition(tma_c, 0, cute.make_layout(1),
+                                                           cute.group_modes(sC, 0, 2), gC_epi)
+                    n_epi = cute.size(gC_epi, mode=[1])
+                    epi_shape = gC_epi.shape[1]
+                    epi_layout = cute.make_layout(epi_shape, stride=(epi_shape[1], 1))
+                    for e in cutlass.range_constexpr(n_epi):
+                        for v in cutlass.range_constexpr(n_rd):
+                            rD[v] = tRS_acc[e * n_rd + v]
+                        rD_out.store(rD.load().to(c_dt))
+                        buf = (epi_count + e) % EPI_STAGES
+                        cute.copy(r2s, rD_out, tRS_sC[(None, None, None, buf)])
+                        cute.arch.fence_proxy("async.shared", space="cta")
+                        epi_bar.arrive_and_wait()
+                        if warp == 4:
+                            cute.copy(tma_c, bSG_sC[(None, buf)], bSG_gC[(None, epi_layout.get_hier_coord(e))])
+                            store_pipe.producer_commit()
+                            store_pipe.producer_acquire()
+                        epi_bar.arrive_and_wait()
+                    epi_count = (epi_count + n_epi) % EPI_STAGES
+
                     w = w + nblk
                     cl, cg0, rows0, tiles0, start, end, incl, valid, g, t0, t1, m_t, n_t = self.find(
                         gs, w, cl, cg0, rows0, tiles0, start, end, incl, M, N, K, G, L, lg_n)
                 if warp == 4:
                     store_pipe.producer_tail()
-
-        @cute.jit
-        def mma_tile(self, tiled_mma, acc, tCrA, tCrB, mainloop, cons, rel, k_tiles,
-                     num_kb: cutlass.Constexpr, half: cutlass.Constexpr):
-            """acc = the tile's product over k_tiles ring stages (cons: next to read, rel: next to
-            release); keeps one WGMMA batch in flight and releases the stage before it. ``half``:
-            the split-tail MMA, whose A fragment spans both 64-row halves of the stage (use the
-            first)."""
-            acc.fill(0.0)
-            warpgroup.fence()
-            n_pro = min(k_tiles, 1)
-            for kt in range(n_pro):
-                mainloop.consumer_wait(cons)
-                self.mma_stage(tiled_mma, acc, tCrA, tCrB, cons.index, num_kb, half)
-                warpgroup.commit_group()
-                cons.advance()
-            for kt in range(n_pro, k_tiles):
-                mainloop.consumer_wait(cons)
-                self.mma_stage(tiled_mma, acc, tCrA, tCrB, cons.index, num_kb, half)
-                warpgroup.commit_group()
-                warpgroup.wait_group(1)
-                mainloop.consumer_release(rel)
-                rel.advance()
-                cons.advance()
-            warpgroup.wait_group(0)
-            for kt in range(n_pro):
-                mainloop.consumer_release(rel)
-                rel.advance()
-            return cons, rel    # rebound by the caller: the tracer carries only rebound locals
-
-        @cute.jit
-        def mma_stage(self, tiled_mma, acc, tCrA, tCrB, stage, num_kb: cutlass.Constexpr,
-                      half: cutlass.Constexpr):
-            for kb in cutlass.range_constexpr(num_kb):
-                if cutlass.const_expr(half):
-                    cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, stage)], tCrB[(None, None, kb, stage)], acc)
-                else:
-                    cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, stage)], tCrB[(None, None, kb, stage)], acc)
-
-        @cute.jit
-        def store_tile(self, tma_c, mC, sC, r2s, tRS_acc, tRS_sC, rD, rD_out, epi_bar, store_pipe,
-                       warp, epi_count, cl, g, t0, t1, m_t, n_t, half: cutlass.Constexpr):
-            """acc (via tRS_acc) -> output dtype -> smem ring -> TMA store of one tile, clipped by
-            TMA at the group end (ragged_m) or the M, N edges; returns the ring position.
-
-            ``half`` (split tail): (tma_c, mC, sC) are the 64-row store atom, tensor and buffer
-            view. The first tile_n/2 columns' subtiles of acc hold warpgroup 1's column half
-            (rows 0-63) and, in warpgroup 2, its column half; the usual register-to-smem copy
-            puts them in rows 0-63 / 64-127 of a buffer, stored as two 64-row boxes."""
-            if cutlass.const_expr(ragged_m):
-                row0 = t0 + m_t * BM
-                gC = cute.local_tile(ragged_view(mC, 0, row0, t1 - row0)[(None, None, cl)],
-                                     (BM, BN), (0, n_t))
-            else:
-                gC = cute.local_tile(mC[(None, None, g, cl)], (BM, BN), (m_t, n_t))
-            tile = half_tile if cutlass.const_expr(half) else epi_tile
-            gC_epi = cute.zipped_divide(gC, tile)
-            bSG_sC, bSG_gC = cpasync.tma_partition(tma_c, 0, cute.make_layout(1),
-                                                   cute.group_modes(sC, 0, 2), gC_epi)
-            epi_shape = gC_epi.shape[1]
-            epi_layout = cute.make_layout(epi_shape, stride=(epi_shape[1], 1))
-            n_epi = cute.size(gC_epi, mode=[1])
-            if cutlass.const_expr(half):
-                n_epi = BN // 2 // 32     # subtiles per column half
-            n_rd = cute.size(rD)
-            for e in cutlass.range_constexpr(n_epi):
-                for v in cutlass.range_constexpr(n_rd):
-                    rD[v] = tRS_acc[e * n_rd + v]
-                rD_out.store(rD.load().to(c_dt))
-                buf = (epi_count + e) % EPI_STAGES
-                cute.copy(r2s, rD_out, tRS_sC[(None, None, None, buf)])
-                # generic-proxy smem writes must be visible to the TMA (async proxy) store
-                cute.arch.fence_proxy("async.shared", space="cta")
-                epi_bar.arrive_and_wait()
-                if warp == 4:
-                    if cutlass.const_expr(half):
-                        # gC_epi has rows 0-63 only: subtile (0, j) is columns 32j..32j+31
-                        cute.copy(tma_c, bSG_sC[(None, 2 * buf)], bSG_gC[(None, (0, e))])
-                        cute.copy(tma_c, bSG_sC[(None, 2 * buf + 1)], bSG_gC[(None, (0, e + n_epi))])
-                    else:
-                        cute.copy(tma_c, bSG_sC[(None, buf)], bSG_gC[(None, epi_layout.get_hier_coord(e))])
-                    store_pipe.producer_commit()
-                    store_pipe.producer_acquire()
-                epi_bar.arrive_and_wait()
-            return (epi_count + n_epi) % EPI_STAGES
 
     return GroupedGemm()
