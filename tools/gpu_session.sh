@@ -8,7 +8,8 @@
 # DEVCHECK_SKIP_CHECKS=1 (timings only), DEVCHECK_NO_PALLAS=1 and DEVCHECK_G (e.g. 64,16: the
 # benchmark shapes to time, by group count).
 # Usage: tools/gpu_session.sh STEP...   (steps: info build ffi devcheck-gemm devcheck-grouped
-#        gpu-tests sanitize first-call-warm first-call-cold unpack-compiler multigpu bench-matmul bench-ragged bench-launch)
+#        gpu-tests sanitize first-call-warm first-call-cold unpack-compiler multigpu skew-ratio bench-matmul bench-ragged
+#        bench-launch)
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -48,6 +49,8 @@ for step in "$@"; do
                timeout 120 python3 examples/$ex 2>&1 | grep -v "^\[" | tee -a "$OUT/examples.log" | tail -6
              done ;;
     multigpu) python3 -m pytest -m multigpu -q tests/test_multigpu.py 2>&1 | tee "$OUT/multigpu.log" | tail -15 ;;
+    skew-ratio) timeout 300 python3 benchmarks/skew_ratio.py --rounds ${BENCH_ROUNDS:-15} --out "$OUT/skew_ratio.json" 2>&1 \
+             | tee "$OUT/skew_ratio.log" | grep "^{" ;;
     bench-*) timeout 500 python3 benchmarks/run.py --suite "${step#bench-}" --out "$OUT/${step#bench-}.json" ${BENCH_ROUNDS:+--rounds $BENCH_ROUNDS} 2>&1 \
              | tee "$OUT/${step}.log" | tail -40 ;;
     *) echo "unknown step $step"; rc=1 ;;
