@@ -183,15 +183,34 @@ def first_call_section(path: str) -> list[str]:
                   "handler loads the module onto the device; XLA's own compile of the module follows either way.", ""]
 
 
+def skew_section(path: str) -> list[str]:
+    """Markdown for benchmarks/skew_ratio.py: skewed vs uniform sizes timed in one measurement."""
+    data = json.loads(Path(path).read_text())
+    out = [f"## {Path(path).stem}: skewed vs uniform group sizes, interleaved", "",
+           f"- device: {data.get('device', '?')}, date {data.get('date', '?')}, jax_cute commit "
+           f"`{data.get('commit', '?')}`, {data.get('rounds', '?')} rounds",
+           "- jax_cute.ragged_dot forward on the same operands with the suite's uniform and "
+           "Dirichlet(0.3) sizes, both timed in every round (rotated order), so the ratio carries "
+           "no drift between two separate measurements.", "",
+           "| case | uniform (TFLOP/s) | Dirichlet(0.3) (TFLOP/s) | skewed / uniform | per-round range |",
+           "|---|---|---|---|---|"]
+    for r in data.get("rows", []):
+        rr = r.get("ratio_rounds") or []
+        span = f"{min(rr):.3f}–{max(rr):.3f}" if rr else "—"
+        ratio = f"{r['ratio']:.3f}" if r.get("ratio") else "failed"
+        out.append(f"| {r['case']} | {r['uniform_tflops']:.1f} | {r['skewed_tflops']:.1f} | {ratio} | {span} |")
+    return out + [""]
+
+
 def report_order(files: list[str]) -> list[str]:
     """The result files among ``files`` (.json suites, .jsonl first-call records; other files such
-    as example logs are skipped), dense GEMM first, then grouped, launch and first call."""
-    rank = {"matmul": 0, "ragged": 1, "launch": 2}
+    as example logs are skipped), dense GEMM first, then grouped, skew ratio, launch, first call."""
+    rank = {"matmul": 0, "ragged": 1, "skew": 2, "launch": 3}
     kept = [f for f in files if f.endswith((".json", ".jsonl"))]
     for f in sorted(set(files) - set(kept)):
         print(f"skipping {f}: not a results file")
     return sorted(kept, key=lambda f: (f.endswith(".jsonl"),
-                                       min((r for k, r in rank.items() if k in Path(f).stem), default=3), f))
+                                       min((r for k, r in rank.items() if k in Path(f).stem), default=4), f))
 
 
 def report(files: list[str], md: str, plots: str) -> str:
@@ -208,6 +227,9 @@ def report(files: list[str], md: str, plots: str) -> str:
             out += first_call_section(f)
             continue
         data = json.loads(Path(f).read_text())
+        if "rows" in data and "records" not in data:  # benchmarks/skew_ratio.py
+            out += skew_section(f)
+            continue
         stem = Path(f).stem
         header = (f"device {data.get('device', '?')}, date {data.get('date', '?')}, "
                   f"jax_cute commit {data.get('commit', '?')}, jax {data.get('jax_version', '?')}")

@@ -85,9 +85,22 @@ def test_measure_chain_times_independent_products():
 def test_report_order_skips_logs_and_puts_dense_first():
     import run
     files = ["r/h200-examples.log", "r/h200-first-call.jsonl", "r/h200-launch.json", "r/h200-ragged.json",
-             "r/h200-matmul.json"]
-    assert run.report_order(files) == ["r/h200-matmul.json", "r/h200-ragged.json", "r/h200-launch.json",
-                                       "r/h200-first-call.jsonl"]
+             "r/h200-skew-ratio.json", "r/h200-matmul.json"]
+    assert run.report_order(files) == ["r/h200-matmul.json", "r/h200-ragged.json", "r/h200-skew-ratio.json",
+                                       "r/h200-launch.json", "r/h200-first-call.jsonl"]
+
+
+def test_report_renders_skew_ratio_rows(tmp_path):
+    import run
+    path = tmp_path / "h200-skew-ratio.json"
+    path.write_text(json.dumps({"device": "NVIDIA H200", "date": "2026-11-21", "commit": "abc", "rounds": 3,
+                                "rows": [{"case": "G=64", "uniform_tflops": 600.0, "skewed_tflops": 552.0,
+                                          "ratio": 0.92, "ratio_rounds": [0.9, 0.92, 0.95]},
+                                         {"case": "G=8", "uniform_tflops": 700.0, "skewed_tflops": 0.0,
+                                          "ratio": None, "ratio_rounds": []}]}))
+    text = run.report([str(path)], str(tmp_path / "B.md"), str(tmp_path / "plots"))
+    assert "| G=64 | 600.0 | 552.0 | 0.920 | 0.900–0.950 |" in text
+    assert "| G=8 | 700.0 | 0.0 | failed | — |" in text
 
 
 def test_report_from_synthetic_json(tmp_path):
