@@ -91,9 +91,10 @@ def heuristic(spec, m, n, k, g, l, num_sms: int = 132) -> Config:
     # 128x256 is the most efficient tile; 128x128 where 256-wide tiles would pad N by 128
     # columns or more (N % 256 in (0, 128]: the last 256-wide tile is at least half empty)
     # or, for ragged_k, where there are too few tiles to fill the SMs.
-    # Measured on an H200 (2026-11-21, rotated timing, the suite's group sizes): at N=1408
-    # 128x128 beat 128x256 by 1-6% on uniform and 4-10% on Dirichlet(0.3) group sizes in two
-    # runs; at N=14336, 16384, 1536 (multiples of 256) 128x256 stays.
+    # Measured on an H200 (2026-11-21, rotated timing, the suite's group sizes): at N=1408 the
+    # ragged_m forward on 128x128 beat 128x256 by 1-6% on uniform and 4-10% on Dirichlet(0.3)
+    # group sizes in two runs; the ragged_k rhs gradient at N=1408, also on 128x128 since,
+    # held its speed in the suite (605 vs 603 TFLOP/s uniform). Multiples of 256 keep 128x256.
     tile_n = 128 if n <= 128 or 0 < n % 256 <= 128 else 256
     if spec.mode == "ragged_k" and -(-m // TILE_M) * -(-n // 256) * g * l < 2 * num_sms:
         tile_n = 128
