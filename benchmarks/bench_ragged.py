@@ -40,6 +40,16 @@ def group_sizes(g: int, m: int, dist: str, seed: int = 0) -> np.ndarray:
     return sizes.astype(np.int32)
 
 
+def random_operands(g: int, m: int, k: int, n: int, gs: jax.Array) -> Callable[[int], tuple]:
+    """seed -> (lhs [m,k], rhs [g,k,n], gs, cotangent [m,n]), bf16 normal values drawn on the
+    device (host draws of the ~1e9 values these shapes need take minutes)."""
+    def make(seed: int) -> tuple:
+        k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+        return (jax.random.normal(k1, (m, k), jnp.bfloat16), jax.random.normal(k2, (g, k, n), jnp.bfloat16),
+                gs, jax.random.normal(k3, (m, n), jnp.bfloat16))
+    return make
+
+
 def _missing(what: str, err: Exception) -> Callable:
     msg = f"{type(err).__name__}: {err}"
 
@@ -99,19 +109,12 @@ def passes(rdot) -> dict[str, Callable]:
 
 def run(args: argparse.Namespace) -> list[dict]:
     on_gpu = jax.default_backend() == "gpu"
-    dt = jnp.bfloat16
     rounds = 2 if args.smoke else args.rounds
     ours, xla = passes(jax_cute_rdot()), passes(jax.lax.ragged_dot)
     recs: list[dict] = []
     for g, m, k, n in SMOKE_SHAPES if args.smoke else SHAPES:
         for dist in ("uniform", "dirichlet0.3"):
-            gs = jnp.asarray(group_sizes(g, m, dist))
-
-            def mk(s, g=g, m=m, k=k, n=n, gs=gs):
-                k1, k2, k3 = jax.random.split(jax.random.key(s), 3)
-                return (jax.random.normal(k1, (m, k), dt), jax.random.normal(k2, (g, k, n), dt), gs,
-                        jax.random.normal(k3, (m, n), dt))
-
+            mk = random_operands(g, m, k, n, jnp.asarray(group_sizes(g, m, dist)))
             for kind in ("fwd", "dlhs", "drhs"):
                 rivals = pallas_impls(kind, k if kind == "dlhs" else n) if on_gpu else []
                 impls = [Impl("jax_cute", ours[kind]), Impl("xla", xla[kind]), *rivals]

@@ -303,15 +303,13 @@ def run_bench(r, which, out_json):
     configs, timed with the suite's method (benchmarks/common.measure: rotated rounds, 50 ms
     samples) on the suite's own group sizes (bench_ragged.group_sizes), so a ranking here is
     the ranking the suite would see. Appends one dict per (shape, sizes) to out_json."""
-    import jax
     import jax.numpy as jnp
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from common import Impl, measure
-    from bench_ragged import group_sizes, pallas_impls
+    from bench_ragged import group_sizes, pallas_impls, random_operands
     os.environ["JAX_CUTE_NAN_FILL"] = "0"
     ours = [(f"{which} n{tn}", r.find(which, tn)) for tn in (256, 128)]
     ours = [(k, e) for k, e in ours if e is not None]
-    dt = jnp.bfloat16
     shapes = [x for x in BENCH_SHAPES if str(x[0]) in os.environ.get("DEVCHECK_G", "8,64,16,128").split(",")]
     for (G, M, K, N) in shapes:
         impls = [Impl("jax_cute", (lambda lhs, rhs, gs, ct, e=e: r.call(e, lhs[None], rhs[None], gs[None])[0])
@@ -321,13 +319,7 @@ def run_bench(r, which, out_json):
         if os.environ.get("DEVCHECK_NO_PALLAS") != "1":
             impls += pallas_impls(which, N)
         for dist in ("uniform", "dirichlet0.3"):
-            gs = jnp.asarray(group_sizes(G, M, dist))
-
-            def mk(seed, gs=gs):   # drawn on the device: host draws of ~1e9 values take minutes
-                k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
-                return (jax.random.normal(k1, (M, K), dt), jax.random.normal(k2, (G, K, N), dt), gs,
-                        jax.random.normal(k3, (M, N), dt))
-
+            mk = random_operands(G, M, K, N, jnp.asarray(group_sizes(G, M, dist)))
             recs = measure("devcheck", which, f"{which} G{G} {dist}", impls, mk, 2.0 * M * K * N, rounds=5)
             row = {"shape": f"G{G} M{M} K{K} N{N}", "sizes": "uniform" if dist == "uniform" else "skewed"}
             for rec in recs:
@@ -349,22 +341,19 @@ def _print_table(rows):
         cols = [c for c in rr[0] if c.startswith(which)]
         print(f"\n== {which} TFLOP/s (bf16, median); ours = the tile_n that heuristic() picks")
         print(f"{'shape':<26}{'sizes':<9}" + "".join(f"{c.replace(which + ' ', ''):>11}" for c in cols)
-              + f"{'ours/pallas':>12}{'ours/xla':>10}")
-        ratios_p, ratios_x = [], []
+              + f"{'ours/pallas':>12}")
+        ratios_p = []
         for x in rr:
             G, M, K, N = (int(v[1:]) for v in x["shape"].split())
             best = x.get(f"{which} {_heur_tile(which, G, M, K, N)}", 0)
-            p, xl = x.get(f"{which} pallas", 0), x.get(f"{which} xla", 0)
+            p = x.get(f"{which} pallas", 0)
             rp = best / p if p else float("nan")
-            rx = best / xl if xl else float("nan")
             if p and best:
                 ratios_p.append(rp)
-            if xl and best:
-                ratios_x.append(rx)
             print(f"{x['shape']:<26}{x['sizes']:<9}" + "".join(f"{x.get(c, 0):>11.1f}" for c in cols)
-                  + f"{rp:>12.3f}{rx:>10.1f}")
+                  + f"{rp:>12.3f}")
         gm = lambda v: math.exp(sum(map(math.log, v)) / len(v)) if v else float("nan")  # noqa: E731
-        print(f"geomean ours/pallas {gm(ratios_p):.3f}   ours/xla {gm(ratios_x):.1f}")
+        print(f"geomean ours/pallas {gm(ratios_p):.3f}")
         for x in rr:
             if x["sizes"] == "skewed":
                 u = [y for y in rr if y["shape"] == x["shape"] and y["sizes"] == "uniform"]
@@ -373,7 +362,7 @@ def _print_table(rows):
                     pick = f"{which} {_heur_tile(which, G, M, K, N)}"
                     print(f"  skewed/uniform {x['shape']}: " + "  ".join(
                         f"{c.replace(which + ' ', '')}{'*' if c == pick else ''} {x[c] / u[0][c]:.3f}"
-                        for c in cols if "pallas" not in c and "xla" not in c and u[0].get(c)))
+                        for c in cols if "pallas" not in c and u[0].get(c)))
 
 
 def _heur_tile(which, G, M, K, N):
