@@ -31,6 +31,8 @@ def _compile(spec, cfg):
     assert "fence.proxy.async" in ptx                           # smem writes -> TMA store
     if cfg.cluster_m * cfg.cluster_n > 1:
         assert ".multicast::cluster" in ptx
+    # programmatic dependent launch: wait for the previous grid, then release the next one
+    assert ("griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx) == cfg.pdl
     if cfg.split_k > 1:
         assert "atom.global" in ptx and "fence.acq_rel.gpu" in ptx   # split-K arrival counter
     return binary

@@ -8,7 +8,7 @@
 # DEVCHECK_SKIP_CHECKS=1 (timings only), DEVCHECK_NO_PALLAS=1 and DEVCHECK_G (e.g. 64,16: the
 # benchmark shapes to time, by group count).
 # Usage: tools/gpu_session.sh STEP...   (steps: info build ffi devcheck-gemm devcheck-grouped
-#        gpu-tests sanitize first-call-warm first-call-cold unpack-compiler multigpu skew-ratio bench-matmul bench-ragged
+#        ncu-probe gpu-tests sanitize first-call-warm first-call-cold unpack-compiler multigpu skew-ratio bench-matmul bench-ragged
 #        bench-launch)
 set -u
 OUT=${OUT:-/tmp/out}
@@ -20,13 +20,19 @@ rc=0
 for step in "$@"; do
   echo "=== $step $(date -u +%H:%M:%S)"
   case $step in
-    info) nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv
+    info) nvidia-smi --query-gpu=name,driver_version,power.limit,power.max_limit,clocks.sm,clocks.max.sm,temperature.gpu \
+            --format=csv
           python3 -c "import jax; print(jax.__version__, jax.devices())" ;;
     build) python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 \
              || { tail -40 "$OUT/build.log"; rc=1; } ;;
     ffi) python3 -m pytest -m gpu -q -x tests/test_ffi_gpu.py 2>&1 | tee "$OUT/ffi.log" | tail -25 ;;
-    devcheck-gemm) timeout 240 python3 benchmarks/devcheck_sm90_gemm.py run --bins .device/bins/gemm 2>&1 \
+    devcheck-gemm) timeout 420 python3 benchmarks/devcheck_sm90_gemm.py run --bins .device/bins/gemm 2>&1 \
              | tee "$OUT/devcheck_gemm.log" | tail -60 ;;
+    ncu-probe) timeout 240 "$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)" --profile-from-start off --clock-control none --csv \
+             --metrics "$(python3 -c 'import sys; sys.path.insert(0, "benchmarks"); import ncu_probe; print(ncu_probe.METRICS)')" \
+             python3 benchmarks/ncu_probe.py run --bins .device/bins/gemm ${NCU_CONFIGS:+--configs $NCU_CONFIGS} \
+             > "$OUT/ncu_probe.csv" 2> "$OUT/ncu_probe.err" || { echo "ncu rc=$?"; tail -20 "$OUT/ncu_probe.err"; }
+           python3 benchmarks/ncu_probe.py report "$OUT/ncu_probe.csv" | tee "$OUT/ncu_probe.txt" ;;
     devcheck-grouped) timeout $(( ${DEVCHECK_BUDGET:-228} + 12 )) python3 benchmarks/devcheck_sm90_grouped.py run \
              --bins .device/bins/grouped --budget ${DEVCHECK_BUDGET:-228} --which ${DEVCHECK_WHICH:-fwd,drhs} 2>&1 \
              | tee "$OUT/devcheck_grouped.log" | tail -60 ;;

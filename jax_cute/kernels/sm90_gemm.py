@@ -18,6 +18,11 @@ Kernel shape (one persistent CTA per SM, 384 threads):
 - split-K (Config.split_k = S > 1): each unit covers 1/S of the k-tiles, writes its fp32
   partial tile to a workspace and bumps a per-tile counter; the CTA that arrives last sums the
   S partials in split order (deterministic) and runs the epilogue, then resets the counter.
+- programmatic dependent launch (Config.pdl, on by default): the grid is launched so that its
+  CTAs may start while the previous kernel on the stream drains. Each CTA initialises its
+  barriers and prefetches its TMA descriptors, then waits (griddepcontrol.wait) for that kernel
+  to complete before any global read or write, and releases the next grid at once
+  (griddepcontrol.launch_dependents), so back-to-back GEMMs lose no launch gap between them.
 
 The DSL is imported lazily (inside launcher), so routing can use heuristic/signature/workspace on
 machines that only load compiled kernels.
@@ -30,7 +35,7 @@ from jax_cute.kernels import abi
 from jax_cute.kernels.gemm_spec import GemmSpec, Workspace
 
 FAMILY = "sm90_gemm"
-VERSION = 2
+VERSION = 3
 ARCH = "sm_90a"
 
 NUM_SMS = 132            # H100 SXM / H200; compiled into the persistent grid bound
@@ -56,10 +61,15 @@ class Config:
     # pingpong: each consumer warpgroup owns whole 64 x tile_n tiles (alternate tiles of the
     # CTA's sequence), so one warpgroup's epilogue overlaps the other's mainloop
     pingpong: bool = False
+    # programmatic dependent launch: the grid may start (set up its barriers, fetch its TMA
+    # descriptors) while the previous kernel on the stream drains, and it lets the next one do
+    # the same; it touches global memory only after that previous kernel has completed
+    pdl: bool = True
 
     def key(self) -> str:
         return (f"t{self.tile_m}x{self.tile_n}.c{self.cluster_m}x{self.cluster_n}."
-                f"r{self.raster}{self.group}.sk{self.split_k}.st{self.stages}" + (".pp" if self.pingpong else ""))
+                f"r{self.raster}{self.group}.sk{self.split_k}.st{self.stages}" + (".pp" if self.pingpong else "")
+                + ("" if self.pdl else ".nopdl"))
 
 
 # --- static configuration -----------------------------------------------------------------------
@@ -301,7 +311,7 @@ def _kernel_class():
             self.storage = Storage
             self.kernel(tma_a, tA, tma_b, tB, tma_c, tC, c, ws, flags, tiled_mma, sa, sb, sc).launch(
                 grid=[self.cm, self.cn, n_clusters], block=[self.threads, 1, 1],
-                cluster=[self.cm, self.cn, 1], min_blocks_per_mp=1, stream=stream)
+                cluster=[self.cm, self.cn, 1], min_blocks_per_mp=1, stream=stream, use_pdl=self.cfg.pdl)
 
         # --------------------------------------------------------------------- device side
         def work(self, w, cl_m, cl_n, batches, cc):
@@ -391,6 +401,13 @@ def _kernel_class():
             first, stride = cute.arch.block_idx()[2], cute.arch.grid_dim()[2]
 
             pipeline.pipeline_init_wait(cluster_shape_mn=(self.cm, self.cn))
+            if const_expr(self.cfg.pdl):
+                # Everything above only touched shared memory and kernel parameters. Wait for
+                # the previous grid on the stream (it may still be writing our inputs, or
+                # reading the buffer we are about to write), then let the next grid launch: its
+                # CTAs take SMs as ours exit and wait the same way (a no-op without PDL).
+                cute.arch.griddepcontrol_wait()
+                cute.arch.griddepcontrol_launch_dependents()
 
             if wg == 0:
                 # ---------------------------------------------------------------- producer
