@@ -86,8 +86,10 @@ def cmd_report(path: str) -> None:
         names[kid] = r["Kernel Name"]
         unit = r.get("Metric Unit", "")
         v = float(r["Metric Value"].replace(",", ""))
-        scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "hz": 1e-6, "khz": 1e-3, "mhz": 1.0,
-                 "ghz": 1e3, "cycle/second": 1e-6, "cycle/nsecond": 1e3, "cycle/usecond": 1.0}.get(unit.lower(), 1.0)
+        # to microseconds and MHz (ncu picks its units per value)
+        scale = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3,
+                 "hz": 1e-6, "khz": 1e-3, "mhz": 1.0, "ghz": 1e3, "cycle/second": 1e-6,
+                 "cycle/nsecond": 1e3, "cycle/usecond": 1.0}.get(unit.lower(), 1.0)
         kernels.setdefault(kid, {})[r["Metric Name"]] = v * scale
     ids = sorted(kernels, key=int)
     metric = lambda i, name: kernels[i].get(name, 0.0)  # noqa: E731

@@ -61,11 +61,12 @@ def test_heuristic_picks_a_candidate(majors):
     for m, n, k, l in BENCH + ODD:
         cfg = sm90_gemm.heuristic(spec, m, n, k, l)
         assert cfg in cands, (m, n, k, l, cfg)
-    # the big squares: B multicast over a 2x1 cluster, two 64x256 pingpong tiles per CTA, N
-    # fastest in bands of 8 clusters (the measured winner, H200 2026-11-21)
+    # the big squares: cooperative 128x256 tiles (both consumer warpgroups on one tile), B
+    # multicast over a 2x1 cluster, M fastest in bands of 8 clusters, no PDL (the measured
+    # winner over pingpong and PDL, H200 2026-11-22)
     big = sm90_gemm.heuristic(spec, 8192, 8192, 8192, 1)
     assert (big.tile_m, big.tile_n, big.cluster_m, big.cluster_n, big.split_k, big.pingpong,
-            big.raster, big.group) == (64, 256, 2, 1, 1, True, "n", 8)
+            big.raster, big.group, big.pdl) == (128, 256, 2, 1, 1, False, "m", 8, False)
     # too few output tiles and a long K: split it
     assert sm90_gemm.heuristic(spec, 256, 4096, 8192, 1).split_k > 1
     assert sm90_gemm.heuristic(spec, 64, 4096, 16384, 1).cluster_m == 1
@@ -121,6 +122,7 @@ def test_config_validation():
             sm90_gemm.launcher(spec, bad)
     assert C(64, 256, 2, 1, pingpong=True).key().endswith(".pp")
     assert not C().key().endswith(".pp")
+    assert C(pdl=True).key() != C().key() and C(pdl=True).key().endswith(".pdl")
 
 
 _EXTRA = [(F16, BF, "mkn", sm90_gemm.Config(64, 256, 2, 1, pingpong=True)),

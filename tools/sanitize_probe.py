@@ -25,8 +25,8 @@ checks = {
                           (r(136, 264), r(72, 136))),
     "matmul batched bcast": (jax_cute.matmul, (r(3, 200, 136), r(136, 264))),
     "matmul split-k": (jax_cute.matmul, (r(128, 8192), r(8192, 128))),
-    # the heuristic's pingpong 64x256 2x1-cluster pick, with a partial last tile along M and N
-    "matmul pingpong": (jax_cute.matmul, (r(2048, 1000), r(1000, 1032))),
+    # the heuristic's cooperative 128x256 2x1-cluster pick, with a partial last tile along M and N
+    "matmul 128x256 2x1": (jax_cute.matmul, (r(2048, 1000), r(1000, 1032))),
     "matmul grad": (jax.grad(lambda a, b: jax_cute.matmul(a, b).astype(jnp.float32).sum(), (0, 1)),
                     (r(264, 136), r(136, 72))),
     "ragged fwd+grads": (jax.grad(lambda x, w: jax_cute.ragged_dot(x, w, jnp.asarray([100, 0, 37, 120], jnp.int32))

@@ -18,7 +18,7 @@ Kernel shape (one persistent CTA per SM, 384 threads):
 - split-K (Config.split_k = S > 1): each unit covers 1/S of the k-tiles, writes its fp32
   partial tile to a workspace and bumps a per-tile counter; the CTA that arrives last sums the
   S partials in split order (deterministic) and runs the epilogue, then resets the counter.
-- programmatic dependent launch (Config.pdl, on by default): the grid is launched so that its
+- programmatic dependent launch (Config.pdl, off by default): the grid is launched so that its
   CTAs may start while the previous kernel on the stream drains. Each CTA initialises its
   barriers and prefetches its TMA descriptors, then waits (griddepcontrol.wait) for that kernel
   to complete before any global read or write, and releases the next grid at once
@@ -61,15 +61,15 @@ class Config:
     # pingpong: each consumer warpgroup owns whole 64 x tile_n tiles (alternate tiles of the
     # CTA's sequence), so one warpgroup's epilogue overlaps the other's mainloop
     pingpong: bool = False
-    # programmatic dependent launch: the grid may start (set up its barriers, fetch its TMA
-    # descriptors) while the previous kernel on the stream drains, and it lets the next one do
-    # the same; it touches global memory only after that previous kernel has completed
-    pdl: bool = True
+    # programmatic dependent launch (see the module notes). Off: on an H200 it left kernel time
+    # unchanged (ncu) and made back-to-back products 3-8% slower (benchmarks/ncu_probe.py and
+    # the devcheck sweep, 2026-11-22), so it is an option to measure, not the default
+    pdl: bool = False
 
     def key(self) -> str:
         return (f"t{self.tile_m}x{self.tile_n}.c{self.cluster_m}x{self.cluster_n}."
                 f"r{self.raster}{self.group}.sk{self.split_k}.st{self.stages}" + (".pp" if self.pingpong else "")
-                + ("" if self.pdl else ".nopdl"))
+                + (".pdl" if self.pdl else ""))
 
 
 # --- static configuration -----------------------------------------------------------------------
@@ -118,13 +118,12 @@ def candidate_configs(spec) -> list[Config]:
     return out
 
 
-# What the heuristic runs where its cost model picks the unsplit 128x256 2x1-cluster tile:
-# pingpong 64x256 tiles, B multicast over a 2x1 cluster, N fastest inside bands of 8 clusters.
-# H200 sweeps (2026-11-21): pingpong beat the cooperative tile in fixed-order sweeps, and the
-# N-fastest walk beat M-fastest there by 3-10%; with the order of configs rotated each round
-# (benchmarks/common.py), all unsplit 2x1/1x2 configs land within ~3% of each other and of
-# cuBLAS, so the ranking among them is within noise. Pingpong without B multicast (1x2, 1x1
-# clusters) was 35-45% slower and 2x2 clusters ~40% slower in every sweep: not candidates.
+# Pingpong 64x256 tiles, B multicast over a 2x1 cluster, N fastest inside bands of 8 clusters: a
+# candidate (autotune times it), no longer the heuristic's pick. H200, 2026-11-22, same process
+# and data: its kernels took 5-13% more time than the cooperative 128x256 tile on 2048^3,
+# 512x8192x8192, 4096x14336x4096 and 8192^3 under ncu (same cycle count at 8192^3, but at a
+# ~9% lower SM clock: it draws more power per cycle), and it was slower or equal on every
+# benchmark shape in the rotated sustained sweep (docs/kernel-run-notes.md, session 4).
 _PINGPONG = Config(64, 256, 2, 1, "n", 8, 1, pingpong=True)
 
 
@@ -187,12 +186,7 @@ def heuristic(spec, m: int, n: int, k: int, l: int, num_sms: int = NUM_SMS) -> C
     else:
         cands = [c for c in cands if c.cluster_m == 2]
     bk = tile_k(spec.a_dtype)
-    best = min(cands, key=lambda c: (_estimate(c, m, n, k, l, num_sms, bk), c.split_k, -c.tile_n))
-    if best.split_k == 1 and best.cluster_m == 2 and best.tile_n == 256:
-        # the same tile area as two 64-row tiles per CTA, one per consumer warpgroup, so each
-        # warpgroup's epilogue runs under the other's mainloop (see _PINGPONG for its raster).
-        return _PINGPONG
-    return best
+    return min(cands, key=lambda c: (_estimate(c, m, n, k, l, num_sms, bk), c.split_k, -c.tile_n))
 
 
 # --- arguments and workspace ----------------------------------------------------------------
