@@ -41,7 +41,7 @@ from jax_cute.kernels.gemm_spec import GemmSpec, reference_gemm  # noqa: E402
 from common import round_order  # noqa: E402  (benchmarks/common.py, beside this script)
 
 BENCH_SHAPES = [(8192, 8192, 8192), (4096, 14336, 4096), (4096, 4096, 4096), (2048, 2048, 2048),
-                (4096, 4096, 14336), (16384, 2048, 2048), (512, 8192, 8192)]
+                (4096, 4096, 14336), (16384, 2048, 2048), (512, 8192, 8192), (16384, 1536, 1024)]
 BF = "bfloat16"
 C = sm90_gemm.Config
 
@@ -82,14 +82,15 @@ PROBLEMS = [(1000, 1032, 776, 1, None), (264, 136, 72, 1, None), (1001, 1003, 52
 N_INT = 5
 
 # Bench sweep: every benchmark shape runs the heuristic's pick and these alternatives, per
-# operand form. Sessions 1-2 swept cluster shape, band width and pingpong rasters (notes in
-# docs/kernel-run-notes.md); what is open now: programmatic dependent launch on or off, and the
-# cooperative 128x256 tile against the pingpong pick.
-SWEEP = [C(), C(raster="n"), C(64, 256, 2, 1, raster="n", pingpong=True), C(pdl=True),
-         C(raster="n", pdl=True)]
+# operand form. Sessions 1-2 swept cluster shape, band width and pingpong rasters; session 4
+# measured pingpong and PDL against the cooperative tile (docs/kernel-run-notes.md). Open now:
+# the cooperative tile's raster order and band width without PDL (with PDL on, N-fastest had
+# looked 3-5% ahead of M-fastest).
+SWEEP = [C(), C(raster="n"), C(group=16), C(raster="n", group=16), C(raster="n", group=4),
+         C(64, 256, 2, 1, raster="n", pingpong=True)]
 THIN_EXTRA = [C(128, 256, 1, 2, raster="n")]   # 512x8192x8192 (one wave of 128 tiles)
-# Shapes of under a wave of 128x256 tiles (2048^3) also try smaller tiles.
-SMALL_EXTRA = [C(128, 128, 2, 1), C(64, 128, 2, 1, pingpong=True)]
+# Shapes with few tiles or a short K also try smaller tiles.
+SMALL_EXTRA = [C(128, 128, 2, 1), C(128, 128, 2, 1, raster="n")]
 # Products under this many FLOPs take a few tens of microseconds: one call per dispatch would
 # time the host, so they are timed as CHAIN products (independent A, B pairs) inside one jit.
 CHAIN_BELOW_FLOPS = 2e11
@@ -134,7 +135,7 @@ def cmd_build(out: str, sweep: bool = True) -> None:
             cfgs = [pick] + ([c for c in SWEEP if c != pick] if sweep else [])
             if sweep and (m, n, k) == (512, 8192, 8192):
                 cfgs += [c for c in THIN_EXTRA if c != pick]
-            if sweep and (m, n, k) == (2048, 2048, 2048):
+            if sweep and (m, n, k) in ((2048, 2048, 2048), (16384, 1536, 1024)):
                 cfgs += [c for c in SMALL_EXTRA if c != pick]
             for cfg in cfgs:
                 add(_pname(tag, cfg), spec, cfg, "perf")
