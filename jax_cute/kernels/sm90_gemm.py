@@ -114,17 +114,24 @@ def candidate_configs(spec) -> list[Config]:
                 out.append(Config(128, tn, cm, cn, "m", 8, split))
     out.append(Config(128, 256, 2, 1, "n", 8, 1))
     out.append(Config(128, 128, 1, 1, "m", 8, 1))
+    out.append(_WIDE)
     out.append(_PINGPONG)
     return out
 
 
-# Pingpong 64x256 tiles, B multicast over a 2x1 cluster, N fastest inside bands of 8 clusters: a
-# candidate (autotune times it), no longer the heuristic's pick. H200, 2026-11-22, same process
-# and data: its kernels took 5-13% more time than the cooperative 128x256 tile on 2048^3,
-# 512x8192x8192, 4096x14336x4096 and 8192^3 under ncu (same cycle count at 8192^3, but at a
-# ~9% lower SM clock: it draws more power per cycle), and it was slower or equal on every
-# benchmark shape in the rotated sustained sweep (docs/kernel-run-notes.md, session 4).
+# What the heuristic runs where its cost model picks the unsplit 128x256 2x1-cluster tile
+# (H200, 2026-11-22, rotated sustained sweep of 8 shapes x 2 B layouts, docs/kernel-run-notes.md):
+# - the cooperative tile with N fastest inside bands of 16 clusters: geomean 1.011x XLA over the
+#   suite's shapes against 0.993x for M fastest in bands of 8 (which lost 4-7% on 2048^3 and
+#   16384x2048x2048); bands of 16 along M and of 4 or 8 along N came within 1%;
+# - pingpong 64x256 tiles where K is at most 16 k-tiles: a warpgroup's epilogue then runs under
+#   the other's mainloop, which pays where the mainloop is short (16384x1536x1024: +3-4% over
+#   the best cooperative raster). With long K it lost: its kernels took 5-13% longer than the
+#   cooperative tile's under ncu, at the same cycle count on 8192^3 but a ~9% lower SM clock
+#   (more power per cycle).
+_WIDE = Config(128, 256, 2, 1, "n", 16, 1)
 _PINGPONG = Config(64, 256, 2, 1, "n", 8, 1, pingpong=True)
+_SHORT_K_TILES = 16
 
 
 def tile_k(in_dtype: str) -> int:
@@ -186,7 +193,10 @@ def heuristic(spec, m: int, n: int, k: int, l: int, num_sms: int = NUM_SMS) -> C
     else:
         cands = [c for c in cands if c.cluster_m == 2]
     bk = tile_k(spec.a_dtype)
-    return min(cands, key=lambda c: (_estimate(c, m, n, k, l, num_sms, bk), c.split_k, -c.tile_n))
+    best = min(cands, key=lambda c: (_estimate(c, m, n, k, l, num_sms, bk), c.split_k, -c.tile_n))
+    if best.split_k == 1 and best.cluster_m == 2 and best.tile_n == 256:
+        return _PINGPONG if -(-k // bk) <= _SHORT_K_TILES else _WIDE
+    return best
 
 
 # --- arguments and workspace ----------------------------------------------------------------
