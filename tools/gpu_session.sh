@@ -8,7 +8,7 @@
 # DEVCHECK_SKIP_CHECKS=1 (timings only), DEVCHECK_NO_PALLAS=1 and DEVCHECK_G (e.g. 64,16: the
 # benchmark shapes to time, by group count).
 # Usage: tools/gpu_session.sh STEP...   (steps: info build ffi devcheck-gemm devcheck-grouped
-#        ncu-probe gpu-tests sanitize first-call-warm first-call-cold unpack-compiler multigpu skew-ratio bench-matmul bench-ragged
+#        ncu-probe chain-effect gpu-tests sanitize first-call-warm first-call-cold unpack-compiler multigpu skew-ratio bench-matmul bench-ragged
 #        bench-launch)
 set -u
 OUT=${OUT:-/tmp/out}
@@ -55,6 +55,8 @@ for step in "$@"; do
                timeout 120 python3 examples/$ex 2>&1 | grep -v "^\[" | tee -a "$OUT/examples.log" | tail -6
              done ;;
     multigpu) python3 -m pytest -m multigpu -q tests/test_multigpu.py 2>&1 | tee "$OUT/multigpu.log" | tail -15 ;;
+    chain-effect) timeout 300 python3 benchmarks/chain_effect.py --records "$OUT/chain_effect.json" 2>&1 \
+             | tee "$OUT/chain_effect.log" | tail -14 ;;
     skew-ratio) timeout 300 python3 benchmarks/skew_ratio.py --rounds ${BENCH_ROUNDS:-15} --out "$OUT/skew_ratio.json" 2>&1 \
              | tee "$OUT/skew_ratio.log" | grep "^{" ;;
     bench-*) timeout 500 python3 benchmarks/run.py --suite "${step#bench-}" --out "$OUT/${step#bench-}.json" ${BENCH_ROUNDS:+--rounds $BENCH_ROUNDS} 2>&1 \
