@@ -131,12 +131,13 @@ def test_config_validation():
 
 _EXTRA = [(F16, BF, "mkn", sm90_gemm.Config(64, 256, 2, 1, pingpong=True)),
           (F16, F32, "mnm", sm90_gemm.Config(64, 128, 1, 2, pingpong=True)),
-          (BF, BF, "knn", sm90_gemm.Config(128, 256, 2, 2))]
+          (BF, BF, "knn", sm90_gemm.Config(128, 256, 2, 2)),
+          (BF, BF, "knn", sm90_gemm.Config(pdl=True))]
 
 
 @pytest.mark.parametrize("in_dt,out_dt,majors,cfg", _EXTRA,
                          ids=lambda x: x.key() if dataclasses.is_dataclass(x) else str(x))
-def test_compile_pingpong_and_2x2(in_dt, out_dt, majors, cfg):
+def test_compile_pingpong_2x2_and_pdl(in_dt, out_dt, majors, cfg):
     binary = _compile(GemmSpec(in_dt, in_dt, out_dt, *majors), cfg)
     if cfg.pingpong:
         # per-warpgroup epilogue barriers and mainloop turn tokens (register barrier ids)

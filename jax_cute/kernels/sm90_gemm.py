@@ -22,7 +22,8 @@ Kernel shape (one persistent CTA per SM, 384 threads):
   CTAs may start while the previous kernel on the stream drains. Each CTA initialises its
   barriers and prefetches its TMA descriptors, then waits (griddepcontrol.wait) for that kernel
   to complete before any global read or write, and releases the next grid at once
-  (griddepcontrol.launch_dependents), so back-to-back GEMMs lose no launch gap between them.
+  (griddepcontrol.launch_dependents). Meant to hide the launch gap between back-to-back GEMMs;
+  on an H200 it made them slower instead (see Config.pdl), hence off.
 
 The DSL is imported lazily (inside launcher), so routing can use heuristic/signature/workspace on
 machines that only load compiled kernels.
