@@ -48,18 +48,30 @@ def problem_key(fam, arch: str, spec, dims: tuple[int, ...]) -> str:
     return f"{fam.FAMILY}/v{fam.VERSION}/{arch}/{spec.key()}/{'x'.join(map(str, dims))}"
 
 
-def _time(fn, args, reps: int = 10, rounds: int = 5) -> float:
+def _time_interleaved(fns: dict, args, window: float = 0.02, rounds: int = 5) -> dict[str, float]:
+    """Median seconds per call of each (warmed-up) function, sampled in turn: round r starts with
+    the r-th function after one untimed call, so the clock's ramp (and power drift) is not always
+    charged to the same candidate, as it would be when each is timed to completion in a fixed
+    order. A sample is about ``window`` seconds of back-to-back calls."""
     import jax
 
-    jax.block_until_ready(fn(*args))
-    samples = []
-    for _ in range(rounds):
+    names = list(fns)
+    reps = {}
+    for n in names:
         t = time.perf_counter()
-        for _ in range(reps):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        samples.append((time.perf_counter() - t) / reps)
-    return statistics.median(samples)
+        jax.block_until_ready(fns[n](*args))
+        reps[n] = max(3, min(200, int(window / max(time.perf_counter() - t, 1e-6))))
+    samples: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        turn = names[r % len(names):] + names[:r % len(names)]
+        jax.block_until_ready(fns[turn[0]](*args))
+        for n in turn:
+            t = time.perf_counter()
+            for _ in range(reps[n]):
+                out = fns[n](*args)
+            jax.block_until_ready(out)
+            samples[n].append((time.perf_counter() - t) / reps[n])
+    return {n: statistics.median(v) for n, v in samples.items()}
 
 
 def tuned_gemm_config(fam, arch: str, spec, flat, dts, default):
@@ -87,7 +99,7 @@ def tuned_gemm_config(fam, arch: str, spec, flat, dts, default):
         a = jnp.asarray(rng.standard_normal(cosize(flat.a), dtype=np.float32)).astype(dts[0])
         b = jnp.asarray(rng.standard_normal(cosize(flat.b), dtype=np.float32)).astype(dts[1])
         c_size = cosize(flat.c)
-        results = {}
+        fns = {}
         for name, cfg in candidates.items():
             try:
                 binary = binary_for(fam, arch, spec, cfg)
@@ -98,11 +110,13 @@ def tuned_gemm_config(fam, arch: str, spec, flat, dts, default):
                 fn = jax.jit(lambda x, y, binary=binary, outs=outs, zeroed=zeroed: kernel_call(
                     binary, {"a": (x, flat.a.shape, flat.a.stride), "b": (y, flat.b.shape, flat.b.stride)},
                     outs, zeroed=zeroed)["c"])
-                results[name] = _time(fn, (a, b))
+                jax.block_until_ready(fn(a, b))  # compiles, loads and runs it once
+                fns[name] = fn
             except Exception as e:  # noqa: BLE001 - a config that fails here is just not chosen
                 logger.warning("jax_cute autotune: %s failed on %s: %s", name, key, e)
-        if not results:
+        if not fns:
             return default
+        results = _time_interleaved(fns, (a, b))
         best = min(results, key=results.get)
         flops = 2 * flat.m * flat.n * flat.k * flat.l
         logger.info("jax_cute autotune %s: %s", key, ", ".join(

@@ -205,6 +205,38 @@ def test_two_threads_at_once():
         check(results[i], ref_mm(*pairs[i]), jnp.bfloat16)
 
 
+def test_autotune_times_every_candidate_and_remembers_the_winner(tmp_path, caplog):
+    """JAX_CUTE_AUTOTUNE=1: the first lowering of a problem times every candidate config on this
+    GPU (interleaved rounds), keeps the fastest in autotune.json and runs it; a later lowering of
+    the same problem reuses it without timing again; results stay right."""
+    import json
+    import logging
+
+    from jax_cute import autotune
+    from jax_cute.kernels import sm90_gemm
+    from jax_cute.kernels.gemm_spec import GemmSpec
+
+    a, b = rand((2048, 1024)), rand((1024, 2048))
+    spec = GemmSpec("bfloat16", "bfloat16", "bfloat16", "k", "n", "n")
+    candidates = {c.key() for c in sm90_gemm.candidate_configs(spec)}
+    with config.override(autotune=True, cache_dir=str(tmp_path)), \
+            caplog.at_level(logging.INFO, logger="jax_cute"):
+        f = lambda x, y: jax_cute.matmul(x, y)  # noqa: E731
+        text = compiled_text(f, a, b)
+        timed = [r.getMessage() for r in caplog.records if r.getMessage().startswith("jax_cute autotune ")]
+        assert len(timed) == 1, timed
+        entry = json.loads((tmp_path / "autotune.json").read_text())[
+            autotune.problem_key(sm90_gemm, "sm_90a", spec, (2048, 2048, 1024, 1))]
+        assert entry["config"] in candidates and entry["timed"] == len(candidates), entry
+        print(timed[0])  # every candidate's rate, fastest first
+        assert "jax_cute_launch" in text and entry["config"] in text  # the winner runs
+        check(jax.jit(f)(a, b), ref_mm(a, b), jnp.bfloat16)
+        caplog.clear()
+        g = lambda x, y: jax_cute.matmul(x, y) * 1  # noqa: E731  (a new function: lowered again)
+        assert entry["config"] in compiled_text(g, a, b)
+        assert not [r for r in caplog.records if r.getMessage().startswith("jax_cute autotune ")]
+
+
 _GRAPH_PROBE = textwrap.dedent("""
     import sys, numpy as np, jax, jax.numpy as jnp, jax_cute
     f = jax.jit(lambda x, y: jax_cute.matmul(jnp.tanh(x), y) * 2)
