@@ -29,18 +29,19 @@ def _fill_value(dtype) -> object:
 def kernel_call(binary: KernelBinary, inputs: Mapping[str, tuple[jax.Array, Sequence[int], Sequence[int]]],
                 outputs: Mapping[str, tuple[jax.ShapeDtypeStruct, Sequence[int], Sequence[int]]],
                 scalars: Mapping[str, object] | None = None, *,
-                zeroed: Sequence[str] = ()) -> dict[str, jax.Array]:
+                zeroed: Sequence[str] = (), nan_fill: bool | None = None) -> dict[str, jax.Array]:
     """Launch ``binary`` on XLA's stream; returns the outputs by name.
 
     ``inputs`` maps a tensor argument's name to (physical array, logical shape, logical
     stride); ``outputs`` maps a name to (physical ShapeDtypeStruct, shape, stride). Outputs
     named in ``zeroed`` start as zeros (workspaces a kernel accumulates into); with
-    ``config.nan_fill()`` every other output starts as NaN (or -1 for integers).
+    ``nan_fill`` (default: ``config.nan_fill()``) every other output starts as NaN (or -1 for
+    integers).
     """
     runtime.ensure_registered()
     in_names, out_names = list(inputs), list(outputs)
     layouts = {n: (tuple(v[1]), tuple(v[2])) for n, v in {**inputs, **outputs}.items()}
-    nan_fill = config.nan_fill()
+    nan_fill = config.nan_fill() if nan_fill is None else nan_fill
     prefilled = [n for n in out_names if n in zeroed or nan_fill]
     # A prefilled output is passed in as an extra input that XLA aliases to the output.
     buffers = in_names + out_names
