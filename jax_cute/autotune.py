@@ -3,9 +3,9 @@ problem and remember the winner on disk (``<cache dir>/autotune.json``).
 
 Without it, configs come from each family's heuristic. Tuning runs when a problem is first
 lowered on a machine whose GPU is the target; winners found elsewhere are reused as they are.
-Candidates are timed without the debug NaN prefill, in interleaved rounds; a problem that takes
-less than CHAIN_BELOW seconds is timed as CHAIN independent products in one jit, since one per
-call would time the host's dispatch rather than the kernel.
+Candidates are timed without the debug NaN prefill, in interleaved rounds; a problem of fewer
+than CHAIN_BELOW_FLOPS (a few hundred microseconds) is timed as CHAIN independent products in
+one jit, since one per call would time the host's dispatch rather than the kernel.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from jax_cute import config, routing
 
 logger = logging.getLogger("jax_cute")
 _lock = threading.Lock()
-CHAIN_BELOW = 2e-4
+CHAIN_BELOW_FLOPS = 2e11
 CHAIN = 8
 
 
@@ -124,17 +124,13 @@ def tuned_gemm_config(fam, arch: str, spec, flat, dts, default):
                 logger.warning("jax_cute autotune: %s failed on %s: %s", name, key, e)
         if not fns:
             return default
-        one = jax.jit(next(iter(fns.values())))
-        jax.block_until_ready(one(a, b))  # compiled: the next call times the launch and the kernel
-        t = time.perf_counter()
-        jax.block_until_ready(one(a, b))
-        chain = CHAIN if time.perf_counter() - t < CHAIN_BELOW else 1
+        flops = 2 * flat.m * flat.n * flat.k * flat.l
+        chain = CHAIN if flops < CHAIN_BELOW_FLOPS else 1
         pairs = (tuple(operands() for _ in range(chain - 1)) + ((a, b),))
         results = _time_interleaved(
             {n: jax.jit(lambda ps, fn=fn: [fn(x, y) for x, y in ps]) for n, fn in fns.items()}, (pairs,))
         results = {n: t / chain for n, t in results.items()}
         best = min(results, key=results.get)
-        flops = 2 * flat.m * flat.n * flat.k * flat.l
         logger.info("jax_cute autotune %s: %s", key, ", ".join(
             f"{n} {flops / t / 1e12:.0f} TFLOP/s" for n, t in sorted(results.items(), key=lambda kv: kv[1])))
         table = _load()
