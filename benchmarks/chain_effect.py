@@ -29,26 +29,31 @@ SMOKE_SHAPES = [(128, 256, 64)]
 CHAINS = (1, 8)
 
 
-def run(args: argparse.Namespace) -> list[dict]:
+def time_chains(suite: str, shapes, chains, rounds: int) -> list[dict]:
+    """jax_cute.matmul and jnp.matmul on each (M, N, K) in ``shapes``, timed with each chain
+    length in ``chains`` (independent products per jit); prints jax_cute / XLA per case."""
     recs: list[dict] = []
-    rounds = 2 if args.smoke else args.rounds
-    for m, n, k in SMOKE_SHAPES if args.smoke else SHAPES:
+    for m, n, k in shapes:
         mk = lambda s, m=m, n=n, k=k: tuple(  # noqa: E731
             jax.random.normal(key, sh, jnp.bfloat16)
             for key, sh in zip(jax.random.split(jax.random.key(s)), [(m, k), (k, n)]))
-        for chain in CHAINS:
-            recs += measure("chain", "gemm", f"{m}x{n}x{k} chain {chain}",
+        for chain in chains:
+            recs += measure(suite, "gemm", f"{m}x{n}x{k} chain {chain}",
                             [Impl("jax_cute", jax_cute.matmul), Impl("xla", jnp.matmul)], mk,
                             2.0 * m * n * k, rounds=rounds, chain=chain,
                             meta={"m": m, "n": n, "k": k, "dtype": "bfloat16"})
     by = {}
     for r in recs:
-        by.setdefault(r["case"], {})[r["impl"]] = r.get("tflops")
-    print(f"\n{'case':32s} {'jax_cute':>9s} {'xla':>9s} {'ratio':>6s}")
+        by.setdefault(r["case"], {})[r["impl"]] = r.get("ms")
+    print(f"\n{'case':32s} {'jax_cute ms':>12s} {'xla ms':>9s} {'ratio':>6s}")
     for case, v in by.items():
         if v.get("jax_cute") and v.get("xla"):
-            print(f"{case:32s} {v['jax_cute']:9.1f} {v['xla']:9.1f} {v['jax_cute'] / v['xla']:6.3f}")
+            print(f"{case:32s} {v['jax_cute']:12.4f} {v['xla']:9.4f} {v['xla'] / v['jax_cute']:6.3f}")
     return recs
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    return time_chains("chain", SMOKE_SHAPES if args.smoke else SHAPES, CHAINS, 2 if args.smoke else args.rounds)
 
 
 if __name__ == "__main__":
