@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 METRICS = "gpu__time_duration.sum,sm__cycles_elapsed.avg.per_second,sm__cycles_elapsed.max"
 REPS = 3
-# the kernel-time row labels: our configs are named by the devcheck's binary names
+# starts the line on which `run` prints the order of its calls, for `report` to label ncu's rows
 _MARK = "NCU_PROBE"
 
 
@@ -101,11 +101,12 @@ def cmd_report(path: str) -> None:
                   f" MHz  {names[i][:120]}")
         return
     table: dict[str, list[tuple[float, float, float]]] = {}
+    first: dict[str, str] = {}  # label -> name of its first kernel
     for i, label in zip(ids, order):
         table.setdefault(label, []).append((metric(i, "gpu__time_duration.sum"),
                                             metric(i, "sm__cycles_elapsed.avg.per_second"),
                                             metric(i, "sm__cycles_elapsed.max")))
-    first = {label: names[i] for i, label in reversed(list(zip(ids, order)))}
+        first.setdefault(label, names[i])
     print(f"{'case':48s} {'us':>8s} {'TFLOP/s':>8s} {'MHz':>6s} {'kcycles':>8s}  kernel")
     for label, vals in table.items():
         m, n, k = map(int, label.split()[0].split("x"))

@@ -25,8 +25,10 @@ checks = {
                           (r(136, 264), r(72, 136))),
     "matmul batched bcast": (jax_cute.matmul, (r(3, 200, 136), r(136, 264))),
     "matmul split-k": (jax_cute.matmul, (r(128, 8192), r(8192, 128))),
-    # the heuristic's cooperative 128x256 2x1-cluster pick, with a partial last tile along M and N
-    "matmul 128x256 2x1": (jax_cute.matmul, (r(2048, 1000), r(1000, 1032))),
+    # the heuristic's two picks for 2x1-cluster 256-wide tiles, each with a partial last tile
+    # along M and N: pingpong where K is at most 16 k-tiles, the cooperative 128x256 tile beyond
+    "matmul pingpong": (jax_cute.matmul, (r(2048, 1000), r(1000, 1032))),
+    "matmul cooperative 128x256": (jax_cute.matmul, (r(2048, 1100), r(1100, 1032))),
     "matmul grad": (jax.grad(lambda a, b: jax_cute.matmul(a, b).astype(jnp.float32).sum(), (0, 1)),
                     (r(264, 136), r(136, 72))),
     "ragged fwd+grads": (jax.grad(lambda x, w: jax_cute.ragged_dot(x, w, jnp.asarray([100, 0, 37, 120], jnp.int32))
