@@ -59,19 +59,26 @@ CHECKS = [
     ("c_bf16_mnm_f32_sk4", GemmSpec(BF, BF, "float32", "m", "n", "m"), C(128, 128, 1, 2, split_k=4)),
     ("c_f16_knn_f16_sk4", GemmSpec("float16", "float16", "float16", "k", "n", "n"), C(128, 256, 1, 2, split_k=4)),
     # experimental (checked in their own child, timed only if that passes): pingpong (each
-    # consumer warpgroup owns whole 64-row tiles) and 2x2 clusters (A and B both multicast)
+    # consumer warpgroup owns whole 64-row tiles), 2x2 clusters (A and B both multicast) and
+    # 160- or 192-wide tiles
     ("c_bf16_kkn_bf16_pp", GemmSpec(BF, BF, BF, "k", "k", "n"), C(64, 256, 2, 1, raster="n", pingpong=True)),
     ("c_f16_mnm_f32_pp12", GemmSpec("float16", "float16", "float32", "m", "n", "m"), C(64, 128, 1, 2, pingpong=True)),
     ("c_bf16_knn_bf16_pp11", GemmSpec(BF, BF, BF, "k", "n", "n"), C(64, 256, 1, 1, pingpong=True)),
     ("c_bf16_kkn_f32_pp", GemmSpec(BF, BF, "float32", "k", "k", "n"), C(64, 256, 2, 1, raster="n", pingpong=True)),
     ("c_bf16_knn_bf16_pprm", GemmSpec(BF, BF, BF, "k", "n", "n"), C(64, 256, 2, 1, pingpong=True)),
     ("c_bf16_kkn_bf16_c22", GemmSpec(BF, BF, BF, "k", "k", "n"), C(128, 256, 2, 2)),
+    # (160 with N-major B takes 64-byte swizzle atoms; 5- and 3-deep epilogue rings)
+    ("c_bf16_knn_bf16_t160", GemmSpec(BF, BF, BF, "k", "n", "n"), C(128, 160, raster="n", group=16)),
+    ("c_bf16_kkn_f32_t160", GemmSpec(BF, BF, "float32", "k", "k", "n"), C(128, 160)),
+    ("c_f16_mnm_f16_t160c12", GemmSpec("float16", "float16", "float16", "m", "n", "m"), C(128, 160, 1, 2)),
+    ("c_bf16_knn_bf16_t192", GemmSpec(BF, BF, BF, "k", "n", "n"), C(128, 192, raster="n", group=16)),
+    ("c_bf16_mkn_f32_t192c12", GemmSpec(BF, BF, "float32", "m", "k", "n"), C(128, 192, 1, 2)),
     ("c_f16_mnm_f32_c22sk2", GemmSpec("float16", "float16", "float32", "m", "n", "m"), C(128, 128, 2, 2, split_k=2)),
 ]
 
 
 def experimental(cfg) -> bool:
-    return bool(cfg.pingpong) or (cfg.cluster_m, cfg.cluster_n) == (2, 2)
+    return bool(cfg.pingpong) or (cfg.cluster_m, cfg.cluster_n) == (2, 2) or cfg.tile_n in (160, 192)
 
 # (M, N, K, L, which operand is broadcast over L: None/"a"/"b"). The first four also run on
 # small integers (exact). Odd extents put C's contiguous edge off a 16-byte boundary (TMA
@@ -91,6 +98,11 @@ SWEEP = [C(), C(raster="n"), C(group=16), C(raster="n", group=16), C(raster="n",
 THIN_EXTRA = [C(128, 256, 1, 2, raster="n")]   # 512x8192x8192 (one wave of 128 tiles)
 # Shapes with few tiles or a short K also try smaller tiles.
 SMALL_EXTRA = [C(128, 128, 2, 1), C(128, 128, 2, 1, raster="n")]
+# Every shape also tries 160- and 192-wide tiles (fewer idle SMs in the last wave for some).
+WIDTH_EXTRA = [C(128, 160, raster="n", group=16), C(128, 192, raster="n", group=16)]
+# 2048³ also tries the pick without a cluster and with PDL: does cluster launch or launch
+# latency set the gap between back-to-back products (benchmarks/kernel_timeline.py)?
+GAP_EXTRA = [C(128, 256, 1, 1, raster="n", group=16), C(raster="n", group=16, pdl=True)]
 # Products under this many FLOPs take a few tens of microseconds: one call per dispatch would
 # time the host, so they are timed as CHAIN products (independent A, B pairs) inside one jit.
 CHAIN_BELOW_FLOPS = 2e11
@@ -137,6 +149,10 @@ def cmd_build(out: str, sweep: bool = True) -> None:
                 cfgs += [c for c in THIN_EXTRA if c != pick]
             if sweep and (m, n, k) in ((2048, 2048, 2048), (16384, 1536, 1024)):
                 cfgs += [c for c in SMALL_EXTRA if c != pick]
+            if sweep and (m, n, k) == (2048, 2048, 2048):
+                cfgs += [c for c in GAP_EXTRA if c != pick]
+            if sweep:
+                cfgs += [c for c in WIDTH_EXTRA if c != pick]
             for cfg in cfgs:
                 add(_pname(tag, cfg), spec, cfg, "perf")
             index.append({"name": "bench", "purpose": "bench", "tag": tag, "shape": [m, n, k],
@@ -472,7 +488,7 @@ def cmd_run(bins: str, check_timeout: int = 100, bench_timeout: int = 200) -> in
     exp = [e["name"] for e in checks if experimental(sm90_gemm.Config(**e["config"]))]
     half = (len(main) + 1) // 2
     exp_ok = True
-    for part, tmo in ((main[:half], check_timeout), (main[half:], check_timeout), (exp, 80)):
+    for part, tmo in ((main[:half], check_timeout), (main[half:], check_timeout), (exp, 120)):
         if part:
             res = child(["check", "--names", ",".join(part)], tmo, "check " + part[0])
             summary.append((part, res))

@@ -204,13 +204,14 @@ def skew_section(path: str) -> list[str]:
 
 def report_order(files: list[str]) -> list[str]:
     """The result files among ``files`` (.json suites, .jsonl first-call records; other files such
-    as example logs are skipped), dense GEMM first, then grouped, skew ratio, launch, first call."""
-    rank = {"matmul": 0, "ragged": 1, "skew": 2, "launch": 3}
+    as example logs are skipped): dense GEMM first, then its kernel timeline, grouped, skew ratio,
+    launch, first call."""
+    rank = {"matmul": 0, "timeline": 1, "ragged": 2, "skew": 3, "launch": 4}
     kept = [f for f in files if f.endswith((".json", ".jsonl"))]
     for f in sorted(set(files) - set(kept)):
         print(f"skipping {f}: not a results file")
     return sorted(kept, key=lambda f: (f.endswith(".jsonl"),
-                                       min((r for k, r in rank.items() if k in Path(f).stem), default=4), f))
+                                       min((r for k, r in rank.items() if k in Path(f).stem), default=5), f))
 
 
 def report(files: list[str], md: str, plots: str) -> str:
@@ -227,6 +228,10 @@ def report(files: list[str], md: str, plots: str) -> str:
             out += first_call_section(f)
             continue
         data = json.loads(Path(f).read_text())
+        if "cases" in data and "records" not in data:  # benchmarks/kernel_timeline.py
+            import kernel_timeline
+            out += kernel_timeline.markdown(data, f"{Path(f).stem}: kernel timeline (device trace)")
+            continue
         if "rows" in data and "records" not in data:  # benchmarks/skew_ratio.py
             out += skew_section(f)
             continue

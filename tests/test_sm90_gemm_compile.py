@@ -121,7 +121,7 @@ def test_config_validation():
     C = sm90_gemm.Config
     spec = GemmSpec(BF, BF, BF)
     for bad in (C(64, 256), C(128, 256, pingpong=True), C(64, 256, 2, 1, split_k=2, pingpong=True),
-                C(128, 256, 4, 1), C(96, 256)):
+                C(128, 256, 4, 1), C(96, 256), C(128, 224), C(64, 160, 2, 1, pingpong=True)):
         with pytest.raises(ValueError):
             sm90_gemm.launcher(spec, bad)
     assert C(64, 256, 2, 1, pingpong=True).key().endswith(".pp")
@@ -164,3 +164,28 @@ def test_compile_fp8(in_dt, out_dt, cfg):
     kind = "e4m3" if "e4m3" in in_dt else "e5m2"
     assert f"wgmma.mma_async.sync.aligned.m64n{cfg.tile_n}k32.f32.{kind}.{kind}" in binary.ptx
     assert "cp.async.bulk.tensor" in binary.ptx
+
+
+_WIDTHS = [(BF, BF, "knn", sm90_gemm.Config(128, 160, raster="n", group=16)),
+           (BF, F32, "kkn", sm90_gemm.Config(128, 160)),
+           (F16, F16, "mnm", sm90_gemm.Config(128, 160, 1, 2)),
+           ("float8_e4m3fn", BF, "kkn", sm90_gemm.Config(128, 160)),
+           (BF, BF, "knn", sm90_gemm.Config(128, 192, raster="n", group=16)),
+           (BF, F32, "mkn", sm90_gemm.Config(128, 192, 1, 2))]
+
+
+@pytest.mark.parametrize("in_dt,out_dt,majors,cfg", _WIDTHS,
+                         ids=lambda x: x.key() if dataclasses.is_dataclass(x) else str(x))
+def test_compile_160_and_192_wide_tiles(in_dt, out_dt, majors, cfg):
+    ptx = _compile(GemmSpec(in_dt, in_dt, out_dt, *majors), cfg).ptx
+    k = 32 if in_dt.startswith("float8") else 16
+    assert f"wgmma.mma_async.sync.aligned.m64n{cfg.tile_n}k{k}" in ptx
+
+
+def test_epilogue_ring_divides_the_subtiles_and_everything_fits():
+    for tn in sm90_gemm._TILE_NS:
+        for c_dt in (BF, F32):
+            ab, epi = sm90_gemm._stage_plan(tn, c_dt, 0)
+            item = 4 if c_dt == F32 else 2
+            assert (tn // 32) % epi == 0 and ab >= 4, (tn, c_dt, ab, epi)
+            assert ab * (128 + tn) * 128 + epi * 128 * 32 * item + 1024 <= sm90_gemm.SMEM_BYTES

@@ -4,11 +4,12 @@
 # `bash .device/dsl-a/setup.sh` (carry .device/dsl-a), later calls carry .device/dsl-b.
 # sanitize: --report-api-errors no, because the DSL compiler probes the driver (cuGetProcAddress)
 # and those refused probes would drown the memory and race reports that matter here.
+# timeline reads TIMELINE_SHAPES (e.g. 2048x2048x2048,8192x8192x8192) and TIMELINE_NAME (output stem).
 # devcheck-grouped reads DEVCHECK_BUDGET (seconds), DEVCHECK_WHICH (fwd,drhs) and
 # DEVCHECK_SKIP_CHECKS=1 (timings only), DEVCHECK_NO_PALLAS=1 and DEVCHECK_G (e.g. 64,16: the
 # benchmark shapes to time, by group count).
 # Usage: tools/gpu_session.sh STEP...   (steps: info build ffi devcheck-gemm devcheck-grouped
-#        ncu-probe chain-effect gpu-tests sanitize first-call-warm first-call-cold unpack-compiler multigpu skew-ratio bench-matmul bench-ragged
+#        ncu-probe timeline chain-effect gpu-tests sanitize first-call-warm first-call-cold unpack-compiler multigpu skew-ratio bench-matmul bench-ragged
 #        bench-launch)
 set -u
 OUT=${OUT:-/tmp/out}
@@ -55,6 +56,9 @@ for step in "$@"; do
                timeout 120 python3 examples/$ex 2>&1 | grep -v "^\[" | tee -a "$OUT/examples.log" | tail -6
              done ;;
     multigpu) python3 -m pytest -m multigpu -q tests/test_multigpu.py 2>&1 | tee "$OUT/multigpu.log" | tail -15 ;;
+    timeline) JAX_CUTE_CACHE_DIR=${JAX_CUTE_CACHE_DIR:-.device/cache} timeout 300 python3 benchmarks/kernel_timeline.py run \
+             --bins .device/bins/gemm --out "$OUT/${TIMELINE_NAME:-timeline}.json" --hlo "$OUT/hlo" \
+             ${TIMELINE_SHAPES:+--shapes $TIMELINE_SHAPES} 2>&1 | tee "$OUT/${TIMELINE_NAME:-timeline}.log" | grep -v "^\[" | tail -80 ;;
     chain-effect) timeout 300 python3 benchmarks/chain_effect.py --records "$OUT/chain_effect.json" 2>&1 \
              | tee "$OUT/chain_effect.log" | tail -14 ;;
     skew-ratio) timeout 300 python3 benchmarks/skew_ratio.py --rounds ${BENCH_ROUNDS:-15} --out "$OUT/skew_ratio.json" 2>&1 \

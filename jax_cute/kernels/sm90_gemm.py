@@ -94,9 +94,11 @@ def unsupported(spec) -> str | None:
 
 
 def _check_config(config: Config) -> None:
-    if config.tile_m != (64 if config.pingpong else 128) or config.tile_n not in (128, 256):
-        raise ValueError(f"{FAMILY}: unsupported tile {config.tile_m}x{config.tile_n}"
-                         f"{' (pingpong tiles are 64 x 128|256)' if config.pingpong else ''}")
+    widths = (128, 256) if config.pingpong else _TILE_NS
+    if config.tile_m != (64 if config.pingpong else 128) or config.tile_n not in widths:
+        raise ValueError(f"{FAMILY}: unsupported tile {config.tile_m}x{config.tile_n} (tiles are "
+                         + ("64 x 128|256 with pingpong)" if config.pingpong else
+                            f"128 x {'|'.join(map(str, _TILE_NS))})"))
     if config.pingpong and config.split_k != 1:
         raise ValueError(f"{FAMILY}: pingpong does not split K")
     if (config.cluster_m, config.cluster_n) not in ((1, 1), (2, 1), (1, 2), (2, 2)):
@@ -131,6 +133,9 @@ def candidate_configs(spec) -> list[Config]:
 #   cooperative tile's under ncu, at the same cycle count on 8192^3 but a ~9% lower SM clock
 #   (more power per cycle).
 _WIDE = Config(128, 256, 2, 1, "n", 16, 1)
+# Cooperative tile widths. 160 and 192 give some shapes fewer idle SMs in the last wave (cuBLAS
+# runs 4096x14336x4096 with 128x160 tiles); N-major B then uses 64-byte swizzle atoms for 160.
+_TILE_NS = (128, 160, 192, 256)
 _PINGPONG = Config(64, 256, 2, 1, "n", 8, 1, pingpong=True)
 _SHORT_K_TILES = 16
 
@@ -150,7 +155,12 @@ def _stage_plan(tile_n: int, c_dtype: str, stages: int, pingpong: bool = False) 
         epi_bytes = 2 * 64 * 32 * _ITEM[c_dtype] * epi_stages
         ab_bytes = (64 + tile_n) * ROW_BYTES
     else:
-        epi_stages = 2 if _ITEM[c_dtype] == 4 else 4
+        # the ring is reused round-robin across tiles, so its depth divides the tile's
+        # tile_n / 32 subtiles: 4 (128, 256), 3 (192) or 5 (160) deep for 16-bit outputs,
+        # 2 or 1 for fp32 (twice the bytes per subtile)
+        subtiles = tile_n // 32
+        prefer = (2, 1) if _ITEM[c_dtype] == 4 else (4, 3, 5, 2, 1)
+        epi_stages = next(d for d in prefer if subtiles % d == 0)
         epi_bytes = 128 * 32 * _ITEM[c_dtype] * epi_stages
         ab_bytes = (128 + tile_n) * ROW_BYTES
     fit = (SMEM_BYTES - 1024 - epi_bytes) // ab_bytes
