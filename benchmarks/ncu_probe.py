@@ -25,7 +25,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-METRICS = "gpu__time_duration.sum,sm__cycles_elapsed.avg.per_second,sm__cycles_elapsed.max"
+METRICS = ("gpu__time_duration.sum,sm__cycles_elapsed.avg.per_second,sm__cycles_elapsed.max,"
+           "dram__bytes_read.sum,dram__bytes_write.sum")
 REPS = 3
 # starts the line on which `run` prints the order of its calls, for `report` to label ncu's rows
 _MARK = "NCU_PROBE"
@@ -89,7 +90,9 @@ def cmd_report(path: str) -> None:
         # to microseconds and MHz (ncu picks its units per value)
         scale = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3,
                  "hz": 1e-6, "khz": 1e-3, "mhz": 1.0, "ghz": 1e3, "cycle/second": 1e-6,
-                 "cycle/nsecond": 1e3, "cycle/usecond": 1.0}.get(unit.lower(), 1.0)
+                 "cycle/nsecond": 1e3, "cycle/usecond": 1.0,
+                 # DRAM traffic to MB
+                 "byte": 1e-6, "kbyte": 1e-3, "mbyte": 1.0, "gbyte": 1e3}.get(unit.lower(), 1.0)
         kernels.setdefault(kid, {})[r["Metric Name"]] = v * scale
     ids = sorted(kernels, key=int)
     metric = lambda i, name: kernels[i].get(name, 0.0)  # noqa: E731
@@ -105,14 +108,17 @@ def cmd_report(path: str) -> None:
     for i, label in zip(ids, order):
         table.setdefault(label, []).append((metric(i, "gpu__time_duration.sum"),
                                             metric(i, "sm__cycles_elapsed.avg.per_second"),
-                                            metric(i, "sm__cycles_elapsed.max")))
+                                            metric(i, "sm__cycles_elapsed.max"),
+                                            metric(i, "dram__bytes_read.sum"),
+                                            metric(i, "dram__bytes_write.sum")))
         first.setdefault(label, names[i])
-    print(f"{'case':48s} {'us':>8s} {'TFLOP/s':>8s} {'MHz':>6s} {'kcycles':>8s}  kernel")
+    print(f"{'case':48s} {'us':>8s} {'TFLOP/s':>8s} {'MHz':>6s} {'kcycles':>8s} {'DRAM rd MB':>10s} "
+          f"{'wr MB':>7s}  kernel")
     for label, vals in table.items():
         m, n, k = map(int, label.split()[0].split("x"))
-        dur, clk, cyc = (statistics.median(v[j] for v in vals) for j in range(3))
-        print(f"{label:48s} {dur:8.1f} {2.0 * m * n * k / (dur * 1e-6) / 1e12:8.1f} {clk:6.0f} {cyc / 1e3:8.1f}  "
-              f"{first[label][:100]}")
+        dur, clk, cyc, rd, wr = (statistics.median(v[j] for v in vals) for j in range(5))
+        print(f"{label:48s} {dur:8.1f} {2.0 * m * n * k / (dur * 1e-6) / 1e12:8.1f} {clk:6.0f} {cyc / 1e3:8.1f} "
+              f"{rd:10.1f} {wr:7.1f}  {first[label][:100]}")
 
 
 def main() -> None:

@@ -25,7 +25,11 @@ def test_report_converts_units_and_labels_kernels(tmp_path, capsys):
                                                ("kernel_cutlass", "us", "26.0"), ("kernel_cutlass", "ms", "0.026")]):
         rows += [_row(kid, kernel, "gpu__time_duration.sum", unit, dur),
                  _row(kid, kernel, "sm__cycles_elapsed.avg.per_second", "hz", "1,600,000,000"),
-                 _row(kid, kernel, "sm__cycles_elapsed.max", "cycle", "42,000")]
+                 _row(kid, kernel, "sm__cycles_elapsed.max", "cycle", "42,000"),
+                 # DRAM traffic in the units ncu may choose (to MB)
+                 _row(kid, kernel, "dram__bytes_read.sum", ("Mbyte", "Gbyte", "Kbyte", "byte")[kid],
+                      ("25.17", "0.02517", "25,170", "25,170,000")[kid]),
+                 _row(kid, kernel, "dram__bytes_write.sum", "Mbyte", "8.39")]
     path = tmp_path / "probe.csv"
     path.write_text("\n".join(["==PROF== Connected", ncu_probe._MARK + " " + json.dumps(order), _HEAD, *rows]))
     ncu_probe.cmd_report(str(path))
@@ -35,7 +39,8 @@ def test_report_converts_units_and_labels_kernels(tmp_path, capsys):
     assert float(xla[2]) == 25.5 and float(ours[2]) == 26.0                 # microseconds
     assert abs(float(xla[3]) - flops / 25.5e-6 / 1e12) < 0.1                 # TFLOP/s
     assert float(xla[4]) == 1600 and float(xla[5]) == 42.0                   # MHz, kcycles
-    assert xla[6] == "nvjet" and ours[6] == "kernel_cutlass"
+    assert float(xla[6]) == 25.2 and float(ours[6]) == 25.2 and float(xla[7]) == 8.4   # MB
+    assert xla[8] == "nvjet" and ours[8] == "kernel_cutlass"
 
 
 def test_report_lists_kernels_when_calls_do_not_match(tmp_path, capsys):

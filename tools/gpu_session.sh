@@ -9,7 +9,7 @@
 # DEVCHECK_SKIP_CHECKS=1 (timings only), DEVCHECK_NO_PALLAS=1 and DEVCHECK_G (e.g. 64,16: the
 # benchmark shapes to time, by group count).
 # Usage: tools/gpu_session.sh STEP...   (steps: info build ffi devcheck-gemm devcheck-grouped
-#        ncu-probe timeline chain-effect gpu-tests sanitize first-call-warm first-call-cold unpack-compiler multigpu skew-ratio bench-matmul bench-ragged
+#        ncu-probe timeline energy chain-effect gpu-tests sanitize first-call-warm first-call-cold unpack-compiler multigpu skew-ratio bench-matmul bench-ragged
 #        bench-launch)
 set -u
 OUT=${OUT:-/tmp/out}
@@ -59,6 +59,8 @@ for step in "$@"; do
     timeline) JAX_CUTE_CACHE_DIR=${JAX_CUTE_CACHE_DIR:-.device/cache} timeout 300 python3 benchmarks/kernel_timeline.py run \
              --bins .device/bins/gemm --out "$OUT/${TIMELINE_NAME:-timeline}.json" --hlo "$OUT/hlo" \
              ${TIMELINE_SHAPES:+--shapes $TIMELINE_SHAPES} 2>&1 | tee "$OUT/${TIMELINE_NAME:-timeline}.log" | grep -v "^\[" | tail -80 ;;
+    energy) timeout 240 python3 benchmarks/energy_probe.py run --bins .device/bins/gemm --out "$OUT/energy.json" 2>&1 \
+             | tee "$OUT/energy.log" | grep -v "^\[" | tail -30 ;;
     chain-effect) timeout 300 python3 benchmarks/chain_effect.py --records "$OUT/chain_effect.json" 2>&1 \
              | tee "$OUT/chain_effect.log" | tail -14 ;;
     skew-ratio) timeout 300 python3 benchmarks/skew_ratio.py --rounds ${BENCH_ROUNDS:-15} --out "$OUT/skew_ratio.json" 2>&1 \
