@@ -117,22 +117,24 @@ def candidate_configs(spec) -> list[Config]:
                 out.append(Config(128, tn, cm, cn, "m", 8, split))
     out.append(Config(128, 256, 2, 1, "n", 8, 1))
     out.append(Config(128, 128, 1, 1, "m", 8, 1))
-    out.append(_WIDE)
+    out.append(Config(128, 256, 2, 1, "n", 16, 1))   # session 4's pick: autotune may still time it
     out.append(_PINGPONG)
     return out
 
 
-# What the heuristic runs where its cost model picks the unsplit 128x256 2x1-cluster tile
-# (H200, 2026-11-22, rotated sustained sweep of 8 shapes x 2 B layouts, docs/kernel-run-notes.md):
-# - the cooperative tile with N fastest inside bands of 16 clusters: geomean 1.011x XLA over the
-#   suite's shapes against 0.993x for M fastest in bands of 8 (which lost 4-7% on 2048^3 and
-#   16384x2048x2048); bands of 16 along M and of 4 or 8 along N came within 1%;
+# Where the heuristic's cost model picks the unsplit 128x256 2x1-cluster tile, it runs:
+# - the cooperative tile with M fastest inside bands of 8 clusters (the cost model's own pick).
+#   Session 4 (H200, 2026-11-22) had moved to N fastest in bands of 16 on a short-window sweep
+#   (geomean 1.011x XLA against 0.993x). Session 5 measured that raster's DRAM reads under ncu:
+#   1477 MB on 8192^3 and 654 MB on 4096x14336x4096, against 1229 / 492 MB for M fastest in
+#   bands of 8 and 1204 / 453 MB for cuBLAS. A wave of 66 clusters then spans 1024 rows of A and
+#   4096 columns of B instead of 2048 and 2112. On a board held at its 700 W cap, the extra
+#   traffic costs clock in sustained runs (benchmarks/energy_probe.py).
 # - pingpong 64x256 tiles where K is at most 16 k-tiles: a warpgroup's epilogue then runs under
 #   the other's mainloop, which pays where the mainloop is short (16384x1536x1024: +3-4% over
 #   the best cooperative raster). With long K it lost: its kernels took 5-13% longer than the
 #   cooperative tile's under ncu, at the same cycle count on 8192^3 but a ~9% lower SM clock
 #   (more power per cycle).
-_WIDE = Config(128, 256, 2, 1, "n", 16, 1)
 # Cooperative tile widths. 160 and 192 give some shapes fewer idle SMs in the last wave (cuBLAS
 # runs 4096x14336x4096 with 128x160 tiles); N-major B then uses 64-byte swizzle atoms for 160.
 _TILE_NS = (128, 160, 192, 256)
@@ -206,7 +208,7 @@ def heuristic(spec, m: int, n: int, k: int, l: int, num_sms: int = NUM_SMS) -> C
     bk = tile_k(spec.a_dtype)
     best = min(cands, key=lambda c: (_estimate(c, m, n, k, l, num_sms, bk), c.split_k, -c.tile_n))
     if best.split_k == 1 and best.cluster_m == 2 and best.tile_n == 256:
-        return _PINGPONG if -(-k // bk) <= _SHORT_K_TILES else _WIDE
+        return _PINGPONG if -(-k // bk) <= _SHORT_K_TILES else best
     return best
 
 
