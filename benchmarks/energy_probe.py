@@ -82,7 +82,9 @@ def cmd_run(bins: str, out: str, shapes, rounds: int, names: list[str]) -> None:
 
     jax_cute.config.set(strict=True)
     nvml = Nvml()
-    index = json.load(open(os.path.join(bins, "index.json")))
+    # without the devcheck's objects only XLA and the primitive (the heuristic's pick) run
+    has_bins = os.path.exists(os.path.join(bins, "index.json"))
+    index = json.load(open(os.path.join(bins, "index.json"))) if has_bins else []
     by_name = {x["name"]: x for x in index if "config" in x}
     spec = bench_specs()["kn"]
     rec = {"device": jax.devices()[0].device_kind, "commit": os.environ.get("JAX_CUTE_COMMIT", "unknown"),

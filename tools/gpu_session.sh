@@ -59,7 +59,7 @@ for step in "$@"; do
     timeline) JAX_CUTE_CACHE_DIR=${JAX_CUTE_CACHE_DIR:-.device/cache} timeout 300 python3 benchmarks/kernel_timeline.py run \
              --bins .device/bins/gemm --out "$OUT/${TIMELINE_NAME:-timeline}.json" --hlo "$OUT/hlo" \
              ${TIMELINE_SHAPES:+--shapes $TIMELINE_SHAPES} 2>&1 | tee "$OUT/${TIMELINE_NAME:-timeline}.log" | grep -v "^\[" | tail -80 ;;
-    energy) timeout 240 python3 benchmarks/energy_probe.py run --bins .device/bins/gemm --out "$OUT/energy.json" 2>&1 \
+    energy) JAX_CUTE_CACHE_DIR=${JAX_CUTE_CACHE_DIR:-.device/cache} timeout 240 python3 benchmarks/energy_probe.py run --bins .device/bins/gemm --out "$OUT/energy.json" 2>&1 \
              | tee "$OUT/energy.log" | grep -v "^\[" | tail -30 ;;
     chain-effect) timeout 300 python3 benchmarks/chain_effect.py --records "$OUT/chain_effect.json" 2>&1 \
              | tee "$OUT/chain_effect.log" | tail -14 ;;
