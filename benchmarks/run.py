@@ -206,7 +206,7 @@ def report_order(files: list[str]) -> list[str]:
     """The result files among ``files`` (.json suites, .jsonl first-call records; other files such
     as example logs are skipped): dense GEMM first, then its kernel timeline, grouped, skew ratio,
     launch, first call."""
-    rank = {"matmul": 0, "timeline": 1, "ragged": 2, "skew": 3, "launch": 4}
+    rank = {"matmul": 0, "timeline": 1, "energy": 1, "ragged": 2, "skew": 3, "launch": 4}
     kept = [f for f in files if f.endswith((".json", ".jsonl"))]
     for f in sorted(set(files) - set(kept)):
         print(f"skipping {f}: not a results file")
@@ -228,6 +228,12 @@ def report(files: list[str], md: str, plots: str) -> str:
             out += first_call_section(f)
             continue
         data = json.loads(Path(f).read_text())
+        if "window_s" in data:  # benchmarks/energy_probe.py
+            import energy_probe
+            out += [f"## {Path(f).stem}: energy under sustained load", "",
+                    f"- device: {data['device']}, date {data['date']}, jax_cute commit `{data['commit']}`", "", "```"]
+            out += [energy_probe.report_case(*c["shape"], c["impls"]) for c in data["cases"]] + ["```", ""]
+            continue
         if "cases" in data and "records" not in data:  # benchmarks/kernel_timeline.py
             import kernel_timeline
             out += kernel_timeline.markdown(data, f"{Path(f).stem}: kernel timeline (device trace)")
