@@ -188,3 +188,21 @@ def suite_main(run: Callable[[argparse.Namespace], list[dict]], description: str
                        "jax_version": jax.__version__, "records": recs}, f, indent=1, default=str)
     print(f"{len(recs)} records, {sum(r['error'] is not None for r in recs)} failed")
 
+
+
+def probe_cli(description: str, rounds: int) -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    """(parser, its ``run`` subparser) for a GPU probe with ``run --bins --out --rounds --shapes``
+    and ``report PATH`` subcommands; add probe-specific options to the ``run`` subparser."""
+    p = argparse.ArgumentParser(description=description)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--bins", required=True, help="benchmarks/devcheck_sm90_gemm.py build's output")
+    r.add_argument("--out", default="")
+    r.add_argument("--rounds", type=int, default=rounds)
+    r.add_argument("--shapes", default="", help="e.g. 2048x2048x2048,8192x8192x8192")
+    sub.add_parser("report").add_argument("path")
+    return p, r
+
+
+def parse_shapes(text: str, default: list) -> list[tuple[int, ...]]:
+    return [tuple(int(v) for v in s.split("x")) for s in text.split(",")] if text else default

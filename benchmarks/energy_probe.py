@@ -129,21 +129,14 @@ def report_case(m: int, n: int, k: int, runs: dict) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    sub = p.add_subparsers(dest="cmd", required=True)
-    r = sub.add_parser("run")
-    r.add_argument("--bins", required=True)
-    r.add_argument("--out", default="")
-    r.add_argument("--rounds", type=int, default=ROUNDS)
-    r.add_argument("--shapes", default="")
+    from common import parse_shapes, probe_cli
+
+    p, r = probe_cli(__doc__.splitlines()[0], ROUNDS)
     r.add_argument("--configs", default="t128x256.c2x1.rn16.sk1.st0,t128x256.c2x1.rm8.sk1.st0",
                    help="config keys (devcheck objects) to time besides the primitive and XLA")
-    q = sub.add_parser("report")
-    q.add_argument("path")
     a = p.parse_args()
     if a.cmd == "run":
-        shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")] if a.shapes else SHAPES
-        cmd_run(a.bins, a.out, shapes, a.rounds, [s for s in a.configs.split(",") if s])
+        cmd_run(a.bins, a.out, parse_shapes(a.shapes, SHAPES), a.rounds, [s for s in a.configs.split(",") if s])
     else:
         rec = json.load(open(a.path))
         print(f"device {rec['device']}, date {rec['date']}, commit {rec['commit']}")

@@ -240,20 +240,13 @@ def cmd_report(path: str) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    sub = p.add_subparsers(dest="cmd", required=True)
-    r = sub.add_parser("run")
-    r.add_argument("--bins", required=True)
-    r.add_argument("--out", default="")
-    r.add_argument("--rounds", type=int, default=ROUNDS)
-    r.add_argument("--shapes", default="", help="e.g. 2048x2048x2048,8192x8192x8192")
+    from common import parse_shapes, probe_cli
+
+    p, r = probe_cli(__doc__.splitlines()[0], ROUNDS)
     r.add_argument("--hlo", default="", help="write the compiled HLO of XLA's and jax_cute's chains here")
-    q = sub.add_parser("report")
-    q.add_argument("path")
     a = p.parse_args()
     if a.cmd == "run":
-        shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")] if a.shapes else SHAPES
-        cmd_run(a.bins, a.out, shapes, a.rounds, a.hlo)
+        cmd_run(a.bins, a.out, parse_shapes(a.shapes, SHAPES), a.rounds, a.hlo)
     else:
         cmd_report(a.path)
 
