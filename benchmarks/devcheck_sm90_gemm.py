@@ -330,6 +330,39 @@ def _timed_call(bins, e_name, spec, cfg, m, n, k, tag):
                       ((m, k, 1), (k, 1, m * k)), b_ss, (m, n), (m, n, 1), (n, 1, m * n))
 
 
+def chained_impls(bins: str, m: int, n: int, k: int, chain: int, keep=None) -> dict:
+    """jnp.matmul ("xla"), jax_cute.matmul and the compiled configs of the (m, n, k) bench entry
+    in ``bins`` (jnp.matmul's layouts), each as ``chain`` independent products per jit, by label
+    (a config's key, "*" marking the heuristic's pick). ``keep``: config keys to keep (None:
+    all). Without ``bins`` (no index.json) only the first two."""
+    import jax
+    import jax.numpy as jnp
+    import jax_cute
+    from common import _chained
+
+    impls = {"xla": jax.jit(_chained(jnp.matmul)), "jax_cute.matmul": jax.jit(_chained(jax_cute.matmul))}
+    path = os.path.join(bins, "index.json")
+    index = json.load(open(path)) if os.path.exists(path) else []
+    by_name = {x["name"]: x for x in index if "config" in x}
+    for e in (x for x in index if x["purpose"] == "bench" and x["tag"] == "kn" and tuple(x["shape"]) == (m, n, k)):
+        for name in e["configs"]:
+            cfg = sm90_gemm.Config(**by_name[name]["config"])
+            if keep is None or cfg.key() in keep:
+                label = ("*" if name == e["pick"] else "") + cfg.key()
+                impls[label] = jax.jit(_chained(_timed_call(bins, name, bench_specs()["kn"], cfg, m, n, k, "kn")))
+    return impls
+
+
+def chained_operands(m: int, n: int, k: int, chain: int, seed: int) -> list[tuple]:
+    """``chain`` independent (A [m, k], B [k, n]) pairs of random bf16."""
+    import jax
+    import jax.numpy as jnp
+
+    keys = jax.random.split(jax.random.key(seed), 2 * chain)
+    return [(jax.random.normal(keys[2 * i], (m, k), jnp.bfloat16),
+             jax.random.normal(keys[2 * i + 1], (k, n), jnp.bfloat16)) for i in range(chain)]
+
+
 def _bench(bins: str, exp: bool = True) -> int:
     """Time every benchmark shape with each built config next to XLA (child process).
     exp=False leaves out the experimental configs (see experimental())."""

@@ -74,32 +74,19 @@ def window(fn, args, nvml: Nvml, seconds: float) -> dict:
 
 def cmd_run(bins: str, out: str, shapes, rounds: int, names: list[str]) -> None:
     import jax
-    import jax.numpy as jnp
     import jax_cute
-    from common import _chained, round_order
-    from devcheck_sm90_gemm import _timed_call, bench_specs
-    from jax_cute.kernels import sm90_gemm
+    from common import round_order
+    from devcheck_sm90_gemm import chained_impls, chained_operands
 
     jax_cute.config.set(strict=True)
     nvml = Nvml()
-    # without the devcheck's objects only XLA and the primitive (the heuristic's pick) run
-    has_bins = os.path.exists(os.path.join(bins, "index.json"))
-    index = json.load(open(os.path.join(bins, "index.json"))) if has_bins else []
-    by_name = {x["name"]: x for x in index if "config" in x}
-    spec = bench_specs()["kn"]
     rec = {"device": jax.devices()[0].device_kind, "commit": os.environ.get("JAX_CUTE_COMMIT", "unknown"),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "window_s": WINDOW_S, "chain": CHAIN, "cases": []}
     for (m, n, k) in shapes:
-        impls = {"xla": jax.jit(_chained(jnp.matmul)), "jax_cute.matmul": jax.jit(_chained(jax_cute.matmul))}
-        e = [x for x in index if x["purpose"] == "bench" and x["tag"] == "kn" and tuple(x["shape"]) == (m, n, k)]
-        for name in (e[0]["configs"] if e else []):
-            cfg = sm90_gemm.Config(**by_name[name]["config"])
-            if cfg.key() in names:
-                impls[cfg.key()] = jax.jit(_chained(_timed_call(bins, name, spec, cfg, m, n, k, "kn")))
-        keys = jax.random.split(jax.random.key(m + 3 * n + 7 * k), 2 * CHAIN)
-        args = [(jax.random.normal(keys[2 * i], (m, k), jnp.bfloat16),
-                 jax.random.normal(keys[2 * i + 1], (k, n), jnp.bfloat16)) for i in range(CHAIN)]
+        # without the devcheck's objects only XLA and the primitive (the heuristic's pick) run
+        impls = chained_impls(bins, m, n, k, CHAIN, keep=names)
+        args = chained_operands(m, n, k, CHAIN, m + 3 * n + 7 * k)
         for f in impls.values():
             jax.block_until_ready(f(*args))
         flop = 2.0 * m * n * k * CHAIN

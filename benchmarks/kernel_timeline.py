@@ -88,42 +88,30 @@ def _gpu_kernel_events(trace_dir: str) -> list[tuple[int, int, str, str]]:
 
 def cmd_run(bins: str, out: str, shapes, rounds: int, hlo_dir: str = "") -> None:
     import jax
-    import jax.numpy as jnp
     import jax_cute
     from common import _chained, round_order
-    from devcheck_sm90_gemm import _timed_call, bench_specs
+    from devcheck_sm90_gemm import _timed_call, bench_specs, chained_impls, chained_operands
     from jax_cute.kernels import sm90_gemm
 
     # strict: a fallback to XLA (no compiler, no cached kernel) raises instead of timing XLA twice
     jax_cute.config.set(strict=True)
     index = json.load(open(os.path.join(bins, "index.json")))
-    by_name = {x["name"]: x for x in index if "config" in x}
-    spec = bench_specs()["kn"]
     dev = jax.devices()[0]
     records = {"device": dev.device_kind, "jax": jax.__version__, "chain": CHAIN,
                "commit": os.environ.get("JAX_CUTE_COMMIT", "unknown"),
                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "xla_flags": os.environ.get("XLA_FLAGS", ""), "cases": []}
+    pdl = next((x for x in index if x["name"] == "c_bf16_knn_bf16_pdl"), None)
     for (m, n, k) in shapes:
-        e = [x for x in index if x["purpose"] == "bench" and x["tag"] == "kn" and tuple(x["shape"]) == (m, n, k)]
-        if not e:
+        if not any(x["purpose"] == "bench" and tuple(x["shape"]) == (m, n, k) for x in index):
             print(f"skip {m}x{n}x{k}: no devcheck bench entry", flush=True)
             continue
-        impls = {"xla": jax.jit(_chained(jnp.matmul)),
-                 # the suite's path: the primitive, its lowering and the heuristic's pick
-                 "jax_cute.matmul": jax.jit(_chained(jax_cute.matmul))}
-        for name in e[0]["configs"]:
-            cfg = sm90_gemm.Config(**by_name[name]["config"])
-            label = ("*" if name == e[0]["pick"] else "") + cfg.key()
-            impls[label] = jax.jit(_chained(_timed_call(bins, name, spec, cfg, m, n, k, "kn")))
-        pdl = by_name.get("c_bf16_knn_bf16_pdl")
-        if pdl is not None:
+        impls = chained_impls(bins, m, n, k, CHAIN)
+        if pdl is not None:   # the check config with PDL on, timed on every shape
             cfg = sm90_gemm.Config(**pdl["config"])
-            impls[cfg.key() + "+pdl"] = jax.jit(_chained(_timed_call(bins, "c_bf16_knn_bf16_pdl", spec, cfg,
+            impls[cfg.key() + "+pdl"] = jax.jit(_chained(_timed_call(bins, pdl["name"], bench_specs()["kn"], cfg,
                                                                      m, n, k, "kn")))
-        keys = jax.random.split(jax.random.key(m * 7 + n * 3 + k), 2 * CHAIN)
-        args = [(jax.random.normal(keys[2 * i], (m, k), jnp.bfloat16),
-                 jax.random.normal(keys[2 * i + 1], (k, n), jnp.bfloat16)) for i in range(CHAIN)]
+        args = chained_operands(m, n, k, CHAIN, m * 7 + n * 3 + k)
         for label in list(impls):          # compile, autotune (XLA) and load before tracing
             try:
                 jax.block_until_ready(impls[label](*args))
@@ -169,38 +157,35 @@ def _med(xs) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
-def report_case(case: dict) -> str:
-    """Per implementation, medians over timed runs of: kernels per product, kernel duration, the
-    idle gap between kernels of one call and at call boundaries (negative: overlap), device
-    span and host wall time per product, and the rates they give."""
-    m, n, k = case["shape"]
-    calls = case.get("calls", 1)
-    lines = [f"{m}x{n}x{k}: {calls} calls of {CHAIN} products per timed run; medians over runs (us)",
-             f"  {'impl':34s} {'k/prod':>6s} {'kernel':>8s} {'gap':>6s} {'g@call':>6s} {'span/p':>8s} "
-             f"{'wall/p':>8s} {'TF kern':>8s} {'TF span':>8s} {'TF wall':>8s}  names"]
-    for label, runs in case["impls"].items():
-        products = calls * CHAIN
-        per_prod = statistics.median(r["kernels"] for r in runs) / products
-        dur = _med([d for r in runs for d in r["dur_us"]])
-        # gap i sits before kernel i+1; kernels per call = per_prod * CHAIN
-        kpc = max(1, round(per_prod * CHAIN))
-        inner = _med([g for r in runs for i, g in enumerate(r["gap_us"]) if (i + 1) % kpc])
-        edge = _med([g for r in runs for i, g in enumerate(r["gap_us"]) if (i + 1) % kpc == 0])
-        span = _med([r["span_us"] for r in runs]) / products
-        wall = _med([r["wall_us"] for r in runs if "wall_us" in r]) / products
-        tf = lambda us: case["flops"] / us / 1e6 if us == us and us > 0 else float("nan")  # noqa: E731
-        names = ",".join(x[:40] for x in runs[0]["names"])
-        lines.append(f"  {label:34s} {per_prod:6.2f} {dur:8.2f} {inner:6.2f} {edge:6.2f} {span:8.2f} {wall:8.2f} "
-                     f"{tf(dur * per_prod):8.1f} {tf(span):8.1f} {tf(wall):8.1f}  {names}")
-    return "\n".join(lines)
-
-
-def _impl_medians(case: dict, label: str) -> dict:
+def impl_stats(case: dict, label: str) -> dict:
+    """Medians over one implementation's timed runs: kernels per product, kernel duration, the
+    idle gap between kernels of one call ("inner") and at call boundaries ("edge"; negative:
+    overlap), device span and host wall time per product (us)."""
     runs = case["impls"][label]
     products = case.get("calls", 1) * CHAIN
-    return {"kernel": _med([d for r in runs for d in r["dur_us"]]),
-            "gap": _med([g for r in runs for g in r["gap_us"]]),
-            "span": _med([r["span_us"] for r in runs]) / products}
+    per_prod = statistics.median(r["kernels"] for r in runs) / products
+    kpc = max(1, round(per_prod * CHAIN))   # kernels per call; gap i sits before kernel i+1
+    return {"per_prod": per_prod, "kernel": _med([d for r in runs for d in r["dur_us"]]),
+            "inner": _med([g for r in runs for i, g in enumerate(r["gap_us"]) if (i + 1) % kpc]),
+            "edge": _med([g for r in runs for i, g in enumerate(r["gap_us"]) if (i + 1) % kpc == 0]),
+            "span": _med([r["span_us"] for r in runs]) / products,
+            "wall": _med([r["wall_us"] for r in runs if "wall_us" in r]) / products}
+
+
+def report_case(case: dict) -> str:
+    """impl_stats of every implementation, and the rates they give."""
+    m, n, k = case["shape"]
+    lines = [f"{m}x{n}x{k}: {case.get('calls', 1)} calls of {CHAIN} products per timed run; medians over runs (us)",
+             f"  {'impl':34s} {'k/prod':>6s} {'kernel':>8s} {'gap':>6s} {'g@call':>6s} {'span/p':>8s} "
+             f"{'wall/p':>8s} {'TF kern':>8s} {'TF span':>8s} {'TF wall':>8s}  names"]
+    tf = lambda us: case["flops"] / us / 1e6 if us == us and us > 0 else float("nan")  # noqa: E731
+    for label, runs in case["impls"].items():
+        st = impl_stats(case, label)
+        names = ",".join(x[:40] for x in runs[0]["names"])
+        lines.append(f"  {label:34s} {st['per_prod']:6.2f} {st['kernel']:8.2f} {st['inner']:6.2f} {st['edge']:6.2f} "
+                     f"{st['span']:8.2f} {st['wall']:8.2f} {tf(st['kernel'] * st['per_prod']):8.1f} "
+                     f"{tf(st['span']):8.1f} {tf(st['wall']):8.1f}  {names}")
+    return "\n".join(lines)
 
 
 def markdown(rec: dict, title: str) -> list[str]:
@@ -211,7 +196,7 @@ def markdown(rec: dict, title: str) -> list[str]:
            f"- per timed run {CALLS} calls of {rec['chain']} products, back to back; kernel times from a "
            "jax.profiler (CUPTI) trace; *span*: the device's time per product from first kernel start "
            "to last kernel end, call boundaries included; *gap*: median idle time between kernels "
-           "(negative: the next kernel started before the previous one ended)", "",
+           "of one call (negative: the next kernel started before the previous one ended)", "",
            "| case | XLA kernel (µs) | XLA gap (µs) | XLA span (µs) | jax_cute kernel (µs) | jax_cute gap (µs) "
            "| jax_cute span (µs) | jax_cute vs XLA (span) |", "|---|---|---|---|---|---|---|---|"]
     full = []
@@ -220,9 +205,9 @@ def markdown(rec: dict, title: str) -> list[str]:
             continue
         m, n, k = case["shape"]
         if "xla" in case["impls"] and "jax_cute.matmul" in case["impls"]:
-            x, j = _impl_medians(case, "xla"), _impl_medians(case, "jax_cute.matmul")
-            out.append(f"| {m}x{n}x{k} | {x['kernel']:.2f} | {x['gap']:.2f} | {x['span']:.2f} | {j['kernel']:.2f} "
-                       f"| {j['gap']:.2f} | {j['span']:.2f} | {x['span'] / j['span']:.3f}× |")
+            x, j = impl_stats(case, "xla"), impl_stats(case, "jax_cute.matmul")
+            out.append(f"| {m}x{n}x{k} | {x['kernel']:.2f} | {x['inner']:.2f} | {x['span']:.2f} | {j['kernel']:.2f} "
+                       f"| {j['inner']:.2f} | {j['span']:.2f} | {x['span'] / j['span']:.3f}× |")
         full.append(report_case(case))
     return out + ["", "<details><summary>every config (devcheck objects; * marks the heuristic's pick)</summary>",
                   "", "```", *full, "```", "", "</details>", ""]
