@@ -135,8 +135,11 @@ def candidate_configs(spec) -> list[Config]:
 #   the best cooperative raster). With long K it lost: its kernels took 5-13% longer than the
 #   cooperative tile's under ncu, at the same cycle count on 8192^3 but a ~9% lower SM clock
 #   (more power per cycle).
-# Cooperative tile widths. 160 and 192 give some shapes fewer idle SMs in the last wave (cuBLAS
-# runs 4096x14336x4096 with 128x160 tiles); N-major B then uses 64-byte swizzle atoms for 160.
+
+# Cooperative tile widths. 160 and 192 could leave fewer SMs idle in the last wave on some
+# shapes (cuBLAS runs 4096x14336x4096 with 128x160 tiles; N-major B then takes 64-byte swizzle
+# atoms). They compute correctly on an H200 but ran 5-25% slower than 128x256 (session 5), so
+# neither the heuristic nor candidate_configs offers them.
 _TILE_NS = (128, 160, 192, 256)
 _PINGPONG = Config(64, 256, 2, 1, "n", 8, 1, pingpong=True)
 _SHORT_K_TILES = 16
