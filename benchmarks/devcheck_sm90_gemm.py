@@ -74,11 +74,18 @@ CHECKS = [
     ("c_bf16_knn_bf16_t192", GemmSpec(BF, BF, BF, "k", "n", "n"), C(128, 192, raster="n", group=16)),
     ("c_bf16_mkn_f32_t192c12", GemmSpec(BF, BF, "float32", "m", "k", "n"), C(128, 192, 1, 2)),
     ("c_f16_mnm_f32_c22sk2", GemmSpec("float16", "float16", "float32", "m", "n", "m"), C(128, 128, 2, 2, split_k=2)),
+    # 64-wide epilogue subtiles and 128-row pingpong tiles (session 6)
+    ("c_bf16_knn_bf16_e64", GemmSpec(BF, BF, BF, "k", "n", "n"), C(epi_n=64)),
+    ("c_f16_mkm_f16_e64sk2", GemmSpec("float16", "float16", "float16", "m", "k", "m"), C(split_k=2, epi_n=64)),
+    ("c_bf16_knn_bf16_pp128x160", GemmSpec(BF, BF, BF, "k", "n", "n"), C(128, 160, pingpong=True)),
+    ("c_bf16_kkn_bf16_pp128x160c12", GemmSpec(BF, BF, BF, "k", "k", "n"), C(128, 160, 1, 2, pingpong=True)),
+    ("c_f16_mnm_f32_pp128", GemmSpec("float16", "float16", "float32", "m", "n", "m"), C(128, 128, pingpong=True)),
+    ("c_bf16_knm_bf16_pp128e64", GemmSpec(BF, BF, BF, "k", "n", "m"), C(128, 128, 1, 1, pingpong=True, epi_n=64)),
 ]
 
 
 def experimental(cfg) -> bool:
-    return bool(cfg.pingpong) or (cfg.cluster_m, cfg.cluster_n) == (2, 2) or cfg.tile_n in (160, 192)
+    return bool(cfg.pingpong) or (cfg.cluster_m, cfg.cluster_n) == (2, 2) or cfg.tile_n in (160, 192) or cfg.epi_n != 32
 
 # (M, N, K, L, which operand is broadcast over L: None/"a"/"b"). The first four also run on
 # small integers (exact). Odd extents put C's contiguous edge off a 16-byte boundary (TMA
@@ -89,20 +96,15 @@ PROBLEMS = [(1000, 1032, 776, 1, None), (264, 136, 72, 1, None), (1001, 1003, 52
 N_INT = 5
 
 # Bench sweep: every benchmark shape runs the heuristic's pick and these alternatives, per
-# operand form. Sessions 1-2 swept cluster shape, band width and pingpong rasters; session 4
-# measured pingpong and PDL against the cooperative tile (docs/kernel-run-notes.md). Open now:
-# the cooperative tile's raster order and band width without PDL (with PDL on, N-fastest had
-# looked 3-5% ahead of M-fastest).
-SWEEP = [C(), C(raster="n"), C(group=16), C(raster="n", group=16), C(raster="n", group=4),
-         C(64, 256, 2, 1, raster="n", pingpong=True)]
+# operand form. Sessions 1-2 swept cluster shape, band width and pingpong rasters; sessions 4-5
+# pingpong, PDL, rasters and 160/192-wide cooperative tiles (docs/kernel-run-notes.md). Open
+# now (session 6): 64-wide epilogue subtiles, and pingpong with 128-row tiles per warpgroup
+# (cuBLAS runs 16384x2048x2048 and 4096x14336x4096 with 128x160 tiles, 5 stages).
+SWEEP = [C(), C(epi_n=64), C(raster="n", group=16), C(128, 160, pingpong=True), C(128, 128, pingpong=True),
+         C(128, 160, 1, 2, pingpong=True), C(64, 256, 2, 1, raster="n", pingpong=True)]
 THIN_EXTRA = [C(128, 256, 1, 2, raster="n")]   # 512x8192x8192 (one wave of 128 tiles)
 # Shapes with few tiles or a short K also try smaller tiles.
 SMALL_EXTRA = [C(128, 128, 2, 1), C(128, 128, 2, 1, raster="n")]
-# Every shape also tries 160- and 192-wide tiles (fewer idle SMs in the last wave for some).
-WIDTH_EXTRA = [C(128, 160, raster="n", group=16), C(128, 192, raster="n", group=16)]
-# 2048³ also tries the pick without a cluster and with PDL: does cluster launch or launch
-# latency set the gap between back-to-back products (benchmarks/kernel_timeline.py)?
-GAP_EXTRA = [C(128, 256, 1, 1, raster="n", group=16), C(raster="n", group=16, pdl=True)]
 # Products under this many FLOPs take a few tens of microseconds: one call per dispatch would
 # time the host, so they are timed as CHAIN products (independent A, B pairs) inside one jit.
 CHAIN_BELOW_FLOPS = 2e11
@@ -112,6 +114,12 @@ CHAIN = 8
 def bench_specs():
     # jnp.matmul(a[M,K], b[K,N]) is a k-major, b n-major, c n-major; also the (N,K) weight form
     return {"kn": GemmSpec(BF, BF, BF, "k", "n", "n"), "kk": GemmSpec(BF, BF, BF, "k", "k", "n")}
+
+
+def label(entry: dict) -> str:
+    """How reports name a built config: its key, or the entry's own label (objects built from
+    another commit ride along in an index under a label such as "old:<key>")."""
+    return entry.get("label") or sm90_gemm.Config(**entry["config"]).key()
 
 
 def _pname(tag, cfg):
@@ -149,10 +157,6 @@ def cmd_build(out: str, sweep: bool = True) -> None:
                 cfgs += [c for c in THIN_EXTRA if c != pick]
             if sweep and (m, n, k) in ((2048, 2048, 2048), (16384, 1536, 1024)):
                 cfgs += [c for c in SMALL_EXTRA if c != pick]
-            if sweep and (m, n, k) == (2048, 2048, 2048):
-                cfgs += [c for c in GAP_EXTRA if c != pick]
-            if sweep:
-                cfgs += [c for c in WIDTH_EXTRA if c != pick]
             for cfg in cfgs:
                 add(_pname(tag, cfg), spec, cfg, "perf")
             index.append({"name": "bench", "purpose": "bench", "tag": tag, "shape": [m, n, k],
@@ -348,8 +352,7 @@ def chained_impls(bins: str, m: int, n: int, k: int, chain: int, keep=None) -> d
         for name in e["configs"]:
             cfg = sm90_gemm.Config(**by_name[name]["config"])
             if keep is None or cfg.key() in keep:
-                label = ("*" if name == e["pick"] else "") + cfg.key()
-                impls[label] = jax.jit(_chained(_timed_call(bins, name, bench_specs()["kn"], cfg, m, n, k, "kn")))
+                impls[("*" if name == e["pick"] else "") + label(by_name[name])] = jax.jit(_chained(_timed_call(bins, name, bench_specs()["kn"], cfg, m, n, k, "kn")))
     return impls
 
 
@@ -425,7 +428,7 @@ def _bench(bins: str, exp: bool = True) -> int:
         shape_rows = []
         for name, t, rel in zip(names, times[1:], rels):
             cfg = sm90_gemm.Config(**configs[name]["config"])
-            row = (f"{m}x{n}x{k}", tag, ("*" if name == e["pick"] else " ") + cfg.key(), fl / t / 1e12, xla, rel)
+            row = (f"{m}x{n}x{k}", tag, ("*" if name == e["pick"] else " ") + label(configs[name]), fl / t / 1e12, xla, rel)
             rows.append(row)
             shape_rows.append(row)
             print(f"  timed {row}", flush=True)

@@ -42,7 +42,7 @@ def _profiler(start: bool) -> None:
 def cmd_run(bins: str, shapes: list[tuple[int, int, int]], names: list[str] | None) -> None:
     import jax
     import jax.numpy as jnp
-    from devcheck_sm90_gemm import _timed_call, bench_specs
+    from devcheck_sm90_gemm import _timed_call, bench_specs, label
     from jax_cute.kernels import sm90_gemm
 
     index = json.load(open(os.path.join(bins, "index.json")))
@@ -60,7 +60,7 @@ def cmd_run(bins: str, shapes: list[tuple[int, int, int]], names: list[str] | No
             if names and not any(s in name for s in names):
                 continue
             cfg = sm90_gemm.Config(**configs[name]["config"])
-            tag = ("*" if name == e[0]["pick"] else "") + cfg.key()
+            tag = ("*" if name == e[0]["pick"] else "") + label(configs[name])
             plan.append((f"{m}x{n}x{k} {tag}", _timed_call(bins, name, spec, cfg, m, n, k, "kn"), args))
     for _, fn, args in plan:              # compile, autotune and load everything first
         jax.block_until_ready(fn(*args))

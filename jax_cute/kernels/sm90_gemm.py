@@ -66,11 +66,14 @@ class Config:
     # unchanged (ncu) and made back-to-back products 3-8% slower (benchmarks/ncu_probe.py and
     # the devcheck sweep, 2026-11-22), so it is an option to measure, not the default
     pdl: bool = False
+    # width of the epilogue's subtiles (64 rows x epi_n columns per consumer warpgroup): 64 halves
+    # the number of store rounds per tile and gives a 16-bit N-major C 128-byte swizzle atoms
+    epi_n: int = 32
 
     def key(self) -> str:
         return (f"t{self.tile_m}x{self.tile_n}.c{self.cluster_m}x{self.cluster_n}."
                 f"r{self.raster}{self.group}.sk{self.split_k}.st{self.stages}" + (".pp" if self.pingpong else "")
-                + (".pdl" if self.pdl else ""))
+                + (".pdl" if self.pdl else "") + (f".e{self.epi_n}" if self.epi_n != 32 else ""))
 
 
 # --- static configuration -----------------------------------------------------------------------
@@ -94,17 +97,18 @@ def unsupported(spec) -> str | None:
 
 
 def _check_config(config: Config) -> None:
-    widths = (128, 256) if config.pingpong else _TILE_NS
-    if config.tile_m != (64 if config.pingpong else 128) or config.tile_n not in widths:
+    tiles = _PINGPONG_TILES if config.pingpong else [(128, n) for n in _TILE_NS]
+    if (config.tile_m, config.tile_n) not in tiles:
         raise ValueError(f"{FAMILY}: unsupported tile {config.tile_m}x{config.tile_n} (tiles are "
-                         + ("64 x 128|256 with pingpong)" if config.pingpong else
-                            f"128 x {'|'.join(map(str, _TILE_NS))})"))
+                         + ", ".join(f"{m}x{n}" for m, n in tiles) + (" with pingpong)" if config.pingpong else ")"))
     if config.pingpong and config.split_k != 1:
         raise ValueError(f"{FAMILY}: pingpong does not split K")
     if (config.cluster_m, config.cluster_n) not in ((1, 1), (2, 1), (1, 2), (2, 2)):
         raise ValueError(f"{FAMILY}: unsupported cluster {config.cluster_m}x{config.cluster_n}")
     if config.raster not in ("m", "n") or config.group < 1 or not 1 <= config.split_k <= 16:
         raise ValueError(f"{FAMILY}: bad raster/group/split in {config}")
+    if config.epi_n not in (32, 64) or config.tile_n % config.epi_n:
+        raise ValueError(f"{FAMILY}: epilogue subtiles are 32 or 64 wide and divide tile_n ({config})")
 
 
 def candidate_configs(spec) -> list[Config]:
@@ -142,6 +146,8 @@ def candidate_configs(spec) -> list[Config]:
 # neither the heuristic nor candidate_configs offers them.
 _TILE_NS = (128, 160, 192, 256)
 _PINGPONG = Config(64, 256, 2, 1, "n", 8, 1, pingpong=True)
+# pingpong tiles (one warpgroup's accumulators: tile_m * tile_n / 128 fp32 registers per thread)
+_PINGPONG_TILES = [(64, 128), (64, 256), (128, 128), (128, 160)]
 _SHORT_K_TILES = 16
 
 
@@ -150,24 +156,25 @@ def tile_k(in_dtype: str) -> int:
     return ROW_BYTES // _ITEM[in_dtype]
 
 
-def _stage_plan(tile_n: int, c_dtype: str, stages: int, pingpong: bool = False) -> tuple[int, int]:
-    """(A/B stages, epilogue stages per epilogue group) for a tile_m x tile_n x tile_k tile.
+def _stage_plan(tile_n: int, c_dtype: str, stages: int, pingpong: bool = False,
+                epi_n: int = 32, tile_m: int = 128) -> tuple[int, int]:
+    """(A/B stages, epilogue ring depth) for a tile_m x tile_n x tile_k tile.
 
-    Cooperative: one 128 x 32 epilogue ring shared by both consumer warpgroups; pingpong: one
-    64 x 32 ring per warpgroup, 2 deep (its A/B stages matter more)."""
+    Each consumer warpgroup stores its own 64 rows of output (cooperative: its half of the tile;
+    pingpong: its whole tile) through its own ring of 64 x epi_n subtiles. The ring is reused
+    round-robin across tiles, so its depth divides tile_n / epi_n. Cooperative: as deep as fits
+    in 16 KB per warpgroup (the A/B ring keeps the rest); pingpong: 2 deep (its A/B stages
+    matter more)."""
+    sub_bytes = 64 * epi_n * _ITEM[c_dtype]
     if pingpong:
-        epi_stages = 2
-        epi_bytes = 2 * 64 * 32 * _ITEM[c_dtype] * epi_stages
-        ab_bytes = (64 + tile_n) * ROW_BYTES
+        subtiles = (tile_m // 64) * (tile_n // epi_n)
+        epi_stages = 2 if subtiles % 2 == 0 else 1
+        ab_bytes = (tile_m + tile_n) * ROW_BYTES
     else:
-        # the ring is reused round-robin across tiles, so its depth divides the tile's
-        # tile_n / 32 subtiles: 4 (128, 256), 3 (192) or 5 (160) deep for 16-bit outputs,
-        # 2 or 1 for fp32 (twice the bytes per subtile)
-        subtiles = tile_n // 32
-        prefer = (2, 1) if _ITEM[c_dtype] == 4 else (4, 3, 5, 2, 1)
-        epi_stages = next(d for d in prefer if subtiles % d == 0)
-        epi_bytes = 128 * 32 * _ITEM[c_dtype] * epi_stages
+        subtiles = tile_n // epi_n
+        epi_stages = max(d for d in range(1, subtiles + 1) if subtiles % d == 0 and (d == 1 or d * sub_bytes <= 16384))
         ab_bytes = (128 + tile_n) * ROW_BYTES
+    epi_bytes = 2 * sub_bytes * epi_stages
     fit = (SMEM_BYTES - 1024 - epi_bytes) // ab_bytes
     return (min(stages, fit) if stages else fit), epi_stages
 
@@ -264,13 +271,14 @@ def _kernel_class():
             self.cm, self.cn = config.cluster_m, config.cluster_n
             self.split = config.split_k
             self.pp = config.pingpong
-            self.ab_stages, self.epi_stages = _stage_plan(config.tile_n, spec.c_dtype, config.stages, self.pp)
-            self.epi_tile = (64 if self.pp else 128, 32)
+            self.ab_stages, self.epi_stages = _stage_plan(config.tile_n, spec.c_dtype, config.stages, self.pp,
+                                                          config.epi_n, config.tile_m)
+            # every consumer warpgroup stores its own 64 output rows (its own named barrier, smem
+            # ring and store warp), so neither waits on the other between mainloops
+            self.epi_tile = (64, config.epi_n)
             self.threads = 384
             self.mma_threads = 256
-            # threads that share one epilogue (its named barrier, smem ring and store warp)
-            self.epi_threads = 128 if self.pp else 256
-            self.store_warp = 4      # first consumer warp issues the TMA stores (pingpong: 4, 8)
+            self.epi_threads = 128
 
         # ----------------------------------------------------------------------- host side
         @cute.jit
@@ -280,9 +288,13 @@ def _kernel_class():
             a_lay, b_lay = LayoutEnum.from_tensor(a), LayoutEnum.from_tensor(b)
             c_lay = LayoutEnum.from_tensor(c)
             self.c_lay = c_lay
-            tiled_mma = sm90_utils.make_trivial_tiled_mma(
-                ab_t, ab_t, a_lay.sm90_mma_major_mode(), b_lay.sm90_mma_major_mode(), Float32,
-                (1, 1, 1) if self.pp else (2, 1, 1), tiler_mn=(64, self.bn))
+            def warpgroups_mma(along_m):
+                return sm90_utils.make_trivial_tiled_mma(
+                    ab_t, ab_t, a_lay.sm90_mma_major_mode(), b_lay.sm90_mma_major_mode(), Float32,
+                    (along_m, 1, 1), tiler_mn=(64, self.bn))
+            tiled_mma = warpgroups_mma(1 if self.pp else 2)
+            # one warpgroup's 64 x bn share of the tile: the epilogue's register layout
+            wg_mma = warpgroups_mma(1)
             a_k = a_lay.sm90_mma_major_mode() == cute.nvgpu.OperandMajorMode.K
             b_k = b_lay.sm90_mma_major_mode() == cute.nvgpu.OperandMajorMode.K
             # Swizzled smem layouts WGMMA reads directly (128B atoms along the major mode).
@@ -299,7 +311,7 @@ def _kernel_class():
                 warpgroup.make_smem_layout_atom(
                     sm90_utils.get_smem_layout_atom(
                         c_lay, c_t, self.epi_tile[1] if c_n else self.epi_tile[0]), c_t),
-                (*self.epi_tile, self.epi_stages * (2 if self.pp else 1)), order=(0, 1, 2) if c_n else (1, 0, 2))
+                (*self.epi_tile, self.epi_stages * 2), order=(0, 1, 2) if c_n else (1, 0, 2))
 
             # TMA: A multicast along the cluster's N extent, B along its M extent.
             def load_atom(t, s_staged, box, mcast):
@@ -329,7 +341,7 @@ def _kernel_class():
                 sC: cute.struct.Align[cute.struct.MemRange[c_t, cute.cosize(sc)], 1024]
 
             self.storage = Storage
-            self.kernel(tma_a, tA, tma_b, tB, tma_c, tC, c, ws, flags, tiled_mma, sa, sb, sc).launch(
+            self.kernel(tma_a, tA, tma_b, tB, tma_c, tC, c, ws, flags, tiled_mma, wg_mma, sa, sb, sc).launch(
                 grid=[self.cm, self.cn, n_clusters], block=[self.threads, 1, 1],
                 cluster=[self.cm, self.cn, 1], min_blocks_per_mp=1, stream=stream, use_pdl=self.cfg.pdl)
 
@@ -368,7 +380,7 @@ def _kernel_class():
         @cute.kernel
         def kernel(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
                    tma_c: cute.CopyAtom, mC: cute.Tensor, gmem_c: cute.Tensor, ws, flags,
-                   tiled_mma: cute.TiledMma,
+                   tiled_mma: cute.TiledMma, wg_mma: cute.TiledMma,
                    sa_layout: cute.ComposedLayout, sb_layout: cute.ComposedLayout,
                    sc_layout: cute.ComposedLayout):
             tidx, _, _ = cute.arch.thread_idx()
@@ -456,8 +468,7 @@ def _kernel_class():
                 # ---------------------------------------------------------------- consumers
                 cute.arch.setmaxregister_increase(232)
                 ctid = tidx - 128
-                # thread index inside its epilogue group (both consumer warpgroups, or its own)
-                etid = ctid % 128 if const_expr(self.pp) else ctid
+                etid = ctid % 128      # thread index inside its warpgroup (its epilogue group)
                 # WGMMA partitions per warpgroup: slice by the warpgroup's first thread
                 thr_mma = tiled_mma.get_slice(0 if const_expr(self.pp) else (wg - 1) * 128)
                 tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
@@ -466,18 +477,19 @@ def _kernel_class():
                 n_kb = cute.size(tCrA, mode=[2])
                 read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
                 release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
+                # one barrier (ids 1, 2), store warp and half of the smem ring per warpgroup
+                epi_bar = pipeline.NamedBarrier(barrier_id=wg, num_threads=self.epi_threads)
+                store_warp = wg * 4
+                buf0 = (wg - 1) * self.epi_stages
+                # the warpgroup's first 64-row block of the tile (pingpong: its own whole tile)
+                row_blk = 0 if const_expr(self.pp) else wg - 1
                 if const_expr(self.pp):
-                    # one barrier, store warp and half of the smem ring per warpgroup
-                    epi_bar = pipeline.NamedBarrier(barrier_id=wg, num_threads=self.epi_threads)
-                    store_warp = wg * 4
-                    buf0 = (wg - 1) * self.epi_stages
                     # mainloop turn tokens (ids 3: to warpgroup 1, 4: to warpgroup 2)
                     turn_mine = pipeline.NamedBarrier(barrier_id=wg + 2, num_threads=self.mma_threads)
                     turn_other = pipeline.NamedBarrier(barrier_id=5 - wg, num_threads=self.mma_threads)
                 else:
-                    epi_bar = pipeline.NamedBarrier(barrier_id=1, num_threads=self.epi_threads)
-                    store_warp = self.store_warp
-                    buf0 = 0
+                    # split-K hands partial tiles over between both warpgroups
+                    both_bar = pipeline.NamedBarrier(barrier_id=3, num_threads=self.mma_threads)
 
                 # registers -> smem in epi_tile pieces: stmatrix for 16-bit outputs, plain stores
                 # for fp32. The thread/value layout always comes from the 16-bit stmatrix atom
@@ -486,7 +498,7 @@ def _kernel_class():
                     sm90_utils.sm90_get_smem_store_op(self.c_lay, elem_ty_d=self.c_t, elem_ty_acc=Float32),
                     cute.make_tiled_copy_C_atom(
                         cute.make_copy_atom(warp.StMatrix8x8x16bOp(self.c_lay.is_m_major_c(), 4),
-                                            cutlass.Float16), tiled_mma))
+                                            cutlass.Float16), wg_mma))
                 thr_r2s = r2s.get_slice(etid)
                 tRS_sC = thr_r2s.partition_D(sC)
                 tRS_acc = r2s.retile(acc)
@@ -494,12 +506,8 @@ def _kernel_class():
                 tRS_r32 = cute.make_rmem_tensor(rd_shape, Float32)
                 tRS_rC = cute.make_rmem_tensor(rd_shape, self.c_t)
                 n_rd = cute.size(tRS_r32)
-                store_pipe = pipeline.PipelineTmaStore.create(
-                    num_stages=self.epi_stages,
-                    producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.epi_threads))
-                n_epi = (self.bm // self.epi_tile[0]) * (self.bn // self.epi_tile[1])
-                epi_grid = cute.make_layout((self.bm // self.epi_tile[0], self.bn // self.epi_tile[1]),
-                                            stride=(self.bn // self.epi_tile[1], 1))
+                # subtiles per warpgroup and tile: row blocks x column blocks, N fastest
+                n_epi = ((self.bm if const_expr(self.pp) else 64) // 64) * (self.bn // self.epi_tile[1])
                 frag = cute.size(acc)
                 acc_flat = cute.make_tensor(acc.iterator, cute.make_layout(frag))
                 # TMA stores write whole 16-byte chunks: when C's contiguous extent is not a
@@ -566,7 +574,7 @@ def _kernel_class():
                     gC_t = gC[(None, None, tm, tn, l)]
                     if const_expr(self.split == 1):
                         self.epilogue(tma_c, gC_t, sC, acc, r2s, tRS_acc, tRS_r32, tRS_rC, tRS_sC,
-                                      n_rd, n_epi, epi_grid, epi_bar, store_pipe, warp_id,
+                                      n_rd, n_epi, row_blk, epi_bar, warp_id,
                                       gmem_c, tm, tn, l, ragged, etid, store_warp, buf0)
                     else:
                         # ---- split-K: publish the partial, the last of the S arrivals folds them
@@ -578,7 +586,7 @@ def _kernel_class():
                         for v in range_constexpr(frag):
                             mine[v] = acc_flat[v]
                         cute.arch.fence_acq_rel_gpu()      # partial visible before the count
-                        epi_bar.arrive_and_wait()
+                        both_bar.arrive_and_wait()
                         last = st.last.get_tensor(cute.make_layout(1))
                         if ctid == 0:
                             old = cute.arch.atomic_add(flags.iterator + tile_id, Int32(1),
@@ -587,7 +595,7 @@ def _kernel_class():
                             last[0] = Int32(is_last)
                             if is_last:
                                 flags[tile_id] = Int32(0)  # ready for the next launch
-                        epi_bar.arrive_and_wait()
+                        both_bar.arrive_and_wait()
                         if last[0] != 0:
                             cute.arch.fence_acq_rel_gpu()  # see every other split's partial
                             for sp in range_constexpr(self.split):
@@ -601,43 +609,49 @@ def _kernel_class():
                                     for v in range_constexpr(frag):
                                         acc_flat[v] = acc_flat[v] + part[v]
                             self.epilogue(tma_c, gC_t, sC, acc, r2s, tRS_acc, tRS_r32, tRS_rC, tRS_sC,
-                                          n_rd, n_epi, epi_grid, epi_bar, store_pipe, warp_id,
+                                          n_rd, n_epi, row_blk, epi_bar, warp_id,
                                           gmem_c, tm, tn, l, ragged, etid, store_warp, buf0)
                     if const_expr(self.pp):
                         for _ in range(k_tiles):            # the other warpgroup's next unit
                             read.advance()
                             release.advance()
                     w += step
-                store_pipe.producer_tail()
+                if warp_id == store_warp:
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)   # smem outlives its stores
 
         @cute.jit
         def epilogue(self, tma_c, gC_t, sC, acc, r2s, tRS_acc, tRS_r32, tRS_rC, tRS_sC, n_rd: cutlass.Constexpr,
-                     n_epi: cutlass.Constexpr, epi_grid, epi_bar, store_pipe, warp_id,
+                     n_epi: cutlass.Constexpr, row_blk, epi_bar, warp_id,
                      gmem_c, tm, tn, l, ragged, etid, store_warp, buf0):
-            """acc -> output dtype -> smem ring -> TMA store, one epi_tile at a time.
+            """One warpgroup's 64 rows of the tile: acc -> output dtype -> smem ring -> TMA store,
+            one 64 x epi_n subtile at a time, one named barrier per subtile.
 
-            The ring is used round-robin across tiles (n_epi is a multiple of its depth), and the
-            store warp waits until at most depth-1 stores still read smem before anyone refills.
-            A subtile that crosses C's contiguous edge while that edge is not 16-byte aligned
-            (`ragged`) is written by all consumer threads with predicated stores instead.
+            The ring (depth d) is used round-robin across tiles (n_epi is a multiple of d). After
+            committing subtile e the store warp waits until at most d - 2 stores still read smem,
+            so by the next barrier the buffer that subtile e + 2 refills is free; a 1-deep ring
+            needs a second barrier instead. A subtile that crosses C's contiguous edge while that
+            edge is not 16-byte aligned (`ragged`) is written by all the warpgroup's threads with
+            predicated stores instead.
             """
             bSG_sC, bSG_gC = cpasync.tma_partition(
                 tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2),
                 cute.zipped_divide(gC_t, self.epi_tile))
             em, en = self.epi_tile
+            depth = self.epi_stages
             c_n = self.c_lay.is_n_major_c()
             m_ext, n_ext = gmem_c.shape[0], gmem_c.shape[1]
+            per_row = self.bn // en
             for e in range_constexpr(n_epi):
+                blk, e_n = row_blk + e // per_row, e % per_row
+                m0 = tm * self.bm + blk * em
                 for v in range_constexpr(n_rd):
                     tRS_r32[v] = tRS_acc[e * n_rd + v]
                 tRS_rC.store(tRS_r32.load().to(self.c_t))
-                buf = buf0 + e % self.epi_stages
+                buf = buf0 + e % depth
                 cute.copy(r2s, tRS_rC, tRS_sC[(None, None, None, buf)])
                 # generic-proxy smem writes must be visible to the TMA (async proxy) store
                 cute.arch.fence_proxy("async.shared", space="cta")
                 epi_bar.arrive_and_wait()
-                e_m, e_n = epi_grid.get_hier_coord(e)
-                m0 = tm * self.bm + e_m * em
                 n0 = tn * self.bn + e_n * en
                 edge = ragged and ((n0 + en > n_ext) if const_expr(c_n) else (m0 + em > m_ext))
                 if edge:
@@ -652,10 +666,11 @@ def _kernel_class():
                             gmem_c[(m0 + r, n0 + q, l)] = sC[(r, q, buf)]
                 if warp_id == store_warp:
                     if not edge:
-                        cute.copy(tma_c, bSG_sC[(None, buf)], bSG_gC[(None, (e_m, e_n))])
-                    store_pipe.producer_commit()
-                    store_pipe.producer_acquire()
-                epi_bar.arrive_and_wait()
+                        cute.copy(tma_c, bSG_sC[(None, buf)], bSG_gC[(None, (blk, e_n))])
+                    cute.arch.cp_async_bulk_commit_group()
+                    cute.arch.cp_async_bulk_wait_group(max(depth - 2, 0), read=True)
+                if const_expr(depth == 1):
+                    epi_bar.arrive_and_wait()
 
     return Sm90Gemm, cute, cuda_driver
 
@@ -663,7 +678,9 @@ def _kernel_class():
 def _make_launcher(spec: GemmSpec, config: Config):
     Sm90Gemm, cute, cuda_driver = _kernel_class()
     # the epilogue reuses its smem ring round-robin across tiles: subtiles per tile must fill it
-    assert (config.tile_n // 32) % _stage_plan(config.tile_n, spec.c_dtype, config.stages, config.pingpong)[1] == 0
+    rows = config.tile_m if config.pingpong else 64
+    assert (rows // 64) * (config.tile_n // config.epi_n) % _stage_plan(
+        config.tile_n, spec.c_dtype, config.stages, config.pingpong, config.epi_n, config.tile_m)[1] == 0
     gemm = Sm90Gemm(spec, config)
 
     if config.split_k == 1:
