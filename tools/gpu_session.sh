@@ -27,7 +27,7 @@ for step in "$@"; do
     build) python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 \
              || { tail -40 "$OUT/build.log"; rc=1; } ;;
     ffi) python3 -m pytest -m gpu -q -x tests/test_ffi_gpu.py 2>&1 | tee "$OUT/ffi.log" | tail -25 ;;
-    devcheck-gemm) timeout 420 python3 benchmarks/devcheck_sm90_gemm.py run --bins .device/bins/gemm 2>&1 \
+    devcheck-gemm) timeout 590 python3 benchmarks/devcheck_sm90_gemm.py run --bins .device/bins/gemm 2>&1 \
              | tee "$OUT/devcheck_gemm.log" | tail -60 ;;
     ncu-probe) timeout 240 "$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)" --profile-from-start off --clock-control none --csv \
              --metrics "$(python3 -c 'import sys; sys.path.insert(0, "benchmarks"); import ncu_probe; print(ncu_probe.METRICS)')" \
