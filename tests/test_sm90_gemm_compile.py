@@ -63,17 +63,22 @@ def test_heuristic_picks_a_candidate(majors):
         assert cfg in cands, (m, n, k, l, cfg)
     # the big squares: cooperative 128x256 tiles (both consumer warpgroups on one tile), B
     # multicast over a 2x1 cluster, M fastest in bands of 8 clusters (DRAM reads near cuBLAS's),
-    # no PDL; with a short K, pingpong 64x256 tiles (H200 measurements, 2026-11-22)
+    # no PDL, 64-wide epilogue subtiles for 16-bit outputs; where K is short or 160-wide tiles
+    # fill the last wave better, pingpong 128x160 tiles (H200 measurements, 2026-11-22)
     big = sm90_gemm.heuristic(spec, 8192, 8192, 8192, 1)
     assert (big.tile_m, big.tile_n, big.cluster_m, big.cluster_n, big.split_k, big.pingpong,
             big.raster, big.group, big.pdl) == (128, 256, 2, 1, 1, False, "m", 8, False)
-    assert sm90_gemm.heuristic(spec, 2048, 2048, 2048, 1) == big
-    short = sm90_gemm.heuristic(spec, 16384, 1536, 1024, 1)
-    assert (short.tile_m, short.tile_n, short.pingpong) == (64, 256, True)
-    assert sm90_gemm.heuristic(spec, 16384, 1536, 1088, 1) == big  # 17 k-tiles
+    assert big.epi_n == (32 if majors == "knm" else 64) or spec.c_dtype == F32
+    for shape in ((2048, 2048, 2048), (4096, 4096, 4096), (4096, 4096, 14336), (512, 8192, 8192)):
+        assert sm90_gemm.heuristic(spec, *shape, 1) == big, shape
+    for shape in ((16384, 1536, 1024), (16384, 2048, 2048), (4096, 14336, 4096)):
+        assert sm90_gemm.heuristic(spec, *shape, 1) == sm90_gemm._PINGPONG_160, shape
+    # fp8 keeps the cooperative tile (the 128x160 pingpong tile is not timed with 8-bit inputs)
+    assert not sm90_gemm.heuristic(_E4M3, 16384, 2048, 2048, 1).pingpong
     # too few output tiles and a long K: split it
     assert sm90_gemm.heuristic(spec, 256, 4096, 8192, 1).split_k > 1
     assert sm90_gemm.heuristic(spec, 64, 4096, 16384, 1).cluster_m == 1
+    assert sm90_gemm.heuristic(GemmSpec(BF, BF, F32, *majors), 8192, 8192, 8192, 1).epi_n == 32
 
 
 def test_workspace_matches_signature():
@@ -121,18 +126,24 @@ def test_config_validation():
     C = sm90_gemm.Config
     spec = GemmSpec(BF, BF, BF)
     for bad in (C(64, 256), C(128, 256, pingpong=True), C(64, 256, 2, 1, split_k=2, pingpong=True),
-                C(128, 256, 4, 1), C(96, 256), C(128, 224), C(64, 160, 2, 1, pingpong=True)):
+                C(128, 256, 4, 1), C(96, 256), C(128, 224), C(64, 160, 2, 1, pingpong=True),
+                C(128, 192, 2, 1, pingpong=True), C(epi_n=48), C(128, 160, epi_n=64)):
         with pytest.raises(ValueError):
             sm90_gemm.launcher(spec, bad)
     assert C(64, 256, 2, 1, pingpong=True).key().endswith(".pp")
     assert not C().key().endswith(".pp")
     assert C(pdl=True).key() != C().key() and C(pdl=True).key().endswith(".pdl")
+    assert C(epi_n=64).key().endswith(".e64") and C().key() == "t128x256.c2x1.rm8.sk1.st0"
 
 
 _EXTRA = [(F16, BF, "mkn", sm90_gemm.Config(64, 256, 2, 1, pingpong=True)),
           (F16, F32, "mnm", sm90_gemm.Config(64, 128, 1, 2, pingpong=True)),
           (BF, BF, "knn", sm90_gemm.Config(128, 256, 2, 2)),
-          (BF, BF, "knn", sm90_gemm.Config(pdl=True))]
+          (BF, BF, "knn", sm90_gemm.Config(pdl=True)),
+          (BF, BF, "knn", sm90_gemm.Config(128, 160, 2, 1, pingpong=True)),
+          (F16, F32, "mnm", sm90_gemm.Config(128, 128, 1, 2, pingpong=True)),
+          (BF, F16, "mkm", sm90_gemm.Config(128, 128, 1, 1, pingpong=True, epi_n=64)),
+          (F16, F16, "mnm", sm90_gemm.Config(split_k=2, epi_n=64))]
 
 
 @pytest.mark.parametrize("in_dt,out_dt,majors,cfg", _EXTRA,
@@ -142,6 +153,8 @@ def test_compile_pingpong_2x2_and_pdl(in_dt, out_dt, majors, cfg):
     if cfg.pingpong:
         # per-warpgroup epilogue barriers and mainloop turn tokens (register barrier ids)
         assert "bar.arrive" in binary.ptx
+    # a 128-row pingpong tile is two m64 WGMMAs per k-step for one warpgroup
+    assert f"m64n{cfg.tile_n}k16" in binary.ptx
 
 
 def test_ragged_edge_store_path():
@@ -183,9 +196,18 @@ def test_compile_160_and_192_wide_tiles(in_dt, out_dt, majors, cfg):
 
 
 def test_epilogue_ring_divides_the_subtiles_and_everything_fits():
-    for tn in sm90_gemm._TILE_NS:
+    tiles = [(128, tn, False) for tn in sm90_gemm._TILE_NS] + [(tm, tn, True) for tm, tn in sm90_gemm._PINGPONG_TILES]
+    for tm, tn, pp in tiles:
         for c_dt in (BF, F32):
-            ab, epi = sm90_gemm._stage_plan(tn, c_dt, 0)
-            item = 4 if c_dt == F32 else 2
-            assert (tn // 32) % epi == 0 and ab >= 4, (tn, c_dt, ab, epi)
-            assert ab * (128 + tn) * 128 + epi * 128 * 32 * item + 1024 <= sm90_gemm.SMEM_BYTES
+            for epi_n in (32, 64):
+                if tn % epi_n:
+                    continue
+                ab, depth = sm90_gemm._stage_plan(tn, c_dt, 0, pp, epi_n, tm)
+                item = 4 if c_dt == F32 else 2
+                # each consumer warpgroup's ring holds 64 x epi_n subtiles of its own rows
+                subtiles = ((tm if pp else 64) // 64) * (tn // epi_n)
+                assert subtiles % depth == 0 and ab >= 4, (tm, tn, pp, c_dt, epi_n, ab, depth)
+                assert ab * (tm + tn) * 128 + 2 * depth * 64 * epi_n * item + 1024 <= sm90_gemm.SMEM_BYTES
+    # cooperative 16-bit 128x256: 4-deep ring of 64x32 or 2-deep of 64x64 subtiles per warpgroup
+    assert sm90_gemm._stage_plan(256, BF, 0, False, 32)[1] == 4
+    assert sm90_gemm._stage_plan(256, BF, 0, False, 64)[1] == 2

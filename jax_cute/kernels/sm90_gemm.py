@@ -5,12 +5,14 @@ Kernel shape (one persistent CTA per SM, 384 threads):
   A and B k-slices into a ring of shared-memory stages (multicast to the other CTAs of a 2x1,
   1x2 or 2x2 cluster, which share the same B or A slice); it then keeps only 40 registers
   (setmaxnreg).
-- warpgroups 1 and 2 are the consumers (232 registers each). Cooperative (default, 128-row
+- warpgroups 1 and 2 are the consumers (232 registers each). Cooperative (128 x 128..256
   tiles): each owns 64 rows of every tile, runs WGMMA from shared memory into fp32
-  accumulators, releases stages back to the producer(s), and both store the tile through shared
-  memory with TMA (clipped at the tensor edge). Pingpong (Config.pingpong, 64-row tiles): each
-  warpgroup owns alternate whole tiles; their mainloops take turns (named-barrier tokens) so one
-  warpgroup's epilogue runs under the other's mainloop.
+  accumulators and releases stages back to the producer(s). Pingpong (Config.pingpong, 64- or
+  128-row tiles): each warpgroup owns alternate whole tiles; their mainloops take turns
+  (named-barrier tokens) so one warpgroup's epilogue runs under the other's mainloop.
+- epilogue: each consumer warpgroup stores its own rows (its own named barrier, shared-memory
+  ring of 64 x epi_n subtiles and store warp) with TMA, clipped at the tensor edge, so the two
+  never wait on each other between mainloops.
 - TMA stores write whole 16-byte chunks, so where C's contiguous extent is not a multiple of 16
   bytes the subtiles on that edge are stored with predicated per-element stores instead.
 - work is a linear sequence of (cluster tile, batch, k-split) units in a grouped ("swizzled")
@@ -111,6 +113,14 @@ def _check_config(config: Config) -> None:
         raise ValueError(f"{FAMILY}: epilogue subtiles are 32 or 64 wide and divide tile_n ({config})")
 
 
+def _epi_n(spec, config: Config) -> Config:
+    """The config with 64-wide epilogue subtiles where the output is 16-bit and the cooperative
+    tile width allows (fp32 subtiles that wide would leave a 1-deep ring)."""
+    if config.pingpong or _ITEM[spec.c_dtype] != 2 or config.tile_n % 64:
+        return config
+    return dataclasses.replace(config, epi_n=64)
+
+
 def candidate_configs(spec) -> list[Config]:
     if unsupported(spec):
         return []
@@ -122,23 +132,26 @@ def candidate_configs(spec) -> list[Config]:
     out.append(Config(128, 256, 2, 1, "n", 8, 1))
     out.append(Config(128, 128, 1, 1, "m", 8, 1))
     out.append(Config(128, 256, 2, 1, "n", 16, 1))   # session 4's pick: autotune may still time it
-    out.append(_PINGPONG)
-    return out
+    out += [_PINGPONG, _PINGPONG_160, Config(128, 128, 2, 1, pingpong=True)]
+    return [_epi_n(spec, c) for c in out]
 
 
-# Where the heuristic's cost model picks the unsplit 128x256 2x1-cluster tile, it runs:
-# - the cooperative tile with M fastest inside bands of 8 clusters (the cost model's own pick).
-#   Session 4 (H200, 2026-11-22) had moved to N fastest in bands of 16 on a short-window sweep
-#   (geomean 1.011x XLA against 0.993x). Session 5 measured that raster's DRAM reads under ncu:
-#   1477 MB on 8192^3 and 654 MB on 4096x14336x4096, against 1229 / 492 MB for M fastest in
-#   bands of 8 and 1204 / 453 MB for cuBLAS. A wave of 66 clusters then spans 1024 rows of A and
-#   4096 columns of B instead of 2048 and 2112. On a board held at its 700 W cap, the extra
-#   traffic costs clock in sustained runs (benchmarks/energy_probe.py).
-# - pingpong 64x256 tiles where K is at most 16 k-tiles: a warpgroup's epilogue then runs under
-#   the other's mainloop, which pays where the mainloop is short (16384x1536x1024: +3-4% over
-#   the best cooperative raster). With long K it lost: its kernels took 5-13% longer than the
-#   cooperative tile's under ncu, at the same cycle count on 8192^3 but a ~9% lower SM clock
-#   (more power per cycle).
+# The heuristic ranks the unsplit and split cooperative tiles and the 128x160 pingpong tile
+# (16-bit inputs) with _estimate (H200 sweep, session 6, docs/kernel-run-notes.md):
+# - cooperative 128x256, 2x1 cluster, M fastest inside bands of 8 clusters, 64-wide epilogue
+#   subtiles. Session 4 had moved to N fastest in bands of 16 on a short-window sweep; session 5
+#   measured that raster's DRAM reads under ncu: 1477 MB on 8192^3 and 654 MB on
+#   4096x14336x4096, against 1229 / 492 MB for M fastest in bands of 8 and 1204 / 453 MB for
+#   cuBLAS. On a board held at its 700 W cap, the extra traffic costs clock in sustained runs.
+#   Its epilogue runs between mainloops, with the tensor cores idle (the model's 3 k-tile steps
+#   per 128 columns).
+# - pingpong 128x160: each consumer warpgroup owns whole tiles and its epilogue runs under the
+#   other's mainloop (cuBLAS's tile for 16384x2048x2048 and 4096x14336x4096). It won where K is
+#   short or the 160-wide tiles fill the last wave better: +2-3% on 4096x14336x4096, +2-6% on
+#   16384x2048x2048, +5-7% on 16384x1536x1024 over the cooperative tile; it lost 3-4% on 8192^3
+#   and 8-25% where its extra tiles add a wave (4096^3, 2048^3, 512x8192x8192).
+# - 64x256 pingpong (the pick for short K in sessions 2-5) lost to 128x160 pingpong on every
+#   shape (it loads 67% more bytes per FLOP); autotune may still time it.
 
 # Cooperative tile widths. 160 and 192 could leave fewer SMs idle in the last wave on some
 # shapes (cuBLAS runs 4096x14336x4096 with 128x160 tiles; N-major B then takes 64-byte swizzle
@@ -146,9 +159,11 @@ def candidate_configs(spec) -> list[Config]:
 # neither the heuristic nor candidate_configs offers them.
 _TILE_NS = (128, 160, 192, 256)
 _PINGPONG = Config(64, 256, 2, 1, "n", 8, 1, pingpong=True)
+_PINGPONG_160 = Config(128, 160, 2, 1, pingpong=True)
+# share of peak the model credits each pingpong tile with (H200 sweep, session 6)
+_PP_SPEED = {(128, 160): 0.96, (128, 128): 0.9, (64, 256): 0.85, (64, 128): 0.8}
 # pingpong tiles (one warpgroup's accumulators: tile_m * tile_n / 128 fp32 registers per thread)
 _PINGPONG_TILES = [(64, 128), (64, 256), (128, 128), (128, 160)]
-_SHORT_K_TILES = 16
 
 
 def tile_k(in_dtype: str) -> int:
@@ -197,9 +212,13 @@ def _estimate(config: Config, m: int, n: int, k: int, l: int, num_sms: int, bk: 
     waves = -(-units // slots)
     k_tiles = -(-max(k, 1) // bk)
     k_per_unit = -(-k_tiles // config.split_k)
-    size = config.tile_n / 128
-    speed = 1.0 if config.tile_n == 256 else 0.88      # 128x128 tiles reach less of peak
-    step = k_per_unit * size / speed + 2.0 * size        # mainloop + epilogue
+    size = config.tile_m * config.tile_n / (128 * 128)
+    if config.pingpong:
+        # the epilogue runs under the other warpgroup's mainloop
+        step = k_per_unit * size / _PP_SPEED[(config.tile_m, config.tile_n)]
+    else:
+        speed = 1.0 if config.tile_n == 256 else 0.88      # 128x128 tiles reach less of peak
+        step = k_per_unit * size / speed + 3.0 * size        # mainloop, then epilogue
     if config.split_k > 1:
         step += 3.0 * size                               # partial write, counter, fold
     return waves * step * (1.02 if csize == 1 else 1.0)
@@ -209,17 +228,17 @@ def heuristic(spec, m: int, n: int, k: int, l: int, num_sms: int = NUM_SMS) -> C
     reason = unsupported(spec)
     if reason:
         raise ValueError(reason)
-    cands = [c for c in candidate_configs(spec) if c.raster == "m" and c.group == 8 and not c.pingpong]
+    # pingpong 128x160 only for 16-bit inputs: fp8 runs it compile-checked, not yet timed
+    pp_ok = spec.a_dtype not in _FP8
+    cands = [c for c in candidate_configs(spec) if c.raster == "m" and c.group == 8
+             and (not c.pingpong or (pp_ok and c == _PINGPONG_160))]
     tiles_m = -(-max(m, 1) // 128)
     if tiles_m == 1:   # a 2x1 cluster would idle half its CTAs; share A along N instead
         cands = [c for c in cands if c.cluster_m == 1]
     else:
         cands = [c for c in cands if c.cluster_m == 2]
     bk = tile_k(spec.a_dtype)
-    best = min(cands, key=lambda c: (_estimate(c, m, n, k, l, num_sms, bk), c.split_k, -c.tile_n))
-    if best.split_k == 1 and best.cluster_m == 2 and best.tile_n == 256:
-        return _PINGPONG if -(-k // bk) <= _SHORT_K_TILES else best
-    return best
+    return min(cands, key=lambda c: (_estimate(c, m, n, k, l, num_sms, bk), c.split_k, c.pingpong, -c.tile_n))
 
 
 # --- arguments and workspace ----------------------------------------------------------------
