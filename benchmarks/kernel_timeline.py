@@ -21,6 +21,7 @@ import datetime
 import glob
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -150,7 +151,14 @@ def cmd_run(bins: str, out: str, shapes, rounds: int, hlo_dir: str = "") -> None
         print(report_case(case), flush=True)
     if out:
         with open(out, "w") as f:
-            json.dump(records, f, indent=1)
+            f.write(dumps(records))
+
+
+def dumps(records: dict) -> str:
+    """JSON with every list of numbers on one line (the raw durations are most of the file)."""
+    text = json.dumps(records, indent=1)
+    return re.sub(r"\[\s+(-?[0-9][-0-9.e+,\s]*?)\s+\]",
+                  lambda m: "[" + ", ".join(x.strip() for x in m.group(1).split(",")) + "]", text)
 
 
 def _med(xs) -> float:
