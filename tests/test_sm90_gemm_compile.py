@@ -63,18 +63,16 @@ def test_heuristic_picks_a_candidate(majors):
         assert cfg in cands, (m, n, k, l, cfg)
     # the big squares: cooperative 128x256 tiles (both consumer warpgroups on one tile), B
     # multicast over a 2x1 cluster, M fastest in bands of 8 clusters (DRAM reads near cuBLAS's),
-    # no PDL, 64-wide epilogue subtiles for 16-bit outputs; where K is short or 160-wide tiles
-    # fill the last wave better, pingpong 128x160 tiles (H200 measurements, 2026-11-22)
+    # no PDL, 64-wide epilogue subtiles for 16-bit outputs, on short K too; pingpong only through
+    # autotune (it loses in sustained runs: H200 measurements, 2026-11-22)
     big = sm90_gemm.heuristic(spec, 8192, 8192, 8192, 1)
     assert (big.tile_m, big.tile_n, big.cluster_m, big.cluster_n, big.split_k, big.pingpong,
             big.raster, big.group, big.pdl) == (128, 256, 2, 1, 1, False, "m", 8, False)
     assert big.epi_n == (32 if majors == "knm" else 64) or spec.c_dtype == F32
-    for shape in ((2048, 2048, 2048), (4096, 4096, 4096), (4096, 4096, 14336), (512, 8192, 8192)):
+    for shape in ((2048, 2048, 2048), (4096, 4096, 4096), (4096, 4096, 14336), (512, 8192, 8192),
+                  (16384, 1536, 1024), (16384, 2048, 2048), (4096, 14336, 4096)):
         assert sm90_gemm.heuristic(spec, *shape, 1) == big, shape
-    for shape in ((16384, 1536, 1024), (16384, 2048, 2048), (4096, 14336, 4096)):
-        assert sm90_gemm.heuristic(spec, *shape, 1) == sm90_gemm._PINGPONG_160, shape
-    # fp8 keeps the cooperative tile (the 128x160 pingpong tile is not timed with 8-bit inputs)
-    assert not sm90_gemm.heuristic(_E4M3, 16384, 2048, 2048, 1).pingpong
+    assert sm90_gemm._PINGPONG_160 in cands and sm90_gemm._PINGPONG in cands   # autotune may time them
     # too few output tiles and a long K: split it
     assert sm90_gemm.heuristic(spec, 256, 4096, 8192, 1).split_k > 1
     assert sm90_gemm.heuristic(spec, 64, 4096, 16384, 1).cluster_m == 1

@@ -38,7 +38,7 @@ from jax_cute.kernels import abi
 from jax_cute.kernels.gemm_spec import GemmSpec, Workspace
 
 FAMILY = "sm90_gemm"
-VERSION = 3
+VERSION = 4
 ARCH = "sm_90a"
 
 NUM_SMS = 132            # H100 SXM / H200; compiled into the persistent grid bound
@@ -136,22 +136,22 @@ def candidate_configs(spec) -> list[Config]:
     return [_epi_n(spec, c) for c in out]
 
 
-# The heuristic ranks the unsplit and split cooperative tiles and the 128x160 pingpong tile
-# (16-bit inputs) with _estimate (H200 sweep, session 6, docs/kernel-run-notes.md):
-# - cooperative 128x256, 2x1 cluster, M fastest inside bands of 8 clusters, 64-wide epilogue
-#   subtiles. Session 4 had moved to N fastest in bands of 16 on a short-window sweep; session 5
+# The heuristic ranks the unsplit and split cooperative tiles with _estimate. Where it picks the
+# unsplit 128x256 2x1-cluster tile, that tile runs M fastest inside bands of 8 clusters with
+# 64-wide epilogue subtiles (16-bit outputs). H200 measurements (docs/kernel-run-notes.md):
+# - raster: session 4 had moved to N fastest in bands of 16 on a short-window sweep; session 5
 #   measured that raster's DRAM reads under ncu: 1477 MB on 8192^3 and 654 MB on
 #   4096x14336x4096, against 1229 / 492 MB for M fastest in bands of 8 and 1204 / 453 MB for
 #   cuBLAS. On a board held at its 700 W cap, the extra traffic costs clock in sustained runs.
-#   Its epilogue runs between mainloops, with the tensor cores idle (the model's 3 k-tile steps
-#   per 128 columns).
-# - pingpong 128x160: each consumer warpgroup owns whole tiles and its epilogue runs under the
-#   other's mainloop (cuBLAS's tile for 16384x2048x2048 and 4096x14336x4096). It won where K is
-#   short or the 160-wide tiles fill the last wave better: +2-3% on 4096x14336x4096, +2-6% on
-#   16384x2048x2048, +5-7% on 16384x1536x1024 over the cooperative tile; it lost 3-4% on 8192^3
-#   and 8-25% where its extra tiles add a wave (4096^3, 2048^3, 512x8192x8192).
-# - 64x256 pingpong (the pick for short K in sessions 2-5) lost to 128x160 pingpong on every
-#   shape (it loads 67% more bytes per FLOP); autotune may still time it.
+# - 64-wide epilogue subtiles: half the store rounds (and barriers) per tile; equal or up to 4%
+#   faster in short windows, equal in sustained ones (session 6).
+# - pingpong (64x256 or 128x160 tiles, one warpgroup's epilogue under the other's mainloop) is
+#   an autotune candidate only. 128x160 won 2-7% in short windows (50-60 ms, the suite's and the
+#   devcheck's) on 4096x14336x4096, 16384x2048x2048 and 16384x1536x1024, and lost 1-3% on all
+#   three in sustained 1 s windows (benchmarks/energy_probe.py): it moves ~20% more bytes
+#   through shared memory per FLOP, and at the 700 W cap energy per FLOP sets the rate. A
+#   training loop runs at that cap, so the heuristic serves the sustained case. 64x256 pingpong
+#   (the short-K pick of sessions 2-5) lost to the cooperative tile in both windows (session 6).
 
 # Cooperative tile widths. 160 and 192 could leave fewer SMs idle in the last wave on some
 # shapes (cuBLAS runs 4096x14336x4096 with 128x160 tiles; N-major B then takes 64-byte swizzle
@@ -160,8 +160,6 @@ def candidate_configs(spec) -> list[Config]:
 _TILE_NS = (128, 160, 192, 256)
 _PINGPONG = Config(64, 256, 2, 1, "n", 8, 1, pingpong=True)
 _PINGPONG_160 = Config(128, 160, 2, 1, pingpong=True)
-# share of peak the model credits each pingpong tile with (H200 sweep, session 6)
-_PP_SPEED = {(128, 160): 0.96, (128, 128): 0.9, (64, 256): 0.85, (64, 128): 0.8}
 # pingpong tiles (one warpgroup's accumulators: tile_m * tile_n / 128 fp32 registers per thread)
 _PINGPONG_TILES = [(64, 128), (64, 256), (128, 128), (128, 160)]
 
@@ -212,13 +210,9 @@ def _estimate(config: Config, m: int, n: int, k: int, l: int, num_sms: int, bk: 
     waves = -(-units // slots)
     k_tiles = -(-max(k, 1) // bk)
     k_per_unit = -(-k_tiles // config.split_k)
-    size = config.tile_m * config.tile_n / (128 * 128)
-    if config.pingpong:
-        # the epilogue runs under the other warpgroup's mainloop
-        step = k_per_unit * size / _PP_SPEED[(config.tile_m, config.tile_n)]
-    else:
-        speed = 1.0 if config.tile_n == 256 else 0.88      # 128x128 tiles reach less of peak
-        step = k_per_unit * size / speed + 3.0 * size        # mainloop, then epilogue
+    size = config.tile_n / 128
+    speed = 1.0 if config.tile_n == 256 else 0.88      # 128x128 tiles reach less of peak
+    step = k_per_unit * size / speed + 2.0 * size        # mainloop + epilogue
     if config.split_k > 1:
         step += 3.0 * size                               # partial write, counter, fold
     return waves * step * (1.02 if csize == 1 else 1.0)
@@ -228,17 +222,14 @@ def heuristic(spec, m: int, n: int, k: int, l: int, num_sms: int = NUM_SMS) -> C
     reason = unsupported(spec)
     if reason:
         raise ValueError(reason)
-    # pingpong 128x160 only for 16-bit inputs: fp8 runs it compile-checked, not yet timed
-    pp_ok = spec.a_dtype not in _FP8
-    cands = [c for c in candidate_configs(spec) if c.raster == "m" and c.group == 8
-             and (not c.pingpong or (pp_ok and c == _PINGPONG_160))]
+    cands = [c for c in candidate_configs(spec) if c.raster == "m" and c.group == 8 and not c.pingpong]
     tiles_m = -(-max(m, 1) // 128)
     if tiles_m == 1:   # a 2x1 cluster would idle half its CTAs; share A along N instead
         cands = [c for c in cands if c.cluster_m == 1]
     else:
         cands = [c for c in cands if c.cluster_m == 2]
     bk = tile_k(spec.a_dtype)
-    return min(cands, key=lambda c: (_estimate(c, m, n, k, l, num_sms, bk), c.split_k, c.pingpong, -c.tile_n))
+    return min(cands, key=lambda c: (_estimate(c, m, n, k, l, num_sms, bk), c.split_k, -c.tile_n))
 
 
 # --- arguments and workspace ----------------------------------------------------------------
