@@ -173,11 +173,11 @@ def _stage_plan(tile_n: int, c_dtype: str, stages: int, pingpong: bool = False,
                 epi_n: int = 32, tile_m: int = 128) -> tuple[int, int]:
     """(A/B stages, epilogue ring depth) for a tile_m x tile_n x tile_k tile.
 
-    Each consumer warpgroup stores its own 64 rows of output (cooperative: its half of the tile;
-    pingpong: its whole tile) through its own ring of 64 x epi_n subtiles. The ring is reused
-    round-robin across tiles, so its depth divides tile_n / epi_n. Cooperative: as deep as fits
-    in 16 KB per warpgroup (the A/B ring keeps the rest); pingpong: 2 deep (its A/B stages
-    matter more)."""
+    Each consumer warpgroup stores its own rows of output (cooperative: its 64-row half of the
+    tile; pingpong: its whole tile) through its own ring of 64 x epi_n subtiles. The ring is
+    reused round-robin across tiles, so its depth divides a warpgroup's subtiles per tile.
+    Cooperative: as deep as fits in 16 KB per warpgroup (the A/B ring keeps the rest); pingpong:
+    2 deep (its A/B stages matter more)."""
     sub_bytes = 64 * epi_n * _ITEM[c_dtype]
     if pingpong:
         subtiles = (tile_m // 64) * (tile_n // epi_n)
