@@ -19,16 +19,38 @@ def r(*shape):
     return jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
 
 
+def pingpong(tile_m: int, tile_n: int, m: int, n: int, k: int):
+    """A pingpong config (autotune may pick one; the heuristic does not), compiled here and
+    launched directly as jnp.matmul's layouts, with more tiles than SMs so both consumer
+    warpgroups take turns."""
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+    from devcheck_sm90_gemm import _make_call
+    from jax_cute.kernels import build, sm90_gemm
+    from jax_cute.kernels.gemm_spec import GemmSpec
+
+    spec, cfg = GemmSpec("bfloat16", "bfloat16", "bfloat16", "k", "n", "n"), sm90_gemm.Config(tile_m, tile_n, pingpong=True)
+    binary = build.compile_launcher(sm90_gemm.launcher(spec, cfg), sm90_gemm.signature(spec, cfg), arch="sm_90a",
+                                    name="sanitize_" + cfg.key().replace(".", "_"))
+    f = _make_call(binary, spec, cfg, m, n, k, 1, ((m, k, 1), (k, 1, m * k)), ((n, k, 1), (1, n, n * k)),
+                   (m, n), (m, n, 1), (n, 1, m * n))
+    return f, (r(m, k), r(k, n))
+
+
 checks = {
     "matmul odd": (jax_cute.matmul, (r(264, 136), r(136, 72))),
     "matmul transposed": (lambda a, b: jax_cute.matmul(a, b, transpose_a=True, transpose_b=True),
                           (r(136, 264), r(72, 136))),
     "matmul batched bcast": (jax_cute.matmul, (r(3, 200, 136), r(136, 264))),
     "matmul split-k": (jax_cute.matmul, (r(128, 8192), r(8192, 128))),
-    # the heuristic's two picks for 2x1-cluster 256-wide tiles, each with a partial last tile
-    # along M and N: pingpong where K is at most 16 k-tiles, the cooperative 128x256 tile beyond
-    "matmul pingpong": (jax_cute.matmul, (r(2048, 1000), r(1000, 1032))),
+    # the heuristic's cooperative 128x256 tile (2x1 cluster, 64-wide epilogue subtiles) with a
+    # partial last tile along M and N, short and longer K
+    "matmul cooperative short K": (jax_cute.matmul, (r(2048, 1000), r(1000, 1032))),
     "matmul cooperative 128x256": (jax_cute.matmul, (r(2048, 1100), r(1100, 1032))),
+    # pingpong tiles (autotune candidates), partial tiles along M and N, ~2 tiles per CTA
+    "pingpong 128x160": pingpong(128, 160, 4000, 1000, 1000),
+    "pingpong 64x256": pingpong(64, 256, 4000, 1000, 1000),
     "matmul grad": (jax.grad(lambda a, b: jax_cute.matmul(a, b).astype(jnp.float32).sum(), (0, 1)),
                     (r(264, 136), r(136, 72))),
     "ragged fwd+grads": (jax.grad(lambda x, w: jax_cute.ragged_dot(x, w, jnp.asarray([100, 0, 37, 120], jnp.int32))
