@@ -158,7 +158,7 @@ def dumps(records: dict) -> str:
     """JSON with every list of numbers on one line (the raw durations are most of the file)."""
     text = json.dumps(records, indent=1)
     return re.sub(r"\[\s+(-?[0-9][-0-9.e+,\s]*?)\s+\]",
-                  lambda m: "[" + ", ".join(x.strip() for x in m.group(1).split(",")) + "]", text)
+                  lambda m: "[" + ",".join(x.strip() for x in m.group(1).split(",")) + "]", text)
 
 
 def _med(xs) -> float:
