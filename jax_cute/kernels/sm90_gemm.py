@@ -270,6 +270,9 @@ def _kernel_class():
     from jax_cute.kernels.dsl import cute, cutlass, pipeline, sm90_utils, cpasync, warpgroup, warp
     from jax_cute.kernels.dsl import memory, LayoutEnum
     from jax_cute.kernels.dsl import Int32, Int64, Float32, cuda_driver
+    from jax_cute.kernels.sm90_mainloop import wgmma_mainloop
+
+    mainloop = wgmma_mainloop()
 
     const_expr = cutlass.const_expr
     range_constexpr = cutlass.range_constexpr
@@ -484,7 +487,6 @@ def _kernel_class():
                 tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
                 tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
                 acc = cute.make_rmem_tensor(thr_mma.partition_C(gC).shape[:3], Float32)
-                n_kb = cute.size(tCrA, mode=[2])
                 read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
                 release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
                 # one barrier (ids 1, 2), store warp and half of the smem ring per warpgroup
@@ -551,32 +553,11 @@ def _kernel_class():
                         if wg == 2 or w != first:
                             turn_mine.arrive_and_wait()
 
-                    # ---- mainloop: keep one WGMMA batch in flight, release the stage before it
+                    # ---- mainloop (sm90_mainloop): one WGMMA batch in flight
                     acc.fill(0.0)
                     tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
                     warpgroup.fence()
-                    lead = cutlass.min(kc, 1)
-                    for kt in range(lead):
-                        ab_pipe.consumer_wait(read)
-                        for kb in range_constexpr(n_kb):
-                            cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, read.index)],
-                                      tCrB[(None, None, kb, read.index)], acc)
-                        warpgroup.commit_group()
-                        read.advance()
-                    for kt in range(lead, kc):
-                        ab_pipe.consumer_wait(read)
-                        for kb in range_constexpr(n_kb):
-                            cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, read.index)],
-                                      tCrB[(None, None, kb, read.index)], acc)
-                        warpgroup.commit_group()
-                        warpgroup.wait_group(1)          # the previous stage's WGMMAs are done
-                        ab_pipe.consumer_release(release)
-                        release.advance()
-                        read.advance()
-                    warpgroup.wait_group(0)
-                    for kt in range(lead):
-                        ab_pipe.consumer_release(release)
-                        release.advance()
+                    read, release = mainloop(tiled_mma, acc, tCrA, tCrB, ab_pipe, read, release, kc)
                     if const_expr(self.pp):
                         if w + stride < total:      # the other warpgroup's next unit may start
                             turn_other.arrive()

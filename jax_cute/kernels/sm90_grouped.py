@@ -124,7 +124,9 @@ def _build(spec: GroupedSpec, cfg: Config):
     from jax_cute.kernels import dsl
     from jax_cute.kernels.dsl import cute, cutlass, pipeline, sm90_utils, cpasync, warpgroup
     from jax_cute.kernels.dsl import memory, LayoutEnum
+    from jax_cute.kernels.sm90_mainloop import wgmma_mainloop
     Int32, Int64 = dsl.Int32, dsl.Int64
+    wgmma = wgmma_mainloop()
 
     ragged_m = spec.mode == "ragged_m"
     BM, BN, BK = TILE_M, cfg.tile_n, TILE_K
@@ -372,7 +374,6 @@ def _build(spec: GroupedSpec, cfg: Config):
                 tCrB = tiled_mma.make_fragment_B(tCsB)
                 acc_shape = thr_mma.partition_shape_C((BM, BN))
                 acc = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
-                num_kb = cute.size(tCrA, mode=[2])
 
                 # epilogue: registers -> smem (stmatrix for 16-bit) -> TMA store
                 r2s_atom = sm90_utils.sm90_get_smem_store_op(self.c_layout, elem_ty_d=c_dt,
@@ -407,32 +408,11 @@ def _build(spec: GroupedSpec, cfg: Config):
                             k_tiles = (K + BK - 1) // BK
                     else:
                         k_tiles = (t1 - t0 + BK - 1) // BK
+                    # one WGMMA batch in flight (sm90_mainloop)
                     acc.fill(0.0)
                     tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
                     warpgroup.fence()
-                    # keep one WGMMA batch in flight; release the stage of the previous k-tile
-                    n_pro = min(k_tiles, 1)
-                    for kt in range(n_pro):
-                        mainloop.consumer_wait(cons)
-                        for kb in cutlass.range_constexpr(num_kb):
-                            cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, cons.index)],
-                                      tCrB[(None, None, kb, cons.index)], acc)
-                        warpgroup.commit_group()
-                        cons.advance()
-                    for kt in range(n_pro, k_tiles):
-                        mainloop.consumer_wait(cons)
-                        for kb in cutlass.range_constexpr(num_kb):
-                            cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, cons.index)],
-                                      tCrB[(None, None, kb, cons.index)], acc)
-                        warpgroup.commit_group()
-                        warpgroup.wait_group(1)
-                        mainloop.consumer_release(rel)
-                        rel.advance()
-                        cons.advance()
-                    warpgroup.wait_group(0)
-                    for kt in range(n_pro):
-                        mainloop.consumer_release(rel)
-                        rel.advance()
+                    cons, rel = wgmma(tiled_mma, acc, tCrA, tCrB, mainloop, cons, rel, k_tiles)
 
                     # destination tile; TMA clips it at the group end (ragged_m) / M, N edges
                     if cutlass.const_expr(ragged_m):
