@@ -14,7 +14,7 @@ tolerance on max|err| / max|ref|: 1e-2 for bf16 output, 5e-3 for fp16, 1e-3 for 
 have NaN in their row padding (a read outside the logical operand poisons the result); outputs
 start NaN-filled (config.nan_fill) and must hold no NaN inside C and only NaN in its padding
 (every problem is reported: NaN left, padding written, error). Experimental configs (pingpong,
-2x2 clusters) are checked in their own child and timed only if they pass.
+2x2 clusters) are checked in their own children and timed only if they pass.
 
 Timing: per benchmark shape, XLA and every built config are sampled in turn (7 rounds of ~60 ms
 of async launches each, median), so clock/power drift hits all alike (the H200 is power-bound:
@@ -61,7 +61,7 @@ CHECKS = [
     # 64-wide epilogue subtiles (the heuristic's pick for 16-bit outputs since session 6)
     ("c_bf16_knn_bf16_e64", GemmSpec(BF, BF, BF, "k", "n", "n"), C(epi_n=64)),
     ("c_f16_mkm_f16_e64sk2", GemmSpec("float16", "float16", "float16", "m", "k", "m"), C(split_k=2, epi_n=64)),
-    # experimental (checked in their own child, timed only if that passes): pingpong (each
+    # experimental (checked in their own children, timed only if they pass): pingpong (each
     # consumer warpgroup owns whole 64-row tiles), 2x2 clusters (A and B both multicast) and
     # 160- or 192-wide tiles
     ("c_bf16_kkn_bf16_pp", GemmSpec(BF, BF, BF, "k", "k", "n"), C(64, 256, 2, 1, raster="n", pingpong=True)),
@@ -99,9 +99,8 @@ N_INT = 5
 
 # Bench sweep: every benchmark shape runs the heuristic's pick and these alternatives, per
 # operand form. Sessions 1-2 swept cluster shape, band width and pingpong rasters; sessions 4-5
-# pingpong, PDL, rasters and 160/192-wide cooperative tiles (docs/kernel-run-notes.md). Open
-# now (session 6): 64-wide epilogue subtiles, and pingpong with 128-row tiles per warpgroup
-# (cuBLAS runs 16384x2048x2048 and 4096x14336x4096 with 128x160 tiles, 5 stages).
+# pingpong, PDL, rasters and 160/192-wide cooperative tiles; session 6 64-wide epilogue
+# subtiles and pingpong with 128-row tiles per warpgroup (docs/kernel-run-notes.md).
 SWEEP = [C(), C(epi_n=64), C(raster="n", group=16), C(128, 160, pingpong=True), C(128, 128, pingpong=True),
          C(128, 160, 1, 2, pingpong=True), C(64, 256, 2, 1, raster="n", pingpong=True)]
 THIN_EXTRA = [C(128, 256, 1, 2, raster="n")]   # 512x8192x8192 (one wave of 128 tiles)
@@ -330,10 +329,16 @@ def _check_config(bins: str, names: list[str]) -> int:
     return 1 if failures else 0
 
 
-def _timed_call(bins, e_name, spec, cfg, m, n, k, tag):
+def bench_call(binary, spec, cfg, m, n, k, tag):
+    """A jitted call of ``binary`` on a row-major A [m, k] and B as [k, n] ("kn", jnp.matmul's
+    form) or [n, k] ("kk"), into a row-major C [m, n]."""
     b_ss = ((n, k, 1), (1, n, n * k)) if tag == "kn" else ((n, k, 1), (k, 1, n * k))
-    return _make_call(build.load_binary(os.path.join(bins, e_name)), spec, cfg, m, n, k, 1,
-                      ((m, k, 1), (k, 1, m * k)), b_ss, (m, n), (m, n, 1), (n, 1, m * n))
+    return _make_call(binary, spec, cfg, m, n, k, 1, ((m, k, 1), (k, 1, m * k)), b_ss, (m, n), (m, n, 1),
+                      (n, 1, m * n))
+
+
+def _timed_call(bins, e_name, spec, cfg, m, n, k, tag):
+    return bench_call(build.load_binary(os.path.join(bins, e_name)), spec, cfg, m, n, k, tag)
 
 
 def chained_impls(bins: str, m: int, n: int, k: int, chain: int, keep=None) -> dict:
@@ -480,9 +485,9 @@ def _power_probe(bins, index, configs, specs):
 
 
 def cmd_run(bins: str, check_timeout: int = 100, bench_timeout: int = 300) -> int:
-    """The checks (in two child processes) and the benchmark run with timeouts, so that a hang
-    (e.g. a pipeline barrier that never completes) is reported and the rest still runs. Every
-    failure is listed again at the end; the exit status is non-zero on any."""
+    """The checks (in child processes of at most 8 configs) and the benchmark run with timeouts,
+    so that a hang (e.g. a pipeline barrier that never completes) is reported and the rest still
+    runs. Every failure is listed again at the end; the exit status is non-zero on any."""
     import subprocess
 
     index = json.load(open(os.path.join(bins, "index.json")))

@@ -26,16 +26,14 @@ def pingpong(tile_m: int, tile_n: int, m: int, n: int, k: int):
     import os
     import sys
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
-    from devcheck_sm90_gemm import _make_call
+    from devcheck_sm90_gemm import bench_call
     from jax_cute.kernels import build, sm90_gemm
     from jax_cute.kernels.gemm_spec import GemmSpec
 
     spec, cfg = GemmSpec("bfloat16", "bfloat16", "bfloat16", "k", "n", "n"), sm90_gemm.Config(tile_m, tile_n, pingpong=True)
     binary = build.compile_launcher(sm90_gemm.launcher(spec, cfg), sm90_gemm.signature(spec, cfg), arch="sm_90a",
                                     name="sanitize_" + cfg.key().replace(".", "_"))
-    f = _make_call(binary, spec, cfg, m, n, k, 1, ((m, k, 1), (k, 1, m * k)), ((n, k, 1), (1, n, n * k)),
-                   (m, n), (m, n, 1), (n, 1, m * n))
-    return f, (r(m, k), r(k, n))
+    return bench_call(binary, spec, cfg, m, n, k, "kn"), (r(m, k), r(k, n))
 
 
 checks = {
