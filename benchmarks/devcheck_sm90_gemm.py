@@ -61,6 +61,10 @@ CHECKS = [
     # 64-wide epilogue subtiles (the heuristic's pick for 16-bit outputs since session 6)
     ("c_bf16_knn_bf16_e64", GemmSpec(BF, BF, BF, "k", "n", "n"), C(epi_n=64)),
     ("c_f16_mkm_f16_e64sk2", GemmSpec("float16", "float16", "float16", "m", "k", "m"), C(split_k=2, epi_n=64)),
+    # deferred epilogue (session 7): each tile stored under the next tile's first 1-3 k-tiles
+    ("c_bf16_knn_bf16_e64df2", GemmSpec(BF, BF, BF, "k", "n", "n"), C(epi_n=64, defer=2)),
+    ("c_f16_mkm_f16_df1", GemmSpec("float16", "float16", "float16", "m", "k", "m"), C(defer=1)),
+    ("c_bf16_knm_f16_t128c12df3", GemmSpec(BF, BF, "float16", "k", "n", "m"), C(128, 128, 1, 2, defer=3)),
     # experimental (checked in their own children, timed only if they pass): pingpong (each
     # consumer warpgroup owns whole 64-row tiles), 2x2 clusters (A and B both multicast) and
     # 160- or 192-wide tiles
@@ -94,15 +98,17 @@ def experimental(cfg) -> bool:
 # stores would write the padding behind it); an odd K puts A's/B's k edge there (NaN padding).
 PROBLEMS = [(1000, 1032, 776, 1, None), (264, 136, 72, 1, None), (1001, 1003, 520, 3, "a"),
             (300, 260, 1000, 2, "b"), (136, 1001, 1003, 1, None), (1001, 136, 520, 2, None),
-            (8, 16, 8, 1, None), (128, 256, 64, 1, None), (520, 2056, 4096, 1, None)]
+            (8, 16, 8, 1, None), (128, 256, 64, 1, None), (520, 2056, 4096, 1, None),
+            (2056, 4104, 264, 1, None)]   # 2-5 tiles per CTA: tiles follow tiles (deferred epilogue)
 N_INT = 5
 
 # Bench sweep: every benchmark shape runs the heuristic's pick and these alternatives, per
 # operand form. Sessions 1-2 swept cluster shape, band width and pingpong rasters; sessions 4-5
 # pingpong, PDL, rasters and 160/192-wide cooperative tiles; session 6 64-wide epilogue
-# subtiles and pingpong with 128-row tiles per warpgroup (docs/kernel-run-notes.md).
-SWEEP = [C(), C(epi_n=64), C(raster="n", group=16), C(128, 160, pingpong=True), C(128, 128, pingpong=True),
-         C(128, 160, 1, 2, pingpong=True), C(64, 256, 2, 1, raster="n", pingpong=True)]
+# subtiles and pingpong with 128-row tiles per warpgroup; session 7 the deferred epilogue
+# (docs/kernel-run-notes.md).
+SWEEP = [C(epi_n=64), C(epi_n=64, defer=1), C(epi_n=64, defer=2), C(defer=2), C(128, 160, pingpong=True),
+         C(128, 128, pingpong=True)]
 THIN_EXTRA = [C(128, 256, 1, 2, raster="n")]   # 512x8192x8192 (one wave of 128 tiles)
 # Shapes with few tiles or a short K also try smaller tiles.
 SMALL_EXTRA = [C(128, 128, 2, 1), C(128, 128, 2, 1, raster="n")]

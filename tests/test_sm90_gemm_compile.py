@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from jax_cute.kernels import sm90_gemm
+from jax_cute.kernels import cubin_info, sm90_gemm
 from jax_cute.kernels.gemm_spec import GemmSpec, GroupedSpec
 
 BF, F16, F32 = "bfloat16", "float16", "float32"
@@ -35,6 +35,9 @@ def _compile(spec, cfg):
     assert ("griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx) == cfg.pdl
     if cfg.split_k > 1:
         assert "atom.global" in ptx and "fence.acq_rel.gpu" in ptx   # split-K arrival counter
+    # no register spills (a spilling GEMM computes right but slowly)
+    res = cubin_info.resources(binary.obj)
+    assert res["local_bytes"] == 0 and res["frame_bytes"] == 0, res
     return binary
 
 
@@ -125,9 +128,13 @@ def test_config_validation():
     spec = GemmSpec(BF, BF, BF)
     for bad in (C(64, 256), C(128, 256, pingpong=True), C(64, 256, 2, 1, split_k=2, pingpong=True),
                 C(128, 256, 4, 1), C(96, 256), C(128, 224), C(64, 160, 2, 1, pingpong=True),
-                C(128, 192, 2, 1, pingpong=True), C(epi_n=48), C(128, 160, epi_n=64)):
+                C(128, 192, 2, 1, pingpong=True), C(epi_n=48), C(128, 160, epi_n=64),
+                C(64, 256, 2, 1, pingpong=True, defer=1), C(split_k=2, defer=1), C(defer=4)):
         with pytest.raises(ValueError):
             sm90_gemm.launcher(spec, bad)
+    with pytest.raises(ValueError, match="16-bit output"):   # no room for an fp32 copy
+        sm90_gemm.launcher(GemmSpec(BF, BF, F32), C(defer=1))
+    assert C(epi_n=64, defer=2).key().endswith(".e64.df2")
     assert C(64, 256, 2, 1, pingpong=True).key().endswith(".pp")
     assert not C().key().endswith(".pp")
     assert C(pdl=True).key() != C().key() and C(pdl=True).key().endswith(".pdl")
@@ -153,6 +160,22 @@ def test_compile_pingpong_2x2_and_pdl(in_dt, out_dt, majors, cfg):
         assert "bar.arrive" in binary.ptx
     # a 128-row pingpong tile is two m64 WGMMAs per k-step for one warpgroup
     assert f"m64n{cfg.tile_n}k16" in binary.ptx
+
+
+_DEFER = [(BF, BF, "knn", sm90_gemm.Config(epi_n=64, defer=2)),
+          (F16, F16, "mkm", sm90_gemm.Config(defer=1)),
+          (BF, F16, "knm", sm90_gemm.Config(128, 128, 1, 2, defer=3))]
+
+
+@pytest.mark.parametrize("in_dt,out_dt,majors,cfg", _DEFER,
+                         ids=lambda x: x.key() if dataclasses.is_dataclass(x) else str(x))
+def test_compile_deferred_epilogue(in_dt, out_dt, majors, cfg):
+    # the output-dtype copy of the accumulators lives next to them: still no spills (_compile),
+    # and the next tile's first k-tiles are issued in their own loop before the stores
+    ptx = _compile(GemmSpec(in_dt, in_dt, out_dt, *majors), cfg).ptx
+    plain = _compile(GemmSpec(in_dt, in_dt, out_dt, *majors), dataclasses.replace(cfg, defer=0)).ptx
+    assert ptx.count("wgmma.mma_async") > plain.count("wgmma.mma_async")
+    assert "cvt.rn.bf16x2.f32" in ptx or "cvt.rn.f16x2.f32" in ptx
 
 
 def test_ragged_edge_store_path():

@@ -20,6 +20,11 @@ Kernel shape (one persistent CTA per SM, 384 threads):
 - split-K (Config.split_k = S > 1): each unit covers 1/S of the k-tiles, writes its fp32
   partial tile to a workspace and bumps a per-tile counter; the CTA that arrives last sums the
   S partials in split order (deterministic) and runs the epilogue, then resets the counter.
+- deferred epilogue (Config.defer = d > 0, cooperative, unsplit, 16-bit C): a warpgroup
+  converts its finished accumulators to the output dtype in registers, issues the first d
+  k-tiles of its next tile's WGMMAs, and only then stores the previous tile, so the tensor
+  cores work through the epilogue instead of idling (the cooperative tile's 128 accumulator
+  registers leave room for the 64 of a 16-bit copy, not for a second fp32 set).
 - programmatic dependent launch (Config.pdl, off by default): the grid is launched so that its
   CTAs may start while the previous kernel on the stream drains. Each CTA initialises its
   barriers and prefetches its TMA descriptors, then waits (griddepcontrol.wait) for that kernel
@@ -71,11 +76,14 @@ class Config:
     # width of the epilogue's subtiles (64 rows x epi_n columns per consumer warpgroup): 64 halves
     # the number of store rounds per tile and gives a 16-bit N-major C 128-byte swizzle atoms
     epi_n: int = 32
+    # deferred epilogue (see the module notes): k-tiles of the next tile issued before the
+    # previous tile's stores; 0 stores each tile right after its mainloop
+    defer: int = 0
 
     def key(self) -> str:
         return (f"t{self.tile_m}x{self.tile_n}.c{self.cluster_m}x{self.cluster_n}."
                 f"r{self.raster}{self.group}.sk{self.split_k}.st{self.stages}" + (".pp" if self.pingpong else "")
-                + (".pdl" if self.pdl else "") + (f".e{self.epi_n}" if self.epi_n != 32 else ""))
+                + (".pdl" if self.pdl else "") + (f".e{self.epi_n}" if self.epi_n != 32 else "") + (f".df{self.defer}" if self.defer else ""))
 
 
 # --- static configuration -----------------------------------------------------------------------
@@ -111,6 +119,9 @@ def _check_config(config: Config) -> None:
         raise ValueError(f"{FAMILY}: bad raster/group/split in {config}")
     if config.epi_n not in (32, 64) or config.tile_n % config.epi_n:
         raise ValueError(f"{FAMILY}: epilogue subtiles are 32 or 64 wide and divide tile_n ({config})")
+    if config.defer and (config.pingpong or config.split_k != 1 or not 1 <= config.defer <= 3):
+        raise ValueError(f"{FAMILY}: a deferred epilogue (1 to 3 k-tiles) needs the cooperative "
+                         f"kernel without split-K ({config})")
 
 
 def _epi_n(spec, config: Config) -> Config:
@@ -260,6 +271,9 @@ def launcher(spec, config: Config):
     if reason:
         raise ValueError(reason)
     _check_config(config)
+    if config.defer and _ITEM[spec.c_dtype] != 2:
+        # the converted copy of the accumulators must fit next to them in the register file
+        raise ValueError(f"{FAMILY}: a deferred epilogue needs a 16-bit output, not {spec.c_dtype}")
     return _make_launcher(spec, config)
 
 
@@ -270,9 +284,10 @@ def _kernel_class():
     from jax_cute.kernels.dsl import cute, cutlass, pipeline, sm90_utils, cpasync, warpgroup, warp
     from jax_cute.kernels.dsl import memory, LayoutEnum
     from jax_cute.kernels.dsl import Int32, Int64, Float32, cuda_driver
-    from jax_cute.kernels.sm90_mainloop import wgmma_mainloop
+    from jax_cute.kernels.sm90_mainloop import wgmma_mainloop, wgmma_mainloop_parts
 
     mainloop = wgmma_mainloop()
+    mainloop_start, mainloop_rest = wgmma_mainloop_parts()
 
     const_expr = cutlass.const_expr
     range_constexpr = cutlass.range_constexpr
@@ -542,78 +557,106 @@ def _kernel_class():
                         for _ in range(k_tiles):
                             read.advance()
                             release.advance()
-                while w < total:
-                    tm, tn, l, s = self.work(w, cl_m, cl_n, batches, cc)
-                    k0, kc = self.k_range(s, k_tiles)
+                if const_expr(self.cfg.defer):
+                    # ---- deferred epilogue: each tile is stored under the next one's first
+                    # WGMMAs, from a copy of its accumulators already in the output dtype
+                    acc_c = cute.make_rmem_tensor_like(acc, self.c_t)
+                    tRS_accc = r2s.retile(acc_c)
+                    p_tm, p_tn, p_l = self.work(w, cl_m, cl_n, batches, cc)[:3]
+                    have_prev = Int32(0)
+                    while w < total:
+                        tm, tn, l, _ = self.work(w, cl_m, cl_n, batches, cc)
+                        acc.fill(0.0)
+                        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                        warpgroup.fence()
+                        read = mainloop_start(tiled_mma, acc, tCrA, tCrB, ab_pipe, read, k_tiles, self.cfg.defer)
+                        if have_prev != 0:
+                            self.epilogue(tma_c, gC[(None, None, p_tm, p_tn, p_l)], sC, acc_c, r2s, tRS_accc, tRS_r32,
+                                          tRS_rC, tRS_sC, n_rd, n_epi, row_blk, epi_bar, warp_id,
+                                          gmem_c, p_tm, p_tn, p_l, ragged, etid, store_warp, buf0, True)
+                        read, release = mainloop_rest(tiled_mma, acc, tCrA, tCrB, ab_pipe, read, release, k_tiles,
+                                                      self.cfg.defer)
+                        acc_c.store(acc.load().to(self.c_t))
+                        p_tm, p_tn, p_l = tm, tn, l
+                        have_prev = Int32(1)
+                        w += step
+                    # every CTA has at least one unit (the grid never exceeds them): store the last
+                    self.epilogue(tma_c, gC[(None, None, p_tm, p_tn, p_l)], sC, acc_c, r2s, tRS_accc, tRS_r32,
+                                  tRS_rC, tRS_sC, n_rd, n_epi, row_blk, epi_bar, warp_id,
+                                  gmem_c, p_tm, p_tn, p_l, ragged, etid, store_warp, buf0, True)
+                else:
+                    while w < total:
+                        tm, tn, l, s = self.work(w, cl_m, cl_n, batches, cc)
+                        k0, kc = self.k_range(s, k_tiles)
 
-                    if const_expr(self.pp):
-                        # mainloops take turns: the ring's barriers only tell apart adjacent
-                        # phases, so a warpgroup may wait on its first stage only once the
-                        # other one has consumed all of its unit's stages
-                        if wg == 2 or w != first:
-                            turn_mine.arrive_and_wait()
+                        if const_expr(self.pp):
+                            # mainloops take turns: the ring's barriers only tell apart adjacent
+                            # phases, so a warpgroup may wait on its first stage only once the
+                            # other one has consumed all of its unit's stages
+                            if wg == 2 or w != first:
+                                turn_mine.arrive_and_wait()
 
-                    # ---- mainloop (sm90_mainloop): one WGMMA batch in flight
-                    acc.fill(0.0)
-                    tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-                    warpgroup.fence()
-                    read, release = mainloop(tiled_mma, acc, tCrA, tCrB, ab_pipe, read, release, kc)
-                    if const_expr(self.pp):
-                        if w + stride < total:      # the other warpgroup's next unit may start
-                            turn_other.arrive()
+                        # ---- mainloop (sm90_mainloop): one WGMMA batch in flight
+                        acc.fill(0.0)
+                        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                        warpgroup.fence()
+                        read, release = mainloop(tiled_mma, acc, tCrA, tCrB, ab_pipe, read, release, kc)
+                        if const_expr(self.pp):
+                            if w + stride < total:      # the other warpgroup's next unit may start
+                                turn_other.arrive()
 
-                    gC_t = gC[(None, None, tm, tn, l)]
-                    if const_expr(self.split == 1):
-                        self.epilogue(tma_c, gC_t, sC, acc, r2s, tRS_acc, tRS_r32, tRS_rC, tRS_sC,
-                                      n_rd, n_epi, row_blk, epi_bar, warp_id,
-                                      gmem_c, tm, tn, l, ragged, etid, store_warp, buf0)
-                    else:
-                        # ---- split-K: publish the partial, the last of the S arrivals folds them
-                        tile_id = (Int64(l) * (cl_n * self.cn) + tn) * (cl_m * self.cm) + tm
-                        n_tiles = Int64(cl_m * self.cm) * (cl_n * self.cn) * batches
-                        tile_elems = self.bm * self.bn
-                        mine = cute.make_tensor(ws.iterator + ((s * n_tiles + tile_id) * tile_elems + ctid),
-                                                cute.make_layout(frag, stride=self.mma_threads))
-                        for v in range_constexpr(frag):
-                            mine[v] = acc_flat[v]
-                        cute.arch.fence_acq_rel_gpu()      # partial visible before the count
-                        both_bar.arrive_and_wait()
-                        last = st.last.get_tensor(cute.make_layout(1))
-                        if ctid == 0:
-                            old = cute.arch.atomic_add(flags.iterator + tile_id, Int32(1),
-                                                       sem="acq_rel", scope="gpu")
-                            is_last = old == self.split - 1
-                            last[0] = Int32(is_last)
-                            if is_last:
-                                flags[tile_id] = Int32(0)  # ready for the next launch
-                        both_bar.arrive_and_wait()
-                        if last[0] != 0:
-                            cute.arch.fence_acq_rel_gpu()  # see every other split's partial
-                            for sp in range_constexpr(self.split):
-                                part = cute.make_tensor(
-                                    ws.iterator + ((sp * n_tiles + tile_id) * tile_elems + ctid),
-                                    cute.make_layout(frag, stride=self.mma_threads))
-                                if const_expr(sp == 0):
-                                    for v in range_constexpr(frag):
-                                        acc_flat[v] = part[v]
-                                else:
-                                    for v in range_constexpr(frag):
-                                        acc_flat[v] = acc_flat[v] + part[v]
+                        gC_t = gC[(None, None, tm, tn, l)]
+                        if const_expr(self.split == 1):
                             self.epilogue(tma_c, gC_t, sC, acc, r2s, tRS_acc, tRS_r32, tRS_rC, tRS_sC,
                                           n_rd, n_epi, row_blk, epi_bar, warp_id,
                                           gmem_c, tm, tn, l, ragged, etid, store_warp, buf0)
-                    if const_expr(self.pp):
-                        for _ in range(k_tiles):            # the other warpgroup's next unit
-                            read.advance()
-                            release.advance()
-                    w += step
+                        else:
+                            # ---- split-K: publish the partial, the last of the S arrivals folds them
+                            tile_id = (Int64(l) * (cl_n * self.cn) + tn) * (cl_m * self.cm) + tm
+                            n_tiles = Int64(cl_m * self.cm) * (cl_n * self.cn) * batches
+                            tile_elems = self.bm * self.bn
+                            mine = cute.make_tensor(ws.iterator + ((s * n_tiles + tile_id) * tile_elems + ctid),
+                                                    cute.make_layout(frag, stride=self.mma_threads))
+                            for v in range_constexpr(frag):
+                                mine[v] = acc_flat[v]
+                            cute.arch.fence_acq_rel_gpu()      # partial visible before the count
+                            both_bar.arrive_and_wait()
+                            last = st.last.get_tensor(cute.make_layout(1))
+                            if ctid == 0:
+                                old = cute.arch.atomic_add(flags.iterator + tile_id, Int32(1),
+                                                           sem="acq_rel", scope="gpu")
+                                is_last = old == self.split - 1
+                                last[0] = Int32(is_last)
+                                if is_last:
+                                    flags[tile_id] = Int32(0)  # ready for the next launch
+                            both_bar.arrive_and_wait()
+                            if last[0] != 0:
+                                cute.arch.fence_acq_rel_gpu()  # see every other split's partial
+                                for sp in range_constexpr(self.split):
+                                    part = cute.make_tensor(
+                                        ws.iterator + ((sp * n_tiles + tile_id) * tile_elems + ctid),
+                                        cute.make_layout(frag, stride=self.mma_threads))
+                                    if const_expr(sp == 0):
+                                        for v in range_constexpr(frag):
+                                            acc_flat[v] = part[v]
+                                    else:
+                                        for v in range_constexpr(frag):
+                                            acc_flat[v] = acc_flat[v] + part[v]
+                                self.epilogue(tma_c, gC_t, sC, acc, r2s, tRS_acc, tRS_r32, tRS_rC, tRS_sC,
+                                              n_rd, n_epi, row_blk, epi_bar, warp_id,
+                                              gmem_c, tm, tn, l, ragged, etid, store_warp, buf0)
+                        if const_expr(self.pp):
+                            for _ in range(k_tiles):            # the other warpgroup's next unit
+                                read.advance()
+                                release.advance()
+                        w += step
                 if warp_id == store_warp:
                     cute.arch.cp_async_bulk_wait_group(0, read=True)   # smem outlives its stores
 
         @cute.jit
         def epilogue(self, tma_c, gC_t, sC, acc, r2s, tRS_acc, tRS_r32, tRS_rC, tRS_sC, n_rd: cutlass.Constexpr,
                      n_epi: cutlass.Constexpr, row_blk, epi_bar, warp_id,
-                     gmem_c, tm, tn, l, ragged, etid, store_warp, buf0):
+                     gmem_c, tm, tn, l, ragged, etid, store_warp, buf0, converted: cutlass.Constexpr = False):
             """One warpgroup's 64 rows of the tile: acc -> output dtype -> smem ring -> TMA store,
             one 64 x epi_n subtile at a time, one named barrier per subtile.
 
@@ -622,7 +665,8 @@ def _kernel_class():
             so by the next barrier the buffer that subtile e + 2 refills is free; a 1-deep ring
             needs a second barrier instead. A subtile that crosses C's contiguous edge while that
             edge is not 16-byte aligned (`ragged`) is written by all the warpgroup's threads with
-            predicated stores instead.
+            predicated stores instead. ``converted``: ``tRS_acc`` already holds the output dtype
+            (the deferred epilogue's copy).
             """
             bSG_sC, bSG_gC = cpasync.tma_partition(
                 tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2),
@@ -635,9 +679,13 @@ def _kernel_class():
             for e in range_constexpr(n_epi):
                 blk, e_n = row_blk + e // per_row, e % per_row
                 m0 = tm * self.bm + blk * em
-                for v in range_constexpr(n_rd):
-                    tRS_r32[v] = tRS_acc[e * n_rd + v]
-                tRS_rC.store(tRS_r32.load().to(self.c_t))
+                if const_expr(converted):
+                    for v in range_constexpr(n_rd):
+                        tRS_rC[v] = tRS_acc[e * n_rd + v]
+                else:
+                    for v in range_constexpr(n_rd):
+                        tRS_r32[v] = tRS_acc[e * n_rd + v]
+                    tRS_rC.store(tRS_r32.load().to(self.c_t))
                 buf = buf0 + e % depth
                 cute.copy(r2s, tRS_rC, tRS_sC[(None, None, None, buf)])
                 # generic-proxy smem writes must be visible to the TMA (async proxy) store
