@@ -490,7 +490,7 @@ def _power_probe(bins, index, configs, specs):
         print(f"power probe 8192^3 kn {what:10s} ours {fl / t1 / 1e12:6.1f}  xla {fl / t2 / 1e12:6.1f}", flush=True)
 
 
-def cmd_run(bins: str, check_timeout: int = 100, bench_timeout: int = 300) -> int:
+def cmd_run(bins: str, check_timeout: int = 150, bench_timeout: int = 300) -> int:
     """The checks (in child processes of at most 8 configs) and the benchmark run with timeouts,
     so that a hang (e.g. a pipeline barrier that never completes) is reported and the rest still
     runs. Every failure is listed again at the end; the exit status is non-zero on any."""

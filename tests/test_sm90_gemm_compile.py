@@ -66,20 +66,24 @@ def test_heuristic_picks_a_candidate(majors):
         assert cfg in cands, (m, n, k, l, cfg)
     # the big squares: cooperative 128x256 tiles (both consumer warpgroups on one tile), B
     # multicast over a 2x1 cluster, M fastest in bands of 8 clusters (DRAM reads near cuBLAS's),
-    # no PDL, 64-wide epilogue subtiles for 16-bit outputs, on short K too; pingpong only through
-    # autotune (it loses in sustained runs: H200 measurements, 2026-11-22)
+    # no PDL, for 16-bit outputs a deferred epilogue (stored under the next tile's first two
+    # k-tiles), on short K too; pingpong only through autotune (it loses in sustained runs:
+    # H200 measurements, 2026-11-22)
     big = sm90_gemm.heuristic(spec, 8192, 8192, 8192, 1)
     assert (big.tile_m, big.tile_n, big.cluster_m, big.cluster_n, big.split_k, big.pingpong,
             big.raster, big.group, big.pdl) == (128, 256, 2, 1, 1, False, "m", 8, False)
-    assert big.epi_n == (32 if majors == "knm" else 64) or spec.c_dtype == F32
+    assert (big.defer, big.epi_n) == (sm90_gemm.DEFER, 32)
     for shape in ((2048, 2048, 2048), (4096, 4096, 4096), (4096, 4096, 14336), (512, 8192, 8192),
                   (16384, 1536, 1024), (16384, 2048, 2048), (4096, 14336, 4096)):
         assert sm90_gemm.heuristic(spec, *shape, 1) == big, shape
     assert sm90_gemm._PINGPONG_160 in cands and sm90_gemm._PINGPONG in cands   # autotune may time them
     # too few output tiles and a long K: split it
-    assert sm90_gemm.heuristic(spec, 256, 4096, 8192, 1).split_k > 1
+    split = sm90_gemm.heuristic(spec, 256, 4096, 8192, 1)
+    assert split.split_k > 1 and split.defer == 0 and split.epi_n == 64   # split tiles don't defer
     assert sm90_gemm.heuristic(spec, 64, 4096, 16384, 1).cluster_m == 1
-    assert sm90_gemm.heuristic(GemmSpec(BF, BF, F32, *majors), 8192, 8192, 8192, 1).epi_n == 32
+    f32 = sm90_gemm.heuristic(GemmSpec(BF, BF, F32, *majors), 8192, 8192, 8192, 1)
+    assert (f32.epi_n, f32.defer) == (32, 0)   # no room for a deferred fp32 copy
+    assert sm90_gemm.Config(epi_n=64) in cands   # session 6's pick stays an autotune candidate
 
 
 def test_workspace_matches_signature():

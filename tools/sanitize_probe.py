@@ -42,10 +42,12 @@ checks = {
                           (r(136, 264), r(72, 136))),
     "matmul batched bcast": (jax_cute.matmul, (r(3, 200, 136), r(136, 264))),
     "matmul split-k": (jax_cute.matmul, (r(128, 8192), r(8192, 128))),
-    # the heuristic's cooperative 128x256 tile (2x1 cluster, 64-wide epilogue subtiles) with a
-    # partial last tile along M and N, short and longer K
+    # the heuristic's cooperative 128x256 tile (2x1 cluster, deferred epilogue) with a partial
+    # last tile along M and N, short and longer K; the third has 2-3 tiles per CTA, so tiles
+    # are stored under their successors' first k-tiles
     "matmul cooperative short K": (jax_cute.matmul, (r(2048, 1000), r(1000, 1032))),
     "matmul cooperative 128x256": (jax_cute.matmul, (r(2048, 1104), r(1104, 1032))),
+    "matmul deferred epilogue": (jax_cute.matmul, (r(4000, 1000), r(1000, 2056))),
     # pingpong tiles (autotune candidates), partial tiles along M and N, ~2 tiles per CTA
     "pingpong 128x160": pingpong(128, 160, 4000, 1000, 1000),
     "pingpong 64x256": pingpong(64, 256, 4000, 1000, 1000),

@@ -124,12 +124,18 @@ def _check_config(config: Config) -> None:
                          f"kernel without split-K ({config})")
 
 
-def _epi_n(spec, config: Config) -> Config:
-    """The config with 64-wide epilogue subtiles where the output is 16-bit and the cooperative
-    tile width allows (fp32 subtiles that wide would leave a 1-deep ring)."""
-    if config.pingpong or _ITEM[spec.c_dtype] != 2 or config.tile_n % 64:
+DEFER = 2   # k-tiles of the next tile issued before a deferred epilogue's stores
+
+
+def _epilogue(spec, config: Config) -> Config:
+    """The epilogue a cooperative config runs with a 16-bit output: deferred under the next
+    tile's first DEFER k-tiles when K is not split; 64-wide subtiles when it is (fp32 outputs
+    keep 32-wide subtiles: wider ones would leave a 1-deep ring, and no room for a deferred copy)."""
+    if config.pingpong or _ITEM[spec.c_dtype] != 2:
         return config
-    return dataclasses.replace(config, epi_n=64)
+    if config.split_k == 1:
+        return dataclasses.replace(config, defer=DEFER)
+    return dataclasses.replace(config, epi_n=64) if config.tile_n % 64 == 0 else config
 
 
 def candidate_configs(spec) -> list[Config]:
@@ -144,18 +150,28 @@ def candidate_configs(spec) -> list[Config]:
     out.append(Config(128, 128, 1, 1, "m", 8, 1))
     out.append(Config(128, 256, 2, 1, "n", 16, 1))   # session 4's pick: autotune may still time it
     out += [_PINGPONG, _PINGPONG_160, Config(128, 128, 2, 1, pingpong=True)]
-    return [_epi_n(spec, c) for c in out]
+    out = [_epilogue(spec, c) for c in out]
+    if _ITEM[spec.c_dtype] == 2:
+        out.append(Config(epi_n=64))   # session 6's pick: the epilogue after each mainloop
+    return out
 
 
 # The heuristic ranks the unsplit and split cooperative tiles with _estimate. Where it picks the
 # unsplit 128x256 2x1-cluster tile, that tile runs M fastest inside bands of 8 clusters with
-# 64-wide epilogue subtiles (16-bit outputs). H200 measurements (docs/kernel-run-notes.md):
+# a deferred epilogue (16-bit outputs). H200 measurements (docs/kernel-run-notes.md):
+# - deferred epilogue (session 7): each tile's stores run under the next tile's first 2
+#   k-tiles instead of idling the tensor cores. Against session 6's pick (64-wide subtiles
+#   after each mainloop), in short windows +4 to +11% on K <= 4096 shapes with many tiles
+#   (16384x2048x2048 0.93 -> 0.99x XLA, 16384x1536x1024 0.90 -> 0.99x, 4096^3 0.95 -> 1.01x)
+#   and equal on 8192^3; in sustained 1 s windows +0.7 to +3%, since the saved cycles are
+#   idle ones. 32-wide subtiles: with 64-wide ones the kernel spills 16 bytes and ran 0-2%
+#   slower on the short-K shapes.
 # - raster: session 4 had moved to N fastest in bands of 16 on a short-window sweep; session 5
 #   measured that raster's DRAM reads under ncu: 1477 MB on 8192^3 and 654 MB on
 #   4096x14336x4096, against 1229 / 492 MB for M fastest in bands of 8 and 1204 / 453 MB for
 #   cuBLAS. On a board held at its 700 W cap, the extra traffic costs clock in sustained runs.
 # - 64-wide epilogue subtiles: half the store rounds (and barriers) per tile; equal or up to 4%
-#   faster in short windows, equal in sustained ones (session 6).
+#   faster in short windows, equal in sustained ones (session 6). Split-K tiles keep them.
 # - pingpong (64x256 or 128x160 tiles, one warpgroup's epilogue under the other's mainloop) is
 #   an autotune candidate only. 128x160 won 2-7% in short windows (50-60 ms, the suite's and the
 #   devcheck's) on 4096x14336x4096, 16384x2048x2048 and 16384x1536x1024, and lost 1-3% on all
@@ -223,7 +239,10 @@ def _estimate(config: Config, m: int, n: int, k: int, l: int, num_sms: int, bk: 
     k_per_unit = -(-k_tiles // config.split_k)
     size = config.tile_n / 128
     speed = 1.0 if config.tile_n == 256 else 0.88      # 128x128 tiles reach less of peak
-    step = k_per_unit * size / speed + 2.0 * size        # mainloop + epilogue
+    # mainloop + epilogue. A deferred epilogue is charged in full too: it hides under the next
+    # tile only where a CTA has one, and the split/unsplit ranking was tuned with this charge
+    # (re-ranking with the deferral credited is for a measured session)
+    step = k_per_unit * size / speed + 2.0 * size
     if config.split_k > 1:
         step += 3.0 * size                               # partial write, counter, fold
     return waves * step * (1.02 if csize == 1 else 1.0)
@@ -233,7 +252,8 @@ def heuristic(spec, m: int, n: int, k: int, l: int, num_sms: int = NUM_SMS) -> C
     reason = unsupported(spec)
     if reason:
         raise ValueError(reason)
-    cands = [c for c in candidate_configs(spec) if c.raster == "m" and c.group == 8 and not c.pingpong]
+    cands = [c for c in candidate_configs(spec)
+             if c.raster == "m" and c.group == 8 and not c.pingpong and c == _epilogue(spec, c)]
     tiles_m = -(-max(m, 1) // 128)
     if tiles_m == 1:   # a 2x1 cluster would idle half its CTAs; share A along N instead
         cands = [c for c in cands if c.cluster_m == 1]
