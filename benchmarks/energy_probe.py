@@ -119,7 +119,7 @@ def main() -> None:
     from common import parse_shapes, probe_cli
 
     p, r = probe_cli(__doc__.splitlines()[0], ROUNDS)
-    r.add_argument("--configs", default="t128x256.c2x1.rm8.sk1.st0.e64,t128x160.c2x1.rm8.sk1.st0.pp,t128x256.c2x1.rm8.sk1.st0",
+    r.add_argument("--configs", default="t128x256.c2x1.rm8.sk1.st0.df2,t128x256.c2x1.rm8.sk1.st0.e64,t128x160.c2x1.rm8.sk1.st0.pp",
                    help="config keys (devcheck objects) to time besides the primitive and XLA")
     a = p.parse_args()
     if a.cmd == "run":

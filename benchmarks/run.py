@@ -234,6 +234,12 @@ def report(files: list[str], md: str, plots: str) -> str:
                     f"- device: {data['device']}, date {data['date']}, jax_cute commit `{data['commit']}`", "", "```"]
             out += [energy_probe.report_case(*c["shape"], c["impls"]) for c in data["cases"]] + ["```", ""]
             continue
+        if data.get("probe") == "swap":  # benchmarks/swap_probe.py
+            import swap_probe
+            out += [f"## {Path(f).stem}: operand roles exchanged (C^T = B^T A^T)", "",
+                    f"- device: {data['device']}, date {data['date']}, jax_cute commit `{data['commit']}`", "", "```"]
+            out += [swap_probe.report(c) for c in data["cases"]] + ["```", ""]
+            continue
         if "cases" in data and "records" not in data:  # benchmarks/kernel_timeline.py
             import kernel_timeline
             out += kernel_timeline.markdown(data, f"{Path(f).stem}: kernel timeline (device trace)")

@@ -95,7 +95,7 @@ def cmd_run(bins: str, out: str, short_rounds: int, long_rounds: int) -> None:
 
     nvml = Nvml()
     index = json.load(open(os.path.join(bins, "swap_index.json")))
-    rec = {"device": jax.devices()[0].device_kind, "commit": os.environ.get("JAX_CUTE_COMMIT", "unknown"),
+    rec = {"probe": "swap", "device": jax.devices()[0].device_kind, "commit": os.environ.get("JAX_CUTE_COMMIT", "unknown"),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "chain": CHAIN, "cases": []}
     print(rec["device"], rec["date"], flush=True)
