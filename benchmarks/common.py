@@ -190,11 +190,14 @@ def suite_main(run: Callable[[argparse.Namespace], list[dict]], description: str
 
 
 
-def probe_cli(description: str, rounds: int) -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+def probe_cli(description: str, rounds: int, build: bool = False) -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     """(parser, its ``run`` subparser) for a GPU probe with ``run --bins --out --rounds --shapes``
-    and ``report PATH`` subcommands; add probe-specific options to the ``run`` subparser."""
+    and ``report PATH`` subcommands (and ``build --out`` for a probe that compiles its own
+    objects); add probe-specific options to the ``run`` subparser."""
     p = argparse.ArgumentParser(description=description)
     sub = p.add_subparsers(dest="cmd", required=True)
+    if build:
+        sub.add_parser("build").add_argument("--out", required=True)
     r = sub.add_parser("run")
     r.add_argument("--bins", required=True, help="benchmarks/devcheck_sm90_gemm.py build's output")
     r.add_argument("--out", default="")

@@ -16,7 +16,6 @@ counter (energy_probe's regime), CHAIN independent products per call.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime
 import json
@@ -35,6 +34,7 @@ C = sm90_gemm.Config
 SHAPES = [(4096, 14336, 4096), (16384, 2048, 2048), (8192, 8192, 8192), (16384, 1536, 1024),
           (4096, 4096, 14336), (4096, 4096, 4096)]
 CHAIN = 8
+SHORT_ROUNDS, LONG_ROUNDS = 7, 3   # interleaved ~60 ms windows; rotated 1 s windows
 # (frame, config): "ab" is jnp.matmul's frame, "ba" the swapped one
 CONFIGS = [
     ("ab", C(epi_n=64)),
@@ -86,7 +86,7 @@ def frame_call(binary, frame: str, cfg, m: int, n: int, k: int):
     return lambda a, b: call(b, a)
 
 
-def cmd_run(bins: str, out: str, short_rounds: int, long_rounds: int) -> None:
+def cmd_run(bins: str, out: str, shapes, long_rounds: int) -> None:
     import jax
     import jax.numpy as jnp
     from common import round_order
@@ -99,7 +99,7 @@ def cmd_run(bins: str, out: str, short_rounds: int, long_rounds: int) -> None:
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "chain": CHAIN, "cases": []}
     print(rec["device"], rec["date"], flush=True)
-    for (m, n, k) in SHAPES:
+    for (m, n, k) in shapes:
         pairs = chained_operands(m, n, k, CHAIN, m + 3 * n + 7 * k)
         want = [jnp.matmul(x, y).astype(jnp.float32) for x, y in pairs[:2]]
         impls = {"xla": jax.jit(lambda *ps: [jnp.matmul(x, y) for x, y in ps])}
@@ -113,7 +113,7 @@ def cmd_run(bins: str, out: str, short_rounds: int, long_rounds: int) -> None:
             impls[e["name"]] = jax.jit(lambda *ps, g=g: [g(x, y) for x, y in ps])
         flop = 2.0 * m * n * k * CHAIN
         labels = list(impls)
-        short = _time_interleaved([impls[x] for x in labels], tuple(pairs), rounds=short_rounds)
+        short = _time_interleaved([impls[x] for x in labels], tuple(pairs), rounds=SHORT_ROUNDS)
         case = {"shape": [m, n, k], "short_tflops": {x: flop / t / 1e12 for x, t in zip(labels, short)}, "long": {}}
         runs = {x: [] for x in labels}
         for r in range(long_rounds):
@@ -133,7 +133,7 @@ def cmd_run(bins: str, out: str, short_rounds: int, long_rounds: int) -> None:
 def report(case: dict) -> str:
     m, n, k = case["shape"]
     xs, xl = case["short_tflops"]["xla"], statistics.median(w["tflops"] for w in case["long"]["xla"])
-    lines = [f"{m}x{n}x{k}  (short: 7 interleaved ~60 ms windows; long: 1 s windows; TFLOP/s and ratio to XLA)",
+    lines = [f"{m}x{n}x{k}  (short: {SHORT_ROUNDS} interleaved ~60 ms windows; long: 1 s windows; TFLOP/s and ratio to XLA)",
              f"  {'impl':40s} {'short':>7s} {'ratio':>6s} {'long':>7s} {'ratio':>6s} {'W':>5s} {'MHz':>5s}"]
     for x, s in case["short_tflops"].items():
         ws = case["long"][x]
@@ -144,22 +144,14 @@ def report(case: dict) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    sub = p.add_subparsers(dest="cmd", required=True)
-    b = sub.add_parser("build")
-    b.add_argument("--out", required=True)
-    r = sub.add_parser("run")
-    r.add_argument("--bins", required=True)
-    r.add_argument("--out", default="")
-    r.add_argument("--short-rounds", type=int, default=7)
-    r.add_argument("--long-rounds", type=int, default=3)
-    rep = sub.add_parser("report")
-    rep.add_argument("path")
+    from common import parse_shapes, probe_cli
+
+    p, _ = probe_cli(__doc__.splitlines()[0], LONG_ROUNDS, build=True)
     a = p.parse_args()
     if a.cmd == "build":
         cmd_build(a.out)
     elif a.cmd == "run":
-        cmd_run(a.bins, a.out, a.short_rounds, a.long_rounds)
+        cmd_run(a.bins, a.out, parse_shapes(a.shapes, SHAPES), a.rounds)
     else:
         rec = json.load(open(a.path))
         print(f"device {rec['device']}, date {rec['date']}, commit {rec['commit']}")

@@ -103,6 +103,21 @@ def test_report_renders_skew_ratio_rows(tmp_path):
     assert "| G=8 | 700.0 | 0.0 | failed | — |" in text
 
 
+def test_report_renders_swap_probe_cases(tmp_path):
+    # swap_probe records hold "cases" without "records", like kernel_timeline's: the "probe" key
+    # must route them to their own section
+    import run
+    path = tmp_path / "h200-swap-probe.json"
+    win = lambda t, w: {"calls": 4, "s": 1.0, "mj": w * 1000, "mhz": 1500, "tflops": t, "watts": w}  # noqa: E731
+    path.write_text(json.dumps({"probe": "swap", "device": "NVIDIA H200", "date": "2026-11-22", "commit": "abc",
+                                "chain": 8, "cases": [{"shape": [64, 128, 256],
+                                                       "short_tflops": {"xla": 500.0, "ba_cfg": 450.0},
+                                                       "long": {"xla": [win(400.0, 690)], "ba_cfg": [win(420.0, 680)]}}]}))
+    text = run.report([str(path)], str(tmp_path / "B.md"), str(tmp_path / "plots"))
+    assert "operand roles exchanged" in text
+    assert "  ba_cfg" in text and "  450.0  0.900   420.0  1.050   680  1500" in text
+
+
 def test_report_from_synthetic_json(tmp_path):
     pytest.importorskip("matplotlib")
     import run
