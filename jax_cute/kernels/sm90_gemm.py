@@ -161,11 +161,11 @@ def candidate_configs(spec) -> list[Config]:
 # a deferred epilogue (16-bit outputs). H200 measurements (docs/kernel-run-notes.md):
 # - deferred epilogue (session 7): each tile's stores run under the next tile's first 2
 #   k-tiles instead of idling the tensor cores. Against session 6's pick (64-wide subtiles
-#   after each mainloop), in short windows +4 to +11% on K <= 4096 shapes with many tiles
-#   (16384x2048x2048 0.93 -> 0.99x XLA, 16384x1536x1024 0.90 -> 0.99x, 4096^3 0.95 -> 1.01x)
-#   and equal on 8192^3; in sustained 1 s windows +0.7 to +3%, since the saved cycles are
-#   idle ones. 32-wide subtiles: with 64-wide ones the kernel spills 16 bytes and ran 0-2%
-#   slower on the short-K shapes.
+#   after each mainloop): in sustained 1 s windows +0.7 to +3% on shapes with several tiles
+#   per CTA (1.01x XLA on 16384x2048x2048); in one devcheck run +4 to +11% on K <= 4096 shapes
+#   with many tiles, though a second run on another H200 read up to 10% lower for the same
+#   binary (short windows rank configs only to about +-5%). 32-wide subtiles: with 64-wide
+#   ones the kernel spills 16 bytes and was no faster sustained.
 # - raster: session 4 had moved to N fastest in bands of 16 on a short-window sweep; session 5
 #   measured that raster's DRAM reads under ncu: 1477 MB on 8192^3 and 654 MB on
 #   4096x14336x4096, against 1229 / 492 MB for M fastest in bands of 8 and 1204 / 453 MB for
