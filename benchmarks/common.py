@@ -17,13 +17,14 @@ so slow drift (clocks, temperature) hits all implementations alike. A failing im
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import statistics
 import sys
 import time
 import traceback
-from typing import Callable, Sequence
+from typing import Callable, ContextManager, Sequence
 
 import jax
 import numpy as np
@@ -34,6 +35,8 @@ class Impl:
     name: str                 # "jax_cute", "xla", "pallas", ...
     fn: Callable              # a function of the case's arguments (jitted here)
     config: str | None = None  # e.g. a Pallas tuning config; several configs may share a name
+    # entered around the first call, where jit traces and lowers (e.g. a jax_cute.config.override)
+    context: Callable[[], ContextManager] | None = None
 
 
 def _block(x) -> None:
@@ -90,7 +93,8 @@ def measure(suite: str, table: str, case: str, impls: Sequence[Impl], make_args:
         out = None
         try:
             f = jax.jit(im.fn)
-            out = f(*args)
+            with (im.context or contextlib.nullcontext)():
+                out = f(*args)
             _block(out)
             for _ in range(warmup - 1):
                 _block(f(*args))
@@ -113,6 +117,9 @@ def measure(suite: str, table: str, case: str, impls: Sequence[Impl], make_args:
                 traceback.print_exc()
         out = None  # free the output before the next implementation runs
     times: dict[int, list[float]] = {i: [] for i in jitted}
+    # host time until the last of a round's calls returned, per call: near the wall time per
+    # call, the host's dispatch (not the device) sets the pace
+    dispatch: dict[int, list[float]] = {i: [] for i in jitted}
     order = list(jitted)
     for r in range(rounds):
         args = make_args(r + 1)
@@ -133,8 +140,10 @@ def measure(suite: str, table: str, case: str, impls: Sequence[Impl], make_args:
                 t0 = time.perf_counter()
                 for _ in range(n):
                     out = f(*args)
+                t1 = time.perf_counter()
                 _block(out)
                 times[i].append((time.perf_counter() - t0) / (n * chain) * 1e3)
+                dispatch[i].append((t1 - t0) / n * 1e3)
             except Exception as e:  # noqa: BLE001
                 records[i]["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         del args
@@ -143,6 +152,7 @@ def measure(suite: str, table: str, case: str, impls: Sequence[Impl], make_args:
         if rec["error"] or not ts:
             continue
         rec["rounds_ms"] = ts
+        rec["dispatch_ms_per_call"] = statistics.median(dispatch[i])
         rec["ms"] = statistics.median(ts)
         rec["tflops"] = flops / (rec["ms"] * 1e-3) / 1e12 if flops else None
         print(f"  [{case}] {rec['impl']:9s}{' ' + rec['config'] if rec['config'] else ''}: {rec['ms']:.4f} ms"

@@ -630,41 +630,57 @@ ffi::Error Execute(cudaStream_t stream, int32_t device, LaunchState* state,
 
 }  // namespace
 
-// Handlers. The command-buffer trait is declared on every stage: XLA reads handler metadata
-// and the trait must be visible whichever handler it asks.
-XLA_FFI_DEFINE_HANDLER(kInstantiate, Instantiate,
-                       ffi::Ffi::BindInstantiate()
-                           .Attr<std::string_view>("name")
-                           .Attr<std::string_view>("key")
-                           .Attr<std::string_view>("symbol")
-                           .Attr<ffi::Span<const uint8_t>>("object")
-                           .Attr<int64_t>("arch_major")
-                           .Attr<int64_t>("arch_minor")
-                           .Attr<ffi::Span<const int64_t>>("arg_kinds")
-                           .Attr<ffi::Span<const int64_t>>("arg_offsets")
-                           .Attr<ffi::Span<const int64_t>>("arg_words")
-                           .Attr<ffi::Span<const int64_t>>("arg_align"),
-                       {ffi::Traits::kCmdBufferCompatible});
+// Bindings of the three stages, shared by the two handler sets below.
+auto InstantiateBinding() {
+  return ffi::Ffi::BindInstantiate()
+      .Attr<std::string_view>("name")
+      .Attr<std::string_view>("key")
+      .Attr<std::string_view>("symbol")
+      .Attr<ffi::Span<const uint8_t>>("object")
+      .Attr<int64_t>("arch_major")
+      .Attr<int64_t>("arch_minor")
+      .Attr<ffi::Span<const int64_t>>("arg_kinds")
+      .Attr<ffi::Span<const int64_t>>("arg_offsets")
+      .Attr<ffi::Span<const int64_t>>("arg_words")
+      .Attr<ffi::Span<const int64_t>>("arg_align");
+}
 
-XLA_FFI_DEFINE_HANDLER(kInitialize, Initialize,
-                       ffi::Ffi::BindInitialize()
-                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                           .Ctx<ffi::DeviceOrdinal>()
-                           .Ctx<ffi::State<LaunchState>>()
-                           .RemainingArgs()
-                           .RemainingRets()
-                           .Attrs(),
-                       {ffi::Traits::kCmdBufferCompatible});
+auto InitializeBinding() {
+  return ffi::Ffi::BindInitialize()
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .Ctx<ffi::DeviceOrdinal>()
+      .Ctx<ffi::State<LaunchState>>()
+      .RemainingArgs()
+      .RemainingRets()
+      .Attrs();
+}
 
-XLA_FFI_DEFINE_HANDLER(kExecute, Execute,
-                       ffi::Ffi::Bind()
-                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                           .Ctx<ffi::DeviceOrdinal>()
-                           .Ctx<ffi::State<LaunchState>>()
-                           .RemainingArgs()
-                           .RemainingRets()
-                           .Attrs(),
+auto ExecuteBinding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .Ctx<ffi::DeviceOrdinal>()
+      .Ctx<ffi::State<LaunchState>>()
+      .RemainingArgs()
+      .RemainingRets()
+      .Attrs();
+}
+
+// Graph handlers: XLA may record the launch into its command buffers (CUDA graphs). It records
+// an FFI call by stream capture, again whenever a buffer address changed since the last
+// recording. The trait is declared on every stage: XLA reads handler metadata and the trait
+// must be visible whichever handler it asks.
+XLA_FFI_DEFINE_HANDLER(kInstantiate, Instantiate, InstantiateBinding(),
                        {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER(kInitialize, Initialize, InitializeBinding(),
+                       {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER(kExecute, Execute, ExecuteBinding(), {ffi::Traits::kCmdBufferCompatible});
+
+// Stream handlers: the same stages without the trait. XLA launches them on its stream on every
+// run, outside command buffers, so a kernel launched with programmatic dependent launch can
+// overlap the kernel before it (a graph records our call as a child graph, where it cannot).
+XLA_FFI_DEFINE_HANDLER(kInstantiateStream, Instantiate, InstantiateBinding());
+XLA_FFI_DEFINE_HANDLER(kInitializeStream, Initialize, InitializeBinding());
+XLA_FFI_DEFINE_HANDLER(kExecuteStream, Execute, ExecuteBinding());
 
 // ------------------------------------------------------------------------------------------
 // Python module
@@ -692,11 +708,13 @@ void LoadRuntimeLibrary() {
   if (e.failure()) throw std::runtime_error(e.message());
 }
 
-nb::dict Registrations() {
+nb::dict Registrations(bool command_buffer) {
   nb::dict d;
-  d["instantiate"] = nb::capsule(reinterpret_cast<void*>(kInstantiate));
-  d["initialize"] = nb::capsule(reinterpret_cast<void*>(kInitialize));
-  d["execute"] = nb::capsule(reinterpret_cast<void*>(kExecute));
+  d["instantiate"] =
+      nb::capsule(reinterpret_cast<void*>(command_buffer ? kInstantiate : kInstantiateStream));
+  d["initialize"] =
+      nb::capsule(reinterpret_cast<void*>(command_buffer ? kInitialize : kInitializeStream));
+  d["execute"] = nb::capsule(reinterpret_cast<void*>(command_buffer ? kExecute : kExecuteStream));
   return d;
 }
 
@@ -731,8 +749,9 @@ NB_MODULE(_ffi, m) {
   m.def("runtime_library", &jax_cute::RuntimeLibrary, "The path set by set_runtime_library.");
   m.def("load_runtime_library", &jax_cute::LoadRuntimeLibrary,
         "Load the DSL runtime now; raises RuntimeError on failure.");
-  m.def("registrations", &jax_cute::Registrations,
-        "Stage name -> handler capsule, for jax.ffi.register_ffi_target(api_version=1).");
+  m.def("registrations", &jax_cute::Registrations, nb::arg("command_buffer") = true,
+        "Stage name -> handler capsule, for jax.ffi.register_ffi_target(api_version=1); "
+        "command_buffer=False gives the stream handlers (never recorded into a CUDA graph).");
   m.def("state_type", &jax_cute::StateType,
         "Type registration of the handler's state, for jax.ffi.register_ffi_type.");
   m.def("stats", &jax_cute::Stats, "Counters: modules_created, functions_loaded, launches.");

@@ -9,6 +9,8 @@
 | cache_dir             | JAX_CUTE_CACHE_DIR                | where compiled kernels are kept on disk        |
 | disk_cache            | JAX_CUTE_DISK_CACHE=0             | turn the disk cache off                        |
 | autotune              | JAX_CUTE_AUTOTUNE=1               | time candidate configs on the GPU, keep best   |
+| command_buffer        | JAX_CUTE_COMMAND_BUFFER=0         | launch on XLA's stream, outside CUDA graphs,   |
+|                       |                                   | with programmatic dependent launch (Hopper)    |
 
 Python settings win over the environment; ``None`` means "ask the environment".
 """
@@ -30,9 +32,10 @@ _ENV = {
     "cache_dir": "JAX_CUTE_CACHE_DIR",
     "disk_cache": "JAX_CUTE_DISK_CACHE",
     "autotune": "JAX_CUTE_AUTOTUNE",
+    "command_buffer": "JAX_CUTE_COMMAND_BUFFER",
 }
 _BOOL_DEFAULTS = {"strict": False, "nan_fill": False, "unverified_kernels": False, "disk_cache": True,
-                  "autotune": False}
+                  "autotune": False, "command_buffer": True}
 
 
 def _flag(name: str) -> bool:
@@ -64,6 +67,16 @@ def unverified_kernels() -> bool:
 
 def autotune() -> bool:
     return _flag("autotune")
+
+
+def command_buffer() -> bool:
+    """Whether XLA may record our custom calls into its command buffers (CUDA graphs).
+
+    Off, each call is launched on XLA's stream on every run: no re-capture when buffer
+    addresses change, and dense Hopper GEMMs launch with programmatic dependent launch, so a
+    kernel's start overlaps the previous kernel's tail. Read when a call is lowered.
+    """
+    return _flag("command_buffer")
 
 
 def disk_cache() -> bool:

@@ -29,14 +29,16 @@ def _fill_value(dtype) -> object:
 def kernel_call(binary: KernelBinary, inputs: Mapping[str, tuple[jax.Array, Sequence[int], Sequence[int]]],
                 outputs: Mapping[str, tuple[jax.ShapeDtypeStruct, Sequence[int], Sequence[int]]],
                 scalars: Mapping[str, object] | None = None, *,
-                zeroed: Sequence[str] = (), nan_fill: bool | None = None) -> dict[str, jax.Array]:
+                zeroed: Sequence[str] = (), nan_fill: bool | None = None,
+                command_buffer: bool | None = None) -> dict[str, jax.Array]:
     """Launch ``binary`` on XLA's stream; returns the outputs by name.
 
     ``inputs`` maps a tensor argument's name to (physical array, logical shape, logical
     stride); ``outputs`` maps a name to (physical ShapeDtypeStruct, shape, stride). Outputs
     named in ``zeroed`` start as zeros (workspaces a kernel accumulates into); with
     ``nan_fill`` (default: ``config.nan_fill()``) every other output starts as NaN (or -1 for
-    integers).
+    integers). ``command_buffer`` (default: ``config.command_buffer()``) picks the FFI target
+    XLA may record into a CUDA graph, or the one it launches on its stream every run.
     """
     runtime.ensure_registered()
     in_names, out_names = list(inputs), list(outputs)
@@ -65,7 +67,8 @@ def kernel_call(binary: KernelBinary, inputs: Mapping[str, tuple[jax.Array, Sequ
         kinds = packed.kinds.copy()
         kinds[kinds >= len(in_names)] += shift
         attrs["arg_kinds"] = kinds
-    call = jax.ffi.ffi_call(runtime.TARGET_NAME, out_types, input_output_aliases=aliases or None)
+    graph = config.command_buffer() if command_buffer is None else command_buffer
+    call = jax.ffi.ffi_call(runtime.target_name(graph), out_types, input_output_aliases=aliases or None)
     results = call(*args, **attrs)
     return dict(zip(out_names, results))
 

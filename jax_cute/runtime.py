@@ -15,6 +15,9 @@ import os
 import threading
 
 TARGET_NAME = "jax_cute_launch"
+# The same handler without the command-buffer trait: XLA launches it on its stream each run
+# (config switch ``command_buffer``).
+STREAM_TARGET_NAME = "jax_cute_launch_stream"
 STATE_TYPE_NAME = "jax_cute_launch_state"
 
 # Flavours of the DSL runtime, most preferred first (the wheel's cu13 extra is what we pin).
@@ -54,7 +57,7 @@ def extension():
 
 
 def ensure_registered() -> None:
-    """Register the ``jax_cute_launch`` FFI target with JAX for CUDA (idempotent, thread-safe).
+    """Register the ``jax_cute_launch`` FFI targets with JAX for CUDA (idempotent, thread-safe).
 
     Registration only queues the handler when no CUDA backend is present, so this works on a
     CPU-only jaxlib too (lowering for CUDA then finds the target).
@@ -72,9 +75,15 @@ def ensure_registered() -> None:
         # The handler keeps per-instance state (ffi::State); XLA needs its type registered
         # before the first instantiation. Names must be unique per process: done once.
         jax.ffi.register_ffi_type(STATE_TYPE_NAME, ext.state_type(), platform="CUDA")
-        jax.ffi.register_ffi_target(TARGET_NAME, ext.registrations(), platform="CUDA",
-                                    api_version=1)
+        for name, graph in ((TARGET_NAME, True), (STREAM_TARGET_NAME, False)):
+            jax.ffi.register_ffi_target(name, ext.registrations(command_buffer=graph), platform="CUDA",
+                                        api_version=1)
         _registered = True
+
+
+def target_name(command_buffer: bool) -> str:
+    """The FFI target for graph-recordable (True) or stream-launched (False) custom calls."""
+    return TARGET_NAME if command_buffer else STREAM_TARGET_NAME
 
 
 def stats() -> dict[str, int]:

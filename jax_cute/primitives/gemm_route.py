@@ -6,6 +6,7 @@ routing has logged (or, in strict mode, raised) why the reference path is taken.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from typing import Callable
@@ -81,6 +82,16 @@ def family_for(op: str, kind: str, spec, what: str):
     return arch, fam
 
 
+def launch_mode(cfg):
+    """``cfg`` for the current launch mode: launched on XLA's stream (``command_buffer`` off), a
+    kernel that supports it takes programmatic dependent launch, so its CTAs start under the
+    previous kernel's tail and wait there. Inside a CUDA graph XLA records our call as a child
+    graph, where that cannot act, so recorded launches keep ``cfg`` as it is."""
+    if config.command_buffer() or "pdl" not in {f.name for f in dataclasses.fields(cfg)}:
+        return cfg
+    return dataclasses.replace(cfg, pdl=True)
+
+
 def trusted(op: str, binary, impl: Callable, reference: Callable, avals, make_int=None) -> bool:
     """False (after the fallback was logged) when an unverified kernel fails its first-use check."""
     if selfcheck.trusted(binary, selfcheck.compare(impl, reference, avals, make_int)):
@@ -110,6 +121,7 @@ def matmul_impl(a_aval, b_aval, *, layouts: GemmLayouts, out_dtype: str, acc_dty
         from jax_cute import autotune
 
         cfg = autotune.tuned_gemm_config(fam, arch, spec, flat, dts, cfg)
+    cfg = launch_mode(cfg)
     binary = binary_for(fam, arch, spec, cfg)
     workspaces = fam.workspace(spec, cfg, flat.m, flat.n, flat.k, flat.l)
     impl = lambda a, b: _launch(a, b, flat, binary, workspaces, layouts, dts[2])  # noqa: E731

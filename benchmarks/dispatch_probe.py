@@ -1,0 +1,185 @@
+"""Recorded into XLA's CUDA graphs, or launched on its stream: which keeps the device busier?
+
+  CUTE_DSL_ARCH=sm_90a python benchmarks/dispatch_probe.py build --out DIR   # any machine
+  JAX_CUTE_CACHE_DIR=DIR/cache python benchmarks/dispatch_probe.py run --bins DIR [--out F.json]
+  python benchmarks/dispatch_probe.py report F.json
+
+XLA records an FFI custom call into a command buffer by stream capture, and captures it again on
+every run in which a buffer address changed: a jit's outputs are new buffers on each call, so
+in the suite each of our products is re-captured on the host on every call. XLA's own kernels
+are only re-pointed. The stream target (``jax_cute.config`` switch ``command_buffer`` off) is
+launched on XLA's stream instead, and its dense Hopper kernels take programmatic dependent
+launch (PDL): the next kernel's CTAs start under the previous one's tail. This probe times, as
+the suite does (CHAIN products per jit, rotated interleaved rounds, random bf16), XLA against
+jax_cute.matmul recorded (``graph``), launched on the stream without PDL (``stream``) and with
+it (``stream+pdl``); per implementation it also records the host's dispatch time per call and
+how many times our handler launched per call (8 per call of 8 products: captured or launched
+every run; 0: a recorded graph was replayed). Then the README's MLP training step, large and
+small, the same ways. `build` lowers every case for sm_90a into DIR/cache (no GPU needed), so
+the GPU machine only loads kernels.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import jax_cute  # noqa: E402
+from common import Impl, measure, parse_shapes, probe_cli  # noqa: E402
+from jax_cute.primitives import gemm_route  # noqa: E402
+
+SHAPES = [(2048, 2048, 2048), (16384, 1536, 1024), (16384, 2048, 2048), (4096, 4096, 4096),
+          (512, 8192, 8192), (4096, 14336, 4096), (4096, 4096, 14336), (8192, 8192, 8192)]
+CHAIN = 8
+MLP_SIZES = ("small", "large")
+# name -> (command_buffer, pdl on the stream)
+MODES = {"graph": (True, False), "stream": (False, False), "stream+pdl": (False, True)}
+
+
+@contextlib.contextmanager
+def mode(name: str):
+    """Lower jax_cute calls as ``name`` says (see MODES)."""
+    graph, pdl = MODES[name]
+    saved = gemm_route.launch_mode
+    if not pdl:
+        gemm_route.launch_mode = lambda cfg: cfg
+    try:
+        with jax_cute.config.override(command_buffer=graph):
+            yield
+    finally:
+        gemm_route.launch_mode = saved
+
+
+def mlp_case(size: str):
+    """(impls, make_args, flops, label) of the README's MLP training step at ``size``."""
+    import mlp_training as mlp
+
+    batch, d_model, d_ff, _, lr = mlp.SIZES[size]
+    params = mlp.init(jax.random.key(0), d_model, d_ff)
+    x, y = mlp.data(jax.random.key(1), batch, d_model, n_batches=1)
+    impls = [Impl("xla", mlp.make_step(jnp.matmul, jnp.bfloat16, lr))]
+    impls += [Impl(f"jax_cute {m}", mlp.make_step(jax_cute.matmul, jnp.bfloat16, lr),
+                   context=lambda m=m: mode(m)) for m in MODES]
+    mk = lambda s: (params, jax.random.normal(jax.random.key(s), x[0].shape, jnp.float32), y[0])  # noqa: E731
+    return impls, mk, 6 * 2.0 * batch * d_model * d_ff, f"MLP train step {batch}x{d_model}x{d_ff}"
+
+
+def gemm_impls() -> list[Impl]:
+    # a function of its own per mode: jit must not hand one mode's trace to another
+    return [Impl("xla", jnp.matmul)] + [Impl(f"jax_cute {m}", lambda a, b: jax_cute.matmul(a, b),
+                                             context=lambda m=m: mode(m)) for m in MODES]
+
+
+def cmd_build(out: str, shapes) -> None:
+    """Lower every case for sm_90a here, filling DIR/cache with the kernels they take."""
+    jax_cute.config.set(target_arch="sm_90a", strict=True, cache_dir=os.path.join(out, "cache"))
+    bf = jnp.bfloat16
+    for (m, n, k) in shapes:
+        for name in MODES:
+            with mode(name):   # a new function per mode, or jit reuses the first lowering
+                jax.jit(lambda a, b: jax_cute.matmul(a, b)).trace(jax.ShapeDtypeStruct((m, k), bf),
+                                               jax.ShapeDtypeStruct((k, n), bf)).lower(lowering_platforms=("cuda",))
+        print(f"built {m}x{n}x{k}", flush=True)
+    for size in MLP_SIZES:
+        impls, mk, _, label = mlp_case(size)
+        args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), mk(0))
+        for im in impls[1:]:
+            with im.context():
+                jax.jit(im.fn).trace(*args).lower(lowering_platforms=("cuda",))
+        print(f"built {label}", flush=True)
+
+
+def launches_per_call(im: Impl, args: tuple, calls: int = 20) -> float:
+    """How often our handler launched per call, after warm-up (see the module notes)."""
+    from jax_cute import runtime
+
+    f = jax.jit(im.fn)
+    with im.context():
+        jax.block_until_ready(f(*args))
+    jax.block_until_ready(f(*args))
+    before = runtime.stats()["launches"]
+    out = None
+    for _ in range(calls):
+        out = f(*args)
+    jax.block_until_ready(out)
+    return (runtime.stats()["launches"] - before) / calls
+
+
+def cmd_run(bins: str, out: str, shapes, rounds: int) -> None:
+    # strict: a fallback to XLA raises instead of timing XLA twice
+    jax_cute.config.set(strict=True, cache_dir=os.path.join(bins, "cache"))
+    dev = jax.devices()[0]
+    rec = {"probe": "dispatch", "device": dev.device_kind, "jax": jax.__version__, "chain": CHAIN,
+           "commit": os.environ.get("JAX_CUTE_COMMIT", "unknown"), "xla_flags": os.environ.get("XLA_FLAGS", ""),
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "records": []}
+    dt = jnp.bfloat16
+    cases = []
+    for (m, n, k) in shapes:
+        mk = lambda s, m=m, n=n, k=k: tuple(jax.random.normal(key, sh, dt) for key, sh in  # noqa: E731
+                                            zip(jax.random.split(jax.random.key(s)), [(m, k), (k, n)]))
+        cases.append((gemm_impls(), mk, 2.0 * m * n * k, f"{m}x{n}x{k}", CHAIN))
+    for size in MLP_SIZES:
+        cases.append((*mlp_case(size), 1))
+    for impls, mk, flops, label, chain in cases:
+        recs = measure("dispatch", "dispatch", label, impls, mk, flops, rounds=rounds, chain=chain,
+                       check=chain > 1)
+        args = tuple(mk(1 + j) for j in range(chain)) if chain > 1 else mk(1)
+        for im, r in zip(impls, recs):
+            if im.context is not None and not r["error"]:
+                call = (lambda *sets, fn=im.fn: [fn(*a) for a in sets]) if chain > 1 else im.fn
+                r["launches_per_call"] = launches_per_call(Impl(im.name, call, context=im.context), args)
+        rec["records"] += recs
+        print(report_case(recs), flush=True)
+    if out:
+        with open(out, "w") as f:
+            json.dump(rec, f, indent=1)
+
+
+def report_case(recs: list[dict]) -> str:
+    xla = next((r for r in recs if r["impl"] == "xla" and r.get("ms")), None)
+    lines = [f"{recs[0]['case']} ({recs[0]['chain']} per call)",
+             "  impl                   µs/prod  TFLOP/s  vs XLA  dispatch µs/call  wall µs/call  launches/call  max rel err"]
+    for r in recs:
+        if not r.get("ms"):
+            lines.append(f"  {r['impl']:22s} failed: {r['error']}")
+            continue
+        wall = r["ms"] * 1e3 * r["chain"]
+        lines.append(f"  {r['impl']:22s} {r['ms'] * 1e3:8.2f} {r['tflops'] or 0:8.1f} {xla['ms'] / r['ms'] if xla else 0:7.3f}"
+                     f" {r['dispatch_ms_per_call'] * 1e3:17.1f} {wall:13.1f} {r.get('launches_per_call', float('nan')):14.1f}"
+                     f"  {r.get('max_rel_err', float('nan')):.1e}")
+    return "\n".join(lines)
+
+
+def cmd_report(path: str) -> None:
+    rec = json.load(open(path))
+    print(f"{rec['device']}, {rec['date']}, jax {rec['jax']}, commit {rec['commit']}, XLA_FLAGS {rec['xla_flags'] or '(none)'}")
+    by_case: dict[str, list[dict]] = {}
+    for r in rec["records"]:
+        by_case.setdefault(r["case"], []).append(r)
+    for recs in by_case.values():
+        print(report_case(recs))
+
+
+def main() -> None:
+    p, r = probe_cli(__doc__.splitlines()[0], rounds=7, build=True)
+    args = p.parse_args()
+    if args.cmd == "build":
+        cmd_build(args.out, SHAPES)
+    elif args.cmd == "run":
+        cmd_run(args.bins, args.out, parse_shapes(args.shapes, SHAPES), args.rounds)
+    else:
+        cmd_report(args.path)
+
+
+if __name__ == "__main__":
+    main()
