@@ -203,12 +203,15 @@ def suite_main(run: Callable[[argparse.Namespace], list[dict]], description: str
 def probe_cli(description: str, rounds: int, build: bool = False) -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     """(parser, its ``run`` subparser) for a GPU probe with ``run --bins --out --rounds --shapes``
     and ``report PATH`` subcommands (and ``build --out`` for a probe that compiles its own
-    objects); add probe-specific options to the ``run`` subparser."""
+    objects); add probe-specific options to the ``run`` subparser (or any, by name, from the
+    parser's ``subcommands``)."""
     p = argparse.ArgumentParser(description=description)
     sub = p.add_subparsers(dest="cmd", required=True)
+    p.subcommands = {}   # name -> subparser, for options of one probe
     if build:
-        sub.add_parser("build").add_argument("--out", required=True)
-    r = sub.add_parser("run")
+        p.subcommands["build"] = sub.add_parser("build")
+        p.subcommands["build"].add_argument("--out", required=True)
+    r = p.subcommands["run"] = sub.add_parser("run")
     r.add_argument("--bins", required=True, help="benchmarks/devcheck_sm90_gemm.py build's output")
     r.add_argument("--out", default="")
     r.add_argument("--rounds", type=int, default=rounds)
