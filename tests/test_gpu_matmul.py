@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import textwrap
@@ -238,6 +239,36 @@ def test_autotune_times_every_candidate_and_remembers_the_winner(tmp_path, caplo
         g = lambda x, y: jax_cute.matmul(x, y) * 1  # noqa: E731  (a new function: lowered again)
         assert entry["config"] in compiled_text(g, a, b)
         assert not [r for r in caplog.records if r.getMessage().startswith("jax_cute autotune ")]
+
+
+def test_stream_launch_with_pdl_orders_dependent_products():
+    """command_buffer off: our calls go to the stream target with PDL kernels, which may start
+    while the kernel before them drains. Four products back to back, each reading the one
+    before (the third split-K, so an XLA zero-fill sits in front of it), must each see their
+    input complete: every stage is checked against a float32 product of the input it actually
+    got, on two input sets (a stale read would see the first set's data)."""
+    dims = [(1000, 776), (776, 1032), (1032, 2056), (2056, 136), (136, 520)]
+
+    def chain(x, *ws):
+        outs = [x]
+        for w in ws:
+            outs.append(jax_cute.matmul(outs[-1], w))
+        return outs[1:]
+
+    with config.override(command_buffer=False, nan_fill=False):  # fills would sit between kernels
+        f = jax.jit(lambda x, *ws: chain(x, *ws))
+        for trial in range(2):
+            x = rand(dims[0])
+            # each weight scaled to keep the products near unit size
+            ws = [(rand(d).astype(jnp.float32) / np.sqrt(d[0])).astype(jnp.bfloat16) for d in dims[1:]]
+            if trial == 0:
+                text = compiled_text(f, x, *ws)
+                assert text.count('custom_call_target="jax_cute_launch_stream"') == 4, "stream calls missing"
+                assert "cublas" not in text.lower() and text.count(".pdl") >= 4
+                assert re.search(r"\.sk[2-8]\.", text), "the split-K stage is missing"
+            outs = f(x, *ws)
+            for i, (inp, w) in enumerate(zip([x, *outs[:-1]], ws)):
+                check(outs[i], ref_mm(inp, w), jnp.bfloat16)
 
 
 _GRAPH_PROBE = textwrap.dedent("""

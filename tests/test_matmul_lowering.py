@@ -88,6 +88,37 @@ def test_custom_call_carries_the_object_and_layouts():
         assert attr in text
 
 
+def test_stream_launch_takes_the_stream_target_and_the_pdl_kernel():
+    """command_buffer off: the call goes to the target XLA never records into a CUDA graph, and
+    the Hopper kernel is its programmatic-dependent-launch build; the default does neither."""
+    graph = lowered(lambda a, b: jax_cute.matmul(a, b), (256, 128), (128, 64))
+    with config.override(command_buffer=False):
+        stream = lowered(lambda a, b: jax_cute.matmul(a, b), (256, 128), (128, 64))
+    assert "@jax_cute_launch(" in graph and "@jax_cute_launch_stream" not in graph
+    assert "@jax_cute_launch_stream(" in stream and "@jax_cute_launch(" not in stream
+    assert ".pdl" not in graph and ".pdl" in stream
+
+
+def test_launch_mode_adds_pdl_only_off_graphs_and_only_where_a_config_has_it():
+    from jax_cute.kernels import sm90_gemm, sm90_grouped
+    from jax_cute.primitives.gemm_route import launch_mode
+
+    dense = sm90_gemm.Config()
+    assert launch_mode(dense) == dense
+    with config.override(command_buffer=False):
+        assert launch_mode(dense) == sm90_gemm.Config(pdl=True)
+        grouped = sm90_grouped.Config()
+        assert launch_mode(grouped) == grouped
+
+
+def test_command_buffer_switch_reads_the_environment(monkeypatch):
+    assert config.command_buffer()
+    monkeypatch.setenv("JAX_CUTE_COMMAND_BUFFER", "0")
+    assert not config.command_buffer()
+    with config.override(command_buffer=True):
+        assert config.command_buffer()
+
+
 def test_vmap_over_the_contiguous_axis_logs_one_copy(caplog):
     f = jax.vmap(jax_cute.matmul, in_axes=(2, None))
     with caplog.at_level(logging.WARNING, logger="jax_cute"):
