@@ -70,15 +70,20 @@ def test_heuristic_picks_a_candidate(majors):
     # the big squares: cooperative 128x256 tiles (both consumer warpgroups on one tile), B
     # multicast over a 2x1 cluster, M fastest in bands of 8 clusters (DRAM reads near cuBLAS's),
     # no PDL, for 16-bit outputs a deferred epilogue (stored under the next tile's first two
-    # k-tiles), on short K too; pingpong only through autotune (it loses in sustained runs:
-    # H200 measurements, 2026-11-22)
+    # k-tiles) where a CTA runs at least DEFER_MIN_TILES tiles, on short K too, else 64-wide
+    # subtiles stored after each mainloop; pingpong only through autotune (it loses in
+    # sustained runs: H200 measurements, 2026-11-22)
     big = sm90_gemm.heuristic(spec, 8192, 8192, 8192, 1)
     assert (big.tile_m, big.tile_n, big.cluster_m, big.cluster_n, big.split_k, big.pingpong,
             big.raster, big.group, big.pdl) == (128, 256, 2, 1, 1, False, "m", 8, False)
     assert (big.defer, big.epi_n) == (sm90_gemm.DEFER, 32)
-    for shape in ((2048, 2048, 2048), (4096, 4096, 4096), (4096, 4096, 14336), (512, 8192, 8192),
-                  (16384, 1536, 1024), (16384, 2048, 2048), (4096, 14336, 4096)):
+    for shape in ((16384, 1536, 1024), (16384, 2048, 2048), (4096, 14336, 4096)):
         assert sm90_gemm.heuristic(spec, *shape, 1) == big, shape
+        assert sm90_gemm.tiles_per_cta(big, *shape[:2], 1) >= sm90_gemm.DEFER_MIN_TILES
+    few = sm90_gemm.Config(epi_n=64)
+    for shape in ((2048, 2048, 2048), (4096, 4096, 4096), (4096, 4096, 14336), (512, 8192, 8192)):
+        assert sm90_gemm.heuristic(spec, *shape, 1) == few, shape
+        assert sm90_gemm.tiles_per_cta(few, *shape[:2], 1) < sm90_gemm.DEFER_MIN_TILES
     assert sm90_gemm._PINGPONG_160 in cands and sm90_gemm._PINGPONG in cands   # autotune may time them
     # too few output tiles and a long K: split it
     split = sm90_gemm.heuristic(spec, 256, 4096, 8192, 1)

@@ -125,6 +125,11 @@ def _check_config(config: Config) -> None:
 
 
 DEFER = 2   # k-tiles of the next tile issued before a deferred epilogue's stores
+# Fewest tiles per CTA for which the heuristic defers. Kernel cycles under ncu (H200, session 8):
+# deferring costs ~3.4k cycles once per CTA (with one tile per CTA: +3.4k on both 2048^3 and
+# 512x8192x8192, whatever K) and saves ~1k per tile after the first, so it lost on 3.9 tiles
+# per CTA (4096^3: +1%) and won from 5.8 (16384x1536x1024: -1.6%; 16384x2048x2048: -1.2%).
+DEFER_MIN_TILES = 5
 
 
 def _epilogue(spec, config: Config) -> Config:
@@ -151,16 +156,18 @@ def candidate_configs(spec) -> list[Config]:
     out.append(Config(128, 256, 2, 1, "n", 16, 1))   # session 4's pick: autotune may still time it
     out += [_PINGPONG, _PINGPONG_160, Config(128, 128, 2, 1, pingpong=True)]
     out = [_epilogue(spec, c) for c in out]
-    if _ITEM[spec.c_dtype] == 2:
-        out.append(Config(epi_n=64))   # session 6's pick: the epilogue after each mainloop
-    return out
+    # each deferred tile also with session 6's epilogue (64-wide subtiles after each mainloop):
+    # the heuristic's choice where CTAs run too few tiles to defer (DEFER_MIN_TILES)
+    out += [dataclasses.replace(c, defer=0, epi_n=64) for c in out if c.defer]
+    return list(dict.fromkeys(out))
 
 
 # The heuristic ranks the unsplit and split cooperative tiles with _estimate. Where it picks the
 # unsplit 128x256 2x1-cluster tile, that tile runs M fastest inside bands of 8 clusters with
 # a deferred epilogue (16-bit outputs). H200 measurements (docs/kernel-run-notes.md):
 # - deferred epilogue (session 7): each tile's stores run under the next tile's first 2
-#   k-tiles instead of idling the tensor cores. Against session 6's pick (64-wide subtiles
+#   k-tiles instead of idling the tensor cores, where a CTA runs DEFER_MIN_TILES tiles or more
+#   (session 8: fewer cannot pay back its fixed cost per CTA; see DEFER_MIN_TILES). Against session 6's pick (64-wide subtiles
 #   after each mainloop): in sustained 1 s windows +0.7 to +3% on shapes with several tiles
 #   per CTA (1.01x XLA on 16384x2048x2048); in one devcheck run +4 to +11% on K <= 4096 shapes
 #   with many tiles, though a second run on another H200 read up to 10% lower for the same
@@ -260,7 +267,19 @@ def heuristic(spec, m: int, n: int, k: int, l: int, num_sms: int = NUM_SMS) -> C
     else:
         cands = [c for c in cands if c.cluster_m == 2]
     bk = tile_k(spec.a_dtype)
-    return min(cands, key=lambda c: (_estimate(c, m, n, k, l, num_sms, bk), c.split_k, -c.tile_n))
+    best = min(cands, key=lambda c: (_estimate(c, m, n, k, l, num_sms, bk), c.split_k, -c.tile_n))
+    if best.defer and tiles_per_cta(best, m, n, l, num_sms) < DEFER_MIN_TILES:
+        # too few tiles to pay back the deferral's fixed cost: store after each mainloop, in
+        # 64-wide subtiles (session 6's epilogue)
+        best = dataclasses.replace(best, defer=0, epi_n=64)
+    return best
+
+
+def tiles_per_cta(config: Config, m: int, n: int, l: int, num_sms: int = NUM_SMS) -> int:
+    """Most output tiles (units, with split-K) one CTA of the persistent grid runs."""
+    tm, tn, _ = _tile_grid(config, m, n, l)
+    csize = config.cluster_m * config.cluster_n
+    return -(-(tm * tn * l * config.split_k) // ((num_sms // csize) * csize))
 
 
 # --- arguments and workspace ----------------------------------------------------------------
