@@ -36,28 +36,39 @@ def pingpong(tile_m: int, tile_n: int, m: int, n: int, k: int):
     return bench_call(binary, spec, cfg, m, n, k, "kn"), (r(m, k), r(k, n))
 
 
+def stream_chain():
+    """Three dependent products launched on the stream (command_buffer off) with PDL kernels:
+    each may start while the one before drains, and must wait before touching memory."""
+    f = jax.jit(lambda a, b, c, d: jax_cute.matmul(jax_cute.matmul(jax_cute.matmul(a, b), c), d))
+    args = (r(1000, 776), r(776, 1032), r(1032, 2056), r(2056, 136))
+    with jax_cute.config.override(command_buffer=False, nan_fill=False):  # kernels back to back
+        jax.block_until_ready(f(*args))   # lowered here, in stream mode
+    return f, args
+
+
 checks = {
     "matmul odd": (jax_cute.matmul, (r(264, 136), r(136, 72))),
     "matmul transposed": (lambda a, b: jax_cute.matmul(a, b, transpose_a=True, transpose_b=True),
                           (r(136, 264), r(72, 136))),
     "matmul batched bcast": (jax_cute.matmul, (r(3, 200, 136), r(136, 264))),
     "matmul split-k": (jax_cute.matmul, (r(128, 8192), r(8192, 128))),
-    # the heuristic's cooperative 128x256 tile (2x1 cluster, deferred epilogue) with a partial
-    # last tile along M and N, short and longer K; the third has 2-3 tiles per CTA, so tiles
-    # are stored under their successors' first k-tiles
+    # the heuristic's cooperative tiles (2x1 cluster) with a partial last tile along M and N,
+    # short and longer K: one tile per CTA (64-wide subtiles after the mainloop), then 5 tiles
+    # per CTA, stored under their successors' first k-tiles (deferred epilogue)
     "matmul cooperative short K": (jax_cute.matmul, (r(2048, 1000), r(1000, 1032))),
     "matmul cooperative 128x256": (jax_cute.matmul, (r(2048, 1104), r(1104, 1032))),
     "matmul deferred epilogue": (jax_cute.matmul, (r(4000, 1000), r(1000, 2056))),
     # pingpong tiles (autotune candidates), partial tiles along M and N, ~2 tiles per CTA
     "pingpong 128x160": pingpong(128, 160, 4000, 1000, 1000),
     "pingpong 64x256": pingpong(64, 256, 4000, 1000, 1000),
+    "matmul stream pdl chain": stream_chain(),
     "matmul grad": (jax.grad(lambda a, b: jax_cute.matmul(a, b).astype(jnp.float32).sum(), (0, 1)),
                     (r(264, 136), r(136, 72))),
     "ragged fwd+grads": (jax.grad(lambda x, w: jax_cute.ragged_dot(x, w, jnp.asarray([100, 0, 37, 120], jnp.int32))
                                   .astype(jnp.float32).sum(), (0, 1)), (r(264, 136), r(4, 136, 72))),
 }
 for name, (f, args) in checks.items():
-    out = jax.jit(f)(*args)
+    out = (f if hasattr(f, "lower") else jax.jit(f))(*args)   # a jitted check keeps its lowering
     jax.block_until_ready(out)
     print("ran", name, flush=True)
 print("SANITIZE PROBE DONE")
