@@ -176,14 +176,18 @@ def report_case(recs: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def cmd_report(path: str) -> None:
-    rec = json.load(open(path))
-    print(f"{rec['device']}, {rec['date']}, jax {rec['jax']}, commit {rec['commit']}, XLA_FLAGS {rec['xla_flags'] or '(none)'}")
+def report(rec: dict) -> list[str]:
+    """One table per case of a ``run`` output (also read by benchmarks/run.py)."""
     by_case: dict[str, list[dict]] = {}
     for r in rec["records"]:
         by_case.setdefault(r["case"], []).append(r)
-    for recs in by_case.values():
-        print(report_case(recs))
+    return [report_case(recs) for recs in by_case.values()]
+
+
+def cmd_report(path: str) -> None:
+    rec = json.load(open(path))
+    print(f"{rec['device']}, {rec['date']}, jax {rec['jax']}, commit {rec['commit']}, XLA_FLAGS {rec['xla_flags'] or '(none)'}")
+    print("\n".join(report(rec)))
 
 
 def main() -> None:

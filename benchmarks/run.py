@@ -240,6 +240,15 @@ def report(files: list[str], md: str, plots: str) -> str:
                     f"- device: {data['device']}, date {data['date']}, jax_cute commit `{data['commit']}`", "", "```"]
             out += [swap_probe.report(c) for c in data["cases"]] + ["```", ""]
             continue
+        if data.get("probe") in ("launch", "dispatch"):  # benchmarks/launch_probe.py (was dispatch_probe)
+            import launch_probe
+            out += [f"## {Path(f).stem}: launch modes and configs, timed as the suite times", "",
+                    f"- device: {data['device']}, date {data['date']}, jax_cute commit `{data['commit']}`, "
+                    f"jax {data['jax']}; {data['chain']} products per call for GEMMs; *dispatch*: host time "
+                    "until a round's calls returned, per call; *launches/call*: our handler's launches per "
+                    "call (0: XLA replayed a recorded graph)", "", "```"]
+            out += launch_probe.report(data) + ["```", ""]
+            continue
         if "cases" in data and "records" not in data:  # benchmarks/kernel_timeline.py
             import kernel_timeline
             out += kernel_timeline.markdown(data, f"{Path(f).stem}: kernel timeline (device trace)")

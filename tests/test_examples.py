@@ -118,6 +118,24 @@ def test_report_renders_swap_probe_cases(tmp_path):
     assert "  ba_cfg" in text and "  450.0  0.900   420.0  1.050   680  1500" in text
 
 
+def test_report_renders_launch_probe_records(tmp_path):
+    # launch_probe files hold "records" like a suite's: the "probe" key routes them to their own
+    # section, with each variant against XLA, the host's dispatch time and launches per call
+    import run
+    path = tmp_path / "h200-launch-probe.json"
+    base = {"suite": "launch", "table": "launch", "case": "64x128x256", "chain": 8, "error": None}
+    path.write_text(json.dumps({"probe": "launch", "device": "NVIDIA H200", "date": "2026-11-22", "commit": "abc",
+                                "jax": "0.11.2", "chain": 8, "records": [
+                                    {**base, "impl": "xla", "ms": 0.02, "tflops": 600.0, "dispatch_ms_per_call": 0.1},
+                                    {**base, "impl": "jax_cute stream+pdl", "ms": 0.025, "tflops": 480.0,
+                                     "dispatch_ms_per_call": 0.12, "launches_per_call": 8.0, "max_rel_err": 0.0},
+                                    {**base, "impl": "jax_cute graph", "error": "RuntimeError: synthetic"}]}))
+    text = run.report([str(path)], str(tmp_path / "B.md"), str(tmp_path / "plots"))
+    assert "launch modes and configs" in text
+    assert "jax_cute stream+pdl       25.00    480.0   0.800             120.0         200.0            8.0" in text
+    assert "jax_cute graph         failed: RuntimeError: synthetic" in text
+
+
 def test_report_from_synthetic_json(tmp_path):
     pytest.importorskip("matplotlib")
     import run

@@ -29,8 +29,8 @@ Kernel shape (one persistent CTA per SM, 384 threads):
   CTAs may start while the previous kernel on the stream drains. Each CTA initialises its
   barriers and prefetches its TMA descriptors, then waits (griddepcontrol.wait) for that kernel
   to complete before any global read or write, and releases the next grid at once
-  (griddepcontrol.launch_dependents). Meant to hide the launch gap between back-to-back GEMMs;
-  on an H200 it made them slower instead (see Config.pdl), hence off.
+  (griddepcontrol.launch_dependents). Inside XLA's CUDA graphs our call is a child graph, where
+  PDL cannot act, so only stream launches (jax_cute.config command_buffer off) use it.
 
 The DSL is imported lazily (inside launcher), so routing can use heuristic/signature/workspace on
 machines that only load compiled kernels.
@@ -69,9 +69,10 @@ class Config:
     # pingpong: each consumer warpgroup owns whole 64 x tile_n tiles (alternate tiles of the
     # CTA's sequence), so one warpgroup's epilogue overlaps the other's mainloop
     pingpong: bool = False
-    # programmatic dependent launch (see the module notes). Off: on an H200 it left kernel time
-    # unchanged (ncu) and made back-to-back products 3-8% slower (benchmarks/ncu_probe.py and
-    # the devcheck sweep, 2026-11-22), so it is an option to measure, not the default
+    # programmatic dependent launch (see the module notes), set by the routing for stream
+    # launches (gemm_route.launch_mode): on an H200 it left kernel time unchanged (ncu); inside
+    # graphs it made back-to-back products 3-8% slower (session 4), on the stream 2-3% faster
+    # on short products (session 8, benchmarks/launch_probe.py)
     pdl: bool = False
     # width of the epilogue's subtiles (64 rows x epi_n columns per consumer warpgroup): 64 halves
     # the number of store rounds per tile and gives a 16-bit N-major C 128-byte swizzle atoms
