@@ -645,25 +645,20 @@ auto InstantiateBinding() {
       .Attr<ffi::Span<const int64_t>>("arg_align");
 }
 
-auto InitializeBinding() {
-  return ffi::Ffi::BindInitialize()
-      .Ctx<ffi::PlatformStream<cudaStream_t>>()
-      .Ctx<ffi::DeviceOrdinal>()
-      .Ctx<ffi::State<LaunchState>>()
+// What Initialize and Execute both take: stream, device, state, buffers and attributes.
+template <typename Binder>
+auto WithLaunchContext(Binder binder) {
+  return std::move(binder)
+      .template Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .template Ctx<ffi::DeviceOrdinal>()
+      .template Ctx<ffi::State<LaunchState>>()
       .RemainingArgs()
       .RemainingRets()
       .Attrs();
 }
 
-auto ExecuteBinding() {
-  return ffi::Ffi::Bind()
-      .Ctx<ffi::PlatformStream<cudaStream_t>>()
-      .Ctx<ffi::DeviceOrdinal>()
-      .Ctx<ffi::State<LaunchState>>()
-      .RemainingArgs()
-      .RemainingRets()
-      .Attrs();
-}
+auto InitializeBinding() { return WithLaunchContext(ffi::Ffi::BindInitialize()); }
+auto ExecuteBinding() { return WithLaunchContext(ffi::Ffi::Bind()); }
 
 // Graph handlers: XLA may record the launch into its command buffers (CUDA graphs). It records
 // an FFI call by stream capture, again whenever a buffer address changed since the last
