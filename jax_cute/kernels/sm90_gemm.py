@@ -168,10 +168,10 @@ def candidate_configs(spec) -> list[Config]:
 # a deferred epilogue (16-bit outputs). H200 measurements (docs/kernel-run-notes.md):
 # - deferred epilogue (session 7): each tile's stores run under the next tile's first 2
 #   k-tiles instead of idling the tensor cores, where a CTA runs DEFER_MIN_TILES tiles or more
-#   (session 8: fewer cannot pay back its fixed cost per CTA; see DEFER_MIN_TILES). Against session 6's pick (64-wide subtiles
-#   after each mainloop): in sustained 1 s windows +0.7 to +3% on shapes with several tiles
-#   per CTA (1.01x XLA on 16384x2048x2048); in one devcheck run +4 to +11% on K <= 4096 shapes
-#   with many tiles, though a second run on another H200 read up to 10% lower for the same
+#   (session 8: fewer cannot pay back its fixed cost per CTA; see DEFER_MIN_TILES). Against
+#   session 6's pick (64-wide subtiles after each mainloop): in sustained 1 s windows +0.7 to
+#   +3% on shapes with several tiles per CTA (1.01x XLA on 16384x2048x2048); in one devcheck
+#   run +4 to +11% on K <= 4096 shapes with many tiles, though a second run on another H200 read up to 10% lower for the same
 #   binary (short windows rank configs only to about +-5%). 32-wide subtiles: with 64-wide
 #   ones the kernel spills 16 bytes and was no faster sustained.
 # - raster: session 4 had moved to N fastest in bands of 16 on a short-window sweep; session 5
@@ -238,11 +238,8 @@ def _estimate(config: Config, m: int, n: int, k: int, l: int, num_sms: int, bk: 
     """Rough time model (units of one 128 x 128 x k-tile MMA step on one SM, the same for every
     input dtype: an 8-bit k-tile is twice as deep and WGMMA runs it twice as fast) used to rank
     configs."""
-    tm, tn, _ = _tile_grid(config, m, n, l)
     csize = config.cluster_m * config.cluster_n
-    units = tm * tn * l * config.split_k
-    slots = (num_sms // csize) * csize
-    waves = -(-units // slots)
+    waves = tiles_per_cta(config, m, n, l, num_sms)
     k_tiles = -(-max(k, 1) // bk)
     k_per_unit = -(-k_tiles // config.split_k)
     size = config.tile_n / 128
