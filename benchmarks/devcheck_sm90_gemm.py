@@ -30,6 +30,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 import sys
 import time
 import zlib
@@ -107,8 +108,9 @@ N_INT = 5
 # pingpong, PDL, rasters and 160/192-wide cooperative tiles; session 6 64-wide epilogue
 # subtiles and pingpong with 128-row tiles per warpgroup; session 7 the deferred epilogue
 # (docs/kernel-run-notes.md).
-SWEEP = [C(epi_n=64), C(epi_n=64, defer=1), C(epi_n=64, defer=2), C(defer=2), C(128, 160, pingpong=True),
-         C(128, 128, pingpong=True)]
+# Session 9: 32- vs 64-wide subtiles after each mainloop, and the deferred epilogue (its
+# stages now handed back early, sm90_mainloop).
+SWEEP = [C(epi_n=64), C(), C(defer=2), C(128, 160, pingpong=True)]
 THIN_EXTRA = [C(128, 256, 1, 2, raster="n")]   # 512x8192x8192 (one wave of 128 tiles)
 # Shapes with few tiles or a short K also try smaller tiles.
 SMALL_EXTRA = [C(128, 128, 2, 1), C(128, 128, 2, 1, raster="n")]
@@ -133,7 +135,14 @@ def _pname(tag, cfg):
     return f"p_{tag}_{cfg.key().replace('.', '_')}"
 
 
-def cmd_build(out: str, sweep: bool = True) -> None:
+def cmd_build(out: str, sweep: bool = True, tags: list[str] | None = None, checks: list[str] | None = None,
+              shapes: list[tuple[int, int, int]] | None = None, old: str | None = None,
+              old_configs: list[str] | None = None) -> None:
+    """Compile the check configs and, per benchmark shape and operand form, the heuristic's pick
+    and the sweep. tags/checks/shapes narrow the build (checks: substrings of check names).
+    old: a bins directory built from an earlier commit; its objects for the same shapes ride
+    along (those whose names hold one of old_configs, default all), renamed old_* and labelled
+    "old:<key>", so one GPU run times both commits."""
     os.makedirs(out, exist_ok=True)
     for f in os.listdir(out):       # stale objects would ride along in the carry
         if f.endswith((".o", ".json")):
@@ -154,9 +163,13 @@ def cmd_build(out: str, sweep: bool = True) -> None:
         print(f"  built {name:42s} {cfg.key():32s} {time.time() - t:5.1f}s", flush=True)
 
     for name, spec, cfg in CHECKS:
-        add(name, spec, cfg, "check")
+        if checks is None or any(c in name for c in checks):
+            add(name, spec, cfg, "check")
+    old_index = json.load(open(os.path.join(old, "index.json"))) if old else []
     for tag, spec in bench_specs().items():
-        for (m, n, k) in BENCH_SHAPES:
+        if tags is not None and tag not in tags:
+            continue
+        for (m, n, k) in shapes or BENCH_SHAPES:
             pick = sm90_gemm.heuristic(spec, m, n, k, 1)
             print(f"heuristic {tag} {m}x{n}x{k}: {pick.key()}")
             cfgs = [pick] + ([c for c in SWEEP if c != pick] if sweep else [])
@@ -166,8 +179,21 @@ def cmd_build(out: str, sweep: bool = True) -> None:
                 cfgs += [c for c in SMALL_EXTRA if c != pick]
             for cfg in cfgs:
                 add(_pname(tag, cfg), spec, cfg, "perf")
+            names = [_pname(tag, c) for c in cfgs]
+            for e in old_index:
+                if e["purpose"] == "bench" and e["tag"] == tag and tuple(e["shape"]) == (m, n, k):
+                    for name in e["configs"]:
+                        if old_configs is not None and not any(c in name for c in old_configs):
+                            continue
+                        if "old_" + name not in built:
+                            src = next(x for x in old_index if x["name"] == name)
+                            for ext in (".o", ".json"):
+                                shutil.copy(os.path.join(old, name + ext), os.path.join(out, "old_" + name + ext))
+                            index.append({**src, "name": "old_" + name, "label": "old:" + label(src)})
+                            built.add("old_" + name)
+                        names.append("old_" + name)
             index.append({"name": "bench", "purpose": "bench", "tag": tag, "shape": [m, n, k],
-                          "pick": _pname(tag, pick), "configs": [_pname(tag, c) for c in cfgs]})
+                          "pick": _pname(tag, pick), "configs": names})
     with open(os.path.join(out, "index.json"), "w") as f:
         json.dump(index, f, indent=1)
     print(f"wrote {len(index)} entries to {out}/index.json")
@@ -561,6 +587,11 @@ def main() -> int:
     b = sub.add_parser("build")
     b.add_argument("--out", required=True)
     b.add_argument("--no-sweep", action="store_true", help="bench only the heuristic's picks")
+    b.add_argument("--tags", help="operand forms to bench (kn,kk; default both)")
+    b.add_argument("--checks", help="substrings of the check configs to build (default all)")
+    b.add_argument("--shapes", help="benchmark shapes, e.g. 2048x2048x2048,8192x8192x8192")
+    b.add_argument("--old", help="bins directory from an earlier commit to time alongside")
+    b.add_argument("--old-configs", help="substrings of the --old objects to take (default all)")
     for cmd in ("run", "check", "bench"):
         r = sub.add_parser(cmd)
         r.add_argument("--bins", required=True)
@@ -570,7 +601,10 @@ def main() -> int:
             r.add_argument("--exp", choices=("yes", "no"), default="yes")
     args = p.parse_args()
     if args.cmd == "build":
-        cmd_build(args.out, sweep=not args.no_sweep)
+        split = lambda x: x.split(",") if x else None  # noqa: E731
+        cmd_build(args.out, sweep=not args.no_sweep, tags=split(args.tags), checks=split(args.checks),
+                  shapes=[tuple(int(v) for v in s.split("x")) for s in split(args.shapes)] if args.shapes else None,
+                  old=args.old, old_configs=split(args.old_configs))
         return 0
     if args.cmd == "check":
         return _check_config(args.bins, args.names.split(","))

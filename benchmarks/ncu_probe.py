@@ -39,7 +39,7 @@ def _profiler(start: bool) -> None:
         raise RuntimeError(f"cuProfiler{'Start' if start else 'Stop'} returned {rc}")
 
 
-def cmd_run(bins: str, shapes: list[tuple[int, int, int]], names: list[str] | None) -> None:
+def cmd_run(bins: str, shapes: list[tuple[int, int, int]], names: list[str] | None, reps: int = REPS) -> None:
     import jax
     import jax.numpy as jnp
     from devcheck_sm90_gemm import _timed_call, bench_specs, label
@@ -68,7 +68,7 @@ def cmd_run(bins: str, shapes: list[tuple[int, int, int]], names: list[str] | No
     order = []
     _profiler(True)
     for label, fn, args in plan:
-        for _ in range(REPS):
+        for _ in range(reps):
             jax.block_until_ready(fn(*args))
             order.append(label)
     _profiler(False)
@@ -128,12 +128,13 @@ def main() -> None:
     r.add_argument("--bins", required=True)
     r.add_argument("--shapes", default="2048x2048x2048,8192x8192x8192,512x8192x8192,4096x14336x4096")
     r.add_argument("--configs", default="", help="comma-separated substrings of binary names to keep")
+    r.add_argument("--reps", type=int, default=REPS, help="profiled calls per kernel")
     rep = sub.add_parser("report")
     rep.add_argument("csv")
     a = p.parse_args()
     if a.cmd == "run":
         shapes = [tuple(int(x) for x in s.split("x")) for s in a.shapes.split(",")]
-        cmd_run(a.bins, shapes, [s for s in a.configs.split(",") if s] or None)
+        cmd_run(a.bins, shapes, [s for s in a.configs.split(",") if s] or None, a.reps)
     else:
         cmd_report(a.csv)
 

@@ -245,3 +245,19 @@ def test_epilogue_ring_divides_the_subtiles_and_everything_fits():
     # cooperative 16-bit 128x256: 4-deep ring of 64x32 or 2-deep of 64x64 subtiles per warpgroup
     assert sm90_gemm._stage_plan(256, BF, 0, False, 32)[1] == 4
     assert sm90_gemm._stage_plan(256, BF, 0, False, 64)[1] == 2
+
+
+@pytest.mark.parametrize("cfg", [sm90_gemm.Config(epi_n=64, trace=True), sm90_gemm.Config(defer=2, trace=True)],
+                         ids=lambda c: c.key())
+def test_timing_build_stamps_the_clock_and_leaves_the_plain_build_alone(cfg):
+    # benchmarks/tile_trace.py's builds: an int32 "trace" output after C, the SM clock read at
+    # each phase (4 per tile, plus the warpgroup's start and its SM id)
+    spec = GemmSpec(BF, BF, BF, "k", "n", "n")
+    assert [a.name for a in sm90_gemm.signature(spec, cfg) if hasattr(a, "shape")][-1] == "trace"
+    ws = sm90_gemm.workspace(spec, cfg, 1000, 1000, 1000, 1)
+    assert [(w.name, w.nbytes, w.zeroed) for w in ws] == [("trace", 4 * sm90_gemm.trace_words(cfg), True)]
+    ptx = _compile(spec, cfg).ptx
+    assert ptx.count("%clock;") >= 5 and "%smid" in ptx
+    assert "%clock" not in _compile(spec, dataclasses.replace(cfg, trace=False)).ptx
+    with pytest.raises(ValueError, match="timing build"):
+        sm90_gemm.launcher(spec, dataclasses.replace(cfg, split_k=2, defer=0))

@@ -9,7 +9,7 @@
 # DEVCHECK_SKIP_CHECKS=1 (timings only), DEVCHECK_NO_PALLAS=1 and DEVCHECK_G (e.g. 64,16: the
 # benchmark shapes to time, by group count).
 # Usage: tools/gpu_session.sh STEP...   (steps: info build ffi devcheck-gemm devcheck-grouped
-#        ncu-probe timeline energy chain-effect gpu-tests sanitize first-call-warm first-call-cold unpack-compiler multigpu skew-ratio bench-matmul bench-ragged
+#        ncu-probe ncu-source timeline energy chain-effect gpu-tests sanitize first-call-warm first-call-cold unpack-compiler multigpu skew-ratio bench-matmul bench-ragged
 #        bench-launch)
 set -u
 OUT=${OUT:-/tmp/out}
@@ -29,11 +29,22 @@ for step in "$@"; do
     ffi) python3 -m pytest -m gpu -q -x tests/test_ffi_gpu.py 2>&1 | tee "$OUT/ffi.log" | tail -25 ;;
     devcheck-gemm) timeout 590 python3 benchmarks/devcheck_sm90_gemm.py run --bins .device/bins/gemm 2>&1 \
              | tee "$OUT/devcheck_gemm.log" | tail -60 ;;
-    ncu-probe) timeout 240 "$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)" --profile-from-start off --clock-control none --csv \
+    ncu-probe) timeout ${NCU_TIMEOUT:-240} "$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)" --profile-from-start off --clock-control none --csv \
              --metrics "$(python3 -c 'import sys; sys.path.insert(0, "benchmarks"); import ncu_probe; print(ncu_probe.METRICS)')" \
-             python3 benchmarks/ncu_probe.py run --bins .device/bins/gemm ${NCU_CONFIGS:+--configs $NCU_CONFIGS} \
+             python3 benchmarks/ncu_probe.py run --bins ${NCU_BINS:-.device/bins/gemm} ${NCU_SHAPES:+--shapes $NCU_SHAPES} ${NCU_CONFIGS:+--configs $NCU_CONFIGS} \
              > "$OUT/ncu_probe.csv" 2> "$OUT/ncu_probe.err" || { echo "ncu rc=$?"; tail -20 "$OUT/ncu_probe.err"; }
            python3 benchmarks/ncu_probe.py report "$OUT/ncu_probe.csv" | tee "$OUT/ncu_probe.txt" ;;
+    ncu-source) ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
+           # per-instruction warp-state samples (SASS) of one call per kernel: where warps wait
+           timeout ${NCU_TIMEOUT:-420} "$ncu" --profile-from-start off --clock-control none --set none --section WarpStateStats \
+             --section SourceCounters --section SpeedOfLight --import-source no -f -o "$OUT/source" \
+             python3 benchmarks/ncu_probe.py run --bins ${NCU_BINS:-.device/bins/gemm} --reps 1 \
+             ${NCU_SHAPES:+--shapes $NCU_SHAPES} ${NCU_CONFIGS:+--configs $NCU_CONFIGS} > "$OUT/ncu_source.log" 2>&1 \
+             || { echo "ncu rc=$?"; tail -20 "$OUT/ncu_source.log"; }
+           grep NCU_PROBE "$OUT/ncu_source.log"
+           "$ncu" -i "$OUT/source.ncu-rep" --page source --csv --print-source sass > "$OUT/source_sass.csv" 2> "$OUT/source_sass.err"
+           "$ncu" -i "$OUT/source.ncu-rep" --page details --csv > "$OUT/source_details.csv" 2>> "$OUT/source_sass.err"
+           ls -la "$OUT"; head -c 600 "$OUT/source_sass.err" ;;
     devcheck-grouped) timeout $(( ${DEVCHECK_BUDGET:-228} + 12 )) python3 benchmarks/devcheck_sm90_grouped.py run \
              --bins .device/bins/grouped --budget ${DEVCHECK_BUDGET:-228} --which ${DEVCHECK_WHICH:-fwd,drhs} 2>&1 \
              | tee "$OUT/devcheck_grouped.log" | tail -60 ;;

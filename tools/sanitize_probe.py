@@ -54,10 +54,14 @@ checks = {
     "matmul split-k": (jax_cute.matmul, (r(128, 8192), r(8192, 128))),
     # the heuristic's cooperative tiles (2x1 cluster) with a partial last tile along M and N,
     # short and longer K: one tile per CTA (64-wide subtiles after the mainloop), then 5 tiles
-    # per CTA, stored under their successors' first k-tiles (deferred epilogue)
+    # per CTA (128x128), stored under their successors' first k-tiles (deferred epilogue)
     "matmul cooperative short K": (jax_cute.matmul, (r(2048, 1000), r(1000, 1032))),
     "matmul cooperative 128x256": (jax_cute.matmul, (r(2048, 1104), r(1104, 1032))),
     "matmul deferred epilogue": (jax_cute.matmul, (r(4000, 1000), r(1000, 2056))),
+    # deferred, 11 tiles per CTA: K = 128 leaves no k-tile after the 2 deferred ones, K = 192
+    # one, after which their stages are handed back together (sm90_mainloop)
+    "matmul deferred short K": (jax_cute.matmul, (r(10000, 128), r(128, 2056))),
+    "matmul deferred 3 k-tiles": (jax_cute.matmul, (r(10000, 192), r(192, 2056))),
     # pingpong tiles (autotune candidates), partial tiles along M and N, ~2 tiles per CTA
     "pingpong 128x160": pingpong(128, 160, 4000, 1000, 1000),
     "pingpong 64x256": pingpong(64, 256, 4000, 1000, 1000),

@@ -80,11 +80,14 @@ class Config:
     # deferred epilogue (see the module notes): k-tiles of the next tile issued before the
     # previous tile's stores; 0 stores each tile right after its mainloop
     defer: int = 0
+    # timing build (benchmarks/tile_trace.py, never routed): one thread per consumer warpgroup
+    # writes SM clock stamps around each tile's mainloop and epilogue into an extra int32 output
+    trace: bool = False
 
     def key(self) -> str:
         return (f"t{self.tile_m}x{self.tile_n}.c{self.cluster_m}x{self.cluster_n}."
                 f"r{self.raster}{self.group}.sk{self.split_k}.st{self.stages}" + (".pp" if self.pingpong else "")
-                + (".pdl" if self.pdl else "") + (f".e{self.epi_n}" if self.epi_n != 32 else "") + (f".df{self.defer}" if self.defer else ""))
+                + (".pdl" if self.pdl else "") + (f".e{self.epi_n}" if self.epi_n != 32 else "") + (f".df{self.defer}" if self.defer else "") + (".tr" if self.trace else ""))
 
 
 # --- static configuration -----------------------------------------------------------------------
@@ -120,6 +123,8 @@ def _check_config(config: Config) -> None:
         raise ValueError(f"{FAMILY}: bad raster/group/split in {config}")
     if config.epi_n not in (32, 64) or config.tile_n % config.epi_n:
         raise ValueError(f"{FAMILY}: epilogue subtiles are 32 or 64 wide and divide tile_n ({config})")
+    if config.trace and (config.pingpong or config.split_k != 1):
+        raise ValueError(f"{FAMILY}: the timing build is for the cooperative kernel without split-K ({config})")
     if config.defer and (config.pingpong or config.split_k != 1 or not 1 <= config.defer <= 3):
         raise ValueError(f"{FAMILY}: a deferred epilogue (1 to 3 k-tiles) needs the cooperative "
                          f"kernel without split-K ({config})")
@@ -282,7 +287,20 @@ def tiles_per_cta(config: Config, m: int, n: int, l: int, num_sms: int = NUM_SMS
 
 # --- arguments and workspace ----------------------------------------------------------------
 
+# timing build: per consumer warpgroup of each CTA, TRACE_TILES records of TRACE_WORDS int32
+# clock stamps; record 0 holds the warpgroup's start (clock, SM id), records 1.. one tile each
+TRACE_TILES = 32
+TRACE_WORDS = 4
+
+
+def trace_words(config: Config) -> int:
+    """Length of the timing build's int32 output: every slot of the persistent grid."""
+    return NUM_SMS * 2 * TRACE_TILES * TRACE_WORDS
+
+
 def _ws_args(config: Config) -> tuple:
+    if config.trace:
+        return (abi.TensorArg("trace", "int32", (abi.DYN,), (1,), align=16),)
     if config.split_k == 1:
         return ()
     return (abi.TensorArg("splitk_partials", "float32", (abi.DYN,), (1,), align=16),
@@ -295,6 +313,8 @@ def signature(spec, config: Config) -> abi.Signature:
 
 
 def workspace(spec, config: Config, m: int, n: int, k: int, l: int) -> list[Workspace]:
+    if config.trace:
+        return [Workspace("trace", 4 * trace_words(config), True)]
     if config.split_k == 1:
         return []
     tm, tn, _ = _tile_grid(config, m, n, l)
@@ -585,6 +605,14 @@ def _kernel_class():
 
                 w = first
                 step = stride
+                # timing build: this warpgroup's records in the trace output (see TRACE_TILES)
+                rec0 = Int32(0)
+                n_rec = Int32(1)
+                if const_expr(self.cfg.trace):
+                    cta = (first * self.cn + cc[1]) * self.cm + cc[0]
+                    rec0 = (cta * 2 + wg - 1) * TRACE_TILES
+                    self.stamp(ws, etid, rec0, Int32(0), 0, cute.arch.clock())
+                    self.stamp(ws, etid, rec0, Int32(0), 1, cute.arch.smid())
                 if const_expr(self.pp):
                     # warpgroup 2 takes the CTA's 2nd, 4th, ... unit: its ring position starts
                     # after the first unit's k-tiles (the producer fills the ring in unit order)
@@ -602,25 +630,35 @@ def _kernel_class():
                     p_tm, p_tn, p_l = self.work(w, cl_m, cl_n, batches, cc)[:3]
                     have_prev = Int32(0)
                     while w < total:
+                        # stamps: 0 tile start, 1 first k-tiles issued, 2 previous tile stored,
+                        # 3 mainloop done
+                        self.stamp(ws, etid, rec0, n_rec, 0, None)
                         tm, tn, l, _ = self.work(w, cl_m, cl_n, batches, cc)
                         acc.fill(0.0)
                         tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
                         warpgroup.fence()
                         read = mainloop_start(tiled_mma, acc, tCrA, tCrB, ab_pipe, read, k_tiles, self.cfg.defer)
+                        self.stamp(ws, etid, rec0, n_rec, 1, None)
                         if have_prev != 0:
                             self.epilogue(tma_c, gC[(None, None, p_tm, p_tn, p_l)], sC, acc_c, r2s, tRS_accc, tRS_r32,
                                           tRS_rC, tRS_sC, n_rd, n_epi, row_blk, epi_bar, warp_id,
                                           gmem_c, p_tm, p_tn, p_l, ragged, etid, store_warp, buf0, True)
+                        self.stamp(ws, etid, rec0, n_rec, 2, None)
                         read, release = mainloop_rest(tiled_mma, acc, tCrA, tCrB, ab_pipe, read, release, k_tiles,
                                                       self.cfg.defer)
+                        self.stamp(ws, etid, rec0, n_rec, 3, None)
+                        if const_expr(self.cfg.trace):
+                            n_rec += 1
                         acc_c.store(acc.load().to(self.c_t))
                         p_tm, p_tn, p_l = tm, tn, l
                         have_prev = Int32(1)
                         w += step
                     # every CTA has at least one unit (the grid never exceeds them): store the last
+                    self.stamp(ws, etid, rec0, n_rec, 0, None)
                     self.epilogue(tma_c, gC[(None, None, p_tm, p_tn, p_l)], sC, acc_c, r2s, tRS_accc, tRS_r32,
                                   tRS_rC, tRS_sC, n_rd, n_epi, row_blk, epi_bar, warp_id,
                                   gmem_c, p_tm, p_tn, p_l, ragged, etid, store_warp, buf0, True)
+                    self.stamp(ws, etid, rec0, n_rec, 2, None)
                 else:
                     while w < total:
                         tm, tn, l, s = self.work(w, cl_m, cl_n, batches, cc)
@@ -634,10 +672,19 @@ def _kernel_class():
                                 turn_mine.arrive_and_wait()
 
                         # ---- mainloop (sm90_mainloop): one WGMMA batch in flight
+                        # (stamps: 0 tile start, 1 first k-tile issued, 3 mainloop done,
+                        # 2 tile stored)
+                        self.stamp(ws, etid, rec0, n_rec, 0, None)
                         acc.fill(0.0)
                         tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
                         warpgroup.fence()
-                        read, release = mainloop(tiled_mma, acc, tCrA, tCrB, ab_pipe, read, release, kc)
+                        if const_expr(self.cfg.trace):
+                            read = mainloop_start(tiled_mma, acc, tCrA, tCrB, ab_pipe, read, kc, 1)
+                            self.stamp(ws, etid, rec0, n_rec, 1, None)
+                            read, release = mainloop_rest(tiled_mma, acc, tCrA, tCrB, ab_pipe, read, release, kc, 1)
+                        else:
+                            read, release = mainloop(tiled_mma, acc, tCrA, tCrB, ab_pipe, read, release, kc)
+                        self.stamp(ws, etid, rec0, n_rec, 3, None)
                         if const_expr(self.pp):
                             if w + stride < total:      # the other warpgroup's next unit may start
                                 turn_other.arrive()
@@ -647,6 +694,9 @@ def _kernel_class():
                             self.epilogue(tma_c, gC_t, sC, acc, r2s, tRS_acc, tRS_r32, tRS_rC, tRS_sC,
                                           n_rd, n_epi, row_blk, epi_bar, warp_id,
                                           gmem_c, tm, tn, l, ragged, etid, store_warp, buf0)
+                            self.stamp(ws, etid, rec0, n_rec, 2, None)
+                            if const_expr(self.cfg.trace):
+                                n_rec += 1
                         else:
                             # ---- split-K: publish the partial, the last of the S arrivals folds them
                             tile_id = (Int64(l) * (cl_n * self.cn) + tn) * (cl_m * self.cm) + tm
@@ -689,6 +739,14 @@ def _kernel_class():
                         w += step
                 if warp_id == store_warp:
                     cute.arch.cp_async_bulk_wait_group(0, read=True)   # smem outlives its stores
+
+        @cute.jit
+        def stamp(self, trace, etid, rec0, rec, word: cutlass.Constexpr, value):
+            """Timing build only: the warpgroup's first thread writes `value` (default: the SM
+            clock) as word `word` of record `rec` (dropped past TRACE_TILES records)."""
+            if const_expr(self.cfg.trace):
+                if etid == 0 and rec < TRACE_TILES:
+                    trace[(rec0 + rec) * TRACE_WORDS + word] = cute.arch.clock() if const_expr(value is None) else value
 
         @cute.jit
         def epilogue(self, tma_c, gC_t, sC, acc, r2s, tRS_acc, tRS_r32, tRS_rC, tRS_sC, n_rd: cutlass.Constexpr,
@@ -759,7 +817,12 @@ def _make_launcher(spec: GemmSpec, config: Config):
         config.tile_n, spec.c_dtype, config.stages, config.pingpong, config.epi_n, config.tile_m)[1] == 0
     gemm = Sm90Gemm(spec, config)
 
-    if config.split_k == 1:
+    if config.trace:
+        @cute.jit
+        def launch(a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, trace: cute.Tensor,
+                   stream: cuda_driver.CUstream):
+            gemm.run(a, b, c, trace, None, stream)
+    elif config.split_k == 1:
         @cute.jit
         def launch(a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, stream: cuda_driver.CUstream):
             gemm.run(a, b, c, None, None, stream)
