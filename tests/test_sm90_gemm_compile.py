@@ -187,7 +187,10 @@ def test_compile_deferred_epilogue(in_dt, out_dt, majors, cfg):
     ptx = _compile(GemmSpec(in_dt, in_dt, out_dt, *majors), cfg).ptx
     plain = _compile(GemmSpec(in_dt, in_dt, out_dt, *majors), dataclasses.replace(cfg, defer=0)).ptx
     assert ptx.count("stmatrix") == 2 * plain.count("stmatrix") > 0
-    assert ptx.count("wgmma.mma_async") == plain.count("wgmma.mma_async")
+    # WGMMA batches are emitted by `start` and the loop of `rest` in both; with more than one
+    # deferred k-tile `rest` also peels its first batch (it hands their stages back together)
+    peeled = 3 if cfg.defer > 1 else 2
+    assert 2 * ptx.count("wgmma.mma_async") == peeled * plain.count("wgmma.mma_async") > 0
     assert ("cvt.rn.bf16x2.f32" if out_dt == BF else "cvt.rn.f16x2.f32") in ptx
 
 

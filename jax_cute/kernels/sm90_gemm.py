@@ -24,7 +24,10 @@ Kernel shape (one persistent CTA per SM, 384 threads):
   converts its finished accumulators to the output dtype in registers, issues the first d
   k-tiles of its next tile's WGMMAs, and only then stores the previous tile, so the tensor
   cores work through the epilogue instead of idling (the cooperative tile's 128 accumulator
-  registers leave room for the 64 of a 16-bit copy, not for a second fp32 set).
+  registers leave room for the 64 of a 16-bit copy, not for a second fp32 set). Measured with
+  the timing build (session 9, benchmarks/tile_trace.py): issuing WGMMAs stalls once about two
+  are queued, so most of the d k-tiles run while they are being issued; the stores then hide
+  under only ~0.5k cycles of tensor work, out of the ~2.1-2.7k cycles a tile's epilogue takes.
 - programmatic dependent launch (Config.pdl, off by default): the grid is launched so that its
   CTAs may start while the previous kernel on the stream drains. Each CTA initialises its
   barriers and prefetches its TMA descriptors, then waits (griddepcontrol.wait) for that kernel
@@ -135,6 +138,10 @@ DEFER = 2   # k-tiles of the next tile issued before a deferred epilogue's store
 # deferring costs ~3.4k cycles once per CTA (with one tile per CTA: +3.4k on both 2048^3 and
 # 512x8192x8192, whatever K) and saves ~1k per tile after the first, so it lost on 3.9 tiles
 # per CTA (4096^3: +1%) and won from 5.8 (16384x1536x1024: -1.6%; 16384x2048x2048: -1.2%).
+# Session 9's clock stamps put that fixed cost outside the consumers' tile loop (same span from
+# their first tile to their last store on 2048^3), and the saving per tile at ~0.5k cycles:
+# see the module notes. 32-wide subtiles after each mainloop (Config()) were within 1% of
+# both in kernel cycles (docs/kernel-run-notes.md, session 9).
 DEFER_MIN_TILES = 5
 
 
