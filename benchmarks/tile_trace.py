@@ -23,7 +23,6 @@ thread per warpgroup writes, once per phase.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -32,6 +31,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from common import parse_shapes, probe_cli  # noqa: E402  (benchmarks/common.py, beside this script)
 from jax_cute.kernels import build, sm90_gemm  # noqa: E402
 from jax_cute.kernels.gemm_spec import GemmSpec  # noqa: E402
 
@@ -71,7 +71,7 @@ def _call(binary, cfg, m: int, n: int, k: int):
     return jax.jit(f)
 
 
-def cmd_run(bins: str, out: str, shapes: list[tuple[int, int, int]]) -> None:
+def cmd_run(bins: str, out: str, shapes: list[tuple[int, int, int]], warmup: int = 2) -> None:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -86,7 +86,7 @@ def cmd_run(bins: str, out: str, shapes: list[tuple[int, int, int]]) -> None:
         for e in index:
             cfg = C(**e["config"])
             f = _call(build.load_binary(os.path.join(bins, e["name"])), cfg, m, n, k)
-            for _ in range(3):
+            for _ in range(warmup + 1):     # the stamps of the last call are kept
                 c, trace = jax.block_until_ready(f(a, b))
             err = float(jnp.max(jnp.abs(c.astype(jnp.float32) - want)) / jnp.max(jnp.abs(want)))
             t = np.asarray(trace).reshape(-1, 2, sm90_gemm.TRACE_TILES, sm90_gemm.TRACE_WORDS)
@@ -146,23 +146,14 @@ def cmd_report(path: str) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    sub = p.add_subparsers(dest="cmd", required=True)
-    b = sub.add_parser("build")
-    b.add_argument("--out", required=True)
-    r = sub.add_parser("run")
-    r.add_argument("--bins", required=True)
-    r.add_argument("--out", required=True)
-    r.add_argument("--shapes", default=",".join("x".join(map(str, s)) for s in SHAPES))
-    rep = sub.add_parser("report")
-    rep.add_argument("json")
+    p, _ = probe_cli(__doc__.splitlines()[0], rounds=2, build=True)   # rounds: warm-up calls
     a = p.parse_args()
     if a.cmd == "build":
         cmd_build(a.out)
     elif a.cmd == "run":
-        cmd_run(a.bins, a.out, [tuple(int(x) for x in s.split("x")) for s in a.shapes.split(",")])
+        cmd_run(a.bins, a.out or "tile_trace.json", parse_shapes(a.shapes, SHAPES), a.rounds)
     else:
-        cmd_report(a.json)
+        cmd_report(a.path)
 
 
 if __name__ == "__main__":
