@@ -127,7 +127,7 @@ def phases(rec: dict) -> dict[str, float]:
                 if i:
                     prev = body[i - 1]
                     got["gap"].append(_d(prev[3] if deferred else prev[2], r[0]))
-            last = tiles[-1][2] if deferred else tiles[-1][2]
+            last = tiles[-1][2]      # both layouts: word 2 of the last record is its final store
             got["span"].append(_d(start, last))
     return {k: (statistics.median(v) if v else 0.0) for k, v in got.items()}
 
