@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from jax_cute.kernels import build, sm90_gemm  # noqa: E402  (neither imports the DSL compiler)
 from jax_cute.kernels.gemm_spec import GemmSpec, reference_gemm  # noqa: E402
-from common import round_order  # noqa: E402  (benchmarks/common.py, beside this script)
+from common import parse_shapes, round_order  # noqa: E402  (benchmarks/common.py, beside this script)
 
 BENCH_SHAPES = [(8192, 8192, 8192), (4096, 14336, 4096), (4096, 4096, 4096), (2048, 2048, 2048),
                 (4096, 4096, 14336), (16384, 2048, 2048), (512, 8192, 8192), (16384, 1536, 1024)]
@@ -603,7 +603,7 @@ def main() -> int:
     if args.cmd == "build":
         split = lambda x: x.split(",") if x else None  # noqa: E731
         cmd_build(args.out, sweep=not args.no_sweep, tags=split(args.tags), checks=split(args.checks),
-                  shapes=[tuple(int(v) for v in s.split("x")) for s in split(args.shapes)] if args.shapes else None,
+                  shapes=parse_shapes(args.shapes, None),
                   old=args.old, old_configs=split(args.old_configs))
         return 0
     if args.cmd == "check":

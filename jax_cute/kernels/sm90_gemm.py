@@ -348,9 +348,10 @@ def _kernel_class():
     from jax_cute.kernels.dsl import cute, cutlass, pipeline, sm90_utils, cpasync, warpgroup, warp
     from jax_cute.kernels.dsl import memory, LayoutEnum
     from jax_cute.kernels.dsl import Int32, Int64, Float32, cuda_driver
-    from jax_cute.kernels.sm90_mainloop import wgmma_mainloop, wgmma_mainloop_parts
+    from jax_cute.kernels.sm90_mainloop import wgmma_mainloop_parts
 
-    mainloop = wgmma_mainloop()
+    # the mainloop in two parts (sm90_mainloop), so a tile's first k-tiles can be issued apart
+    # from the rest (deferred epilogue; the timing build's stamp between them)
     mainloop_start, mainloop_rest = wgmma_mainloop_parts()
 
     const_expr = cutlass.const_expr
@@ -685,12 +686,9 @@ def _kernel_class():
                         acc.fill(0.0)
                         tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
                         warpgroup.fence()
-                        if const_expr(self.cfg.trace):
-                            read = mainloop_start(tiled_mma, acc, tCrA, tCrB, ab_pipe, read, kc, 1)
-                            self.stamp(ws, etid, rec0, n_rec, 1, None)
-                            read, release = mainloop_rest(tiled_mma, acc, tCrA, tCrB, ab_pipe, read, release, kc, 1)
-                        else:
-                            read, release = mainloop(tiled_mma, acc, tCrA, tCrB, ab_pipe, read, release, kc)
+                        read = mainloop_start(tiled_mma, acc, tCrA, tCrB, ab_pipe, read, kc, 1)
+                        self.stamp(ws, etid, rec0, n_rec, 1, None)
+                        read, release = mainloop_rest(tiled_mma, acc, tCrA, tCrB, ab_pipe, read, release, kc, 1)
                         self.stamp(ws, etid, rec0, n_rec, 3, None)
                         if const_expr(self.pp):
                             if w + stride < total:      # the other warpgroup's next unit may start

@@ -29,19 +29,22 @@ def wgmma_mainloop_parts():
     from jax_cute.kernels.dsl import cute, cutlass, warpgroup
 
     @cute.jit
+    def batch(tiled_mma: cute.TiledMma, acc, tCrA, tCrB, pipe, read):
+        """Wait for stage `read`, issue its WGMMAs into `acc` and commit them as one group."""
+        pipe.consumer_wait(read)
+        for kb in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
+            cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, read.index)], tCrB[(None, None, kb, read.index)], acc)
+        warpgroup.commit_group()
+
+    @cute.jit
     def start(tiled_mma: cute.TiledMma, acc, tCrA, tCrB, pipe, read, k_tiles, lead: cutlass.Constexpr):
-        n_kb = cute.size(tCrA, mode=[2])
         for _ in range(cutlass.min(k_tiles, lead)):
-            pipe.consumer_wait(read)
-            for kb in cutlass.range_constexpr(n_kb):
-                cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, read.index)], tCrB[(None, None, kb, read.index)], acc)
-            warpgroup.commit_group()
+            batch(tiled_mma, acc, tCrA, tCrB, pipe, read)
             read.advance()
         return read
 
     @cute.jit
     def rest(tiled_mma: cute.TiledMma, acc, tCrA, tCrB, pipe, read, release, k_tiles, lead: cutlass.Constexpr):
-        n_kb = cute.size(tCrA, mode=[2])
         issued = cutlass.min(k_tiles, lead)
         first = 0
         if cutlass.const_expr(lead > 1):
@@ -49,20 +52,14 @@ def wgmma_mainloop_parts():
             # left in flight, all `lead` batches before it are done with their stages
             first = cutlass.min(k_tiles - issued, 1)
             for _f in range(first):
-                pipe.consumer_wait(read)
-                for kb in cutlass.range_constexpr(n_kb):
-                    cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, read.index)], tCrB[(None, None, kb, read.index)], acc)
-                warpgroup.commit_group()
+                batch(tiled_mma, acc, tCrA, tCrB, pipe, read)
                 warpgroup.wait_group(1)
                 for _r in cutlass.range_constexpr(lead):
                     pipe.consumer_release(release)
                     release.advance()
                 read.advance()
         for _ in range(issued + first, k_tiles):
-            pipe.consumer_wait(read)
-            for kb in cutlass.range_constexpr(n_kb):
-                cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, read.index)], tCrB[(None, None, kb, read.index)], acc)
-            warpgroup.commit_group()
+            batch(tiled_mma, acc, tCrA, tCrB, pipe, read)
             warpgroup.wait_group(1)          # every earlier stage's WGMMAs are done with it
             pipe.consumer_release(release)
             release.advance()
