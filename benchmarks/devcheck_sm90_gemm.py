@@ -66,6 +66,13 @@ CHECKS = [
     ("c_bf16_knn_bf16_e64df2", GemmSpec(BF, BF, BF, "k", "n", "n"), C(epi_n=64, defer=2)),
     ("c_f16_mkm_f16_df1", GemmSpec("float16", "float16", "float16", "m", "k", "m"), C(defer=1)),
     ("c_bf16_knm_f16_t128c12df3", GemmSpec(BF, BF, "float16", "k", "n", "m"), C(128, 128, 1, 2, defer=3)),
+    # whole-share epilogue (session 10): every subtile of a warpgroup's share staged at once
+    ("c_bf16_knn_bf16_e64wc", GemmSpec(BF, BF, BF, "k", "n", "n"), C(epi_n=64, whole_c=True)),
+    ("c_f16_mkm_f16_wc", GemmSpec("float16", "float16", "float16", "m", "k", "m"), C(whole_c=True)),
+    ("c_bf16_mnm_f32_t128c12wc", GemmSpec(BF, BF, "float32", "m", "n", "m"), C(128, 128, 1, 2, whole_c=True)),
+    ("c_bf16_knn_bf16_e64wcdf2", GemmSpec(BF, BF, BF, "k", "n", "n"), C(epi_n=64, whole_c=True, defer=2)),
+    ("c_f16_mkm_f16_e64wcdf1", GemmSpec("float16", "float16", "float16", "m", "k", "m"), C(epi_n=64, whole_c=True, defer=1)),
+    ("c_bf16_kkn_bf16_e64wcsk2", GemmSpec(BF, BF, BF, "k", "k", "n"), C(split_k=2, epi_n=64, whole_c=True)),
     # experimental (checked in their own children, timed only if they pass): pingpong (each
     # consumer warpgroup owns whole 64-row tiles), 2x2 clusters (A and B both multicast) and
     # 160- or 192-wide tiles
@@ -87,6 +94,8 @@ CHECKS = [
     ("c_bf16_kkn_bf16_pp128x160c12", GemmSpec(BF, BF, BF, "k", "k", "n"), C(128, 160, 1, 2, pingpong=True)),
     ("c_f16_mnm_f32_pp128", GemmSpec("float16", "float16", "float32", "m", "n", "m"), C(128, 128, pingpong=True)),
     ("c_bf16_knm_bf16_pp128e64", GemmSpec(BF, BF, BF, "k", "n", "m"), C(128, 128, 1, 1, pingpong=True, epi_n=64)),
+    ("c_bf16_knn_bf16_pp128e64wc", GemmSpec(BF, BF, BF, "k", "n", "n"), C(128, 128, 2, 1, pingpong=True, epi_n=64,
+                                                                          whole_c=True)),
 ]
 
 
@@ -110,7 +119,9 @@ N_INT = 5
 # (docs/kernel-run-notes.md).
 # Session 9: 32- vs 64-wide subtiles after each mainloop, and the deferred epilogue (its
 # stages now handed back early, sm90_mainloop).
-SWEEP = [C(epi_n=64), C(), C(defer=2), C(128, 160, pingpong=True)]
+# Session 10: the whole-share epilogue (3 A/B stages, no store waits inside a tile) against
+# session 6's and session 7's picks.
+SWEEP = [C(epi_n=64), C(defer=2), C(epi_n=64, whole_c=True)]
 THIN_EXTRA = [C(128, 256, 1, 2, raster="n")]   # 512x8192x8192 (one wave of 128 tiles)
 # Shapes with few tiles or a short K also try smaller tiles.
 SMALL_EXTRA = [C(128, 128, 2, 1), C(128, 128, 2, 1, raster="n")]

@@ -38,7 +38,10 @@ from jax_cute.kernels.gemm_spec import GemmSpec  # noqa: E402
 BF = "bfloat16"
 SPEC = GemmSpec(BF, BF, BF, "k", "n", "n")
 C = sm90_gemm.Config
-CONFIGS = {"e32": C(trace=True), "e64": C(epi_n=64, trace=True), "df2": C(defer=2, trace=True), "df3": C(defer=3, trace=True)}
+CONFIGS = {"e32": C(trace=True), "e64": C(epi_n=64, trace=True), "df2": C(defer=2, trace=True), "df3": C(defer=3, trace=True),
+           "w32": C(whole_c=True, trace=True), "w64": C(epi_n=64, whole_c=True, trace=True),
+           "w64df1": C(epi_n=64, whole_c=True, defer=1, trace=True), "w64df2": C(epi_n=64, whole_c=True, defer=2, trace=True),
+           "e64st3": C(epi_n=64, stages=3, trace=True), "w32p": C(whole_c=True, trace=True)}
 SHAPES = [(16384, 1536, 1024), (2048, 2048, 2048), (16384, 2048, 2048), (8192, 8192, 8192)]
 
 

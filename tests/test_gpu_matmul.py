@@ -90,26 +90,39 @@ def test_random_data(m, n, k, out):
     check(jax.jit(f)(a, b), ref_mm(a, b), out)
 
 
+@pytest.mark.parametrize("epilogue", ["heuristic", "deferred"])
 @pytest.mark.parametrize("k", [128, 192, 1000])
-def test_deferred_epilogue_with_many_tiles_per_cta(k):
-    """The heuristic's deferred epilogue, 11 (K 128, 192) or 5 tiles per CTA, partial tiles
-    along N: K = 128 leaves no k-tile after the deferred ones, 192 one (the stages are handed
-    back together after it), 1000 many. Random data, then small integers (exact)."""
+def test_epilogues_with_many_tiles_per_cta(k, epilogue, monkeypatch):
+    """11 (K 128, 192) or 5 tiles per CTA, partial tiles along N, with the heuristic's
+    whole-share epilogue (K = 128: the next tile's mainloop is 2 k-tiles, shorter than its
+    stores) and with the deferred one (autotune's candidate): K = 128 leaves no k-tile after
+    the deferred ones, 192 one (the stages are handed back together after it), 1000 many.
+    Random data, then small integers (exact)."""
+    import dataclasses
+
     from jax_cute.kernels import sm90_gemm
     from jax_cute.kernels.gemm_spec import GemmSpec
     m, n = (10000, 2056) if k < 1000 else (4000, 2056)
-    cfg = sm90_gemm.heuristic(GemmSpec("bfloat16", "bfloat16", "bfloat16", "k", "n", "n"), m, n, k, 1)
-    assert cfg.defer and sm90_gemm.tiles_per_cta(cfg, m, n, 1) >= sm90_gemm.DEFER_MIN_TILES, cfg
+    pick = sm90_gemm.heuristic(GemmSpec("bfloat16", "bfloat16", "bfloat16", "k", "n", "n"), m, n, k, 1)
+    assert pick.whole_c and sm90_gemm.tiles_per_cta(pick, m, n, 1) >= 5, pick
+    want = pick if epilogue == "heuristic" else dataclasses.replace(pick, whole_c=False, epi_n=32,
+                                                                    defer=sm90_gemm.DEFER)
+    used = []
+    monkeypatch.setattr(sm90_gemm, "heuristic", lambda *a, **kw: used.append(want) or want)
+    jax.clear_caches()     # the other variant's executable must not be reused
+    f = lambda x, y: jax_cute.matmul(x, y)  # noqa: E731
     a, b = rand((m, k)), rand((k, n))
-    assert_ours(jax_cute.matmul, a, b, calls=1)
-    check(jax.jit(jax_cute.matmul)(a, b), ref_mm(a, b), jnp.bfloat16)
+    assert_ours(f, a, b, calls=1)
+    assert used and set(used) == {want}
+    check(jax.jit(f)(a, b), ref_mm(a, b), jnp.bfloat16)
     rng = np.random.default_rng(next(_seed))
     ai = jnp.asarray(rng.integers(-2, 3, (m, k)), jnp.bfloat16)
     bi = jnp.asarray(rng.integers(-2, 3, (k, n)), jnp.bfloat16)
-    got = np.asarray(jax.jit(jax_cute.matmul)(ai, bi).astype(jnp.float32))
+    got = np.asarray(jax.jit(f)(ai, bi).astype(jnp.float32))
     # f32 accumulation of small integers is exact; the bf16 output rounds it once
     exact = np.asarray(ai, np.float32) @ np.asarray(bi, np.float32)
     np.testing.assert_array_equal(got, np.asarray(jnp.asarray(exact).astype(jnp.bfloat16).astype(jnp.float32)))
+    jax.clear_caches()
 
 
 @pytest.mark.parametrize("ta,tb", [(False, False), (True, False), (False, True), (True, True)])

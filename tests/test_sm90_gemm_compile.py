@@ -69,29 +69,28 @@ def test_heuristic_picks_a_candidate(majors):
         assert cfg in cands, (m, n, k, l, cfg)
     # the big squares: cooperative 128x256 tiles (both consumer warpgroups on one tile), B
     # multicast over a 2x1 cluster, M fastest in bands of 8 clusters (DRAM reads near cuBLAS's),
-    # no PDL, for 16-bit outputs a deferred epilogue (stored under the next tile's first two
-    # k-tiles) where a CTA runs at least DEFER_MIN_TILES tiles, on short K too, else 64-wide
-    # subtiles stored after each mainloop; pingpong only through autotune (it loses in
-    # sustained runs: H200 measurements, 2026-11-22)
+    # no PDL, for 16-bit outputs the whole-share epilogue with 64-wide subtiles, whatever the
+    # tiles per CTA; pingpong and the deferred epilogue only through autotune (H200
+    # measurements, 2026-11-22 and 23)
     big = sm90_gemm.heuristic(spec, 8192, 8192, 8192, 1)
     assert (big.tile_m, big.tile_n, big.cluster_m, big.cluster_n, big.split_k, big.pingpong,
             big.raster, big.group, big.pdl) == (128, 256, 2, 1, 1, False, "m", 8, False)
-    assert (big.defer, big.epi_n) == (sm90_gemm.DEFER, 32)
-    for shape in ((16384, 1536, 1024), (16384, 2048, 2048), (4096, 14336, 4096)):
+    assert (big.defer, big.epi_n, big.whole_c) == (0, 64, True)
+    for shape in ((16384, 1536, 1024), (16384, 2048, 2048), (4096, 14336, 4096), (2048, 2048, 2048),
+                  (4096, 4096, 4096), (4096, 4096, 14336), (512, 8192, 8192)):
         assert sm90_gemm.heuristic(spec, *shape, 1) == big, shape
-        assert sm90_gemm.tiles_per_cta(big, *shape[:2], 1) >= sm90_gemm.DEFER_MIN_TILES
-    few = sm90_gemm.Config(epi_n=64)
-    for shape in ((2048, 2048, 2048), (4096, 4096, 4096), (4096, 4096, 14336), (512, 8192, 8192)):
-        assert sm90_gemm.heuristic(spec, *shape, 1) == few, shape
-        assert sm90_gemm.tiles_per_cta(few, *shape[:2], 1) < sm90_gemm.DEFER_MIN_TILES
+    # the epilogues the whole-share one replaced stay autotune candidates
+    for old in (sm90_gemm.Config(epi_n=64), sm90_gemm.Config(defer=sm90_gemm.DEFER)):
+        assert old in cands
     assert sm90_gemm._PINGPONG_160 in cands and sm90_gemm._PINGPONG in cands   # autotune may time them
     # too few output tiles and a long K: split it
     split = sm90_gemm.heuristic(spec, 256, 4096, 8192, 1)
-    assert split.split_k > 1 and split.defer == 0 and split.epi_n == 64   # split tiles don't defer
+    # split tiles keep the ring (only the last split of a tile stores it)
+    assert split.split_k > 1 and split.defer == 0 and split.epi_n == 64 and not split.whole_c
     assert sm90_gemm.heuristic(spec, 64, 4096, 16384, 1).cluster_m == 1
     f32 = sm90_gemm.heuristic(GemmSpec(BF, BF, F32, *majors), 8192, 8192, 8192, 1)
-    assert (f32.epi_n, f32.defer) == (32, 0)   # no room for a deferred fp32 copy
-    assert sm90_gemm.Config(epi_n=64) in cands   # session 6's pick stays an autotune candidate
+    # no room for a deferred fp32 copy, nor for a whole fp32 share next to 3 A/B stages
+    assert (f32.epi_n, f32.defer, f32.whole_c) == (32, 0, False)
 
 
 def test_workspace_matches_signature():
@@ -147,6 +146,7 @@ def test_config_validation():
     with pytest.raises(ValueError, match="16-bit output"):   # no room for an fp32 copy
         sm90_gemm.launcher(GemmSpec(BF, BF, F32), C(defer=1))
     assert C(epi_n=64, defer=2).key().endswith(".e64.df2")
+    assert C(epi_n=64, whole_c=True).key().endswith(".e64.wc")
     assert C(64, 256, 2, 1, pingpong=True).key().endswith(".pp")
     assert not C().key().endswith(".pp")
     assert C(pdl=True).key() != C().key() and C(pdl=True).key().endswith(".pdl")
@@ -192,6 +192,30 @@ def test_compile_deferred_epilogue(in_dt, out_dt, majors, cfg):
     peeled = 3 if cfg.defer > 1 else 2
     assert 2 * ptx.count("wgmma.mma_async") == peeled * plain.count("wgmma.mma_async") > 0
     assert ("cvt.rn.bf16x2.f32" if out_dt == BF else "cvt.rn.f16x2.f32") in ptx
+
+
+_WHOLE = [(BF, BF, "knn", sm90_gemm.Config(epi_n=64, whole_c=True)),
+          (F16, F16, "mkm", sm90_gemm.Config(whole_c=True)),
+          (BF, F32, "mnm", sm90_gemm.Config(128, 128, 1, 2, whole_c=True)),
+          (BF, BF, "kkn", sm90_gemm.Config(split_k=2, epi_n=64, whole_c=True)),
+          (BF, BF, "knn", sm90_gemm.Config(128, 128, 2, 1, pingpong=True, epi_n=64, whole_c=True))]
+
+
+@pytest.mark.parametrize("in_dt,out_dt,majors,cfg", _WHOLE,
+                         ids=lambda x: x.key() if dataclasses.is_dataclass(x) else str(x))
+def test_compile_whole_share_epilogue(in_dt, out_dt, majors, cfg):
+    # the ring's stores are waited for once per tile (before the ring is refilled) and once at
+    # the kernel's end; the plain ring waits after every subtile's store. Same smem writes.
+    spec = GemmSpec(in_dt, in_dt, out_dt, *majors)
+    ptx = _compile(spec, cfg).ptx
+    plain = _compile(spec, dataclasses.replace(cfg, whole_c=False)).ptx
+    subtiles = ((cfg.tile_m if cfg.pingpong else 64) // 64) * (cfg.tile_n // cfg.epi_n)
+    assert ptx.count("cp.async.bulk.wait_group.read") == 2
+    assert plain.count("cp.async.bulk.wait_group.read") == subtiles + 1
+    assert ptx.count("cp.async.bulk.commit_group") == plain.count("cp.async.bulk.commit_group") == subtiles
+    assert ptx.count("stmatrix") == plain.count("stmatrix")
+    ab, depth = sm90_gemm._stage_plan(cfg.tile_n, out_dt, 0, cfg.pingpong, cfg.epi_n, cfg.tile_m, True)
+    assert depth == subtiles
 
 
 def test_ragged_edge_store_path():
@@ -246,8 +270,17 @@ def test_epilogue_ring_divides_the_subtiles_and_everything_fits():
                 assert subtiles % depth == 0 and ab >= 4, (tm, tn, pp, c_dt, epi_n, ab, depth)
                 assert ab * (tm + tn) * 128 + 2 * depth * 64 * epi_n * item + 1024 <= sm90_gemm.SMEM_BYTES
     # cooperative 16-bit 128x256: 4-deep ring of 64x32 or 2-deep of 64x64 subtiles per warpgroup
-    assert sm90_gemm._stage_plan(256, BF, 0, False, 32)[1] == 4
-    assert sm90_gemm._stage_plan(256, BF, 0, False, 64)[1] == 2
+    assert sm90_gemm._stage_plan(256, BF, 0, False, 32) == (4, 4)
+    assert sm90_gemm._stage_plan(256, BF, 0, False, 64) == (4, 2)
+    # whole share: a slot per subtile of the warpgroup's 64 x 256 share (32 KB each), 3 stages;
+    # 128x128: 6 stages either way; pingpong 128x160: its whole 128 x 160 tile per warpgroup
+    assert sm90_gemm._stage_plan(256, BF, 0, False, 64, 128, True) == (3, 4)
+    assert sm90_gemm._stage_plan(128, BF, 0, False, 64, 128, True) == (6, 2)
+    assert sm90_gemm._stage_plan(160, BF, 0, True, 32, 128, True) == (4, 10)
+    # a whole fp32 128x256 share leaves 2 stages: refused
+    assert sm90_gemm._stage_plan(256, F32, 0, False, 32, 128, True)[0] == 2
+    with pytest.raises(ValueError, match="3 needed"):
+        sm90_gemm.launcher(GemmSpec(BF, BF, F32), sm90_gemm.Config(whole_c=True))
 
 
 @pytest.mark.parametrize("cfg", [sm90_gemm.Config(epi_n=64, trace=True), sm90_gemm.Config(defer=2, trace=True)],

@@ -20,14 +20,19 @@ Kernel shape (one persistent CTA per SM, 384 threads):
 - split-K (Config.split_k = S > 1): each unit covers 1/S of the k-tiles, writes its fp32
   partial tile to a workspace and bumps a per-tile counter; the CTA that arrives last sums the
   S partials in split order (deterministic) and runs the epilogue, then resets the counter.
-- deferred epilogue (Config.defer = d > 0, cooperative, unsplit, 16-bit C): a warpgroup
-  converts its finished accumulators to the output dtype in registers, issues the first d
-  k-tiles of its next tile's WGMMAs, and only then stores the previous tile, so the tensor
-  cores work through the epilogue instead of idling (the cooperative tile's 128 accumulator
-  registers leave room for the 64 of a 16-bit copy, not for a second fp32 set). Measured with
-  the timing build (session 9, benchmarks/tile_trace.py): issuing WGMMAs stalls once about two
-  are queued, so most of the d k-tiles run while they are being issued; the stores then hide
-  under only ~0.5k cycles of tensor work, out of the ~2.1-2.7k cycles a tile's epilogue takes.
+- whole-share epilogue (Config.whole_c, the heuristic's pick for 16-bit outputs): each
+  warpgroup's ring has a slot for every subtile of its share of the tile (64 KB for 128 x 256
+  in bf16, leaving 3 A/B stages instead of 4). Its stores are issued as each subtile is written
+  and only waited for before the next tile's epilogue refills the ring, so the epilogue costs
+  the conversion and shared-memory writes (~1.4k cycles per tile) instead of a chain of store
+  round trips (~2.6k).
+- deferred epilogue (Config.defer = d > 0, cooperative, unsplit, 16-bit C; autotune only): a
+  warpgroup converts its finished accumulators to the output dtype in registers, issues the
+  first d k-tiles of its next tile's WGMMAs, and only then stores the previous tile (the
+  cooperative tile's 128 accumulator registers leave room for the 64 of a 16-bit copy, not for
+  a second fp32 set). Measured with the timing build (session 9, benchmarks/tile_trace.py):
+  issuing WGMMAs stalls once about two are queued, so most of the d k-tiles run while they are
+  being issued; the stores then hide under only ~0.5k cycles of tensor work.
 - programmatic dependent launch (Config.pdl, off by default): the grid is launched so that its
   CTAs may start while the previous kernel on the stream drains. Each CTA initialises its
   barriers and prefetches its TMA descriptors, then waits (griddepcontrol.wait) for that kernel
@@ -83,6 +88,10 @@ class Config:
     # deferred epilogue (see the module notes): k-tiles of the next tile issued before the
     # previous tile's stores; 0 stores each tile right after its mainloop
     defer: int = 0
+    # whole-share epilogue: a warpgroup's whole share of the tile is staged in shared memory at
+    # once (one ring slot per subtile, 3 A/B stages instead of 4 for 128x256), so its stores
+    # are issued together and never wait for each other's smem reads inside a tile
+    whole_c: bool = False
     # timing build (benchmarks/tile_trace.py, never routed): one thread per consumer warpgroup
     # writes SM clock stamps around each tile's mainloop and epilogue into an extra int32 output
     trace: bool = False
@@ -90,7 +99,8 @@ class Config:
     def key(self) -> str:
         return (f"t{self.tile_m}x{self.tile_n}.c{self.cluster_m}x{self.cluster_n}."
                 f"r{self.raster}{self.group}.sk{self.split_k}.st{self.stages}" + (".pp" if self.pingpong else "")
-                + (".pdl" if self.pdl else "") + (f".e{self.epi_n}" if self.epi_n != 32 else "") + (f".df{self.defer}" if self.defer else "") + (".tr" if self.trace else ""))
+                + (".pdl" if self.pdl else "") + (f".e{self.epi_n}" if self.epi_n != 32 else "") + (f".df{self.defer}" if self.defer else "") + (".wc" if self.whole_c else "")
+                + (".tr" if self.trace else ""))
 
 
 # --- static configuration -----------------------------------------------------------------------
@@ -133,27 +143,17 @@ def _check_config(config: Config) -> None:
                          f"kernel without split-K ({config})")
 
 
-DEFER = 2   # k-tiles of the next tile issued before a deferred epilogue's stores
-# Fewest tiles per CTA for which the heuristic defers. Kernel cycles under ncu (H200, session 8):
-# deferring costs ~3.4k cycles once per CTA (with one tile per CTA: +3.4k on both 2048^3 and
-# 512x8192x8192, whatever K) and saves ~1k per tile after the first, so it lost on 3.9 tiles
-# per CTA (4096^3: +1%) and won from 5.8 (16384x1536x1024: -1.6%; 16384x2048x2048: -1.2%).
-# Session 9's clock stamps put that fixed cost outside the consumers' tile loop (same span from
-# their first tile to their last store on 2048^3), and the saving per tile at ~0.5k cycles:
-# see the module notes. 32-wide subtiles after each mainloop (Config()) were within 1% of
-# both in kernel cycles (docs/kernel-run-notes.md, session 9).
-DEFER_MIN_TILES = 5
+DEFER = 2   # k-tiles of the next tile issued before a deferred epilogue's stores (autotune only)
 
 
 def _epilogue(spec, config: Config) -> Config:
-    """The epilogue a cooperative config runs with a 16-bit output: deferred under the next
-    tile's first DEFER k-tiles when K is not split; 64-wide subtiles when it is (fp32 outputs
-    keep 32-wide subtiles: wider ones would leave a 1-deep ring, and no room for a deferred copy)."""
-    if config.pingpong or _ITEM[spec.c_dtype] != 2:
+    """The epilogue a cooperative config runs with a 16-bit output: 64-wide subtiles, and the
+    whole-share mode when K is not split (the heuristic's pick since session 10; see the notes
+    above heuristic). fp32 outputs keep a ring of 32-wide subtiles: a whole 128x256 fp32 share
+    would leave 2 A/B stages."""
+    if config.pingpong or _ITEM[spec.c_dtype] != 2 or config.tile_n % 64:
         return config
-    if config.split_k == 1:
-        return dataclasses.replace(config, defer=DEFER)
-    return dataclasses.replace(config, epi_n=64) if config.tile_n % 64 == 0 else config
+    return dataclasses.replace(config, epi_n=64, whole_c=config.split_k == 1)
 
 
 def candidate_configs(spec) -> list[Config]:
@@ -169,23 +169,29 @@ def candidate_configs(spec) -> list[Config]:
     out.append(Config(128, 256, 2, 1, "n", 16, 1))   # session 4's pick: autotune may still time it
     out += [_PINGPONG, _PINGPONG_160, Config(128, 128, 2, 1, pingpong=True)]
     out = [_epilogue(spec, c) for c in out]
-    # each deferred tile also with session 6's epilogue (64-wide subtiles after each mainloop):
-    # the heuristic's choice where CTAs run too few tiles to defer (DEFER_MIN_TILES)
-    out += [dataclasses.replace(c, defer=0, epi_n=64) for c in out if c.defer]
+    # each whole-share tile also with the epilogues it replaced, for autotune: session 6's ring
+    # of 64-wide subtiles stored after each mainloop, and session 7's deferred epilogue
+    out += [v for c in out if c.whole_c
+            for v in (dataclasses.replace(c, whole_c=False), dataclasses.replace(c, whole_c=False, epi_n=32, defer=DEFER))]
     return list(dict.fromkeys(out))
 
 
 # The heuristic ranks the unsplit and split cooperative tiles with _estimate. Where it picks the
 # unsplit 128x256 2x1-cluster tile, that tile runs M fastest inside bands of 8 clusters with
-# a deferred epilogue (16-bit outputs). H200 measurements (docs/kernel-run-notes.md):
-# - deferred epilogue (session 7): each tile's stores run under the next tile's first 2
-#   k-tiles instead of idling the tensor cores, where a CTA runs DEFER_MIN_TILES tiles or more
-#   (session 8: fewer cannot pay back its fixed cost per CTA; see DEFER_MIN_TILES). Against
-#   session 6's pick (64-wide subtiles after each mainloop): in sustained 1 s windows +0.7 to
-#   +3% on shapes with several tiles per CTA (1.01x XLA on 16384x2048x2048); in one devcheck
-#   run +4 to +11% on K <= 4096 shapes with many tiles, though a second run on another H200 read up to 10% lower for the same
-#   binary (short windows rank configs only to about +-5%). 32-wide subtiles: with 64-wide
-#   ones the kernel spills 16 bytes and was no faster sustained.
+# the whole-share epilogue (16-bit outputs). H200 measurements (docs/kernel-run-notes.md):
+# - whole-share epilogue (session 10, Config.whole_c): clock stamps (benchmarks/tile_trace.py)
+#   put a tile's epilogue at 1.35-1.42k cycles, against 2.6-2.75k for the 2-deep ring of
+#   64-wide subtiles (each store waited for before the next) and 2.15k for the deferred one;
+#   with 3 A/B stages and the stores running under the next mainloop, that mainloop takes
+#   ~1-2% more cycles per k-tile at K = 2048 and below. Kernel cycles under ncu against the
+#   deferred pick of sessions 7-9: -2.6% on 16384x1536x1024, -0.5% on 16384x2048x2048, -1.5%
+#   on 4096^3, +0.5% on 8192^3, equal on 4096x14336x4096; against the ring on one tile per CTA
+#   (2048^3, 512x8192x8192) +0.5-1%. In the devcheck's short windows it was the fastest or
+#   within 1% of it on all 8 benchmark shapes (0.986-1.010x XLA). Deferral on top of it
+#   (3 stages) was slower: the deferred k-tiles then starve the mainloop.
+# - deferred epilogue (session 7, autotune only since session 10): each tile's stores run
+#   under the next tile's first 2 k-tiles; it costs ~3.4k cycles once per CTA (session 8) and
+#   saves ~0.5k per tile (session 9: WGMMA issue stalls once about two are queued).
 # - raster: session 4 had moved to N fastest in bands of 16 on a short-window sweep; session 5
 #   measured that raster's DRAM reads under ncu: 1477 MB on 8192^3 and 654 MB on
 #   4096x14336x4096, against 1229 / 492 MB for M fastest in bands of 8 and 1204 / 453 MB for
@@ -217,14 +223,14 @@ def tile_k(in_dtype: str) -> int:
 
 
 def _stage_plan(tile_n: int, c_dtype: str, stages: int, pingpong: bool = False,
-                epi_n: int = 32, tile_m: int = 128) -> tuple[int, int]:
+                epi_n: int = 32, tile_m: int = 128, whole_c: bool = False) -> tuple[int, int]:
     """(A/B stages, epilogue ring depth) for a tile_m x tile_n x tile_k tile.
 
     Each consumer warpgroup stores its own rows of output (cooperative: its 64-row half of the
     tile; pingpong: its whole tile) through its own ring of 64 x epi_n subtiles. The ring is
     reused round-robin across tiles, so its depth divides a warpgroup's subtiles per tile.
     Cooperative: as deep as fits in 16 KB per warpgroup (the A/B ring keeps the rest); pingpong:
-    2 deep (its A/B stages matter more)."""
+    2 deep (its A/B stages matter more). whole_c: one slot per subtile of the warpgroup's share."""
     sub_bytes = 64 * epi_n * _ITEM[c_dtype]
     if pingpong:
         subtiles = (tile_m // 64) * (tile_n // epi_n)
@@ -234,6 +240,8 @@ def _stage_plan(tile_n: int, c_dtype: str, stages: int, pingpong: bool = False,
         subtiles = tile_n // epi_n
         epi_stages = max(d for d in range(1, subtiles + 1) if subtiles % d == 0 and (d == 1 or d * sub_bytes <= 16384))
         ab_bytes = (128 + tile_n) * ROW_BYTES
+    if whole_c:
+        epi_stages = subtiles
     epi_bytes = 2 * sub_bytes * epi_stages
     fit = (SMEM_BYTES - 1024 - epi_bytes) // ab_bytes
     return (min(stages, fit) if stages else fit), epi_stages
@@ -277,12 +285,7 @@ def heuristic(spec, m: int, n: int, k: int, l: int, num_sms: int = NUM_SMS) -> C
     else:
         cands = [c for c in cands if c.cluster_m == 2]
     bk = tile_k(spec.a_dtype)
-    best = min(cands, key=lambda c: (_estimate(c, m, n, k, l, num_sms, bk), c.split_k, -c.tile_n))
-    if best.defer and tiles_per_cta(best, m, n, l, num_sms) < DEFER_MIN_TILES:
-        # too few tiles to pay back the deferral's fixed cost: store after each mainloop, in
-        # 64-wide subtiles (session 6's epilogue)
-        best = dataclasses.replace(best, defer=0, epi_n=64)
-    return best
+    return min(cands, key=lambda c: (_estimate(c, m, n, k, l, num_sms, bk), c.split_k, -c.tile_n))
 
 
 def tiles_per_cta(config: Config, m: int, n: int, l: int, num_sms: int = NUM_SMS) -> int:
@@ -365,7 +368,7 @@ def _kernel_class():
             self.split = config.split_k
             self.pp = config.pingpong
             self.ab_stages, self.epi_stages = _stage_plan(config.tile_n, spec.c_dtype, config.stages, self.pp,
-                                                          config.epi_n, config.tile_m)
+                                                          config.epi_n, config.tile_m, config.whole_c)
             # every consumer warpgroup stores its own 64 output rows (its own named barrier, smem
             # ring and store warp), so neither waits on the other between mainloops
             self.epi_tile = (64, config.epi_n)
@@ -760,7 +763,13 @@ def _kernel_class():
             """One warpgroup's 64 rows of the tile: acc -> output dtype -> smem ring -> TMA store,
             one 64 x epi_n subtile at a time, one named barrier per subtile.
 
-            The ring (depth d) is used round-robin across tiles (n_epi is a multiple of d). After
+            whole_c: the ring has a slot per subtile. After one wait for the previous tile's
+            stores (issued a mainloop ago), each subtile's store is issued as soon as it is
+            written, and nobody waits on them until the next tile's epilogue. (Issuing them all
+            after the last subtile took the same epilogue time, and the next mainloop ran ~2%
+            slower per k-tile at K = 1024: H200, session 10.)
+
+            Otherwise the ring (depth d) is used round-robin across tiles (n_epi is a multiple of d). After
             committing subtile e the store warp waits until at most d - 2 stores still read smem,
             so by the next barrier the buffer that subtile e + 2 refills is free; a 1-deep ring
             needs a second barrier instead. A subtile that crosses C's contiguous edge while that
@@ -771,14 +780,15 @@ def _kernel_class():
             bSG_sC, bSG_gC = cpasync.tma_partition(
                 tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2),
                 cute.zipped_divide(gC_t, self.epi_tile))
-            em, en = self.epi_tile
             depth = self.epi_stages
-            c_n = self.c_lay.is_n_major_c()
-            m_ext, n_ext = gmem_c.shape[0], gmem_c.shape[1]
-            per_row = self.bn // en
+            whole = self.cfg.whole_c
+            per_row = self.bn // self.epi_tile[1]
+            if const_expr(whole):
+                # one slot per subtile: the previous tile's stores left them a mainloop ago
+                if warp_id == store_warp:
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+                epi_bar.arrive_and_wait()
             for e in range_constexpr(n_epi):
-                blk, e_n = row_blk + e // per_row, e % per_row
-                m0 = tm * self.bm + blk * em
                 if const_expr(converted):
                     for v in range_constexpr(n_rd):
                         tRS_rC[v] = tRS_acc[e * n_rd + v]
@@ -791,25 +801,40 @@ def _kernel_class():
                 # generic-proxy smem writes must be visible to the TMA (async proxy) store
                 cute.arch.fence_proxy("async.shared", space="cta")
                 epi_bar.arrive_and_wait()
-                n0 = tn * self.bn + e_n * en
-                edge = ragged and ((n0 + en > n_ext) if const_expr(c_n) else (m0 + em > m_ext))
-                if edge:
-                    # consecutive threads walk the contiguous mode (coalesced, conflict-light)
-                    for it in range_constexpr((em * en) // self.epi_threads):
-                        idx = etid + it * self.epi_threads
-                        if const_expr(c_n):
-                            r, q = idx // en, idx % en
-                        else:
-                            r, q = idx % em, idx // em
-                        if m0 + r < m_ext and n0 + q < n_ext:
-                            gmem_c[(m0 + r, n0 + q, l)] = sC[(r, q, buf)]
+                self.store_subtile(tma_c, bSG_sC, bSG_gC, sC, row_blk + e // per_row, e % per_row, buf,
+                                   warp_id, store_warp, gmem_c, tm, tn, l, ragged, etid)
                 if warp_id == store_warp:
-                    if not edge:
-                        cute.copy(tma_c, bSG_sC[(None, buf)], bSG_gC[(None, (blk, e_n))])
                     cute.arch.cp_async_bulk_commit_group()
-                    cute.arch.cp_async_bulk_wait_group(max(depth - 2, 0), read=True)
+                    if const_expr(not whole):
+                        cute.arch.cp_async_bulk_wait_group(max(depth - 2, 0), read=True)
                 if const_expr(depth == 1):
                     epi_bar.arrive_and_wait()
+
+        @cute.jit
+        def store_subtile(self, tma_c, bSG_sC, bSG_gC, sC, blk, e_n: cutlass.Constexpr, buf, warp_id, store_warp, gmem_c, tm, tn, l,
+                          ragged, etid):
+            """Subtile (blk, e_n) of the tile, staged in ring slot `buf`, to global memory: a TMA
+            store issued by the store warp, or, where the subtile crosses C's contiguous edge and
+            that edge is not 16-byte aligned (`ragged`), predicated stores by every thread."""
+            em, en = self.epi_tile
+            c_n = self.c_lay.is_n_major_c()
+            m_ext, n_ext = gmem_c.shape[0], gmem_c.shape[1]
+            m0 = tm * self.bm + blk * em
+            n0 = tn * self.bn + e_n * en
+            edge = ragged and ((n0 + en > n_ext) if const_expr(c_n) else (m0 + em > m_ext))
+            if edge:
+                # consecutive threads walk the contiguous mode (coalesced, conflict-light)
+                for it in range_constexpr((em * en) // self.epi_threads):
+                    idx = etid + it * self.epi_threads
+                    if const_expr(c_n):
+                        r, q = idx // en, idx % en
+                    else:
+                        r, q = idx % em, idx // em
+                    if m0 + r < m_ext and n0 + q < n_ext:
+                        gmem_c[(m0 + r, n0 + q, l)] = sC[(r, q, buf)]
+            if warp_id == store_warp:
+                if not edge:
+                    cute.copy(tma_c, bSG_sC[(None, buf)], bSG_gC[(None, (blk, e_n))])
 
     return Sm90Gemm, cute, cuda_driver
 
@@ -818,8 +843,13 @@ def _make_launcher(spec: GemmSpec, config: Config):
     Sm90Gemm, cute, cuda_driver = _kernel_class()
     # the epilogue reuses its smem ring round-robin across tiles: subtiles per tile must fill it
     rows = config.tile_m if config.pingpong else 64
-    assert (rows // 64) * (config.tile_n // config.epi_n) % _stage_plan(
-        config.tile_n, spec.c_dtype, config.stages, config.pingpong, config.epi_n, config.tile_m)[1] == 0
+    ab_stages, epi_stages = _stage_plan(config.tile_n, spec.c_dtype, config.stages, config.pingpong,
+                                        config.epi_n, config.tile_m, config.whole_c)
+    assert (rows // 64) * (config.tile_n // config.epi_n) % epi_stages == 0
+    if config.whole_c and ab_stages < 3:
+        # two stages cannot keep loads ahead of the tensor cores
+        raise ValueError(f"{FAMILY}: a whole-share epilogue of {spec.c_dtype} leaves {ab_stages} A/B "
+                         f"stage(s) for a {config.tile_m}x{config.tile_n} tile (3 needed)")
     gemm = Sm90Gemm(spec, config)
 
     if config.trace:
