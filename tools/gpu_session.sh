@@ -7,7 +7,9 @@
 # timeline reads TIMELINE_SHAPES (e.g. 2048x2048x2048,8192x8192x8192) and TIMELINE_NAME (output stem).
 # devcheck-grouped reads DEVCHECK_BUDGET (seconds), DEVCHECK_WHICH (fwd,drhs) and
 # DEVCHECK_SKIP_CHECKS=1 (timings only), DEVCHECK_NO_PALLAS=1 and DEVCHECK_G (e.g. 64,16: the
-# benchmark shapes to time, by group count).
+# benchmark shapes to time, by group count). gpu-tests reads GPU_TESTS (test files; default all) and
+# GPU_TIMEOUT (seconds, default 560): the whole GPU suite takes ~7-8 min with its compiles, so a
+# call of at most 10 min may split it by file and merge the result files.
 # Usage: tools/gpu_session.sh STEP...   (steps: info build ffi devcheck-gemm devcheck-grouped
 #        ncu-probe ncu-source timeline energy chain-effect gpu-tests sanitize first-call-warm first-call-cold unpack-compiler multigpu skew-ratio bench-matmul bench-ragged
 #        bench-launch)
@@ -51,7 +53,7 @@ for step in "$@"; do
     graph-tests) python3 -m pytest -m gpu -q -k captured tests/test_gpu_matmul.py tests/test_gpu_cute_call.py \
                tests/test_ragged_dot_gpu.py 2>&1 \
              | tee "$OUT/graph_tests.log" | grep -E "CAPTURED|command buffer|holding|passed|failed" | head -20 ;;
-    gpu-tests) JAX_CUTE_GPU_RESULTS="$OUT/gpu-test-results.json" timeout 400 python3 -m pytest -m gpu -q tests 2>&1 \
+    gpu-tests) JAX_CUTE_GPU_RESULTS="$OUT/gpu-test-results.json" timeout ${GPU_TIMEOUT:-560} python3 -m pytest -m gpu -q ${GPU_TESTS:-tests} 2>&1 \
              | tee "$OUT/gpu_tests.log" | tail -40 ;;
     sanitize) for tool in memcheck racecheck; do
                XLA_PYTHON_CLIENT_ALLOCATOR=platform timeout 150 compute-sanitizer --tool $tool --report-api-errors no \

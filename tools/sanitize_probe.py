@@ -19,10 +19,9 @@ def r(*shape):
     return jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
 
 
-def pingpong(tile_m: int, tile_n: int, m: int, n: int, k: int):
-    """A pingpong config (autotune may pick one; the heuristic does not), compiled here and
-    launched directly as jnp.matmul's layouts, with more tiles than SMs so both consumer
-    warpgroups take turns."""
+def direct(cfg_kwargs: dict, m: int, n: int, k: int):
+    """A config the heuristic does not pick (autotune may), compiled here and launched directly
+    as jnp.matmul's layouts."""
     import os
     import sys
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
@@ -30,10 +29,15 @@ def pingpong(tile_m: int, tile_n: int, m: int, n: int, k: int):
     from jax_cute.kernels import build, sm90_gemm
     from jax_cute.kernels.gemm_spec import GemmSpec
 
-    spec, cfg = GemmSpec("bfloat16", "bfloat16", "bfloat16", "k", "n", "n"), sm90_gemm.Config(tile_m, tile_n, pingpong=True)
+    spec, cfg = GemmSpec("bfloat16", "bfloat16", "bfloat16", "k", "n", "n"), sm90_gemm.Config(**cfg_kwargs)
     binary = build.compile_launcher(sm90_gemm.launcher(spec, cfg), sm90_gemm.signature(spec, cfg), arch="sm_90a",
                                     name="sanitize_" + cfg.key().replace(".", "_"))
     return bench_call(binary, spec, cfg, m, n, k, "kn"), (r(m, k), r(k, n))
+
+
+def pingpong(tile_m: int, tile_n: int, m: int, n: int, k: int):
+    """A pingpong config, with more tiles than SMs so both consumer warpgroups take turns."""
+    return direct({"tile_m": tile_m, "tile_n": tile_n, "pingpong": True}, m, n, k)
 
 
 def stream_chain():
@@ -52,16 +56,19 @@ checks = {
                           (r(136, 264), r(72, 136))),
     "matmul batched bcast": (jax_cute.matmul, (r(3, 200, 136), r(136, 264))),
     "matmul split-k": (jax_cute.matmul, (r(128, 8192), r(8192, 128))),
-    # the heuristic's cooperative tiles (2x1 cluster) with a partial last tile along M and N,
-    # short and longer K: one tile per CTA (64-wide subtiles after the mainloop), then 5 tiles
-    # per CTA (128x128), stored under their successors' first k-tiles (deferred epilogue)
+    # the heuristic's cooperative tiles (2x1 cluster, whole-share epilogue) with a partial last
+    # tile along M and N, short and longer K: one tile per CTA, then 5 tiles per CTA (128x128)
     "matmul cooperative short K": (jax_cute.matmul, (r(2048, 1000), r(1000, 1032))),
     "matmul cooperative 128x256": (jax_cute.matmul, (r(2048, 1104), r(1104, 1032))),
-    "matmul deferred epilogue": (jax_cute.matmul, (r(4000, 1000), r(1000, 2056))),
-    # deferred, 11 tiles per CTA: K = 128 leaves no k-tile after the 2 deferred ones, K = 192
-    # one, after which their stages are handed back together (sm90_mainloop)
-    "matmul deferred short K": (jax_cute.matmul, (r(10000, 128), r(128, 2056))),
-    "matmul deferred 3 k-tiles": (jax_cute.matmul, (r(10000, 192), r(192, 2056))),
+    "matmul whole share 5 tiles": (jax_cute.matmul, (r(4000, 1000), r(1000, 2056))),
+    # 11 tiles per CTA, K = 128 / 192: the next tile's mainloop is shorter than the stores it
+    # must wait for before refilling the ring
+    "matmul whole share short K": (jax_cute.matmul, (r(10000, 128), r(128, 2056))),
+    "matmul whole share 3 k-tiles": (jax_cute.matmul, (r(10000, 192), r(192, 2056))),
+    # deferred epilogue (autotune candidate), 11 tiles per CTA: K = 128 leaves no k-tile after
+    # the 2 deferred ones, K = 192 one, after which their stages are handed back together
+    "deferred short K": direct({"defer": 2}, 10000, 2056, 128),
+    "deferred 3 k-tiles": direct({"defer": 2}, 10000, 2056, 192),
     # pingpong tiles (autotune candidates), partial tiles along M and N, ~2 tiles per CTA
     "pingpong 128x160": pingpong(128, 160, 4000, 1000, 1000),
     "pingpong 64x256": pingpong(64, 256, 4000, 1000, 1000),
