@@ -72,7 +72,7 @@ def window(fn, args, nvml: Nvml, seconds: float) -> dict:
     return {"calls": calls, "s": t1 - t0, "mj": e1 - e0, "mhz": statistics.median(clocks)}
 
 
-def cmd_run(bins: str, out: str, shapes, rounds: int, names: list[str]) -> None:
+def cmd_run(bins: str, out: str, shapes, rounds: int, names: list[str], window_s: float = WINDOW_S) -> None:
     import jax
     import jax_cute
     from common import round_order
@@ -82,7 +82,7 @@ def cmd_run(bins: str, out: str, shapes, rounds: int, names: list[str]) -> None:
     nvml = Nvml()
     rec = {"device": jax.devices()[0].device_kind, "commit": os.environ.get("JAX_CUTE_COMMIT", "unknown"),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "window_s": WINDOW_S, "chain": CHAIN, "cases": []}
+           "window_s": window_s, "chain": CHAIN, "cases": []}
     for (m, n, k) in shapes:
         # without the devcheck's objects only XLA and the primitive (the heuristic's pick) run
         impls = chained_impls(bins, m, n, k, CHAIN, keep=names)
@@ -93,20 +93,20 @@ def cmd_run(bins: str, out: str, shapes, rounds: int, names: list[str]) -> None:
         runs: dict[str, list[dict]] = {label: [] for label in impls}
         for r in range(rounds):
             for label in round_order(list(impls), r):
-                w = window(impls[label], args, nvml, WINDOW_S)
+                w = window(impls[label], args, nvml, window_s)
                 w["tflops"] = flop * w["calls"] / w["s"] / 1e12
                 w["watts"] = w["mj"] / 1e3 / w["s"]
                 w["j_per_pflop"] = w["mj"] / 1e3 / (flop * w["calls"] / 1e15)
                 runs[label].append(w)
         rec["cases"].append({"shape": [m, n, k], "impls": runs})
-        print(report_case(m, n, k, runs), flush=True)
+        print(report_case(m, n, k, runs, window_s), flush=True)
     if out:
         with open(out, "w") as f:
             json.dump(rec, f, indent=1)
 
 
-def report_case(m: int, n: int, k: int, runs: dict) -> str:
-    lines = [f"{m}x{n}x{k}: medians over rounds of {WINDOW_S:.1f} s windows",
+def report_case(m: int, n: int, k: int, runs: dict, window_s: float = WINDOW_S) -> str:
+    lines = [f"{m}x{n}x{k}: medians over rounds of {window_s:g} s windows",
              f"  {'impl':32s} {'TFLOP/s':>8s} {'W':>6s} {'J/PFLOP':>8s} {'SM MHz':>7s}"]
     for label, ws in runs.items():
         med = lambda key: statistics.median(w[key] for w in ws)  # noqa: E731
@@ -121,14 +121,16 @@ def main() -> None:
     p, r = probe_cli(__doc__.splitlines()[0], ROUNDS)
     r.add_argument("--configs", default="t128x256.c2x1.rm8.sk1.st0.df2,t128x256.c2x1.rm8.sk1.st0.e64,t128x160.c2x1.rm8.sk1.st0.pp",
                    help="config keys (devcheck objects) to time besides the primitive and XLA")
+    r.add_argument("--window", type=float, default=WINDOW_S, help="seconds per timed window")
     a = p.parse_args()
     if a.cmd == "run":
-        cmd_run(a.bins, a.out, parse_shapes(a.shapes, SHAPES), a.rounds, [s for s in a.configs.split(",") if s])
+        cmd_run(a.bins, a.out, parse_shapes(a.shapes, SHAPES), a.rounds, [s for s in a.configs.split(",") if s],
+                a.window)
     else:
         rec = json.load(open(a.path))
         print(f"device {rec['device']}, date {rec['date']}, commit {rec['commit']}")
         for c in rec["cases"]:
-            print(report_case(*c["shape"], c["impls"]))
+            print(report_case(*c["shape"], c["impls"], rec.get("window_s", WINDOW_S)))
 
 
 if __name__ == "__main__":
