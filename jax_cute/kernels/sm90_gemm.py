@@ -671,8 +671,10 @@ def _kernel_class():
                                   gmem_c, p_tm, p_tn, p_l, ragged, etid, store_warp, buf0, True)
                     self.stamp(ws, etid, rec0, n_rec, 2, None)
                 else:
+                    # each unit's coordinates are worked out one unit ahead, while the previous
+                    # unit's first WGMMAs run: between tiles, work()'s divisions took ~0.4k cycles
+                    tm, tn, l, s = self.work(w, cl_m, cl_n, batches, cc)
                     while w < total:
-                        tm, tn, l, s = self.work(w, cl_m, cl_n, batches, cc)
                         k0, kc = self.k_range(s, k_tiles)
 
                         if const_expr(self.pp):
@@ -691,6 +693,8 @@ def _kernel_class():
                         warpgroup.fence()
                         read = mainloop_start(tiled_mma, acc, tCrA, tCrB, ab_pipe, read, kc, 1)
                         self.stamp(ws, etid, rec0, n_rec, 1, None)
+                        # (past the last unit these are never used)
+                        n_tm, n_tn, n_l, n_s = self.work(w + step, cl_m, cl_n, batches, cc)
                         read, release = mainloop_rest(tiled_mma, acc, tCrA, tCrB, ab_pipe, read, release, kc, 1)
                         self.stamp(ws, etid, rec0, n_rec, 3, None)
                         if const_expr(self.pp):
@@ -745,6 +749,7 @@ def _kernel_class():
                                 read.advance()
                                 release.advance()
                         w += step
+                        tm, tn, l, s = n_tm, n_tn, n_l, n_s
                 if warp_id == store_warp:
                     cute.arch.cp_async_bulk_wait_group(0, read=True)   # smem outlives its stores
 
