@@ -88,9 +88,9 @@ class Config:
     # deferred epilogue (see the module notes): k-tiles of the next tile issued before the
     # previous tile's stores; 0 stores each tile right after its mainloop
     defer: int = 0
-    # whole-share epilogue: a warpgroup's whole share of the tile is staged in shared memory at
-    # once (one ring slot per subtile, 3 A/B stages instead of 4 for 128x256), so its stores
-    # are issued together and never wait for each other's smem reads inside a tile
+    # whole-share epilogue: a ring slot for every subtile of a warpgroup's share of the tile
+    # (3 A/B stages instead of 4 for 128x256), so each store is issued as its subtile is
+    # written and none waits for another's smem read inside a tile
     whole_c: bool = False
     # timing build (benchmarks/tile_trace.py, never routed): one thread per consumer warpgroup
     # writes SM clock stamps around each tile's mainloop and epilogue into an extra int32 output
@@ -99,7 +99,8 @@ class Config:
     def key(self) -> str:
         return (f"t{self.tile_m}x{self.tile_n}.c{self.cluster_m}x{self.cluster_n}."
                 f"r{self.raster}{self.group}.sk{self.split_k}.st{self.stages}" + (".pp" if self.pingpong else "")
-                + (".pdl" if self.pdl else "") + (f".e{self.epi_n}" if self.epi_n != 32 else "") + (f".df{self.defer}" if self.defer else "") + (".wc" if self.whole_c else "")
+                + (".pdl" if self.pdl else "") + (f".e{self.epi_n}" if self.epi_n != 32 else "")
+                + (f".df{self.defer}" if self.defer else "") + (".wc" if self.whole_c else "")
                 + (".tr" if self.trace else ""))
 
 
