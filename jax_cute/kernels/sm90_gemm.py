@@ -775,10 +775,10 @@ def _kernel_class():
             after the last subtile took the same epilogue time, and the next mainloop ran ~2%
             slower per k-tile at K = 1024: H200, session 10.)
 
-            Otherwise the ring (depth d) is used round-robin across tiles (n_epi is a multiple of d). After
-            committing subtile e the store warp waits until at most d - 2 stores still read smem,
-            so by the next barrier the buffer that subtile e + 2 refills is free; a 1-deep ring
-            needs a second barrier instead. A subtile that crosses C's contiguous edge while that
+            Otherwise the ring (depth d) is used round-robin across tiles (n_epi is a multiple of
+            d). After committing subtile e the store warp waits until at most d - 2 stores still
+            read smem, so by the next barrier the buffer that subtile e + 2 refills is free; a
+            1-deep ring needs a second barrier instead. A subtile that crosses C's contiguous edge while that
             edge is not 16-byte aligned (`ragged`) is written by all the warpgroup's threads with
             predicated stores instead. ``converted``: ``tRS_acc`` already holds the output dtype
             (the deferred epilogue's copy).
@@ -817,8 +817,8 @@ def _kernel_class():
                     epi_bar.arrive_and_wait()
 
         @cute.jit
-        def store_subtile(self, tma_c, bSG_sC, bSG_gC, sC, blk, e_n: cutlass.Constexpr, buf, warp_id, store_warp, gmem_c, tm, tn, l,
-                          ragged, etid):
+        def store_subtile(self, tma_c, bSG_sC, bSG_gC, sC, blk, e_n: cutlass.Constexpr, buf, warp_id,
+                          store_warp, gmem_c, tm, tn, l, ragged, etid):
             """Subtile (blk, e_n) of the tile, staged in ring slot `buf`, to global memory: a TMA
             store issued by the store warp, or, where the subtile crosses C's contiguous edge and
             that edge is not 16-byte aligned (`ragged`), predicated stores by every thread."""
