@@ -778,23 +778,29 @@ def _kernel_class():
             Otherwise the ring (depth d) is used round-robin across tiles (n_epi is a multiple of
             d). After committing subtile e the store warp waits until at most d - 2 stores still
             read smem, so by the next barrier the buffer that subtile e + 2 refills is free; a
-            1-deep ring needs a second barrier instead. A subtile that crosses C's contiguous edge while that
-            edge is not 16-byte aligned (`ragged`) is written by all the warpgroup's threads with
-            predicated stores instead. ``converted``: ``tRS_acc`` already holds the output dtype
-            (the deferred epilogue's copy).
+            1-deep ring needs a second barrier instead.
+
+            A subtile that crosses C's contiguous edge while that edge is not 16-byte aligned
+            (`ragged`) is written by all the warpgroup's threads with predicated stores instead.
+            ``converted``: ``tRS_acc`` already holds the output dtype (the deferred epilogue's copy).
             """
             bSG_sC, bSG_gC = cpasync.tma_partition(
                 tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2),
                 cute.zipped_divide(gC_t, self.epi_tile))
+            em, en = self.epi_tile
             depth = self.epi_stages
             whole = self.cfg.whole_c
-            per_row = self.bn // self.epi_tile[1]
+            c_n = self.c_lay.is_n_major_c()
+            m_ext, n_ext = gmem_c.shape[0], gmem_c.shape[1]
+            per_row = self.bn // en
             if const_expr(whole):
                 # one slot per subtile: the previous tile's stores left them a mainloop ago
                 if warp_id == store_warp:
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
                 epi_bar.arrive_and_wait()
             for e in range_constexpr(n_epi):
+                blk, e_n = row_blk + e // per_row, e % per_row
+                m0 = tm * self.bm + blk * em
                 if const_expr(converted):
                     for v in range_constexpr(n_rd):
                         tRS_rC[v] = tRS_acc[e * n_rd + v]
@@ -807,40 +813,26 @@ def _kernel_class():
                 # generic-proxy smem writes must be visible to the TMA (async proxy) store
                 cute.arch.fence_proxy("async.shared", space="cta")
                 epi_bar.arrive_and_wait()
-                self.store_subtile(tma_c, bSG_sC, bSG_gC, sC, row_blk + e // per_row, e % per_row, buf,
-                                   warp_id, store_warp, gmem_c, tm, tn, l, ragged, etid)
+                n0 = tn * self.bn + e_n * en
+                edge = ragged and ((n0 + en > n_ext) if const_expr(c_n) else (m0 + em > m_ext))
+                if edge:
+                    # consecutive threads walk the contiguous mode (coalesced, conflict-light)
+                    for it in range_constexpr((em * en) // self.epi_threads):
+                        idx = etid + it * self.epi_threads
+                        if const_expr(c_n):
+                            r, q = idx // en, idx % en
+                        else:
+                            r, q = idx % em, idx // em
+                        if m0 + r < m_ext and n0 + q < n_ext:
+                            gmem_c[(m0 + r, n0 + q, l)] = sC[(r, q, buf)]
                 if warp_id == store_warp:
+                    if not edge:
+                        cute.copy(tma_c, bSG_sC[(None, buf)], bSG_gC[(None, (blk, e_n))])
                     cute.arch.cp_async_bulk_commit_group()
                     if const_expr(not whole):
                         cute.arch.cp_async_bulk_wait_group(max(depth - 2, 0), read=True)
                 if const_expr(depth == 1):
                     epi_bar.arrive_and_wait()
-
-        @cute.jit
-        def store_subtile(self, tma_c, bSG_sC, bSG_gC, sC, blk, e_n: cutlass.Constexpr, buf, warp_id,
-                          store_warp, gmem_c, tm, tn, l, ragged, etid):
-            """Subtile (blk, e_n) of the tile, staged in ring slot `buf`, to global memory: a TMA
-            store issued by the store warp, or, where the subtile crosses C's contiguous edge and
-            that edge is not 16-byte aligned (`ragged`), predicated stores by every thread."""
-            em, en = self.epi_tile
-            c_n = self.c_lay.is_n_major_c()
-            m_ext, n_ext = gmem_c.shape[0], gmem_c.shape[1]
-            m0 = tm * self.bm + blk * em
-            n0 = tn * self.bn + e_n * en
-            edge = ragged and ((n0 + en > n_ext) if const_expr(c_n) else (m0 + em > m_ext))
-            if edge:
-                # consecutive threads walk the contiguous mode (coalesced, conflict-light)
-                for it in range_constexpr((em * en) // self.epi_threads):
-                    idx = etid + it * self.epi_threads
-                    if const_expr(c_n):
-                        r, q = idx // en, idx % en
-                    else:
-                        r, q = idx % em, idx // em
-                    if m0 + r < m_ext and n0 + q < n_ext:
-                        gmem_c[(m0 + r, n0 + q, l)] = sC[(r, q, buf)]
-            if warp_id == store_warp:
-                if not edge:
-                    cute.copy(tma_c, bSG_sC[(None, buf)], bSG_gC[(None, (blk, e_n))])
 
     return Sm90Gemm, cute, cuda_driver
 
