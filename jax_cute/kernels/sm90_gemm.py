@@ -356,7 +356,7 @@ def _kernel_class():
 
     # the mainloop in two parts (sm90_mainloop), so a tile's first k-tiles can be issued apart
     # from the rest (deferred epilogue; the timing build's stamp between them)
-    mainloop_start, mainloop_rest = wgmma_mainloop_parts()
+    mainloop_start, mainloop_rest, mainloop_finish = wgmma_mainloop_parts()
 
     const_expr = cutlass.const_expr
     range_constexpr = cutlass.range_constexpr
@@ -681,7 +681,7 @@ def _kernel_class():
                         if const_expr(self.pp):
                             # mainloops take turns: the ring's barriers only tell apart adjacent
                             # phases, so a warpgroup may wait on its first stage only once the
-                            # other one has consumed all of its unit's stages
+                            # other one has waited on all of its unit's stages
                             if wg == 2 or w != first:
                                 turn_mine.arrive_and_wait()
 
@@ -696,11 +696,16 @@ def _kernel_class():
                         self.stamp(ws, etid, rec0, n_rec, 1, None)
                         # (past the last unit these are never used)
                         n_tm, n_tn, n_l, n_s = self.work(w + step, cl_m, cl_n, batches, cc)
-                        read, release = mainloop_rest(tiled_mma, acc, tCrA, tCrB, ab_pipe, read, release, kc, 1)
+                        read, release = mainloop_rest(tiled_mma, acc, tCrA, tCrB, ab_pipe, read, release, kc, 1,
+                                                      not self.pp)
                         self.stamp(ws, etid, rec0, n_rec, 3, None)
                         if const_expr(self.pp):
-                            if w + stride < total:      # the other warpgroup's next unit may start
+                            # the other warpgroup's next unit may start as soon as this one's
+                            # last WGMMAs are issued: its own queue behind them keeps the tensor
+                            # cores busy while these drain
+                            if w + stride < total:
                                 turn_other.arrive()
+                            release = mainloop_finish(ab_pipe, release, cutlass.min(kc, 1))
 
                         gC_t = gC[(None, None, tm, tn, l)]
                         if const_expr(self.split == 1):

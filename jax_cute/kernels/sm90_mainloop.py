@@ -18,7 +18,10 @@ def wgmma_mainloop_parts():
       ``min(k_tiles, lead)`` stages' WGMMAs without waiting on any and returns ``read``;
     - ``rest(tiled_mma, acc, tCrA, tCrB, pipe, read, release, k_tiles, lead)`` issues the others,
       keeping one batch in flight, waits for all, hands every stage back and returns
-      ``(read, release)``.
+      ``(read, release)``;
+    - ``finish(pipe, release, held)``: the wait and the last ``held`` releases that ``rest``
+      leaves to its caller with ``drain=False`` (lead 1: ``held`` = ``min(k_tiles, 1)``), so that the caller can act between the last issue and the drain (pingpong
+      hands the tensor cores to the other warpgroup there).
 
     ``lead`` is a compile-time count. ``rest`` hands the stages ``start`` left in flight back
     together, as soon as its first batch is issued and every earlier batch is done, so from
@@ -44,7 +47,8 @@ def wgmma_mainloop_parts():
         return read
 
     @cute.jit
-    def rest(tiled_mma: cute.TiledMma, acc, tCrA, tCrB, pipe, read, release, k_tiles, lead: cutlass.Constexpr):
+    def rest(tiled_mma: cute.TiledMma, acc, tCrA, tCrB, pipe, read, release, k_tiles, lead: cutlass.Constexpr,
+             drain: cutlass.Constexpr = True):
         issued = cutlass.min(k_tiles, lead)
         first = 0
         if cutlass.const_expr(lead > 1):
@@ -64,14 +68,21 @@ def wgmma_mainloop_parts():
             pipe.consumer_release(release)
             release.advance()
             read.advance()
-        warpgroup.wait_group(0)
-        # still held: the last stage, or (no batch after `start`) all that `start` issued
-        for _ in range(issued + first - lead * first):
-            pipe.consumer_release(release)
-            release.advance()
+        if cutlass.const_expr(drain):
+            release = finish(pipe, release, issued + first - lead * first)
         return read, release
 
-    return start, rest
+    @cute.jit
+    def finish(pipe, release, held):
+        """Wait for every WGMMA issued and hand back the ``held`` stages still read by them."""
+        warpgroup.wait_group(0)
+        # still held: the last stage, or (no batch after `start`) all that `start` issued
+        for _ in range(held):
+            pipe.consumer_release(release)
+            release.advance()
+        return release
+
+    return start, rest, finish
 
 
 @functools.lru_cache(maxsize=None)
@@ -85,7 +96,7 @@ def wgmma_mainloop():
     first, in its own scope (a field set inside a helper would not reach the caller's loop)."""
     from jax_cute.kernels.dsl import cute
 
-    start, rest = wgmma_mainloop_parts()
+    start, rest, _ = wgmma_mainloop_parts()
 
     @cute.jit
     def run(tiled_mma: cute.TiledMma, acc, tCrA, tCrB, pipe, read, release, k_tiles):
