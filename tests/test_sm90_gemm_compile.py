@@ -1,6 +1,7 @@
 """Compile-only checks of the sm90_gemm family (no GPU needed; about a minute on two cores)."""
 
 import dataclasses
+import re
 
 import pytest
 
@@ -215,6 +216,18 @@ def test_compile_whole_share_epilogue(in_dt, out_dt, majors, cfg):
     assert ptx.count("cp.async.bulk.commit_group") == plain.count("cp.async.bulk.commit_group") == subtiles
     assert ptx.count("stmatrix") == plain.count("stmatrix")
     assert sm90_gemm._stage_plan(cfg.tile_n, out_dt, 0, cfg.pingpong, cfg.epi_n, cfg.tile_m, True)[1] == subtiles
+
+
+def test_pingpong_hands_over_before_drain():
+    # a pingpong warpgroup passes the mainloop turn (a named-barrier arrive) once its unit's last
+    # WGMMAs are issued and only then waits for them, so the other warpgroup's WGMMAs queue
+    # behind them instead of starting on idle tensor cores
+    ptx = _compile(GemmSpec(BF, BF, BF, "k", "n", "n"),
+                   sm90_gemm.Config(128, 128, 2, 1, pingpong=True, epi_n=64, whole_c=True)).ptx
+    hand_over = re.search(r"\bbar\.arrive\b", ptx)
+    drain = re.search(r"wgmma\.wait_group\.sync\.aligned\s+0;", ptx)
+    assert hand_over and drain and hand_over.start() < drain.start()
+    assert re.search(r"wgmma\.wait_group\.sync\.aligned\s+1;", ptx[:hand_over.start()])
 
 
 def test_ragged_edge_store_path():
