@@ -4,6 +4,8 @@
 # `bash .device/dsl-a/setup.sh` (carry .device/dsl-a), later calls carry .device/dsl-b.
 # sanitize: --report-api-errors no, because the DSL compiler probes the driver (cuGetProcAddress)
 # and those refused probes would drown the memory and race reports that matter here.
+# ncu-probe: one shape per call is safest; if XLA's Triton autotuning segfaults under ncu (it did on
+# 16384x1536x1024), set XLA_FLAGS=--xla_gpu_enable_triton_gemm=false (XLA picks cuBLAS there anyway).
 # timeline reads TIMELINE_SHAPES (e.g. 2048x2048x2048,8192x8192x8192) and TIMELINE_NAME (output stem).
 # devcheck-grouped reads DEVCHECK_BUDGET (seconds), DEVCHECK_WHICH (fwd,drhs) and
 # DEVCHECK_SKIP_CHECKS=1 (timings only), DEVCHECK_NO_PALLAS=1 and DEVCHECK_G (e.g. 64,16: the

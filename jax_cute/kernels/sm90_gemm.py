@@ -204,8 +204,11 @@ def candidate_configs(spec) -> list[Config]:
 #   devcheck's) on 4096x14336x4096, 16384x2048x2048 and 16384x1536x1024, and lost 1-3% on all
 #   three in sustained 1 s windows (benchmarks/energy_probe.py): it moves ~20% more bytes
 #   through shared memory per FLOP, and at the 700 W cap energy per FLOP sets the rate. A
-#   training loop runs at that cap, so the heuristic serves the sustained case. 64x256 pingpong
-#   (the short-K pick of sessions 2-5) lost to the cooperative tile in both windows (session 6).
+#   training loop runs at that cap, so the heuristic serves the sustained case. Session 11:
+#   128x128 with 6 stages, handing over before its last WGMMAs drain, takes 2-6% fewer cycles
+#   than the pick at K <= 2048 but runs 3-4% lower clocks and loses 1.6-3.7% sustained.
+#   64x256 pingpong (the short-K pick of sessions 2-5) lost to the cooperative tile in both
+#   windows (session 6).
 
 # Cooperative tile widths. 160 and 192 could leave fewer SMs idle in the last wave on some
 # shapes (cuBLAS runs 4096x14336x4096 with 128x160 tiles; N-major B then takes 64-byte swizzle
