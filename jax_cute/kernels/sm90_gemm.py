@@ -708,7 +708,7 @@ def _kernel_class():
                             # cores busy while these drain
                             if w + stride < total:
                                 turn_other.arrive()
-                            release = mainloop_finish(ab_pipe, release, cutlass.min(kc, 1))
+                            release = mainloop_finish(ab_pipe, release, kc, 1)
 
                         gC_t = gC[(None, None, tm, tn, l)]
                         if const_expr(self.split == 1):

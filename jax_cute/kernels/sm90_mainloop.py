@@ -19,9 +19,9 @@ def wgmma_mainloop_parts():
     - ``rest(tiled_mma, acc, tCrA, tCrB, pipe, read, release, k_tiles, lead)`` issues the others,
       keeping one batch in flight, waits for all, hands every stage back and returns
       ``(read, release)``;
-    - ``finish(pipe, release, held)``: the wait and the last ``held`` releases that ``rest``
-      leaves to its caller with ``drain=False`` (lead 1: ``held`` = ``min(k_tiles, 1)``), so that the caller can act between the last issue and the drain (pingpong
-      hands the tensor cores to the other warpgroup there).
+    - ``finish(pipe, release, k_tiles, lead)``: the wait and the last releases, which ``rest``
+      leaves to its caller with ``drain=False``, so that the caller can act between the last
+      issue and the drain (pingpong hands the tensor cores to the other warpgroup there).
 
     ``lead`` is a compile-time count. ``rest`` hands the stages ``start`` left in flight back
     together, as soon as its first batch is issued and every earlier batch is done, so from
@@ -69,14 +69,19 @@ def wgmma_mainloop_parts():
             release.advance()
             read.advance()
         if cutlass.const_expr(drain):
-            release = finish(pipe, release, issued + first - lead * first)
+            release = finish(pipe, release, k_tiles, lead)
         return read, release
 
     @cute.jit
-    def finish(pipe, release, held):
-        """Wait for every WGMMA issued and hand back the ``held`` stages still read by them."""
+    def finish(pipe, release, k_tiles, lead: cutlass.Constexpr):
+        """Wait for every WGMMA issued and hand back the stages they still read."""
         warpgroup.wait_group(0)
         # still held: the last stage, or (no batch after `start`) all that `start` issued
+        issued = cutlass.min(k_tiles, lead)
+        held = issued
+        if cutlass.const_expr(lead > 1):
+            first = cutlass.min(k_tiles - issued, 1)
+            held = issued + first - lead * first
         for _ in range(held):
             pipe.consumer_release(release)
             release.advance()
