@@ -86,6 +86,18 @@ def target_name(command_buffer: bool) -> str:
     return TARGET_NAME if command_buffer else STREAM_TARGET_NAME
 
 
+def records_launches() -> bool:
+    """Whether our graph handler hands XLA its kernel node when XLA records a CUDA graph (the
+    FFI record stage of jaxlib 0.11+, in the build of ``jax_cute._ffi``). Without it XLA
+    records our call by stream capture as a child graph. False when the extension is absent."""
+    try:
+        return bool(extension().records_launches())
+    except ImportError:
+        return False
+
+
 def stats() -> dict[str, int]:
-    """Counters of the handler in this process: modules_created, functions_loaded, launches."""
+    """Counters of the handler in this process: modules_created, functions_loaded, launches
+    (launchers we ran on a stream), recorded (kernel nodes handed to XLA's graphs, updates
+    included) and record_fallbacks (recordings left to XLA's stream capture)."""
     return dict(extension().stats())

@@ -327,3 +327,63 @@ def test_captured_in_a_cuda_graph(tmp_path):
                          env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "CAPTURED True" in out.stdout, out.stdout + out.stderr[-2000:]
+
+
+_RECORD_PROBE = textwrap.dedent("""
+    import sys, numpy as np, jax, jax.numpy as jnp, jax_cute
+    from jax_cute import runtime
+    dims = [(1000, 776), (776, 1032), (1032, 2056), (2056, 136), (136, 520)]
+    def chain(x, *ws):
+        outs = [x]
+        for w in ws:
+            outs.append(jax_cute.matmul(jnp.tanh(outs[-1]), w))
+        return outs[1:]
+    f = jax.jit(chain)
+    rng = np.random.default_rng(0)
+    def rand(shape, scale=1.0):
+        return jnp.asarray(rng.standard_normal(shape) * scale, jnp.bfloat16)
+    text = f.lower(rand(dims[0]), *[rand(d) for d in dims[1:]]).compile().as_text()
+    calls = text.count('custom_call_target="jax_cute_launch"')
+    assert calls == 4 and "cublas" not in text.lower(), text[:3000]
+    record = runtime.records_launches()
+    # with the record stage every dense kernel is the PDL build and says so to XLA
+    assert (text.count(".pdl") >= 4) == record and (text.count("uses_pdl = true") >= 4) == record
+    before = runtime.stats()
+    for trial in range(3):  # new buffers each time: XLA updates the recorded kernel nodes
+        x = rand(dims[0])
+        ws = [rand(d, 1 / np.sqrt(d[0])) for d in dims[1:]]
+        outs = f(x, *ws)
+        for i, (inp, w) in enumerate(zip([x, *outs[:-1]], ws)):
+            ref = np.asarray(jnp.matmul(jnp.tanh(inp).astype(jnp.float32), w.astype(jnp.float32),
+                                        precision="highest"))
+            out = np.asarray(outs[i].astype(jnp.float32))
+            assert np.isfinite(out).all(), (trial, i)
+            err = np.abs(out - ref).max() / np.abs(ref).max()
+            assert err < 1e-2, (trial, i, err)
+    after = runtime.stats()
+    recorded = after["recorded"] - before["recorded"]
+    print("RECORDED", recorded, "FALLBACKS", after["record_fallbacks"] - before["record_fallbacks"],
+          "LAUNCHES", after["launches"] - before["launches"], "RECORD_STAGE", record)
+    sys.path.insert(0, sys.argv[-1]); import graph_capture
+    graph_capture.report(sys.argv[1], lambda: f(x, *ws))
+""")
+
+
+def test_graph_records_our_kernel_nodes_and_orders_dependent_products(tmp_path):
+    """Inside XLA's CUDA graphs, with jaxlib's FFI record stage, our handler hands XLA the
+    kernel node itself (PDL builds, with a programmatic edge): four products each reading the
+    one before (through an XLA tanh) must see their input complete, on three input sets, each
+    of which moves the buffers and so makes XLA update the recorded nodes. Every stage is
+    checked against a float32 product of the input it got. Without the record stage (older
+    jaxlib) the same calls go through stream capture and the check is the same."""
+    env = dict(os.environ, JAX_CUTE_STRICT="1", JAX_CUTE_NAN_FILL="0",
+               XLA_FLAGS=graph_capture.graph_flags(str(tmp_path)))
+    out = subprocess.run([sys.executable, "-c", _RECORD_PROBE, str(tmp_path), str(pathlib.Path(__file__).parent)],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "CAPTURED True" in out.stdout, out.stdout + out.stderr[-2000:]
+    line = re.search(r"RECORDED (\d+) FALLBACKS (\d+) LAUNCHES (\d+) RECORD_STAGE (\w+)", out.stdout)
+    assert line, out.stdout
+    recorded, fallbacks, _, stage = int(line[1]), int(line[2]), int(line[3]), line[4] == "True"
+    if stage:
+        assert recorded >= 4 and fallbacks == 0, out.stdout
