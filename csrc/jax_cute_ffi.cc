@@ -1072,6 +1072,43 @@ ffi::Error Record(cudaStream_t stream, int32_t device, LaunchState* state,
 #endif  // JAX_CUTE_HAVE_RECORD
 
 }  // namespace
+}  // namespace jax_cute
+
+#if JAX_CUTE_HAVE_RECORD
+// The XLA FFI API table itself, as a handler context: the only way to reach XLA_FFI_Handler_Register,
+// whose bundle (unlike the registration jaxlib 0.11 offers Python) carries a record stage.
+namespace jax_cute {
+struct FfiApiTag {};
+}  // namespace jax_cute
+
+template <>
+struct xla::ffi::CtxDecoding<jax_cute::FfiApiTag> {
+  using Type = const XLA_FFI_Api*;
+  static std::optional<Type> Decode(const XLA_FFI_Api* api, XLA_FFI_InvokeContext*,
+                                    DiagnosticEngine&) {
+    return api;
+  }
+};
+
+namespace jax_cute {
+namespace {
+std::atomic<const XLA_FFI_Api*> g_ffi_api{nullptr};
+
+// Handler of the probe call: compiling it on a GPU backend instantiates it, which hands us the API.
+ffi::Error RememberApi(const XLA_FFI_Api* api) {
+  g_ffi_api.store(api, std::memory_order_release);
+  return ffi::Error::Success();
+}
+}  // namespace
+}  // namespace jax_cute
+
+namespace jax_cute {
+XLA_FFI_DEFINE_HANDLER(kProbeInstantiate, RememberApi, ffi::Ffi::BindInstantiate().Ctx<FfiApiTag>());
+XLA_FFI_DEFINE_HANDLER(kProbeExecute, RememberApi, ffi::Ffi::Bind().Ctx<FfiApiTag>());
+}  // namespace jax_cute
+#endif  // JAX_CUTE_HAVE_RECORD
+
+namespace jax_cute {
 
 // Bindings of the three stages, shared by the two handler sets below.
 auto InstantiateBinding() { return ffi::Ffi::BindInstantiate().Attrs(); }
@@ -1154,11 +1191,38 @@ nb::dict Registrations(bool command_buffer) {
   d["initialize"] =
       nb::capsule(reinterpret_cast<void*>(command_buffer ? kInitialize : kInitializeStream));
   d["execute"] = nb::capsule(reinterpret_cast<void*>(command_buffer ? kExecute : kExecuteStream));
-#if JAX_CUTE_HAVE_RECORD
-  if (command_buffer) d["record"] = nb::capsule(reinterpret_cast<void*>(kRecord));
-#endif
   return d;
 }
+
+#if JAX_CUTE_HAVE_RECORD
+nb::dict ProbeRegistrations() {
+  nb::dict d;
+  d["instantiate"] = nb::capsule(reinterpret_cast<void*>(kProbeInstantiate));
+  d["execute"] = nb::capsule(reinterpret_cast<void*>(kProbeExecute));
+  return d;
+}
+
+// Registers the graph handlers, record stage included, under `name` through XLA's own FFI API
+// (found by the probe). Raises when the probe has not run or XLA refuses.
+void RegisterRecordingTarget(const std::string& name, const std::string& platform) {
+  const XLA_FFI_Api* api = g_ffi_api.load(std::memory_order_acquire);
+  if (api == nullptr) throw std::runtime_error("jax_cute: the XLA FFI API was not found (probe not run)");
+  XLA_FFI_Handler_Register_Args args{};
+  args.struct_size = XLA_FFI_Handler_Register_Args_STRUCT_SIZE;
+  args.name = XLA_FFI_ByteSpan{name.data(), name.size()};
+  args.platform = XLA_FFI_ByteSpan{platform.data(), platform.size()};
+  args.bundle.instantiate = kInstantiate;
+  args.bundle.initialize = kInitialize;
+  args.bundle.execute = kExecute;
+  args.bundle.record = kRecord;
+  args.traits = XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE;
+  if (XLA_FFI_Error* error = api->XLA_FFI_Handler_Register(&args); error != nullptr) {
+    std::string message = ffi::internal::GetErrorMessage(api, error);
+    ffi::internal::DestroyError(api, error);
+    throw std::runtime_error("jax_cute: registering " + name + " failed: " + message);
+  }
+}
+#endif
 
 nb::dict StateType() {
   static auto type_info = ffi::MakeTypeInfo<LaunchState>();
@@ -1207,9 +1271,19 @@ NB_MODULE(_ffi, m) {
         "Counters: modules_created, functions_loaded, launches (run by us on a stream), "
         "recorded (kernel launches handed to XLA's command buffers, updates included) and "
         "record_fallbacks (recordings left to stream capture).");
-  m.def("records_launches", []() { return JAX_CUTE_HAVE_RECORD != 0; },
-        "Whether this build hands its kernel launches to XLA's command buffers itself (the FFI "
-        "record stage, jaxlib 0.11 and newer) rather than by stream capture.");
+#if JAX_CUTE_HAVE_RECORD
+  m.def("probe_registrations", &jax_cute::ProbeRegistrations,
+        "Handlers of the probe target: compiling a call to it on a GPU backend hands this module "
+        "XLA's FFI API (see register_recording_target).");
+  m.def("ffi_api_found", []() { return jax_cute::g_ffi_api.load() != nullptr; },
+        "Whether the probe has handed over XLA's FFI API.");
+  m.def("register_recording_target", &jax_cute::RegisterRecordingTarget, nb::arg("name"),
+        nb::arg("platform") = "CUDA",
+        "Register the graph handlers with their record stage under `name` (after the probe).");
+#endif
+  m.def("has_record_stage", []() { return JAX_CUTE_HAVE_RECORD != 0; },
+        "Whether this build has the FFI record stage (jaxlib 0.11+ headers): registered with "
+        "register_recording_target, it hands XLA's command buffers its kernel nodes itself.");
   m.def("object_has_function", &jax_cute::PyObjectHasFunction, nb::arg("object"),
         nb::arg("symbol"),
         "Whether an object from dump_to_object defines the launcher with this prefix.");

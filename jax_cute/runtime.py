@@ -11,14 +11,20 @@ kernels compiled elsewhere may have the DSL's runtime part alone.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import threading
+
+from jax_cute import config
 
 TARGET_NAME = "jax_cute_launch"
 # The same handler without the command-buffer trait: XLA launches it on its stream each run
 # (config switch ``command_buffer``).
 STREAM_TARGET_NAME = "jax_cute_launch_stream"
 STATE_TYPE_NAME = "jax_cute_launch_state"
+# Compiled once, never run: instantiating it hands our extension XLA's FFI API (see
+# _register_recording).
+PROBE_TARGET_NAME = "jax_cute_ffi_probe"
 
 # Flavours of the DSL runtime, most preferred first (the wheel's cu13 extra is what we pin).
 _FLAVOURS = ("cu13", "cu12")
@@ -26,6 +32,9 @@ _LIBRARY = "libcute_dsl_runtime.so"
 
 _register_lock = threading.Lock()
 _registered = False
+_records = False
+
+logger = logging.getLogger("jax_cute")
 
 
 def dsl_runtime_library() -> str:
@@ -75,10 +84,47 @@ def ensure_registered() -> None:
         # The handler keeps per-instance state (ffi::State); XLA needs its type registered
         # before the first instantiation. Names must be unique per process: done once.
         jax.ffi.register_ffi_type(STATE_TYPE_NAME, ext.state_type(), platform="CUDA")
-        for name, graph in ((TARGET_NAME, True), (STREAM_TARGET_NAME, False)):
-            jax.ffi.register_ffi_target(name, ext.registrations(command_buffer=graph), platform="CUDA",
+        jax.ffi.register_ffi_target(STREAM_TARGET_NAME, ext.registrations(command_buffer=False),
+                                    platform="CUDA", api_version=1)
+        global _records
+        _records = _register_recording(jax, ext)
+        if not _records:
+            jax.ffi.register_ffi_target(TARGET_NAME, ext.registrations(command_buffer=True), platform="CUDA",
                                         api_version=1)
         _registered = True
+
+
+def _register_recording(jax, ext) -> bool:
+    """Register the graph target with its FFI record stage, so that XLA takes our kernel node
+    into its CUDA graphs (with a programmatic edge for PDL builds) instead of stream-capturing
+    our call as a child graph. True on success.
+
+    jaxlib 0.11's Python registration passes only the instantiate/prepare/initialize/execute
+    stages, so we register through XLA's own FFI API. Our extension gets that API from XLA: it
+    is handed to every handler, and compiling a call to the probe target instantiates one.
+    That needs a CUDA backend; without one (a CPU-only machine lowering for CUDA) we register
+    the plain way, and XLA records our calls by stream capture.
+    """
+    if not hasattr(ext, "register_recording_target") or not config.record_launches():
+        return False
+    try:
+        device = jax.devices("cuda")[0]
+    except RuntimeError:
+        return False
+    try:
+        import jax.numpy as jnp
+
+        jax.ffi.register_ffi_target(PROBE_TARGET_NAME, ext.probe_registrations(), platform="CUDA",
+                                    api_version=1)
+        probe = jax.ffi.ffi_call(PROBE_TARGET_NAME, jax.ShapeDtypeStruct((), jnp.int32))
+        with jax.default_device(device):
+            jax.jit(probe).lower().compile()
+        ext.register_recording_target(TARGET_NAME, "CUDA")
+        return True
+    except Exception as e:  # noqa: BLE001 - any failure leaves the stream-capture path, which works
+        logger.warning("jax_cute: recording kernel nodes into XLA's graphs is unavailable (%s); "
+                       "XLA will stream-capture our calls instead", e)
+        return False
 
 
 def target_name(command_buffer: bool) -> str:
@@ -88,12 +134,14 @@ def target_name(command_buffer: bool) -> str:
 
 def records_launches() -> bool:
     """Whether our graph handler hands XLA its kernel node when XLA records a CUDA graph (the
-    FFI record stage of jaxlib 0.11+, in the build of ``jax_cute._ffi``). Without it XLA
-    records our call by stream capture as a child graph. False when the extension is absent."""
+    FFI record stage: jaxlib 0.11+, a CUDA backend in this process, ``config.record_launches``
+    on). Otherwise XLA records our calls by stream capture as child graphs. Registers the
+    handlers first if that has not happened yet."""
     try:
-        return bool(extension().records_launches())
-    except ImportError:
+        ensure_registered()
+    except (ImportError, RuntimeError):
         return False
+    return _records
 
 
 def stats() -> dict[str, int]:
