@@ -4,12 +4,16 @@
   python benchmarks/launch_probe.py run --bins DIR [--variants V;V..] [--out F.json]      # GPU machine
   python benchmarks/launch_probe.py report F.json
 
-A variant is ``graph``, ``stream`` or ``stream+pdl``, optionally followed by ``:field=value,..``
-overriding fields of the heuristic's sm90_gemm.Config (e.g. ``graph:tile_n=128``).
+A variant is ``graph``, ``graph-capture``, ``stream`` or ``stream+pdl``, optionally followed by
+``:field=value,..`` overriding fields of the heuristic's sm90_gemm.Config (e.g.
+``graph:tile_n=128``).
 
-XLA records an FFI custom call into a command buffer by stream capture (a child graph, where
-PDL cannot act) and captures it again when a buffer address changed since the last recording;
-on an H200 that happened on ~5% of the suite's calls (session 8), so host dispatch is not what
+``graph`` is the default launch with jaxlib 0.11+: our handler's record stage hands XLA the
+kernel node of the PDL build, with a programmatic edge, so it starts under the previous kernel's
+tail. ``graph-capture`` (``jax_cute.config`` switch ``record_launches`` off, and what older
+jaxlibs do) has XLA record our call by stream capture (a child graph, where PDL cannot act), the
+non-PDL build; XLA captures it again when a buffer address changed since the last recording; on
+an H200 that happened on ~5% of the suite's calls (session 8), so host dispatch is not what
 limits it. The stream target (``jax_cute.config`` switch ``command_buffer`` off) is
 launched on XLA's stream instead, and its dense Hopper kernels take programmatic dependent
 launch (PDL): the next kernel's CTAs start under the previous one's tail. This probe times, as
@@ -46,13 +50,16 @@ SHAPES = [(2048, 2048, 2048), (16384, 1536, 1024), (16384, 2048, 2048), (4096, 4
           (512, 8192, 8192), (4096, 14336, 4096), (4096, 4096, 14336), (8192, 8192, 8192)]
 CHAIN = 8
 MLP_SIZES = ("small", "large")
-VARIANTS = ("graph", "stream", "stream+pdl")
-# launch -> (command_buffer, pdl on the stream)
-_LAUNCHES = {"graph": (True, False), "stream": (False, False), "stream+pdl": (False, True)}
+VARIANTS = ("graph", "graph-capture", "stream+pdl")
+# launch -> (command_buffer, PDL build, record_launches). Set here rather than taken from the
+# route, so that `build` on a machine without a GPU (where nothing records) builds what `run` takes.
+_LAUNCHES = {"graph": (True, True, True), "graph-capture": (True, False, False),
+             "stream": (False, False, True), "stream+pdl": (False, True, True)}
 
 
-def parse_variant(text: str) -> tuple[bool, bool, dict]:
-    """(command_buffer, pdl, Config field overrides) of a variant (see the module notes)."""
+def parse_variant(text: str) -> tuple[bool, bool, bool, dict]:
+    """(command_buffer, pdl, record_launches, Config field overrides) of a variant (see the
+    module notes)."""
     launch, _, fields = text.partition(":")
     if launch not in _LAUNCHES:
         raise ValueError(f"variant {text!r}: launch must be one of {sorted(_LAUNCHES)}")
@@ -66,11 +73,16 @@ def parse_variant(text: str) -> tuple[bool, bool, dict]:
 @contextlib.contextmanager
 def mode(variant: str):
     """Lower jax_cute calls as ``variant`` says: launch target, PDL and config overrides."""
-    graph, pdl, over = parse_variant(variant)
+    graph, pdl, record, over = parse_variant(variant)
     saved = gemm_route.launch_mode
-    gemm_route.launch_mode = lambda cfg: dataclasses.replace(saved(cfg) if pdl else cfg, **over)
+
+    def pick(cfg):
+        has_pdl = "pdl" in {f.name for f in dataclasses.fields(cfg)}
+        return dataclasses.replace(cfg, **({"pdl": pdl} if has_pdl else {}), **over)
+
+    gemm_route.launch_mode = pick
     try:
-        with jax_cute.config.override(command_buffer=graph):
+        with jax_cute.config.override(command_buffer=graph, record_launches=record):
             yield
     finally:
         gemm_route.launch_mode = saved

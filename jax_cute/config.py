@@ -13,7 +13,7 @@
 |                       |                                   | with programmatic dependent launch (Hopper)    |
 | record_launches       | JAX_CUTE_RECORD_LAUNCHES=0        | let XLA stream-capture our calls into its      |
 |                       |                                   | graphs instead of taking our kernel nodes      |
-|                       |                                   | (read once, when the handlers are registered)  |
+|                       |                                   | (read when a call is lowered)                  |
 
 Python settings win over the environment; ``None`` means "ask the environment".
 """
@@ -86,8 +86,8 @@ def command_buffer() -> bool:
 def record_launches() -> bool:
     """Whether our graph handler hands XLA its kernel nodes when XLA records a CUDA graph (jaxlib
     0.11+, see :func:`jax_cute.runtime.records_launches`); off, XLA stream-captures our calls
-    as child graphs, where programmatic dependent launch cannot act. Read once per process,
-    when the handlers are registered."""
+    as child graphs, where programmatic dependent launch cannot act. Read when a call is
+    lowered."""
     return _flag("record_launches")
 
 

@@ -21,6 +21,9 @@ TARGET_NAME = "jax_cute_launch"
 # The same handler without the command-buffer trait: XLA launches it on its stream each run
 # (config switch ``command_buffer``).
 STREAM_TARGET_NAME = "jax_cute_launch_stream"
+# The graph handlers without their record stage, where TARGET_NAME has it: what lowering picks
+# when config.record_launches is off (XLA then stream-captures the call as a child graph).
+CAPTURE_TARGET_NAME = "jax_cute_launch_capture"
 STATE_TYPE_NAME = "jax_cute_launch_state"
 # Compiled once, never run: instantiating it hands our extension XLA's FFI API (see
 # _register_recording).
@@ -88,9 +91,8 @@ def ensure_registered() -> None:
                                     platform="CUDA", api_version=1)
         global _records
         _records = _register_recording(jax, ext)
-        if not _records:
-            jax.ffi.register_ffi_target(TARGET_NAME, ext.registrations(command_buffer=True), platform="CUDA",
-                                        api_version=1)
+        jax.ffi.register_ffi_target(CAPTURE_TARGET_NAME if _records else TARGET_NAME,
+                                    ext.registrations(command_buffer=True), platform="CUDA", api_version=1)
         _registered = True
 
 
@@ -105,7 +107,7 @@ def _register_recording(jax, ext) -> bool:
     That needs a CUDA backend; without one (a CPU-only machine lowering for CUDA) we register
     the plain way, and XLA records our calls by stream capture.
     """
-    if not hasattr(ext, "register_recording_target") or not config.record_launches():
+    if not hasattr(ext, "register_recording_target"):
         return False
     try:
         device = jax.devices("cuda")[0]
@@ -128,20 +130,24 @@ def _register_recording(jax, ext) -> bool:
 
 
 def target_name(command_buffer: bool) -> str:
-    """The FFI target for graph-recordable (True) or stream-launched (False) custom calls."""
-    return TARGET_NAME if command_buffer else STREAM_TARGET_NAME
+    """The FFI target for graph-recordable (True) or stream-launched (False) custom calls; a
+    graph-recordable call goes to the stream-capture target when recording is registered but
+    switched off (``config.record_launches``)."""
+    if not command_buffer:
+        return STREAM_TARGET_NAME
+    return CAPTURE_TARGET_NAME if _records and not config.record_launches() else TARGET_NAME
 
 
 def records_launches() -> bool:
     """Whether our graph handler hands XLA its kernel node when XLA records a CUDA graph (the
     FFI record stage: jaxlib 0.11+, a CUDA backend in this process, ``config.record_launches``
-    on). Otherwise XLA records our calls by stream capture as child graphs. Registers the
-    handlers first if that has not happened yet."""
+    on, read at lowering). Otherwise XLA records our calls by stream capture as child graphs.
+    Registers the handlers first if that has not happened yet."""
     try:
         ensure_registered()
     except (ImportError, RuntimeError):
         return False
-    return _records
+    return _records and config.record_launches()
 
 
 def stats() -> dict[str, int]:

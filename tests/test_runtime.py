@@ -187,3 +187,20 @@ def test_instantiate_validates_attributes_on_cpu(tmp_path):
     for case, message in out.items():
         if case != "good":
             assert "kernel test/affine" in message, (case, message)
+
+
+def test_graph_calls_pick_the_capture_target_when_recording_is_switched_off(monkeypatch):
+    """With the record stage registered, graph calls go to the recording target, or to the
+    stream-capture one when config.record_launches is off; stream calls never change target."""
+    from jax_cute import config
+
+    runtime.ensure_registered()
+    monkeypatch.setattr(runtime, "_records", True)
+    assert runtime.target_name(True) == runtime.TARGET_NAME and runtime.records_launches()
+    with config.override(record_launches=False):
+        assert runtime.target_name(True) == runtime.CAPTURE_TARGET_NAME
+        assert not runtime.records_launches()
+        assert runtime.target_name(False) == runtime.STREAM_TARGET_NAME
+    monkeypatch.setattr(runtime, "_records", False)
+    with config.override(record_launches=False):
+        assert runtime.target_name(True) == runtime.TARGET_NAME   # only one graph target exists
