@@ -54,6 +54,7 @@ VARIANTS = ("graph", "graph-capture", "stream+pdl")
 # launch -> (command_buffer, PDL build, record_launches). Set here rather than taken from the
 # route, so that `build` on a machine without a GPU (where nothing records) builds what `run` takes.
 _LAUNCHES = {"graph": (True, True, True), "graph-capture": (True, False, False),
+             "graph-nopdl": (True, False, True),
              "stream": (False, False, True), "stream+pdl": (False, True, True)}
 
 
@@ -127,20 +128,23 @@ def cmd_build(out: str, shapes, variants, mlp_sizes) -> None:
         print(f"built {label}", flush=True)
 
 
-def launches_per_call(im: Impl, args: tuple, calls: int = 20) -> float:
-    """How often our handler launched per call, after warm-up (see the module notes)."""
+def launches_per_call(im: Impl, args: tuple, calls: int = 20) -> tuple[float, float]:
+    """How often, per call after warm-up, our handler launched (stream or capture) and recorded
+    a kernel node into XLA's graph (see the module notes)."""
     from jax_cute import runtime
 
     f = jax.jit(im.fn)
     with im.context():
         jax.block_until_ready(f(*args))
     jax.block_until_ready(f(*args))
-    before = runtime.stats()["launches"]
+    before = runtime.stats()
     out = None
     for _ in range(calls):
         out = f(*args)
     jax.block_until_ready(out)
-    return (runtime.stats()["launches"] - before) / calls
+    after = runtime.stats()
+    return ((after["launches"] - before["launches"]) / calls,
+            (after.get("recorded", 0) - before.get("recorded", 0)) / calls)
 
 
 def cmd_run(bins: str, out: str, shapes, rounds: int, variants, mlp_sizes) -> None:
@@ -165,7 +169,8 @@ def cmd_run(bins: str, out: str, shapes, rounds: int, variants, mlp_sizes) -> No
         for im, r in zip(impls, recs):
             if im.context is not None and not r["error"]:
                 call = (lambda *sets, fn=im.fn: [fn(*a) for a in sets]) if chain > 1 else im.fn
-                r["launches_per_call"] = launches_per_call(Impl(im.name, call, context=im.context), args)
+                r["launches_per_call"], r["recorded_per_call"] = launches_per_call(
+                    Impl(im.name, call, context=im.context), args)
         rec["records"] += recs
         print(report_case(recs), flush=True)
     if out:
@@ -176,7 +181,8 @@ def cmd_run(bins: str, out: str, shapes, rounds: int, variants, mlp_sizes) -> No
 def report_case(recs: list[dict]) -> str:
     xla = next((r for r in recs if r["impl"] == "xla" and r.get("ms")), None)
     lines = [f"{recs[0]['case']} ({recs[0]['chain']} per call)",
-             "  impl                   µs/prod  TFLOP/s  vs XLA  dispatch µs/call  wall µs/call  launches/call  max rel err"]
+             "  impl                   µs/prod  TFLOP/s  vs XLA  dispatch µs/call  wall µs/call  launches/call"
+             "  recorded/call  max rel err"]
     for r in recs:
         if not r.get("ms"):
             lines.append(f"  {r['impl']:22s} failed: {r['error']}")
@@ -184,7 +190,7 @@ def report_case(recs: list[dict]) -> str:
         wall = r["ms"] * 1e3 * r["chain"]
         lines.append(f"  {r['impl']:22s} {r['ms'] * 1e3:8.2f} {r['tflops'] or 0:8.1f} {xla['ms'] / r['ms'] if xla else 0:7.3f}"
                      f" {r['dispatch_ms_per_call'] * 1e3:17.1f} {wall:13.1f} {r.get('launches_per_call', float('nan')):14.1f}"
-                     f"  {r.get('max_rel_err', float('nan')):.1e}")
+                     f" {r.get('recorded_per_call', float('nan')):14.1f}  {r.get('max_rel_err', float('nan')):.1e}")
     return "\n".join(lines)
 
 

@@ -345,6 +345,20 @@ struct LaunchState {
   // The kernel waits for the grid before it (griddepcontrol.wait) before touching memory, so
   // a graph may start it early: recorded launches get a programmatic edge (see Record).
   bool uses_pdl = false;
+
+  // Record stage: the buffer addresses each command we recorded was last given (a command is
+  // XLA's kernel node in one command buffer; one state may be recorded into several).
+  bool RecordedWith(const void* command, const std::vector<void*>& addresses) const {
+    std::lock_guard<std::mutex> lock(recorded_mu);
+    auto it = recorded.find(command);
+    return it != recorded.end() && it->second == addresses;
+  }
+  void Remember(const void* command, std::vector<void*> addresses) {
+    std::lock_guard<std::mutex> lock(recorded_mu);
+    recorded[command] = std::move(addresses);
+  }
+  mutable std::mutex recorded_mu;
+  std::map<const void*, std::vector<void*>> recorded;
   // Functions already resolved for device d (nullptr: ask the registry).
   std::array<std::atomic<DslFunction*>, kMaxCachedDevices> by_device{};
 
@@ -772,6 +786,7 @@ struct GraphDriver {
 std::atomic<const GraphDriver*> g_graph_driver{nullptr};
 std::atomic<int64_t> g_recorded{0};
 std::atomic<int64_t> g_record_fallbacks{0};
+std::atomic<int64_t> g_record_skips{0};
 
 ffi::Error GetGraphDriver(const GraphDriver** out) {
   if ((*out = g_graph_driver.load(std::memory_order_acquire)) != nullptr) {
@@ -1016,6 +1031,25 @@ ffi::Error Record(cudaStream_t stream, int32_t device, LaunchState* state,
   if (ffi::Error e = CheckBufferCount(*state, args.size() + rets.size()); e.failure()) return e;
   DslFunction* fn = nullptr;
   if (ffi::Error e = FunctionFor(*state, device, stream, attrs, &fn); e.failure()) return e;
+  // XLA 0.11 asks for an update on nearly every run. The kernel's parameters depend only on the
+  // buffer addresses, so an update with the addresses the command already holds is skipped:
+  // no capture here, and no parameter change (re-upload) in XLA's executable graph.
+  std::vector<void*> addresses;
+  addresses.reserve(args.size() + rets.size());
+  for (size_t i = 0; i < args.size(); ++i) {
+    auto b = args.get<ffi::AnyBuffer>(i);
+    addresses.push_back(b.has_value() ? b->untyped_data() : nullptr);
+  }
+  for (size_t i = 0; i < rets.size(); ++i) {
+    auto b = rets.get<ffi::AnyBuffer>(i);
+    addresses.push_back(b.has_value() ? (*b)->untyped_data() : nullptr);
+  }
+  const bool update = frame.action == XLA_FFI_RecordAction_Update;
+  if (update && frame.commands != nullptr && *frame.num_commands == 1 &&
+      state->RecordedWith(frame.commands[0], addresses)) {
+    g_record_skips.fetch_add(1, std::memory_order_relaxed);
+    return ffi::Error::Success();
+  }
   CapturedLaunch launch;
   if (ffi::Error e = CaptureLaunch(*state, fn, stream, args, rets, &launch); e.failure()) return e;
   if (!launch.single_kernel) {
@@ -1031,7 +1065,7 @@ ffi::Error Record(cudaStream_t stream, int32_t device, LaunchState* state,
   }
   const XLA_FFI_KernelArgs packed{kernel_args.data(), static_cast<int64_t>(kernel_args.size())};
 
-  if (frame.action == XLA_FFI_RecordAction_Update) {
+  if (update) {
     // Buffer addresses changed: same kernel and dimensions, new parameters.
     if (frame.commands == nullptr || *frame.num_commands != 1) {
       return Err(ffi::ErrorCode::kInternal, "kernel " + state->name +
@@ -1039,7 +1073,10 @@ ffi::Error Record(cudaStream_t stream, int32_t device, LaunchState* state,
     }
     ffi::Error e = FromXla(record.api, api.update_launch(frame.record_ctx, frame.commands[0], &packed),
                            "update_launch");
-    if (e.success()) g_recorded.fetch_add(1, std::memory_order_relaxed);
+    if (e.success()) {
+      state->Remember(frame.commands[0], std::move(addresses));
+      g_recorded.fetch_add(1, std::memory_order_relaxed);
+    }
     return e;
   }
 
@@ -1066,6 +1103,7 @@ ffi::Error Record(cudaStream_t stream, int32_t device, LaunchState* state,
       "create_launch");
   if (e.failure()) return e;
   frame.commands[(*frame.num_commands)++] = command;
+  state->Remember(command, std::move(addresses));
   g_recorded.fetch_add(1, std::memory_order_relaxed);
   return ffi::Error::Success();
 }
@@ -1240,9 +1278,11 @@ nb::dict Stats() {
 #if JAX_CUTE_HAVE_RECORD
   d["recorded"] = g_recorded.load();
   d["record_fallbacks"] = g_record_fallbacks.load();
+  d["record_skips"] = g_record_skips.load();
 #else
   d["recorded"] = 0;
   d["record_fallbacks"] = 0;
+  d["record_skips"] = 0;
 #endif
   return d;
 }

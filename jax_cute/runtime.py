@@ -153,5 +153,6 @@ def records_launches() -> bool:
 def stats() -> dict[str, int]:
     """Counters of the handler in this process: modules_created, functions_loaded, launches
     (launchers we ran on a stream), recorded (kernel nodes handed to XLA's graphs, updates
-    included) and record_fallbacks (recordings left to XLA's stream capture)."""
+    included), record_skips (updates XLA asked for with unchanged buffers, skipped) and
+    record_fallbacks (recordings left to XLA's stream capture)."""
     return dict(extension().stats())

@@ -71,7 +71,8 @@ def test_registration_is_idempotent_and_thread_safe():
 
 def test_stats_start_at_zero_without_gpu():
     stats = runtime.stats()
-    assert set(stats) == {"modules_created", "functions_loaded", "launches", "recorded", "record_fallbacks"}
+    assert set(stats) == {"modules_created", "functions_loaded", "launches", "recorded", "record_fallbacks",
+                          "record_skips"}
     assert all(isinstance(v, int) and v >= 0 for v in stats.values())
 
 
