@@ -4,16 +4,12 @@
   python benchmarks/launch_probe.py run --bins DIR [--variants V;V..] [--out F.json]      # GPU machine
   python benchmarks/launch_probe.py report F.json
 
-A variant is ``graph``, ``graph-capture``, ``stream`` or ``stream+pdl``, optionally followed by
-``:field=value,..`` overriding fields of the heuristic's sm90_gemm.Config (e.g.
-``graph:tile_n=128``).
+A variant is ``graph``, ``stream`` or ``stream+pdl``, optionally followed by ``:field=value,..``
+overriding fields of the heuristic's sm90_gemm.Config (e.g. ``graph:tile_n=128``).
 
-``graph`` is the default launch with jaxlib 0.11+: our handler's record stage hands XLA the
-kernel node of the PDL build, with a programmatic edge, so it starts under the previous kernel's
-tail. ``graph-capture`` (``jax_cute.config`` switch ``record_launches`` off, and what older
-jaxlibs do) has XLA record our call by stream capture (a child graph, where PDL cannot act), the
-non-PDL build; XLA captures it again when a buffer address changed since the last recording; on
-an H200 that happened on ~5% of the suite's calls (session 8), so host dispatch is not what
+XLA records an FFI custom call into a command buffer by stream capture (a child graph, where
+PDL cannot act) and captures it again when a buffer address changed since the last recording;
+on an H200 that happened on ~5% of the suite's calls (session 8), so host dispatch is not what
 limits it. The stream target (``jax_cute.config`` switch ``command_buffer`` off) is
 launched on XLA's stream instead, and its dense Hopper kernels take programmatic dependent
 launch (PDL): the next kernel's CTAs start under the previous one's tail. This probe times, as
@@ -50,17 +46,13 @@ SHAPES = [(2048, 2048, 2048), (16384, 1536, 1024), (16384, 2048, 2048), (4096, 4
           (512, 8192, 8192), (4096, 14336, 4096), (4096, 4096, 14336), (8192, 8192, 8192)]
 CHAIN = 8
 MLP_SIZES = ("small", "large")
-VARIANTS = ("graph", "graph-capture", "stream+pdl")
-# launch -> (command_buffer, PDL build, record_launches). Set here rather than taken from the
-# route, so that `build` on a machine without a GPU (where nothing records) builds what `run` takes.
-_LAUNCHES = {"graph": (True, True, True), "graph-capture": (True, False, False),
-             "graph-nopdl": (True, False, True),
-             "stream": (False, False, True), "stream+pdl": (False, True, True)}
+VARIANTS = ("graph", "stream", "stream+pdl")
+# launch -> (command_buffer, pdl on the stream)
+_LAUNCHES = {"graph": (True, False), "stream": (False, False), "stream+pdl": (False, True)}
 
 
-def parse_variant(text: str) -> tuple[bool, bool, bool, dict]:
-    """(command_buffer, pdl, record_launches, Config field overrides) of a variant (see the
-    module notes)."""
+def parse_variant(text: str) -> tuple[bool, bool, dict]:
+    """(command_buffer, pdl, Config field overrides) of a variant (see the module notes)."""
     launch, _, fields = text.partition(":")
     if launch not in _LAUNCHES:
         raise ValueError(f"variant {text!r}: launch must be one of {sorted(_LAUNCHES)}")
@@ -74,16 +66,11 @@ def parse_variant(text: str) -> tuple[bool, bool, bool, dict]:
 @contextlib.contextmanager
 def mode(variant: str):
     """Lower jax_cute calls as ``variant`` says: launch target, PDL and config overrides."""
-    graph, pdl, record, over = parse_variant(variant)
+    graph, pdl, over = parse_variant(variant)
     saved = gemm_route.launch_mode
-
-    def pick(cfg):
-        has_pdl = "pdl" in {f.name for f in dataclasses.fields(cfg)}
-        return dataclasses.replace(cfg, **({"pdl": pdl} if has_pdl else {}), **over)
-
-    gemm_route.launch_mode = pick
+    gemm_route.launch_mode = lambda cfg: dataclasses.replace(saved(cfg) if pdl else cfg, **over)
     try:
-        with jax_cute.config.override(command_buffer=graph, record_launches=record):
+        with jax_cute.config.override(command_buffer=graph):
             yield
     finally:
         gemm_route.launch_mode = saved
@@ -128,23 +115,20 @@ def cmd_build(out: str, shapes, variants, mlp_sizes) -> None:
         print(f"built {label}", flush=True)
 
 
-def launches_per_call(im: Impl, args: tuple, calls: int = 20) -> tuple[float, float]:
-    """How often, per call after warm-up, our handler launched (stream or capture) and recorded
-    a kernel node into XLA's graph (see the module notes)."""
+def launches_per_call(im: Impl, args: tuple, calls: int = 20) -> float:
+    """How often our handler launched per call, after warm-up (see the module notes)."""
     from jax_cute import runtime
 
     f = jax.jit(im.fn)
     with im.context():
         jax.block_until_ready(f(*args))
     jax.block_until_ready(f(*args))
-    before = runtime.stats()
+    before = runtime.stats()["launches"]
     out = None
     for _ in range(calls):
         out = f(*args)
     jax.block_until_ready(out)
-    after = runtime.stats()
-    return ((after["launches"] - before["launches"]) / calls,
-            (after.get("recorded", 0) - before.get("recorded", 0)) / calls)
+    return (runtime.stats()["launches"] - before) / calls
 
 
 def cmd_run(bins: str, out: str, shapes, rounds: int, variants, mlp_sizes) -> None:
@@ -169,8 +153,7 @@ def cmd_run(bins: str, out: str, shapes, rounds: int, variants, mlp_sizes) -> No
         for im, r in zip(impls, recs):
             if im.context is not None and not r["error"]:
                 call = (lambda *sets, fn=im.fn: [fn(*a) for a in sets]) if chain > 1 else im.fn
-                r["launches_per_call"], r["recorded_per_call"] = launches_per_call(
-                    Impl(im.name, call, context=im.context), args)
+                r["launches_per_call"] = launches_per_call(Impl(im.name, call, context=im.context), args)
         rec["records"] += recs
         print(report_case(recs), flush=True)
     if out:
@@ -181,8 +164,7 @@ def cmd_run(bins: str, out: str, shapes, rounds: int, variants, mlp_sizes) -> No
 def report_case(recs: list[dict]) -> str:
     xla = next((r for r in recs if r["impl"] == "xla" and r.get("ms")), None)
     lines = [f"{recs[0]['case']} ({recs[0]['chain']} per call)",
-             "  impl                   µs/prod  TFLOP/s  vs XLA  dispatch µs/call  wall µs/call  launches/call"
-             "  recorded/call  max rel err"]
+             "  impl                   µs/prod  TFLOP/s  vs XLA  dispatch µs/call  wall µs/call  launches/call  max rel err"]
     for r in recs:
         if not r.get("ms"):
             lines.append(f"  {r['impl']:22s} failed: {r['error']}")
@@ -190,7 +172,7 @@ def report_case(recs: list[dict]) -> str:
         wall = r["ms"] * 1e3 * r["chain"]
         lines.append(f"  {r['impl']:22s} {r['ms'] * 1e3:8.2f} {r['tflops'] or 0:8.1f} {xla['ms'] / r['ms'] if xla else 0:7.3f}"
                      f" {r['dispatch_ms_per_call'] * 1e3:17.1f} {wall:13.1f} {r.get('launches_per_call', float('nan')):14.1f}"
-                     f" {r.get('recorded_per_call', float('nan')):14.1f}  {r.get('max_rel_err', float('nan')):.1e}")
+                     f"  {r.get('max_rel_err', float('nan')):.1e}")
     return "\n".join(lines)
 
 

@@ -10,7 +10,6 @@
 //   initialize   load the kernel's module for this device (once per process and device; host
 //                work that CUDA graph replays would skip) and check the compute capability.
 //   execute      fill the argument descriptors with buffer pointers and run the launcher.
-//   record       (jaxlib 0.11+) hand XLA's command buffer the launcher's kernel node itself.
 //
 // The argument convention is documented in jax_cute/kernels/abi.py (PackedArgs).
 
@@ -37,14 +36,6 @@
 #include "nanobind/nanobind.h"
 #include "nanobind/stl/string.h"
 #include "xla/ffi/api/ffi.h"
-
-// jaxlib 0.11 and newer let a handler record its kernels into XLA's command buffers itself.
-#if __has_include("xla/ffi/api/record_c_api.h")
-#include "xla/ffi/api/record_c_api.h"
-#define JAX_CUTE_HAVE_RECORD 1
-#else
-#define JAX_CUTE_HAVE_RECORD 0
-#endif
 
 namespace nb = nanobind;
 namespace ffi = xla::ffi;
@@ -342,23 +333,6 @@ struct LaunchState {
   std::vector<int64_t> words;    // descriptor templates
   std::vector<int64_t> align;    // per argument: required byte alignment of the buffer (0: none)
   int64_t min_buffers = 0;       // 1 + the largest buffer index used
-  // The kernel waits for the grid before it (griddepcontrol.wait) before touching memory, so
-  // a graph may start it early: recorded launches get a programmatic edge (see Record).
-  bool uses_pdl = false;
-
-  // Record stage: the buffer addresses each command we recorded was last given (a command is
-  // XLA's kernel node in one command buffer; one state may be recorded into several).
-  bool RecordedWith(const void* command, const std::vector<void*>& addresses) const {
-    std::lock_guard<std::mutex> lock(recorded_mu);
-    auto it = recorded.find(command);
-    return it != recorded.end() && it->second == addresses;
-  }
-  void Remember(const void* command, std::vector<void*> addresses) {
-    std::lock_guard<std::mutex> lock(recorded_mu);
-    recorded[command] = std::move(addresses);
-  }
-  mutable std::mutex recorded_mu;
-  std::map<const void*, std::vector<void*>> recorded;
   // Functions already resolved for device d (nullptr: ask the registry).
   std::array<std::atomic<DslFunction*>, kMaxCachedDevices> by_device{};
 
@@ -482,11 +456,11 @@ ffi::Error CheckBufferCount(const LaunchState& state, size_t num_buffers) {
 // Stage 1: instantiate (attributes only; no device, stream or buffers yet)
 // ------------------------------------------------------------------------------------------
 
-ffi::ErrorOr<std::unique_ptr<LaunchState>> ParseState(
+ffi::ErrorOr<std::unique_ptr<LaunchState>> Instantiate(
     std::string_view name, std::string_view key, std::string_view symbol,
     ffi::Span<const uint8_t> object, int64_t arch_major, int64_t arch_minor,
     ffi::Span<const int64_t> kinds, ffi::Span<const int64_t> offsets,
-    ffi::Span<const int64_t> words, ffi::Span<const int64_t> align, bool uses_pdl) {
+    ffi::Span<const int64_t> words, ffi::Span<const int64_t> align) {
   auto bad = [&](const std::string& why) {
     return ffi::Unexpected(Err(ffi::ErrorCode::kInvalidArgument,
                                "kernel " + std::string(name) + ": malformed call: " + why));
@@ -532,47 +506,7 @@ ffi::ErrorOr<std::unique_ptr<LaunchState>> ParseState(
   state->offsets.assign(offsets.begin(), offsets.end());
   state->words.assign(words.begin(), words.end());
   state->align.assign(align.begin(), align.end());
-  state->uses_pdl = uses_pdl;
   return ffi::ErrorOr<std::unique_ptr<LaunchState>>(std::move(state));
-}
-
-// The attributes arrive as a dictionary so that optional ones (uses_pdl, added later) can be
-// absent: modules exported by an earlier version still instantiate.
-ffi::ErrorOr<std::unique_ptr<LaunchState>> Instantiate(ffi::Dictionary attrs) {
-  using Result = ffi::ErrorOr<std::unique_ptr<LaunchState>>;
-  auto name = attrs.get<std::string_view>("name");
-  if (!name.has_value()) return Result(ffi::Unexpected(name.error()));
-  auto bad = [&](const ffi::Error& e) {
-    return Result(ffi::Unexpected(Err(ffi::ErrorCode::kInvalidArgument,
-                                      "kernel " + std::string(*name) + ": malformed call: " +
-                                          e.message())));
-  };
-  auto key = attrs.get<std::string_view>("key");
-  if (!key.has_value()) return bad(key.error());
-  auto symbol = attrs.get<std::string_view>("symbol");
-  if (!symbol.has_value()) return bad(symbol.error());
-  auto object = attrs.get<ffi::Span<const uint8_t>>("object");
-  if (!object.has_value()) return bad(object.error());
-  auto major = attrs.get<int64_t>("arch_major");
-  if (!major.has_value()) return bad(major.error());
-  auto minor = attrs.get<int64_t>("arch_minor");
-  if (!minor.has_value()) return bad(minor.error());
-  auto kinds = attrs.get<ffi::Span<const int64_t>>("arg_kinds");
-  if (!kinds.has_value()) return bad(kinds.error());
-  auto offsets = attrs.get<ffi::Span<const int64_t>>("arg_offsets");
-  if (!offsets.has_value()) return bad(offsets.error());
-  auto words = attrs.get<ffi::Span<const int64_t>>("arg_words");
-  if (!words.has_value()) return bad(words.error());
-  auto align = attrs.get<ffi::Span<const int64_t>>("arg_align");
-  if (!align.has_value()) return bad(align.error());
-  bool uses_pdl = false;
-  if (attrs.contains("uses_pdl")) {
-    auto flag = attrs.get<bool>("uses_pdl");
-    if (!flag.has_value()) return bad(flag.error());
-    uses_pdl = *flag;
-  }
-  return ParseState(*name, *key, *symbol, *object, *major, *minor, *kinds, *offsets, *words,
-                    *align, uses_pdl);
 }
 
 // ------------------------------------------------------------------------------------------
@@ -594,562 +528,122 @@ ffi::Error Initialize(cudaStream_t stream, int32_t device, LaunchState* state,
 // Stage 3: execute (hot path: may run from several threads at once on one state)
 // ------------------------------------------------------------------------------------------
 
-// The launcher's argument vector (see kernels/abi.py): one pointer per argument, then &ret.
-// Buffers are taken from the call's operands and results, checked for the alignment the kernel
-// assumes, and written into copies of the descriptor templates. Typical launchers fit the
-// inline storage; larger ones use the heap.
-class LauncherArgs {
- public:
-  static constexpr size_t kInlineArgs = 32;
-  static constexpr size_t kInlineWords = 256;
-
-  ffi::Error Pack(const LaunchState& s, cudaStream_t stream, ffi::RemainingArgs& args,
-                  ffi::RemainingRets& rets) {
-    const size_t n = s.kinds.size();
-    const size_t num_inputs = args.size();
-    argv_ = inline_args_;
-    storage_ = inline_words_;
-    if (n + 1 > kInlineArgs + 1) {
-      heap_args_.resize(n + 1);
-      argv_ = heap_args_.data();
-    }
-    if (s.words.size() > kInlineWords) {
-      heap_words_.resize(s.words.size());
-      storage_ = heap_words_.data();
-    }
-    stream_ = stream;
-    ret_ = 0;
-    for (size_t i = 0; i < n; ++i) {
-      const int64_t kind = s.kinds[i];
-      const int64_t begin = s.offsets[i];
-      if (kind == -1) {
-        argv_[i] = &stream_;
-      } else if (kind == -2) {
-        // Scalars are read-only for the launcher: point straight at the template.
-        argv_[i] = const_cast<int64_t*>(s.words.data() + begin);
-      } else {
-        void* data = nullptr;
-        const size_t k = static_cast<size_t>(kind);
-        if (k < num_inputs) {
-          auto buffer = args.get<ffi::AnyBuffer>(k);
-          if (!buffer.has_value()) return buffer.error();
-          data = buffer->untyped_data();
-        } else {
-          auto buffer = rets.get<ffi::AnyBuffer>(k - num_inputs);
-          if (!buffer.has_value()) return buffer.error();
-          data = (*buffer)->untyped_data();
-        }
-        const int64_t alignment = s.align[i];
-        if (alignment > 0 && reinterpret_cast<uintptr_t>(data) % static_cast<uint64_t>(alignment)) {
-          return Err(ffi::ErrorCode::kInvalidArgument,
-                     Format("kernel %s: argument %zu (buffer %zu) at %p is not aligned to %" PRId64
-                            " bytes, as the kernel's alignment assumes",
-                            s.name.c_str(), i, k, data, alignment));
-        }
-        int64_t* desc = storage_ + begin;
-        std::memcpy(desc, s.words.data() + begin, (s.offsets[i + 1] - begin) * sizeof(int64_t));
-        std::memcpy(desc, &data, sizeof(void*));  // word 0 is the data pointer
-        argv_[i] = desc;
-      }
-    }
-    argv_[n] = &ret_;
-    count_ = n + 1;
-    return ffi::Error::Success();
-  }
-
-  void** argv() { return argv_; }
-  size_t count() const { return count_; }
-  int32_t ret() const { return ret_; }
-
- private:
-  void* inline_args_[kInlineArgs + 1];
-  int64_t inline_words_[kInlineWords];
-  std::vector<void*> heap_args_;
-  std::vector<int64_t> heap_words_;
-  void** argv_ = nullptr;
-  int64_t* storage_ = nullptr;
-  size_t count_ = 0;
-  cudaStream_t stream_ = nullptr;
-  int32_t ret_ = 0;
-};
-
-// The state's function for `device`, resolved (and its module loaded) on first use.
-ffi::Error FunctionFor(LaunchState& state, int32_t device, cudaStream_t stream,
-                       ffi::Dictionary& attrs, DslFunction** fn) {
-  if ((*fn = state.Cached(device)) != nullptr) return ffi::Error::Success();
-  // Initialize normally resolved the function already. XLA may skip that stage on some paths
-  // (e.g. devices past our cache, or command buffers on some versions), so resolve it here
-  // rather than fail; the registry still loads it only once per device.
-  auto object = attrs.get<ffi::Span<const uint8_t>>("object");
-  if (!object.has_value()) return object.error();
-  return ResolveFunction(state, *object, device, stream, fn);
-}
-
-// Runs the launcher of `fn` with packed arguments on the stream they name (the context of
-// `stream` made current: the launcher sets attributes on the current device).
-ffi::Error RunLauncher(const LaunchState& s, DslFunction* fn, LauncherArgs& packed,
-                       cudaStream_t stream) {
-  const DslRuntime* rt = g_runtime.load(std::memory_order_acquire);  // set by ResolveFunction
-  const Driver* d = g_driver.load(std::memory_order_acquire);
-  ScopedStreamContext context;
-  if (ffi::Error e = context.Enter(*d, stream); e.failure()) return e;
-  int rc = 0;
-  try {
-    rc = rt->FunctionRun(fn, packed.argv(), packed.count());
-  } catch (...) {
-    return Err(ffi::ErrorCode::kInternal,
-               "kernel " + s.name + ": the CuTe DSL runtime threw while launching");
-  }
-  if (rc != 0) {
-    return Err(ffi::ErrorCode::kInternal,
-               "kernel " + s.name + ": CuteDSLRT_Function_Run failed: " + rt->Describe(rc));
-  }
-  if (packed.ret() != 0) {
-    return Err(ffi::ErrorCode::kInternal,
-               "kernel " + s.name + ": launch failed with CUDA error " + d->Describe(packed.ret()));
-  }
-  return ffi::Error::Success();
-}
+// Argument storage on the stack for typical launchers; larger ones fall back to the heap.
+constexpr size_t kInlineArgs = 32;
+constexpr size_t kInlineWords = 256;
 
 ffi::Error Execute(cudaStream_t stream, int32_t device, LaunchState* state,
                    ffi::RemainingArgs args, ffi::RemainingRets rets, ffi::Dictionary attrs) {
   if (state == nullptr) return Err(ffi::ErrorCode::kInternal, "execute found no state");
-  if (ffi::Error e = CheckBufferCount(*state, args.size() + rets.size()); e.failure()) return e;
-  DslFunction* fn = nullptr;
-  if (ffi::Error e = FunctionFor(*state, device, stream, attrs, &fn); e.failure()) return e;
-  LauncherArgs packed;
-  if (ffi::Error e = packed.Pack(*state, stream, args, rets); e.failure()) return e;
-  ffi::Error e = RunLauncher(*state, fn, packed, stream);
-  if (e.success()) g_launches.fetch_add(1, std::memory_order_relaxed);
-  return e;
-}
+  const LaunchState& s = *state;
+  const size_t num_inputs = args.size();
+  if (ffi::Error e = CheckBufferCount(s, num_inputs + rets.size()); e.failure()) return e;
 
-#if JAX_CUTE_HAVE_RECORD
-// ------------------------------------------------------------------------------------------
-// Stage 4: record (XLA builds a command buffer and asks us for its commands)
-// ------------------------------------------------------------------------------------------
-//
-// Without this stage XLA records our call by stream capture into a child graph, where a kernel
-// cannot start under its predecessor's tail. Here we give XLA the kernel launch itself: we run
-// the DSL's launcher once under capture on a private stream (so it builds its parameters, the
-// TMA descriptors included, exactly as it would launch), read the one kernel node it captured,
-// and hand XLA that kernel (the cubin from the object), its dimensions and its parameter bytes.
-// XLA then adds a kernel node to its graph, with a programmatic edge when the kernel was built
-// for programmatic dependent launch. A launcher that captures anything other than one kernel
-// asks XLA for the stream-capture path instead.
-
-using CUgraph = struct CUgraph_st*;
-using CUgraphNode = struct CUgraphNode_st*;
-using CUfunction = struct CUfunc_st*;
-using CUkernel = struct CUkern_st*;
-
-struct KernelNodeParams {  // CUDA_KERNEL_NODE_PARAMS_v2
-  CUfunction func;
-  unsigned grid[3];
-  unsigned block[3];
-  unsigned shared_bytes;
-  void** params;
-  void** extra;
-  CUkernel kern;
-  CUcontext ctx;
-};
-
-union LaunchAttrValue {  // CUlaunchAttributeValue
-  char pad[64];
-  struct {
-    unsigned x, y, z;
-  } cluster;
-};
-
-constexpr int kCaptureModeRelaxed = 2;       // CU_STREAM_CAPTURE_MODE_RELAXED
-constexpr unsigned kStreamNonBlocking = 1;   // CU_STREAM_NON_BLOCKING
-constexpr int kGraphNodeKernel = 0;          // CU_GRAPH_NODE_TYPE_KERNEL
-constexpr int kLaunchAttrClusterDim = 4;     // CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-constexpr uintptr_t kParamBufferPointer = 1; // CU_LAUNCH_PARAM_BUFFER_POINTER
-constexpr uintptr_t kParamBufferSize = 2;    // CU_LAUNCH_PARAM_BUFFER_SIZE
-
-// Driver entry points for reading a captured launch (CUDA 12.4 or newer).
-struct GraphDriver {
-  CUresult (*StreamCreate)(cudaStream_t*, unsigned);
-  CUresult (*StreamBeginCapture)(cudaStream_t, int);
-  CUresult (*StreamEndCapture)(cudaStream_t, CUgraph*);
-  CUresult (*GraphGetNodes)(CUgraph, CUgraphNode*, size_t*);
-  CUresult (*GraphNodeGetType)(CUgraphNode, int*);
-  CUresult (*KernelNodeGetParams)(CUgraphNode, KernelNodeParams*);
-  CUresult (*KernelNodeGetAttribute)(CUgraphNode, int, LaunchAttrValue*);
-  CUresult (*GraphDestroy)(CUgraph);
-  CUresult (*FuncGetParamInfo)(CUfunction, size_t, size_t*, size_t*);
-  CUresult (*FuncGetName)(const char**, CUfunction);
-  CUresult (*KernelGetFunction)(CUfunction*, CUkernel);
-};
-
-std::atomic<const GraphDriver*> g_graph_driver{nullptr};
-std::atomic<int64_t> g_recorded{0};
-std::atomic<int64_t> g_record_fallbacks{0};
-std::atomic<int64_t> g_record_skips{0};
-
-ffi::Error GetGraphDriver(const GraphDriver** out) {
-  if ((*out = g_graph_driver.load(std::memory_order_acquire)) != nullptr) {
-    return ffi::Error::Success();
-  }
-  std::lock_guard<std::mutex> lock(g_load_mu);
-  if ((*out = g_graph_driver.load(std::memory_order_relaxed)) != nullptr) {
-    return ffi::Error::Success();
-  }
-  LibraryBinder lib("libcuda.so.1", RTLD_NOW | RTLD_LOCAL, "the CUDA driver libcuda.so.1");
-  auto g = std::make_unique<GraphDriver>();
-  lib.Bind("cuStreamCreate", &g->StreamCreate);
-  lib.Bind("cuStreamBeginCapture_v2", &g->StreamBeginCapture);
-  lib.Bind("cuStreamEndCapture", &g->StreamEndCapture);
-  lib.Bind("cuGraphGetNodes", &g->GraphGetNodes);
-  lib.Bind("cuGraphNodeGetType", &g->GraphNodeGetType);
-  lib.Bind("cuGraphKernelNodeGetParams_v2", &g->KernelNodeGetParams);
-  lib.Bind("cuGraphKernelNodeGetAttribute", &g->KernelNodeGetAttribute);
-  lib.Bind("cuGraphDestroy", &g->GraphDestroy);
-  lib.Bind("cuFuncGetParamInfo", &g->FuncGetParamInfo);
-  lib.Bind("cuFuncGetName", &g->FuncGetName);
-  lib.Bind("cuKernelGetFunction", &g->KernelGetFunction);
-  if (ffi::Error e = lib.Status(); e.failure()) return e;
-  *out = g.release();
-  g_graph_driver.store(*out, std::memory_order_release);
-  return ffi::Error::Success();
-}
-
-// One launch read back from a capture: what XLA needs to record it as a kernel node.
-struct CapturedLaunch {
-  bool single_kernel = false;  // false: the launcher did something else (or more)
-  std::string kernel_name;
-  unsigned grid[3] = {1, 1, 1};
-  unsigned block[3] = {1, 1, 1};
-  unsigned cluster[3] = {0, 0, 0};
-  unsigned shared_bytes = 0;
-  std::vector<std::vector<uint8_t>> params;  // each parameter's bytes, in order
-};
-
-// Capturing is rare (once per graph recording) and serialised: one private stream per context.
-std::mutex g_capture_mu;
-std::map<CUcontext, cudaStream_t>* g_capture_streams = new std::map<CUcontext, cudaStream_t>();
-
-// Reads the parameters of `func` out of a captured node: through the kernelParams array, or the
-// packed buffer of `extra` when the launcher passed them that way.
-ffi::Error ReadParams(const GraphDriver& g, const Driver& d, CUfunction func,
-                      const KernelNodeParams& p, CapturedLaunch* out) {
-  const uint8_t* buffer = nullptr;
-  size_t buffer_size = 0;
-  if (p.params == nullptr && p.extra != nullptr) {
-    for (void** e = p.extra; *e != nullptr; e += 2) {
-      const auto tag = reinterpret_cast<uintptr_t>(e[0]);
-      if (tag == kParamBufferPointer) buffer = static_cast<const uint8_t*>(e[1]);
-      if (tag == kParamBufferSize) buffer_size = *static_cast<const size_t*>(e[1]);
+  DslFunction* fn = s.Cached(device);
+  if (fn == nullptr) {
+    // Initialize normally resolved the function already. XLA may skip that stage on some
+    // paths (e.g. devices past our cache, or command buffers on some versions), so resolve
+    // it here rather than fail; the registry still loads it only once per device.
+    auto object = attrs.get<ffi::Span<const uint8_t>>("object");
+    if (!object.has_value()) return object.error();
+    if (ffi::Error e = ResolveFunction(*state, *object, device, stream, &fn); e.failure()) {
+      return e;
     }
   }
-  for (size_t i = 0;; ++i) {
-    size_t offset = 0, size = 0;
-    if (g.FuncGetParamInfo(func, i, &offset, &size) != 0) break;  // past the last parameter
-    const uint8_t* src = nullptr;
-    if (p.params != nullptr) {
-      src = static_cast<const uint8_t*>(p.params[i]);
-    } else if (buffer != nullptr && offset + size <= buffer_size) {
-      src = buffer + offset;
-    }
-    if (src == nullptr || size == 0) {
-      return Err(ffi::ErrorCode::kInternal,
-                 Format("captured launch: cannot read kernel parameter %zu", i));
-    }
-    out->params.emplace_back(src, src + size);
-  }
-  return ffi::Error::Success();
-}
-
-// Runs the launcher under capture on this context's private stream and reads back its launch.
-ffi::Error CaptureLaunch(const LaunchState& s, DslFunction* fn, cudaStream_t xla_stream,
-                         ffi::RemainingArgs& args, ffi::RemainingRets& rets,
-                         CapturedLaunch* out) {
-  const GraphDriver* g = nullptr;
-  if (ffi::Error e = GetGraphDriver(&g); e.failure()) return e;
+  const DslRuntime* rt = g_runtime.load(std::memory_order_acquire);  // set by ResolveFunction
   const Driver* d = g_driver.load(std::memory_order_acquire);
+
+  const size_t n = s.kinds.size();
+  void* inline_args[kInlineArgs + 1];
+  int64_t inline_words[kInlineWords];
+  std::vector<void*> heap_args;
+  std::vector<int64_t> heap_words;
+  void** argv = inline_args;
+  int64_t* storage = inline_words;
+  if (n + 1 > kInlineArgs + 1) {
+    heap_args.resize(n + 1);
+    argv = heap_args.data();
+  }
+  if (s.words.size() > kInlineWords) {
+    heap_words.resize(s.words.size());
+    storage = heap_words.data();
+  }
+
+  cudaStream_t stream_arg = stream;
+  int32_t ret = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const int64_t kind = s.kinds[i];
+    const int64_t begin = s.offsets[i];
+    if (kind == -1) {
+      argv[i] = &stream_arg;
+    } else if (kind == -2) {
+      // Scalars are read-only for the launcher: point straight at the template.
+      argv[i] = const_cast<int64_t*>(s.words.data() + begin);
+    } else {
+      void* data = nullptr;
+      const size_t k = static_cast<size_t>(kind);
+      if (k < num_inputs) {
+        auto buffer = args.get<ffi::AnyBuffer>(k);
+        if (!buffer.has_value()) return buffer.error();
+        data = buffer->untyped_data();
+      } else {
+        auto buffer = rets.get<ffi::AnyBuffer>(k - num_inputs);
+        if (!buffer.has_value()) return buffer.error();
+        data = (*buffer)->untyped_data();
+      }
+      const int64_t alignment = s.align[i];
+      if (alignment > 0 && reinterpret_cast<uintptr_t>(data) % static_cast<uint64_t>(alignment)) {
+        return Err(ffi::ErrorCode::kInvalidArgument,
+                   Format("kernel %s: argument %zu (buffer %zu) at %p is not aligned to %" PRId64
+                          " bytes, as the kernel's alignment assumes",
+                          s.name.c_str(), i, k, data, alignment));
+      }
+      int64_t* desc = storage + begin;
+      std::memcpy(desc, s.words.data() + begin, (s.offsets[i + 1] - begin) * sizeof(int64_t));
+      std::memcpy(desc, &data, sizeof(void*));  // word 0 is the data pointer
+      argv[i] = desc;
+    }
+  }
+  argv[n] = &ret;
+
+  // The launcher sets attributes on the current device: make sure it is the stream's.
   ScopedStreamContext context;
-  if (ffi::Error e = context.Enter(*d, xla_stream); e.failure()) return e;
-  CUcontext ctx = nullptr;
-  if (CUresult r = d->StreamGetCtx(xla_stream, &ctx); r != 0) {
-    return Err(ffi::ErrorCode::kInternal, "cuStreamGetCtx failed: " + d->Describe(r));
+  if (ffi::Error e = context.Enter(*d, stream); e.failure()) return e;
+  int rc = 0;
+  try {
+    rc = rt->FunctionRun(fn, argv, n + 1);
+  } catch (...) {
+    return Err(ffi::ErrorCode::kInternal,
+               "kernel " + s.name + ": the CuTe DSL runtime threw while launching");
   }
-
-  std::lock_guard<std::mutex> lock(g_capture_mu);
-  cudaStream_t& cs = (*g_capture_streams)[ctx];
-  if (cs == nullptr) {
-    if (CUresult r = g->StreamCreate(&cs, kStreamNonBlocking); r != 0) {
-      cs = nullptr;
-      return Err(ffi::ErrorCode::kInternal, "cuStreamCreate failed: " + d->Describe(r));
-    }
+  g_launches.fetch_add(1, std::memory_order_relaxed);
+  if (rc != 0) {
+    return Err(ffi::ErrorCode::kInternal,
+               "kernel " + s.name + ": CuteDSLRT_Function_Run failed: " + rt->Describe(rc));
   }
-  LauncherArgs packed;
-  if (ffi::Error e = packed.Pack(s, cs, args, rets); e.failure()) return e;
-  if (CUresult r = g->StreamBeginCapture(cs, kCaptureModeRelaxed); r != 0) {
-    return Err(ffi::ErrorCode::kInternal, "cuStreamBeginCapture failed: " + d->Describe(r));
+  if (ret != 0) {
+    return Err(ffi::ErrorCode::kInternal,
+               "kernel " + s.name + ": launch failed with CUDA error " + d->Describe(ret));
   }
-  ffi::Error launched = RunLauncher(s, fn, packed, cs);
-  CUgraph graph = nullptr;
-  CUresult ended = g->StreamEndCapture(cs, &graph);
-  // The graph is ours to destroy whatever happens below.
-  std::unique_ptr<CUgraph_st, CUresult (*)(CUgraph)> owned(graph, g->GraphDestroy);
-  if (launched.failure()) return launched;
-  if (ended != 0 || graph == nullptr) {
-    return Err(ffi::ErrorCode::kInternal, "cuStreamEndCapture failed: " + d->Describe(ended));
-  }
-
-  size_t count = 0;
-  if (CUresult r = g->GraphGetNodes(graph, nullptr, &count); r != 0) {
-    return Err(ffi::ErrorCode::kInternal, "cuGraphGetNodes failed: " + d->Describe(r));
-  }
-  if (count != 1) return ffi::Error::Success();  // not a single launch: out->single_kernel false
-  CUgraphNode node = nullptr;
-  int type = -1;
-  if (g->GraphGetNodes(graph, &node, &count) != 0 || g->GraphNodeGetType(node, &type) != 0 ||
-      type != kGraphNodeKernel) {
-    return ffi::Error::Success();
-  }
-  KernelNodeParams p{};
-  if (CUresult r = g->KernelNodeGetParams(node, &p); r != 0) {
-    return Err(ffi::ErrorCode::kInternal, "cuGraphKernelNodeGetParams failed: " + d->Describe(r));
-  }
-  CUfunction func = p.func;
-  if (func == nullptr && p.kern != nullptr) {
-    if (CUresult r = g->KernelGetFunction(&func, p.kern); r != 0) {
-      return Err(ffi::ErrorCode::kInternal, "cuKernelGetFunction failed: " + d->Describe(r));
-    }
-  }
-  const char* name = nullptr;
-  if (func == nullptr || g->FuncGetName(&name, func) != 0 || name == nullptr) {
-    return Err(ffi::ErrorCode::kInternal, "captured launch: cannot name its kernel");
-  }
-  out->kernel_name = name;
-  for (int i = 0; i < 3; ++i) {
-    out->grid[i] = p.grid[i];
-    out->block[i] = p.block[i];
-  }
-  out->shared_bytes = p.shared_bytes;
-  LaunchAttrValue cluster{};
-  if (g->KernelNodeGetAttribute(node, kLaunchAttrClusterDim, &cluster) == 0) {
-    out->cluster[0] = cluster.cluster.x;
-    out->cluster[1] = cluster.cluster.y;
-    out->cluster[2] = cluster.cluster.z;
-  }
-  if (ffi::Error e = ReadParams(*g, *d, func, p, out); e.failure()) return e;
-  out->single_kernel = true;
   return ffi::Error::Success();
 }
-
-// Size of the ELF image starting at `elf` (at most `avail` bytes): the end of its section
-// header table or of its last section, whichever is further. 0 when it is not a sane ELF64.
-size_t ElfImageSize(const uint8_t* elf, size_t avail) {
-  if (avail < 64) return 0;
-  uint64_t shoff = 0;
-  uint16_t shentsize = 0, shnum = 0;
-  std::memcpy(&shoff, elf + 0x28, 8);
-  std::memcpy(&shentsize, elf + 0x3a, 2);
-  std::memcpy(&shnum, elf + 0x3c, 2);
-  if (shentsize < 64 || shoff > avail || size_t{shnum} * shentsize > avail - shoff) return 0;
-  size_t end = shoff + size_t{shnum} * shentsize;
-  for (uint16_t i = 0; i < shnum; ++i) {
-    uint32_t type = 0;
-    uint64_t off = 0, len = 0;
-    const uint8_t* sh = elf + shoff + size_t{i} * shentsize;
-    std::memcpy(&type, sh + 4, 4);
-    std::memcpy(&off, sh + 24, 8);
-    std::memcpy(&len, sh + 32, 8);
-    if (type == 8 /*SHT_NOBITS*/) continue;
-    if (off > avail || len > avail - off) return 0;
-    end = std::max<size_t>(end, off + len);
-  }
-  return end;
-}
-
-// The cubin inside a DSL object that defines `kernel`: the object embeds the device ELF as data.
-// Kept for the life of the process (XLA caches the module it loads by this address).
-std::mutex g_cubin_mu;
-std::map<std::pair<std::string, std::string>, std::string>* g_cubins =
-    new std::map<std::pair<std::string, std::string>, std::string>();
-
-ffi::Error CubinFor(const LaunchState& s, ffi::Span<const uint8_t> object,
-                    const std::string& kernel, const std::string** out) {
-  std::lock_guard<std::mutex> lock(g_cubin_mu);
-  const auto key = std::make_pair(s.key, kernel);
-  if (auto it = g_cubins->find(key); it != g_cubins->end()) {
-    *out = &it->second;
-    return ffi::Error::Success();
-  }
-  const uint8_t* obj = object.begin();
-  const size_t size = object.size();
-  const uint8_t kMagic[4] = {0x7f, 'E', 'L', 'F'};
-  for (size_t at = 1; at + 64 <= size; ++at) {
-    if (std::memcmp(obj + at, kMagic, 4) != 0 || obj[at + 4] != 2 /*64-bit*/) continue;
-    uint16_t machine = 0;
-    std::memcpy(&machine, obj + at + 0x12, 2);
-    if (machine != 190 /*EM_CUDA*/) continue;
-    const size_t image = ElfImageSize(obj + at, size - at);
-    if (image == 0 || !ElfDefinesSymbol(obj + at, image, kernel)) continue;
-    auto [it, _] = g_cubins->emplace(key, std::string(reinterpret_cast<const char*>(obj + at), image));
-    *out = &it->second;
-    return ffi::Error::Success();
-  }
-  return Err(ffi::ErrorCode::kInternal,
-             "kernel " + s.name + ": its object holds no cubin defining " + kernel);
-}
-
-// The record extension as XLA hands it over (C API; XLA's C++ wrapper is internal to it).
-struct RecordExtension {
-  struct Type {
-    const XLA_FFI_Api* api;
-    const XLA_FFI_RecordFrame* frame;
-  };
-  using CExtension = XLA_FFI_Record_Extension;
-  static constexpr auto kName = "RecordExtension";
-  static constexpr int32_t kExtensionType = XLA_FFI_Extension_Record;
-  static constexpr int32_t kMajorVersion = XLA_FFI_Extension_Record_MajorVersion;
-  static constexpr int32_t kMinorVersion = XLA_FFI_Extension_Record_MinorVersion;
-  // create_launch with uses_pdl (what we call) exists from minor version 1 on.
-  static bool Support(int32_t major, int32_t minor) { return major == 0 && minor >= 1; }
-  static Type Create(const XLA_FFI_Api* api, const CExtension* ext) {
-    return Type{api, ext->record_frame};
-  }
-};
-
-ffi::Error FromXla(const XLA_FFI_Api* api, XLA_FFI_Error* error, const char* what) {
-  if (error == nullptr) return ffi::Error::Success();
-  std::string message = ffi::internal::GetErrorMessage(api, error);
-  ffi::internal::DestroyError(api, error);
-  return Err(ffi::ErrorCode::kInternal, std::string(what) + " failed: " + message);
-}
-
-ffi::Error Record(cudaStream_t stream, int32_t device, LaunchState* state,
-                  RecordExtension::Type record, ffi::RemainingArgs args, ffi::RemainingRets rets,
-                  ffi::Dictionary attrs) {
-  if (state == nullptr) return Err(ffi::ErrorCode::kInternal, "record found no state");
-  const XLA_FFI_RecordFrame& frame = *record.frame;
-  const XLA_FFI_RecordApi& api = *frame.api;
-  if (ffi::Error e = CheckBufferCount(*state, args.size() + rets.size()); e.failure()) return e;
-  DslFunction* fn = nullptr;
-  if (ffi::Error e = FunctionFor(*state, device, stream, attrs, &fn); e.failure()) return e;
-  // XLA 0.11 asks for an update on nearly every run. The kernel's parameters depend only on the
-  // buffer addresses, so an update with the addresses the command already holds is skipped:
-  // no capture here, and no parameter change (re-upload) in XLA's executable graph.
-  std::vector<void*> addresses;
-  addresses.reserve(args.size() + rets.size());
-  for (size_t i = 0; i < args.size(); ++i) {
-    auto b = args.get<ffi::AnyBuffer>(i);
-    addresses.push_back(b.has_value() ? b->untyped_data() : nullptr);
-  }
-  for (size_t i = 0; i < rets.size(); ++i) {
-    auto b = rets.get<ffi::AnyBuffer>(i);
-    addresses.push_back(b.has_value() ? (*b)->untyped_data() : nullptr);
-  }
-  const bool update = frame.action == XLA_FFI_RecordAction_Update;
-  if (update && frame.commands != nullptr && *frame.num_commands == 1 &&
-      state->RecordedWith(frame.commands[0], addresses)) {
-    g_record_skips.fetch_add(1, std::memory_order_relaxed);
-    return ffi::Error::Success();
-  }
-  CapturedLaunch launch;
-  if (ffi::Error e = CaptureLaunch(*state, fn, stream, args, rets, &launch); e.failure()) return e;
-  if (!launch.single_kernel) {
-    g_record_fallbacks.fetch_add(1, std::memory_order_relaxed);
-    return FromXla(record.api, api.request_stream_capture(frame.record_ctx),
-                   "request_stream_capture");
-  }
-
-  std::vector<XLA_FFI_KernelArg> kernel_args;
-  kernel_args.reserve(launch.params.size());
-  for (const auto& p : launch.params) {
-    kernel_args.push_back({p.data(), static_cast<int64_t>(p.size()), XLA_FFI_KernelArgType_HostValue});
-  }
-  const XLA_FFI_KernelArgs packed{kernel_args.data(), static_cast<int64_t>(kernel_args.size())};
-
-  if (update) {
-    // Buffer addresses changed: same kernel and dimensions, new parameters.
-    if (frame.commands == nullptr || *frame.num_commands != 1) {
-      return Err(ffi::ErrorCode::kInternal, "kernel " + state->name +
-                                                ": update without the one command we recorded");
-    }
-    ffi::Error e = FromXla(record.api, api.update_launch(frame.record_ctx, frame.commands[0], &packed),
-                           "update_launch");
-    if (e.success()) {
-      state->Remember(frame.commands[0], std::move(addresses));
-      g_recorded.fetch_add(1, std::memory_order_relaxed);
-    }
-    return e;
-  }
-
-  auto object = attrs.get<ffi::Span<const uint8_t>>("object");
-  if (!object.has_value()) return object.error();
-  const std::string* cubin = nullptr;
-  if (ffi::Error e = CubinFor(*state, *object, launch.kernel_name, &cubin); e.failure()) return e;
-  if (frame.commands == nullptr || *frame.num_commands >= frame.max_commands) {
-    return Err(ffi::ErrorCode::kInternal, "kernel " + state->name + ": no room to record a command");
-  }
-  XLA_FFI_LaunchDims dims{};
-  dims.grid = {static_cast<int32_t>(launch.grid[0]), static_cast<int32_t>(launch.grid[1]),
-               static_cast<int32_t>(launch.grid[2])};
-  dims.block = {static_cast<int32_t>(launch.block[0]), static_cast<int32_t>(launch.block[1]),
-                static_cast<int32_t>(launch.block[2])};
-  dims.cluster = {static_cast<int32_t>(launch.cluster[0]), static_cast<int32_t>(launch.cluster[1]),
-                  static_cast<int32_t>(launch.cluster[2])};
-  const XLA_FFI_Command* command = nullptr;
-  ffi::Error e = FromXla(
-      record.api,
-      api.create_launch(frame.record_ctx, launch.kernel_name.c_str(), cubin->data(),
-                        static_cast<int64_t>(cubin->size()), XLA_FFI_SourceFormat_CUBIN, dims,
-                        launch.shared_bytes, state->uses_pdl ? 1 : 0, &packed, nullptr, 0, &command),
-      "create_launch");
-  if (e.failure()) return e;
-  frame.commands[(*frame.num_commands)++] = command;
-  state->Remember(command, std::move(addresses));
-  g_recorded.fetch_add(1, std::memory_order_relaxed);
-  return ffi::Error::Success();
-}
-#endif  // JAX_CUTE_HAVE_RECORD
 
 }  // namespace
-}  // namespace jax_cute
-
-#if JAX_CUTE_HAVE_RECORD
-// The XLA FFI API table itself, as a handler context: the only way to reach XLA_FFI_Handler_Register,
-// whose bundle (unlike the registration jaxlib 0.11 offers Python) carries a record stage.
-namespace jax_cute {
-struct FfiApiTag {};
-}  // namespace jax_cute
-
-template <>
-struct xla::ffi::CtxDecoding<jax_cute::FfiApiTag> {
-  using Type = const XLA_FFI_Api*;
-  static std::optional<Type> Decode(const XLA_FFI_Api* api, XLA_FFI_InvokeContext*,
-                                    DiagnosticEngine&) {
-    return api;
-  }
-};
-
-namespace jax_cute {
-namespace {
-std::atomic<const XLA_FFI_Api*> g_ffi_api{nullptr};
-
-// Handler of the probe call: compiling it on a GPU backend instantiates it, which hands us the API.
-ffi::Error RememberApi(const XLA_FFI_Api* api) {
-  g_ffi_api.store(api, std::memory_order_release);
-  return ffi::Error::Success();
-}
-}  // namespace
-}  // namespace jax_cute
-
-namespace jax_cute {
-XLA_FFI_DEFINE_HANDLER(kProbeInstantiate, RememberApi, ffi::Ffi::BindInstantiate().Ctx<FfiApiTag>());
-XLA_FFI_DEFINE_HANDLER(kProbeExecute, RememberApi, ffi::Ffi::Bind().Ctx<FfiApiTag>());
-}  // namespace jax_cute
-#endif  // JAX_CUTE_HAVE_RECORD
-
-namespace jax_cute {
 
 // Bindings of the three stages, shared by the two handler sets below.
-auto InstantiateBinding() { return ffi::Ffi::BindInstantiate().Attrs(); }
+auto InstantiateBinding() {
+  return ffi::Ffi::BindInstantiate()
+      .Attr<std::string_view>("name")
+      .Attr<std::string_view>("key")
+      .Attr<std::string_view>("symbol")
+      .Attr<ffi::Span<const uint8_t>>("object")
+      .Attr<int64_t>("arch_major")
+      .Attr<int64_t>("arch_minor")
+      .Attr<ffi::Span<const int64_t>>("arg_kinds")
+      .Attr<ffi::Span<const int64_t>>("arg_offsets")
+      .Attr<ffi::Span<const int64_t>>("arg_words")
+      .Attr<ffi::Span<const int64_t>>("arg_align");
+}
 
 // What Initialize and Execute both take: stream, device, state, buffers and attributes.
 template <typename Binder>
@@ -1166,28 +660,15 @@ auto WithLaunchContext(Binder binder) {
 auto InitializeBinding() { return WithLaunchContext(ffi::Ffi::BindInitialize()); }
 auto ExecuteBinding() { return WithLaunchContext(ffi::Ffi::Bind()); }
 
-// Graph handlers: XLA may record the launch into its command buffers (CUDA graphs). With the
-// record stage (jaxlib 0.11+) we hand it our kernel node (see Record); otherwise it records the
-// call by stream capture. Either way it records again whenever a buffer address changed since
-// the last recording. The trait is declared on every stage: XLA reads handler metadata and the trait
+// Graph handlers: XLA may record the launch into its command buffers (CUDA graphs). It records
+// an FFI call by stream capture, again whenever a buffer address changed since the last
+// recording. The trait is declared on every stage: XLA reads handler metadata and the trait
 // must be visible whichever handler it asks.
 XLA_FFI_DEFINE_HANDLER(kInstantiate, Instantiate, InstantiateBinding(),
                        {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER(kInitialize, Initialize, InitializeBinding(),
                        {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER(kExecute, Execute, ExecuteBinding(), {ffi::Traits::kCmdBufferCompatible});
-#if JAX_CUTE_HAVE_RECORD
-XLA_FFI_DEFINE_HANDLER(kRecord, Record,
-                       ffi::Ffi::BindRecord()
-                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                           .Ctx<ffi::DeviceOrdinal>()
-                           .Ctx<ffi::State<LaunchState>>()
-                           .Ctx<ffi::Extension<RecordExtension>>()
-                           .RemainingArgs()
-                           .RemainingRets()
-                           .Attrs(),
-                       {ffi::Traits::kCmdBufferCompatible});
-#endif
 
 // Stream handlers: the same stages without the trait. XLA launches them on its stream on every
 // run, outside command buffers, so a kernel launched with programmatic dependent launch can
@@ -1232,36 +713,6 @@ nb::dict Registrations(bool command_buffer) {
   return d;
 }
 
-#if JAX_CUTE_HAVE_RECORD
-nb::dict ProbeRegistrations() {
-  nb::dict d;
-  d["instantiate"] = nb::capsule(reinterpret_cast<void*>(kProbeInstantiate));
-  d["execute"] = nb::capsule(reinterpret_cast<void*>(kProbeExecute));
-  return d;
-}
-
-// Registers the graph handlers, record stage included, under `name` through XLA's own FFI API
-// (found by the probe). Raises when the probe has not run or XLA refuses.
-void RegisterRecordingTarget(const std::string& name, const std::string& platform) {
-  const XLA_FFI_Api* api = g_ffi_api.load(std::memory_order_acquire);
-  if (api == nullptr) throw std::runtime_error("jax_cute: the XLA FFI API was not found (probe not run)");
-  XLA_FFI_Handler_Register_Args args{};
-  args.struct_size = XLA_FFI_Handler_Register_Args_STRUCT_SIZE;
-  args.name = XLA_FFI_ByteSpan{name.data(), name.size()};
-  args.platform = XLA_FFI_ByteSpan{platform.data(), platform.size()};
-  args.bundle.instantiate = kInstantiate;
-  args.bundle.initialize = kInitialize;
-  args.bundle.execute = kExecute;
-  args.bundle.record = kRecord;
-  args.traits = XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE;
-  if (XLA_FFI_Error* error = api->XLA_FFI_Handler_Register(&args); error != nullptr) {
-    std::string message = ffi::internal::GetErrorMessage(api, error);
-    ffi::internal::DestroyError(api, error);
-    throw std::runtime_error("jax_cute: registering " + name + " failed: " + message);
-  }
-}
-#endif
-
 nb::dict StateType() {
   static auto type_info = ffi::MakeTypeInfo<LaunchState>();
   nb::dict d;
@@ -1275,15 +726,6 @@ nb::dict Stats() {
   d["modules_created"] = g_modules_created.load();
   d["functions_loaded"] = g_functions_loaded.load();
   d["launches"] = g_launches.load();
-#if JAX_CUTE_HAVE_RECORD
-  d["recorded"] = g_recorded.load();
-  d["record_fallbacks"] = g_record_fallbacks.load();
-  d["record_skips"] = g_record_skips.load();
-#else
-  d["recorded"] = 0;
-  d["record_fallbacks"] = 0;
-  d["record_skips"] = 0;
-#endif
   return d;
 }
 
@@ -1307,23 +749,7 @@ NB_MODULE(_ffi, m) {
         "command_buffer=False gives the stream handlers (never recorded into a CUDA graph).");
   m.def("state_type", &jax_cute::StateType,
         "Type registration of the handler's state, for jax.ffi.register_ffi_type.");
-  m.def("stats", &jax_cute::Stats,
-        "Counters: modules_created, functions_loaded, launches (run by us on a stream), "
-        "recorded (kernel launches handed to XLA's command buffers, updates included) and "
-        "record_fallbacks (recordings left to stream capture).");
-#if JAX_CUTE_HAVE_RECORD
-  m.def("probe_registrations", &jax_cute::ProbeRegistrations,
-        "Handlers of the probe target: compiling a call to it on a GPU backend hands this module "
-        "XLA's FFI API (see register_recording_target).");
-  m.def("ffi_api_found", []() { return jax_cute::g_ffi_api.load() != nullptr; },
-        "Whether the probe has handed over XLA's FFI API.");
-  m.def("register_recording_target", &jax_cute::RegisterRecordingTarget, nb::arg("name"),
-        nb::arg("platform") = "CUDA",
-        "Register the graph handlers with their record stage under `name` (after the probe).");
-#endif
-  m.def("has_record_stage", []() { return JAX_CUTE_HAVE_RECORD != 0; },
-        "Whether this build has the FFI record stage (jaxlib 0.11+ headers): registered with "
-        "register_recording_target, it hands XLA's command buffers its kernel nodes itself.");
+  m.def("stats", &jax_cute::Stats, "Counters: modules_created, functions_loaded, launches.");
   m.def("object_has_function", &jax_cute::PyObjectHasFunction, nb::arg("object"),
         nb::arg("symbol"),
         "Whether an object from dump_to_object defines the launcher with this prefix.");

@@ -11,9 +11,6 @@
 | autotune              | JAX_CUTE_AUTOTUNE=1               | time candidate configs on the GPU, keep best   |
 | command_buffer        | JAX_CUTE_COMMAND_BUFFER=0         | launch on XLA's stream, outside CUDA graphs,   |
 |                       |                                   | with programmatic dependent launch (Hopper)    |
-| record_launches       | JAX_CUTE_RECORD_LAUNCHES=0        | let XLA stream-capture our calls into its      |
-|                       |                                   | graphs instead of taking our kernel nodes      |
-|                       |                                   | (read when a call is lowered)                  |
 
 Python settings win over the environment; ``None`` means "ask the environment".
 """
@@ -36,10 +33,9 @@ _ENV = {
     "disk_cache": "JAX_CUTE_DISK_CACHE",
     "autotune": "JAX_CUTE_AUTOTUNE",
     "command_buffer": "JAX_CUTE_COMMAND_BUFFER",
-    "record_launches": "JAX_CUTE_RECORD_LAUNCHES",
 }
 _BOOL_DEFAULTS = {"strict": False, "nan_fill": False, "unverified_kernels": False, "disk_cache": True,
-                  "autotune": False, "command_buffer": True, "record_launches": True}
+                  "autotune": False, "command_buffer": True}
 
 
 def _flag(name: str) -> bool:
@@ -81,14 +77,6 @@ def command_buffer() -> bool:
     kernel's start overlaps the previous kernel's tail. Read when a call is lowered.
     """
     return _flag("command_buffer")
-
-
-def record_launches() -> bool:
-    """Whether our graph handler hands XLA its kernel nodes when XLA records a CUDA graph (jaxlib
-    0.11+, see :func:`jax_cute.runtime.records_launches`); off, XLA stream-captures our calls
-    as child graphs, where programmatic dependent launch cannot act. Read when a call is
-    lowered."""
-    return _flag("record_launches")
 
 
 def disk_cache() -> bool:

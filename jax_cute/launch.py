@@ -30,7 +30,7 @@ def kernel_call(binary: KernelBinary, inputs: Mapping[str, tuple[jax.Array, Sequ
                 outputs: Mapping[str, tuple[jax.ShapeDtypeStruct, Sequence[int], Sequence[int]]],
                 scalars: Mapping[str, object] | None = None, *,
                 zeroed: Sequence[str] = (), nan_fill: bool | None = None,
-                command_buffer: bool | None = None, pdl: bool = False) -> dict[str, jax.Array]:
+                command_buffer: bool | None = None) -> dict[str, jax.Array]:
     """Launch ``binary`` on XLA's stream; returns the outputs by name.
 
     ``inputs`` maps a tensor argument's name to (physical array, logical shape, logical
@@ -38,10 +38,7 @@ def kernel_call(binary: KernelBinary, inputs: Mapping[str, tuple[jax.Array, Sequ
     named in ``zeroed`` start as zeros (workspaces a kernel accumulates into); with
     ``nan_fill`` (default: ``config.nan_fill()``) every other output starts as NaN (or -1 for
     integers). ``command_buffer`` (default: ``config.command_buffer()``) picks the FFI target
-    XLA may record into a CUDA graph, or the one it launches on its stream every run. ``pdl``
-    declares a programmatic-dependent-launch build (it waits with ``griddepcontrol.wait``
-    before touching memory): XLA may then start it under the previous kernel's tail when it
-    records it into a graph (attribute ``uses_pdl``).
+    XLA may record into a CUDA graph, or the one it launches on its stream every run.
     """
     runtime.ensure_registered()
     in_names, out_names = list(inputs), list(outputs)
@@ -54,7 +51,7 @@ def kernel_call(binary: KernelBinary, inputs: Mapping[str, tuple[jax.Array, Sequ
     major, minor = capability_of(binary.arch)
     attrs = dict(name=binary.name, key=binary.digest, symbol=binary.symbol,
                  object=np.frombuffer(binary.obj, np.uint8), arch_major=np.int64(major),
-                 arch_minor=np.int64(minor), uses_pdl=bool(pdl), **packed.attributes())
+                 arch_minor=np.int64(minor), **packed.attributes())
     out_types = [outputs[n][0] for n in out_names]
     args = [inputs[n][0] for n in in_names]
     aliases = {}

@@ -88,56 +88,27 @@ def test_custom_call_carries_the_object_and_layouts():
         assert attr in text
 
 
-def test_stream_launch_takes_the_stream_target_and_the_pdl_kernel(monkeypatch):
+def test_stream_launch_takes_the_stream_target_and_the_pdl_kernel():
     """command_buffer off: the call goes to the target XLA never records into a CUDA graph, and
-    the Hopper kernel is its programmatic-dependent-launch build. The graph target takes that
-    build only where our handler records its own kernel node (jaxlib's FFI record stage)."""
-    from jax_cute import runtime
-
-    monkeypatch.setattr(runtime, "records_launches", lambda: False)
+    the Hopper kernel is its programmatic-dependent-launch build; the default does neither."""
     graph = lowered(lambda a, b: jax_cute.matmul(a, b), (256, 128), (128, 64))
     with config.override(command_buffer=False):
         stream = lowered(lambda a, b: jax_cute.matmul(a, b), (256, 128), (128, 64))
     assert "@jax_cute_launch(" in graph and "@jax_cute_launch_stream" not in graph
     assert "@jax_cute_launch_stream(" in stream and "@jax_cute_launch(" not in stream
     assert ".pdl" not in graph and ".pdl" in stream
-    # the attribute that lets XLA give a recorded PDL kernel its programmatic edge
-    assert "uses_pdl = false" in graph and "uses_pdl = true" in stream
-    monkeypatch.setattr(runtime, "records_launches", lambda: True)
-    recorded = lowered(lambda a, b: jax_cute.matmul(a, b) + 0, (256, 128), (128, 64))
-    assert "@jax_cute_launch(" in recorded and ".pdl" in recorded and "uses_pdl = true" in recorded
 
 
-def test_launch_mode_adds_pdl_where_a_launch_can_use_it(monkeypatch):
-    from jax_cute import runtime
+def test_launch_mode_adds_pdl_only_off_graphs_and_only_where_a_config_has_it():
     from jax_cute.kernels import sm90_gemm, sm90_grouped
     from jax_cute.primitives.gemm_route import launch_mode
 
-    dense, grouped = sm90_gemm.Config(), sm90_grouped.Config()
-    monkeypatch.setattr(runtime, "records_launches", lambda: False)
+    dense = sm90_gemm.Config()
     assert launch_mode(dense) == dense
     with config.override(command_buffer=False):
         assert launch_mode(dense) == sm90_gemm.Config(pdl=True)
-        assert launch_mode(grouped) == grouped   # no PDL build
-    monkeypatch.setattr(runtime, "records_launches", lambda: True)
-    assert launch_mode(dense) == sm90_gemm.Config(pdl=True)
-    assert launch_mode(grouped) == grouped
-
-
-def test_recording_registration_needs_the_record_stage_and_a_cuda_backend():
-    """Here (no GPU) the graph target is registered the plain way, so XLA would stream-capture
-    our calls and the dense kernels keep their non-PDL build in graphs. The record-stage entry
-    points exist exactly when the extension was built against jaxlib headers that have it."""
-    from jax_cute import runtime
-
-    ext = runtime.extension()
-    assert not runtime.records_launches()
-    assert hasattr(ext, "register_recording_target") == ext.has_record_stage()
-    for graph in (True, False):
-        assert set(ext.registrations(command_buffer=graph)) == {"instantiate", "initialize", "execute"}
-    assert {"recorded", "record_fallbacks", "launches"} <= set(runtime.stats())
-    with config.override(record_launches=False):
-        assert not config.record_launches()
+        grouped = sm90_grouped.Config()
+        assert launch_mode(grouped) == grouped
 
 
 def test_command_buffer_switch_reads_the_environment(monkeypatch):

@@ -71,8 +71,7 @@ def test_registration_is_idempotent_and_thread_safe():
 
 def test_stats_start_at_zero_without_gpu():
     stats = runtime.stats()
-    assert set(stats) == {"modules_created", "functions_loaded", "launches", "recorded", "record_fallbacks",
-                          "record_skips"}
+    assert set(stats) == {"modules_created", "functions_loaded", "launches"}
     assert all(isinstance(v, int) and v >= 0 for v in stats.values())
 
 
@@ -188,20 +187,3 @@ def test_instantiate_validates_attributes_on_cpu(tmp_path):
     for case, message in out.items():
         if case != "good":
             assert "kernel test/affine" in message, (case, message)
-
-
-def test_graph_calls_pick_the_capture_target_when_recording_is_switched_off(monkeypatch):
-    """With the record stage registered, graph calls go to the recording target, or to the
-    stream-capture one when config.record_launches is off; stream calls never change target."""
-    from jax_cute import config
-
-    runtime.ensure_registered()
-    monkeypatch.setattr(runtime, "_records", True)
-    assert runtime.target_name(True) == runtime.TARGET_NAME and runtime.records_launches()
-    with config.override(record_launches=False):
-        assert runtime.target_name(True) == runtime.CAPTURE_TARGET_NAME
-        assert not runtime.records_launches()
-        assert runtime.target_name(False) == runtime.STREAM_TARGET_NAME
-    monkeypatch.setattr(runtime, "_records", False)
-    with config.override(record_launches=False):
-        assert runtime.target_name(True) == runtime.TARGET_NAME   # only one graph target exists

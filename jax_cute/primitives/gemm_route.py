@@ -14,7 +14,7 @@ from typing import Callable
 import jax
 import numpy as np
 
-from jax_cute import config, kernels, routing, runtime, selfcheck
+from jax_cute import config, kernels, routing, selfcheck
 from jax_cute.cache import CACHE
 from jax_cute.kernels.build import compile_launcher
 from jax_cute.kernels.gemm_spec import GemmSpec
@@ -83,15 +83,11 @@ def family_for(op: str, kind: str, spec, what: str):
 
 
 def launch_mode(cfg):
-    """``cfg`` for the current launch mode: a kernel that supports it takes its programmatic
-    dependent launch (PDL) build, whose CTAs may start under the previous kernel's tail and
-    wait there, wherever a launch can use it. On XLA's stream (``command_buffer`` off) it
-    always can. Inside a CUDA graph it can when our handler records its kernel node into XLA's
-    graph itself (:func:`jax_cute.runtime.records_launches`, jaxlib 0.11+); older jaxlibs
-    record our call by stream capture as a child graph, where PDL cannot act."""
-    if "pdl" not in {f.name for f in dataclasses.fields(cfg)}:
-        return cfg
-    if config.command_buffer() and not runtime.records_launches():
+    """``cfg`` for the current launch mode: launched on XLA's stream (``command_buffer`` off), a
+    kernel that supports it takes programmatic dependent launch, so its CTAs start under the
+    previous kernel's tail and wait there. Inside a CUDA graph XLA records our call as a child
+    graph, where that cannot act, so recorded launches keep ``cfg`` as it is."""
+    if config.command_buffer() or "pdl" not in {f.name for f in dataclasses.fields(cfg)}:
         return cfg
     return dataclasses.replace(cfg, pdl=True)
 
@@ -128,8 +124,7 @@ def matmul_impl(a_aval, b_aval, *, layouts: GemmLayouts, out_dtype: str, acc_dty
     cfg = launch_mode(cfg)
     binary = binary_for(fam, arch, spec, cfg)
     workspaces = fam.workspace(spec, cfg, flat.m, flat.n, flat.k, flat.l)
-    pdl = getattr(cfg, "pdl", False)
-    impl = lambda a, b: _launch(a, b, flat, binary, workspaces, layouts, dts[2], pdl)  # noqa: E731
+    impl = lambda a, b: _launch(a, b, flat, binary, workspaces, layouts, dts[2])  # noqa: E731
     from jax_cute.primitives.matmul import reference
 
     ref = functools.partial(reference, layouts=layouts, out_dtype=out_dtype, acc_dtype=acc_dtype)
@@ -139,7 +134,7 @@ def matmul_impl(a_aval, b_aval, *, layouts: GemmLayouts, out_dtype: str, acc_dty
     return impl
 
 
-def _launch(a, b, flat: FlatGemm, binary, workspaces, layouts: GemmLayouts, out_dtype: str, pdl: bool):
+def _launch(a, b, flat: FlatGemm, binary, workspaces, layouts: GemmLayouts, out_dtype: str):
     if flat.a_src is not None:
         a = materialise(a, flat.a_src, flat.a.shape[0], flat.a.shape[1], flat.a.shape[2])
     if flat.b_src is not None:
@@ -147,8 +142,7 @@ def _launch(a, b, flat: FlatGemm, binary, workspaces, layouts: GemmLayouts, out_
     outputs = {"c": (jax.ShapeDtypeStruct(layouts.c_shape, np.dtype(out_dtype)), flat.c.shape, flat.c.stride)}
     outputs.update(workspace_outputs(binary, workspaces))
     res = kernel_call(binary, {"a": (a, flat.a.shape, flat.a.stride), "b": (b, flat.b.shape, flat.b.stride)},
-                      outputs, zeroed=[w.name for w in workspaces if w.zeroed],
-                      pdl=pdl)
+                      outputs, zeroed=[w.name for w in workspaces if w.zeroed])
     return res["c"]
 
 
