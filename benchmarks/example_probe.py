@@ -17,6 +17,7 @@ example's integers. Every output is compared with XLA's on the same inputs (``ma
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import hashlib
@@ -39,6 +40,7 @@ try:  # the DSL compiles the example: needed by build (and by run, to key the ca
 except ImportError:
     cutlass = cute = None
 from common import Impl, measure, parse_shapes, probe_cli  # noqa: E402
+from launch_probe import mode  # noqa: E402
 
 SHAPES = [(8192, 8192, 8192), (4096, 14336, 4096), (2048, 2048, 2048), (16384, 2048, 2048)]
 CHAIN = 8
@@ -84,8 +86,13 @@ def example_matmul(path: str, tile: tuple[int, int], cluster: tuple[int, int]):
     return matmul
 
 
-def impls(path: str) -> list[Impl]:
-    out = [Impl("xla", jnp.matmul), Impl("jax_cute", lambda a, b: jax_cute.matmul(a, b))]
+def impls(path: str, variants=("graph",)) -> list[Impl]:
+    """XLA, jax_cute.matmul per launch variant (benchmarks/launch_probe.py's syntax: ``graph`` is
+    the heuristic's pick, ``graph:epi_n=64`` overrides a Config field) and the example's configs."""
+    out = [Impl("xla", jnp.matmul)]
+    # a function of its own per variant: jit must not hand one variant's trace to another
+    out += [Impl("jax_cute", lambda a, b: jax_cute.matmul(a, b), config=None if v == "graph" else v,
+                 context=lambda v=v: mode(v)) for v in variants]
     for tile, cluster in EXAMPLE_CONFIGS:
         out.append(Impl("cutlass_example", example_matmul(path, tile, cluster),
                         config=f"{tile[0]}x{tile[1]} c{cluster[0]}x{cluster[1]}"))
@@ -102,17 +109,18 @@ def make_inputs(data: str, m: int, n: int, k: int, dtype=jnp.bfloat16):
     return make
 
 
-def cmd_build(out: str, path: str, shapes) -> None:
+def cmd_build(out: str, path: str, shapes, variants) -> None:
     jax_cute.config.set(target_arch="sm_90a", strict=True, cache_dir=os.path.join(out, "cache"))
     bf = jnp.bfloat16
     for (m, n, k) in shapes:
-        for im in impls(path)[1:]:
-            jax.jit(im.fn).trace(jax.ShapeDtypeStruct((m, k), bf),
-                                 jax.ShapeDtypeStruct((k, n), bf)).lower(lowering_platforms=("cuda",))
+        for im in impls(path, variants)[1:]:
+            with (im.context or contextlib.nullcontext)():
+                jax.jit(im.fn).trace(jax.ShapeDtypeStruct((m, k), bf),
+                                     jax.ShapeDtypeStruct((k, n), bf)).lower(lowering_platforms=("cuda",))
         print(f"built {m}x{n}x{k}", flush=True)
 
 
-def cmd_run(bins: str, path: str, out: str, shapes, rounds: int, data_kinds) -> None:
+def cmd_run(bins: str, path: str, out: str, shapes, rounds: int, data_kinds, variants) -> None:
     jax_cute.config.set(strict=True, cache_dir=os.path.join(bins, "cache"))
     dev = jax.devices()[0]
     rec = {"probe": "example", "device": dev.device_kind, "jax": jax.__version__, "chain": CHAIN,
@@ -121,7 +129,7 @@ def cmd_run(bins: str, path: str, out: str, shapes, rounds: int, data_kinds) -> 
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "records": []}
     for data in data_kinds:
         for (m, n, k) in shapes:
-            recs = measure("example", data, f"{m}x{n}x{k} {data}", impls(path), make_inputs(data, m, n, k),
+            recs = measure("example", data, f"{m}x{n}x{k} {data}", impls(path, variants), make_inputs(data, m, n, k),
                            2.0 * m * n * k, rounds=rounds, chain=CHAIN)
             rec["records"] += recs
             print(report_case(recs), flush=True)
@@ -158,14 +166,15 @@ def main() -> None:
     for sp in (build, r):
         sp.add_argument("--example", required=True, help="path of NVIDIA/cutlass's "
                         "examples/python/CuTeDSL/cute/hopper/kernel/dense_gemm/dense_gemm_persistent.py")
+        sp.add_argument("--variants", default="graph", help="';'-separated jax_cute launch variants")
     build.add_argument("--shapes", default="")
     r.add_argument("--data", default=",".join(DATA), help="data kinds to time: normal, int")
     args = p.parse_args()
     if args.cmd == "build":
-        cmd_build(args.out, args.example, parse_shapes(args.shapes, SHAPES))
+        cmd_build(args.out, args.example, parse_shapes(args.shapes, SHAPES), args.variants.split(";"))
     elif args.cmd == "run":
         cmd_run(args.bins, args.example, args.out, parse_shapes(args.shapes, SHAPES), args.rounds,
-                [d for d in args.data.split(",") if d])
+                [d for d in args.data.split(",") if d], args.variants.split(";"))
     else:
         rec = json.load(open(args.path))
         print(f"{rec['device']}, {rec['date']}, jax {rec['jax']}, commit {rec['commit']}")
