@@ -20,6 +20,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import random
 import statistics
 import sys
 import time
@@ -51,10 +52,21 @@ def uses_kernel(fn: Callable, args: Sequence) -> bool | None:
         return None
 
 
-def round_order(items: Sequence, r: int) -> list:
-    """``items`` rotated so that round ``r`` starts with item ``r`` (mod their number)."""
+def round_order(items: Sequence, r: int, shuffle: bool = False) -> list:
+    """``items`` rotated so that round ``r`` starts with item ``r`` (mod their number).
+
+    With ``shuffle`` the rest of the round follows in a seeded random order instead of the
+    rotation's fixed cycle. Under a fixed cycle each item always runs right after the same
+    other one, and what ran before matters at the H200's power cap: our kernels timed right
+    after cuBLAS ran slower than after our own (session 13), so a fixed cycle can rank
+    variants by their neighbour. Records keep each round's predecessor (``rounds_after``)."""
     k = r % len(items) if items else 0
-    return list(items[k:]) + list(items[:k])
+    out = list(items[k:]) + list(items[:k])
+    if shuffle and len(out) > 2:
+        rest = out[1:]
+        random.Random(r).shuffle(rest)
+        out = out[:1] + rest
+    return out
 
 
 def _chained(fn: Callable) -> Callable:
@@ -70,13 +82,13 @@ def _rel_err(out, ref) -> float:
 
 def measure(suite: str, table: str, case: str, impls: Sequence[Impl], make_args: Callable[[int], tuple],
             flops: float, *, rounds: int = 7, warmup: int = 2, target_s: float = 0.05,
-            meta: dict | None = None, check: bool = True, chain: int = 1) -> list[dict]:
+            meta: dict | None = None, check: bool = True, chain: int = 1, shuffle: bool = False) -> list[dict]:
     """Time ``impls`` on ``make_args(seed)`` as described above; one record per implementation.
 
     ``flops`` gives TFLOP/s (0 for cases where only time matters). With ``check`` each output
     is compared with the first working implementation's on the same inputs (``max_rel_err``).
     ``chain`` > 1 times each call as ``chain`` independent products in one jit (``ms`` is per
-    product).
+    product). ``shuffle``: see round_order (probes comparing variants of one kernel use it).
     """
     base = {"suite": suite, "table": table, "case": case, "flops": flops, "chain": chain, **(meta or {})}
     records: dict[int, dict] = {}
@@ -117,6 +129,7 @@ def measure(suite: str, table: str, case: str, impls: Sequence[Impl], make_args:
                 traceback.print_exc()
         out = None  # free the output before the next implementation runs
     times: dict[int, list[float]] = {i: [] for i in jitted}
+    after: dict[int, list[str | None]] = {i: [] for i in jitted}   # who ran just before, per round
     # host time until the last of a round's calls returned, per call: near the wall time per
     # call, the host's dispatch (not the device) sets the pace
     dispatch: dict[int, list[float]] = {i: [] for i in jitted}
@@ -127,13 +140,13 @@ def measure(suite: str, table: str, case: str, impls: Sequence[Impl], make_args:
         # Each round starts with a different implementation, after one untimed call: the GPU's
         # clock ramps up again after the idle gap while inputs are made, and a fixed order
         # would hand that slow start to the same implementation every round.
-        turn = round_order(order, r)
+        turn = round_order(order, r, shuffle)
         if turn:
             try:
                 _block(jitted[turn[0]](*args))
             except Exception:  # noqa: BLE001 - reported by its timed call below
                 pass
-        for i in turn:
+        for pos, i in enumerate(turn):
             f = jitted[i]
             n = records[i]["calls"]
             try:
@@ -143,6 +156,8 @@ def measure(suite: str, table: str, case: str, impls: Sequence[Impl], make_args:
                 t1 = time.perf_counter()
                 _block(out)
                 times[i].append((time.perf_counter() - t0) / (n * chain) * 1e3)
+                prev = impls[turn[pos - 1]] if pos else None
+                after[i].append(None if prev is None else prev.name + (f" {prev.config}" if prev.config else ""))
                 dispatch[i].append((t1 - t0) / n * 1e3)
             except Exception as e:  # noqa: BLE001
                 records[i]["error"] = f"{type(e).__name__}: {str(e)[:300]}"
@@ -152,6 +167,7 @@ def measure(suite: str, table: str, case: str, impls: Sequence[Impl], make_args:
         if rec["error"] or not ts:
             continue
         rec["rounds_ms"] = ts
+        rec["rounds_after"] = after[i]
         rec["dispatch_ms_per_call"] = statistics.median(dispatch[i])
         rec["ms"] = statistics.median(ts)
         rec["tflops"] = flops / (rec["ms"] * 1e-3) / 1e12 if flops else None

@@ -9,7 +9,9 @@ TFLOP/s on an H200. That example fills its operands with integers drawn from [-2
 products toggle few bits, and at the H200's power cap the data sets the clock. This probe runs
 that kernel (loaded from PATH, a copy of the example from NVIDIA/cutlass that stays outside this
 repository) through ``jax_cute.cute_call``, so it is launched exactly as our own kernel is, and
-times it as the suite does (CHAIN products per jit, rotated interleaved rounds) against
+times it as the suite does (CHAIN products per jit, interleaved rounds, each starting with another
+implementation; by default the rest of a round runs in a seeded random order, see
+common.round_order) against
 ``jnp.matmul`` and ``jax_cute.matmul``, once on random normal data (the suite's) and once on the
 example's integers. Every output is compared with XLA's on the same inputs (``max_rel_err``).
 ``build`` lowers every case for sm_90a into DIR/cache, so the GPU machine only loads kernels.
@@ -120,17 +122,17 @@ def cmd_build(out: str, path: str, shapes, variants) -> None:
         print(f"built {m}x{n}x{k}", flush=True)
 
 
-def cmd_run(bins: str, path: str, out: str, shapes, rounds: int, data_kinds, variants) -> None:
+def cmd_run(bins: str, path: str, out: str, shapes, rounds: int, data_kinds, variants, shuffle: bool = True) -> None:
     jax_cute.config.set(strict=True, cache_dir=os.path.join(bins, "cache"))
     dev = jax.devices()[0]
-    rec = {"probe": "example", "device": dev.device_kind, "jax": jax.__version__, "chain": CHAIN,
+    rec = {"probe": "example", "order": "shuffle" if shuffle else "rotate", "device": dev.device_kind, "jax": jax.__version__, "chain": CHAIN,
            "commit": os.environ.get("JAX_CUTE_COMMIT", "unknown"),
            "example_sha256": hashlib.sha256(open(path, "rb").read()).hexdigest(),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "records": []}
     for data in data_kinds:
         for (m, n, k) in shapes:
             recs = measure("example", data, f"{m}x{n}x{k} {data}", impls(path, variants), make_inputs(data, m, n, k),
-                           2.0 * m * n * k, rounds=rounds, chain=CHAIN)
+                           2.0 * m * n * k, rounds=rounds, chain=CHAIN, shuffle=shuffle)
             rec["records"] += recs
             print(report_case(recs), flush=True)
     if out:
@@ -169,12 +171,14 @@ def main() -> None:
         sp.add_argument("--variants", default="graph", help="';'-separated jax_cute launch variants")
     build.add_argument("--shapes", default="")
     r.add_argument("--data", default=",".join(DATA), help="data kinds to time: normal, int")
+    r.add_argument("--order", choices=("shuffle", "rotate"), default="shuffle",
+                   help="each round after its first implementation: seeded random order, or the suite's rotation")
     args = p.parse_args()
     if args.cmd == "build":
         cmd_build(args.out, args.example, parse_shapes(args.shapes, SHAPES), args.variants.split(";"))
     elif args.cmd == "run":
         cmd_run(args.bins, args.example, args.out, parse_shapes(args.shapes, SHAPES), args.rounds,
-                [d for d in args.data.split(",") if d], args.variants.split(";"))
+                [d for d in args.data.split(",") if d], args.variants.split(";"), args.order == "shuffle")
     else:
         rec = json.load(open(args.path))
         print(f"{rec['device']}, {rec['date']}, jax {rec['jax']}, commit {rec['commit']}")
