@@ -147,21 +147,13 @@ def _check_config(config: Config) -> None:
 DEFER = 2   # k-tiles of the next tile issued before a deferred epilogue's stores (autotune only)
 
 
-# Longest K (in k-tiles per unit) whose unsplit 16-bit tiles take the ring of 32-wide subtiles
-# rather than the whole-share epilogue (see the notes above heuristic).
-RING_MAX_K_TILES = 128
-
-
-def _epilogue(spec, config: Config, k_tiles: int | None = None) -> Config:
-    """The epilogue a cooperative config runs with a 16-bit output. Unsplit: a 4-deep ring of
-    32-wide subtiles up to RING_MAX_K_TILES k-tiles, the whole-share mode with 64-wide subtiles
-    beyond (``k_tiles`` None: the whole-share form, for the candidate list). Split-K tiles: a
-    ring of 64-wide subtiles. fp32 outputs keep a ring of 32-wide subtiles: a whole 128x256 fp32
-    share would leave 2 A/B stages."""
+def _epilogue(spec, config: Config) -> Config:
+    """The epilogue a cooperative config runs with a 16-bit output: 64-wide subtiles, and the
+    whole-share mode when K is not split (the heuristic's pick since session 10; see the notes
+    above heuristic). fp32 outputs keep a ring of 32-wide subtiles: a whole 128x256 fp32 share
+    would leave 2 A/B stages."""
     if config.pingpong or _ITEM[spec.c_dtype] != 2 or config.tile_n % 64:
         return config
-    if config.split_k == 1 and k_tiles is not None and k_tiles <= RING_MAX_K_TILES:
-        return dataclasses.replace(config, epi_n=32, whole_c=False)
     return dataclasses.replace(config, epi_n=64, whole_c=config.split_k == 1)
 
 
@@ -181,8 +173,7 @@ def candidate_configs(spec) -> list[Config]:
     # each whole-share tile also with the epilogues it replaced, for autotune: session 6's ring
     # of 64-wide subtiles stored after each mainloop, and session 7's deferred epilogue
     out += [v for c in out if c.whole_c
-            for v in (dataclasses.replace(c, whole_c=False, epi_n=32), dataclasses.replace(c, whole_c=False),
-                      dataclasses.replace(c, whole_c=False, epi_n=32, defer=DEFER))]
+            for v in (dataclasses.replace(c, whole_c=False), dataclasses.replace(c, whole_c=False, epi_n=32, defer=DEFER))]
     return list(dict.fromkeys(out))
 
 
@@ -298,8 +289,7 @@ def heuristic(spec, m: int, n: int, k: int, l: int, num_sms: int = NUM_SMS) -> C
     else:
         cands = [c for c in cands if c.cluster_m == 2]
     bk = tile_k(spec.a_dtype)
-    best = min(cands, key=lambda c: (_estimate(c, m, n, k, l, num_sms, bk), c.split_k, -c.tile_n))
-    return _epilogue(spec, best, -(-max(k, 1) // bk))
+    return min(cands, key=lambda c: (_estimate(c, m, n, k, l, num_sms, bk), c.split_k, -c.tile_n))
 
 
 def tiles_per_cta(config: Config, m: int, n: int, l: int, num_sms: int = NUM_SMS) -> int:
