@@ -7,8 +7,8 @@ The suite times implementations one after another (benchmarks/common.py), and in
 kernel ran 5-7% slower right after cuBLAS than right after one of ours, while cuBLAS did not care
 what ran before it. This probe looks at the clock behind that: for every ordered pair of
 implementations (XLA's jnp.matmul, jax_cute.matmul) it lets the board idle for IDLE_S, runs the
-first for WINDOW_S and the second for WINDOW_S (CHAIN products per call, back to back, as the
-suite does), while a thread samples the SM clock and board power (NVML) every SAMPLE_S. Per
+first for about WINDOW_S and the second for about WINDOW_S (CHAIN products per call, the calls
+dispatched back to back and waited for once, as the suite does), while a thread samples the SM clock and board power (NVML) every SAMPLE_S. Per
 window it keeps the time per product and the median clock over the window's first
 HEAD_S and over all of it.
 """
@@ -52,14 +52,15 @@ class Sampler(threading.Thread):
             time.sleep(SAMPLE_S)
 
 
-def window(fn, args, seconds: float) -> tuple[float, float, int]:
-    """(start, end, calls) of back-to-back calls of ``fn`` for about ``seconds``."""
+def window(fn, args, calls: int) -> tuple[float, float, int]:
+    """(start, end, calls) of ``calls`` calls of ``fn`` dispatched back to back, then one wait (as
+    the suite times them: a wait per call would leave the GPU idle between calls)."""
     import jax
 
-    calls, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        jax.block_until_ready(fn(*args))
-        calls += 1
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        out = fn(*args)
+    jax.block_until_ready(out)
     return t0, time.perf_counter(), calls
 
 
@@ -92,9 +93,13 @@ def cmd_run(out: str, shapes, reps: int) -> None:
         args = tuple((jax.random.normal(keys[2 * j], (m, k), jnp.bfloat16),
                       jax.random.normal(keys[2 * j + 1], (k, n), jnp.bfloat16)) for j in range(CHAIN))
         fns = {name: jax.jit(lambda *sets, f=f: [f(*s) for s in sets]) for name, f in impls.items()}
-        for f in fns.values():
+        n_calls = {}
+        for name, f in fns.items():
             for _ in range(3):
                 jax.block_until_ready(f(*args))
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(*args))
+            n_calls[name] = max(1, round(WINDOW_S / (time.perf_counter() - t0)))
         pairs = [(a, b) for a in fns for b in fns]
         runs = []
         for rep in range(reps):
@@ -102,8 +107,8 @@ def cmd_run(out: str, shapes, reps: int) -> None:
                 time.sleep(IDLE_S)
                 sampler = Sampler(nvml)
                 sampler.start()
-                w1 = window(fns[first], args, WINDOW_S)
-                w2 = window(fns[second], args, WINDOW_S)
+                w1 = window(fns[first], args, n_calls[first])
+                w2 = window(fns[second], args, n_calls[second])
                 sampler.stop.set()
                 sampler.join()
                 runs.append({"first": first, "second": second, "rep": rep,
