@@ -42,7 +42,7 @@ try:  # the DSL compiles the example: needed by build (and by run, to key the ca
 except ImportError:
     cutlass = cute = None
 from common import Impl, measure, parse_shapes, probe_cli  # noqa: E402
-from launch_probe import mode  # noqa: E402
+from launch_probe import mode, parse_variant  # noqa: E402
 
 SHAPES = [(8192, 8192, 8192), (4096, 14336, 4096), (2048, 2048, 2048), (16384, 2048, 2048)]
 CHAIN = 8
@@ -101,6 +101,17 @@ def impls(path: str, variants=("graph",)) -> list[Impl]:
     return out
 
 
+def kernel_config(variant: str, m: int, n: int, k: int) -> str:
+    """Config key of the sm90_gemm kernel a jax_cute variant runs on jnp.matmul's layouts."""
+    import dataclasses
+
+    from jax_cute.kernels import sm90_gemm
+    from jax_cute.kernels.gemm_spec import GemmSpec
+
+    pick = sm90_gemm.heuristic(GemmSpec("bfloat16", "bfloat16", "bfloat16", "k", "n", "n"), m, n, k, 1)
+    return dataclasses.replace(pick, **parse_variant(variant)[2]).key()
+
+
 def make_inputs(data: str, m: int, n: int, k: int, dtype=jnp.bfloat16):
     """Seed -> (a, b): random normal, or the example's own integers in [-2, 2)."""
     def make(seed):
@@ -133,6 +144,9 @@ def cmd_run(bins: str, path: str, out: str, shapes, rounds: int, data_kinds, var
         for (m, n, k) in shapes:
             recs = measure("example", data, f"{m}x{n}x{k} {data}", impls(path, variants), make_inputs(data, m, n, k),
                            2.0 * m * n * k, rounds=rounds, chain=CHAIN, shuffle=shuffle)
+            for r in recs:   # the kernel each jax_cute variant ran, by its config key
+                if r["impl"] == "jax_cute":
+                    r["kernel_config"] = kernel_config(r["config"] or "graph", m, n, k)
             rec["records"] += recs
             print(report_case(recs), flush=True)
     if out:

@@ -206,7 +206,7 @@ def report_order(files: list[str]) -> list[str]:
     """The result files among ``files`` (.json suites, .jsonl first-call records; other files such
     as example logs are skipped): dense GEMM first, then its kernel timeline, grouped, skew ratio,
     launch, first call."""
-    rank = {"matmul": 0, "timeline": 1, "energy": 1, "ragged": 2, "skew": 3, "launch": 4}
+    rank = {"matmul": 0, "timeline": 1, "energy": 1, "example": 1, "clock": 1, "ragged": 2, "skew": 3, "launch": 4}
     kept = [f for f in files if f.endswith((".json", ".jsonl"))]
     for f in sorted(set(files) - set(kept)):
         print(f"skipping {f}: not a results file")
@@ -248,6 +248,21 @@ def report(files: list[str], md: str, plots: str) -> str:
                     "until a round's calls returned, per call; *launches/call*: our handler's launches per "
                     "call (0: XLA replayed a recorded graph)", "", "```"]
             out += launch_probe.report(data) + ["```", ""]
+            continue
+        if data.get("probe") == "example":  # benchmarks/example_probe.py
+            import example_probe
+            out += [f"## {Path(f).stem}: the CuTe DSL's Hopper GEMM example beside ours and XLA", "",
+                    f"- device: {data['device']}, date {data['date']}, jax_cute commit `{data['commit']}`, "
+                    f"jax {data['jax']}; {data['chain']} products per call; round order after each round's "
+                    f"first implementation: {data.get('order', 'rotate')}", "", "```"]
+            out += example_probe.report(data) + ["```", ""]
+            continue
+        if data.get("probe") == "clock":  # benchmarks/clock_trace.py
+            import clock_trace
+            out += [f"## {Path(f).stem}: one window right after another", "",
+                    f"- device: {data['device']}, date {data['date']}, jax_cute commit `{data['commit']}`, "
+                    f"{data['window_s'] * 1e3:.0f} ms windows after {data['idle_s'] * 1e3:.0f} ms idle", "", "```"]
+            out += [clock_trace.report_case(c) for c in data["cases"]] + ["```", ""]
             continue
         if "cases" in data and "records" not in data:  # benchmarks/kernel_timeline.py
             import kernel_timeline

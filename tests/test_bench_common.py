@@ -1,0 +1,41 @@
+"""benchmarks/common.py's round order and what measure() records about it (CPU, no timing claims)."""
+
+import pathlib
+import sys
+
+import jax.numpy as jnp
+
+sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "benchmarks"))
+
+import common  # noqa: E402
+
+
+def test_rotation_is_the_default_order():
+    items = list("abcd")
+    assert [common.round_order(items, r) for r in range(5)] == [
+        list("abcd"), list("bcda"), list("cdab"), list("dabc"), list("abcd")]
+
+
+def test_shuffle_keeps_each_rounds_first_item_and_varies_the_rest():
+    items = list("abcdef")
+    orders = [common.round_order(items, r, shuffle=True) for r in range(12)]
+    for r, o in enumerate(orders):
+        assert o[0] == items[r % len(items)] and sorted(o) == items
+        assert o == common.round_order(items, r, shuffle=True)       # seeded: the same every run
+    # under the rotation "b" always follows "a"; shuffled rounds give it other neighbours
+    before_b = {o[o.index("b") - 1] for o in orders if o[0] != "b"}
+    assert len(before_b) > 1
+    assert common.round_order(list("ab"), 1, shuffle=True) == list("ba")   # two items: nothing to shuffle
+
+
+def test_measure_records_each_rounds_predecessor():
+    impls = [common.Impl(name, lambda a, s=s: a * s) for name, s in (("x", 1.0), ("y", 2.0), ("z", 3.0))]
+    recs = common.measure("t", "t", "case", impls, lambda seed: (jnp.full((4,), float(seed + 1)),), 0.0,
+                          rounds=4, warmup=1, target_s=1e-4, check=False, shuffle=True)
+    for rec in recs:
+        assert len(rec["rounds_after"]) == len(rec["rounds_ms"]) == 4
+    for r in range(4):
+        order = [impls[i].name for i in common.round_order(range(3), r, shuffle=True)]
+        for pos, name in enumerate(order):
+            rec = next(x for x in recs if x["impl"] == name)
+            assert rec["rounds_after"][r] == (order[pos - 1] if pos else None)
