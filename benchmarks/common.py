@@ -5,7 +5,8 @@ it times every implementation on the same fresh random inputs (never zeros: zero
 hardware draw less power and run faster), each as N back-to-back calls ended by one
 ``block_until_ready``. Round r starts with implementation r (mod their number), after one
 untimed call, so the clock's ramp after the idle gap between rounds does not always fall on the
-same implementation. With ``chain=C`` one call runs the implementation on C independent input
+same implementation; the others follow in a seeded random order, so that no implementation is
+always timed right after the same neighbour (see round_order). With ``chain=C`` one call runs the implementation on C independent input
 sets inside one jit, as a model's jitted step would: products of a few tens of microseconds are
 then timed on the device rather than by the host's per-call dispatch, and no product finds its
 inputs in L2 from the previous call. The result per implementation is the median over rounds,
@@ -82,13 +83,14 @@ def _rel_err(out, ref) -> float:
 
 def measure(suite: str, table: str, case: str, impls: Sequence[Impl], make_args: Callable[[int], tuple],
             flops: float, *, rounds: int = 7, warmup: int = 2, target_s: float = 0.05,
-            meta: dict | None = None, check: bool = True, chain: int = 1, shuffle: bool = False) -> list[dict]:
+            meta: dict | None = None, check: bool = True, chain: int = 1, shuffle: bool = True) -> list[dict]:
     """Time ``impls`` on ``make_args(seed)`` as described above; one record per implementation.
 
     ``flops`` gives TFLOP/s (0 for cases where only time matters). With ``check`` each output
     is compared with the first working implementation's on the same inputs (``max_rel_err``).
     ``chain`` > 1 times each call as ``chain`` independent products in one jit (``ms`` is per
-    product). ``shuffle``: see round_order (probes comparing variants of one kernel use it).
+    product). ``shuffle`` (the default since session 13; False: the plain rotation of earlier
+    results): see round_order.
     """
     base = {"suite": suite, "table": table, "case": case, "flops": flops, "chain": chain, **(meta or {})}
     records: dict[int, dict] = {}
