@@ -228,7 +228,7 @@ def report(files: list[str], md: str, plots: str) -> str:
             out += first_call_section(f)
             continue
         data = json.loads(Path(f).read_text())
-        if "window_s" in data:  # benchmarks/energy_probe.py
+        if "window_s" in data and data.get("probe") != "clock":  # benchmarks/energy_probe.py
             import energy_probe
             out += [f"## {Path(f).stem}: energy under sustained load", "",
                     f"- device: {data['device']}, date {data['date']}, jax_cute commit `{data['commit']}`", "", "```"]

@@ -199,6 +199,10 @@ def candidate_configs(spec) -> list[Config]:
 #   cuBLAS. On a board held at its 700 W cap, the extra traffic costs clock in sustained runs.
 # - 64-wide epilogue subtiles: half the store rounds (and barriers) per tile; equal or up to 4%
 #   faster in short windows, equal in sustained ones (session 6). Split-K tiles keep them.
+# - 4-deep ring of 32-wide subtiles with 4 A/B stages (session 13): 0.9-1.4% more cycles than
+#   the whole share under ncu on 16384x1536x1024 and 16384x2048x2048 (fewer on 2048^3), 2% slower
+#   in 1 s windows, 3-5% slower in an A/B with shuffled round order. An A/B in the fixed
+#   rotation, where the whole share always ran right after XLA, had ranked it 2-4% ahead.
 # - pingpong (64x256 or 128x160 tiles, one warpgroup's epilogue under the other's mainloop) is
 #   an autotune candidate only. 128x160 won 2-7% in short windows (50-60 ms, the suite's and the
 #   devcheck's) on 4096x14336x4096, 16384x2048x2048 and 16384x1536x1024, and lost 1-3% on all
