@@ -81,6 +81,7 @@ def cmd_run(out: str, shapes, reps: int) -> None:
     import jax.numpy as jnp
 
     import jax_cute
+    from common import write_result
     from energy_probe import Nvml
 
     jax_cute.config.set(strict=True)
@@ -119,9 +120,7 @@ def cmd_run(out: str, shapes, reps: int) -> None:
         case = {"shape": [m, n, k], "runs": runs}
         rec["cases"].append(case)
         print(report_case(case), flush=True)
-    if out:
-        with open(out, "w") as f:
-            json.dump(rec, f, indent=1)
+    write_result(out, rec)
 
 
 def report_case(case: dict) -> str:

@@ -238,5 +238,37 @@ def probe_cli(description: str, rounds: int, build: bool = False) -> tuple[argpa
     return p, r
 
 
+def case_table(recs: list[dict], width: int = 22, extra_header: str = "",
+               extra: Callable[[dict], str] = lambda r: "") -> str:
+    """One case's records as a table: µs per product, TFLOP/s, speed relative to the ``xla``
+    record, probe-specific columns (``extra_header`` / ``extra``), max relative error."""
+    xla = next((r for r in recs if r["impl"] == "xla" and r.get("ms")), None)
+    lines = [f"{recs[0]['case']} ({recs[0]['chain']} per call)",
+             f"  {'impl':{width}s}  µs/prod  TFLOP/s  vs XLA{extra_header}  max rel err"]
+    for r in recs:
+        label = r["impl"] + (f" {r['config']}" if r.get("config") else "")
+        if not r.get("ms"):
+            lines.append(f"  {label:{width}s} failed: {r['error']}")
+            continue
+        lines.append(f"  {label:{width}s} {r['ms'] * 1e3:8.2f} {r['tflops'] or 0:8.1f} "
+                     f"{xla['ms'] / r['ms'] if xla else 0:7.3f}{extra(r)}  {r.get('max_rel_err', float('nan')):.1e}")
+    return "\n".join(lines)
+
+
+def case_tables(records: list[dict], report_case: Callable[[list[dict]], str]) -> list[str]:
+    """``report_case`` of each case's records, cases in the order they were measured."""
+    by_case: dict[str, list[dict]] = {}
+    for r in records:
+        by_case.setdefault(r["case"], []).append(r)
+    return [report_case(recs) for recs in by_case.values()]
+
+
+def write_result(path: str, rec: dict) -> None:
+    """A probe's result as JSON at ``path`` (nothing when ``path`` is empty)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(rec, f, indent=1)
+
+
 def parse_shapes(text: str, default: list) -> list[tuple[int, ...]]:
     return [tuple(int(v) for v in s.split("x")) for s in text.split(",")] if text else default

@@ -41,7 +41,7 @@ try:  # the DSL compiles the example: needed by build (and by run, to key the ca
     import cutlass.cute as cute  # noqa: E402
 except ImportError:
     cutlass = cute = None
-from common import Impl, measure, parse_shapes, probe_cli  # noqa: E402
+from common import Impl, case_table, case_tables, measure, parse_shapes, probe_cli, write_result  # noqa: E402
 from launch_probe import mode, parse_variant  # noqa: E402
 
 SHAPES = [(8192, 8192, 8192), (4096, 14336, 4096), (2048, 2048, 2048), (16384, 2048, 2048)]
@@ -149,31 +149,16 @@ def cmd_run(bins: str, path: str, out: str, shapes, rounds: int, data_kinds, var
                     r["kernel_config"] = kernel_config(r["config"] or "graph", m, n, k)
             rec["records"] += recs
             print(report_case(recs), flush=True)
-    if out:
-        with open(out, "w") as f:
-            json.dump(rec, f, indent=1)
+    write_result(out, rec)
 
 
 def report_case(recs: list[dict]) -> str:
-    xla = next((r for r in recs if r["impl"] == "xla" and r.get("ms")), None)
-    lines = [f"{recs[0]['case']} ({recs[0]['chain']} per call)",
-             "  impl                             µs/prod  TFLOP/s  vs XLA  max rel err"]
-    for r in recs:
-        label = r["impl"] + (f" {r['config']}" if r.get("config") else "")
-        if not r.get("ms"):
-            lines.append(f"  {label:32s} failed: {r['error']}")
-            continue
-        lines.append(f"  {label:32s} {r['ms'] * 1e3:8.2f} {r['tflops']:8.1f} {xla['ms'] / r['ms'] if xla else 0:7.3f}"
-                     f"  {r.get('max_rel_err', float('nan')):.1e}")
-    return "\n".join(lines)
+    return case_table(recs, width=32)
 
 
 def report(rec: dict) -> list[str]:
     """One table per case of a ``run`` output (also read by benchmarks/run.py)."""
-    by_case: dict[str, list[dict]] = {}
-    for r in rec["records"]:
-        by_case.setdefault(r["case"], []).append(r)
-    return [report_case(recs) for recs in by_case.values()]
+    return case_tables(rec["records"], report_case)
 
 
 def main() -> None:

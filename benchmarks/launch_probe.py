@@ -39,7 +39,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import jax_cute  # noqa: E402
-from common import Impl, measure, parse_shapes, probe_cli  # noqa: E402
+from common import Impl, case_table, case_tables, measure, parse_shapes, probe_cli, write_result  # noqa: E402
 from jax_cute.primitives import gemm_route  # noqa: E402
 
 SHAPES = [(2048, 2048, 2048), (16384, 1536, 1024), (16384, 2048, 2048), (4096, 4096, 4096),
@@ -156,32 +156,18 @@ def cmd_run(bins: str, out: str, shapes, rounds: int, variants, mlp_sizes) -> No
                 r["launches_per_call"] = launches_per_call(Impl(im.name, call, context=im.context), args)
         rec["records"] += recs
         print(report_case(recs), flush=True)
-    if out:
-        with open(out, "w") as f:
-            json.dump(rec, f, indent=1)
+    write_result(out, rec)
 
 
 def report_case(recs: list[dict]) -> str:
-    xla = next((r for r in recs if r["impl"] == "xla" and r.get("ms")), None)
-    lines = [f"{recs[0]['case']} ({recs[0]['chain']} per call)",
-             "  impl                   µs/prod  TFLOP/s  vs XLA  dispatch µs/call  wall µs/call  launches/call  max rel err"]
-    for r in recs:
-        if not r.get("ms"):
-            lines.append(f"  {r['impl']:22s} failed: {r['error']}")
-            continue
-        wall = r["ms"] * 1e3 * r["chain"]
-        lines.append(f"  {r['impl']:22s} {r['ms'] * 1e3:8.2f} {r['tflops'] or 0:8.1f} {xla['ms'] / r['ms'] if xla else 0:7.3f}"
-                     f" {r['dispatch_ms_per_call'] * 1e3:17.1f} {wall:13.1f} {r.get('launches_per_call', float('nan')):14.1f}"
-                     f"  {r.get('max_rel_err', float('nan')):.1e}")
-    return "\n".join(lines)
+    return case_table(recs, extra_header="  dispatch µs/call  wall µs/call  launches/call", extra=lambda r: (
+        f" {r['dispatch_ms_per_call'] * 1e3:17.1f} {r['ms'] * 1e3 * r['chain']:13.1f}"
+        f" {r.get('launches_per_call', float('nan')):14.1f}"))
 
 
 def report(rec: dict) -> list[str]:
     """One table per case of a ``run`` output (also read by benchmarks/run.py)."""
-    by_case: dict[str, list[dict]] = {}
-    for r in rec["records"]:
-        by_case.setdefault(r["case"], []).append(r)
-    return [report_case(recs) for recs in by_case.values()]
+    return case_tables(rec["records"], report_case)
 
 
 def cmd_report(path: str) -> None:
