@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import statistics
 import tempfile
 import threading
@@ -59,7 +60,9 @@ def _time_interleaved(fns: dict, args, window: float = 0.02, rounds: int = 5) ->
     """Median seconds per call of each (warmed-up) function, sampled in turn: round r starts with
     the r-th function after one untimed call, so the clock's ramp (and power drift) is not always
     charged to the same candidate, as it would be when each is timed to completion in a fixed
-    order. A sample is about ``window`` seconds of back-to-back calls."""
+    order; the rest of the round follows in a seeded random order, because on an H200 a short
+    window's time also depends on which kernel ran just before it (4-8%, session 13). A sample
+    is about ``window`` seconds of back-to-back calls."""
     import jax
 
     names = list(fns)
@@ -70,7 +73,9 @@ def _time_interleaved(fns: dict, args, window: float = 0.02, rounds: int = 5) ->
         reps[n] = max(3, min(200, int(window / max(time.perf_counter() - t, 1e-6))))
     samples: dict[str, list[float]] = {n: [] for n in names}
     for r in range(rounds):
-        turn = names[r % len(names):] + names[:r % len(names)]
+        rest = names[r % len(names) + 1:] + names[:r % len(names)]
+        random.Random(r).shuffle(rest)
+        turn = [names[r % len(names)]] + rest
         jax.block_until_ready(fns[turn[0]](*args))
         for n in turn:
             t = time.perf_counter()

@@ -116,3 +116,30 @@ def test_autotune_reuses_a_remembered_winner(tmp_path, device):
     assert choice.key() in text
     with config.override(target_arch="sm_90a", autotune=False, cache_dir=str(tmp_path)):
         assert choice.key() not in lower()  # the heuristic's own choice
+
+
+def test_autotune_samples_every_candidate_each_round_in_varying_order():
+    """Autotune's timing loop: every candidate sampled once per round; each round starts with
+    another candidate, and the rest follow in an order that varies (no fixed neighbour)."""
+    from jax_cute import autotune
+
+    calls: list[str] = []
+
+    def fn(name):
+        def call(x):
+            calls.append(name)
+            return x
+        return call
+
+    names = list("abcd")
+    out = autotune._time_interleaved({n: fn(n) for n in names}, (jnp.zeros(()),), window=0.0, rounds=8)
+    assert set(out) == set(names) and all(v >= 0 for v in out.values())
+    # after the warm-up calls (one per candidate), each round is: one untimed call, then each
+    # candidate's samples (3 calls each with window 0)
+    rounds = calls[len(names):]
+    per_round = 1 + 3 * len(names)
+    assert len(rounds) == 8 * per_round
+    orders = [[rounds[i * per_round + 1 + 3 * j] for j in range(len(names))] for i in range(8)]
+    for r, order in enumerate(orders):
+        assert order[0] == names[r % len(names)] and sorted(order) == names
+    assert len({o[o.index("b") - 1] for o in orders if o[0] != "b"}) > 1
