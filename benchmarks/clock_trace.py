@@ -4,15 +4,16 @@
   python benchmarks/clock_trace.py report F.json
 
 The suite times implementations one after another (benchmarks/common.py), and in session 13 our
-kernel ran 5-7% slower right after cuBLAS than right after one of ours, while cuBLAS did not care
-what ran before it. This probe looks at the clock behind that: for every ordered pair of
+kernel ran 5-7% slower right after cuBLAS than right after one of ours, while cuBLAS ran about
+alike after either. This probe looks at the clock behind that: for every ordered pair of
 implementations (XLA's jnp.matmul, jax_cute.matmul) it lets the board idle for IDLE_S, runs the
 first for about WINDOW_S and the second for about WINDOW_S (CHAIN products per call, the calls
-dispatched back to back and waited for once, as the suite does), while a thread samples the SM clock and board power (NVML) every SAMPLE_S. Per
-window it keeps the time per product and the median clock over the window's first
-HEAD_S and over all of it. On the H200 in session 13 NVML's readings did not resolve these
-windows (1965 MHz and 220-290 W throughout, samples every ~0.5 ms), so what this probe measured
-there is the time per product: cold first windows and second windows by predecessor.
+dispatched back to back and waited for once, as the suite does), while a thread samples the SM
+clock and board power (NVML) every SAMPLE_S. Per window it keeps the time per product and the
+median clock over the window's first HEAD_S and over all of it. On the H200 in session 13
+NVML's readings did not resolve these windows (1965 MHz and 220-290 W throughout, samples every
+~0.5 ms), so what this probe measured there is the time per product: cold first windows and
+second windows by predecessor.
 """
 
 from __future__ import annotations

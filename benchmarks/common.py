@@ -6,8 +6,9 @@ hardware draw less power and run faster), each as N back-to-back calls ended by 
 ``block_until_ready``. Round r starts with implementation r (mod their number), after one
 untimed call, so the clock's ramp after the idle gap between rounds does not always fall on the
 same implementation; the others follow in a seeded random order, so that no implementation is
-always timed right after the same neighbour (see round_order). With ``chain=C`` one call runs the implementation on C independent input
-sets inside one jit, as a model's jitted step would: products of a few tens of microseconds are
+always timed right after the same neighbour (see round_order). With ``chain=C`` one call runs
+the implementation on C independent input sets inside one jit, as a model's jitted step would:
+products of a few tens of microseconds are
 then timed on the device rather than by the host's per-call dispatch, and no product finds its
 inputs in L2 from the previous call. The result per implementation is the median over rounds,
 so slow drift (clocks, temperature) hits all implementations alike. A failing implementation
@@ -21,7 +22,6 @@ import argparse
 import contextlib
 import dataclasses
 import json
-import random
 import statistics
 import sys
 import time
@@ -30,6 +30,8 @@ from typing import Callable, ContextManager, Sequence
 
 import jax
 import numpy as np
+
+from jax_cute import autotune
 
 
 @dataclasses.dataclass
@@ -54,20 +56,13 @@ def uses_kernel(fn: Callable, args: Sequence) -> bool | None:
 
 
 def round_order(items: Sequence, r: int, shuffle: bool = False) -> list:
-    """``items`` rotated so that round ``r`` starts with item ``r`` (mod their number).
-
-    With ``shuffle`` the rest of the round follows in a seeded random order instead of the
-    rotation's fixed cycle. Under a fixed cycle each item always runs right after the same
-    other one, and what ran before matters at the H200's power cap: our kernels timed right
-    after cuBLAS ran slower than after our own (session 13), so a fixed cycle can rank
-    variants by their neighbour. Records keep each round's predecessor (``rounds_after``)."""
+    """``items`` rotated so that round ``r`` starts with item ``r`` (mod their number); with
+    ``shuffle`` the rest follow in an order seeded by ``r`` (jax_cute.autotune.round_order, whose
+    notes say why). Records keep each round's predecessor (``rounds_after``)."""
+    if shuffle:
+        return autotune.round_order(items, r)
     k = r % len(items) if items else 0
-    out = list(items[k:]) + list(items[:k])
-    if shuffle and len(out) > 2:
-        rest = out[1:]
-        random.Random(r).shuffle(rest)
-        out = out[:1] + rest
-    return out
+    return list(items[k:]) + list(items[:k])
 
 
 def _chained(fn: Callable) -> Callable:

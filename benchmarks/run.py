@@ -228,7 +228,22 @@ def report(files: list[str], md: str, plots: str) -> str:
             out += first_call_section(f)
             continue
         data = json.loads(Path(f).read_text())
-        if "window_s" in data and data.get("probe") != "clock":  # benchmarks/energy_probe.py
+        if data.get("probe") == "example":  # benchmarks/example_probe.py
+            import example_probe
+            out += [f"## {Path(f).stem}: the CuTe DSL's Hopper GEMM example beside ours and XLA", "",
+                    f"- device: {data['device']}, date {data['date']}, jax_cute commit `{data['commit']}`, "
+                    f"jax {data['jax']}; {data['chain']} products per call; round order after each round's "
+                    f"first implementation: {data.get('order', 'rotate')}", "", "```"]
+            out += example_probe.report(data) + ["```", ""]
+            continue
+        if data.get("probe") == "clock":  # benchmarks/clock_trace.py
+            import clock_trace
+            out += [f"## {Path(f).stem}: one window right after another", "",
+                    f"- device: {data['device']}, date {data['date']}, jax_cute commit `{data['commit']}`, "
+                    f"{data['window_s'] * 1e3:.0f} ms windows after {data['idle_s'] * 1e3:.0f} ms idle", "", "```"]
+            out += [clock_trace.report_case(c) for c in data["cases"]] + ["```", ""]
+            continue
+        if "window_s" in data:  # benchmarks/energy_probe.py
             import energy_probe
             out += [f"## {Path(f).stem}: energy under sustained load", "",
                     f"- device: {data['device']}, date {data['date']}, jax_cute commit `{data['commit']}`", "", "```"]
@@ -248,21 +263,6 @@ def report(files: list[str], md: str, plots: str) -> str:
                     "until a round's calls returned, per call; *launches/call*: our handler's launches per "
                     "call (0: XLA replayed a recorded graph)", "", "```"]
             out += launch_probe.report(data) + ["```", ""]
-            continue
-        if data.get("probe") == "example":  # benchmarks/example_probe.py
-            import example_probe
-            out += [f"## {Path(f).stem}: the CuTe DSL's Hopper GEMM example beside ours and XLA", "",
-                    f"- device: {data['device']}, date {data['date']}, jax_cute commit `{data['commit']}`, "
-                    f"jax {data['jax']}; {data['chain']} products per call; round order after each round's "
-                    f"first implementation: {data.get('order', 'rotate')}", "", "```"]
-            out += example_probe.report(data) + ["```", ""]
-            continue
-        if data.get("probe") == "clock":  # benchmarks/clock_trace.py
-            import clock_trace
-            out += [f"## {Path(f).stem}: one window right after another", "",
-                    f"- device: {data['device']}, date {data['date']}, jax_cute commit `{data['commit']}`, "
-                    f"{data['window_s'] * 1e3:.0f} ms windows after {data['idle_s'] * 1e3:.0f} ms idle", "", "```"]
-            out += [clock_trace.report_case(c) for c in data["cases"]] + ["```", ""]
             continue
         if "cases" in data and "records" not in data:  # benchmarks/kernel_timeline.py
             import kernel_timeline

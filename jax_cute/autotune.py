@@ -21,6 +21,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 
@@ -56,12 +57,21 @@ def problem_key(fam, arch: str, spec, dims: tuple[int, ...]) -> str:
     return f"{fam.FAMILY}/v{fam.VERSION}/{arch}/{spec.key()}/{'x'.join(map(str, dims))}"
 
 
+def round_order(items: Sequence, r: int) -> list:
+    """Round ``r``'s order: item ``r`` (mod their number) first, so that the clock's ramp after
+    an idle gap is not always charged to the same item, then the rest in a random order seeded
+    by ``r``, because on an H200 a short window's time also depends on which kernel ran just
+    before it (4-8%, session 13): under a fixed cycle every item has the same neighbour."""
+    k = r % len(items) if items else 0
+    rest = list(items[k + 1:]) + list(items[:k])
+    random.Random(r).shuffle(rest)
+    return list(items[k:k + 1]) + rest
+
+
 def _time_interleaved(fns: dict, args, window: float = 0.02, rounds: int = 5) -> dict[str, float]:
-    """Median seconds per call of each (warmed-up) function, sampled in turn: round r starts with
-    the r-th function after one untimed call, so the clock's ramp (and power drift) is not always
-    charged to the same candidate, as it would be when each is timed to completion in a fixed
-    order; the rest of the round follows in a seeded random order, because on an H200 a short
-    window's time also depends on which kernel ran just before it (4-8%, session 13). A sample
+    """Median seconds per call of each (warmed-up) function, sampled in rounds ordered by
+    round_order, each after one untimed call of its first function (timing each to completion
+    in a fixed order would charge the clock's ramp and drift to the same candidates). A sample
     is about ``window`` seconds of back-to-back calls."""
     import jax
 
@@ -73,9 +83,7 @@ def _time_interleaved(fns: dict, args, window: float = 0.02, rounds: int = 5) ->
         reps[n] = max(3, min(200, int(window / max(time.perf_counter() - t, 1e-6))))
     samples: dict[str, list[float]] = {n: [] for n in names}
     for r in range(rounds):
-        rest = names[r % len(names) + 1:] + names[:r % len(names)]
-        random.Random(r).shuffle(rest)
-        turn = [names[r % len(names)]] + rest
+        turn = round_order(names, r)
         jax.block_until_ready(fns[turn[0]](*args))
         for n in turn:
             t = time.perf_counter()
