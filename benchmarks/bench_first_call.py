@@ -11,6 +11,7 @@ for jnp.matmul give XLA's own baseline. The jax_cute overhead per kernel is the 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import subprocess
@@ -35,8 +36,9 @@ _PROBE = textwrap.dedent("""
         return {"lower_s": t1 - t, "compile_s": t2 - t1, "first_run_s": t3 - t2}
     xla = phases(lambda x, y: jnp.matmul(x, y))
     ours = phases(lambda x, y: jax_cute.matmul(x, y))
-    print(json.dumps({"shape": sys.argv[1], "xla": xla, "jax_cute": ours, "compiles": CACHE.stats.compiles,
-                      "disk_hits": CACHE.stats.disk_hits, "cutlass_imported": "cutlass" in sys.modules}))
+    print(json.dumps({"shape": sys.argv[1], "device": jax.devices()[0].device_kind, "xla": xla, "jax_cute": ours,
+                      "compiles": CACHE.stats.compiles, "disk_hits": CACHE.stats.disk_hits,
+                      "cutlass_imported": "cutlass" in sys.modules}))
 """)
 
 
@@ -62,6 +64,7 @@ def main() -> None:
         shutil.rmtree(args.cache, ignore_errors=True)
     rec = measure(args.shape, args.cache)
     rec["mode"] = "cold" if args.cold else "warm"
+    rec["date"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     ours, xla = rec["jax_cute"], rec["xla"]
     extra = sum(ours.values()) - sum(xla.values())
     rec["overhead_s"] = extra

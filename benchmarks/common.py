@@ -8,9 +8,8 @@ untimed call, so the clock's ramp after the idle gap between rounds does not alw
 same implementation; the others follow in a seeded random order, so that no implementation is
 always timed right after the same neighbour (see round_order). With ``chain=C`` one call runs
 the implementation on C independent input sets inside one jit, as a model's jitted step would:
-products of a few tens of microseconds are
-then timed on the device rather than by the host's per-call dispatch, and no product finds its
-inputs in L2 from the previous call. The result per implementation is the median over rounds,
+products of a few tens of microseconds are then timed on the device rather than by the host's
+per-call dispatch, and no product finds its inputs in L2 from the previous call. The result per implementation is the median over rounds,
 so slow drift (clocks, temperature) hits all implementations alike. A failing implementation
 (a rival that cannot compile a shape, an import missing on this jax) becomes a record with
 ``error`` set, never a crash.
@@ -84,8 +83,7 @@ def measure(suite: str, table: str, case: str, impls: Sequence[Impl], make_args:
     ``flops`` gives TFLOP/s (0 for cases where only time matters). With ``check`` each output
     is compared with the first working implementation's on the same inputs (``max_rel_err``).
     ``chain`` > 1 times each call as ``chain`` independent products in one jit (``ms`` is per
-    product). ``shuffle`` (the default since session 13; False: the plain rotation of earlier
-    results): see round_order.
+    product). ``shuffle`` (default): see round_order; False gives the plain rotation.
     """
     base = {"suite": suite, "table": table, "case": case, "flops": flops, "chain": chain, **(meta or {})}
     records: dict[int, dict] = {}
@@ -127,9 +125,6 @@ def measure(suite: str, table: str, case: str, impls: Sequence[Impl], make_args:
         out = None  # free the output before the next implementation runs
     times: dict[int, list[float]] = {i: [] for i in jitted}
     after: dict[int, list[str | None]] = {i: [] for i in jitted}   # who ran just before, per round
-    # host time until the last of a round's calls returned, per call: near the wall time per
-    # call, the host's dispatch (not the device) sets the pace
-    dispatch: dict[int, list[float]] = {i: [] for i in jitted}
     order = list(jitted)
     for r in range(rounds):
         args = make_args(r + 1)
@@ -150,12 +145,10 @@ def measure(suite: str, table: str, case: str, impls: Sequence[Impl], make_args:
                 t0 = time.perf_counter()
                 for _ in range(n):
                     out = f(*args)
-                t1 = time.perf_counter()
                 _block(out)
                 times[i].append((time.perf_counter() - t0) / (n * chain) * 1e3)
                 prev = impls[turn[pos - 1]] if pos else None
                 after[i].append(None if prev is None else prev.name + (f" {prev.config}" if prev.config else ""))
-                dispatch[i].append((t1 - t0) / n * 1e3)
             except Exception as e:  # noqa: BLE001
                 records[i]["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         del args
@@ -165,7 +158,6 @@ def measure(suite: str, table: str, case: str, impls: Sequence[Impl], make_args:
             continue
         rec["rounds_ms"] = ts
         rec["rounds_after"] = after[i]
-        rec["dispatch_ms_per_call"] = statistics.median(dispatch[i])
         rec["ms"] = statistics.median(ts)
         rec["tflops"] = flops / (rec["ms"] * 1e-3) / 1e12 if flops else None
         print(f"  [{case}] {rec['impl']:9s}{' ' + rec['config'] if rec['config'] else ''}: {rec['ms']:.4f} ms"
@@ -210,60 +202,3 @@ def suite_main(run: Callable[[argparse.Namespace], list[dict]], description: str
             json.dump({"device": dev.device_kind, "backend": jax.default_backend(), "device_count": jax.device_count(),
                        "jax_version": jax.__version__, "records": recs}, f, indent=1, default=str)
     print(f"{len(recs)} records, {sum(r['error'] is not None for r in recs)} failed")
-
-
-
-def probe_cli(description: str, rounds: int, build: bool = False) -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
-    """(parser, its ``run`` subparser) for a GPU probe with ``run --bins --out --rounds --shapes``
-    and ``report PATH`` subcommands (and ``build --out`` for a probe that compiles its own
-    objects); add probe-specific options to the ``run`` subparser (or any, by name, from the
-    parser's ``subcommands``)."""
-    p = argparse.ArgumentParser(description=description)
-    sub = p.add_subparsers(dest="cmd", required=True)
-    p.subcommands = {}   # name -> subparser, for options of one probe
-    if build:
-        p.subcommands["build"] = sub.add_parser("build")
-        p.subcommands["build"].add_argument("--out", required=True)
-    r = p.subcommands["run"] = sub.add_parser("run")
-    r.add_argument("--bins", required=True, help="benchmarks/devcheck_sm90_gemm.py build's output")
-    r.add_argument("--out", default="")
-    r.add_argument("--rounds", type=int, default=rounds)
-    r.add_argument("--shapes", default="", help="e.g. 2048x2048x2048,8192x8192x8192")
-    sub.add_parser("report").add_argument("path")
-    return p, r
-
-
-def case_table(recs: list[dict], width: int = 22, extra_header: str = "",
-               extra: Callable[[dict], str] = lambda r: "") -> str:
-    """One case's records as a table: µs per product, TFLOP/s, speed relative to the ``xla``
-    record, probe-specific columns (``extra_header`` / ``extra``), max relative error."""
-    xla = next((r for r in recs if r["impl"] == "xla" and r.get("ms")), None)
-    lines = [f"{recs[0]['case']} ({recs[0]['chain']} per call)",
-             f"  {'impl':{width}s}  µs/prod  TFLOP/s  vs XLA{extra_header}  max rel err"]
-    for r in recs:
-        label = r["impl"] + (f" {r['config']}" if r.get("config") else "")
-        if not r.get("ms"):
-            lines.append(f"  {label:{width}s} failed: {r['error']}")
-            continue
-        lines.append(f"  {label:{width}s} {r['ms'] * 1e3:8.2f} {r['tflops'] or 0:8.1f} "
-                     f"{xla['ms'] / r['ms'] if xla else 0:7.3f}{extra(r)}  {r.get('max_rel_err', float('nan')):.1e}")
-    return "\n".join(lines)
-
-
-def case_tables(records: list[dict], report_case: Callable[[list[dict]], str]) -> list[str]:
-    """``report_case`` of each case's records, cases in the order they were measured."""
-    by_case: dict[str, list[dict]] = {}
-    for r in records:
-        by_case.setdefault(r["case"], []).append(r)
-    return [report_case(recs) for recs in by_case.values()]
-
-
-def write_result(path: str, rec: dict) -> None:
-    """A probe's result as JSON at ``path`` (nothing when ``path`` is empty)."""
-    if path:
-        with open(path, "w") as f:
-            json.dump(rec, f, indent=1)
-
-
-def parse_shapes(text: str, default: list) -> list[tuple[int, ...]]:
-    return [tuple(int(v) for v in s.split("x")) for s in text.split(",")] if text else default

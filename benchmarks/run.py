@@ -1,10 +1,11 @@
-"""Run benchmark suites on a GPU and write JSON; or turn JSON files into BENCHMARKS.md and plots.
+"""Run benchmark suites on a GPU and write JSON; or turn result files into BENCHMARKS.md and plots.
 
-    python benchmarks/run.py --suite matmul,ragged,launch --out benchmarks/results/h100.json
-    python benchmarks/run.py --report benchmarks/results/*.json
+    python benchmarks/run.py --suite matmul,ragged,launch --out benchmarks/results/h200-matmul.json
+    python benchmarks/bench_first_call.py --cache DIR [--cold] --out benchmarks/results/h200-first-call.jsonl
+    python benchmarks/run.py --report benchmarks/results/*
 
 Each suite runs in its own process (fresh GPU memory; the launch suite needs its own XLA_FLAGS).
-The report reads only the JSON: it runs on any machine and prints only what was measured.
+The report reads only the result files: it runs on any machine and prints only what was measured.
 """
 
 from __future__ import annotations
@@ -81,6 +82,10 @@ def _fmt(v: float | None, digits: int = 1) -> str:
     return f"{v:.2f}" if abs(v) >= 1 else f"{v:.3g}"  # small values keep 3 significant digits
 
 
+def _label(impl: str, labels: dict[str, str] | None = None) -> str:
+    return (labels or {}).get(impl) or IMPL_LABEL.get(impl, impl)
+
+
 def _impls(recs: list[dict]) -> list[str]:
     seen = {r["impl"] for r in recs}
     return [i for i in IMPL_ORDER if i in seen] + sorted(seen - set(IMPL_ORDER))
@@ -104,12 +109,13 @@ def _cell(r: dict | None, key: str, digits: int) -> str:
     return text
 
 
-def table(recs: list[dict], key: str, unit: str, higher_better: bool, digits: int = 1) -> list[str]:
+def table(recs: list[dict], key: str, unit: str, higher_better: bool, digits: int = 1,
+          labels: dict[str, str] | None = None) -> list[str]:
     """Markdown rows: one per case, a column per implementation, then jax_cute vs each rival."""
     impls = _impls(recs)
     rivals = [i for i in impls if i != "jax_cute"] if "jax_cute" in impls else []
-    head = ["case"] + [f"{IMPL_LABEL.get(i, i)} ({unit})" for i in impls] + \
-           [f"jax_cute vs {IMPL_LABEL.get(i, i)}" for i in rivals]
+    head = ["case"] + [f"{_label(i, labels)} ({unit})" for i in impls] + \
+           [f"jax_cute vs {_label(i, labels)}" for i in rivals]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for case, by in _by_case(recs).items():
         row = [case] + [_cell(by.get(i), key, digits) for i in impls]
@@ -123,7 +129,8 @@ def table(recs: list[dict], key: str, unit: str, higher_better: bool, digits: in
     return lines
 
 
-def plot(recs: list[dict], key: str, ylabel: str, title: str, path: Path) -> bool:
+def plot(recs: list[dict], key: str, ylabel: str, title: str, path: Path,
+         labels: dict[str, str] | None = None) -> bool:
     try:
         import matplotlib
     except ImportError:
@@ -146,7 +153,7 @@ def plot(recs: list[dict], key: str, ylabel: str, title: str, path: Path) -> boo
             if r and not r.get("error") and r.get(key) is not None:  # plot only what was measured
                 xs.append(i + (j - (len(impls) - 1) / 2) * width)
                 ys.append(r[key])
-        ax.bar(xs, ys, width, label=IMPL_LABEL.get(impl, impl))
+        ax.bar(xs, ys, width, label=_label(impl, labels))
     ax.set_xticks(range(len(cases)), list(cases), rotation=30, ha="right", fontsize=7)
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=9)
@@ -159,18 +166,48 @@ def plot(recs: list[dict], key: str, ylabel: str, title: str, path: Path) -> boo
 
 
 SECTIONS = [  # (table, record key, unit, higher is better, title, digits)
-    ("gemm", "tflops", "TFLOP/s", True, "GEMM, bf16 (M×N×K)", 1),
-    ("ragged", "tflops", "TFLOP/s", True, "Grouped GEMM (ragged_dot), bf16", 1),
+    ("gemm", "tflops", "TFLOP/s", True, "GEMM (M×N×K; bf16 unless marked fp8)", 1),
+    ("ragged", "tflops", "TFLOP/s", True, "Grouped GEMM (ragged_dot), bf16: forward, lhs and rhs gradients", 1),
     ("e2e", "ms", "ms", False, "End-to-end steps (time per call)", 2),
-    ("launch", "us_per_iter", "µs/iter", False, "Launch overhead (tiny kernel in a fori_loop, command buffers off)", 2),
+    ("launch", "us_per_iter", "µs/iter", False, "Tiny kernel in a fori_loop (command buffers off)", 2),
 ]
+SUITE_TITLE = {"matmul": "Dense GEMM: jax_cute.matmul", "ragged": "Grouped GEMM: jax_cute.ragged_dot",
+               "launch": "Launch overhead"}
+SUITE_LABELS = {"ragged": {"xla": "lax.ragged_dot"}}   # what the "xla" rival is in that suite
+SUITE_NOTE = {
+    "matmul": "XLA: `jnp.matmul` (cuBLAS, or XLA's Triton GEMM where XLA picks it). Pallas: the fastest of four "
+              "configs of Pallas' Mosaic GPU Hopper matmul. Each call runs 8 independent products in one jit. "
+              "The MLP step is the forward + backward + SGD update of `examples/mlp_training.py`; *XLA, bf16 "
+              "gradient GEMMs* rounds the f32 cotangent to bf16 as jax_cute does, the like-for-like baseline.",
+    "ragged": "lax.ragged_dot: `jax.lax.ragged_dot` compiled by XLA. Pallas: the fastest of up to four configs of "
+              "Pallas' `ragged_dot_mgpu` (forward, lhs gradient) or `transposed_ragged_dot_mgpu` (rhs gradient). "
+              "Group sizes are uniform or drawn from Dirichlet(0.3) (a few large groups, many small or empty "
+              "ones). The MoE layer is `examples/moe_training.py`'s (router, top-2 of 8 experts, two grouped GEMMs).",
+    "launch": "A tiny `cute_call` kernel (`examples/custom_kernel.py`'s `a * alpha + b`) against the same `jnp` "
+              "expression, 1000 dependent iterations in one `lax.fori_loop`, with XLA's command buffers off so "
+              "that every iteration is a real launch.",
+}
+
+
+def _provenance(data: dict, path: str) -> str:
+    """One line: device, date, software, and the file the numbers come from."""
+    sw = [f"jax {data['jax_version']}" if data.get("jax_version") else None,
+          f"nvidia-cutlass-dsl {data['cutlass_dsl_version']}" if data.get("cutlass_dsl_version") else None,
+          f"jax_cute at `{str(data['commit'])[:7]}`" if data.get("commit") else None]
+    return (f"Measured on {data.get('device', '?')}, {str(data.get('date', '?'))[:10]} "
+            f"({', '.join(s for s in sw if s)}); from `{Path(path).name}`.")
 
 
 def first_call_section(path: str) -> list[str]:
     """Markdown for bench_first_call.py records: one fresh process per row."""
     rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-    out = [f"## {Path(path).stem}: first call of jax_cute.matmul in a fresh process", "",
-           "Phases of the first call, jax_cute vs jnp.matmul (XLA) in the same process. *warm*: the kernel "
+    if not rows:
+        return []
+    devices = sorted({str(r.get("device", "?")) for r in rows})
+    dates = sorted({str(r.get("date", "?"))[:10] for r in rows})
+    out = ["## First call in a fresh process", "",
+           f"Measured on {', '.join(devices)}, {', '.join(dates)}; from `{Path(path).name}`. Phases of the "
+           "first call of jax_cute.matmul and of jnp.matmul (XLA) in the same process. *warm*: the kernel "
            "comes from the disk cache; *cold*: empty cache, the DSL compiles it during lowering.", "",
            "| mode | shape | DSL compiler imported | jax_cute lower / compile / first run (ms) | "
            "XLA lower / compile / first run (ms) | jax_cute lowering cost (ms) |", "|---|---|---|---|---|---|"]
@@ -183,122 +220,57 @@ def first_call_section(path: str) -> list[str]:
                   "handler loads the module onto the device; XLA's own compile of the module follows either way.", ""]
 
 
-def skew_section(path: str) -> list[str]:
-    """Markdown for benchmarks/skew_ratio.py: skewed vs uniform sizes timed in one measurement."""
-    data = json.loads(Path(path).read_text())
-    out = [f"## {Path(path).stem}: skewed vs uniform group sizes, interleaved", "",
-           f"- device: {data.get('device', '?')}, date {data.get('date', '?')}, jax_cute commit "
-           f"`{data.get('commit', '?')}`, {data.get('rounds', '?')} rounds",
-           "- jax_cute.ragged_dot forward on the same operands with the suite's uniform and "
-           "Dirichlet(0.3) sizes, both timed in every round (rotated order), so the ratio carries "
-           "no drift between two separate measurements.", "",
-           "| case | uniform (TFLOP/s) | Dirichlet(0.3) (TFLOP/s) | skewed / uniform | per-round range |",
-           "|---|---|---|---|---|"]
-    for r in data.get("rows", []):
-        rr = r.get("ratio_rounds") or []
-        span = f"{min(rr):.3f}–{max(rr):.3f}" if rr else "—"
-        ratio = f"{r['ratio']:.3f}" if r.get("ratio") else "failed"
-        out.append(f"| {r['case']} | {r['uniform_tflops']:.1f} | {r['skewed_tflops']:.1f} | {ratio} | {span} |")
-    return out + [""]
-
-
 def report_order(files: list[str]) -> list[str]:
-    """The result files among ``files`` (.json suites, .jsonl first-call records; other files such
-    as example logs are skipped): dense GEMM first, then its kernel timeline, grouped, skew ratio,
-    launch, first call."""
-    rank = {"matmul": 0, "timeline": 1, "energy": 1, "example": 1, "clock": 1, "ragged": 2, "skew": 3, "launch": 4}
+    """The result files among ``files`` (.json suites, .jsonl first-call records; other files are
+    skipped): dense GEMM first, then grouped, launch, first call."""
+    rank = {"matmul": 0, "ragged": 1, "launch": 2}
     kept = [f for f in files if f.endswith((".json", ".jsonl"))]
     for f in sorted(set(files) - set(kept)):
         print(f"skipping {f}: not a results file")
     return sorted(kept, key=lambda f: (f.endswith(".jsonl"),
-                                       min((r for k, r in rank.items() if k in Path(f).stem), default=5), f))
+                                       min((r for k, r in rank.items() if k in Path(f).stem), default=3), f))
 
 
 def report(files: list[str], md: str, plots: str) -> str:
     out = ["# Benchmarks", "",
-           "Generated by `python benchmarks/run.py --report` from the JSON files below; every number is "
-           "a measurement in those files (median over interleaved rounds, see benchmarks/common.py). "
-           "Ratios > 1 mean jax_cute is faster. \"failed\" means the implementation did not run on that "
-           "case; \"XLA fallback\" means jax_cute ran without its kernel.", ""]
-    notes = Path(__file__).with_name("notes.md")  # hand-written reading notes, kept with the code
-    if notes.exists():
-        out += [notes.read_text().strip(), ""]
+           "Generated by `python benchmarks/run.py --report benchmarks/results/*`; every number below is a "
+           "measurement in those files: the median over rounds in which jax_cute and its rivals run interleaved "
+           "in one process on fresh random data ([docs/performance.md](docs/performance.md) says how and why). "
+           "Ratios > 1 mean jax_cute is faster. *failed*: that implementation did not run on that case; "
+           "*XLA fallback*: jax_cute ran without its kernel.", ""]
     for f in files:
         if f.endswith(".jsonl"):  # first-call latency records (benchmarks/bench_first_call.py)
             out += first_call_section(f)
             continue
         data = json.loads(Path(f).read_text())
-        if data.get("probe") == "example":  # benchmarks/example_probe.py
-            import example_probe
-            out += [f"## {Path(f).stem}: the CuTe DSL's Hopper GEMM example beside ours and XLA", "",
-                    f"- device: {data['device']}, date {data['date']}, jax_cute commit `{data['commit']}`, "
-                    f"jax {data['jax']}; {data['chain']} products per call; round order after each round's "
-                    f"first implementation: {data.get('order', 'rotate')}", "", "```"]
-            out += example_probe.report(data) + ["```", ""]
-            continue
-        if data.get("probe") == "clock":  # benchmarks/clock_trace.py
-            import clock_trace
-            out += [f"## {Path(f).stem}: one window right after another", "",
-                    f"- device: {data['device']}, date {data['date']}, jax_cute commit `{data['commit']}`, "
-                    f"{data['window_s'] * 1e3:.0f} ms windows after {data['idle_s'] * 1e3:.0f} ms idle", "", "```"]
-            out += [clock_trace.report_case(c) for c in data["cases"]] + ["```", ""]
-            continue
-        if "window_s" in data:  # benchmarks/energy_probe.py
-            import energy_probe
-            out += [f"## {Path(f).stem}: energy under sustained load", "",
-                    f"- device: {data['device']}, date {data['date']}, jax_cute commit `{data['commit']}`", "", "```"]
-            out += [energy_probe.report_case(*c["shape"], c["impls"]) for c in data["cases"]] + ["```", ""]
-            continue
-        if data.get("probe") == "swap":  # benchmarks/swap_probe.py
-            import swap_probe
-            out += [f"## {Path(f).stem}: operand roles exchanged (C^T = B^T A^T)", "",
-                    f"- device: {data['device']}, date {data['date']}, jax_cute commit `{data['commit']}`", "", "```"]
-            out += [swap_probe.report(c) for c in data["cases"]] + ["```", ""]
-            continue
-        if data.get("probe") in ("launch", "dispatch"):  # benchmarks/launch_probe.py (was dispatch_probe)
-            import launch_probe
-            out += [f"## {Path(f).stem}: launch modes and configs, timed as the suite times", "",
-                    f"- device: {data['device']}, date {data['date']}, jax_cute commit `{data['commit']}`, "
-                    f"jax {data['jax']}; {data['chain']} products per call for GEMMs; *dispatch*: host time "
-                    "until a round's calls returned, per call; *launches/call*: our handler's launches per "
-                    "call (0: XLA replayed a recorded graph)", "", "```"]
-            out += launch_probe.report(data) + ["```", ""]
-            continue
-        if "cases" in data and "records" not in data:  # benchmarks/kernel_timeline.py
-            import kernel_timeline
-            out += kernel_timeline.markdown(data, f"{Path(f).stem}: kernel timeline (device trace)")
-            continue
-        if "rows" in data and "records" not in data:  # benchmarks/skew_ratio.py
-            out += skew_section(f)
-            continue
         stem = Path(f).stem
-        header = (f"device {data.get('device', '?')}, date {data.get('date', '?')}, "
-                  f"jax_cute commit {data.get('commit', '?')}, jax {data.get('jax_version', '?')}")
-        print(f"{f}: {header}")
-        out += [f"## {stem}", "", f"- device: {data.get('device', '?')} ({data.get('backend', '?')})",
-                f"- date: {data.get('date', '?')}", f"- jax_cute commit: `{data.get('commit', '?')}`",
-                f"- jax: {data.get('jax_version', '?')}"
-                + (f", nvidia-cutlass-dsl {data['cutlass_dsl_version']}" if data.get("cutlass_dsl_version") else ""),
-                ""]
+        suites = data.get("suites") or []
+        title = " + ".join(SUITE_TITLE.get(s, s) for s in suites) or stem
+        print(f"{f}: {data.get('device', '?')}, {data.get('date', '?')}")
+        out += [f"## {title}", "", " ".join([_provenance(data, f), *(SUITE_NOTE[su] for su in suites
+                                                                   if su in SUITE_NOTE)]), ""]
         for suite, err in (data.get("suite_errors") or {}).items():
             out += [f"- suite `{suite}` did not finish: {err}", ""]
         recs = data.get("records", [])
-        for tbl, key, unit, hb, title, digits in SECTIONS:
+        for tbl, key, unit, hb, sub, digits in SECTIONS:
             rs = [r for r in recs if r.get("table") == tbl]
             if not rs:
                 continue
-            out += [f"### {title}", ""] + table(rs, key, unit, hb, digits) + [""]
+            rs_suites = {r.get("suite") for r in rs}
+            labels = SUITE_LABELS.get(rs_suites.pop()) if len(rs_suites) == 1 else None
+            out += [f"### {sub}", ""] + table(rs, key, unit, hb, digits, labels) + [""]
             png = Path(plots) / f"{stem}_{tbl}.png"
-            if plot(rs, key, unit, f"{title} — {data.get('device', '?')}, {str(data.get('date', '?'))[:10]}", png):
+            if plot(rs, key, unit, f"{sub} — {data.get('device', '?')}, {str(data.get('date', '?'))[:10]}", png,
+                    labels):
                 rel = os.path.relpath(png, Path(md).resolve().parent if Path(md).parent != Path("") else ".")
-                out += [f"![{title}]({rel})", ""]
+                out += [f"![{sub}]({rel})", ""]
             fails = [r for r in rs if r.get("error")]
             if fails:
                 out += ["<details><summary>failures</summary>", ""]
                 out += [f"- {r['case']} / {r['impl']}: {r['error']}" for r in fails] + ["", "</details>", ""]
-    text = "\n".join(out)
+    text = "\n".join(out).rstrip() + "\n"
     Path(md).write_text(text)
-    print(f"wrote {md} and plots under {plots}")
+    print(f"wrote {md} ({len(text.encode())} bytes) and plots under {plots}")
     return text
 
 

@@ -85,55 +85,21 @@ def test_measure_chain_times_independent_products():
 def test_report_order_skips_logs_and_puts_dense_first():
     import run
     files = ["r/h200-examples.log", "r/h200-first-call.jsonl", "r/h200-launch.json", "r/h200-ragged.json",
-             "r/h200-skew-ratio.json", "r/h200-matmul.json"]
-    assert run.report_order(files) == ["r/h200-matmul.json", "r/h200-ragged.json", "r/h200-skew-ratio.json",
-                                       "r/h200-launch.json", "r/h200-first-call.jsonl"]
+             "r/h200-matmul.json"]
+    assert run.report_order(files) == ["r/h200-matmul.json", "r/h200-ragged.json", "r/h200-launch.json",
+                                       "r/h200-first-call.jsonl"]
 
 
-def test_report_renders_skew_ratio_rows(tmp_path):
+def test_report_renders_first_call_rows(tmp_path):
     import run
-    path = tmp_path / "h200-skew-ratio.json"
-    path.write_text(json.dumps({"device": "NVIDIA H200", "date": "2026-11-21", "commit": "abc", "rounds": 3,
-                                "rows": [{"case": "G=64", "uniform_tflops": 600.0, "skewed_tflops": 552.0,
-                                          "ratio": 0.92, "ratio_rounds": [0.9, 0.92, 0.95]},
-                                         {"case": "G=8", "uniform_tflops": 700.0, "skewed_tflops": 0.0,
-                                          "ratio": None, "ratio_rounds": []}]}))
+    phases = lambda lo, co, fr: {"lower_s": lo, "compile_s": co, "first_run_s": fr}  # noqa: E731
+    path = tmp_path / "h200-first-call.jsonl"
+    path.write_text(json.dumps({"shape": "64x64x64", "device": "NVIDIA H200", "date": "2026-11-21", "mode": "warm",
+                                "cutlass_imported": False, "jax_cute": phases(0.015, 0.013, 0.004),
+                                "xla": phases(0.002, 0.39, 0.001)}) + "\n")
     text = run.report([str(path)], str(tmp_path / "B.md"), str(tmp_path / "plots"))
-    assert "| G=64 | 600.0 | 552.0 | 0.920 | 0.900–0.950 |" in text
-    assert "| G=8 | 700.0 | 0.0 | failed | — |" in text
-
-
-def test_report_renders_swap_probe_cases(tmp_path):
-    # swap_probe records hold "cases" without "records", like kernel_timeline's: the "probe" key
-    # must route them to their own section
-    import run
-    path = tmp_path / "h200-swap-probe.json"
-    win = lambda t, w: {"calls": 4, "s": 1.0, "mj": w * 1000, "mhz": 1500, "tflops": t, "watts": w}  # noqa: E731
-    path.write_text(json.dumps({"probe": "swap", "device": "NVIDIA H200", "date": "2026-11-22", "commit": "abc",
-                                "chain": 8, "cases": [{"shape": [64, 128, 256],
-                                                       "short_tflops": {"xla": 500.0, "ba_cfg": 450.0},
-                                                       "long": {"xla": [win(400.0, 690)], "ba_cfg": [win(420.0, 680)]}}]}))
-    text = run.report([str(path)], str(tmp_path / "B.md"), str(tmp_path / "plots"))
-    assert "operand roles exchanged" in text
-    assert "  ba_cfg" in text and "  450.0  0.900   420.0  1.050   680  1500" in text
-
-
-def test_report_renders_launch_probe_records(tmp_path):
-    # launch_probe files hold "records" like a suite's: the "probe" key routes them to their own
-    # section, with each variant against XLA, the host's dispatch time and launches per call
-    import run
-    path = tmp_path / "h200-launch-probe.json"
-    base = {"suite": "launch", "table": "launch", "case": "64x128x256", "chain": 8, "error": None}
-    path.write_text(json.dumps({"probe": "launch", "device": "NVIDIA H200", "date": "2026-11-22", "commit": "abc",
-                                "jax": "0.11.2", "chain": 8, "records": [
-                                    {**base, "impl": "xla", "ms": 0.02, "tflops": 600.0, "dispatch_ms_per_call": 0.1},
-                                    {**base, "impl": "jax_cute stream+pdl", "ms": 0.025, "tflops": 480.0,
-                                     "dispatch_ms_per_call": 0.12, "launches_per_call": 8.0, "max_rel_err": 0.0},
-                                    {**base, "impl": "jax_cute graph", "error": "RuntimeError: synthetic"}]}))
-    text = run.report([str(path)], str(tmp_path / "B.md"), str(tmp_path / "plots"))
-    assert "launch modes and configs" in text
-    assert "jax_cute stream+pdl       25.00    480.0   0.800             120.0         200.0            8.0" in text
-    assert "jax_cute graph         failed: RuntimeError: synthetic" in text
+    assert "Measured on NVIDIA H200, 2026-11-21" in text
+    assert "| warm | 64x64x64 | False | 15 / 13 / 4 | 2 / 390 / 1 | 19 |" in text
 
 
 def test_report_from_synthetic_json(tmp_path):
@@ -145,8 +111,8 @@ def test_report_from_synthetic_json(tmp_path):
                 "tflops": None}
         return {**base, **kw}
 
-    data = {"device": "SYNTHETIC-TEST-DEVICE", "date": "2000-01-01T00:00:00+00:00", "commit": "synthetic0000",
-            "jax_version": "0.0-test", "records": [
+    data = {"device": "SYNTHETIC-TEST-DEVICE", "date": "2000-01-01T00:00:00+00:00", "commit": "abcdef0123",
+            "jax_version": "0.0-test", "suites": ["matmul", "ragged", "launch"], "records": [
                 rec("gemm", "64x64x64", "jax_cute", ms=2.0, tflops=100.0, kernel=True),
                 rec("gemm", "64x64x64", "xla", ms=4.0, tflops=50.0),
                 rec("gemm", "64x64x64", "pallas", error="RuntimeError: synthetic failure"),
@@ -161,7 +127,7 @@ def test_report_from_synthetic_json(tmp_path):
     md, plots = tmp_path / "BENCHMARKS.md", tmp_path / "plots"
     run.main(["--report", str(src), "--md", str(md), "--plots", str(plots)])
     text = md.read_text()
-    assert "SYNTHETIC-TEST-DEVICE" in text and "2000-01-01" in text and "synthetic0000" in text
+    assert "Measured on SYNTHETIC-TEST-DEVICE, 2000-01-01 (jax 0.0-test, jax_cute at `abcdef0`)" in text
     assert "| 64x64x64 | 100.0 | 50.0 | failed | 2.00× | — |" in text   # ratio vs XLA; Pallas failed
     assert "7.00 (XLA fallback)" in text                                # never presented as our kernel
     assert "| step | 3.00 | 6.00 | 2.00× |" in text                     # time: ratio = theirs / ours

@@ -21,18 +21,26 @@ def r(*shape):
 
 def direct(cfg_kwargs: dict, m: int, n: int, k: int):
     """A config the heuristic does not pick (autotune may), compiled here and launched directly
-    as jnp.matmul's layouts."""
-    import os
-    import sys
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
-    from devcheck_sm90_gemm import bench_call
+    on jnp.matmul's layouts: A (m, k) and B (k, n) row-major, C (m, n) row-major."""
+    try:
+        from jax_cute.custom_call import kernel_call, workspace_outputs
+    except ImportError:  # older tree: the same functions under their former module name
+        from jax_cute.launch import kernel_call, workspace_outputs
     from jax_cute.kernels import build, sm90_gemm
     from jax_cute.kernels.gemm_spec import GemmSpec
 
     spec, cfg = GemmSpec("bfloat16", "bfloat16", "bfloat16", "k", "n", "n"), sm90_gemm.Config(**cfg_kwargs)
     binary = build.compile_launcher(sm90_gemm.launcher(spec, cfg), sm90_gemm.signature(spec, cfg), arch="sm_90a",
                                     name="sanitize_" + cfg.key().replace(".", "_"))
-    return bench_call(binary, spec, cfg, m, n, k, "kn"), (r(m, k), r(k, n))
+    ws = sm90_gemm.workspace(spec, cfg, m, n, k, 1)
+    outs = {"c": (jax.ShapeDtypeStruct((m, n), jnp.bfloat16), (m, n, 1), (n, 1, m * n)), **workspace_outputs(binary, ws)}
+    zeroed = [w.name for w in ws if w.zeroed]
+
+    def f(a, b):
+        return kernel_call(binary, {"a": (a, (m, k, 1), (k, 1, m * k)), "b": (b, (n, k, 1), (1, n, n * k))},
+                           outs, zeroed=zeroed)["c"]
+
+    return jax.jit(f), (r(m, k), r(k, n))
 
 
 def pingpong(tile_m: int, tile_n: int, m: int, n: int, k: int):
