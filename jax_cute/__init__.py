@@ -2,40 +2,40 @@
 
 Public API:
 - :func:`matmul` — ``jnp.matmul`` semantics with ``transpose_a``/``transpose_b``;
-- :func:`ragged_dot` — a drop-in for ``jax.lax.ragged_dot`` (grouped GEMM for MoE);
+- :func:`ragged_dot` — ``jax.lax.ragged_dot`` semantics (grouped GEMM for MoE);
 - :func:`cute_call` — run your own ``@cute.jit`` launcher inside ``jax.jit``;
 - :mod:`config` — switches (target arch, strict mode, NaN fill, cache, unverified kernels);
 - :mod:`layout` — the CuTe-style layouts the primitives carry.
 """
 
-__version__ = "0.1.0"
+import logging
 
-from jax_cute import config, layout  # noqa: E402
-from jax_cute.primitives.cute_call import cute_call  # noqa: E402
-from jax_cute.primitives.matmul import matmul  # noqa: E402
-from jax_cute.primitives.ragged_dot import ragged_dot  # noqa: E402
-from jax_cute.routing import FallbackError  # noqa: E402
-from jax_cute.runtime import ensure_registered as register_ffi  # noqa: E402
+from jax import export
 
-try:  # Register our FFI target now, so deserialised (jax.export) modules that use it can run.
+from jax_cute import config, layout
+from jax_cute.dispatch import FallbackError
+from jax_cute.primitives.cute_call import cute_call
+from jax_cute.primitives.matmul import matmul
+from jax_cute.primitives.ragged_dot import ragged_dot
+from jax_cute.runtime import TARGET_NAME, STREAM_TARGET_NAME
+from jax_cute.runtime import ensure_registered as register_ffi
+from jax_cute.version import __version__
+
+try:  # Register our FFI targets now, so deserialised (jax.export) modules that use them can run.
     register_ffi()
 except (ImportError, RuntimeError) as _e:  # not built / no DSL runtime: lowering will say so
-    import logging as _logging
-
-    _logging.getLogger("jax_cute").debug("jax_cute: FFI target not registered at import: %s", _e)
+    logging.getLogger("jax_cute").debug("jax_cute: FFI target not registered at import: %s", _e)
 
 
 def export_disabled_checks() -> list:
     """The safety checks ``jax.export`` must skip for functions that use jax_cute.
 
-    Our custom call has no cross-version compatibility guarantee from JAX (it is ours, not
+    Our custom calls have no cross-version compatibility guarantee from JAX (they are ours, not
     XLA's); the exported module embeds each kernel's object, so it runs wherever the same
     jax_cute FFI handler is installed.
     """
-    from jax import export
+    return [export.DisabledSafetyCheck.custom_call(name) for name in (TARGET_NAME, STREAM_TARGET_NAME)]
 
-    from jax_cute.runtime import TARGET_NAME
 
-    return [export.DisabledSafetyCheck.custom_call(TARGET_NAME)]
-
-__all__ = ["matmul", "ragged_dot", "cute_call", "config", "layout", "FallbackError", "export_disabled_checks", "register_ffi", "__version__"]
+__all__ = ["matmul", "ragged_dot", "cute_call", "config", "layout", "FallbackError", "export_disabled_checks",
+           "register_ffi", "__version__"]

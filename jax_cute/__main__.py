@@ -18,34 +18,58 @@ import datetime
 import os
 import subprocess
 import sys
+from typing import NoReturn
+
+import jax
+import jax.numpy as jnp
+
+import jax_cute
+from jax_cute import config
+from jax_cute.arch import KNOWN_ARCHES
+from jax_cute.cache import CACHE
+
+PROG = "python -m jax_cute"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line naming the command to run for help."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _shape(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split("x"))
 
 
-def _lower_problem(kind: str, text: str) -> None:
-    import jax
-    import jax.numpy as jnp
-
-    import jax_cute
-
+def _problem(kind: str, text: str):
+    """(function, argument shapes, flags) of a --matmul / --ragged problem; ValueError if malformed."""
     parts = text.split(":")
     flags = set(parts[1:])
-    dtype = next((jnp.dtype(f) for f in flags if f not in ("ta", "tb", "grad")), jnp.dtype(jnp.bfloat16))
+    dtypes = [f for f in flags if f not in ("ta", "tb", "grad")]
+    try:
+        dtype = jnp.dtype(dtypes[0]) if dtypes else jnp.dtype(jnp.bfloat16)
+        if len(dtypes) > 1:
+            raise TypeError
+        if kind == "matmul":
+            sa, sb = (_shape(s) for s in parts[0].split(","))
+        else:
+            m, k, n, g = (int(x) for x in parts[0].split(","))
+    except (TypeError, ValueError):
+        syntax = "AxB,CxD[:dtype][:ta][:tb][:grad]" if kind == "matmul" else "M,K,N,G[:dtype][:grad]"
+        raise ValueError(f"--{kind} {text!r}: expected {syntax}") from None
     if kind == "matmul":
-        sa, sb = (_shape(s) for s in parts[0].split(","))
-        args = [jax.ShapeDtypeStruct(sa, dtype), jax.ShapeDtypeStruct(sb, dtype)]
-
         def f(a, b):
             return jax_cute.matmul(a, b, transpose_a="ta" in flags, transpose_b="tb" in flags)
-    else:
-        m, k, n, g = (int(x) for x in parts[0].split(","))
-        args = [jax.ShapeDtypeStruct((m, k), dtype), jax.ShapeDtypeStruct((g, k, n), dtype),
-                jax.ShapeDtypeStruct((g,), jnp.int32)]
+        return f, [jax.ShapeDtypeStruct(sa, dtype), jax.ShapeDtypeStruct(sb, dtype)], flags
 
-        def f(lhs, rhs, gs):
-            return jax_cute.ragged_dot(lhs, rhs, gs)
+    def f(lhs, rhs, gs):
+        return jax_cute.ragged_dot(lhs, rhs, gs)
+    return f, [jax.ShapeDtypeStruct((m, k), dtype), jax.ShapeDtypeStruct((g, k, n), dtype),
+               jax.ShapeDtypeStruct((g,), jnp.int32)], flags
+
+
+def _lower(f, args, flags) -> None:
     jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
     if "grad" in flags:  # the backward GEMMs are kernels of their own
         def grads(*xs):
@@ -54,22 +78,29 @@ def _lower_problem(kind: str, text: str) -> None:
 
 
 def _precompile_one(arch: str, matmuls: list[str], raggeds: list[str]) -> int:
-    from jax_cute import config
-    from jax_cute.cache import CACHE
-
-    config.set(target_arch=arch, strict=True)
+    # Strict: a problem no kernel covers is reported, not silently left to XLA. Unverified
+    # kernels are allowed: compiling one runs nothing, and each still checks itself on first use.
+    config.set(target_arch=arch, strict=True, unverified_kernels=True)
+    rc = 0
     for kind, items in (("matmul", matmuls), ("ragged", raggeds)):
         for text in items:
             before = CACHE.stats.compiles
-            _lower_problem(kind, text)
+            try:
+                _lower(*_problem(kind, text))
+            except jax_cute.FallbackError as e:
+                print(f"{PROG} cache precompile: {arch} {kind} {text}: no kernel: {e.reason}", file=sys.stderr)
+                rc = 1
+                continue
+            except (ValueError, TypeError) as e:
+                print(f"{PROG} cache precompile: {arch} {kind} {text}: {str(e).splitlines()[0]}", file=sys.stderr)
+                rc = 1
+                continue
             print(f"{arch} {kind} {text}: {CACHE.stats.compiles - before} compiled, "
                   f"{CACHE.stats.disk_hits} from disk so far")
-    return 0
+    return rc
 
 
 def _list() -> int:
-    from jax_cute.cache import CACHE
-
     rows = list(CACHE.entries())
     print(f"cache: {CACHE.directory()} ({len(rows)} entries)")
     for r in rows:
@@ -81,26 +112,37 @@ def _list() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jax_cute", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="group", required=True)
-    cache = sub.add_parser("cache").add_subparsers(dest="cmd", required=True)
+    parser = _Parser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="group", metavar="{cache}", parser_class=_Parser)
+    cache = sub.add_parser("cache", help="list, clear or fill the kernel cache").add_subparsers(
+        dest="cmd", metavar="{list,clear,precompile}", parser_class=_Parser)
     cache.add_parser("list", help="show entries, sizes and hits")
     cache.add_parser("clear", help="delete every entry")
     pre = cache.add_parser("precompile", help="compile the kernels listed problems need")
-    pre.add_argument("--arch", action="append", required=True, help="sm_90a or sm_100a (repeatable)")
+    pre.add_argument("--arch", action="append", required=True, choices=KNOWN_ARCHES,
+                     help="target arch (repeatable)")
     pre.add_argument("--matmul", action="append", default=[])
     pre.add_argument("--ragged", action="append", default=[])
     pre.add_argument("--in-process", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
+    if args.group is None:
+        parser.error("choose a command: cache")
+    if args.cmd is None:
+        parser.error("choose a cache command: list, clear or precompile")
     if args.cmd == "list":
         return _list()
     if args.cmd == "clear":
-        from jax_cute.cache import CACHE
-
         print(f"removed {CACHE.clear_disk()} entries from {CACHE.directory()}")
         return 0
+    if not args.matmul and not args.ragged:
+        parser.error("cache precompile: name at least one --matmul or --ragged problem")
+    for kind, items in (("matmul", args.matmul), ("ragged", args.ragged)):
+        for text in items:
+            try:
+                _problem(kind, text)
+            except ValueError as e:
+                parser.error(str(e))
     if args.in_process:
         return _precompile_one(args.arch[0], args.matmul, args.ragged)
     rc = 0

@@ -23,9 +23,14 @@ import time
 from pathlib import Path
 from typing import Sequence
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
-from jax_cute import config, routing
+from jax_cute import arch as arch_info
+from jax_cute import config
+from jax_cute.cache import family_binary
+from jax_cute.custom_call import kernel_call, workspace_outputs
 
 logger = logging.getLogger("jax_cute")
 _lock = threading.Lock()
@@ -61,7 +66,7 @@ def round_order(items: Sequence, r: int) -> list:
     """Round ``r``'s order: item ``r`` (mod their number) first, so that the clock's ramp after
     an idle gap is not always charged to the same item, then the rest in a random order seeded
     by ``r``, because on an H200 a short window's time also depends on which kernel ran just
-    before it (4-8%, session 13): under a fixed cycle every item has the same neighbour."""
+    before it (4-8%): under a fixed cycle every item has the same neighbour."""
     k = r % len(items) if items else 0
     rest = list(items[k + 1:]) + list(items[:k])
     random.Random(r).shuffle(rest)
@@ -73,8 +78,6 @@ def _time_interleaved(fns: dict, args, window: float = 0.02, rounds: int = 5) ->
     round_order, each after one untimed call of its first function (timing each to completion
     in a fixed order would charge the clock's ramp and drift to the same candidates). A sample
     is about ``window`` seconds of back-to-back calls."""
-    import jax
-
     names = list(fns)
     reps = {}
     for n in names:
@@ -96,20 +99,13 @@ def _time_interleaved(fns: dict, args, window: float = 0.02, rounds: int = 5) ->
 
 def tuned_gemm_config(fam, arch: str, spec, flat, dts, default):
     """The best config for a dense GEMM problem (timed here if unknown), or ``default``."""
-    import jax
-    import jax.numpy as jnp
-
-    from jax_cute.launch import kernel_call, workspace_outputs
-    from jax_cute.primitives.gemm_route import binary_for
-
     key = problem_key(fam, arch, spec, (flat.m, flat.n, flat.k, flat.l))
     candidates = {c.key(): c for c in fam.candidate_configs(spec)}
     with _lock:
         known = _load().get(key)
         if known and known["config"] in candidates:
             return candidates[known["config"]]
-        cc = routing.device_capability()
-        if cc is None or routing.arch_for_capability(*cc) != arch:
+        if arch_info.device_arch() != arch:
             return default  # nothing here to time on
         rng = np.random.default_rng(0)
 
@@ -125,7 +121,7 @@ def tuned_gemm_config(fam, arch: str, spec, flat, dts, default):
         fns = {}
         for name, cfg in candidates.items():
             try:
-                binary = binary_for(fam, arch, spec, cfg)
+                binary = family_binary(fam, arch, spec, cfg)
                 ws = fam.workspace(spec, cfg, flat.m, flat.n, flat.k, flat.l)
                 outs = {"c": (jax.ShapeDtypeStruct((c_size,), dts[2]), flat.c.shape, flat.c.stride)}
                 outs.update(workspace_outputs(binary, ws))

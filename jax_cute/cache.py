@@ -26,7 +26,8 @@ from typing import Callable, Iterator
 
 from jax_cute import config
 from jax_cute.kernels import abi
-from jax_cute.kernels.build import KernelBinary
+from jax_cute.kernels.build import KernelBinary, compile_launcher
+from jax_cute.version import __version__
 
 logger = logging.getLogger("jax_cute")
 
@@ -41,8 +42,6 @@ def dsl_version() -> str:
 
 
 def jax_cute_version() -> str:
-    from jax_cute import __version__
-
     return __version__
 
 
@@ -180,3 +179,11 @@ def _atomic_write(path: Path, data: bytes) -> None:
 
 
 CACHE = KernelCache()
+
+
+def family_binary(fam, arch: str, spec, cfg) -> KernelBinary:
+    """The compiled kernel of a family module for (spec, config, arch), through the cache."""
+    fields = {"family": fam.FAMILY, "version": fam.VERSION, "arch": arch, "spec": spec.key(), "config": cfg.key()}
+    name = f"{fam.FAMILY}.{spec.key()}.{cfg.key()}"
+    return CACHE.get(fields, lambda: compile_launcher(fam.launcher(spec, cfg), fam.signature(spec, cfg),
+                                                      arch=arch, name=name))

@@ -12,7 +12,9 @@
 | command_buffer        | JAX_CUTE_COMMAND_BUFFER=0         | launch on XLA's stream, outside CUDA graphs,   |
 |                       |                                   | with programmatic dependent launch (Hopper)    |
 
-Python settings win over the environment; ``None`` means "ask the environment".
+Python settings win over the environment; ``None`` means "ask the environment". Values are
+checked when set from Python and when read from the environment: a typo is an error, never a
+silently ignored switch.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import contextlib
 import os
 from pathlib import Path
 from typing import Iterator
+
+from jax_cute.arch import KNOWN_ARCHES
 
 _overrides: dict[str, object] = {}
 
@@ -36,21 +40,43 @@ _ENV = {
 }
 _BOOL_DEFAULTS = {"strict": False, "nan_fill": False, "unverified_kernels": False, "disk_cache": True,
                   "autotune": False, "command_buffer": True}
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _parse_bool(name: str, value: object, where: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    text = str(value).strip().lower()
+    if text in _TRUE or text in _FALSE:
+        return text in _TRUE
+    raise ValueError(f"jax_cute.config: {where} must be a boolean (1/0, true/false, yes/no, on/off), "
+                     f"got {value!r}")
+
+
+def _check_arch(value: object, where: str) -> str:
+    if value not in KNOWN_ARCHES:
+        raise ValueError(f"jax_cute.config: {where}={value!r} has no jax_cute kernels "
+                         f"(known: {', '.join(KNOWN_ARCHES)})")
+    return str(value)
 
 
 def _flag(name: str) -> bool:
-    if name in _overrides and _overrides[name] is not None:
+    if _overrides.get(name) is not None:
         return bool(_overrides[name])
     raw = os.environ.get(_ENV[name])
     if raw is None or raw == "":
         return _BOOL_DEFAULTS[name]
-    return raw.strip().lower() not in ("0", "false", "no", "off")
+    return _parse_bool(name, raw, _ENV[name])
 
 
 def target_arch() -> str | None:
-    """The explicitly requested arch (``sm_90a``, ``sm_100a``...), or None to use the device's."""
-    value = _overrides.get("target_arch") or os.environ.get(_ENV["target_arch"]) or None
-    return str(value) if value else None
+    """The explicitly requested arch (``sm_90a`` or ``sm_100a``), or None to use the device's."""
+    if _overrides.get("target_arch"):
+        return str(_overrides["target_arch"])
+    raw = os.environ.get(_ENV["target_arch"])
+    return _check_arch(raw, _ENV["target_arch"]) if raw else None
 
 
 def strict() -> bool:
@@ -91,12 +117,25 @@ def cache_dir() -> Path:
     return Path(base) / "jax_cute"
 
 
+def _validated(name: str, value: object) -> object:
+    if name not in _ENV:
+        raise ValueError(f"jax_cute.config: unknown switch {name!r}; known: {', '.join(sorted(_ENV))}")
+    if value is None:
+        return None
+    if name == "target_arch":
+        return _check_arch(value, "target_arch")
+    if name == "cache_dir":
+        if not isinstance(value, (str, os.PathLike)) or not str(value):
+            raise ValueError(f"jax_cute.config: cache_dir must be a path, got {value!r}")
+        return str(value)
+    return _parse_bool(name, value, name)
+
+
 def set(**values: object) -> None:  # noqa: A001 - mirrors jax.config.update in spirit
-    """Set switches from Python, e.g. ``jax_cute.config.set(target_arch="sm_90a", strict=True)``."""
-    for name, value in values.items():
-        if name not in _ENV:
-            raise ValueError(f"jax_cute.config: unknown switch {name!r}; known: {sorted(_ENV)}")
-        _overrides[name] = value
+    """Set switches from Python, e.g. ``jax_cute.config.set(target_arch="sm_90a", strict=True)``;
+    ``None`` hands a switch back to the environment."""
+    checked = {name: _validated(name, value) for name, value in values.items()}
+    _overrides.update(checked)
 
 
 @contextlib.contextmanager

@@ -14,6 +14,7 @@ import dataclasses
 import math
 from typing import Sequence, Union
 
+import jax.numpy as jnp
 import numpy as np
 
 IntTuple = Union[int, tuple["IntTuple", ...]]
@@ -244,8 +245,6 @@ def read(buffer, layout: Layout):
     Built from reshape, transpose and broadcast when the layout is a permutation of the whole
     buffer (all layouts our primitives build are); otherwise from a gather of its offsets.
     """
-    import jax.numpy as jnp
-
     flat = jnp.reshape(buffer, (-1,))
     plan = _compact_plan(layout, flat.shape[0])
     out_shape = tuple(product(m.shape) for m in layout.modes())
@@ -274,8 +273,6 @@ def read(buffer, layout: Layout):
 
 def write(values, layout: Layout, buffer_shape: Sequence[int]):
     """The buffer ``b`` with ``b.flat[layout(c)] = values[c]`` (layout a permutation of it)."""
-    import jax.numpy as jnp
-
     size = math.prod(buffer_shape)
     plan = _compact_plan(layout, size)
     fm = layout.flat_modes()

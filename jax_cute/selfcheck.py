@@ -1,6 +1,6 @@
 """First-use self-checks of kernels that have never run on real hardware (opt-in arches).
 
-A kernel of an arch in ``routing.UNVERIFIED_ARCHES`` is trusted only after it reproduced the
+A kernel of an arch in ``arch.UNVERIFIED_ARCHES`` is trusted only after it reproduced the
 reference on a small random problem on the device it will run on. The verdict is kept per
 binary for the process; a failed check sends that kernel's calls to the XLA fallback.
 """
@@ -11,9 +11,11 @@ import logging
 import threading
 from typing import Callable
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
-from jax_cute import routing
+from jax_cute import arch
 
 logger = logging.getLogger("jax_cute")
 
@@ -23,13 +25,12 @@ _lock = threading.Lock()
 
 def trusted(binary, check: Callable[[], float], tolerance: float = 2e-2) -> bool:
     """Whether ``binary`` may be used: runs ``check`` (returns a relative error) once."""
-    if binary.arch not in routing.UNVERIFIED_ARCHES:
+    if binary.arch not in arch.UNVERIFIED_ARCHES:
         return True
     with _lock:
         if binary.digest in _verdicts:
             return _verdicts[binary.digest]
-        cc = routing.device_capability()
-        if cc is None or routing.arch_for_capability(*cc) != binary.arch:
+        if arch.device_arch() != binary.arch:
             # Lowered for another machine (export, precompile): nothing here can run it.
             logger.warning("jax_cute: %s is unverified and no %s device is here to check it; "
                            "it will run unchecked", binary.name, binary.arch)
@@ -51,9 +52,6 @@ def trusted(binary, check: Callable[[], float], tolerance: float = 2e-2) -> bool
 def compare(impl: Callable, reference: Callable, avals, make_int: Callable | None = None) -> Callable[[], float]:
     """A check running ``impl`` (our kernel) and ``reference`` (plain lax) on the call's own
     shapes with fresh random data; integer inputs (group sizes) come from ``make_int``."""
-    import jax
-    import jax.numpy as jnp
-
     def run() -> float:
         rng = np.random.default_rng(0)
         xs = []

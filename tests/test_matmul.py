@@ -169,10 +169,24 @@ def test_bad_input_is_a_trace_time_error():
         jax_cute.matmul(jnp.float32(1), rand((3,)))
     with pytest.raises(ValueError, match="do not broadcast"):
         jax_cute.matmul(rand((2, 5, 4)), rand((3, 4, 2)))
-    with pytest.raises(TypeError, match="unsupported dtype bool"):
-        jax_cute.matmul(jnp.ones((2, 2), bool), jnp.ones((2, 2), bool))
     with pytest.raises(ValueError, match="transpose_a"):
         jax_cute.matmul(rand((3,)), rand((3, 2)), transpose_a=True)
+
+
+@pytest.mark.parametrize("dtype", [jnp.complex64, jnp.bool_, jnp.int8, jnp.float64])
+def test_dtypes_no_kernel_takes_match_jnp_matmul(dtype):
+    """Complex, bool and integer products run (on the reference path, or XLA's fallback on a GPU)
+    with jnp.matmul's result, dtype included."""
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal((3, 5, 4)) + (1j * rng.standard_normal((3, 5, 4)) if dtype == jnp.complex64 else 0)
+    b = rng.standard_normal((4, 6)) + (1j * rng.standard_normal((4, 6)) if dtype == jnp.complex64 else 0)
+    if dtype == jnp.bool_:
+        a, b = a > 0.5, b > 0.5
+    with jax.enable_x64(dtype == jnp.float64):
+        a, b = jnp.asarray(a, dtype), jnp.asarray(b, dtype)
+        want, got = jnp.matmul(a, b), jax.jit(jax_cute.matmul)(a, b)
+        assert got.dtype == want.dtype
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("ours,ref,sa,sb", [

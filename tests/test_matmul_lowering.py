@@ -99,18 +99,6 @@ def test_stream_launch_takes_the_stream_target_and_the_pdl_kernel():
     assert ".pdl" not in graph and ".pdl" in stream
 
 
-def test_launch_mode_adds_pdl_only_off_graphs_and_only_where_a_config_has_it():
-    from jax_cute.kernels import sm90_gemm, sm90_grouped
-    from jax_cute.primitives.gemm_route import launch_mode
-
-    dense = sm90_gemm.Config()
-    assert launch_mode(dense) == dense
-    with config.override(command_buffer=False):
-        assert launch_mode(dense) == sm90_gemm.Config(pdl=True)
-        grouped = sm90_grouped.Config()
-        assert launch_mode(grouped) == grouped
-
-
 def test_command_buffer_switch_reads_the_environment(monkeypatch):
     assert config.command_buffer()
     monkeypatch.setenv("JAX_CUTE_COMMAND_BUFFER", "0")

@@ -16,6 +16,7 @@ import tempfile
 import threading
 from typing import Callable
 
+from jax_cute import runtime
 from jax_cute.kernels import abi
 
 # The DSL writes kept artifacts (PTX, cubin) to the working directory unless told otherwise,
@@ -55,7 +56,6 @@ def load_runtime_globally() -> None:
     global _runtime_loaded
     with _runtime_lock:
         if not _runtime_loaded:
-            from jax_cute import runtime
             ctypes.CDLL(runtime.dsl_runtime_library(), mode=ctypes.RTLD_GLOBAL)
             _runtime_loaded = True
 
@@ -69,6 +69,8 @@ def compile_launcher(launcher: Callable, signature: abi.Signature, *, arch: str,
                      keep_ptx: bool = False) -> KernelBinary:
     """Compile ``launcher`` (a ``@cute.jit`` function) for ``arch`` against ``signature``."""
     load_runtime_globally()
+    # Imported here, not at the top: it imports the DSL's compiler, which loading a cached
+    # kernel must not need (a GPU machine may have the DSL's runtime only).
     from jax_cute.kernels import dsl
 
     options = f"--gpu-arch {arch}" + (" --keep-ptx" if keep_ptx else "")
@@ -85,26 +87,3 @@ def compile_launcher(launcher: Callable, signature: abi.Signature, *, arch: str,
             with open(ptx) as f:
                 ptx = f.read()
     return KernelBinary(name=name, symbol=symbol, arch=arch, signature=signature, obj=bytes(obj), ptx=ptx)
-
-
-def save_binary(binary: KernelBinary, path: str) -> None:
-    """Write a binary as two files: ``path.o`` (the object) and ``path.json`` (the rest)."""
-    import json
-    from pathlib import Path
-
-    meta = {"name": binary.name, "symbol": binary.symbol, "arch": binary.arch,
-            "signature": abi.signature_to_json(binary.signature), "sha256": binary.digest}
-    Path(path + ".o").write_bytes(binary.obj)
-    Path(path + ".json").write_text(json.dumps(meta, sort_keys=True))
-
-
-def load_binary(path: str) -> KernelBinary:
-    import json
-    from pathlib import Path
-
-    meta = json.loads(Path(path + ".json").read_text())
-    obj = Path(path + ".o").read_bytes()
-    if hashlib.sha256(obj).hexdigest() != meta["sha256"]:
-        raise ValueError(f"{path}.o does not match its recorded checksum")
-    return KernelBinary(name=meta["name"], symbol=meta["symbol"], arch=meta["arch"],
-                        signature=abi.signature_from_json(meta["signature"]), obj=obj)

@@ -21,6 +21,8 @@ import numpy as np
 from jax.extend import core
 from jax.interpreters import ad, batching, mlir
 
+from jax_cute import dispatch
+from jax_cute.custom_call import kernel_call
 from jax_cute.kernels import abi
 from jax_cute.layout import row_major
 
@@ -102,21 +104,10 @@ def _reference_lowering(ctx, *args, kernel: UserKernel, name, **_):
 
 
 def _cuda_lowering(ctx, *args, kernel: UserKernel, out_avals, in_layouts, out_layouts, name, **_):
-    from jax_cute import routing
-    from jax_cute.cache import CACHE
-    from jax_cute.kernels.build import compile_launcher
-    from jax_cute.launch import kernel_call
-
-    arch, why = routing.target_arch()
-    if arch is None:
-        if kernel.reference is not None:
-            routing.fallback("cute_call", f"{name}: {why}")
-            return _reference_lowering(ctx, *args, kernel=kernel, name=name)
-        raise RuntimeError(f"jax_cute.cute_call({name}): {why}")
-    in_avals = ctx.avals_in
-    sig = _signature(in_avals, out_avals, in_layouts, out_layouts)
-    fields = {"family": "user", "identity": kernel.identity, "arch": arch, "signature": abi.signature_to_json(sig)}
-    binary = CACHE.get(fields, lambda: compile_launcher(kernel.launcher, sig, arch=arch, name=name))
+    sig = _signature(ctx.avals_in, out_avals, in_layouts, out_layouts)
+    binary = dispatch.user_kernel(name, kernel.identity, kernel.launcher, sig, kernel.reference is not None)
+    if binary is None:
+        return _reference_lowering(ctx, *args, kernel=kernel, name=name)
 
     def impl(*xs):
         inputs = {f"in{i}": (x, *_perm_layout(x.shape, p)) for i, (x, p) in enumerate(zip(xs, in_layouts))}

@@ -12,7 +12,7 @@ import dataclasses
 import math
 from typing import Sequence
 
-from jax_cute.layout import Layout, flatten, make_layout, product
+from jax_cute.layout import Layout, flatten, make_layout, product, row_major
 
 M, N, K, L = "m", "n", "k", "l"
 
@@ -161,8 +161,6 @@ def matmul_layouts(a_shape: Sequence[int], b_shape: Sequence[int], transpose_a: 
 
     Returns the layouts and the shape jnp.matmul's result has (1-D operands drop their mode).
     """
-    from jax_cute.layout import row_major
-
     a1, b1 = len(a_shape) == 1, len(b_shape) == 1
     a_full = (1,) + tuple(a_shape) if a1 else tuple(a_shape)
     b_full = tuple(b_shape) + (1,) if b1 else tuple(b_shape)

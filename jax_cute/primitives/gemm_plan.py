@@ -13,10 +13,15 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
+import jax.numpy as jnp
+
+from jax_cute import layout as L
 from jax_cute.layout import Layout, make_layout, product
 from jax_cute.primitives.gemm_layouts import GemmLayouts, refined
 
-ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "float8_e4m3fn": 1, "float8_e5m2": 1}
+
+def itemsize(dtype: str) -> int:
+    return jnp.dtype(dtype).itemsize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +73,7 @@ def _operand(name: str, rows: Layout, cols: Layout, l_ext: int, l_stride: int, d
     if r is None or c is None:
         return f"operand {name}: a matrix mode does not coalesce ({rows}, {cols})"
     (rs, rd), (cs, cd) = r, c
-    div = 16 // ITEMSIZE[dtype]
+    div = max(1, 16 // itemsize(dtype))
     # An extent-1 mode's stride is free: give it a legal, 16-byte aligned value.
     if rs == 1:
         rd = 0
@@ -150,10 +155,6 @@ def flatten_gemm(g: GemmLayouts, dtypes: Sequence[str]) -> FlatGemm | str:
 def materialise(x, lay: Layout, rows: int, cols: int, l: int):
     """Copy an operand into a (L, rows, cols) row-major buffer: the one logged copy a plan may
     need for an operand no kernel layout can express."""
-    import jax.numpy as jnp
-
-    from jax_cute import layout as L
-
     if l == 1:
         lay = make_layout(lay.mode(0), lay.mode(1), Layout((1,), (0,)))
     logical = L.read(x, lay)  # (rows, cols, l) as three flat axes

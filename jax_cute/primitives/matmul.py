@@ -4,7 +4,7 @@ One place for each rule, as in ``jax/_src/lax``:
 - abstract evaluation: the output buffer's shape and dtype;
 - reference lowering (CPU, and the fallback everywhere): reads the buffers *through the
   layouts* with reshape/transpose/broadcast and contracts with ``dot_general``;
-- CUDA lowering: our FFI custom call through ``jax_cute.routing`` (else the reference);
+- CUDA lowering: the kernel ``jax_cute.dispatch.gemm`` picks (else the reference);
 - batching: a vmapped axis becomes an L sub-mode (stride 0 on an unbatched operand), the
   layouts re-targeted at the batched buffers by composition, no data moved;
 - autodiff: bilinear; each cotangent is another ``jax_cute_matmul`` over the same buffers with
@@ -22,9 +22,11 @@ import numpy as np
 from jax.extend import core
 from jax.interpreters import ad, batching, mlir
 
+from jax_cute import dispatch
 from jax_cute import layout as L
 from jax_cute.primitives.gemm_layouts import (GemmLayouts, cotangent_a, cotangent_a_partials, cotangent_b,
-                                               cotangent_b_partials)
+                                               cotangent_b_partials, matmul_layouts)
+from jax_cute.primitives.gemm_plan import flatten_gemm
 
 logger = logging.getLogger("jax_cute")
 
@@ -66,10 +68,9 @@ mlir.register_lowering(matmul_p, mlir.lower_fun(reference, multiple_results=Fals
 
 
 def _cuda_lowering(ctx, a, b, **params):
-    from jax_cute.primitives import gemm_route
-
-    impl = gemm_route.matmul_impl(*ctx.avals_in, **params)
-    return mlir.lower_fun(impl or functools.partial(reference, **params), multiple_results=False)(ctx, a, b)
+    ref = functools.partial(reference, **params)
+    impl = dispatch.gemm(*ctx.avals_in, reference=ref, **params)
+    return mlir.lower_fun(impl or ref, multiple_results=False)(ctx, a, b)
 
 
 mlir.register_lowering(matmul_p, _cuda_lowering, platform="cuda")
@@ -120,8 +121,6 @@ def _gradient_dtype(operand_dtype: np.dtype) -> np.dtype:
 
 
 def _kernel_needs_copies(g: GemmLayouts, dtypes) -> bool:
-    from jax_cute.primitives.gemm_plan import flatten_gemm
-
     flat = flatten_gemm(g, dtypes)
     return isinstance(flat, str) or bool(flat.copies)
 
@@ -167,7 +166,17 @@ ad.defbilinear(matmul_p, _transpose_a, _transpose_b)
 
 # -- public API -------------------------------------------------------------------------------
 
+def operand_dtype_error(dtype) -> str | None:
+    """Why ``dtype`` cannot be a GEMM operand at all (as for ``jnp.matmul``), or None."""
+    if jnp.issubdtype(dtype, jnp.number) or dtype == np.dtype(bool):
+        return None
+    return f"unsupported dtype {dtype}"
+
+
 def _acc_dtype(dtype: np.dtype) -> np.dtype:
+    """Accumulation dtype of the reference path (kernels accumulate 16- and 8-bit floats in f32)."""
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        return dtype
     if jnp.issubdtype(dtype, jnp.floating):
         return np.dtype("float64") if dtype == np.dtype("float64") else np.dtype("float32")
     return np.dtype("int64") if dtype == np.dtype("int64") else np.dtype("int32")
@@ -185,8 +194,6 @@ def matmul(a, b, *, transpose_a: bool = False, transpose_b: bool = False, prefer
     ``preferred_element_type`` (bfloat16, float16 or float32): the gradient GEMMs then run in
     bfloat16 and the gradients are rounded to the fp8 dtype at the end.
     """
-    from jax_cute.primitives.gemm_layouts import matmul_layouts
-
     a, b = jnp.asarray(a), jnp.asarray(b)
     if a.ndim == 0 or b.ndim == 0:
         raise ValueError(f"jax_cute.matmul: operands must be at least 1-D, got shapes {a.shape} and {b.shape}")
@@ -194,7 +201,7 @@ def matmul(a, b, *, transpose_a: bool = False, transpose_b: bool = False, prefer
         raise ValueError(f"jax_cute.matmul: transpose_a/transpose_b need a 2-D or higher operand, got shapes "
                          f"{a.shape} and {b.shape}")
     for what, x in (("a", a), ("b", b)):
-        if not (jnp.issubdtype(x.dtype, jnp.floating) or jnp.issubdtype(x.dtype, jnp.integer)):
+        if operand_dtype_error(x.dtype):
             raise TypeError(f"jax_cute.matmul: operand {what} has unsupported dtype {x.dtype} "
                             f"(shapes {a.shape}:{a.dtype}, {b.shape}:{b.dtype})")
     dtype = jnp.result_type(a, b)

@@ -4,7 +4,7 @@ The same rules as ``matmul.py``, one place each:
 - abstract evaluation: the output buffer's shape and dtype;
 - reference lowering (CPU, and the fallback everywhere): reads the buffers through the layouts,
   clips the group sizes as documented, and contracts masked rows with ``dot_general``;
-- CUDA lowering: the grouped kernel family through ``jax_cute.routing`` (else the reference);
+- CUDA lowering: the grouped kernel ``jax_cute.dispatch.grouped`` picks (else the reference);
 - batching: a vmapped axis becomes an L sub-mode of every operand (stride 0 where unbatched,
   group sizes included), layouts re-targeted by composition, no data moved;
 - autodiff: linear in a and b (group sizes get no tangent); each transpose is one of the two
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -23,11 +22,11 @@ import numpy as np
 from jax.extend import core
 from jax.interpreters import ad, batching, mlir
 
+from jax_cute import dispatch
 from jax_cute import layout as L
-from jax_cute import routing
-from jax_cute.primitives.matmul import _acc_dtype, _cotangent_dtype
-from jax_cute.primitives.ragged_layouts import (RAGGED_K, RAGGED_M, FlatGrouped, RaggedLayouts, batched, cotangent,
-                                                flatten_grouped, ragged_dot_layouts)
+from jax_cute.primitives.matmul import _acc_dtype, _cotangent_dtype, operand_dtype_error
+from jax_cute.primitives.ragged_layouts import (RAGGED_K, RAGGED_M, RaggedLayouts, batched, cotangent,
+                                                ragged_dot_layouts)
 
 logger = logging.getLogger("jax_cute")
 
@@ -84,8 +83,9 @@ def reference(a, b, gs, *, layouts: RaggedLayouts, out_dtype, acc_dtype):
 
 
 def _cuda_lowering(ctx, a, b, gs, **params):
-    impl = grouped_impl(*ctx.avals_in, **params)
-    return mlir.lower_fun(impl or functools.partial(reference, **params), multiple_results=False)(ctx, a, b, gs)
+    ref = functools.partial(reference, **params)
+    impl = dispatch.grouped(*ctx.avals_in, reference=ref, **params)
+    return mlir.lower_fun(impl or ref, multiple_results=False)(ctx, a, b, gs)
 
 
 # -- batching ---------------------------------------------------------------------------------
@@ -139,69 +139,17 @@ for _p in PRIMITIVES.values():
     ad.primitive_transposes[_p] = _transpose
 
 
-# -- CUDA lowering: the grouped kernel family ---------------------------------------------------
-
-def grouped_impl(a_aval, b_aval, gs_aval, *, layouts: RaggedLayouts, out_dtype: str,
-                 acc_dtype: str) -> Callable | None:
-    """An implementation built from ``kernel_call``, or None (the reference) after routing logged
-    (or, in strict mode, raised) why."""
-    from jax_cute.kernels.gemm_spec import GroupedSpec
-    from jax_cute.primitives.gemm_route import binary_for, family_for, num_sms, trusted
-
-    dts = [np.dtype(a_aval.dtype).name, np.dtype(b_aval.dtype).name, np.dtype(out_dtype).name]
-    e = layouts.extents()
-    what = f"{layouts.mode} M={e['m']} N={e['n']} K={e['k']} G={e['g']} L={e['l']}, dtypes {'/'.join(dts)}"
-    if 0 in e.values():
-        return None  # nothing to launch: the reference writes the zeros
-    if any(d not in ("bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2") for d in dts):
-        routing.fallback("ragged_dot", f"no grouped kernel for these dtypes ({what})")
-        return None
-    flat = flatten_grouped(layouts, dts)
-    if isinstance(flat, str):
-        routing.fallback("ragged_dot", f"{flat} ({what})")
-        return None
-    spec = GroupedSpec(layouts.mode, *dts, flat.a.major, flat.b.major, flat.c.major, acc_dtype)
-    picked = family_for("ragged_dot", "grouped", spec, what)
-    if picked is None:
-        return None
-    arch, fam = picked
-    cfg = fam.heuristic(spec, flat.m, flat.n, flat.k, flat.g, flat.l, num_sms(arch))
-    binary = binary_for(fam, arch, spec, cfg)
-    workspaces = fam.workspace(spec, cfg, flat.m, flat.n, flat.k, flat.g, flat.l)
-    impl = lambda a, b, gs: _launch(a, b, gs, flat, binary, workspaces, layouts, dts[2])  # noqa: E731
-    ragged = e["m"] if layouts.mode == "ragged_m" else e["k"]
-
-    def sizes(rng, shape):  # a random split of the ragged extent, some groups empty
-        cuts = np.sort(rng.integers(0, ragged + 1, shape), axis=0)
-        return np.diff(cuts, axis=0, prepend=0)
-
-    ref = functools.partial(reference, layouts=layouts, out_dtype=out_dtype, acc_dtype=acc_dtype)
-    if not trusted("ragged_dot", binary, impl, ref, (a_aval, b_aval, gs_aval), sizes):
-        return None
-    logger.info("jax_cute.ragged_dot: %s on %s (%s)", binary.name, arch, what)
-    return impl
-
-
-def _launch(a, b, gs, flat: FlatGrouped, binary, workspaces, layouts: RaggedLayouts, out_dtype: str):
-    from jax_cute.launch import kernel_call, workspace_outputs
-
-    b_desc = flat.b4 or (flat.b.shape, flat.b.stride)
-    c_desc = flat.c4 or (flat.c.shape, flat.c.stride)
-    outputs = {"c": (jax.ShapeDtypeStruct(layouts.c_shape, np.dtype(out_dtype)), *c_desc)}
-    outputs.update(workspace_outputs(binary, workspaces))
-    inputs = {"a": (a, flat.a.shape, flat.a.stride), "b": (b, *b_desc), "group_sizes": (gs, *flat.gs)}
-    return kernel_call(binary, inputs, outputs, zeroed=[w.name for w in workspaces if w.zeroed])["c"]
-
-
 # -- public API -------------------------------------------------------------------------------
 
 def ragged_dot(lhs, rhs, group_sizes, *, precision=None, preferred_element_type=None, group_offset=None):
     """A drop-in for ``jax.lax.ragged_dot``: ``out[m] = lhs[m] @ rhs[g]`` for the rows m of group g.
 
     ``lhs`` is [M, K], ``rhs`` [G, K, N], ``group_sizes`` [G] integer (used as int32); the result is
-    [M, N]. Groups are consecutive row ranges; rows past ``sum(group_sizes)`` are zero. Sizes are
-    read on the device, so bad values are defined rather than checked: negative sizes count as
-    zero and group ends are clipped at M (nothing is ever read or written out of bounds).
+    [M, N]. Groups are consecutive row ranges; rows past ``sum(group_sizes)`` are zero, and group
+    ends past M are clipped, as in ``lax.ragged_dot``. Negative sizes are refused: with concrete
+    ``group_sizes`` this raises ValueError. Under ``jit`` the sizes are only known on the device,
+    where the kernels count a negative size as zero (``lax.ragged_dot`` would instead let the
+    next groups start earlier and overlap; no kernel reads or writes out of bounds either way).
     ``precision`` is accepted and ignored (kernels accumulate in float32, or the input dtype
     when wider). With ``preferred_element_type=float32`` on 16-bit inputs the result is float32
     and its cotangent is rounded once to the input dtype for the gradient GEMMs.
@@ -216,10 +164,13 @@ def ragged_dot(lhs, rhs, group_sizes, *, precision=None, preferred_element_type=
     if lhs.ndim != 2 or rhs.ndim != 3 or group_sizes.ndim != 1:
         raise ValueError(f"jax_cute.ragged_dot: expected lhs [M,K], rhs [G,K,N], group_sizes [G]; got {desc}")
     for x in (lhs, rhs):
-        if not (jnp.issubdtype(x.dtype, jnp.floating) or jnp.issubdtype(x.dtype, jnp.integer)):
+        if operand_dtype_error(x.dtype):
             raise TypeError(f"jax_cute.ragged_dot: unsupported operand dtype {x.dtype} ({desc})")
     if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
         raise TypeError(f"jax_cute.ragged_dot: group_sizes must be integers (int32 is used); got {desc}")
+    if not isinstance(group_sizes, jax.core.Tracer) and (np.asarray(group_sizes) < 0).any():
+        raise ValueError(f"jax_cute.ragged_dot: negative group sizes {np.asarray(group_sizes).tolist()} "
+                         "are not supported")
     (m, k), (g, k2, n) = lhs.shape, rhs.shape
     if k != k2:
         raise ValueError(f"jax_cute.ragged_dot: contracting dimensions differ (lhs K={k}, rhs K={k2}); got {desc}")

@@ -20,7 +20,7 @@ from typing import Sequence
 
 from jax_cute.layout import Layout, insert_axis, make_layout, product, stride_of
 from jax_cute.primitives.gemm_layouts import _cat, _sub, refine
-from jax_cute.primitives.gemm_plan import ITEMSIZE, FlatOperand, _operand, _single
+from jax_cute.primitives.gemm_plan import FlatOperand, _operand, _single, itemsize
 
 RAGGED_M, RAGGED_K = "ragged_m", "ragged_k"
 # Index of the L mode in (a, b, c, gs) for each mode.
@@ -191,7 +191,7 @@ def _coalesce_modes(modes: Sequence[Layout]) -> list[list[int]]:
 def _batch_stride(name: str, l: int, stride: int, matrix: int, dtype: str) -> tuple[int, int] | str:
     """(extent, stride) of an operand's G or L mode: extent 1 when broadcast (the kernel reads
     index 0 for every batch), a 16-byte aligned stride otherwise."""
-    div = 16 // ITEMSIZE[dtype]
+    div = max(1, 16 // itemsize(dtype))
     if l == 1 or stride == 0:
         return 1, -(-matrix // div) * div
     if stride % div:

@@ -1,4 +1,4 @@
-"""Emitting our custom call for a compiled kernel.
+"""The custom call that launches a compiled kernel on XLA's stream.
 
 :func:`kernel_call` is the one way a :class:`~jax_cute.kernels.build.KernelBinary` reaches
 XLA: it packs the descriptors (see ``kernels/abi.py``), embeds the object in the call's
@@ -15,9 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_cute import config, runtime
+from jax_cute.arch import capability_of
 from jax_cute.kernels import abi
 from jax_cute.kernels.build import KernelBinary
-from jax_cute.routing import capability_of
 
 Layout = tuple[Sequence[int], Sequence[int]]  # (shape, stride) in elements over a buffer
 

@@ -1,4 +1,4 @@
-"""Kernel routing by compute capability, the Blackwell opt-in and its first-use check.
+"""Kernel dispatch by compute capability, the Blackwell opt-in and its first-use check.
 
 The device's compute capability is faked: no Blackwell GPU exists here, and these rules must
 hold before one does.
@@ -6,6 +6,7 @@ hold before one does.
 
 from __future__ import annotations
 
+import json
 import logging
 
 import jax
@@ -13,7 +14,9 @@ import jax.numpy as jnp
 import pytest
 
 import jax_cute
-from jax_cute import config, routing, selfcheck
+from jax_cute import arch, autotune, config, dispatch, selfcheck
+from jax_cute.kernels import sm90_gemm, sm90_grouped
+from jax_cute.kernels.gemm_spec import GemmSpec
 
 ARGS = [jax.ShapeDtypeStruct((256, 128), jnp.bfloat16), jax.ShapeDtypeStruct((128, 64), jnp.bfloat16)]
 
@@ -26,25 +29,24 @@ def lower() -> str:
 @pytest.fixture
 def device(monkeypatch):
     def fake(major: int, minor: int):
-        monkeypatch.setattr(routing, "device_capability", lambda: (major, minor))
+        monkeypatch.setattr(arch, "device_capability", lambda: (major, minor))
         selfcheck._verdicts.clear()
     yield fake
     selfcheck._verdicts.clear()
 
 
-@pytest.mark.parametrize("cc,arch", [((9, 0), "sm_90a"), ((10, 0), "sm_100a"), ((10, 3), None),
-                                     ((12, 0), None), ((8, 0), None), ((9, 1), None)])
-def test_arch_for_capability(cc, arch):
-    assert routing.arch_for_capability(*cc) == arch
+@pytest.mark.parametrize("cc,target", [((9, 0), "sm_90a"), ((10, 0), "sm_100a"), ((10, 3), None),
+                                       ((12, 0), None), ((8, 0), None), ((9, 1), None)])
+def test_arch_for_capability(cc, target):
+    assert arch.arch_for_capability(*cc) == target
 
 
 def test_explicit_arch_wins_and_unknown_arch_is_refused(device):
     device(8, 0)
     with config.override(target_arch="sm_90a"):
-        assert routing.target_arch() == ("sm_90a", "explicit")
-    with config.override(target_arch="sm_80"):
-        arch, why = routing.target_arch()
-        assert arch is None and "sm_80" in why
+        assert dispatch.target_arch() == ("sm_90a", "explicit")
+    with pytest.raises(ValueError, match="sm_80.*known: sm_90a, sm_100a"):
+        config.set(target_arch="sm_80")
 
 
 def test_hopper_device_gets_the_hopper_kernel(device):
@@ -99,12 +101,6 @@ def test_blackwell_lowered_for_export_without_a_device_is_unchecked(device, capl
 
 def test_autotune_reuses_a_remembered_winner(tmp_path, device):
     """A winner in autotune.json is used as it is (timing needs a GPU; reuse does not)."""
-    import json
-
-    from jax_cute import autotune
-    from jax_cute.kernels import sm90_gemm
-    from jax_cute.kernels.gemm_spec import GemmSpec
-
     device(8, 0)  # no matching GPU: nothing is timed, the table alone decides
     spec = GemmSpec("bfloat16", "bfloat16", "bfloat16", "k", "n", "n")
     default = sm90_gemm.heuristic(spec, 256, 64, 128, 1)
@@ -121,8 +117,6 @@ def test_autotune_reuses_a_remembered_winner(tmp_path, device):
 def test_autotune_samples_every_candidate_each_round_in_varying_order():
     """Autotune's timing loop: every candidate sampled once per round; each round starts with
     another candidate, and the rest follow in an order that varies (no fixed neighbour)."""
-    from jax_cute import autotune
-
     calls: list[str] = []
 
     def fn(name):
@@ -143,3 +137,30 @@ def test_autotune_samples_every_candidate_each_round_in_varying_order():
     for r, order in enumerate(orders):
         assert order[0] == names[r % len(names)] and sorted(order) == names
     assert len({o[o.index("b") - 1] for o in orders if o[0] != "b"}) > 1
+
+
+def test_launch_mode_adds_pdl_only_off_graphs_and_only_where_a_config_has_it():
+    dense = sm90_gemm.Config()
+    assert dispatch.launch_mode(dense) == dense
+    with config.override(command_buffer=False):
+        assert dispatch.launch_mode(dense) == sm90_gemm.Config(pdl=True)
+        grouped = sm90_grouped.Config()
+        assert dispatch.launch_mode(grouped) == grouped
+
+
+@pytest.mark.parametrize("switch,value", [("target_arch", "sm_89"), ("strict", "maybe"), ("nan_fill", 2),
+                                          ("cache_dir", 3), ("no_such_switch", True)])
+def test_config_refuses_bad_values_when_set(switch, value):
+    with pytest.raises(ValueError, match="jax_cute.config"):
+        config.set(**{switch: value})
+
+
+def test_config_refuses_bad_environment_values_when_read(monkeypatch):
+    monkeypatch.setenv("JAX_CUTE_STRICT", "maybe")
+    with pytest.raises(ValueError, match="JAX_CUTE_STRICT must be a boolean"):
+        config.strict()
+    monkeypatch.setenv("JAX_CUTE_TARGET_ARCH", "sm_89")
+    with pytest.raises(ValueError, match="JAX_CUTE_TARGET_ARCH='sm_89' has no jax_cute kernels"):
+        config.target_arch()
+    monkeypatch.setenv("JAX_CUTE_STRICT", "off")
+    assert config.strict() is False

@@ -1,0 +1,235 @@
+"""Kernel or XLA: the one place that decides, for every primitive, when a call is lowered.
+
+1. The target arch is ``config.target_arch()`` (``JAX_CUTE_TARGET_ARCH``) when set, else the
+   arch of the CUDA device JAX lowers for. Lowering for CUDA on a machine with no GPU therefore
+   needs the explicit arch.
+2. A kernel family (``jax_cute.kernels``, contract in docs/kernel-contract.md) is picked by
+   kind and arch; its ``unsupported(spec)`` may refuse the dtypes or layouts, and the flat
+   problem may be refused before that (alignment, modes a kernel cannot take).
+3. A refused call lowers to the primitive's reference path and logs why; in strict mode
+   (``JAX_CUTE_STRICT=1``) it raises :class:`FallbackError` instead.
+
+Each entry point returns an implementation (a function of the primitive's operands that emits
+our custom call, see ``custom_call.kernel_call``) or None for the reference path. What only the
+device knows (its real arch, pointer alignment) is checked by the FFI handler.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Callable
+
+import jax
+import numpy as np
+
+from jax_cute import arch as arch_info
+from jax_cute import autotune, config, kernels, selfcheck
+from jax_cute.cache import CACHE, family_binary
+from jax_cute.custom_call import kernel_call, workspace_outputs
+from jax_cute.kernels import abi
+from jax_cute.kernels.build import KernelBinary, compile_launcher
+from jax_cute.kernels.gemm_spec import GemmSpec, GroupedSpec
+from jax_cute.primitives.gemm_layouts import GemmLayouts
+from jax_cute.primitives.gemm_plan import FlatGemm, flatten_gemm, materialise
+from jax_cute.primitives.ragged_layouts import RAGGED_M, FlatGrouped, RaggedLayouts, flatten_grouped
+
+logger = logging.getLogger("jax_cute")
+
+
+class FallbackError(RuntimeError):
+    """Strict mode: a call would have fallen back to XLA."""
+
+    def __init__(self, op: str, reason: str):
+        super().__init__(f"jax_cute.{op}: no kernel (strict mode): {reason}")
+        self.op, self.reason = op, reason
+
+
+def fallback(op: str, reason: str) -> None:
+    """Record that ``op`` lowers to XLA, or raise in strict mode."""
+    if config.strict():
+        raise FallbackError(op, reason)
+    logger.warning("jax_cute.%s: falling back to XLA: %s", op, reason)
+
+
+def target_arch() -> tuple[str | None, str]:
+    """(arch, how it was chosen); arch None when there is nothing to compile for."""
+    explicit = config.target_arch()
+    if explicit:
+        return explicit, "explicit"
+    cc = arch_info.device_capability()
+    if cc is None:
+        return None, "no CUDA device is visible; set JAX_CUTE_TARGET_ARCH (e.g. sm_90a) to lower for one"
+    arch = arch_info.arch_for_capability(*cc)
+    if arch is None:
+        return None, f"compute capability {cc[0]}.{cc[1]} has no jax_cute kernels"
+    return arch, f"device compute capability {cc[0]}.{cc[1]}"
+
+
+def arch_allowed(arch: str) -> str | None:
+    """None, or why kernels for ``arch`` may not be used."""
+    if arch in arch_info.UNVERIFIED_ARCHES and not config.unverified_kernels():
+        return (f"{arch} kernels are compile-verified only (never run on hardware); "
+                "set JAX_CUTE_UNVERIFIED_KERNELS=1 to use them")
+    return None
+
+
+def _family(op: str, kind: str, spec, what: str):
+    """(arch, family) whose kernels take ``spec``, or None after the fallback was logged."""
+    arch, why = target_arch()
+    if arch is None:
+        fallback(op, why)
+        return None
+    refusal = arch_allowed(arch)
+    if refusal:
+        fallback(op, refusal)
+        return None
+    try:
+        fam = kernels.family(kind, arch)
+    except ImportError as e:
+        fallback(op, f"the {kind} kernels for {arch} cannot be imported ({e})")
+        return None
+    if fam is None:
+        fallback(op, f"no {kind} kernel family for {arch}")
+        return None
+    why = fam.unsupported(spec)
+    if why:
+        fallback(op, f"{why} ({what})")
+        return None
+    return arch, fam
+
+
+def launch_mode(cfg):
+    """``cfg`` for the current launch mode. Launched on XLA's stream (``command_buffer`` off), a
+    kernel that supports it takes programmatic dependent launch, so its CTAs start under the
+    previous kernel's tail and wait there. Inside a CUDA graph XLA records our call as a child
+    graph, where that cannot act, so recorded launches keep ``cfg`` as it is."""
+    if config.command_buffer() or "pdl" not in {f.name for f in dataclasses.fields(cfg)}:
+        return cfg
+    return dataclasses.replace(cfg, pdl=True)
+
+
+def _trusted(op: str, binary: KernelBinary, impl: Callable, reference: Callable, avals, make_int=None) -> bool:
+    """False (after the fallback was logged) when an unverified kernel fails its first-use check."""
+    if selfcheck.trusted(binary, selfcheck.compare(impl, reference, avals, make_int)):
+        return True
+    fallback(op, f"{binary.name} failed its first-use check on this device")
+    return False
+
+
+def _zeroed(workspaces) -> list[str]:
+    return [w.name for w in workspaces if w.zeroed]
+
+
+# -- dense GEMM (jax_cute_matmul) ---------------------------------------------------------------
+
+def gemm(a_aval, b_aval, *, layouts: GemmLayouts, out_dtype: str, acc_dtype: str,
+         reference: Callable) -> Callable | None:
+    """The kernel implementation of a ``jax_cute_matmul``, or None for ``reference``."""
+    dts = [np.dtype(a_aval.dtype).name, np.dtype(b_aval.dtype).name, np.dtype(out_dtype).name]
+    ext = layouts.extents()
+    what = f"M={ext['m']} N={ext['n']} K={ext['k']} L={ext['l']}, dtypes {'/'.join(dts)}"
+    if 0 in ext.values():
+        return None  # nothing to launch: the reference path writes the zeros
+    flat = flatten_gemm(layouts, dts)
+    if isinstance(flat, str):
+        fallback("matmul", f"{flat} ({what})")
+        return None
+    spec = GemmSpec(dts[0], dts[1], dts[2], flat.a.major, flat.b.major, flat.c.major, acc_dtype)
+    picked = _family("matmul", "gemm", spec, what)
+    if picked is None:
+        return None
+    arch, fam = picked
+    for operand, reason in flat.copies:
+        logger.warning("jax_cute.matmul: copying operand %s into a kernel layout: %s", operand, reason)
+    cfg = fam.heuristic(spec, flat.m, flat.n, flat.k, flat.l, arch_info.num_sms(arch))
+    if config.autotune():
+        cfg = autotune.tuned_gemm_config(fam, arch, spec, flat, dts, cfg)
+    binary = family_binary(fam, arch, spec, launch_mode(cfg))
+    workspaces = fam.workspace(spec, cfg, flat.m, flat.n, flat.k, flat.l)
+
+    def impl(a, b):
+        return _launch_gemm(a, b, flat, binary, workspaces, layouts.c_shape, dts[2])
+
+    if not _trusted("matmul", binary, impl, reference, (a_aval, b_aval)):
+        return None
+    logger.info("jax_cute.matmul: %s on %s (%s)", binary.name, arch, what)
+    return impl
+
+
+def _launch_gemm(a, b, flat: FlatGemm, binary: KernelBinary, workspaces, c_shape, out_dtype: str):
+    if flat.a_src is not None:
+        a = materialise(a, flat.a_src, flat.a.shape[0], flat.a.shape[1], flat.a.shape[2])
+    if flat.b_src is not None:
+        b = materialise(b, flat.b_src, flat.b.shape[0], flat.b.shape[1], flat.b.shape[2])
+    outputs = {"c": (jax.ShapeDtypeStruct(c_shape, np.dtype(out_dtype)), flat.c.shape, flat.c.stride)}
+    outputs.update(workspace_outputs(binary, workspaces))
+    res = kernel_call(binary, {"a": (a, flat.a.shape, flat.a.stride), "b": (b, flat.b.shape, flat.b.stride)},
+                      outputs, zeroed=_zeroed(workspaces))
+    return res["c"]
+
+
+# -- grouped GEMM (jax_cute_ragged_m / jax_cute_ragged_k) ----------------------------------------
+
+def grouped(a_aval, b_aval, gs_aval, *, layouts: RaggedLayouts, out_dtype: str, acc_dtype: str,
+            reference: Callable) -> Callable | None:
+    """The kernel implementation of a grouped GEMM primitive, or None for ``reference``."""
+    dts = [np.dtype(a_aval.dtype).name, np.dtype(b_aval.dtype).name, np.dtype(out_dtype).name]
+    e = layouts.extents()
+    what = f"{layouts.mode} M={e['m']} N={e['n']} K={e['k']} G={e['g']} L={e['l']}, dtypes {'/'.join(dts)}"
+    if 0 in e.values():
+        return None  # nothing to launch: the reference writes the zeros
+    flat = flatten_grouped(layouts, dts)
+    if isinstance(flat, str):
+        fallback("ragged_dot", f"{flat} ({what})")
+        return None
+    spec = GroupedSpec(layouts.mode, *dts, flat.a.major, flat.b.major, flat.c.major, acc_dtype)
+    picked = _family("ragged_dot", "grouped", spec, what)
+    if picked is None:
+        return None
+    arch, fam = picked
+    cfg = fam.heuristic(spec, flat.m, flat.n, flat.k, flat.g, flat.l, arch_info.num_sms(arch))
+    binary = family_binary(fam, arch, spec, cfg)
+    workspaces = fam.workspace(spec, cfg, flat.m, flat.n, flat.k, flat.g, flat.l)
+
+    def impl(a, b, gs):
+        return _launch_grouped(a, b, gs, flat, binary, workspaces, layouts.c_shape, dts[2])
+
+    ragged = e["m"] if layouts.mode == RAGGED_M else e["k"]
+
+    def sizes(rng, shape):  # a random split of the ragged extent, some groups empty
+        cuts = np.sort(rng.integers(0, ragged + 1, shape), axis=0)
+        return np.diff(cuts, axis=0, prepend=0)
+
+    if not _trusted("ragged_dot", binary, impl, reference, (a_aval, b_aval, gs_aval), sizes):
+        return None
+    logger.info("jax_cute.ragged_dot: %s on %s (%s)", binary.name, arch, what)
+    return impl
+
+
+def _launch_grouped(a, b, gs, flat: FlatGrouped, binary: KernelBinary, workspaces, c_shape, out_dtype: str):
+    b_desc = flat.b4 or (flat.b.shape, flat.b.stride)
+    c_desc = flat.c4 or (flat.c.shape, flat.c.stride)
+    outputs = {"c": (jax.ShapeDtypeStruct(c_shape, np.dtype(out_dtype)), *c_desc)}
+    outputs.update(workspace_outputs(binary, workspaces))
+    inputs = {"a": (a, flat.a.shape, flat.a.stride), "b": (b, *b_desc), "group_sizes": (gs, *flat.gs)}
+    return kernel_call(binary, inputs, outputs, zeroed=_zeroed(workspaces))["c"]
+
+
+# -- user kernels (jax_cute_call) ----------------------------------------------------------------
+
+def user_kernel(name: str, identity: str, launcher: Callable, signature: abi.Signature,
+                has_reference: bool) -> KernelBinary | None:
+    """The compiled user launcher for the current target, or None (reference path, logged).
+
+    A kernel with no reference has nowhere to fall back to: for it, no target is an error.
+    """
+    arch, why = target_arch()
+    if arch is None:
+        if not has_reference:
+            raise RuntimeError(f"jax_cute.cute_call({name}): {why}")
+        fallback("cute_call", f"{name}: {why}")
+        return None
+    fields = {"family": "user", "identity": identity, "arch": arch, "signature": abi.signature_to_json(signature)}
+    return CACHE.get(fields, lambda: compile_launcher(launcher, signature, arch=arch, name=name))
+
