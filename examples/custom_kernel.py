@@ -114,10 +114,16 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
 
     on_gpu = jax.default_backend() == "gpu"
-    print(f"backend: {jax.default_backend()} -> "
-          f"{'CuTe kernel on ' + jax.devices()[0].device_kind if on_gpu else 'reference path on CPU (no GPU found)'}")
+    x = jnp.ones((1000,), jnp.float32)
+    if not on_gpu:
+        path = "reference path on CPU (no GPU found)"
+    elif "jax_cute_launch" in jax.jit(axpby).lower(x, x, jnp.float32(1.0)).as_text():
+        path = f"jax_cute kernel (cute_call) on {jax.devices()[0].device_kind}"
+    else:
+        path = f"reference path on {jax.devices()[0].device_kind} (see the jax_cute log)"
+    print(f"path: {path}")
     ka, kb = jax.random.split(jax.random.key(0))
-    results: dict = {}
+    results: dict = {"path": path}
     for dtype, tol in ((jnp.float32, 1e-5), (jnp.bfloat16, 3e-2)):
         a = jax.random.normal(ka, (args.n,), dtype)
         b = jax.random.normal(kb, (args.n,), dtype)

@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> dict:
     ref_step = None if args.no_compare else make_step(jnp.matmul, dtype, lr)
     out = train_and_compare(step, ref_step, params, x, y, steps, names=("jax_cute.matmul", "jnp.matmul"),
                             labels=("jax_cute", "jnp"), flops=6 * 2 * batch * d_model * d_ff,  # 2 GEMMs fwd, 4 bwd
-                            gemms="GEMMs", ratio="jax_cute/jnp time ratio", verbose=not args.quiet)
+                            gemms="GEMMs", verbose=not args.quiet)
     return {"path": path, **out}
 
 

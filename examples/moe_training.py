@@ -28,15 +28,6 @@ SIZES = {  # (tokens, d_model, d_ff, experts, top_k, steps, lr)
 Params = dict[str, jax.Array]
 
 
-def get_ragged_dot() -> tuple[Callable, str]:
-    """jax_cute.ragged_dot when this jax_cute has it, else jax.lax.ragged_dot (noted)."""
-    fn = getattr(jax_cute, "ragged_dot", None)
-    if fn is None:
-        print("note: this jax_cute has no ragged_dot yet; using jax.lax.ragged_dot instead")
-        return jax.lax.ragged_dot, "jax.lax.ragged_dot (fallback)"
-    return fn, "jax_cute.ragged_dot"
-
-
 def init(key: jax.Array, d_model: int, d_ff: int, experts: int) -> Params:
     kr, k1, k2 = jax.random.split(key, 3)
     return {"router": jax.random.normal(kr, (d_model, experts), jnp.float32) / d_model ** 0.5,
@@ -79,7 +70,7 @@ def main(argv: list[str] | None = None) -> dict:
     tokens, d_model, d_ff, experts, top_k, steps, lr = SIZES[args.size]
     steps, lr = args.steps or steps, args.lr or lr
     dtype = jnp.bfloat16 if on_gpu else jnp.float32
-    rdot, rname = get_ragged_dot()
+    rdot, rname = jax_cute.ragged_dot, "jax_cute.ragged_dot"
 
     params = init(jax.random.key(0), d_model, d_ff, experts)
     teacher = init(jax.random.key(1), d_model, d_ff, experts)
@@ -96,8 +87,8 @@ def main(argv: list[str] | None = None) -> dict:
     out = train_and_compare(step, ref_step, params, x, y, steps, names=(rname, "jax.lax.ragged_dot"),
                             labels=("moe", "lax"),
                             flops=6 * 2 * tokens * top_k * d_model * d_ff,  # 2 grouped GEMMs fwd, 4 bwd
-                            gemms="grouped GEMMs", ratio="time ratio", verbose=not args.quiet)
-    return {"path": path, **out, "ragged_dot": rname}
+                            gemms="grouped GEMMs", verbose=not args.quiet)
+    return {"path": path, **out}
 
 
 if __name__ == "__main__":

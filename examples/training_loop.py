@@ -46,23 +46,38 @@ def train(step: Callable, params, x: jax.Array, y: jax.Array, steps: int, label:
     return losses, times
 
 
+def compare_line(names: tuple[str, str], ms: float, ref_ms: float) -> str:
+    """``names[0]`` against ``names[1]`` in words: both step times, then which is faster and by
+    how much (always a factor >= 1, so the sentence reads one way only)."""
+    faster = ref_ms >= ms
+    factor = ref_ms / ms if faster else ms / ref_ms
+    line = (f"{names[0]} step {ms:.2f} ms, {names[1]} step {ref_ms:.2f} ms: "
+            f"{names[0]} {factor:.2f}x {'faster' if faster else 'slower'}")
+    if jax.default_backend() != "gpu":
+        line += " (no GPU: both ran plain XLA ops, not jax_cute kernels)"
+    return line
+
+
 def train_and_compare(step: Callable, ref_step: Callable | None, params, x: jax.Array, y: jax.Array,
                       steps: int, *, names: tuple[str, str], labels: tuple[str, str], flops: float,
-                      gemms: str, ratio: str, verbose: bool) -> dict:
+                      gemms: str, verbose: bool) -> dict:
     """Train with ``step`` and, unless ``ref_step`` is None, again with ``ref_step`` from the same
-    start; print both lines and fail when the loss did not go down. ``names`` head the printed
-    lines, ``labels`` the per-step lines; ``flops`` per step are reported as TFLOP/s in ``gemms``."""
+    start; print a line per run and one comparing their median step times, and fail when the
+    loss did not go down. ``names`` head the printed lines, ``labels`` the per-step lines;
+    ``flops`` per step are reported as TFLOP/s in ``gemms``."""
     losses, times = train(step, params, x, y, steps, labels[0], verbose)
     ms = statistics.median(times[1:] or times)  # the first step includes compilation
-    print(f"{names[0]}: loss {losses[0]:.5f} -> {losses[-1]:.5f}; median {ms:.2f} ms/step "
+    width = max(len(n) for n in names) + 1
+    print(f"{names[0] + ':':<{width}} loss {losses[0]:.5f} -> {losses[-1]:.5f}; median {ms:.2f} ms/step "
           f"({flops / ms / 1e9:.1f} TFLOP/s in the {gemms})")
     out = {"losses": losses, "ms": ms}
     if ref_step is not None:
         ref_losses, ref_times = train(ref_step, params, x, y, steps, labels[1], False)
         ref_ms = statistics.median(ref_times[1:] or ref_times)
-        print(f"{names[1] + ':':<{len(names[0]) + 1}} loss {ref_losses[0]:.5f} -> {ref_losses[-1]:.5f}; median {ref_ms:.2f} ms/step "
-              f"({ratio} {ms / ref_ms:.2f})")
-        out.update(ref_losses=ref_losses, ref_ms=ref_ms)
+        print(f"{names[1] + ':':<{width}} loss {ref_losses[0]:.5f} -> {ref_losses[-1]:.5f}; median {ref_ms:.2f} ms/step "
+              f"({flops / ref_ms / 1e9:.1f} TFLOP/s in the {gemms})")
+        out.update(ref_losses=ref_losses, ref_ms=ref_ms, comparison=compare_line(names, ms, ref_ms))
+        print(out["comparison"])
     if not losses[-1] < losses[0]:
         raise SystemExit(f"loss did not go down: {losses[0]} -> {losses[-1]}")
     return out

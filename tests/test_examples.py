@@ -18,21 +18,38 @@ sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
-def test_mlp_training_loss_goes_down():
+def test_mlp_training_loss_goes_down(capsys):
     import mlp_training
 
     out = mlp_training.main(["--size", "tiny", "--steps", "8", "--quiet"])
     assert out["losses"][-1] < 0.8 * out["losses"][0]
     assert out["ref_losses"] == pytest.approx(out["losses"], rel=1e-4)  # same math as jnp.matmul on CPU
     assert "CPU" in out["path"]
+    printed = capsys.readouterr().out
+    assert "path: reference path on CPU (no GPU found)" in printed
+    assert out["comparison"] in printed
+    assert out["comparison"].startswith(f"jax_cute.matmul step {out['ms']:.2f} ms, jnp.matmul step {out['ref_ms']:.2f} ms: "
+                                        "jax_cute.matmul ")
 
 
-def test_moe_training_loss_goes_down():
+def test_moe_training_loss_goes_down(capsys):
     import moe_training
 
     out = moe_training.main(["--size", "tiny", "--steps", "8", "--quiet"])
     assert out["losses"][-1] < 0.9 * out["losses"][0]
     assert out["ref_losses"] == pytest.approx(out["losses"], rel=1e-4)
+    printed = capsys.readouterr().out
+    assert "path: reference path on CPU (no GPU found)" in printed
+    assert "jax_cute.ragged_dot step " in out["comparison"] and ", jax.lax.ragged_dot step " in out["comparison"]
+
+
+def test_comparison_says_which_way():
+    from training_loop import compare_line
+
+    assert compare_line(("jax_cute", "lax"), 10.0, 13.8).startswith(
+        "jax_cute step 10.00 ms, lax step 13.80 ms: jax_cute 1.38x faster")
+    assert compare_line(("jax_cute", "lax"), 13.8, 10.0).startswith(
+        "jax_cute step 13.80 ms, lax step 10.00 ms: jax_cute 1.38x slower")
 
 
 def test_custom_kernel_matches_and_lowers_for_sm90a():
@@ -40,6 +57,7 @@ def test_custom_kernel_matches_and_lowers_for_sm90a():
     import custom_kernel
 
     out = custom_kernel.main(["--n", "1027", "--batch", "3"])
+    assert out["path"] == "reference path on CPU (no GPU found)"
     assert out["err_float32"] <= 1e-5 and out["vmap_err"] <= 1e-5 and out["grad_err"] <= 1e-5
     assert out["sm90a_lowered"]
 
