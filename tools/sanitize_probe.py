@@ -22,10 +22,7 @@ def r(*shape):
 def direct(cfg_kwargs: dict, m: int, n: int, k: int):
     """A config the heuristic does not pick (autotune may), compiled here and launched directly
     on jnp.matmul's layouts: A (m, k) and B (k, n) row-major, C (m, n) row-major."""
-    try:
-        from jax_cute.custom_call import kernel_call, workspace_outputs
-    except ImportError:  # older tree: the same functions under their former module name
-        from jax_cute.launch import kernel_call, workspace_outputs
+    from jax_cute.custom_call import kernel_call, workspace_outputs
     from jax_cute.kernels import build, sm90_gemm
     from jax_cute.kernels.gemm_spec import GemmSpec
 
