@@ -2,6 +2,7 @@
 
 Public API:
 - :func:`matmul` — ``jnp.matmul`` semantics with ``transpose_a``/``transpose_b``;
+- :func:`dot_general`, :func:`einsum` — ``lax.dot_general`` and two-operand ``jnp.einsum``;
 - :func:`ragged_dot` — ``jax.lax.ragged_dot`` semantics (grouped GEMM for MoE);
 - :func:`cute_call` — run your own ``@cute.jit`` launcher inside ``jax.jit``;
 - :mod:`config` — switches (target arch, strict mode, NaN fill, cache, unverified kernels);
@@ -15,6 +16,7 @@ from jax import export
 from jax_cute import config, layout
 from jax_cute.dispatch import FallbackError
 from jax_cute.primitives.cute_call import cute_call
+from jax_cute.primitives.dot_general import dot_general, einsum
 from jax_cute.primitives.matmul import matmul
 from jax_cute.primitives.ragged_dot import ragged_dot
 from jax_cute.runtime import TARGET_NAME, STREAM_TARGET_NAME
@@ -37,5 +39,5 @@ def export_disabled_checks() -> list:
     return [export.DisabledSafetyCheck.custom_call(name) for name in (TARGET_NAME, STREAM_TARGET_NAME)]
 
 
-__all__ = ["matmul", "ragged_dot", "cute_call", "config", "layout", "FallbackError", "export_disabled_checks",
+__all__ = ["matmul", "dot_general", "einsum", "ragged_dot", "cute_call", "config", "layout", "FallbackError", "export_disabled_checks",
            "register_ffi", "__version__"]

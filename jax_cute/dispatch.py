@@ -123,9 +123,12 @@ def _zeroed(workspaces) -> list[str]:
 
 # -- dense GEMM (jax_cute_matmul) ---------------------------------------------------------------
 
-def gemm(a_aval, b_aval, *, layouts: GemmLayouts, out_dtype: str, acc_dtype: str,
-         reference: Callable) -> Callable | None:
-    """The kernel implementation of a ``jax_cute_matmul``, or None for ``reference``."""
+def gemm(a_aval, b_aval, *, layouts: GemmLayouts, out_dtype: str, acc_dtype: str, reference: Callable,
+         precision=None) -> Callable | None:
+    """The kernel implementation of a ``jax_cute_matmul``, or None for ``reference``.
+
+    ``precision`` only matters where XLA computes: the kernels take 16- and 8-bit inputs, whose
+    products are exact, and accumulate in float32."""
     dts = [np.dtype(a_aval.dtype).name, np.dtype(b_aval.dtype).name, np.dtype(out_dtype).name]
     ext = layouts.extents()
     what = f"M={ext['m']} N={ext['n']} K={ext['k']} L={ext['l']}, dtypes {'/'.join(dts)}"

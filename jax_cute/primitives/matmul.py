@@ -33,7 +33,7 @@ logger = logging.getLogger("jax_cute")
 matmul_p = core.Primitive("jax_cute_matmul")
 
 
-def _abstract_eval(a, b, *, layouts: GemmLayouts, out_dtype, acc_dtype):
+def _abstract_eval(a, b, *, layouts: GemmLayouts, out_dtype, acc_dtype, precision=None):
     if int(np.prod(a.shape)) < layouts.a.cosize() or int(np.prod(b.shape)) < layouts.b.cosize():
         raise ValueError(f"jax_cute_matmul: layouts {layouts.a} / {layouts.b} reach past buffers "
                          f"{a.shape} / {b.shape}")
@@ -51,7 +51,7 @@ def _eager(*args, **params):
 matmul_p.def_impl(_eager)
 
 
-def reference(a, b, *, layouts: GemmLayouts, out_dtype, acc_dtype):
+def reference(a, b, *, layouts: GemmLayouts, out_dtype, acc_dtype, precision=None):
     """The GEMM in plain lax ops, reading and writing through the layouts."""
     av = L.read(a, layouts.a)  # (M, K, L)
     bv = L.read(b, layouts.b)  # (N, K, L)
@@ -59,7 +59,8 @@ def reference(a, b, *, layouts: GemmLayouts, out_dtype, acc_dtype):
     # Widening first is exact (products of 16-bit floats are exact in f32) and every backend's
     # dot supports it; XLA:CPU has no bf16 x bf16 -> f32 batched dot.
     av, bv = av.astype(acc), bv.astype(acc)
-    cv = jax.lax.dot_general(av, bv, (((1,), (1,)), ((2,), (2,))), preferred_element_type=acc)  # (L, M, N)
+    cv = jax.lax.dot_general(av, bv, (((1,), (1,)), ((2,), (2,))), precision=precision,
+                             preferred_element_type=acc)  # (L, M, N)
     cv = jnp.transpose(cv, (1, 2, 0)).astype(out_dtype)
     return L.write(cv, layouts.c, layouts.c_shape)
 
@@ -86,7 +87,7 @@ def _batched_layout(lay: L.Layout, buffer_shape, axis, size) -> L.Layout:
     return relocate.compose(lay).append_to_mode(2, size, inner)
 
 
-def _batch_rule(args, dims, *, layouts: GemmLayouts, out_dtype, acc_dtype):
+def _batch_rule(args, dims, *, layouts: GemmLayouts, out_dtype, acc_dtype, precision=None):
     a, b = args
     da, db = dims
     size = a.shape[da] if da is not None else b.shape[db]
@@ -97,7 +98,7 @@ def _batch_rule(args, dims, *, layouts: GemmLayouts, out_dtype, acc_dtype):
         layouts.c.append_to_mode(2, size, int(np.prod(layouts.c_shape))),
         (size,) + tuple(layouts.c_shape),
     )
-    return matmul_p.bind(a, b, layouts=new, out_dtype=out_dtype, acc_dtype=acc_dtype), 0
+    return matmul_p.bind(a, b, layouts=new, out_dtype=out_dtype, acc_dtype=acc_dtype, precision=precision), 0
 
 
 batching.primitive_batchers[matmul_p] = _batch_rule
@@ -137,7 +138,7 @@ def _cotangent_rule(which: str):
     layouts_for = cotangent_a if which == "a" else cotangent_b
     partials_for = cotangent_a_partials if which == "a" else cotangent_b_partials
 
-    def rule(ct, a, b, *, layouts: GemmLayouts, out_dtype, acc_dtype):
+    def rule(ct, a, b, *, layouts: GemmLayouts, out_dtype, acc_dtype, precision=None):
         undefined, other = (a, b) if which == "a" else (b, a)
         if type(ct) is ad.Zero:
             return ad.Zero(undefined.aval)
@@ -152,9 +153,10 @@ def _cotangent_rule(which: str):
             partial = partials_for(layouts, shape)
             if partial is not None and not _kernel_needs_copies(partial[0], dts[:2] + ["float32"]):
                 g, lead = partial
-                out = matmul_p.bind(ct, other, layouts=g, out_dtype="float32", acc_dtype=acc_dtype)
+                out = matmul_p.bind(ct, other, layouts=g, out_dtype="float32", acc_dtype=acc_dtype,
+                                    precision=precision)
                 return jnp.sum(out, axis=tuple(range(lead))).astype(dtype)
-        out = matmul_p.bind(ct, other, layouts=folded, out_dtype=gdt.name, acc_dtype=acc_dtype)
+        out = matmul_p.bind(ct, other, layouts=folded, out_dtype=gdt.name, acc_dtype=acc_dtype, precision=precision)
         return out.astype(dtype)  # a no-op unless the gradient GEMM ran in bf16 for fp8
 
     return rule
@@ -182,17 +184,39 @@ def _acc_dtype(dtype: np.dtype) -> np.dtype:
     return np.dtype("int64") if dtype == np.dtype("int64") else np.dtype("int32")
 
 
-def matmul(a, b, *, transpose_a: bool = False, transpose_b: bool = False, preferred_element_type=None):
+def check_operand_dtypes(op: str, a, b) -> None:
+    for what, x in (("first", a), ("second", b)):
+        if operand_dtype_error(x.dtype):
+            raise TypeError(f"jax_cute.{op}: the {what} operand has unsupported dtype {x.dtype} "
+                            f"(shapes {a.shape}:{a.dtype}, {b.shape}:{b.dtype})")
+
+
+def bind_gemm(op: str, a, b, layouts: GemmLayouts, preferred_element_type, precision, out_dtype=None):
+    """Bind ``jax_cute_matmul`` with numpy-style dtype promotion (both operands cast to their
+    result type) and the output dtype ``preferred_element_type`` or ``out_dtype`` or that type."""
+    check_operand_dtypes(op, a, b)
+    dtype = jnp.result_type(a, b)
+    a, b = a.astype(dtype), b.astype(dtype)
+    out = np.dtype(preferred_element_type or out_dtype or dtype)
+    acc = _acc_dtype(np.dtype(dtype))
+    if jnp.issubdtype(out, jnp.floating) and not jnp.issubdtype(acc, jnp.inexact):
+        acc = np.dtype("float32")
+    return matmul_p.bind(a, b, layouts=layouts, out_dtype=out.name, acc_dtype=acc.name, precision=precision)
+
+
+def matmul(a, b, *, transpose_a: bool = False, transpose_b: bool = False, precision=None,
+           preferred_element_type=None):
     """``jnp.matmul(a', b')`` with ``a' = swapaxes(a, -1, -2)`` when ``transpose_a`` (likewise b).
 
     Batch dimensions broadcast as in ``jnp.matmul``; 1-D operands are promoted and the added
-    mode dropped, as there. Transposes are layout changes, not copies. With
-    ``preferred_element_type=float32`` on 16-bit inputs the result is float32, and in the
-    backward pass its cotangent is rounded once to the input dtype before the gradient GEMMs.
-    With 8-bit float inputs (``float8_e4m3fn``/``float8_e5m2``; the Hopper kernel needs both
-    contiguous along K, e.g. ``matmul(x, w, transpose_b=True)`` for a (N, K) weight) pass
-    ``preferred_element_type`` (bfloat16, float16 or float32): the gradient GEMMs then run in
-    bfloat16 and the gradients are rounded to the fp8 dtype at the end.
+    mode dropped, as there. Transposes are layout changes, not copies. ``precision`` is passed
+    to XLA where no kernel runs (the kernels multiply 16- and 8-bit inputs exactly and
+    accumulate in float32). With ``preferred_element_type=float32`` on 16-bit inputs the result
+    is float32, and in the backward pass its cotangent is rounded once to the input dtype
+    before the gradient GEMMs. With 8-bit float inputs (``float8_e4m3fn``/``float8_e5m2``; the
+    Hopper kernel needs both contiguous along K, e.g. ``matmul(x, w, transpose_b=True)`` for a
+    (N, K) weight) pass ``preferred_element_type`` (bfloat16, float16 or float32): the gradient
+    GEMMs then run in bfloat16 and the gradients are rounded to the fp8 dtype at the end.
     """
     a, b = jnp.asarray(a), jnp.asarray(b)
     if a.ndim == 0 or b.ndim == 0:
@@ -200,16 +224,6 @@ def matmul(a, b, *, transpose_a: bool = False, transpose_b: bool = False, prefer
     if (transpose_a and a.ndim < 2) or (transpose_b and b.ndim < 2):
         raise ValueError(f"jax_cute.matmul: transpose_a/transpose_b need a 2-D or higher operand, got shapes "
                          f"{a.shape} and {b.shape}")
-    for what, x in (("a", a), ("b", b)):
-        if operand_dtype_error(x.dtype):
-            raise TypeError(f"jax_cute.matmul: operand {what} has unsupported dtype {x.dtype} "
-                            f"(shapes {a.shape}:{a.dtype}, {b.shape}:{b.dtype})")
-    dtype = jnp.result_type(a, b)
-    a, b = a.astype(dtype), b.astype(dtype)
-    out_dtype = np.dtype(preferred_element_type) if preferred_element_type is not None else np.dtype(dtype)
     layouts, out_shape = matmul_layouts(a.shape, b.shape, transpose_a, transpose_b)
-    acc = _acc_dtype(np.dtype(dtype))
-    if jnp.issubdtype(out_dtype, jnp.floating) and not jnp.issubdtype(acc, jnp.floating):
-        acc = np.dtype("float32")
-    c = matmul_p.bind(a, b, layouts=layouts, out_dtype=out_dtype.name, acc_dtype=acc.name)
+    c = bind_gemm("matmul", a, b, layouts, preferred_element_type, precision)
     return jnp.reshape(c, out_shape) if c.shape != out_shape else c
