@@ -138,11 +138,16 @@ def gemm(a_aval, b_aval, *, layouts: GemmLayouts, out_dtype: str, acc_dtype: str
     if isinstance(flat, str):
         fallback("matmul", f"{flat} ({what})")
         return None
-    spec = GemmSpec(dts[0], dts[1], dts[2], flat.a.major, flat.b.major, flat.c.major, acc_dtype)
+    spec = GemmSpec(dts[0], dts[1], dts[2], flat.a.major, flat.b.major, flat.c.major, acc_dtype,
+                    batch_modes=flat.batch_modes)
     picked = _family("matmul", "gemm", spec, what)
     if picked is None:
         return None
     arch, fam = picked
+    if spec.batch_modes not in getattr(fam, "BATCH_MODES", (1,)):
+        fallback("matmul", f"the batch modes do not coalesce into one, and the {fam.FAMILY} kernels take "
+                           f"one ({what})")
+        return None
     for operand, reason in flat.copies:
         logger.warning("jax_cute.matmul: copying operand %s into a kernel layout: %s", operand, reason)
     cfg = fam.heuristic(spec, flat.m, flat.n, flat.k, flat.l, arch_info.num_sms(arch))
@@ -162,9 +167,9 @@ def gemm(a_aval, b_aval, *, layouts: GemmLayouts, out_dtype: str, acc_dtype: str
 
 def _launch_gemm(a, b, flat: FlatGemm, binary: KernelBinary, workspaces, c_shape, out_dtype: str):
     if flat.a_src is not None:
-        a = materialise(a, flat.a_src, flat.a.shape[0], flat.a.shape[1], flat.a.shape[2])
+        a = materialise(a, flat.a_src, flat.a)
     if flat.b_src is not None:
-        b = materialise(b, flat.b_src, flat.b.shape[0], flat.b.shape[1], flat.b.shape[2])
+        b = materialise(b, flat.b_src, flat.b)
     outputs = {"c": (jax.ShapeDtypeStruct(c_shape, np.dtype(out_dtype)), flat.c.shape, flat.c.stride)}
     outputs.update(workspace_outputs(binary, workspaces))
     res = kernel_call(binary, {"a": (a, flat.a.shape, flat.a.stride), "b": (b, flat.b.shape, flat.b.stride)},

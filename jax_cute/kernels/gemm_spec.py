@@ -3,7 +3,10 @@
 The logical modes follow CuTe's GEMM convention: A is (M, K, L), B is (N, K, L), C is
 (M, N, L), so ``C[m, n, l] = sum_k A[m, k, l] * B[n, k, l]``. Each operand has one unit-stride
 ("major") mode; every other stride is dynamic and a multiple of 16 bytes, which TMA needs.
-The batch count is C's L; an operand whose L extent is 1 is broadcast over every batch.
+The batch count is C's L; an operand whose L extent is 1 is broadcast over every batch. L may
+instead be three batch modes (``batch_modes=3``: rank-5 operands (rows, cols, L0, L1, L2), the
+batch index split colexicographically, L0 fastest); an operand whose extent in one of them is 1
+is broadcast over that mode.
 """
 
 from __future__ import annotations
@@ -41,21 +44,25 @@ class GemmSpec:
     b_major: str = "k"
     c_major: str = "n"
     acc_dtype: str = "float32"
+    batch_modes: int = 1   # 1, or 3 (see the module notes)
 
     def __post_init__(self):
         if self.a_major not in ("k", "m") or self.b_major not in ("k", "n") or self.c_major not in ("n", "m"):
             raise ValueError(f"bad major-ness in {self}")
+        if self.batch_modes not in (1, 3):
+            raise ValueError(f"a GEMM takes 1 or 3 batch modes, not {self.batch_modes}")
 
     def key(self) -> str:
         return (f"{self.a_dtype}.{self.b_dtype}.{self.c_dtype}.acc{self.acc_dtype}."
-                f"{self.a_major}{self.b_major}{self.c_major}")
+                f"{self.a_major}{self.b_major}{self.c_major}" + (f".b{self.batch_modes}" if self.batch_modes > 1 else ""))
 
     def signature(self, extra: tuple = ()) -> Signature:
-        """(a (M,K,L), b (N,K,L), c (M,N,L), *extra, stream)."""
+        """(a (M,K,L...), b (N,K,L...), c (M,N,L...), *extra, stream)."""
+        rank = 2 + self.batch_modes
         return (
-            _operand("a", self.a_dtype, 3, 1 if self.a_major == "k" else 0),
-            _operand("b", self.b_dtype, 3, 1 if self.b_major == "k" else 0),
-            _operand("c", self.c_dtype, 3, 1 if self.c_major == "n" else 0),
+            _operand("a", self.a_dtype, rank, 1 if self.a_major == "k" else 0),
+            _operand("b", self.b_dtype, rank, 1 if self.b_major == "k" else 0),
+            _operand("c", self.c_dtype, rank, 1 if self.c_major == "n" else 0),
             *extra,
             StreamArg(),
         )

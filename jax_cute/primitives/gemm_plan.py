@@ -24,11 +24,21 @@ def itemsize(dtype: str) -> int:
     return jnp.dtype(dtype).itemsize
 
 
+# Batch modes a kernel takes: one, or three (a 5-D TMA tensor: two matrix modes and three batch).
+MAX_BATCH_MODES = 3
+
+
 @dataclasses.dataclass(frozen=True)
 class FlatOperand:
-    shape: tuple[int, int, int]
-    stride: tuple[int, int, int]
+    """(rows, cols, *batch) extents and strides: one batch mode, or MAX_BATCH_MODES of them."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
     major: str  # which matrix mode has unit stride: "k", "m", "n"
+
+    @property
+    def batch_modes(self) -> int:
+        return len(self.shape) - 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +53,10 @@ class FlatGemm:
     copies: tuple[tuple[str, str], ...] = ()  # (operand, why) materialised before the launch
     a_src: Layout | None = None  # for a copied operand: its (rows, cols, L) layout to read from
     b_src: Layout | None = None
+
+    @property
+    def batch_modes(self) -> int:
+        return self.c.batch_modes
 
 
 def _coalesce_l(g: GemmLayouts) -> list[tuple[int, int, int, int]]:
@@ -69,6 +83,15 @@ def _single(mode: Layout) -> tuple[int, int] | None:
 
 def _operand(name: str, rows: Layout, cols: Layout, l_ext: int, l_stride: int, dtype: str,
              names: tuple[str, str]) -> FlatOperand | str:
+    """An operand with one batch mode (the grouped kernels take one)."""
+    return _operand_modes(name, rows, cols, [(l_ext, l_stride)], dtype, names)
+
+
+def _operand_modes(name: str, rows: Layout, cols: Layout, batch: Sequence[tuple[int, int]], dtype: str,
+                   names: tuple[str, str]) -> FlatOperand | str:
+    """The flat operand over matrix modes ``rows``, ``cols`` and batch modes (extent, stride),
+    or why TMA cannot address it. A broadcast batch mode (stride 0) becomes extent 1: the
+    kernels read index 0 of it for every batch."""
     r, c = _single(rows), _single(cols)
     if r is None or c is None:
         return f"operand {name}: a matrix mode does not coalesce ({rows}, {cols})"
@@ -91,11 +114,18 @@ def _operand(name: str, rows: Layout, cols: Layout, l_ext: int, l_stride: int, d
         return f"operand {name}: neither mode has unit stride (strides {rd}, {cd})"
     if other % div:
         return f"operand {name}: stride {other} is not a multiple of 16 bytes"
-    if l_ext == 1 or l_stride == 0:
-        l_ext, l_stride = 1, -(-(rs * cs) // div) * div
-    elif l_stride % div:
-        return f"operand {name}: batch stride {l_stride} is not a multiple of 16 bytes"
-    return FlatOperand((rs, cs, l_ext), (rd, cd, l_stride), major)
+    unit = -(-(rs * cs) // div) * div  # a legal stride for an extent-1 batch mode
+    modes = []
+    for ext, st in batch or [(1, 0)]:
+        if ext == 1 or st == 0:
+            modes.append((1, unit))
+        elif st % div:
+            return f"operand {name}: batch stride {st} is not a multiple of 16 bytes"
+        else:
+            modes.append((ext, st))
+    if len(modes) > 1:
+        modes += [(1, unit)] * (MAX_BATCH_MODES - len(modes))
+    return FlatOperand((rs, cs, *(e for e, _ in modes)), (rd, cd, *(d for _, d in modes)), major)
 
 
 def flatten_gemm(g: GemmLayouts, dtypes: Sequence[str]) -> FlatGemm | str:
@@ -125,38 +155,45 @@ def flatten_gemm(g: GemmLayouts, dtypes: Sequence[str]) -> FlatGemm | str:
             break
         lmodes.pop(0)
     copies: list[tuple[str, str]] = []
-    if len(lmodes) > 1:
-        return f"{len(lmodes)} batch modes do not coalesce into one"
-    l_ext, (la, lb, lc) = (lmodes[0][0], lmodes[0][1:]) if lmodes else (1, (0, 0, 0))
+    if len(lmodes) > MAX_BATCH_MODES:
+        return f"{len(lmodes)} batch modes that do not coalesce (kernels take up to {MAX_BATCH_MODES})"
+    exts = [s for s, *_ in lmodes]
     m, n = product(cm.shape), product(cn.shape)  # M and N after any fold
 
-    c = _operand("c", cm, cn, l_ext, lc, c_dt, ("m", "n"))
+    if any(dc == 0 for *_, dc in lmodes):
+        return "output broadcast over a batch mode"
+    c = _operand_modes("c", cm, cn, [(s, dc) for s, _, _, dc in lmodes], c_dt, ("m", "n"))
     if isinstance(c, str):
         return c
-    if c.stride[2] == 0 or (l_ext > 1 and lc == 0):
-        return "output broadcast over a batch mode"
     srcs = {}
     ops = {}
-    for name, rows, cols, ls, dt, names, r in (("a", am, ak, la, a_dt, ("m", "k"), m),
-                                                ("b", bn, bk, lb, b_dt, ("n", "k"), n)):
-        op = _operand(name, rows, cols, l_ext, ls, dt, names)
+    for name, rows, cols, i, dt, names, r in (("a", am, ak, 1, a_dt, ("m", "k"), m),
+                                               ("b", bn, bk, 2, b_dt, ("n", "k"), n)):
+        op = _operand_modes(name, rows, cols, [(mode[0], mode[i]) for mode in lmodes], dt, names)
         if isinstance(op, str):
+            # One copy into (batch..., rows, K) row-major, keeping broadcast batch modes at extent 1.
             copies.append((name, op))
-            lx = 1 if ls == 0 else l_ext
-            srcs[name] = make_layout(rows, cols, Layout((l_ext,), (ls,)))
-            op = _operand(name, Layout((r,), (ext["k"],)), Layout((ext["k"],), (1,)), lx, r * ext["k"], dt, names)
+            own = [s if mode[i] else 1 for s, mode in zip(exts, lmodes)]
+            srcs[name] = make_layout(rows, cols, Layout(tuple(own) or (1,), tuple(mode[i] for mode in lmodes) or (0,)))
+            strides, step = [], r * ext["k"]
+            for e in own:
+                strides.append(step)
+                step *= e
+            op = _operand_modes(name, Layout((r,), (ext["k"],)), Layout((ext["k"],), (1,)),
+                                list(zip(own, strides)), dt, names)
             if isinstance(op, str):
                 return op
         ops[name] = op
     a, b = ops["a"], ops["b"]
-    return FlatGemm(m, n, ext["k"], l_ext, a, b, c, tuple(copies), srcs.get("a"), srcs.get("b"))
+    return FlatGemm(m, n, ext["k"], product(tuple(exts) or (1,)), a, b, c, tuple(copies), srcs.get("a"),
+                    srcs.get("b"))
 
 
-def materialise(x, lay: Layout, rows: int, cols: int, l: int):
-    """Copy an operand into a (L, rows, cols) row-major buffer: the one logged copy a plan may
-    need for an operand no kernel layout can express."""
-    if l == 1:
-        lay = make_layout(lay.mode(0), lay.mode(1), Layout((1,), (0,)))
+def materialise(x, lay: Layout, op: FlatOperand):
+    """Copy an operand into a (L, rows, cols) row-major buffer (L the product of its batch modes,
+    the first fastest), as ``op`` describes it: the one logged copy a plan may need for an
+    operand no kernel layout can express."""
+    rows, cols, l = op.shape[0], op.shape[1], product(op.shape[2:])
     logical = L.read(x, lay)  # (rows, cols, l) as three flat axes
     logical = jnp.reshape(logical, (rows, cols, l))
     return jnp.transpose(logical, (2, 0, 1))

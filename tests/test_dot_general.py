@@ -1,0 +1,133 @@
+"""jax_cute.dot_general and jax_cute.einsum on the CPU: lax's semantics and errors, layouts that
+need no transpose, and the flat kernel problems they become."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+import jax_cute
+from jax_cute.primitives.dot_general import contraction_layouts
+from jax_cute.primitives.gemm_plan import flatten_gemm
+
+
+def rand(shape, dtype=np.float32, seed=0):
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), dtype)
+
+
+DOT_GENERAL = [
+    ((7, 3), (7, 5), (((0,), (0,)), ((), ()))),                       # dW = x^T dy
+    ((4, 6, 5), (4, 5, 3), (((2,), (1,)), ((0,), (0,)))),             # batched matmul
+    ((6, 4, 5), (5, 3, 4), (((2,), (0,)), ((1,), (2,)))),             # batch and contraction anywhere
+    ((2, 3, 4, 5), (3, 5, 4, 6), (((2, 3), (2, 1)), ((1,), (0,)))),   # two contracting dims
+    ((2, 3, 4), (3, 2, 5), (((), ()), ((0, 1), (1, 0)))),             # two batch dims, no contraction
+    ((1, 7), (7, 1), (((1,), (0,)), ((), ()))),                       # extents of 1
+    ((5,), (5,), (((0,), (0,)), ((), ()))),                           # a dot product
+]
+
+
+@pytest.mark.parametrize("sa,sb,dn", DOT_GENERAL)
+def test_dot_general_matches_lax(sa, sb, dn):
+    a, b = rand(sa), rand(sb, seed=1)
+    want = jax.lax.dot_general(a, b, dn, precision="highest")
+    got = jax.jit(lambda x, y: jax_cute.dot_general(x, y, dn))(a, b)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    check_grads(jax.jit(lambda x, y: jax_cute.dot_general(x, y, dn)), (a, b), order=2, modes=("rev",),
+                atol=2e-2, rtol=2e-2)
+
+
+def test_dot_general_under_vmap_and_preferred_type():
+    a, b = rand((3, 5, 4), jnp.bfloat16), rand((4, 6), jnp.bfloat16, seed=1)
+    dn = (((1,), (0,)), ((), ()))
+    got = jax.vmap(lambda x: jax_cute.dot_general(x, b, dn, preferred_element_type=jnp.float32))(a)
+    want = jax.vmap(lambda x: jax.lax.dot_general(x, b, dn, preferred_element_type=jnp.float32))(a)
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("dn,match", [
+    ((((1,), (1,)), ((), ())), "contracting dimensions to have the same shape"),
+    ((((1,), (0,)), ((0,), (0,))), "batch dimensions"),
+    ((((2,), (0,)), ((), ())), "out of bounds|rank"),
+    ((((1, 1), (0, 0)), ((), ())), "repeated|duplicate|distinct"),
+])
+def test_dot_general_errors_are_lax_errors(dn, match):
+    a, b = rand((4, 5)), rand((5, 3))
+    with pytest.raises(TypeError, match=match):
+        jax.lax.dot_general(a, b, dn)
+    with pytest.raises(TypeError, match=match):
+        jax_cute.dot_general(a, b, dn)
+
+
+EINSUMS = [
+    ("bthd,bshd->bhts", (2, 5, 3, 4), (2, 6, 3, 4)),   # attention scores, written (b, h, t, s)
+    ("bhts,bshd->bthd", (2, 3, 5, 6), (2, 6, 3, 4)),   # attention values, written (b, t, h, d)
+    ("ij,jk", (3, 4), (4, 5)),
+    ("ij,kj->ik", (3, 4), (5, 4)),
+    ("...ij,...jk->...ik", (2, 3, 4), (2, 4, 5)),
+    ("...ij,jk", (2, 3, 4), (4, 5)),
+    ("bij,bjk->kib", (2, 3, 4), (2, 4, 5)),
+    ("ij,jk->", (3, 4), (4, 5)),
+    ("iaj,jk->ik", (3, 2, 4), (4, 5)),                  # 'a' only in one operand: summed first
+    ("i,i->", (5,), (5,)),
+    ("i,j->ij", (3,), (4,)),
+]
+
+
+@pytest.mark.parametrize("spec,sa,sb", EINSUMS)
+def test_einsum_matches_jnp(spec, sa, sb):
+    a, b = rand(sa), rand(sb, seed=1)
+    want = jnp.einsum(spec, a, b, precision="highest")
+    got = jax.jit(lambda x, y: jax_cute.einsum(spec, x, y))(a, b)
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    gw = jax.grad(lambda x, y: (jnp.einsum(spec, x, y) ** 2).sum(), (0, 1))(a, b)
+    gg = jax.grad(lambda x, y: (jax_cute.einsum(spec, x, y) ** 2).sum(), (0, 1))(a, b)
+    for x, y in zip(gg, gw):
+        np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-4)
+
+
+def test_einsum_diagonal_runs_jnp_einsum(caplog):
+    a, b = rand((4, 4)), rand((4, 3), seed=1)
+    np.testing.assert_allclose(jax_cute.einsum("ii,ij->j", a, b), jnp.einsum("ii,ij->j", a, b), rtol=1e-5)
+    assert any("diagonal" in r.getMessage() for r in caplog.records)
+
+
+def test_einsum_bad_subscripts():
+    a, b = rand((3, 4)), rand((4, 5))
+    with pytest.raises(ValueError, match="two operands"):
+        jax_cute.einsum("ij,jk,kl->il", a, b)
+    with pytest.raises(ValueError, match="rank 2"):
+        jax_cute.einsum("ijk,jk->i", a, b)
+    with pytest.raises(ValueError, match="extents 4 and 5"):
+        jax_cute.einsum("ij,kj->ik", a, b)
+    with pytest.raises(ValueError, match="appears in no operand"):
+        jax_cute.einsum("ij,jk->iz", a, b)
+
+
+def test_attention_layouts_need_no_copy():
+    """Both attention products keep q, k, v and the output where they lie: M, N and K are single
+    strided modes and the batch is two modes (b, h) that the kernel takes as they are."""
+    B, T, S, H, D = 2, 128, 64, 4, 64
+    g, _ = contraction_layouts((B, T, H, D), (B, S, H, D), ([3], [3]), ([0, 2], [0, 2]), [0, 1, 2, 3])
+    flat = flatten_gemm(g, ["bfloat16"] * 3)
+    assert not isinstance(flat, str) and not flat.copies
+    assert (flat.m, flat.n, flat.k, flat.l) == (T, S, D, B * H) and flat.batch_modes == 3
+    assert flat.a.shape == (T, D, H, B, 1) and flat.a.stride[:4] == (H * D, 1, D, T * H * D)
+    assert flat.c.shape == (T, S, H, B, 1) and flat.c.stride[:4] == (S, 1, T * S, H * T * S)
+    # probabilities (b, h, t, s) times v (b, s, h, d) written as (b, t, h, d)
+    g, _ = contraction_layouts((B, H, T, S), (B, S, H, D), ([3], [1]), ([0, 1], [0, 2]), [0, 2, 1, 3])
+    flat = flatten_gemm(g, ["bfloat16"] * 3)
+    assert not isinstance(flat, str) and not flat.copies and flat.b.major == "n"
+    assert flat.c.shape == (T, D, H, B, 1) and flat.c.stride[:4] == (H * D, 1, D, T * H * D)
+
+
+def test_one_batch_mode_keeps_the_rank_3_problem():
+    """Products whose batch coalesces keep the one-batch-mode kernel problem."""
+    g, _ = contraction_layouts((4, 16, 32), (4, 32, 24), ([2], [1]), ([0], [0]))
+    flat = flatten_gemm(g, ["bfloat16"] * 3)
+    assert flat.batch_modes == 1 and flat.a.shape == (16, 32, 4) and flat.c.stride == (24, 1, 16 * 24)
