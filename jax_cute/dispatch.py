@@ -21,6 +21,7 @@ import logging
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jax_cute import arch as arch_info
@@ -31,7 +32,7 @@ from jax_cute.kernels import abi
 from jax_cute.kernels.build import KernelBinary, compile_launcher
 from jax_cute.kernels.gemm_spec import GemmSpec, GroupedSpec
 from jax_cute.primitives.gemm_layouts import GemmLayouts
-from jax_cute.primitives.gemm_plan import FlatGemm, flatten_gemm, materialise
+from jax_cute.primitives.gemm_plan import FlatGemm, flatten_gemm, materialise, padded_buffers
 from jax_cute.primitives.ragged_layouts import RAGGED_M, FlatGrouped, RaggedLayouts, flatten_grouped
 
 logger = logging.getLogger("jax_cute")
@@ -135,6 +136,19 @@ def gemm(a_aval, b_aval, *, layouts: GemmLayouts, out_dtype: str, acc_dtype: str
     if 0 in ext.values():
         return None  # nothing to launch: the reference path writes the zeros
     flat = flatten_gemm(layouts, dts)
+    shapes = [tuple(a_aval.shape), tuple(b_aval.shape), tuple(layouts.c_shape)]
+    if isinstance(flat, str) or flat.copies:
+        # Unaligned row strides (a 50257-word vocabulary, K = 7): pad the buffers' rows to
+        # 16 bytes instead. XLA fuses such a pad (or the output's slice) into the neighbouring op
+        # where it can; it is cheaper than the transposing copy or the fallback in any case.
+        alt = padded_buffers(layouts, shapes, dts)
+        alt_flat = flatten_gemm(alt[0], dts) if alt else "no padding helps"
+        if not isinstance(alt_flat, str) and not alt_flat.copies:
+            for name, old, new in zip("abc", shapes, alt[1]):
+                if old != new:
+                    logger.warning("jax_cute.matmul: padding the rows of %s from %d to %d elements (16-byte "
+                                   "TMA strides)", name, old[-1], new[-1])
+            flat, shapes = alt_flat, alt[1]
     if isinstance(flat, str):
         fallback("matmul", f"{flat} ({what})")
         return None
@@ -157,12 +171,18 @@ def gemm(a_aval, b_aval, *, layouts: GemmLayouts, out_dtype: str, acc_dtype: str
     workspaces = fam.workspace(spec, cfg, flat.m, flat.n, flat.k, flat.l)
 
     def impl(a, b):
-        return _launch_gemm(a, b, flat, binary, workspaces, layouts.c_shape, dts[2])
+        a, b = _pad_to(a, shapes[0]), _pad_to(b, shapes[1])
+        c = _launch_gemm(a, b, flat, binary, workspaces, shapes[2], dts[2])
+        return c[tuple(slice(0, n) for n in layouts.c_shape)] if shapes[2] != tuple(layouts.c_shape) else c
 
     if not _trusted("matmul", binary, impl, reference, (a_aval, b_aval)):
         return None
     logger.info("jax_cute.matmul: %s on %s (%s)", binary.name, arch, what)
     return impl
+
+
+def _pad_to(x, shape):
+    return x if x.shape == tuple(shape) else jnp.pad(x, [(0, n - m) for m, n in zip(x.shape, shape)])
 
 
 def _launch_gemm(a, b, flat: FlatGemm, binary: KernelBinary, workspaces, c_shape, out_dtype: str):

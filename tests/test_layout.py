@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from jax_cute import layout as L
 from jax_cute.layout import Layout, insert_axis, make_layout, read, row_major, write
 from jax_cute.primitives.gemm_layouts import refine
 
@@ -126,3 +127,22 @@ def test_hierarchical_mode_is_colexicographic():
     lay = make_layout(Layout((3, 2), (4, 12)), Layout((4,), (1,)))  # M folded with a batch
     buf = np.arange(24).reshape(2, 3, 4)
     np.testing.assert_array_equal(np.asarray(read(jnp.asarray(buf), lay)), buf.reshape(6, 4))
+
+
+@pytest.mark.parametrize("shape,lay", [
+    ((5, 7), L.Layout(((5,), (7,), (1,)), ((7,), (1,), (0,)))),                 # rows and columns
+    ((3, 5, 7), L.Layout(((5,), (7,), (3,)), ((7,), (1,), (35,)))),              # a batch axis
+    ((5, 7), L.Layout(((7,), (5,), (1,)), ((1,), (7,), (0,)))),                 # transposed
+    ((4, 6), L.Layout(((2, 2), (6,)), ((12, 6), (1,)))),                        # an axis split in two
+])
+def test_restride_reads_the_same_elements_from_the_padded_buffer(shape, lay):
+    x = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
+    padded_shape = shape[:-1] + (shape[-1] + 3,)
+    moved = L.restride(lay, shape, padded_shape)
+    xp = np.pad(x, [(0, 0)] * (len(shape) - 1) + [(0, 3)])
+    np.testing.assert_array_equal(L.read(jnp.asarray(xp), moved), L.read(jnp.asarray(x), lay))
+
+
+def test_restride_refuses_a_sub_mode_spanning_axes():
+    # one sub-mode of 35 elements covers both axes of a (5, 7) buffer: padding breaks it
+    assert L.restride(L.Layout((35,), (1,)), (5, 7), (5, 8)) is None

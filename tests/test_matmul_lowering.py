@@ -116,22 +116,39 @@ def test_vmap_over_the_contiguous_axis_logs_one_copy(caplog):
     assert len(copies) == 1
 
 
-def test_misaligned_leading_dimension_falls_back_with_a_log(caplog):
-    with caplog.at_level(logging.WARNING, logger="jax_cute"):
-        text = lowered(jax_cute.matmul, (256, 127), (127, 64))  # K*2 bytes is not a multiple of 16
-    assert "@jax_cute_launch" not in text and "dot_general" in text
-    assert any("falling back to XLA" in r.getMessage() for r in caplog.records)
+def test_misaligned_rows_are_padded_not_copied_or_left_to_xla(caplog):
+    """K * 2 bytes is not a multiple of 16: the rows of A are padded to 128 elements (a pad XLA
+    can fuse into A's producer), never transposed, copied or left to XLA's dot."""
+    with caplog.at_level(logging.WARNING, logger="jax_cute"), config.override(strict=True):
+        text = lowered(jax_cute.matmul, (256, 127), (127, 64))
+    assert text.count("stablehlo.custom_call @jax_cute_launch") == 1 and "dot_general" not in text
+    assert text.count("stablehlo.pad") == 1 and "stablehlo.transpose" not in text
+    assert any("padding the rows of a from 127 to 128" in r.getMessage() for r in caplog.records)
+
+
+def test_lm_head_with_a_50257_word_vocabulary_runs_the_kernel_forward_and_backward():
+    """GPT-2's vocabulary: logits (8192, 50257) are written into rows padded to 50264 and sliced
+    (a slice XLA fuses into the loss); the gradients read the padded cotangent."""
+    def loss(x, w):
+        return jax_cute.matmul(x, w, transpose_b=True, preferred_element_type=jnp.float32).sum()
+
+    with config.override(strict=True):
+        fwd = lowered(lambda x, w: jax_cute.matmul(x, w, transpose_b=True), (8192, 768), (50257, 768))
+        bwd = lowered(jax.grad(loss, (0, 1)), (8192, 768), (50257, 768))
+    assert fwd.count("stablehlo.custom_call @jax_cute_launch") == 1 and "dot_general" not in fwd
+    assert "tensor<8192x50264xbf16>" in fwd and "stablehlo.transpose" not in fwd
+    assert bwd.count("stablehlo.custom_call @jax_cute_launch") == 2 and "dot_general" not in bwd
+    assert "stablehlo.transpose" not in bwd
 
 
 # Switches are read when a function is lowered and JAX caches lowerings per function, so each
 # test lowers a function of its own.
-def test_strict_mode_raises_instead_of_falling_back():
-    with config.override(strict=True), pytest.raises(jax_cute.FallbackError, match="16 bytes"):
-        lowered(lambda a, b: jax_cute.matmul(a, b), (256, 127), (127, 64))
-
-
-def test_unsupported_dtype_falls_back_and_strict_raises():
-    with config.override(strict=True), pytest.raises(jax_cute.FallbackError):
+def test_unsupported_dtype_falls_back_and_strict_raises(caplog):
+    with caplog.at_level(logging.WARNING, logger="jax_cute"):
+        text = lowered(lambda a, b: jax_cute.matmul(a, b), (64, 64), (64, 64), dtype=jnp.float32)
+    assert "@jax_cute_launch" not in text and "dot_general" in text
+    assert any("falling back to XLA" in r.getMessage() and "float32" in r.getMessage() for r in caplog.records)
+    with config.override(strict=True), pytest.raises(jax_cute.FallbackError, match="float32"):
         lowered(lambda a, b: jax_cute.matmul(a, b), (64, 64), (64, 64), dtype=jnp.float32)
 
 

@@ -16,7 +16,7 @@ from typing import Sequence
 import jax.numpy as jnp
 
 from jax_cute import layout as L
-from jax_cute.layout import Layout, make_layout, product
+from jax_cute.layout import Layout, make_layout, product, restride
 from jax_cute.primitives.gemm_layouts import GemmLayouts, refined
 
 
@@ -187,6 +187,24 @@ def flatten_gemm(g: GemmLayouts, dtypes: Sequence[str]) -> FlatGemm | str:
     a, b = ops["a"], ops["b"]
     return FlatGemm(m, n, ext["k"], product(tuple(exts) or (1,)), a, b, c, tuple(copies), srcs.get("a"),
                     srcs.get("b"))
+
+
+def padded_buffers(g: GemmLayouts, shapes: Sequence[tuple[int, ...]], dtypes: Sequence[str]
+                   ) -> tuple[GemmLayouts, list[tuple[int, ...]]] | None:
+    """The same GEMM over buffers (a, b, c) whose last axis is padded to a multiple of 16 bytes,
+    so every stride TMA needs is aligned (a vocabulary of 50257, K = 7); None when no buffer
+    needs it or a layout cannot follow. The padding is never read: the logical extents stay."""
+    new_shapes = []
+    for shape, dt in zip(shapes, dtypes):
+        div = max(1, 16 // itemsize(dt))
+        last = shape[-1] if shape else 1
+        new_shapes.append(tuple(shape[:-1]) + (-(-last // div) * div,) if last > 1 and last % div else tuple(shape))
+    if new_shapes == [tuple(s) for s in shapes]:
+        return None
+    moved = [restride(lay, old, new) for lay, old, new in zip((g.a, g.b, g.c), shapes, new_shapes)]
+    if any(m is None for m in moved):
+        return None
+    return GemmLayouts(*moved, new_shapes[2]), new_shapes
 
 
 def materialise(x, lay: Layout, op: FlatOperand):
