@@ -47,7 +47,7 @@ def run_suites(suites: list[str], out: str, extra: list[str]) -> dict:
               "commit": _commit(), "suites": suites, "records": [], "suite_errors": {}}
     try:
         from importlib.metadata import version
-        result["cutlass_dsl_version"] = version("nvidia-cutlass-dsl")
+        result["cutlass_dsl_version"] = version("nvidia-cutlass-dsl-libs-base")
     except Exception:  # noqa: BLE001 - the GPU machine may carry only the DSL's runtime
         pass
     for suite in suites:

@@ -34,9 +34,12 @@ logger = logging.getLogger("jax_cute")
 FORMAT = 1
 
 
+DSL_DISTRIBUTION = "nvidia-cutlass-dsl-libs-base"  # the DSL's compiler and Python files
+
+
 def dsl_version() -> str:
     try:
-        return importlib.metadata.version("nvidia-cutlass-dsl")
+        return importlib.metadata.version(DSL_DISTRIBUTION)
     except importlib.metadata.PackageNotFoundError:
         return "absent"
 
