@@ -1,8 +1,8 @@
 """Finding and loading what jax_cute needs at run time.
 
 Two native pieces meet here: our XLA FFI extension ``jax_cute._ffi`` (built with this package)
-and NVIDIA's ``libcute_dsl_runtime.so`` (shipped by the nvidia-cutlass-dsl wheel, never by
-us). The extension loads the DSL runtime itself, by dlopen, from the path handed over here.
+and NVIDIA's ``libcute_dsl_runtime.so`` (shipped by the nvidia-cutlass-dsl-libs-cu13 wheel, never
+by us). The extension loads the DSL runtime itself, by dlopen, from the path handed over here.
 
 Nothing in this module imports the DSL's compiler (``cutlass``): a machine that only runs
 kernels compiled elsewhere may have the DSL's runtime part alone.
@@ -14,39 +14,37 @@ import importlib.util
 import os
 import threading
 
+import jax
+
 TARGET_NAME = "jax_cute_launch"
 # The same handler without the command-buffer trait: XLA launches it on its stream each run
 # (config switch ``command_buffer``).
 STREAM_TARGET_NAME = "jax_cute_launch_stream"
 STATE_TYPE_NAME = "jax_cute_launch_state"
 
-# Flavours of the DSL runtime, most preferred first (the wheel's cu13 extra is what we pin).
-_FLAVOURS = ("cu13", "cu12")
-_LIBRARY = "libcute_dsl_runtime.so"
+_LIBRARY = os.path.join("cu13", "lib", "libcute_dsl_runtime.so")  # the flavour we depend on
+_INSTALL_HINT = ('pip install "nvidia-cutlass-dsl-libs-base==4.8.1" '
+                 '"nvidia-cutlass-dsl-libs-cu13==4.8.1"')
 
 _register_lock = threading.Lock()
 _registered = False
 
 
 def dsl_runtime_library() -> str:
-    """The path of ``libcute_dsl_runtime.so`` in the installed nvidia-cutlass-dsl."""
+    """The path of ``libcute_dsl_runtime.so`` in the installed nvidia-cutlass-dsl-libs-cu13."""
     spec = importlib.util.find_spec("nvidia_cutlass_dsl")
-    roots = list(spec.submodule_search_locations or []) if spec is not None else []
-    tried = []
-    for flavour in _FLAVOURS:
-        for root in roots:
-            path = os.path.join(root, flavour, "lib", _LIBRARY)
-            if os.path.isfile(path):
-                return path
-            tried.append(path)
-    where = ", ".join(tried) if tried else "no 'nvidia_cutlass_dsl' package on sys.path"
-    raise RuntimeError(
-        f"jax_cute: cannot find {_LIBRARY} of the CuTe DSL runtime ({where}). "
-        'Install it with: pip install "nvidia-cutlass-dsl[cu13]==4.8.1"')
+    tried = [os.path.join(root, _LIBRARY) for root in (spec and spec.submodule_search_locations or [])]
+    for path in tried:
+        if os.path.isfile(path):
+            return path
+    where = ", ".join(tried) or "no 'nvidia_cutlass_dsl' package on sys.path"
+    raise RuntimeError(f"jax_cute: cannot find the CuTe DSL runtime ({where}). Install it with: {_INSTALL_HINT}")
 
 
 def extension():
     """The compiled extension ``jax_cute._ffi``."""
+    # Imported here, not at module level: the extension may be absent (not built), and this module
+    # must still import so that callers can say why.
     try:
         from jax_cute import _ffi
     except ImportError as e:
@@ -57,7 +55,8 @@ def extension():
 
 
 def ensure_registered() -> None:
-    """Register the ``jax_cute_launch`` FFI targets with JAX for CUDA (idempotent, thread-safe).
+    """Load the DSL runtime and register the FFI targets with JAX for CUDA (idempotent,
+    thread-safe).
 
     Registration only queues the handler when no CUDA backend is present, so this works on a
     CPU-only jaxlib too (lowering for CUDA then finds the target).
@@ -68,10 +67,8 @@ def ensure_registered() -> None:
     with _register_lock:
         if _registered:
             return
-        import jax
-
         ext = extension()
-        ext.set_runtime_library(dsl_runtime_library())
+        ext.set_runtime_library(dsl_runtime_library())  # dlopen: no GPU needed
         # The handler keeps per-instance state (ffi::State); XLA needs its type registered
         # before the first instantiation. Names must be unique per process: done once.
         jax.ffi.register_ffi_type(STATE_TYPE_NAME, ext.state_type(), platform="CUDA")
