@@ -174,6 +174,23 @@ def test_one_module_per_device():
     assert 1 <= after["launches"] - before["launches"] <= 3 * len(devices)
 
 
+def test_concurrent_first_calls_load_one_module():
+    fresh = _compile("test/affine_race")  # a new object: nothing loaded for it yet
+    f = jax.jit(lambda x: affine(fresh, x))
+    # Four shapes: four executables, each running the handler's initialize on its first call.
+    xs = [jnp.asarray(_random(n, seed=n)) for n in (1000, 1001, 1002, 1003)]
+
+    def check(x):
+        np.testing.assert_array_equal(np.asarray(f(x)), np.asarray(x) * np.float32(2) + np.float32(1))
+
+    before = runtime.stats()
+    run_concurrently(check, [(x,) for x in xs])
+    after = runtime.stats()
+    # Whatever the interleaving, the process loads the object once for the device.
+    assert after["modules_created"] - before["modules_created"] == 1
+    assert after["functions_loaded"] - before["functions_loaded"] == 1
+
+
 def test_misaligned_pointer_is_an_error_and_process_survives(binary):
     # No real pointer is aligned to 2**62 bytes, so the check must refuse to launch.
     f = jax.jit(lambda x: affine(binary, x, x_align=1 << 62))

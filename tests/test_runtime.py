@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import ctypes.util
+import json
 import os
+import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -31,8 +36,7 @@ def _launch(x, *, obj: bytes, symbol: str = "jc_test_affine"):
 
 def test_extension_imports():
     ext = runtime.extension()
-    for name in ("set_runtime_library", "load_runtime_library", "registrations", "stats",
-                 "state_type", "object_has_function"):
+    for name in ("set_runtime_library", "registrations", "stats", "state_type"):
         assert hasattr(ext, name), name
     assert set(ext.registrations()) == {"instantiate", "initialize", "execute"}
     assert set(ext.state_type()) == {"type_id", "type_info"}
@@ -46,13 +50,47 @@ def test_runtime_library_exists():
 
 
 def test_runtime_library_loads_without_gpu():
-    runtime.ensure_registered()
+    runtime.ensure_registered()  # dlopens the DSL runtime: no CUDA needed
     ext = runtime.extension()
-    assert ext.runtime_library() == runtime.dsl_runtime_library()
-    ext.load_runtime_library()  # dlopen only: no CUDA needed
-    ext.set_runtime_library(runtime.dsl_runtime_library())  # same path again: fine
-    with pytest.raises(RuntimeError, match="already loaded"):
+    path = runtime.dsl_runtime_library()
+    ext.set_runtime_library(path)  # the loaded path again: fine
+    with pytest.raises(RuntimeError, match="already loaded from " + re.escape(path)):
         ext.set_runtime_library("/nonexistent/libcute_dsl_runtime.so")
+
+
+# The extension alone, without the package (whose import loads the real runtime first).
+_LOADER_PROBE = r"""
+import importlib.util, json, sys
+spec = importlib.util.spec_from_file_location("jax_cute._ffi", sys.argv[1])
+ext = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(ext)
+out = []
+for path in sys.argv[2:]:
+    try:
+        ext.set_runtime_library(path)
+        out.append("ok")
+    except RuntimeError as e:
+        out.append(str(e))
+print("RESULT" + json.dumps(out))
+"""
+
+
+def test_loader_errors_name_the_library_and_every_missing_symbol():
+    libm = ctypes.util.find_library("m")
+    real = runtime.dsl_runtime_library()
+    paths = ["/nonexistent/libcute_dsl_runtime.so", libm, real, real, libm]
+    proc = subprocess.run([sys.executable, "-c", _LOADER_PROBE, runtime.extension().__file__, *paths],
+                          capture_output=True, text=True, timeout=120)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    absent, lacking, first, again, switch = json.loads(lines[-1][len("RESULT"):])
+    assert "cannot load /nonexistent/libcute_dsl_runtime.so" in absent
+    assert f"{libm} lacks " in lacking
+    for name in ("Module_Create_From_Bytes", "Module_Get_Function", "Function_Run", "Module_Destroy",
+                 "GetErrorName", "GetErrorString"):
+        assert "CuteDSLRT_" + name in lacking, name
+    assert first == again == "ok"  # a failed load leaves nothing behind; the same path twice is fine
+    assert f"already loaded from {real}" in switch
 
 
 def test_registration_is_idempotent_and_thread_safe():
@@ -91,29 +129,12 @@ def test_lowering_for_cuda_emits_the_custom_call():
     assert "arg_kinds = dense<[0, 1, -1]>" in text
 
 
-def test_object_check_rejects_non_elf():
-    ext = runtime.extension()
-    assert not ext.object_has_function(b"", "jc_x")
-    assert not ext.object_has_function(b"\x7fELF" + bytes(200), "jc_x")
-    assert not ext.object_has_function(b"jc_x_function_name\0jc_x_version\0" * 4, "jc_x")
-
-
 def _compile_affine(name: str):
     """The y = 2x + 1 test kernel compiled for sm_90a; needs the DSL compiler."""
     pytest.importorskip("cutlass", reason="the CuTe DSL compiler is not installed")
     from affine_kernel import compile_affine
 
     return compile_affine(name)
-
-
-def test_object_check_finds_exact_prefix_only():
-    binary = _compile_affine("test/affine")
-    ext = runtime.extension()
-    assert binary.obj[:4] == b"\x7fELF"
-    assert ext.object_has_function(binary.obj, binary.symbol)
-    # Prefixes and suffixes of the real one must not pass: the runtime would abort on them.
-    for wrong in ("jc_test", "test_affine", "jc_test_affine_", "jc_test_affinex", "", "jc_other"):
-        assert not ext.object_has_function(binary.obj, wrong), wrong
 
 
 # The instantiate stage runs on any backend, so XLA:CPU can exercise our attribute decoding and
@@ -127,31 +148,19 @@ from jax_cute.kernels import abi
 
 jax.devices("cpu")  # XLA:CPU takes handlers before types: let it start first
 ext = runtime.extension()
-ext.set_runtime_library(runtime.dsl_runtime_library())
 jax.ffi.register_ffi_type("jax_cute_probe_state", ext.state_type(), platform="cpu")
 jax.ffi.register_ffi_target("jax_cute_probe", ext.registrations(), platform="cpu", api_version=1)
 
-obj = open(sys.argv[1], "rb").read()
 sig = (abi.TensorArg("x", "float32", (abi.DYN,), (1,)), abi.TensorArg("y", "float32", (abi.DYN,), (1,)),
        abi.StreamArg())
 packed = abi.pack_args(sig, ["x", "y"], {"x": ((8,), (1,)), "y": ((8,), (1,))})
-base = dict(name="test/affine", key="k", symbol=sys.argv[2], object=np.frombuffer(obj, np.uint8),
-            arch_major=9, arch_minor=0, **packed.attributes())
-cases = {
-    "good": {},
-    "wrong_symbol": {"symbol": "jc_test"},
-    "offsets_short": {"arg_offsets": np.array([0, 2, 4, 4], np.int64)},
-    "offsets_decrease": {"arg_offsets": np.array([0, 3, 2, 5], np.int64)},
-    "align_count": {"arg_align": np.array([16, 16], np.int64)},
-    "align_not_pow2": {"arg_align": np.array([3, 16, 0], np.int64)},
-    "unknown_kind": {"arg_kinds": np.array([0, 1, -7], np.int64)},
-    "bad_arch": {"arch_major": 0},
-}
-out = {}
+base = dict(name="test/affine", key="k", arch_major=9, arch_minor=0, **packed.attributes())
 x = jax.numpy.zeros(8, jax.numpy.float32)
-for case, over in cases.items():
-    attrs = {**base, **over}
-    call = jax.ffi.ffi_call("jax_cute_probe", jax.ShapeDtypeStruct(x.shape, x.dtype))
+call = jax.ffi.ffi_call("jax_cute_probe", jax.ShapeDtypeStruct(x.shape, x.dtype))
+out = {}
+for case, over in json.load(open(sys.argv[1])).items():
+    attrs = {**base, **{k: np.array(v, np.int64) if isinstance(v, list) else v for k, v in over.items()}}
+    attrs["object"] = np.fromfile(attrs["object"], np.uint8)
     try:
         jax.jit(lambda x: call(x, **attrs))(x).block_until_ready()
         out[case] = "ok"
@@ -161,25 +170,57 @@ print("RESULT" + json.dumps(out))
 """
 
 
-def test_instantiate_validates_attributes_on_cpu(tmp_path):
-    import json
-    import subprocess
-    import sys
-
-    binary = _compile_affine("test/affine")
-    obj_path = tmp_path / "affine.o"
-    obj_path.write_bytes(binary.obj)
+def _instantiate_on_cpu(tmp_path, cases: dict[str, dict]) -> dict[str, str]:
+    """Each case's outcome (its error message) for a call x -> y whose attributes the case
+    overrides; a case's "object" names the file that holds the object."""
+    cases_path = tmp_path / "cases.json"
+    cases_path.write_text(json.dumps(cases))
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-c", _CPU_PROBE, str(obj_path), binary.symbol],
+    proc = subprocess.run([sys.executable, "-c", _CPU_PROBE, str(cases_path)],
                           capture_output=True, text=True, env=env, timeout=300)
     lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    out = json.loads(lines[-1][len("RESULT"):])
+    return json.loads(lines[-1][len("RESULT"):])
+
+
+def test_instantiate_rejects_objects_without_the_function(tmp_path):
+    fakes = {"empty": b"", "elf_header_only": b"\x7fELF" + bytes(200),
+             "names_without_symbol_table": b"jc_x_function_name\0jc_x_version\0" * 4}
+    cases = {}
+    for case, data in fakes.items():
+        (tmp_path / case).write_bytes(data)
+        cases[case] = {"object": str(tmp_path / case), "symbol": "jc_x"}
+    for case, message in _instantiate_on_cpu(tmp_path, cases).items():
+        assert "kernel test/affine: its object" in message, (case, message)
+        assert "is not an ELF object defining function 'jc_x'" in message, (case, message)
+
+
+def test_instantiate_validates_attributes_on_cpu(tmp_path):
+    binary = _compile_affine("test/affine")
+    assert binary.obj[:4] == b"\x7fELF" and binary.symbol == "jc_test_affine"
+    (tmp_path / "affine.o").write_bytes(binary.obj)
+    # Prefixes and suffixes of the real symbol must not pass: the runtime would abort on them.
+    wrong = ("jc_test", "test_affine", "jc_test_affine_", "jc_test_affinex", "", "jc_other")
+    cases = {
+        "good": {},
+        "offsets_short": {"arg_offsets": [0, 2, 4, 4]},
+        "offsets_decrease": {"arg_offsets": [0, 3, 2, 5]},
+        "align_count": {"arg_align": [16, 16]},
+        "align_not_pow2": {"arg_align": [3, 16, 0]},
+        "unknown_kind": {"arg_kinds": [0, 1, -7]},
+        "bad_arch": {"arch_major": 0},
+        **{"symbol " + symbol: {"symbol": symbol} for symbol in wrong},
+    }
+    for over in cases.values():
+        over.setdefault("object", str(tmp_path / "affine.o"))
+        over.setdefault("symbol", binary.symbol)
+    out = _instantiate_on_cpu(tmp_path, cases)
     # A well-formed call passes instantiate and fails only where XLA:CPU has no CUDA stream.
     assert "jax_cute" not in out["good"] and "stream" in out["good"].lower(), out["good"]
-    assert "defining function 'jc_test'" in out["wrong_symbol"]
+    for symbol in wrong:
+        assert f"defining function '{symbol}'" in out["symbol " + symbol], out["symbol " + symbol]
     assert "arg_offsets ends at 4" in out["offsets_short"]
-    assert "arg_offsets decreases" in out["offsets_decrease"]
+    assert "arg_offsets must increase" in out["offsets_decrease"]
     assert "arg_align has 2 entries" in out["align_count"]
     assert "not a power of two" in out["align_not_pow2"]
     assert "unknown kind -7" in out["unknown_kind"]
