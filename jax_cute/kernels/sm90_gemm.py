@@ -30,7 +30,7 @@ Kernel shape (one persistent CTA per SM, 384 threads):
   warpgroup converts its finished accumulators to the output dtype in registers, issues the
   first d k-tiles of its next tile's WGMMAs, and only then stores the previous tile (the
   cooperative tile's 128 accumulator registers leave room for the 64 of a 16-bit copy, not for
-  a second fp32 set). Measured with the timing build (session 9, benchmarks/tile_trace.py):
+  a second fp32 set). Measured with per-tile SM clock stamps (session 9):
   issuing WGMMAs stalls once about two are queued, so most of the d k-tiles run while they are
   being issued; the stores then hide under only ~0.5k cycles of tensor work.
 - programmatic dependent launch (Config.pdl, off by default): the grid is launched so that its
@@ -92,16 +92,12 @@ class Config:
     # (3 A/B stages instead of 4 for 128x256), so each store is issued as its subtile is
     # written and none waits for another's smem read inside a tile
     whole_c: bool = False
-    # timing build (benchmarks/tile_trace.py, never routed): one thread per consumer warpgroup
-    # writes SM clock stamps around each tile's mainloop and epilogue into an extra int32 output
-    trace: bool = False
 
     def key(self) -> str:
         return (f"t{self.tile_m}x{self.tile_n}.c{self.cluster_m}x{self.cluster_n}."
                 f"r{self.raster}{self.group}.sk{self.split_k}.st{self.stages}" + (".pp" if self.pingpong else "")
                 + (".pdl" if self.pdl else "") + (f".e{self.epi_n}" if self.epi_n != 32 else "")
-                + (f".df{self.defer}" if self.defer else "") + (".wc" if self.whole_c else "")
-                + (".tr" if self.trace else ""))
+                + (f".df{self.defer}" if self.defer else "") + (".wc" if self.whole_c else ""))
 
 
 # --- static configuration -----------------------------------------------------------------------
@@ -137,8 +133,6 @@ def _check_config(config: Config) -> None:
         raise ValueError(f"{FAMILY}: bad raster/group/split in {config}")
     if config.epi_n not in (32, 64) or config.tile_n % config.epi_n:
         raise ValueError(f"{FAMILY}: epilogue subtiles are 32 or 64 wide and divide tile_n ({config})")
-    if config.trace and (config.pingpong or config.split_k != 1):
-        raise ValueError(f"{FAMILY}: the timing build is for the cooperative kernel without split-K ({config})")
     if config.defer and (config.pingpong or config.split_k != 1 or not 1 <= config.defer <= 3):
         raise ValueError(f"{FAMILY}: a deferred epilogue (1 to 3 k-tiles) needs the cooperative "
                          f"kernel without split-K ({config})")
@@ -180,7 +174,7 @@ def candidate_configs(spec) -> list[Config]:
 # The heuristic ranks the unsplit and split cooperative tiles with _estimate. Where it picks the
 # unsplit 128x256 2x1-cluster tile, that tile runs M fastest inside bands of 8 clusters with
 # the whole-share epilogue (16-bit outputs). H200 measurements (docs/kernel-run-notes.md):
-# - whole-share epilogue (session 10, Config.whole_c): clock stamps (benchmarks/tile_trace.py)
+# - whole-share epilogue (session 10, Config.whole_c): per-tile SM clock stamps
 #   put a tile's epilogue at 1.35-1.42k cycles, against 2.6-2.75k for the 2-deep ring of
 #   64-wide subtiles (each store waited for before the next) and 2.15k for the deferred one;
 #   with 3 A/B stages and the stores running under the next mainloop, that mainloop takes
@@ -305,20 +299,7 @@ def tiles_per_cta(config: Config, m: int, n: int, l: int, num_sms: int = NUM_SMS
 
 # --- arguments and workspace ----------------------------------------------------------------
 
-# timing build: per consumer warpgroup of each CTA, TRACE_TILES records of TRACE_WORDS int32
-# clock stamps; record 0 holds the warpgroup's start (clock, SM id), records 1.. one tile each
-TRACE_TILES = 32
-TRACE_WORDS = 4
-
-
-def trace_words(config: Config) -> int:
-    """Length of the timing build's int32 output: every slot of the persistent grid."""
-    return NUM_SMS * 2 * TRACE_TILES * TRACE_WORDS
-
-
 def _ws_args(config: Config) -> tuple:
-    if config.trace:
-        return (abi.TensorArg("trace", "int32", (abi.DYN,), (1,), align=16),)
     if config.split_k == 1:
         return ()
     return (abi.TensorArg("splitk_partials", "float32", (abi.DYN,), (1,), align=16),
@@ -331,8 +312,6 @@ def signature(spec, config: Config) -> abi.Signature:
 
 
 def workspace(spec, config: Config, m: int, n: int, k: int, l: int) -> list[Workspace]:
-    if config.trace:
-        return [Workspace("trace", 4 * trace_words(config), True)]
     if config.split_k == 1:
         return []
     tm, tn, _ = _tile_grid(config, m, n, l)
@@ -362,7 +341,7 @@ def _kernel_class():
     from jax_cute.kernels.sm90_mainloop import wgmma_mainloop_parts
 
     # the mainloop in two parts (sm90_mainloop), so a tile's first k-tiles can be issued apart
-    # from the rest (deferred epilogue; the timing build's stamp between them)
+    # from the rest (deferred epilogue)
     mainloop_start, mainloop_rest, mainloop_finish = wgmma_mainloop_parts()
 
     const_expr = cutlass.const_expr
@@ -624,14 +603,6 @@ def _kernel_class():
 
                 w = first
                 step = stride
-                # timing build: this warpgroup's records in the trace output (see TRACE_TILES)
-                rec0 = Int32(0)
-                n_rec = Int32(1)
-                if const_expr(self.cfg.trace):
-                    cta = (first * self.cn + cc[1]) * self.cm + cc[0]
-                    rec0 = (cta * 2 + wg - 1) * TRACE_TILES
-                    self.stamp(ws, etid, rec0, Int32(0), 0, cute.arch.clock())
-                    self.stamp(ws, etid, rec0, Int32(0), 1, cute.arch.smid())
                 if const_expr(self.pp):
                     # warpgroup 2 takes the CTA's 2nd, 4th, ... unit: its ring position starts
                     # after the first unit's k-tiles (the producer fills the ring in unit order)
@@ -649,35 +620,25 @@ def _kernel_class():
                     p_tm, p_tn, p_l = self.work(w, cl_m, cl_n, batches, cc)[:3]
                     have_prev = Int32(0)
                     while w < total:
-                        # stamps: 0 tile start, 1 first k-tiles issued, 2 previous tile stored,
-                        # 3 mainloop done
-                        self.stamp(ws, etid, rec0, n_rec, 0, None)
                         tm, tn, l, _ = self.work(w, cl_m, cl_n, batches, cc)
                         acc.fill(0.0)
                         tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
                         warpgroup.fence()
                         read = mainloop_start(tiled_mma, acc, tCrA, tCrB, ab_pipe, read, k_tiles, self.cfg.defer)
-                        self.stamp(ws, etid, rec0, n_rec, 1, None)
                         if have_prev != 0:
                             self.epilogue(tma_c, gC[(None, None, p_tm, p_tn, p_l)], sC, acc_c, r2s, tRS_accc, tRS_r32,
                                           tRS_rC, tRS_sC, n_rd, n_epi, row_blk, epi_bar, warp_id,
                                           gmem_c, p_tm, p_tn, p_l, ragged, etid, store_warp, buf0, True)
-                        self.stamp(ws, etid, rec0, n_rec, 2, None)
                         read, release = mainloop_rest(tiled_mma, acc, tCrA, tCrB, ab_pipe, read, release, k_tiles,
                                                       self.cfg.defer)
-                        self.stamp(ws, etid, rec0, n_rec, 3, None)
-                        if const_expr(self.cfg.trace):
-                            n_rec += 1
                         acc_c.store(acc.load().to(self.c_t))
                         p_tm, p_tn, p_l = tm, tn, l
                         have_prev = Int32(1)
                         w += step
                     # every CTA has at least one unit (the grid never exceeds them): store the last
-                    self.stamp(ws, etid, rec0, n_rec, 0, None)
                     self.epilogue(tma_c, gC[(None, None, p_tm, p_tn, p_l)], sC, acc_c, r2s, tRS_accc, tRS_r32,
                                   tRS_rC, tRS_sC, n_rd, n_epi, row_blk, epi_bar, warp_id,
                                   gmem_c, p_tm, p_tn, p_l, ragged, etid, store_warp, buf0, True)
-                    self.stamp(ws, etid, rec0, n_rec, 2, None)
                 else:
                     # each unit's coordinates are worked out one unit ahead, while the previous
                     # unit's first WGMMAs run: between tiles, work()'s divisions took ~0.4k cycles
@@ -693,19 +654,14 @@ def _kernel_class():
                                 turn_mine.arrive_and_wait()
 
                         # ---- mainloop (sm90_mainloop): one WGMMA batch in flight
-                        # (stamps: 0 tile start, 1 first k-tile issued, 3 mainloop done,
-                        # 2 tile stored)
-                        self.stamp(ws, etid, rec0, n_rec, 0, None)
                         acc.fill(0.0)
                         tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
                         warpgroup.fence()
                         read = mainloop_start(tiled_mma, acc, tCrA, tCrB, ab_pipe, read, kc, 1)
-                        self.stamp(ws, etid, rec0, n_rec, 1, None)
                         # (past the last unit these are never used)
                         n_tm, n_tn, n_l, n_s = self.work(w + step, cl_m, cl_n, batches, cc)
                         read, release = mainloop_rest(tiled_mma, acc, tCrA, tCrB, ab_pipe, read, release, kc, 1,
                                                       not self.pp)
-                        self.stamp(ws, etid, rec0, n_rec, 3, None)
                         if const_expr(self.pp):
                             # the other warpgroup's next unit may start as soon as this one's
                             # last WGMMAs are issued: its own queue behind them keeps the tensor
@@ -719,9 +675,6 @@ def _kernel_class():
                             self.epilogue(tma_c, gC_t, sC, acc, r2s, tRS_acc, tRS_r32, tRS_rC, tRS_sC,
                                           n_rd, n_epi, row_blk, epi_bar, warp_id,
                                           gmem_c, tm, tn, l, ragged, etid, store_warp, buf0)
-                            self.stamp(ws, etid, rec0, n_rec, 2, None)
-                            if const_expr(self.cfg.trace):
-                                n_rec += 1
                         else:
                             # ---- split-K: publish the partial, the last of the S arrivals folds them
                             tile_id = (Int64(l) * (cl_n * self.cn) + tn) * (cl_m * self.cm) + tm
@@ -729,8 +682,11 @@ def _kernel_class():
                             tile_elems = self.bm * self.bn
                             mine = cute.make_tensor(ws.iterator + ((s * n_tiles + tile_id) * tile_elems + ctid),
                                                     cute.make_layout(frag, stride=self.mma_threads))
-                            for v in range_constexpr(frag):
-                                mine[v] = acc_flat[v]
+                            # static loops in rows of 16: the DSL warns from 64 iterations up, and
+                            # cutlass.range(unroll_full=True) or tensor copies emit other code
+                            for r in range_constexpr(frag // 16):
+                                for v in range_constexpr(r * 16, r * 16 + 16):
+                                    mine[v] = acc_flat[v]
                             cute.arch.fence_acq_rel_gpu()      # partial visible before the count
                             both_bar.arrive_and_wait()
                             last = st.last.get_tensor(cute.make_layout(1))
@@ -748,12 +704,12 @@ def _kernel_class():
                                     part = cute.make_tensor(
                                         ws.iterator + ((sp * n_tiles + tile_id) * tile_elems + ctid),
                                         cute.make_layout(frag, stride=self.mma_threads))
-                                    if const_expr(sp == 0):
-                                        for v in range_constexpr(frag):
-                                            acc_flat[v] = part[v]
-                                    else:
-                                        for v in range_constexpr(frag):
-                                            acc_flat[v] = acc_flat[v] + part[v]
+                                    for r in range_constexpr(frag // 16):
+                                        for v in range_constexpr(r * 16, r * 16 + 16):
+                                            if const_expr(sp == 0):
+                                                acc_flat[v] = part[v]
+                                            else:
+                                                acc_flat[v] = acc_flat[v] + part[v]
                                 self.epilogue(tma_c, gC_t, sC, acc, r2s, tRS_acc, tRS_r32, tRS_rC, tRS_sC,
                                               n_rd, n_epi, row_blk, epi_bar, warp_id,
                                               gmem_c, tm, tn, l, ragged, etid, store_warp, buf0)
@@ -765,14 +721,6 @@ def _kernel_class():
                         tm, tn, l, s = n_tm, n_tn, n_l, n_s
                 if warp_id == store_warp:
                     cute.arch.cp_async_bulk_wait_group(0, read=True)   # smem outlives its stores
-
-        @cute.jit
-        def stamp(self, trace, etid, rec0, rec, word: cutlass.Constexpr, value):
-            """Timing build only: the warpgroup's first thread writes `value` (default: the SM
-            clock) as word `word` of record `rec` (dropped past TRACE_TILES records)."""
-            if const_expr(self.cfg.trace):
-                if etid == 0 and rec < TRACE_TILES:
-                    trace[(rec0 + rec) * TRACE_WORDS + word] = cute.arch.clock() if const_expr(value is None) else value
 
         @cute.jit
         def epilogue(self, tma_c, gC_t, sC, acc, r2s, tRS_acc, tRS_r32, tRS_rC, tRS_sC, n_rd: cutlass.Constexpr,
@@ -862,12 +810,7 @@ def _make_launcher(spec: GemmSpec, config: Config):
                          f"stage(s) for a {config.tile_m}x{config.tile_n} tile (3 needed)")
     gemm = Sm90Gemm(spec, config)
 
-    if config.trace:
-        @cute.jit
-        def launch(a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, trace: cute.Tensor,
-                   stream: cuda_driver.CUstream):
-            gemm.run(a, b, c, trace, None, stream)
-    elif config.split_k == 1:
+    if config.split_k == 1:
         @cute.jit
         def launch(a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, stream: cuda_driver.CUstream):
             gemm.run(a, b, c, None, None, stream)
