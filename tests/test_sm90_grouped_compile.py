@@ -2,6 +2,7 @@
 holds the Hopper pieces the design relies on (WGMMA, TMA, setmaxnreg, warp shuffles)."""
 
 import os
+import warnings
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
@@ -9,7 +10,7 @@ import pytest
 
 pytest.importorskip("cutlass")
 
-from jax_cute.kernels import build, sm90_grouped as fam  # noqa: E402
+from jax_cute.kernels import build, sm90_gemm, sm90_grouped as fam  # noqa: E402
 from jax_cute.kernels.gemm_spec import GroupedSpec  # noqa: E402
 
 
@@ -66,3 +67,31 @@ def test_compiles(spec, cfg):
     assert "setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx  # warp specialisation
     assert "shfl.sync" in ptx                                   # device-side group scan
     assert f"n{cfg.tile_n}k16" in ptx                           # the configured WGMMA tile
+    assert "Sm90Gemm" in ptx                                    # the dense family's kernel
+
+
+def test_launcher_is_the_shared_kernel(monkeypatch):
+    """The grouped family is a scheduler mode of sm90_gemm's kernel, as sm100_grouped is of sm100_gemm's."""
+    calls = []
+    monkeypatch.setattr(sm90_gemm, "make_launcher", lambda *a: calls.append(a) or "launch")
+    spec = GroupedSpec("ragged_m", "bfloat16", "bfloat16", "bfloat16", b_major="n")
+    cfg = fam.Config(tile_n=128, raster=4, sms=100)
+    assert fam.launcher(spec, cfg) == "launch"
+    assert calls == [(spec, sm90_gemm.Config(128, 128, 1, 1, "m", 4), 100)]
+    monkeypatch.undo()
+    for bad in (sm90_gemm.Config(128, 128, 1, 1, split_k=2), sm90_gemm.Config(128, 128, 2, 1),
+                sm90_gemm.Config(64, 256, 1, 1, pingpong=True)):
+        with pytest.raises(ValueError):   # grouped tiles: cooperative, unsplit, one CTA
+            sm90_gemm.make_launcher(spec, bad)
+
+
+def test_no_optimization_warnings():
+    from cutlass.base_dsl.ast_helpers import DSLOptimizationWarning
+    spec = GroupedSpec("ragged_k", "bfloat16", "bfloat16", "float32", a_major="m", b_major="n")
+    cfg = fam.Config(tile_n=256)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(2):   # the DSL installs its warning filters when first used
+            build.compile_launcher(fam.launcher(spec, cfg), fam.signature(spec, cfg), arch=fam.ARCH, name="warn_check")
+            warnings.simplefilter("always")
+    assert not [w for w in seen if issubclass(w.category, DSLOptimizationWarning)]

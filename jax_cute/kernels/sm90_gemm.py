@@ -1,4 +1,5 @@
-"""Hopper (sm_90a) dense GEMM: C[m, n, l] = sum_k A[m, k, l] * B[n, k, l] (see gemm_spec.GemmSpec).
+"""Hopper (sm_90a) GEMM: C[m, n, l] = sum_k A[m, k, l] * B[n, k, l] (see gemm_spec.GemmSpec), and
+the grouped GEMMs of gemm_spec.GroupedSpec (family sm90_grouped) as modes of its tile scheduler.
 
 Kernel shape (one persistent CTA per SM, 384 threads):
 - warpgroup 0 is the producer: its first warp walks the tile sequence and issues TMA loads of
@@ -40,6 +41,21 @@ Kernel shape (one persistent CTA per SM, 384 threads):
   (griddepcontrol.launch_dependents). Inside XLA's CUDA graphs our call is a child graph, where
   PDL cannot act, so only stream launches (jax_cute.config command_buffer off) use it.
 
+Grouped scheduling (GroupedSpec ragged_m / ragged_k; cooperative 128-row tiles on one CTA):
+- one CTA per SM walks a linear tile index over (batch, group, tile), start blockIdx, step the
+  grid size. Every warp that needs the schedule (the TMA warp and each MMA warp) maps its index
+  to a tile itself with a warp-wide prefix scan of the group sizes, 32 groups at a time, keeping
+  the current chunk's scan in registers: nothing is precomputed, no workspace is needed, and
+  replays with new sizes are exact (CUDA-graph safe).
+- ragged_m tiles start at their group's first row, so a tile never mixes groups; rows past the
+  last group are a pseudo-group with no K loop whose tiles store zeros. ragged_k tiles are
+  (group, m-tile, n-tile) with the K loop over the group's rows; empty groups store zeros.
+- group ends need no tile alignment thanks to the "ragged TMA" descriptor trick (also used by
+  Triton and quack): the ragged mode is given extent 2**30 and two extra modes whose strides
+  (2**34 - s, s) cancel modulo 2**64, so a tile at (offset, length) is addressed at coordinate
+  2**30 - length in the ragged mode. TMA's own bounds check then zero-fills loads and drops
+  stores past the group end, with one descriptor built on the host for the whole launch.
+
 The DSL is imported lazily (inside launcher), so routing can use heuristic/signature/workspace on
 machines that only load compiled kernels.
 """
@@ -48,7 +64,7 @@ import dataclasses
 import functools
 
 from jax_cute.kernels import abi
-from jax_cute.kernels.gemm_spec import GemmSpec, Workspace
+from jax_cute.kernels.gemm_spec import GemmSpec, GroupedSpec, Workspace
 
 FAMILY = "sm90_gemm"
 VERSION = 4
@@ -62,6 +78,8 @@ _IN_DTYPES = ("bfloat16", "float16", *_FP8)
 _OUT_DTYPES = ("bfloat16", "float16", "float32")
 _ITEM = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1}
 _ITEM_OF = {16: 2, 32: 4}   # output element width in bits -> bytes
+_BIG = 2**30                # extent of a grouped launch's ragged mode (see the module notes)
+_MAXI = 2**31 - 1           # extent of the two wrap-around modes beside it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -328,7 +346,7 @@ def launcher(spec, config: Config):
     if config.defer and _ITEM[spec.c_dtype] != 2:
         # the converted copy of the accumulators must fit next to them in the register file
         raise ValueError(f"{FAMILY}: a deferred epilogue needs a 16-bit output, not {spec.c_dtype}")
-    return _make_launcher(spec, config)
+    return make_launcher(spec, config)
 
 
 # --- the kernel -------------------------------------------------------------------------------
@@ -347,8 +365,24 @@ def _kernel_class():
     const_expr = cutlass.const_expr
     range_constexpr = cutlass.range_constexpr
 
+    def ragged_tensor(t, dim: int):
+        """Rank-3 tensor -> its rank-5 ragged-TMA view along ``dim`` (see the module notes)."""
+        s = t.stride[dim]
+        shape = tuple(_BIG if i == dim else t.shape[i] for i in range(3)) + (_MAXI, _MAXI)
+        stride = tuple(t.stride) + (Int64(2**34) - s, s)
+        return cute.make_tensor(t.iterator, cute.make_layout(shape, stride=stride))
+
+    def ragged_view(t, dim: int, start, length):
+        """Rank-3 view of a rank-5 ragged TMA tensor whose index 0 is row ``start`` and whose
+        rows from ``length`` on are out of bounds (zero-filled loads, dropped stores)."""
+        sub = t[(None, None, None, _BIG, start + length)]
+        return cute.domain_offset(tuple(_BIG - length if i == dim else None for i in range(3)), sub)
+
     class Sm90Gemm:
-        def __init__(self, spec: GemmSpec, config: Config):
+        def __init__(self, spec: GemmSpec | GroupedSpec, config: Config, sms: int):
+            # the tile scheduler: the dense raster, or a GroupedSpec's ragged_m / ragged_k walk
+            self.mode = spec.mode if isinstance(spec, GroupedSpec) else "dense"
+            self.sms = sms          # grouped grid size (the dense grid is sized from its units)
             self.cfg = config
             self.bm, self.bn, self.bk = config.tile_m, config.tile_n, tile_k(spec.a_dtype)
             self.cm, self.cn = config.cluster_m, config.cluster_n
@@ -366,6 +400,8 @@ def _kernel_class():
         # ----------------------------------------------------------------------- host side
         @cute.jit
         def run(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, ws, flags, stream):
+            """Dense: ``ws``/``flags`` are the split-K partials and arrival counters (or None).
+            Grouped: ``ws`` holds the group sizes; the kernel gets K in ``flags``."""
             ab_t, c_t = a.element_type, c.element_type
             self.ab_t, self.c_t = ab_t, c_t
             a_lay, b_lay = LayoutEnum.from_tensor(a), LayoutEnum.from_tensor(b)
@@ -402,18 +438,28 @@ def _kernel_class():
                 return cpasync.make_tiled_tma_atom(op, t, cute.slice_(s_staged, (None, None, 0)), box,
                                                    num_multicast=mcast)
 
-            tma_a, tA = load_atom(a, sa, (self.bm, self.bk), self.cn)
-            tma_b, tB = load_atom(b, sb, (self.bn, self.bk), self.cm)
+            # grouped: the ragged mode of the TMA views is clipped at each tile's group end
+            a_src, b_src, c_dst = a, b, c
+            if const_expr(self.mode == "ragged_m"):
+                c_dst = ragged_tensor(c, 0)
+            if const_expr(self.mode == "ragged_k"):
+                a_src, b_src = ragged_tensor(a, 1), ragged_tensor(b, 1)
+            tma_a, tA = load_atom(a_src, sa, (self.bm, self.bk), self.cn)
+            tma_b, tB = load_atom(b_src, sb, (self.bn, self.bk), self.cm)
             tma_c, tC = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileS2GOp(), c, cute.slice_(sc, (None, None, 0)), self.epi_tile)
+                cpasync.CopyBulkTensorTileS2GOp(), c_dst, cute.slice_(sc, (None, None, 0)), self.epi_tile)
 
-            # Persistent grid: one cluster per resident slot, never more than there are units.
-            tiles_m = (c.shape[0] + self.bm - 1) // self.bm
-            tiles_n = (c.shape[1] + self.bn - 1) // self.bn
-            units = ((tiles_m + self.cm - 1) // self.cm) * ((tiles_n + self.cn - 1) // self.cn) \
-                * c.shape[2] * self.split
-            slots = NUM_SMS // (self.cm * self.cn)
-            n_clusters = cutlass.max(cutlass.min(units, slots), 1)
+            if const_expr(self.mode == "dense"):
+                # Persistent grid: one cluster per resident slot, never more than there are units.
+                tiles_m = (c.shape[0] + self.bm - 1) // self.bm
+                tiles_n = (c.shape[1] + self.bn - 1) // self.bn
+                units = ((tiles_m + self.cm - 1) // self.cm) * ((tiles_n + self.cn - 1) // self.cn) \
+                    * c.shape[2] * self.split
+                slots = NUM_SMS // (self.cm * self.cn)
+                n_clusters = cutlass.max(cutlass.min(units, slots), 1)
+            else:
+                n_clusters = self.sms   # grouped work is known on the device only
+                flags = a.shape[1]      # K, which the ragged_k views no longer carry
 
             @cute.struct
             class Storage:
@@ -460,6 +506,144 @@ def _kernel_class():
             k0 = (s * k_tiles) // self.split
             return k0, ((s + 1) * k_tiles) // self.split - k0
 
+        # Grouped scheduling: every warp that needs the schedule walks the same linear tile
+        # index over (batch, group, tile) itself, scanning the group sizes 32 groups (one per
+        # lane) at a time and keeping the current chunk's scan in registers.
+        @cute.jit
+        def load_chunk(self, gs, ext, cl, cg0, rows0, tiles0):
+            """Scan 32 groups of batch ``cl`` from group ``cg0`` on: per lane its clipped row range
+            [start, end) and the global inclusive prefix of tiles."""
+            M, N, K, G, L, lg_n = ext
+            lane = cute.arch.lane_idx()
+            R = M if const_expr(self.mode == "ragged_m") else K
+            g = cg0 + lane
+            sz = Int32(0)
+            if cl < L:
+                if g < G:
+                    sz = gs[(g, cutlass.min(cl, lg_n - 1))]
+                if const_expr(self.mode == "ragged_m"):
+                    if g == G:
+                        sz = R             # rows past the last group: the zero-store pseudo-group
+            sz = cutlass.min(cutlass.max(sz, 0), R)
+            # inclusive scan of rows, saturating at R without overflow
+            x = sz
+            for d in range_constexpr(5):
+                y = cute.arch.shuffle_sync_up(x, 1 << d)
+                if lane >= (1 << d):
+                    x = y + cutlass.min(x, R - y)
+            xe = cute.arch.shuffle_sync_up(x, 1)
+            if lane == 0:
+                xe = Int32(0)
+            start = rows0 + cutlass.min(xe, R - rows0)
+            end = rows0 + cutlass.min(x, R - rows0)
+            nt = (N + self.bn - 1) // self.bn
+            t = Int32(0)
+            if const_expr(self.mode == "ragged_m"):
+                t = (end - start + self.bm - 1) // self.bm * nt
+            else:
+                if g < G:
+                    t = (M + self.bm - 1) // self.bm * nt
+            if cl >= L:
+                t = Int32(0)
+            for d in range_constexpr(5):
+                y = cute.arch.shuffle_sync_up(t, 1 << d)
+                if lane >= (1 << d):
+                    t = t + y
+            incl = tiles0 + t
+            return start, end, incl
+
+        @cute.jit
+        def find(self, gs, ext, w, cl, cg0, rows0, tiles0, start, end, incl):
+            """Advance the walker (chunks only move forward) until tile ``w`` lies in the current
+            chunk or the batches run out; returns the new state, whether ``w`` is a tile, its
+            group, the group's row range [t0, t1) and the tile's (m, n) index in the group."""
+            M, N, K, G, L, lg_n = ext
+            E = G + 1 if const_expr(self.mode == "ragged_m") else G
+            last = cute.arch.shuffle_sync(incl, 31)
+            while w >= last and cl < L:
+                rows0 = cute.arch.shuffle_sync(end, 31)
+                tiles0 = last
+                cg0 = cg0 + 32
+                if cg0 >= E:
+                    cg0 = Int32(0)
+                    rows0 = Int32(0)
+                    cl = cl + 1
+                start, end, incl = self.load_chunk(gs, ext, cl, cg0, rows0, tiles0)
+                last = cute.arch.shuffle_sync(incl, 31)
+            sel = cute.arch.popc(cute.arch.vote_ballot_sync(incl <= w))
+            sel = cutlass.min(sel, 31)
+            g = cg0 + sel
+            t0 = cute.arch.shuffle_sync(start, sel)
+            t1 = cute.arch.shuffle_sync(end, sel)
+            excl = cute.arch.shuffle_sync(incl, sel - 1)
+            if sel == 0:
+                excl = tiles0
+            local = w - excl
+            nt = (N + self.bn - 1) // self.bn
+            mt = (M + self.bm - 1) // self.bm
+            if const_expr(self.mode == "ragged_m"):
+                mt = (t1 - t0 + self.bm - 1) // self.bm
+            # raster: panels of `group` m-tiles, n-tiles walked inside a panel
+            panel_h = self.cfg.group
+            panel = local // (panel_h * nt)
+            rem = local - panel * (panel_h * nt)
+            h = cutlass.max(cutlass.min(mt - panel * panel_h, panel_h), 1)
+            n_t = rem // h
+            m_t = panel * panel_h + rem - n_t * h
+            return cl, cg0, rows0, tiles0, start, end, incl, cl < L, g, t0, t1, m_t, n_t
+
+        @cute.jit
+        def group_k_tiles(self, ext, g, t0, t1):
+            """k-tiles of a grouped tile: none for ragged_m's zero tail, none for an empty group."""
+            M, N, K, G, L, lg_n = ext
+            k_tiles = Int32(0)
+            if const_expr(self.mode == "ragged_m"):
+                if g < G:
+                    k_tiles = (K + self.bk - 1) // self.bk
+            else:
+                k_tiles = (t1 - t0 + self.bk - 1) // self.bk
+            return k_tiles
+
+        @cute.jit
+        def group_ab(self, mA, mB, cl, g, t0, t1, m_t, n_t, la_last, lb_last):
+            """A and B k-slices of a grouped tile, (bm | bn, bk, k): ragged_m starts A at the
+            tile's first row (inside its group), ragged_k clips K at the group's end."""
+            la, lb = cutlass.min(cl, la_last), cutlass.min(cl, lb_last)
+            if const_expr(self.mode == "ragged_m"):
+                row0 = t0 + m_t * self.bm
+                gA = cute.local_tile(cute.domain_offset((row0, None), mA[(None, None, la)]),
+                                     (self.bm, self.bk), (0, None))
+                gB = cute.local_tile(mB[(None, None, g, lb)], (self.bn, self.bk), (n_t, None))
+            else:
+                gA = cute.local_tile(ragged_view(mA, 1, t0, t1 - t0)[(None, None, la)], (self.bm, self.bk),
+                                     (m_t, None))
+                gB = cute.local_tile(ragged_view(mB, 1, t0, t1 - t0)[(None, None, lb)], (self.bn, self.bk),
+                                     (n_t, None))
+            return gA, gB
+
+        @cute.jit
+        def group_c(self, mC, cl, g, t0, t1, m_t, n_t):
+            """The output tile of a grouped tile; ragged_m's TMA stores stop at the group's end."""
+            if const_expr(self.mode == "ragged_m"):
+                row0 = t0 + m_t * self.bm
+                return cute.local_tile(ragged_view(mC, 0, row0, t1 - row0)[(None, None, cl)],
+                                       (self.bm, self.bn), (0, n_t))
+            return cute.local_tile(mC[(None, None, g, cl)], (self.bm, self.bn), (m_t, n_t))
+
+        @cute.jit
+        def load(self, ab_pipe, prod, tma_a, tAgA_t, tAsA, a_mask, tma_b, tBgB_t, tBsB, b_mask, k0, kc):
+            """TMA loads of k-tiles [k0, k0 + kc) of one unit into the A/B ring."""
+            for kt in range(kc):
+                ab_pipe.producer_acquire(prod)
+                bar = ab_pipe.producer_get_barrier(prod)
+                cute.copy(tma_a, tAgA_t[(None, k0 + kt)], tAsA[(None, prod.index)],
+                          tma_bar_ptr=bar, mcast_mask=a_mask)
+                cute.copy(tma_b, tBgB_t[(None, k0 + kt)], tBsB[(None, prod.index)],
+                          tma_bar_ptr=bar, mcast_mask=b_mask)
+                ab_pipe.producer_commit(prod)
+                prod.advance()
+            return prod
+
         @cute.kernel
         def kernel(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
                    tma_c: cute.CopyAtom, mC: cute.Tensor, gmem_c: cute.Tensor, ws, flags,
@@ -499,20 +683,28 @@ def _kernel_class():
             sB = st.sB.get_tensor(sb_layout.outer, swizzle=sb_layout.inner)
             sC = st.sC.get_tensor(sc_layout.outer, swizzle=sc_layout.inner)
 
-            gA = cute.local_tile(mA, (self.bm, self.bk), (None, None, None))   # (bm,bk,M/bm,K/bk,L)
-            gB = cute.local_tile(mB, (self.bn, self.bk), (None, None, None))
-            gC = cute.local_tile(mC, (self.bm, self.bn), (None, None, None))   # (bm,bn,M/bm,N/bn,L)
-            tAsA, tAgA = cpasync.tma_partition(tma_a, cc[1], cute.make_layout(self.cn),
-                                               cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
-            tBsB, tBgB = cpasync.tma_partition(tma_b, cc[0], cute.make_layout(self.cm),
-                                               cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2))
+            if const_expr(self.mode == "dense"):
+                gA = cute.local_tile(mA, (self.bm, self.bk), (None, None, None))   # (bm,bk,M/bm,K/bk,L)
+                gB = cute.local_tile(mB, (self.bn, self.bk), (None, None, None))
+                gC = cute.local_tile(mC, (self.bm, self.bn), (None, None, None))   # (bm,bn,M/bm,N/bn,L)
+                tAsA, tAgA = cpasync.tma_partition(tma_a, cc[1], cute.make_layout(self.cn),
+                                                   cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
+                tBsB, tBgB = cpasync.tma_partition(tma_b, cc[0], cute.make_layout(self.cm),
+                                                   cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2))
 
-            k_tiles = cute.size(gA, mode=[3])
-            cl_m = (cute.size(gC, mode=[2]) + self.cm - 1) // self.cm
-            cl_n = (cute.size(gC, mode=[3]) + self.cn - 1) // self.cn
-            batches = mC.shape[2]
-            total = cl_m * cl_n * batches * self.split
-            la_last, lb_last = mA.shape[2] - 1, mB.shape[2] - 1   # extent 1: broadcast batch 0
+                k_tiles = cute.size(gA, mode=[3])
+                cl_m = (cute.size(gC, mode=[2]) + self.cm - 1) // self.cm
+                cl_n = (cute.size(gC, mode=[3]) + self.cn - 1) // self.cn
+                batches = mC.shape[2]
+                total = cl_m * cl_n * batches * self.split
+                la_last, lb_last = mA.shape[2] - 1, mB.shape[2] - 1   # extent 1: broadcast batch 0
+            else:
+                # ws: group sizes (G, L or 1); flags: K. The ragged views keep L in mode 2.
+                gs = ws
+                c_batch = 2 if const_expr(self.mode == "ragged_m") else 3
+                ext = (gmem_c.shape[0], gmem_c.shape[1], flags, gs.shape[0], gmem_c.shape[c_batch], gs.shape[1])
+                la_last = mA.shape[2] - 1
+                lb_last = (mB.shape[3] if const_expr(self.mode == "ragged_m") else mB.shape[2]) - 1
             first, stride = cute.arch.block_idx()[2], cute.arch.grid_dim()[2]
 
             pipeline.pipeline_init_wait(cluster_shape_mn=(self.cm, self.cn))
@@ -530,21 +722,31 @@ def _kernel_class():
                 if warp_id == 0:
                     prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
                     w = first
-                    while w < total:
-                        tm, tn, l, s = self.work(w, cl_m, cl_n, batches, cc)
-                        k0, kc = self.k_range(s, k_tiles)
-                        tAgA_t = tAgA[(None, tm, None, cutlass.min(l, la_last))]
-                        tBgB_t = tBgB[(None, tn, None, cutlass.min(l, lb_last))]
-                        for kt in range(kc):
-                            ab_pipe.producer_acquire(prod)
-                            bar = ab_pipe.producer_get_barrier(prod)
-                            cute.copy(tma_a, tAgA_t[(None, k0 + kt)], tAsA[(None, prod.index)],
-                                      tma_bar_ptr=bar, mcast_mask=a_mask)
-                            cute.copy(tma_b, tBgB_t[(None, k0 + kt)], tBsB[(None, prod.index)],
-                                      tma_bar_ptr=bar, mcast_mask=b_mask)
-                            ab_pipe.producer_commit(prod)
-                            prod.advance()
-                        w += stride
+                    if const_expr(self.mode == "dense"):
+                        while w < total:
+                            tm, tn, l, s = self.work(w, cl_m, cl_n, batches, cc)
+                            k0, kc = self.k_range(s, k_tiles)
+                            tAgA_t = tAgA[(None, tm, None, cutlass.min(l, la_last))]
+                            tBgB_t = tBgB[(None, tn, None, cutlass.min(l, lb_last))]
+                            prod = self.load(ab_pipe, prod, tma_a, tAgA_t, tAsA, a_mask, tma_b, tBgB_t, tBsB, b_mask,
+                                             k0, kc)
+                            w += stride
+                    else:
+                        cl, cg0, rows0, tiles0 = Int32(0), Int32(0), Int32(0), Int32(0)
+                        start, end, incl = self.load_chunk(gs, ext, cl, cg0, rows0, tiles0)
+                        cl, cg0, rows0, tiles0, start, end, incl, valid, g, t0, t1, m_t, n_t = self.find(
+                            gs, ext, w, cl, cg0, rows0, tiles0, start, end, incl)
+                        while valid:
+                            g_a, g_b = self.group_ab(mA, mB, cl, g, t0, t1, m_t, n_t, la_last, lb_last)
+                            s_a, k_a = cpasync.tma_partition(tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2),
+                                                             cute.group_modes(g_a, 0, 2))
+                            s_b, k_b = cpasync.tma_partition(tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2),
+                                                             cute.group_modes(g_b, 0, 2))
+                            prod = self.load(ab_pipe, prod, tma_a, k_a, s_a, a_mask, tma_b, k_b, s_b, b_mask,
+                                             Int32(0), self.group_k_tiles(ext, g, t0, t1))
+                            w += stride
+                            cl, cg0, rows0, tiles0, start, end, incl, valid, g, t0, t1, m_t, n_t = self.find(
+                                gs, ext, w, cl, cg0, rows0, tiles0, start, end, incl)
                     # keep this CTA (its smem and barriers) alive until peers stop signalling it
                     ab_pipe.producer_tail(prod)
             else:
@@ -556,7 +758,7 @@ def _kernel_class():
                 thr_mma = tiled_mma.get_slice(0 if const_expr(self.pp) else (wg - 1) * 128)
                 tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
                 tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
-                acc = cute.make_rmem_tensor(thr_mma.partition_C(gC).shape[:3], Float32)
+                acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.bm, self.bn)), Float32)
                 read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
                 release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
                 # one barrier (ids 1, 2), store warp and half of the smem ring per warpgroup
@@ -597,9 +799,13 @@ def _kernel_class():
                 # caller's padding behind it. Subtiles crossing such an edge are stored with
                 # predicated per-element stores instead (runtime check; aligned shapes never
                 # take that path).
-                c_m_extent, c_n_extent = gmem_c.shape[0], gmem_c.shape[1]
-                contig = c_n_extent if const_expr(self.c_lay.is_n_major_c()) else c_m_extent
-                ragged = (contig * _ITEM_OF[self.c_t.width]) % 16 != 0
+                # (Grouped outputs: their row strides are 16-byte multiples and stores must stop
+                # at group ends, which only the TMA clip does.)
+                ragged = False
+                if const_expr(self.mode == "dense"):
+                    c_m_extent, c_n_extent = gmem_c.shape[0], gmem_c.shape[1]
+                    contig = c_n_extent if const_expr(self.c_lay.is_n_major_c()) else c_m_extent
+                    ragged = (contig * _ITEM_OF[self.c_t.width]) % 16 != 0
 
                 w = first
                 step = stride
@@ -612,7 +818,26 @@ def _kernel_class():
                         for _ in range(k_tiles):
                             read.advance()
                             release.advance()
-                if const_expr(self.cfg.defer):
+                if const_expr(self.mode != "dense"):
+                    # ---- grouped: the walker, one tile per step (cooperative, unsplit)
+                    cl, cg0, rows0, tiles0 = Int32(0), Int32(0), Int32(0), Int32(0)
+                    start, end, incl = self.load_chunk(gs, ext, cl, cg0, rows0, tiles0)
+                    cl, cg0, rows0, tiles0, start, end, incl, valid, g, t0, t1, m_t, n_t = self.find(
+                        gs, ext, w, cl, cg0, rows0, tiles0, start, end, incl)
+                    while valid:
+                        n_k = self.group_k_tiles(ext, g, t0, t1)
+                        acc.fill(0.0)      # empty groups and ragged_m's tail store these zeros
+                        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                        warpgroup.fence()
+                        read = mainloop_start(tiled_mma, acc, tCrA, tCrB, ab_pipe, read, n_k, 1)
+                        read, release = mainloop_rest(tiled_mma, acc, tCrA, tCrB, ab_pipe, read, release, n_k, 1)
+                        self.epilogue(tma_c, self.group_c(mC, cl, g, t0, t1, m_t, n_t), sC, acc, r2s, tRS_acc,
+                                      tRS_r32, tRS_rC, tRS_sC, n_rd, n_epi, row_blk, epi_bar, warp_id,
+                                      gmem_c, m_t, n_t, cl, ragged, etid, store_warp, buf0)
+                        w += stride
+                        cl, cg0, rows0, tiles0, start, end, incl, valid, g, t0, t1, m_t, n_t = self.find(
+                            gs, ext, w, cl, cg0, rows0, tiles0, start, end, incl)
+                elif const_expr(self.cfg.defer):
                     # ---- deferred epilogue: each tile is stored under the next one's first
                     # WGMMAs, from a copy of its accumulators already in the output dtype
                     acc_c = cute.make_rmem_tensor_like(acc, self.c_t)
@@ -775,16 +1000,17 @@ def _kernel_class():
                 epi_bar.arrive_and_wait()
                 n0 = tn * self.bn + e_n * en
                 edge = ragged and ((n0 + en > n_ext) if const_expr(c_n) else (m0 + em > m_ext))
-                if edge:
-                    # consecutive threads walk the contiguous mode (coalesced, conflict-light)
-                    for it in range_constexpr((em * en) // self.epi_threads):
-                        idx = etid + it * self.epi_threads
-                        if const_expr(c_n):
-                            r, q = idx // en, idx % en
-                        else:
-                            r, q = idx % em, idx // em
-                        if m0 + r < m_ext and n0 + q < n_ext:
-                            gmem_c[(m0 + r, n0 + q, l)] = sC[(r, q, buf)]
+                if const_expr(self.mode == "dense"):   # (grouped: never ragged, C may be rank 4)
+                    if edge:
+                        # consecutive threads walk the contiguous mode (coalesced, conflict-light)
+                        for it in range_constexpr((em * en) // self.epi_threads):
+                            idx = etid + it * self.epi_threads
+                            if const_expr(c_n):
+                                r, q = idx // en, idx % en
+                            else:
+                                r, q = idx % em, idx // em
+                            if m0 + r < m_ext and n0 + q < n_ext:
+                                gmem_c[(m0 + r, n0 + q, l)] = sC[(r, q, buf)]
                 if warp_id == store_warp:
                     if not edge:
                         cute.copy(tma_c, bSG_sC[(None, buf)], bSG_gC[(None, (blk, e_n))])
@@ -797,7 +1023,14 @@ def _kernel_class():
     return Sm90Gemm, cute, cuda_driver
 
 
-def _make_launcher(spec: GemmSpec, config: Config):
+def make_launcher(spec: GemmSpec | GroupedSpec, config: Config, sms: int = NUM_SMS):
+    """The @cute.jit launcher of the kernel with the tile scheduler ``spec`` asks for: the dense
+    raster for a GemmSpec, the ragged_m / ragged_k walk on ``sms`` CTAs for a GroupedSpec (a
+    cooperative 128-row tile on one CTA, unsplit; sm90_grouped checks the spec)."""
+    grouped = isinstance(spec, GroupedSpec)
+    if grouped and (config.tile_m != 128 or config.pingpong or config.split_k != 1 or config.defer or config.pdl
+                    or (config.cluster_m, config.cluster_n) != (1, 1)):
+        raise ValueError(f"{FAMILY}: grouped tiles are cooperative 128-row tiles on one CTA, unsplit ({config})")
     Sm90Gemm, cute, cuda_driver = _kernel_class()
     # the epilogue reuses its smem ring round-robin across tiles: subtiles per tile must fill it
     rows = config.tile_m if config.pingpong else 64
@@ -808,9 +1041,14 @@ def _make_launcher(spec: GemmSpec, config: Config):
         # two stages cannot keep loads ahead of the tensor cores
         raise ValueError(f"{FAMILY}: a whole-share epilogue of {spec.c_dtype} leaves {ab_stages} A/B "
                          f"stage(s) for a {config.tile_m}x{config.tile_n} tile (3 needed)")
-    gemm = Sm90Gemm(spec, config)
+    gemm = Sm90Gemm(spec, config, sms)
 
-    if config.split_k == 1:
+    if grouped:
+        @cute.jit
+        def launch(a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, group_sizes: cute.Tensor,
+                   stream: cuda_driver.CUstream):
+            gemm.run(a, b, c, group_sizes, None, stream)
+    elif config.split_k == 1:
         @cute.jit
         def launch(a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, stream: cuda_driver.CUstream):
             gemm.run(a, b, c, None, None, stream)
