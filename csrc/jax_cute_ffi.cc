@@ -47,9 +47,7 @@ __attribute__((format(printf, 1, 2))) std::string Format(const char* fmt, ...) {
   va_end(ap);
   return buf;
 }
-ffi::Error Err(ffi::ErrorCode code, const std::string& message) {
-  return ffi::Error(code, "jax_cute: " + message);
-}
+ffi::Error Err(Code code, const std::string& why) { return ffi::Error(code, "jax_cute: " + why); }
 
 // Opens `path` and binds the entry points `bind_all` names into a new `Api` kept for the life of
 // the process. Returns "" on success, else an error naming the library and every missing symbol.
@@ -106,6 +104,7 @@ std::mutex g_mu;
 const Driver* g_driver = nullptr;
 const DslRuntime* g_runtime = nullptr;
 std::string g_runtime_path;
+
 std::string LoadDriverLocked() {
   if (g_driver != nullptr) return "";
   return Load("libcuda.so.1", RTLD_NOW | RTLD_LOCAL, &g_driver, [](auto& d, auto bind) {
@@ -139,8 +138,8 @@ void SetRuntimeLibrary(const std::string& path) {
   g_runtime_path = path;
 }
 
-// Makes the context of `stream` current on this thread while in scope, unless it already is
-// (the common case under XLA, which costs one query).
+// Makes the stream's context current on this thread while in scope, unless it is already (as
+// under XLA, which this checks with one query).
 struct StreamContext {
   const Driver* pushed = nullptr;
   ~StreamContext() { CUcontext popped; if (pushed != nullptr) pushed->CtxPopCurrent(&popped); }
@@ -160,6 +159,7 @@ bool ReadAt(ffi::Span<const uint8_t> obj, uint64_t off, T* out) {
   std::memcpy(out, obj.begin() + off, sizeof(T));
   return true;
 }
+
 // True when the ELF64 little-endian object defines the symbols `prefix`_function_name and
 // `prefix`_version that every dumped launcher has. CuteDSLRT_Module_Get_Function aborts the
 // process (an uncaught C++ exception) on a prefix the object lacks, so instantiate checks first.
@@ -198,8 +198,8 @@ bool DefinesFunction(ffi::Span<const uint8_t> obj, const std::string& prefix) {
 }
 
 std::atomic<int64_t> g_modules_created{0}, g_functions_loaded{0}, g_launches{0};
-// A kernel's launcher per device, each set once under g_mu and never unloaded: unloading CUDA
-// code while the process tears CUDA down is a known source of crashes at exit.
+// A kernel's launcher per device, set once under g_mu and never unloaded (unloading CUDA code
+// while the process tears CUDA down is a known source of crashes at exit).
 constexpr int kMaxDevices = 64;
 using Kernel = std::array<std::atomic<DslFunction*>, kMaxDevices>;
 // The process's kernels by (object digest, symbol, declared arch): with the arch in the key, a
@@ -238,9 +238,8 @@ ffi::Error GetFunction(const LaunchState& s, ffi::Dictionary& attrs, int32_t dev
   if ((*fn = slot.load(std::memory_order_relaxed)) != nullptr) return ffi::Error::Success();
   const std::string kernel = "kernel " + s.name + ": ";
   if (g_runtime == nullptr) return Err(Code::kFailedPrecondition, kernel + "no CuTe DSL runtime");
-  if (std::string error = LoadDriverLocked(); !error.empty()) {
-    return Err(Code::kFailedPrecondition, "CUDA driver: " + error);
-  }
+  if (std::string error = LoadDriverLocked(); !error.empty())
+    return Err(Code::kFailedPrecondition, kernel + error);
   const Driver& d = *g_driver;
   const DslRuntime& rt = *g_runtime;
   StreamContext context;
@@ -274,7 +273,8 @@ ffi::Error GetFunction(const LaunchState& s, ffi::Dictionary& attrs, int32_t dev
   }
   if (!failed.empty() || loaded == nullptr) {
     if (module != nullptr) rt.ModuleDestroy(module);
-    return Err(Code::kInternal, kernel + Format("on device %d: %s", device, failed.c_str()));
+    return Err(Code::kInternal, kernel + Format("on device %d: ", device) +
+                                    (failed.empty() ? "the runtime returned no function" : failed));
   }
   g_functions_loaded++;
   slot.store(*fn = loaded, std::memory_order_release);
@@ -315,8 +315,8 @@ ffi::ErrorOr<std::unique_ptr<LaunchState>> Instantiate(
   if (!DefinesFunction(object, prefix))
     return error(Format("its object (%zu bytes) is not an ELF object defining function '%s'",
                         object.size(), prefix.c_str()));
-  Kernel* kernel = KernelFor(Format("%s/%s/sm_%d%d", std::string(key).c_str(), prefix.c_str(),
-                                    int(arch_major), int(arch_minor)));
+  Kernel* kernel = KernelFor(std::string(key) + "/" + prefix + "/" + std::to_string(arch_major) +
+                             "." + std::to_string(arch_minor));
   return ffi::ErrorOr<std::unique_ptr<LaunchState>>(std::unique_ptr<LaunchState>(new LaunchState{
       std::string(name), prefix, int(arch_major), int(arch_minor), kernel,
       {kinds.begin(), kinds.end()}, {offsets.begin(), offsets.end()}, {words.begin(), words.end()},
