@@ -32,7 +32,7 @@ from jax_cute.kernels import abi
 from jax_cute.kernels.build import KernelBinary, compile_launcher
 from jax_cute.kernels.gemm_spec import GemmSpec, GroupedSpec
 from jax_cute.primitives.gemm_layouts import GemmLayouts
-from jax_cute.primitives.gemm_plan import FlatGemm, flatten_gemm, materialise, padded_buffers
+from jax_cute.primitives.gemm_plan import FlatGemm, materialise, plan_gemm
 from jax_cute.primitives.ragged_layouts import RAGGED_M, FlatGrouped, RaggedLayouts, flatten_grouped
 
 logger = logging.getLogger("jax_cute")
@@ -135,20 +135,13 @@ def gemm(a_aval, b_aval, *, layouts: GemmLayouts, out_dtype: str, acc_dtype: str
     what = f"M={ext['m']} N={ext['n']} K={ext['k']} L={ext['l']}, dtypes {'/'.join(dts)}"
     if 0 in ext.values():
         return None  # nothing to launch: the reference path writes the zeros
-    flat = flatten_gemm(layouts, dts)
-    shapes = [tuple(a_aval.shape), tuple(b_aval.shape), tuple(layouts.c_shape)]
-    if isinstance(flat, str) or flat.copies:
-        # Unaligned row strides (a 50257-word vocabulary, K = 7): pad the buffers' rows to
-        # 16 bytes instead. XLA fuses such a pad (or the output's slice) into the neighbouring op
-        # where it can; it is cheaper than the transposing copy or the fallback in any case.
-        alt = padded_buffers(layouts, shapes, dts)
-        alt_flat = flatten_gemm(alt[0], dts) if alt else "no padding helps"
-        if not isinstance(alt_flat, str) and not alt_flat.copies:
-            for name, old, new in zip("abc", shapes, alt[1]):
-                if old != new:
-                    logger.warning("jax_cute.matmul: padding the rows of %s from %d to %d elements (16-byte "
-                                   "TMA strides)", name, old[-1], new[-1])
-            flat, shapes = alt_flat, alt[1]
+    # Unaligned strides are met by padding buffers (XLA fuses such a pad, or the output's slice,
+    # into the neighbouring op where it can): cheaper than a transposing copy or the fallback.
+    given = [tuple(a_aval.shape), tuple(b_aval.shape), tuple(layouts.c_shape)]
+    flat, shapes = plan_gemm(layouts, given, dts)
+    for name, old, new in zip("abc", given, shapes):
+        if old != new:
+            logger.warning("jax_cute.matmul: padding %s from %s to %s (16-byte TMA strides)", name, old, new)
     if isinstance(flat, str):
         fallback("matmul", f"{flat} ({what})")
         return None

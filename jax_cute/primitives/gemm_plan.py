@@ -11,6 +11,7 @@ misaligned canonical operand, sends the whole call to the XLA fallback.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Sequence
 
 import jax.numpy as jnp
@@ -141,6 +142,8 @@ def flatten_gemm(g: GemmLayouts, dtypes: Sequence[str]) -> FlatGemm | str:
         sx, sy = _single(x), _single(y)
         if sx is None or sy is None:
             return None
+        if sx[0] == 1 and sy[0] == 1:  # an extent-1 matrix mode takes the batch mode as it is
+            return Layout((s,), (dx,)), Layout((s,), (dy,))
         if dx == sx[0] * sx[1] and dy == sy[0] * sy[1]:
             return Layout((sx[0] * s,), (sx[1],)), Layout((sy[0] * s,), (sy[1],))
         return None
@@ -171,15 +174,18 @@ def flatten_gemm(g: GemmLayouts, dtypes: Sequence[str]) -> FlatGemm | str:
                                                ("b", bn, bk, 2, b_dt, ("n", "k"), n)):
         op = _operand_modes(name, rows, cols, [(mode[0], mode[i]) for mode in lmodes], dt, names)
         if isinstance(op, str):
-            # One copy into (batch..., rows, K) row-major, keeping broadcast batch modes at extent 1.
+            # One copy into (batch..., rows, K) row-major, rows padded to 16 bytes, keeping
+            # broadcast batch modes at extent 1.
             copies.append((name, op))
             own = [s if mode[i] else 1 for s, mode in zip(exts, lmodes)]
             srcs[name] = make_layout(rows, cols, Layout(tuple(own) or (1,), tuple(mode[i] for mode in lmodes) or (0,)))
-            strides, step = [], r * ext["k"]
+            div = max(1, 16 // itemsize(dt))
+            row = -(-ext["k"] // div) * div
+            strides, step = [], r * row
             for e in own:
                 strides.append(step)
                 step *= e
-            op = _operand_modes(name, Layout((r,), (ext["k"],)), Layout((ext["k"],), (1,)),
+            op = _operand_modes(name, Layout((r,), (row,)), Layout((ext["k"],), (1,)),
                                 list(zip(own, strides)), dt, names)
             if isinstance(op, str):
                 return op
@@ -189,29 +195,45 @@ def flatten_gemm(g: GemmLayouts, dtypes: Sequence[str]) -> FlatGemm | str:
                     srcs.get("b"))
 
 
-def padded_buffers(g: GemmLayouts, shapes: Sequence[tuple[int, ...]], dtypes: Sequence[str]
-                   ) -> tuple[GemmLayouts, list[tuple[int, ...]]] | None:
-    """The same GEMM over buffers (a, b, c) whose last axis is padded to a multiple of 16 bytes,
-    so every stride TMA needs is aligned (a vocabulary of 50257, K = 7); None when no buffer
-    needs it or a layout cannot follow. The padding is never read: the logical extents stay."""
-    new_shapes = []
-    for shape, dt in zip(shapes, dtypes):
-        div = max(1, 16 // itemsize(dt))
-        last = shape[-1] if shape else 1
-        new_shapes.append(tuple(shape[:-1]) + (-(-last // div) * div,) if last > 1 and last % div else tuple(shape))
-    if new_shapes == [tuple(s) for s in shapes]:
-        return None
-    moved = [restride(lay, old, new) for lay, old, new in zip((g.a, g.b, g.c), shapes, new_shapes)]
-    if any(m is None for m in moved):
-        return None
-    return GemmLayouts(*moved, new_shapes[2]), new_shapes
+def _padded_shape(shape: tuple[int, ...], dtype: str) -> tuple[int, ...]:
+    """``shape`` with its innermost non-trivial axis padded to a multiple of 16 bytes, so every
+    stride outside that axis is aligned."""
+    div = max(1, 16 // itemsize(dtype))
+    axes = [i for i, n in enumerate(shape) if n > 1]
+    if not axes or shape[axes[-1]] % div == 0:
+        return shape
+    i = axes[-1]
+    return shape[:i] + (-(-shape[i] // div) * div,) + shape[i + 1:]
+
+
+def plan_gemm(g: GemmLayouts, shapes: Sequence[tuple[int, ...]], dtypes: Sequence[str]
+              ) -> tuple[FlatGemm | str, list[tuple[int, ...]]]:
+    """The kernel problem for ``g`` over buffers of ``shapes`` (a, b, c), and the buffer shapes it
+    needs. Where strides are not 16-byte aligned (a 50257-word vocabulary, K = 7), buffers may be
+    padded along their innermost axis (the padding is never read: logical extents stay); of the
+    ways to pad, the one with the fewest copies, then the fewest padded buffers, wins."""
+    shapes = [tuple(s) for s in shapes]
+    best = (flatten_gemm(g, dtypes), shapes)
+    padded = [_padded_shape(s, dt) for s, dt in zip(shapes, dtypes)]
+    options = [i for i in range(3) if padded[i] != shapes[i]]
+    for pick in itertools.chain.from_iterable(itertools.combinations(options, r) for r in range(1, len(options) + 1)):
+        new = [padded[i] if i in pick else shapes[i] for i in range(3)]
+        moved = [restride(lay, old, nw) for lay, old, nw in zip((g.a, g.b, g.c), shapes, new)]
+        if any(m is None for m in moved):
+            continue
+        flat = flatten_gemm(GemmLayouts(*moved, new[2]), dtypes)
+        if isinstance(flat, str):
+            continue
+        if isinstance(best[0], str) or len(flat.copies) < len(best[0].copies):
+            best = (flat, new)
+    return best
 
 
 def materialise(x, lay: Layout, op: FlatOperand):
     """Copy an operand into a (L, rows, cols) row-major buffer (L the product of its batch modes,
-    the first fastest), as ``op`` describes it: the one logged copy a plan may need for an
-    operand no kernel layout can express."""
+    the first fastest; rows padded to ``op``'s row stride), as ``op`` describes it: the one
+    logged copy a plan may need for an operand no kernel layout can express."""
     rows, cols, l = op.shape[0], op.shape[1], product(op.shape[2:])
     logical = L.read(x, lay)  # (rows, cols, l) as three flat axes
-    logical = jnp.reshape(logical, (rows, cols, l))
-    return jnp.transpose(logical, (2, 0, 1))
+    logical = jnp.transpose(jnp.reshape(logical, (rows, cols, l)), (2, 0, 1))
+    return jnp.pad(logical, ((0, 0), (0, 0), (0, op.stride[0] - cols))) if op.stride[0] > cols else logical
