@@ -21,7 +21,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-SUITES = {"matmul": "bench_matmul.py", "ragged": "bench_ragged.py", "launch": "bench_launch.py"}
+SUITES = {"matmul": "bench_matmul.py", "layouts": "bench_layouts.py", "ragged": "bench_ragged.py",
+          "launch": "bench_launch.py"}
 IMPL_ORDER = ["jax_cute", "xla", "pallas"]
 IMPL_LABEL = {"jax_cute": "jax_cute", "xla": "XLA", "pallas": "Pallas", "xla_bf16_grads": "XLA, bf16 gradient GEMMs"}
 
@@ -171,7 +172,8 @@ SECTIONS = [  # (table, record key, unit, higher is better, title, digits)
     ("e2e", "ms", "ms", False, "End-to-end steps (time per call)", 2),
     ("launch", "us_per_iter", "µs/iter", False, "Tiny kernel in a fori_loop (command buffers off)", 2),
 ]
-SUITE_TITLE = {"matmul": "Dense GEMM: jax_cute.matmul", "ragged": "Grouped GEMM: jax_cute.ragged_dot",
+SUITE_TITLE = {"matmul": "Dense GEMM: jax_cute.matmul", "layouts": "Layouts: einsum, LM head, vmap of batched",
+               "ragged": "Grouped GEMM: jax_cute.ragged_dot",
                "launch": "Launch overhead"}
 SUITE_LABELS = {"ragged": {"xla": "lax.ragged_dot"}}   # what the "xla" rival is in that suite
 SUITE_NOTE = {
@@ -179,6 +181,10 @@ SUITE_NOTE = {
               "configs of Pallas' Mosaic GPU Hopper matmul. Each call runs 8 independent products in one jit. "
               "The MLP step is the forward + backward + SGD update of `examples/mlp_training.py`; *XLA, bf16 "
               "gradient GEMMs* rounds the f32 cotangent to bf16 as jax_cute does, the like-for-like baseline.",
+    "layouts": "XLA: the same `jnp.einsum` / `jnp.matmul` expression. Attention products read (B, T, H, D) "
+               "activations and write their outputs in the einsum's order; the LM head has a 50257-word "
+               "vocabulary (rows padded to 16 bytes inside the lowering); *vmap of batched* maps axis 1 of a "
+               "product batched along axis 0 (two batch modes), *flat batched* is the same product with one.",
     "ragged": "lax.ragged_dot: `jax.lax.ragged_dot` compiled by XLA. Pallas: the fastest of up to four configs of "
               "Pallas' `ragged_dot_mgpu` (forward, lhs gradient) or `transposed_ragged_dot_mgpu` (rhs gradient). "
               "Group sizes are uniform or drawn from Dirichlet(0.3) (a few large groups, many small or empty "
@@ -223,7 +229,7 @@ def first_call_section(path: str) -> list[str]:
 def report_order(files: list[str]) -> list[str]:
     """The result files among ``files`` (.json suites, .jsonl first-call records; other files are
     skipped): dense GEMM first, then grouped, launch, first call."""
-    rank = {"matmul": 0, "ragged": 1, "launch": 2}
+    rank = {"matmul": 0, "layouts": 1, "ragged": 2, "launch": 3}
     kept = [f for f in files if f.endswith((".json", ".jsonl"))]
     for f in sorted(set(files) - set(kept)):
         print(f"skipping {f}: not a results file")
