@@ -24,6 +24,7 @@ from jax.interpreters import ad, batching, mlir
 
 from jax_cute import dispatch
 from jax_cute import layout as L
+from jax_cute.primitives import sharding
 from jax_cute.primitives.gemm_layouts import (GemmLayouts, cotangent_a, cotangent_a_partials, cotangent_b,
                                                cotangent_b_partials, matmul_layouts)
 from jax_cute.primitives.gemm_plan import flatten_gemm
@@ -65,16 +66,17 @@ def reference(a, b, *, layouts: GemmLayouts, out_dtype, acc_dtype, precision=Non
     return L.write(cv, layouts.c, layouts.c_shape)
 
 
-mlir.register_lowering(matmul_p, mlir.lower_fun(reference, multiple_results=False))
+# Both lowerings go through the partitioning rules (primitives/sharding.py); ``avals`` and
+# ``params`` are then those of one shard.
+mlir.register_lowering(matmul_p, sharding.lowering(matmul_p, sharding.reference_local(reference)))
 
 
-def _cuda_lowering(ctx, a, b, **params):
+def _cuda_lowering(avals, params):
     ref = functools.partial(reference, **params)
-    impl = dispatch.gemm(*ctx.avals_in, reference=ref, **params)
-    return mlir.lower_fun(impl or ref, multiple_results=False)(ctx, a, b)
+    return dispatch.gemm(*avals, reference=ref, **params) or ref
 
 
-mlir.register_lowering(matmul_p, _cuda_lowering, platform="cuda")
+mlir.register_lowering(matmul_p, sharding.lowering(matmul_p, _cuda_lowering), platform="cuda")
 
 
 # -- batching ---------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from jax.interpreters import ad, batching, mlir
 
 from jax_cute import dispatch
 from jax_cute import layout as L
+from jax_cute.primitives import sharding
 from jax_cute.primitives.matmul import _acc_dtype, _cotangent_dtype, operand_dtype_error
 from jax_cute.primitives.ragged_layouts import (RAGGED_K, RAGGED_M, RaggedLayouts, batched, cotangent,
                                                 ragged_dot_layouts)
@@ -32,7 +33,7 @@ logger = logging.getLogger("jax_cute")
 
 ragged_m_p = core.Primitive("jax_cute_ragged_m")
 ragged_k_p = core.Primitive("jax_cute_ragged_k")
-PRIMITIVES = {RAGGED_M: ragged_m_p, RAGGED_K: ragged_k_p}
+_pITIVES = {RAGGED_M: ragged_m_p, RAGGED_K: ragged_k_p}
 
 
 def _abstract_eval(a, b, gs, *, layouts: RaggedLayouts, out_dtype, acc_dtype):
@@ -82,10 +83,10 @@ def reference(a, b, gs, *, layouts: RaggedLayouts, out_dtype, acc_dtype):
     return L.write(cv.astype(out_dtype), layouts.c, layouts.c_shape)
 
 
-def _cuda_lowering(ctx, a, b, gs, **params):
+def _cuda_lowering(avals, params):
+    # The computation of one shard (primitives/sharding.py partitions the call).
     ref = functools.partial(reference, **params)
-    impl = dispatch.grouped(*ctx.avals_in, reference=ref, **params)
-    return mlir.lower_fun(impl or ref, multiple_results=False)(ctx, a, b, gs)
+    return dispatch.grouped(*avals, reference=ref, **params) or ref
 
 
 # -- batching ---------------------------------------------------------------------------------
@@ -122,18 +123,18 @@ def _transpose(ct, a, b, gs, *, layouts: RaggedLayouts, out_dtype, acc_dtype):
     bufs = {"a": a, "b": b, "c": ct}
     # Broadcast batches summed afterwards are accumulated in acc_dtype and rounded once.
     dt = np.dtype(acc_dtype if cot.extra else aval.dtype).name
-    res = PRIMITIVES[cot.layouts.mode].bind(bufs[cot.operands[0]], bufs[cot.operands[1]], gs,
+    res = _pITIVES[cot.layouts.mode].bind(bufs[cot.operands[0]], bufs[cot.operands[1]], gs,
                                             layouts=cot.layouts, out_dtype=dt, acc_dtype=acc_dtype)
     if cot.extra:
         res = jnp.sum(res, axis=tuple(range(cot.extra))).astype(aval.dtype)
     return [res, None, None] if wrt == "a" else [None, res, None]
 
 
-for _p in PRIMITIVES.values():
+for _p in _pITIVES.values():
     _p.def_abstract_eval(_abstract_eval)
     _p.def_impl(functools.partial(_eager, _p))
-    mlir.register_lowering(_p, mlir.lower_fun(reference, multiple_results=False))
-    mlir.register_lowering(_p, _cuda_lowering, platform="cuda")
+    mlir.register_lowering(_p, sharding.lowering(_p, sharding.reference_local(reference)))
+    mlir.register_lowering(_p, sharding.lowering(_p, _cuda_lowering), platform="cuda")
     batching.primitive_batchers[_p] = functools.partial(_batch_rule, _p)
     ad.primitive_jvps[_p] = functools.partial(_jvp, _p)
     ad.primitive_transposes[_p] = _transpose

@@ -1,0 +1,502 @@
+"""Partitioning rules of the GEMM primitives for jit's SPMD partitioner (Shardy or GSPMD).
+
+An XLA custom call without rules is replicated: XLA gathers its operands onto every device.
+Every lowering of ``jax_cute_matmul``, ``jax_cute_ragged_m`` and ``jax_cute_ragged_k`` (the CPU
+reference and the CUDA kernel alike) therefore goes through one ``custom_partitioning``
+function whose rules say which buffer axes may stay sharded, and whose per-shard body is the
+same computation over the local buffers.
+
+The model is Shardy's: *factors*. Each logical mode (M, N, K, L, G) is refined into the same
+sub-modes in every operand that has it (``gemm_layouts.refine``); each sub-mode of extent > 1
+is a factor. In an operand's buffer a factor is one stride, so it lies in one buffer axis; an
+axis is described by its factors from slowest to fastest (a Shardy compound factor). A
+sharded buffer axis shards its slowest factor, so the local buffer's layout keeps its
+sub-modes with that factor's extent divided and the strides of slower axes recomputed
+(``localize``).
+
+What each kind of factor does when sharded:
+- M, N, L (free and batch modes): the local GEMM on the local blocks, no communication.
+- K (the reduction): the local GEMM, then ``psum`` over K's mesh axes, or ``psum_scatter``
+  along an output axis when the requested output sharding uses K's mesh axes there.
+- the ragged mode of a grouped GEMM (M rows of ``ragged_dot``, K of its weight gradient):
+  groups are consecutive ranges of the *global* index, so each shard derives its own group
+  sizes from the global ones (group sizes are kept replicated; they are G integers): the
+  groups clipped to its block of rows. Exact for any group sizes, no communication (plus the
+  ``psum`` when the ragged mode is K). Only the slowest factor of the ragged mode is sharded.
+- G (groups, the experts of a mixture of experts): replicated. Sharding experts under jit
+  would leave each shard rows of other shards' experts; expert parallelism is written with
+  ``shard_map`` and an all-to-all token dispatch, where each shard's ``ragged_dot`` sees its
+  own tokens and groups (``examples/sharded_layers.py``).
+- a factor that is not the slowest of its axis in every operand holding it, or an axis whose
+  sub-modes do not tile it (a layout that cannot be localized): replicated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Callable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.custom_partitioning import ArrayMapping, CompoundFactor, SdyShardingRule, custom_partitioning
+from jax._src import dispatch as jax_dispatch  # no public API marks a primitive as needing devices
+from jax.interpreters import mlir
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jax_cute import layout as L
+from jax_cute.layout import Layout, make_layout
+from jax_cute.primitives.gemm_layouts import GemmLayouts, refine
+from jax_cute.primitives.ragged_layouts import RAGGED_K, RAGGED_M, RaggedLayouts
+
+# Logical modes of each operand's layout, in mode order; the last name is the result.
+MODES = {
+    "gemm": {"a": "mkl", "b": "nkl", "c": "mnl"},
+    RAGGED_M: {"a": "mkl", "b": "nkgl", "gs": "gl", "c": "mnl"},
+    RAGGED_K: {"a": "mkl", "b": "nkl", "gs": "gl", "c": "mngl"},
+}
+REDUCTION = "k"
+REPLICATED = "g"  # groups: see the module docstring
+
+
+# -- layouts of local buffers -----------------------------------------------------------------
+
+def axis_steps(layout: Layout, shape: Sequence[int]) -> tuple[tuple[int, int] | None, ...]:
+    """For each flat sub-mode of ``layout`` over a row-major buffer of ``shape``: the buffer axis
+    it steps along and its step in that axis's units, (axis, stride // axis stride); None for a
+    sub-mode that reads no axis (extent 1 or stride 0); (-1, stride) when no one axis holds it."""
+    strides = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+    out: list[tuple[int, int] | None] = []
+    for e, d in layout.flat_modes():
+        if e == 1 or d == 0:
+            out.append(None)
+            continue
+        # the slowest axis whose stride divides d and which holds all e steps
+        axis = next((i for i in range(len(shape)) if shape[i] > 1 and d % strides[i] == 0
+                     and d // strides[i] * (e - 1) < shape[i]), None)
+        out.append((-1, d) if axis is None else (axis, d // strides[axis]))
+    return tuple(out)
+
+
+def localize(layout: Layout, shape: Sequence[int], local_shape: Sequence[int],
+             divisors: Sequence[int] | None = None) -> Layout | None:
+    """``layout`` over a row-major buffer of ``shape``, moved to one block of a sharding whose
+    local buffer has ``local_shape``: the layout of the same logical block in the local buffer.
+
+    A sharded axis (local extent smaller) must be stepped along by exactly one sub-mode that
+    covers its slowest part; that sub-mode's extent is divided by the axis's shard count.
+    Strides are recomputed from the local buffer's row-major strides. ``divisors`` gives each
+    flat sub-mode's shard count where the buffer cannot tell (a broadcast sub-mode, stride 0,
+    of a mode sharded in another operand); it must agree with the buffer elsewhere. Returns
+    None when the sharding cannot be expressed on this layout.
+    """
+    steps = axis_steps(layout, shape)
+    flat = layout.flat_modes()
+    local_strides = tuple(math.prod(local_shape[i + 1:]) for i in range(len(local_shape)))
+    counts = []
+    for n, ln in zip(shape, local_shape):
+        if ln == 0 or n % ln:
+            return None
+        counts.append(n // ln)
+    absorbed = [c == 1 for c in counts]
+    new: list[tuple[int, int]] = []
+    for i, ((e, d), step) in enumerate(zip(flat, steps)):
+        div = divisors[i] if divisors is not None else None
+        if step is None:  # no buffer axis: only the caller knows its shard count
+            div = div or 1
+            if e % div:
+                return None
+            new.append((e // div, 0 if d == 0 or e // div == 1 else d))
+            continue
+        axis, t = step
+        if axis < 0:
+            if div not in (None, 1):
+                return None
+            new.append((e, d))
+            continue
+        want = counts[axis] if t * e == shape[axis] else 1  # the slowest sub-mode takes the split
+        if div not in (None, want) or e % want:
+            return None
+        if want > 1:
+            absorbed[axis] = True
+        e2 = e // want
+        new.append((e2, L.stride_of(e2, t * local_strides[axis])))
+    if not all(absorbed):
+        return None
+    it = iter(new)
+
+    def rebuild(s):
+        if isinstance(s, int):
+            return next(it)
+        parts = [rebuild(x) for x in s]
+        return tuple(p[0] for p in parts), tuple(p[1] for p in parts)
+
+    shape_, stride_ = rebuild(layout.shape)
+    return Layout(shape_, stride_)
+
+
+# -- factors ------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Operand:
+    name: str
+    shape: tuple[int, ...]
+    layout: Layout  # refined: every logical mode split as in every other operand
+    factors: tuple[str | None, ...]  # per flat sub-mode of ``layout``
+    axes: tuple[tuple[str, ...] | None, ...]  # per buffer axis: factors slowest first; None: opaque
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """The factors of one primitive call (global buffers) and which of them may be sharded."""
+
+    kind: str
+    operands: tuple[Operand, ...]  # inputs in call order, then the result
+    sizes: Mapping[str, int]
+    shardable: frozenset[str]
+    ragged: str | None  # the ragged mode's slowest factor, when shardable
+
+    def operand(self, name: str) -> Operand:
+        return next(o for o in self.operands if o.name == name)
+
+
+def _kind(layouts) -> str:
+    return "gemm" if isinstance(layouts, GemmLayouts) else layouts.mode
+
+
+def _clean_axis(entries: list[tuple[str, int, int]], extent: int) -> tuple[str, ...] | None:
+    """Factors of one axis, slowest first, when their sub-modes tile the axis exactly."""
+    entries = sorted(entries, key=lambda t: t[2])
+    step = 1
+    for _, e, t in entries:
+        if t != step:
+            return None
+        step *= e
+    if step != extent:
+        return None
+    return tuple(f for f, _, _ in reversed(entries))
+
+
+def _refined(layouts: GemmLayouts | RaggedLayouts):
+    """Each operand's layout with every logical mode split as in every other operand, the
+    factors' extents, and each mode's factors (fastest first); None when no split is common."""
+    modes = MODES[_kind(layouts)]
+    lays = {n: getattr(layouts, n) for n in modes}
+    refined: dict[str, list[Layout]] = {n: list(lays[n].modes()) for n in modes}
+    sizes: dict[str, int] = {}
+    mode_factors: dict[str, list[str]] = {}
+    for x in "mnklg":
+        holders = [(n, modes[n].index(x)) for n in modes if x in modes[n]]
+        if not holders:
+            continue
+        try:
+            parts = refine([lays[n].mode(i) for n, i in holders])
+        except ValueError:
+            return None
+        for (n, i), part in zip(holders, parts):
+            refined[n][i] = part
+        flat = parts[0].flat_modes()
+        mode_factors[x] = [f"{x}{j}" for j, (e, _) in enumerate(flat) if e > 1]
+        sizes.update({f"{x}{j}": e for j, (e, _) in enumerate(flat) if e > 1})
+    return {n: make_layout(*refined[n]) for n in modes}, sizes, mode_factors
+
+
+def _operand(name: str, modes: str, shape: tuple[int, ...], lay: Layout | None, fallback: Layout
+             ) -> tuple[Operand, set[str]]:
+    """One operand's factors per buffer axis, and the factors its layout keeps replicated."""
+    if lay is None:  # no common refinement: every axis opaque
+        return Operand(name, shape, fallback, (None,) * len(fallback.flat_modes()), (None,) * len(shape)), set()
+    facs: list[str | None] = []
+    for i, x in enumerate(modes):
+        facs += [f"{x}{j}" if e > 1 else None for j, (e, _) in enumerate(lay.mode(i).flat_modes())]
+    per_axis: list[list[tuple[str, int, int]]] = [[] for _ in shape]
+    blocked: set[str] = set()
+    unplaced = False
+    for f, st, (e, _) in zip(facs, axis_steps(lay, shape), lay.flat_modes()):
+        if f is None or st is None:
+            continue
+        if st[0] < 0:
+            unplaced = True
+            blocked.add(f)
+        else:
+            per_axis[st[0]].append((f, e, st[1]))
+    axes: list[tuple[str, ...] | None] = []
+    for i, entries in enumerate(per_axis):
+        clean = None if unplaced else _clean_axis(entries, shape[i])
+        # only an axis's slowest factor follows the axis's sharding
+        blocked.update(clean[1:] if clean is not None else (f for f, _, _ in entries))
+        axes.append(clean)
+    return Operand(name, shape, lay, tuple(facs), tuple(axes)), blocked
+
+
+def problem(layouts: GemmLayouts | RaggedLayouts, shapes: Sequence[Sequence[int]]) -> Problem:
+    """The factors of a call with ``layouts`` on input buffers of ``shapes`` (call order)."""
+    kind = _kind(layouts)
+    modes = MODES[kind]
+    shapes = [tuple(s) for s in shapes] + [tuple(layouts.c_shape)]
+    ref = _refined(layouts)
+    refined, sizes, mode_factors = ref if ref is not None else ({}, {}, {})
+    operands, blocked = [], set()
+    for n, shape in zip(modes, shapes):
+        o, b = _operand(n, modes[n], shape, refined.get(n), getattr(layouts, n))
+        operands.append(o)
+        blocked |= b
+    ragged_mode = {RAGGED_M: "m", RAGGED_K: "k"}.get(kind)
+    ragged = mode_factors.get(ragged_mode, [None])[-1] if ragged_mode and mode_factors.get(ragged_mode) else None
+    if ragged:
+        blocked.update(mode_factors[ragged_mode][:-1])  # a shard's part of the ragged mode is one range
+    shardable = frozenset(f for f in sizes if f not in blocked and not f.startswith(REPLICATED))
+    return Problem(kind, tuple(operands), sizes, shardable, ragged if ragged in shardable else None)
+
+
+def result_operand(layouts: GemmLayouts | RaggedLayouts) -> Operand:
+    ref = _refined(layouts)
+    return _operand("c", MODES[_kind(layouts)]["c"], tuple(layouts.c_shape), ref and ref[0]["c"], layouts.c)[0]
+
+
+def sharding_rule(p: Problem) -> SdyShardingRule:
+    """Shardy's rule for the call: each buffer axis as its factors, slowest first."""
+    mappings, whole, used = [], set(), set()
+    private: list[str] = []
+    for o in p.operands:
+        dims = []
+        for i, fs in enumerate(o.axes):
+            if not fs:  # an opaque axis, or an extent-1 one: a factor of its own
+                name = f"{'opaque' if fs is None else 'unit'}_{o.name}_{i}"
+                if fs is None:
+                    private.append(name)
+                dims.append(name)
+                whole.add(name)
+            elif len(fs) == 1:
+                dims.append(fs[0])
+                whole.add(fs[0])
+            else:
+                dims.append(CompoundFactor(*fs))
+            used.update(fs or ())
+        mappings.append(ArrayMapping(*dims))
+    real = sorted(used)
+    reduction = tuple(f for f in real if f in p.shardable and f.startswith(REDUCTION))
+    replicated = tuple(f for f in real if f not in p.shardable) + tuple(private)
+    factor_sizes = {f: p.sizes[f] for f in real if f not in whole}
+    return SdyShardingRule(tuple(mappings[:-1]), (mappings[-1],), reduction_factors=reduction,
+                           need_replication_factors=replicated, **factor_sizes)
+
+
+# -- resolving shardings ------------------------------------------------------------------------
+
+Spec = tuple[tuple[str, ...], ...]
+
+
+def spec_of(sharding, ndim: int) -> Spec | None:
+    """Per buffer axis, the mesh axes it is sharded over; None for a sharding we cannot read."""
+    if not isinstance(sharding, NamedSharding):
+        return None
+    parts = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
+    return tuple(() if x is None else (x,) if isinstance(x, str) else tuple(x) for x in parts[:ndim])
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    assignment: Mapping[str, tuple[str, ...]]  # factor -> mesh axes
+    scatter: tuple[int, tuple[str, ...]] | None  # (result axis, mesh axes) of a reduce-scatter
+    reduce: tuple[str, ...]  # mesh axes summed over after the local GEMM
+
+    def spec(self, o: Operand, result: bool = False) -> PartitionSpec:
+        parts = []
+        for i, fs in enumerate(o.axes):
+            axes = self.assignment.get(fs[0], ()) if fs else ()
+            if result and self.scatter and self.scatter[0] == i:
+                axes = self.scatter[1]
+            parts.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+        return PartitionSpec(*parts)
+
+
+def plan(p: Problem, mesh_shape: Mapping[str, int], inputs: Sequence[Spec | None], result: Spec | None = None) -> Plan:
+    """Which factors are sharded over which mesh axes, from the inputs' shardings (first
+    operand first), then the requested result sharding; and the reduction that follows."""
+    assignment: dict[str, tuple[str, ...]] = {}
+    taken: set[str] = set()
+
+    def propose(o: Operand, spec: Spec | None, allow=lambda f: True):
+        for fs, axes in zip(o.axes, spec or ()):
+            if not axes or not fs or fs[0] in assignment or fs[0] not in p.shardable or not allow(fs[0]):
+                continue
+            if taken & set(axes) or p.sizes[fs[0]] % math.prod(mesh_shape[a] for a in axes):
+                continue
+            assignment[fs[0]] = axes
+            taken.update(axes)
+
+    for o, spec in zip(p.operands, inputs):
+        propose(o, spec)
+    out = p.operands[-1]
+    propose(out, result)
+    reduce = tuple(a for f, axes in assignment.items() if f.startswith(REDUCTION) for a in axes)
+    scatter = None
+    for i, (fs, axes) in enumerate(zip(out.axes, result or ())):
+        if axes and fs and fs[0] not in assignment and set(axes) <= set(reduce) \
+                and out.shape[i] % math.prod(mesh_shape[a] for a in axes) == 0:
+            scatter = (i, axes)
+            break
+    return Plan(assignment, scatter, reduce)
+
+
+def local_shapes(p: Problem, pl: Plan, mesh_shape: Mapping[str, int]) -> list[tuple[int, ...]]:
+    out = []
+    for o in p.operands:
+        out.append(tuple(n // math.prod(mesh_shape[a] for a in pl.assignment.get(fs[0], ())) if fs else n
+                         for n, fs in zip(o.shape, o.axes)))
+    return out
+
+
+def local_layouts(p: Problem, pl: Plan, mesh_shape: Mapping[str, int], layouts):
+    """The call's layouts over the local buffers of ``pl`` (each mode coalesced)."""
+    shapes = local_shapes(p, pl, mesh_shape)
+    new = {}
+    for o, shape in zip(p.operands, shapes):
+        div = [math.prod(mesh_shape[a] for a in pl.assignment.get(f, ())) if f else 1 for f in o.factors]
+        lay = localize(o.layout, o.shape, shape, div)
+        if lay is None:
+            raise AssertionError(f"jax_cute: cannot localize {o.name}={o.layout} of {o.shape} to {shape}")
+        new[o.name] = make_layout(*(m.coalesce() for m in lay.modes()))
+    c_shape = shapes[-1]
+    if isinstance(layouts, GemmLayouts):
+        return GemmLayouts(new["a"], new["b"], new["c"], c_shape), shapes
+    return RaggedLayouts(layouts.mode, new["a"], new["b"], new["c"], new["gs"], c_shape), shapes
+
+
+# -- the partitioned call -----------------------------------------------------------------------
+
+Local = Callable[[tuple, dict], Callable]  # (input avals, params) -> the computation on the arrays
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    """Static part of one call: the primitive's params and its per-shard computation."""
+
+    params: tuple[tuple[str, object], ...]
+    local: Local
+
+    @property
+    def kwargs(self) -> dict:
+        return dict(self.params)
+
+
+def _avals(xs) -> tuple:
+    return tuple(jax.core.ShapedArray(x.shape, x.dtype) for x in xs)
+
+
+def _mesh_shape(mesh) -> dict[str, int]:
+    return dict(mesh.shape)
+
+
+def _input_specs(p: Problem, arg_shapes) -> list[Spec | None]:
+    return [spec_of(s.sharding, len(s.shape)) for s in arg_shapes]
+
+
+def _shard_index(axes: Sequence[str], mesh_shape: Mapping[str, int]):
+    idx = jnp.int32(0)
+    for a in axes:  # the first mesh axis is the slowest, as in a PartitionSpec
+        idx = idx * mesh_shape[a] + jax.lax.axis_index(a)
+    return idx
+
+
+def _saturating_ends(sizes, extent: int):
+    # As ragged_dot.group_ends: negative sizes count as 0, ends clip at extent, no int32 overflow.
+    s = jnp.clip(sizes, 0, extent)
+    return jax.lax.associative_scan(lambda x, y: x + jnp.minimum(y, extent - x), s, axis=0)
+
+
+def _local_group_sizes(gs, gs_layout: Layout, gs_shape, extent: int, local_extent: int, offset):
+    """Group sizes of one shard's block [offset, offset + local_extent) of the ragged mode."""
+    ends = _saturating_ends(L.read(gs, gs_layout), extent)  # (G, L)
+    starts = ends - jnp.diff(ends, axis=0, prepend=jnp.zeros_like(ends[:1]))
+    clip = lambda x: jnp.clip(x - offset, 0, local_extent)  # noqa: E731
+    return L.write((clip(ends) - clip(starts)).astype(gs.dtype), gs_layout, gs_shape)
+
+
+def _partition(call: _Call, mesh, arg_shapes, result_shape):
+    params = call.kwargs
+    layouts = params["layouts"]
+    p = problem(layouts, [s.shape for s in arg_shapes])
+    ms = _mesh_shape(mesh)
+    specs = _input_specs(p, arg_shapes)
+    if any(s is None for s in specs):  # shardings we cannot read: run replicated
+        specs = [None] * len(specs)
+    pl = plan(p, ms, specs, spec_of(result_shape.sharding, len(result_shape.shape)))
+    local, shapes = local_layouts(p, pl, ms, layouts)
+    local_params = {**params, "layouts": local}
+
+    def lower_fn(*args):
+        args = list(args)
+        if p.ragged in pl.assignment:
+            axes = pl.assignment[p.ragged]
+            gs_i = [o.name for o in p.operands].index("gs")
+            ext, lext = layouts.ragged_extent(), local.ragged_extent()
+            args[gs_i] = _local_group_sizes(args[gs_i], local.gs, shapes[gs_i], ext, lext,
+                                            _shard_index(axes, ms) * lext)
+        out = call.local(_avals(args), local_params)(*args)
+        if pl.scatter:
+            rest = tuple(a for a in pl.reduce if a not in pl.scatter[1])
+            if rest:
+                out = jax.lax.psum(out, rest)
+            return jax.lax.psum_scatter(out, pl.scatter[1], scatter_dimension=pl.scatter[0], tiled=True)
+        return jax.lax.psum(out, pl.reduce) if pl.reduce else out
+
+    arg_shardings = tuple(NamedSharding(mesh, pl.spec(o)) for o in p.operands[:-1])
+    return mesh, lower_fn, NamedSharding(mesh, pl.spec(p.operands[-1], result=True)), arg_shardings
+
+
+def _infer(call: _Call, mesh, arg_shapes, result_shape):
+    p = problem(call.kwargs["layouts"], [s.shape for s in arg_shapes])
+    specs = _input_specs(p, arg_shapes)
+    pl = plan(p, _mesh_shape(mesh), specs if all(s is not None for s in specs) else [None] * len(specs))
+    return NamedSharding(mesh, pl.spec(p.operands[-1]))
+
+
+def _propagate_user(call: _Call, mesh, user_shape):
+    # Keep the user's sharding of each result axis that can follow one (its slowest factor).
+    c = result_operand(call.kwargs["layouts"])
+    spec = spec_of(user_shape.sharding, len(user_shape.shape))
+    if spec is None:
+        return user_shape.sharding
+    parts = [axes if fs and axes else () for fs, axes in zip(c.axes, spec)]
+    return NamedSharding(mesh, PartitionSpec(*(None if not a else a[0] if len(a) == 1 else a for a in parts)))
+
+
+def _rule(call: _Call, mesh, operand_types, result_types) -> SdyShardingRule:
+    shapes = [tuple(t.shape) for t in operand_types]
+    return sharding_rule(problem(call.kwargs["layouts"], shapes))
+
+
+def _body(call: _Call, *args):
+    return call.local(_avals(args), call.kwargs)(*args)
+
+
+_partitioned = custom_partitioning(_body, static_argnums=(0,))
+_partitioned.def_partition(partition=_partition, infer_sharding_from_operands=_infer,
+                           propagate_user_sharding=_propagate_user, sharding_rule=_rule)
+
+
+def lowering(primitive, local: Local) -> Callable:
+    """An MLIR lowering rule for ``primitive`` whose per-shard computation is ``local``.
+
+    ``local(avals, params)`` returns the function of the (local) operand arrays that computes
+    the primitive with ``params`` (``params["layouts"]`` describe those local buffers).
+    """
+    # custom_partitioning needs the device assignment while lowering, which jit passes only to
+    # computations holding a primitive that asks for it (as custom_partitioning_p itself does).
+    jax_dispatch.prim_requires_devices_during_lowering.add(primitive)
+
+    def rule(ctx, *args, **params):
+        call = _Call(tuple(sorted(params.items())), local)
+        # The body sees plain (unsharded) types: the rules, not the types, partition the call.
+        plain = ctx.replace(avals_in=_avals(ctx.avals_in), avals_out=_avals(ctx.avals_out))
+        return mlir.lower_fun(functools.partial(_partitioned, call), multiple_results=False)(plain, *args)
+
+    return rule
+
+
+def reference_local(reference: Callable) -> Local:
+    """The per-shard computation of a primitive that always runs its ``reference``."""
+    return lambda avals, params: functools.partial(reference, **params)
