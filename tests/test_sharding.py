@@ -1,0 +1,364 @@
+"""Sharding: the partitioning rules of the GEMM primitives, shard_map, and ``out_sharding``.
+
+The layout mapping is unit-tested here. The multi-device checks need 8 CPU devices, which
+must be set before JAX starts, while the rest of the suite runs on one: this file runs itself
+in a subprocess (``python tests/test_sharding.py``, once per partitioner) that computes every
+case and prints the results as JSON, and the tests assert on them.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DEVICES = 8
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all")
+
+
+# -- localize: layouts of local buffers (in-process) ---------------------------------------------
+
+def test_localize_row_major_operand_sharded_on_either_axis():
+    from jax_cute.layout import Layout, make_layout
+    from jax_cute.primitives.sharding import localize
+
+    a = make_layout(Layout((8,), (16,)), Layout((16,), (1,)), Layout((1,), (0,)))  # (M, K) row-major
+    rows = localize(a, (8, 16), (2, 16))
+    assert rows == make_layout(Layout((2,), (16,)), Layout((16,), (1,)), Layout((1,), (0,)))
+    cols = localize(a, (8, 16), (8, 4))  # a sharded axis divides the strides of slower ones
+    assert cols == make_layout(Layout((8,), (4,)), Layout((4,), (1,)), Layout((1,), (0,)))
+
+
+def test_localize_transposed_and_batched_operands():
+    from jax_cute.layout import Layout, make_layout
+    from jax_cute.primitives.sharding import localize
+
+    # transpose_a: the buffer holds (K, M); M is the fast axis
+    at = make_layout(Layout((8,), (1,)), Layout((16,), (8,)), Layout((1,), (0,)))
+    assert localize(at, (16, 8), (4, 8)) == make_layout(Layout((8,), (1,)), Layout((4,), (8,)), Layout((1,), (0,)))
+    # vmap over axis 0 of (3*2, 4, 8): L sub-mode (6):(32); a broadcast operand's L has stride 0
+    # and only the caller knows its shard count
+    m, k = Layout((4,), (8,)), Layout((8,), (1,))
+    lv = make_layout(m, k, Layout((6,), (32,)))
+    assert localize(lv, (6, 4, 8), (3, 4, 8)) == make_layout(m, k, Layout((3,), (32,)))
+    bn, bk = Layout((8,), (1,)), Layout((4,), (8,))
+    bc = make_layout(bn, bk, Layout((6,), (0,)))
+    assert localize(bc, (4, 8), (4, 8), divisors=(1, 1, 2)) == make_layout(bn, bk, Layout((3,), (0,)))
+
+
+def test_localize_axis_split_into_sub_modes():
+    from jax_cute.layout import Layout
+    from jax_cute.primitives.sharding import localize
+
+    split = Layout(((2, 4),), ((1, 2),))  # one axis of 8 as two sub-modes; the slow one has 4
+    assert localize(split, (8,), (4,)) == Layout(((2, 2),), ((1, 2),))
+    assert localize(split, (8,), (2,)) == Layout(((2, 1),), ((1, 0),))
+    assert localize(split, (8,), (1,)) is None  # 8 shards do not divide the slow sub-mode's 4
+    assert localize(Layout((4,), (1,)), (8,), (4,)) is None  # no sub-mode reaches the axis's end
+    assert localize(Layout(((4, 2),), ((2, 1),)), (8,), (4,)) == Layout(((2, 2),), ((2, 1),))
+
+
+def test_factors_of_a_gemm_and_the_shardy_rule():
+    from jax_cute.primitives.gemm_layouts import matmul_layouts
+    from jax_cute.primitives.sharding import problem, sharding_rule
+
+    layouts, _ = matmul_layouts((16, 32), (32, 64), False, False)
+    p = problem(layouts, [(16, 32), (32, 64)])
+    assert [o.axes for o in p.operands] == [(("m0",), ("k0",)), (("k0",), ("n0",)), (("m0",), ("n0",))]
+    assert p.shardable == {"m0", "n0", "k0"}
+    rule = sharding_rule(p)
+    assert rule.reduction_factors == ("k0",) and rule.need_replication_factors == ()
+
+
+def test_an_axis_split_across_modes_that_cannot_follow_a_sharding_is_replicated():
+    """A's rows read as M = (4, 2):(2K, K) (row 2*i0 + i1), the output's rows row-major: the slow
+    part of A's axis is M's fast sub-mode, so no block sharding of A's rows is a block of C's."""
+    from jax_cute.layout import Layout, make_layout
+    from jax_cute.primitives.gemm_layouts import GemmLayouts
+    from jax_cute.primitives.sharding import plan, problem, sharding_rule
+
+    k, n = 4, 6
+    a = make_layout(Layout((4, 2), (2 * k, k)), Layout((k,), (1,)), Layout((1,), (0,)))
+    b = make_layout(Layout((n,), (1,)), Layout((k,), (n,)), Layout((1,), (0,)))
+    c = make_layout(Layout((8,), (n,)), Layout((n,), (1,)), Layout((1,), (0,)))
+    p = problem(GemmLayouts(a, b, c, (8, n)), [(8, k), (k, n)])
+    assert p.operand("a").axes[0] == ("m0", "m1") and p.operand("c").axes[0] == ("m1", "m0")
+    assert p.shardable == {"n0", "k0"}
+    assert set(sharding_rule(p).need_replication_factors) == {"m0", "m1"}
+    pl = plan(p, {"x": 2}, [(("x",), ()), ((), ())])
+    assert tuple(pl.spec(p.operand("a"))) == tuple(pl.spec(p.operand("c"))) == (None, None)
+
+
+def test_ragged_rows_shard_by_their_slowest_factor_and_groups_stay_replicated():
+    from jax_cute.primitives.ragged_layouts import ragged_dot_layouts
+    from jax_cute.primitives.sharding import problem, sharding_rule
+
+    p = problem(ragged_dot_layouts(64, 32, 8, 16), [(64, 32), (8, 32, 16), (8,)])
+    assert p.ragged == "m0" and "g0" not in p.shardable
+    rule = sharding_rule(p)
+    assert "g0" in rule.need_replication_factors and rule.reduction_factors == ("k0",)
+
+
+def test_sharded_layers_example_on_one_device(capsys):
+    sys.path.insert(0, str(ROOT / "examples"))
+    import sharded_layers
+
+    out = sharded_layers.main(["--tokens", "16", "--d", "32", "--h", "64"])
+    assert out["tp_max_abs_diff"] < 1e-4 and out["ep_max_abs_diff"] < 1e-4
+    printed = capsys.readouterr().out
+    if out["devices"] == 1 and "CPU" in out["path"]:
+        assert "path: reference path on CPU (no GPU found)" in printed
+
+
+# -- multi-device checks (subprocess) ---------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def _results(shardy: bool) -> dict:
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={DEVICES}",
+           "JAX_PLATFORMS": "cpu", "JAX_USE_SHARDY_PARTITIONER": "1" if shardy else "0"}
+    proc = subprocess.run([sys.executable, __file__], env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["shardy", "gspmd"])
+def results(request):
+    return _results(request.param)
+
+
+def _close(case: dict, tol: float = 1e-4):
+    assert case["diff"] <= tol * max(1.0, case["scale"]), case
+
+
+def test_data_parallel_rows_run_locally(results):
+    case = results["data_parallel"]
+    _close(case)
+    assert case["fwd"] == dict.fromkeys(COLLECTIVES, 0)
+    assert case["grad_diffs"] and max(case["grad_diffs"]) <= 1e-4 * case["grad_scale"]
+    assert case["grad"]["all-gather"] == 0 and case["grad"]["all-reduce"] >= 1  # dW sums over rows
+
+
+def test_column_parallel_weight_is_never_gathered(results):
+    case = results["column_parallel"]
+    _close(case)
+    assert case["out_spec"] == ["data", "model"]
+    assert case["fwd"] == dict.fromkeys(COLLECTIVES, 0)
+    assert case["grad"]["all-gather"] == 0
+    assert max(case["grad_diffs"]) <= 1e-4 * case["grad_scale"]
+
+
+def test_row_parallel_product_has_one_reduction_and_no_gather(results):
+    case = results["row_parallel"]
+    _close(case)
+    assert case["fwd"]["all-gather"] == 0
+    assert case["fwd"]["all-reduce"] + case["fwd"]["reduce-scatter"] == 1
+    scattered = results["row_parallel_scatter"]
+    _close(scattered)
+    assert scattered["out_spec"] in (["model"], ["model", None])
+    assert scattered["fwd"] == {**dict.fromkeys(COLLECTIVES, 0), "reduce-scatter": 1}
+
+
+def test_tensor_parallel_mlp_forward_and_gradients(results):
+    case = results["mlp"]
+    _close(case)
+    assert max(case["grad_diffs"]) <= 1e-4 * case["grad_scale"]
+    assert case["fwd"] == {**dict.fromkeys(COLLECTIVES, 0), "all-reduce": 1}
+    assert case["grad"]["all-gather"] == 0
+
+
+def test_vmap_and_batched_einsum_keep_their_shardings(results):
+    for name in ("vmap", "einsum_batch_heads", "dot_general_batch"):
+        case = results[name]
+        _close(case)
+        assert case["fwd"] == dict.fromkeys(COLLECTIVES, 0), name
+
+
+def test_ragged_dot_tokens_sharded(results):
+    case = results["ragged_tokens"]
+    _close(case)
+    assert case["fwd"] == dict.fromkeys(COLLECTIVES, 0)  # each shard takes its groups from the global sizes
+    assert max(case["grad_diffs"]) <= 1e-4 * case["grad_scale"]
+    assert case["grad"]["all-gather"] == 0  # dW: one all-reduce over the rows
+    _close(results["ragged_contracting"])
+    assert results["ragged_contracting"]["fwd"]["all-reduce"] == 1
+
+
+def test_ragged_dot_experts_sharded_under_jit_are_gathered(results):
+    """Documented: groups (experts) stay replicated under jit; the result is still exact."""
+    case = results["ragged_experts_jit"]
+    _close(case)
+    assert max(case["grad_diffs"]) <= 1e-4 * case["grad_scale"]
+    assert case["fwd"]["all-gather"] >= 1
+
+
+def test_expert_parallel_moe_under_shard_map(results):
+    case = results["moe_expert_parallel"]
+    _close(case)
+    assert max(case["grad_diffs"]) <= 1e-4 * case["grad_scale"]
+    assert case["fwd"]["all-to-all"] >= 2 and case["fwd"]["all-gather"] == 0
+    assert case["grad"]["all-gather"] == 0
+
+
+def test_shard_map_with_vmap_and_grad_inside(results):
+    case = results["shard_map_vmap_grad"]
+    _close(case)
+    assert max(case["grad_diffs"]) <= 1e-4 * case["grad_scale"]
+
+
+def test_out_sharding(results):
+    for name in ("matmul", "dot_general", "einsum", "ragged_dot", "matmul_pspec"):
+        case = results["out_sharding"][name]
+        assert case["diff"] <= 1e-4 * max(1.0, case["scale"]), name
+        assert case["spec"] == case["want"], (name, case)
+
+
+def test_layout_that_cannot_follow_a_sharding_runs_replicated(results):
+    case = results["unlocalizable"]
+    _close(case)
+    assert case["fwd"]["all-gather"] >= 1
+
+
+# -- the worker -----------------------------------------------------------------------------------
+
+def _spec(spec) -> list:
+    """A PartitionSpec as JSON, trailing unsharded axes dropped (JAX versions print them apart)."""
+    parts = [list(x) if isinstance(x, tuple) else x for x in spec]
+    while parts and parts[-1] is None:
+        parts.pop()
+    return parts
+
+
+def _worker() -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    import jax_cute
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    import sharded_layers as ex
+
+    from jax_cute.layout import Layout, make_layout
+    from jax_cute.primitives.gemm_layouts import GemmLayouts
+    from jax_cute.primitives.matmul import matmul_p
+
+    assert len(jax.devices()) == DEVICES
+    mesh = ex.auto_mesh((2, 4), ("data", "model"))
+    rng = np.random.default_rng(0)
+    rnd = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
+    put = lambda x, *spec: jax.device_put(x, NamedSharding(mesh, P(*spec)))  # noqa: E731
+    mx = lambda x: float(jnp.max(jnp.abs(x)))  # noqa: E731
+
+    def colls(f, *args) -> dict:
+        return ex.collectives(jax.jit(f).lower(*args).compile().as_text())
+
+    def case(f, ref, args, grad_of=None, **extra) -> dict:
+        out, want = jax.jit(f)(*args), ref(*args)
+        res = {"diff": mx(out - want), "scale": mx(want), "fwd": colls(f, *args),
+               "out_spec": _spec(out.sharding.spec), **extra}
+        if grad_of is not None:
+            loss = lambda g: lambda *a: jnp.sum(g(*a) ** 2)  # noqa: E731
+            nums = tuple(range(grad_of))
+            gf, gr = jax.grad(loss(f), nums), jax.grad(loss(ref), nums)
+            got, exp = jax.jit(gf)(*args), gr(*args)
+            res.update(grad_diffs=[mx(a - b) for a, b in zip(got, exp)], grad_scale=max(mx(b) for b in exp),
+                       grad=colls(gf, *args))
+        return res
+
+    r: dict = {}
+    x, w, w2 = rnd(32, 64), rnd(64, 128), rnd(128, 64)
+    mm = lambda a, b: jax_cute.matmul(a, b)  # noqa: E731
+    r["data_parallel"] = case(mm, jnp.matmul, (put(x, "data", None), put(w)), grad_of=2)
+    r["column_parallel"] = case(mm, jnp.matmul, (put(x, "data", None), put(w, None, "model")), grad_of=2)
+    r["row_parallel"] = case(mm, jnp.matmul, (put(x, "data", "model"), put(w, "model", None)), grad_of=2)
+    scat = jax.jit(mm, out_shardings=NamedSharding(mesh, P("model", None)))
+    args = (put(x, None, "model"), put(w, "model", None))
+    r["row_parallel_scatter"] = {"diff": mx(scat(*args) - x @ w), "scale": mx(x @ w),
+                                 "out_spec": _spec(scat(*args).sharding.spec),
+                                 "fwd": ex.collectives(scat.lower(*args).compile().as_text())}
+    params = {"w1": put(w, None, "model"), "w2": put(w2, "model", None)}
+    mlp = lambda xx, w1, w2_: ex.mlp({"w1": w1, "w2": w2_}, xx)  # noqa: E731
+    mlp_ref = lambda xx, w1, w2_: ex.mlp({"w1": w1, "w2": w2_}, xx, jnp.matmul)  # noqa: E731
+    r["mlp"] = case(mlp, mlp_ref, (put(x, "data", None), params["w1"], params["w2"]), grad_of=3)
+    xb = rnd(4, 32, 64)
+    r["vmap"] = case(jax.vmap(mm, in_axes=(0, None)), jax.vmap(jnp.matmul, in_axes=(0, None)),
+                     (put(xb, "data", None, None), put(w, None, "model")))
+    q, kk = rnd(2, 16, 4, 8), rnd(2, 16, 4, 8)
+    r["einsum_batch_heads"] = case(lambda a, b: jax_cute.einsum("bthd,bshd->bhts", a, b),
+                                   lambda a, b: jnp.einsum("bthd,bshd->bhts", a, b),
+                                   (put(q, "data", None, "model", None), put(kk, "data", None, "model", None)))
+    dn = (((2,), (1,)), ((0,), (0,)))
+    r["dot_general_batch"] = case(lambda a, b: jax_cute.dot_general(a, b, dn),
+                                  lambda a, b: jax.lax.dot_general(a, b, dn),
+                                  (put(rnd(4, 16, 32), "data", "model", None), put(rnd(4, 32, 8), "data", None, None)))
+
+    gs = jnp.asarray([3, 10, 0, 7, 20, 5, 9, 6], jnp.int32)  # 60 of 64 rows, groups across shards
+    xr, wr = rnd(64, 32), rnd(8, 32, 16)
+    rd = lambda a, b, g: jax_cute.ragged_dot(a, b, g)  # noqa: E731
+    r["ragged_tokens"] = case(rd, jax.lax.ragged_dot, (put(xr, "model", None), put(wr), put(gs)), grad_of=2)
+    r["ragged_contracting"] = case(rd, jax.lax.ragged_dot,
+                                   (put(xr, None, "model"), put(wr, None, "model", None), put(gs)))
+    r["ragged_experts_jit"] = case(rd, jax.lax.ragged_dot, (put(xr), put(wr, "model", None, None), put(gs, "model")),
+                                   grad_of=2)
+
+    emesh = ex.auto_mesh((DEVICES,), ("expert",))
+    p = ex.init(jax.random.PRNGKey(0), d=32, h=64, experts=2 * DEVICES)
+    router, e1, e2 = p["router"], p["e1"], p["e2"]
+    moe = ex.moe_sharded(emesh)
+    r["moe_expert_parallel"] = case(lambda xx, a, b: moe({"router": router, "w1": a, "w2": b}, xx),
+                                    lambda xx, a, b: ex.moe_reference({"router": router, "w1": a, "w2": b}, xx),
+                                    (rnd(DEVICES * 16, 32), e1, e2), grad_of=3)
+
+    def body(a, b):  # per shard: a vmapped product and a gradient
+        f = lambda a, b: jnp.sum(jax.vmap(jax_cute.matmul, in_axes=(0, None))(a, b) ** 2)  # noqa: E731
+        return jax.grad(f, argnums=1)(a, b)[None]
+
+    def body_ref(a, b):
+        f = lambda a, b: jnp.sum(jax.vmap(jnp.matmul, in_axes=(0, None))(a, b) ** 2)  # noqa: E731
+        return jax.grad(f, argnums=1)(a, b)[None]
+
+    sm = lambda fn: jax.shard_map(fn, mesh=emesh, in_specs=(P("expert"), P()), out_specs=P("expert"),  # noqa: E731
+                                  check_vma=False)
+    r["shard_map_vmap_grad"] = case(lambda a, b: jnp.sum(sm(body)(a, b) ** 2, axis=0),
+                                    lambda a, b: jnp.sum(sm(body_ref)(a, b) ** 2, axis=0),
+                                    (rnd(DEVICES * 2, 8, 16), rnd(16, 8)), grad_of=2)
+
+    want = NamedSharding(mesh, P("data", "model"))
+    outs = {
+        "matmul": (lambda a, b: jax_cute.matmul(a, b, out_sharding=want), lambda a, b: a @ b, (x, w)),
+        "dot_general": (lambda a, b: jax_cute.dot_general(a, b, (((1,), (0,)), ((), ())), out_sharding=want),
+                        lambda a, b: a @ b, (x, w)),
+        "einsum": (lambda a, b: jax_cute.einsum("ik,kj->ij", a, b, out_sharding=want), lambda a, b: a @ b, (x, w)),
+        "ragged_dot": (lambda a, b, g: jax_cute.ragged_dot(a, b, g, out_sharding=want), jax.lax.ragged_dot,
+                       (xr, wr, gs)),
+    }
+    r["out_sharding"] = {}
+    for name, (f, ref, args) in outs.items():
+        out = jax.jit(f)(*args)
+        r["out_sharding"][name] = {"diff": mx(out - ref(*args)), "scale": mx(ref(*args)),
+                                   "spec": _spec(out.sharding.spec), "want": _spec(want.spec)}
+    with (jax.set_mesh(mesh) if hasattr(jax, "set_mesh") else jax.sharding.use_mesh(mesh)):
+        out = jax.jit(lambda a, b: jax_cute.matmul(a, b, out_sharding=P("data", "model")))(x, w)
+    r["out_sharding"]["matmul_pspec"] = {"diff": mx(out - x @ w), "scale": mx(x @ w), "spec": _spec(out.sharding.spec),
+                                         "want": _spec(want.spec)}
+
+    # A's rows read as (4, 2):(2K, K): its row axis cannot follow C's row sharding.
+    k, n = 4, 6
+    lay = GemmLayouts(make_layout(Layout((4, 2), (2 * k, k)), Layout((k,), (1,)), Layout((1,), (0,))),
+                      make_layout(Layout((n,), (1,)), Layout((k,), (n,)), Layout((1,), (0,))),
+                      make_layout(Layout((8,), (n,)), Layout((n,), (1,)), Layout((1,), (0,))), (8, n))
+    prim = lambda a, b: matmul_p.bind(a, b, layouts=lay, out_dtype="float32", acc_dtype="float32")  # noqa: E731
+    perm = np.array([2 * (i % 4) + i // 4 for i in range(8)])  # row i of C is row perm[i] of A
+    r["unlocalizable"] = case(prim, lambda a, b: a[perm] @ b, (put(rnd(8, k), "model", None), put(rnd(k, n))))
+    return r
+
+
+if __name__ == "__main__":
+    print(json.dumps(_worker()))
