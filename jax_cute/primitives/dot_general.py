@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jax_cute.layout import Layout, make_layout, row_major, stride_of
 from jax_cute.primitives.gemm_layouts import GemmLayouts
 from jax_cute.primitives.matmul import bind_gemm, check_operand_dtypes
+from jax_cute.primitives.sharding import constrain
 
 logger = logging.getLogger("jax_cute")
 
@@ -61,13 +62,15 @@ def contraction_layouts(lhs_shape: Sequence[int], rhs_shape: Sequence[int], cont
     return GemmLayouts(make_layout(am, ak, al), make_layout(bn, bk, bl), make_layout(cm, cn, cl), out_shape), out_shape
 
 
-def dot_general(lhs, rhs, dimension_numbers: DimensionNumbers, precision=None, preferred_element_type=None):
+def dot_general(lhs, rhs, dimension_numbers: DimensionNumbers, precision=None, preferred_element_type=None, *,
+                out_sharding=None):
     """``jax.lax.dot_general`` with the same semantics and errors, as one jax_cute GEMM.
 
     Any number of contracting and batch dimensions, in any positions; the output is ordered
     (batch, lhs free, rhs free). No operand is transposed or copied: the kernels read the
     buffers through layouts wherever each of M, N, K coalesces into a mode the kernel can
     address, and otherwise the smallest copy is made (logged; strict mode names it).
+    ``out_sharding`` constrains the result's sharding, as ``lax.dot_general``'s does.
     """
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
     # lax's own shape rule: the same trace-time errors for bad dimension numbers and dtypes
@@ -80,23 +83,25 @@ def dot_general(lhs, rhs, dimension_numbers: DimensionNumbers, precision=None, p
     batch = (norm(lb, lhs.ndim), norm(rb, rhs.ndim))
     layouts, shape = contraction_layouts(lhs.shape, rhs.shape, contracting, batch)
     assert shape == out.shape, (shape, out.shape)
-    return bind_gemm("dot_general", lhs, rhs, layouts, preferred_element_type, precision, out_dtype=out.dtype)
+    return constrain(bind_gemm("dot_general", lhs, rhs, layouts, preferred_element_type, precision,
+                               out_dtype=out.dtype), out_sharding)
 
 
-def einsum(subscripts: str, a, b, *, precision=None, preferred_element_type=None):
+def einsum(subscripts: str, a, b, *, precision=None, preferred_element_type=None, out_sharding=None):
     """Two-operand ``jnp.einsum``, written as one GEMM whose output layout is the requested order.
 
     Indices in both operands and the output are batch modes, in both operands only contracted,
     in one operand and the output free. An index that appears in one operand only and not in the
     output is summed first. Repeated indices within one operand (diagonals) are not GEMMs: they
-    run as ``jnp.einsum`` (logged).
+    run as ``jnp.einsum`` (logged). ``out_sharding`` constrains the result's sharding.
     """
     a, b = jnp.asarray(a), jnp.asarray(b)
     lhs, rhs, out = _parse(subscripts, a.ndim, b.ndim)
     if len(set(lhs)) != len(lhs) or len(set(rhs)) != len(rhs):
         logger.warning("jax_cute.einsum: %r repeats an index within an operand (a diagonal): "
                        "running jnp.einsum", subscripts)
-        return jnp.einsum(subscripts, a, b, precision=precision, preferred_element_type=preferred_element_type)
+        return constrain(jnp.einsum(subscripts, a, b, precision=precision,
+                                    preferred_element_type=preferred_element_type), out_sharding)
     for name, idx, x in (("first", lhs, a), ("second", rhs, b)):
         lone = [i for i, c in enumerate(idx) if c not in out and c not in (rhs if x is a else lhs)]
         if lone:  # summed over before the product: a reduction, as jnp.einsum does
@@ -123,7 +128,7 @@ def einsum(subscripts: str, a, b, *, precision=None, preferred_element_type=None
     layouts, _ = contraction_layouts(
         a.shape, b.shape, ([lhs.index(c) for c in contract], [rhs.index(c) for c in contract]),
         ([lhs.index(c) for c in batch], [rhs.index(c) for c in batch]), [logical.index(c) for c in out])
-    return bind_gemm("einsum", a, b, layouts, preferred_element_type, precision)
+    return constrain(bind_gemm("einsum", a, b, layouts, preferred_element_type, precision), out_sharding)
 
 
 def _parse(subscripts: str, lhs_ndim: int, rhs_ndim: int) -> tuple[str, str, str]:

@@ -207,7 +207,7 @@ def bind_gemm(op: str, a, b, layouts: GemmLayouts, preferred_element_type, preci
 
 
 def matmul(a, b, *, transpose_a: bool = False, transpose_b: bool = False, precision=None,
-           preferred_element_type=None):
+           preferred_element_type=None, out_sharding=None):
     """``jnp.matmul(a', b')`` with ``a' = swapaxes(a, -1, -2)`` when ``transpose_a`` (likewise b).
 
     Batch dimensions broadcast as in ``jnp.matmul``; 1-D operands are promoted and the added
@@ -219,6 +219,8 @@ def matmul(a, b, *, transpose_a: bool = False, transpose_b: bool = False, precis
     Hopper kernel needs both contiguous along K, e.g. ``matmul(x, w, transpose_b=True)`` for a
     (N, K) weight) pass ``preferred_element_type`` (bfloat16, float16 or float32): the gradient
     GEMMs then run in bfloat16 and the gradients are rounded to the fp8 dtype at the end.
+    ``out_sharding`` (a NamedSharding, or a PartitionSpec of the context mesh) constrains the
+    result's sharding, as ``jnp.matmul``'s does.
     """
     a, b = jnp.asarray(a), jnp.asarray(b)
     if a.ndim == 0 or b.ndim == 0:
@@ -228,4 +230,4 @@ def matmul(a, b, *, transpose_a: bool = False, transpose_b: bool = False, precis
                          f"{a.shape} and {b.shape}")
     layouts, out_shape = matmul_layouts(a.shape, b.shape, transpose_a, transpose_b)
     c = bind_gemm("matmul", a, b, layouts, preferred_element_type, precision)
-    return jnp.reshape(c, out_shape) if c.shape != out_shape else c
+    return sharding.constrain(jnp.reshape(c, out_shape) if c.shape != out_shape else c, out_sharding)

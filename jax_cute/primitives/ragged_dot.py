@@ -142,7 +142,8 @@ for _p in _pITIVES.values():
 
 # -- public API -------------------------------------------------------------------------------
 
-def ragged_dot(lhs, rhs, group_sizes, *, precision=None, preferred_element_type=None, group_offset=None):
+def ragged_dot(lhs, rhs, group_sizes, *, precision=None, preferred_element_type=None, group_offset=None,
+               out_sharding=None):
     """A drop-in for ``jax.lax.ragged_dot``: ``out[m] = lhs[m] @ rhs[g]`` for the rows m of group g.
 
     ``lhs`` is [M, K], ``rhs`` [G, K, N], ``group_sizes`` [G] integer (used as int32); the result is
@@ -155,6 +156,9 @@ def ragged_dot(lhs, rhs, group_sizes, *, precision=None, preferred_element_type=
     when wider). With ``preferred_element_type=float32`` on 16-bit inputs the result is float32
     and its cotangent is rounded once to the input dtype for the gradient GEMMs.
     The cotangent of ``group_sizes`` is float0. ``group_offset`` is not supported.
+    ``out_sharding`` constrains the result's sharding, as ``lax.ragged_dot``'s does. Under jit,
+    sharded rows (tokens) stay local; sharded groups (experts) are gathered: expert
+    parallelism is a ``shard_map`` with a token all-to-all (``jax_cute.primitives.sharding``).
     """
     del precision  # documented: accepted and ignored, as the kernels fix their own accumulation
     if group_offset is not None:
@@ -184,5 +188,6 @@ def ragged_dot(lhs, rhs, group_sizes, *, precision=None, preferred_element_type=
     acc = _acc_dtype(np.dtype(dtype))
     if jnp.issubdtype(out_dtype, jnp.floating) and not jnp.issubdtype(acc, jnp.floating):
         acc = np.dtype("float32")
-    return ragged_m_p.bind(lhs, rhs, group_sizes.astype(jnp.int32), layouts=ragged_dot_layouts(m, k, g, n),
-                           out_dtype=out_dtype.name, acc_dtype=acc.name)
+    out = ragged_m_p.bind(lhs, rhs, group_sizes.astype(jnp.int32), layouts=ragged_dot_layouts(m, k, g, n),
+                          out_dtype=out_dtype.name, acc_dtype=acc.name)
+    return sharding.constrain(out, out_sharding)

@@ -500,3 +500,12 @@ def lowering(primitive, local: Local) -> Callable:
 def reference_local(reference: Callable) -> Local:
     """The per-shard computation of a primitive that always runs its ``reference``."""
     return lambda avals, params: functools.partial(reference, **params)
+
+
+def constrain(x, out_sharding):
+    """The result of a call with ``out_sharding`` (as ``jnp.matmul``, ``lax.dot_general`` and
+    ``lax.ragged_dot`` take it: a NamedSharding, or a PartitionSpec of the context mesh):
+    ``x`` constrained to that sharding. Unlike JAX's own ops this also accepts Auto mesh axes,
+    where the constraint guides the partitioner."""
+    return x if out_sharding is None else jax.lax.with_sharding_constraint(x, out_sharding)
+
