@@ -470,7 +470,9 @@ def _rule(call: _Call, mesh, operand_types, result_types) -> SdyShardingRule:
 
 
 def _body(call: _Call, *args):
-    return call.local(_avals(args), call.kwargs)(*args)
+    # Inside a jit of its own, array constants (gather offsets, empty outputs) stay in the inner
+    # computation: custom_partitioning refuses a body that closes over constants.
+    return jax.jit(call.local(_avals(args), call.kwargs))(*args)
 
 
 _partitioned = custom_partitioning(_body, static_argnums=(0,))
