@@ -125,12 +125,14 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--d", type=int, default=128)
     p.add_argument("--h", type=int, default=256)
     p.add_argument("--experts-per-device", type=int, default=2)
+    p.add_argument("--dtype", default=None, help="default: bfloat16 on a GPU (the kernels' dtype), else float32")
     args = p.parse_args(argv)
+    dtype = jnp.dtype(args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32"))
     n = len(jax.devices())
     model = math.gcd(n, 4)
     mesh = auto_mesh((n // model, model), ("data", "model"))
-    params = init(jax.random.PRNGKey(0), d=args.d, h=args.h, experts=n * args.experts_per_device)
-    x = jax.random.normal(jax.random.PRNGKey(1), (n * args.tokens, args.d), jnp.float32)
+    params = init(jax.random.PRNGKey(0), d=args.d, h=args.h, experts=n * args.experts_per_device, dtype=dtype)
+    x = jax.random.normal(jax.random.PRNGKey(1), (n * args.tokens, args.d), dtype)
 
     # Tensor parallel, under jit with sharded inputs.
     w_sh, x_sh = mlp_shardings(mesh)
@@ -138,21 +140,23 @@ def main(argv: list[str] | None = None) -> dict:
     tp = jax.jit(mlp)
     compiled = tp.lower(tp_params, jax.device_put(x, x_sh)).compile().as_text()
     tp_out = tp(tp_params, jax.device_put(x, x_sh))
-    tp_diff = float(jnp.max(jnp.abs(tp_out - mlp({k: params[k] for k in ("w1", "w2")}, x, jnp.matmul))))
+    tp_ref = mlp({k: params[k] for k in ("w1", "w2")}, x, jnp.matmul)
+    tp_diff = float(jnp.max(jnp.abs(tp_out.astype(jnp.float32) - tp_ref.astype(jnp.float32))))
 
     # Expert parallel, under shard_map.
     emesh = auto_mesh((n,), ("expert",))
     ep_params = {"router": params["router"], "w1": params["e1"], "w2": params["e2"]}
     ep = jax.jit(moe_sharded(emesh))
     ep_compiled = ep.lower(ep_params, x).compile().as_text()
-    ep_diff = float(jnp.max(jnp.abs(ep(ep_params, x) - moe_reference(ep_params, x))))
+    ep_ref = moe_reference(ep_params, x)
+    ep_diff = float(jnp.max(jnp.abs(ep(ep_params, x).astype(jnp.float32) - ep_ref.astype(jnp.float32))))
 
     path = path_taken(compiled + ep_compiled)
-    out = {"devices": n, "mesh": dict(mesh.shape), "path": path, "tp_max_abs_diff": tp_diff,
+    out = {"devices": n, "mesh": dict(mesh.shape), "path": path, "dtype": dtype.name, "tp_max_abs_diff": tp_diff,
            "tp_collectives": collectives(compiled), "ep_max_abs_diff": ep_diff,
            "ep_collectives": collectives(ep_compiled)}
     print(f"path: {path}")
-    print(f"{n} device(s), mesh {dict(mesh.shape)}")
+    print(f"{n} device(s), mesh {dict(mesh.shape)}, {dtype.name}")
     print(f"tensor-parallel MLP: max abs difference to the unsharded MLP {tp_diff:.3g}; "
           f"collectives {out['tp_collectives']}")
     print(f"expert-parallel MoE ({n * args.experts_per_device} experts): max abs difference to the "
