@@ -55,13 +55,17 @@ def pytest_runtest_makereport(item, call):
     if report.skipped and item.get_closest_marker("gpu") is not None:
         report.outcome = "failed"
         report.longrepr = f"GPU test skipped under -m gpu (counts as a failure): {report.longrepr}"
+
+
+def pytest_runtest_logreport(report):
+    # Called where reports are collected: the one process, or pytest-xdist's controller.
     if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
-        _outcomes.append({"test": item.nodeid, "outcome": report.outcome, "seconds": round(report.duration, 3)})
+        _outcomes.append({"test": report.nodeid, "outcome": report.outcome, "seconds": round(report.duration, 3)})
 
 
 def pytest_sessionfinish(session, exitstatus):
-    if not _gpu_run(session.config) or not _outcomes:
-        return
+    if not _gpu_run(session.config) or not _outcomes or hasattr(session.config, "workerinput"):
+        return  # (an xdist worker: its controller writes the file)
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                                 cwd=session.config.rootpath).stdout.strip()
