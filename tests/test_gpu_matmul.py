@@ -217,12 +217,15 @@ def test_fp8_small_integers_are_exact_and_grads_run_in_bf16():
     np.testing.assert_array_equal(np.asarray(gw.astype(jnp.float32)), rounded(c.T @ xf))
 
 
-def test_misaligned_sizes_fall_back_with_correct_results():
-    a, b = rand((1001, 1003)), rand((1003, 517))  # K*2 bytes is no multiple of 16: no TMA
-    with config.override(strict=False):
+@pytest.mark.parametrize("sa,sb", [((1001, 1003), (1003, 517)), ((64, 7), (7, 33)), ((3, 130, 7), (3, 7, 127))])
+def test_misaligned_sizes_run_the_kernel_on_padded_rows(sa, sb):
+    """Rows that are not a multiple of 16 bytes (no TMA stride) are padded, never left to XLA's
+    dot; every output element matches, padding included nowhere in the result."""
+    a, b = rand(sa), rand(sb)
+    with config.override(strict=True, nan_fill=True):
         f = lambda x, y: jax_cute.matmul(x, y)  # noqa: E731
         text = compiled_text(f, a, b)
-        assert "jax_cute_launch" not in text
+        assert "jax_cute_launch" in text and "dot(" not in text
         check(jax.jit(f)(a, b), ref_mm(a, b), jnp.bfloat16)
 
 

@@ -491,12 +491,24 @@ def lowering(primitive, local: Local) -> Callable:
     jax_dispatch.prim_requires_devices_during_lowering.add(primitive)
 
     def rule(ctx, *args, **params):
+        if _one_shard(ctx.module_context.axis_context):  # nothing to partition: the computation itself
+            return mlir.lower_fun(local(ctx.avals_in, params), multiple_results=False)(ctx, *args)
         call = _Call(tuple(sorted(params.items())), local)
         # The body sees plain (unsharded) types: the rules, not the types, partition the call.
         plain = ctx.replace(avals_in=_avals(ctx.avals_in), avals_out=_avals(ctx.avals_out))
         return mlir.lower_fun(functools.partial(_partitioned, call), multiple_results=False)(plain, *args)
 
     return rule
+
+
+def _one_shard(axis_context) -> bool:
+    """Whether the computation being lowered runs as one shard: on one device, or inside a
+    shard_map body whose mesh axes are all manual."""
+    devices = getattr(axis_context, "num_devices", None)
+    if devices is not None:
+        return devices == 1
+    mesh = getattr(axis_context, "mesh", None)
+    return mesh is not None and set(mesh.axis_names) <= set(getattr(axis_context, "manual_axes", ()))
 
 
 def reference_local(reference: Callable) -> Local:
