@@ -15,6 +15,7 @@ from jax import export
 
 from jax_cute import config, layout
 from jax_cute.dispatch import FallbackError
+from jax_cute.kernelize import kernelize
 from jax_cute.primitives.cute_call import cute_call
 from jax_cute.primitives.dot_general import dot_general, einsum
 from jax_cute.primitives.matmul import matmul
@@ -39,5 +40,5 @@ def export_disabled_checks() -> list:
     return [export.DisabledSafetyCheck.custom_call(name) for name in (TARGET_NAME, STREAM_TARGET_NAME)]
 
 
-__all__ = ["matmul", "dot_general", "einsum", "ragged_dot", "cute_call", "config", "layout", "FallbackError", "export_disabled_checks",
+__all__ = ["matmul", "dot_general", "einsum", "ragged_dot", "kernelize", "cute_call", "config", "layout", "FallbackError", "export_disabled_checks",
            "register_ffi", "__version__"]

@@ -43,6 +43,21 @@ def test_moe_training_loss_goes_down(capsys):
     assert "jax_cute.ragged_dot step " in out["comparison"] and ", jax.lax.ragged_dot step " in out["comparison"]
 
 
+def test_gpt_training_kernelized_matches_plain(capsys):
+    pytest.importorskip("optax")
+    import gpt_training
+
+    out = gpt_training.main(["--size", "tiny", "--steps", "6", "--quiet"])
+    assert out["path"] == "reference path on CPU (no GPU found)"
+    assert out["max_rel_diff"] <= 1e-3 and out["losses"] == pytest.approx(out["ref_losses"], rel=1e-3)
+    printed = capsys.readouterr().out
+    assert "path: reference path on CPU (no GPU found)" in printed
+    assert "max relative difference between the loss curves" in printed
+    assert out["comparison"] in printed
+    assert out["comparison"].startswith(f"kernelized step {out['ms']:.2f} ms, plain XLA step {out['ref_ms']:.2f} ms: "
+                                        "kernelized ")
+
+
 def test_comparison_says_which_way():
     from training_loop import compare_line
 

@@ -1,0 +1,355 @@
+"""``jax_cute.kernelize``: run an existing JAX function's matrix products on jax_cute.
+
+The function is traced to a jaxpr, which is then evaluated equation by equation with the
+caller's tracers (a jaxpr interpreter, like ``jax.core.eval_jaxpr``):
+
+- ``dot_general`` (so ``@``, ``jnp.matmul``, ``jnp.dot``, ``jnp.einsum`` and Flax/Equinox
+  layers) becomes ``jax_cute.dot_general`` with the same dimension numbers, precision and
+  ``preferred_element_type``;
+- ``ragged_dot_general`` becomes ``jax_cute.ragged_dot`` for ``lax.ragged_dot``'s dimension
+  numbers, and a grouped GEMM over the same buffers for the two forms ``lax.ragged_dot``'s own
+  gradient produces;
+- the bodies of ``jit``, ``scan``, ``while``, ``cond``, ``checkpoint``/``remat`` and calls are
+  rewritten the same way and the higher-order primitive is bound again with them, so the
+  result still composes with ``jit``, ``grad``, ``vmap``, ``scan`` and ``jax.export``;
+- of ``custom_jvp``/``custom_vjp`` functions only the primal body is rewritten: the user's
+  JVP, forward and backward rules run as written. Under ``grad(kernelize(f))`` JAX calls those
+  rules, not the primal body; ``kernelize(grad(f))`` sees the rules already applied.
+
+Everything else is bound as written. A product stays XLA's when no kernel could take it:
+operands that are not both bf16/fp16 (or both of one fp8 type), a result that is not
+bf16/fp16/f32, integer products (XLA's integer dot is exact; jax_cute has no integer kernel),
+an explicit ``out_sharding`` or a dot algorithm, other ragged dimension numbers, and products
+inside primitives kernelize does not enter (e.g. ``shard_map``, Pallas kernels). Each decision
+is recorded in a :class:`KernelizeReport`; in strict mode (``jax_cute.config.strict()``) a product
+left to XLA raises :class:`jax_cute.FallbackError` when the function is traced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.extend as jex
+import jax.numpy as jnp
+import numpy as np
+from jax._src import source_info_util
+from jax.extend import linear_util as lu
+from jax.interpreters import partial_eval as pe
+
+from jax_cute import config
+from jax_cute.dispatch import FallbackError
+from jax_cute.primitives.dot_general import dot_general
+from jax_cute.primitives.matmul import _acc_dtype
+from jax_cute.primitives.ragged_dot import ragged_dot, ragged_k_p, ragged_m_p
+from jax_cute.primitives.ragged_layouts import RAGGED_K, RAGGED_M, cotangent, ragged_dot_layouts
+
+logger = logging.getLogger("jax_cute")
+
+Jaxpr, ClosedJaxpr, Literal = jex.core.Jaxpr, jex.core.ClosedJaxpr, jex.core.Literal
+# JAX 0.12 folded ClosedJaxpr into Jaxpr (a Jaxpr carries its consts); 0.10 has both types.
+_UNIFIED_JAXPR = ClosedJaxpr is Jaxpr
+
+# Higher-order primitives whose bodies are rewritten (names across JAX 0.10-0.12).
+ENTERED = frozenset({"jit", "pjit", "closed_call", "core_call", "call", "eval_jaxpr", "remat2", "checkpoint",
+                     "scan", "while", "cond", "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
+
+_KERNEL_INPUTS = {np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float8_e4m3fn),
+                  np.dtype(jnp.float8_e5m2)}
+_KERNEL_OUTPUTS = {np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32)}
+_GROUPED = {RAGGED_M: ragged_m_p, RAGGED_K: ragged_k_p}
+_RAGGED_DOT = ((((1,), (1,)), ((), ())), (0,), (0,))      # lax.ragged_dot: lhs [M,K], rhs [G,K,N]
+_RAGGED_DOT_DLHS = ((((1,), (2,)), ((), ())), (0,), (0,))  # its lhs gradient: dC [M,N], rhs [G,K,N]
+_RAGGED_DOT_DRHS = ((((0,), (0,)), ((), ())), (0,), ())    # its rhs gradient: lhs [M,K], dC [M,N]
+
+
+# -- the report -------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Product:
+    """One matrix product kernelize met, and what became of it."""
+
+    primitive: str                        # "dot_general" or "ragged_dot_general"
+    shapes: tuple[tuple[int, ...], ...]   # operand shapes (lhs, rhs[, group_sizes])
+    dtypes: tuple[str, ...]               # operand dtypes, same order
+    out_shape: tuple[int, ...]
+    out_dtype: str
+    kernelized: bool                      # True: now a jax_cute primitive
+    reason: str | None = None             # why it stayed XLA's
+    where: str = ""                       # enclosing primitives, outermost first ("scan/remat2")
+
+    def describe(self) -> str:
+        ops = " x ".join(f"{d}{list(s)}" for s, d in zip(self.shapes, self.dtypes))
+        head = f"{'jax_cute' if self.kernelized else 'XLA':<8} {self.primitive} {ops} -> {self.out_dtype}{list(self.out_shape)}"
+        tail = f"  [in {self.where}]" if self.where else ""
+        return head + tail + ("" if self.kernelized else f": {self.reason}")
+
+
+@dataclasses.dataclass
+class KernelizeReport:
+    """Every product of one trace of a kernelized function, in program order."""
+
+    products: list[Product] = dataclasses.field(default_factory=list)
+
+    @property
+    def kernelized(self) -> list[Product]:
+        return [p for p in self.products if p.kernelized]
+
+    @property
+    def left_to_xla(self) -> list[Product]:
+        return [p for p in self.products if not p.kernelized]
+
+    def __str__(self) -> str:
+        lines = [f"kernelize: {len(self.products)} products, {len(self.kernelized)} on jax_cute, "
+                 f"{len(self.left_to_xla)} left to XLA"]
+        return "\n".join(lines + ["  " + p.describe() for p in self.products])
+
+
+# -- deciding a product -----------------------------------------------------------------------
+
+def _dtype_refusal(lhs, rhs, out) -> str | None:
+    """Why no kernel takes operands of avals ``lhs``/``rhs`` and result ``out``, or None."""
+    a, b, c = np.dtype(lhs.dtype), np.dtype(rhs.dtype), np.dtype(out.dtype)
+    if jnp.issubdtype(a, jnp.integer) or jnp.issubdtype(b, jnp.integer) or a == bool or b == bool:
+        return f"integer product ({a.name} x {b.name}): XLA's exact integer dot is kept (no jax_cute integer kernel)"
+    if a != b:
+        return f"operand dtypes differ ({a.name} x {b.name}); the kernels take one input dtype"
+    if a not in _KERNEL_INPUTS:
+        return f"{a.name} operands: the kernels take bfloat16, float16 or float8 inputs"
+    if c not in _KERNEL_OUTPUTS:
+        return f"{c.name} result: the kernels write bfloat16, float16 or float32"
+    if getattr(out, "weak_type", False):
+        return "weakly typed result"
+    return None
+
+
+def _precision_refusal(precision) -> str | None:
+    ok = precision is None or (isinstance(precision, tuple)
+                               and all(p is None or isinstance(p, jax.lax.Precision) for p in precision))
+    return None if ok else f"dot algorithm {precision}: only XLA implements it"
+
+
+def _normal(dims) -> tuple:
+    """Dimension numbers as nested tuples of ints (jaxprs hold lists or tuples)."""
+    if isinstance(dims, (tuple, list)):
+        return tuple(_normal(d) for d in dims)
+    return int(dims)
+
+
+def _ragged_form(rd) -> tuple | None:
+    """Which of the supported forms the ``RaggedDotDimensionNumbers`` ``rd`` is, or None."""
+    form = (_normal(rd.dot_dimension_numbers), _normal(rd.lhs_ragged_dimensions), _normal(rd.rhs_group_dimensions))
+    return form if form in (_RAGGED_DOT, _RAGGED_DOT_DLHS, _RAGGED_DOT_DRHS) else None
+
+
+# -- rewriting products ------------------------------------------------------------------------
+
+def _dot(lhs, rhs, *, dimension_numbers, precision=None, preferred_element_type=None, **_):
+    return dot_general(lhs, rhs, dimension_numbers, precision=precision, preferred_element_type=preferred_element_type)
+
+
+def _ragged(lhs, rhs, group_sizes, *, ragged_dot_dimension_numbers, preferred_element_type=None, out_aval, **_):
+    """A ragged_dot_general of one of the three supported forms as jax_cute grouped GEMMs.
+
+    The gradient forms are the transposes jax_cute.ragged_dot's own autodiff binds: the same
+    primitives over the same buffers with permuted modes (``ragged_layouts.cotangent``)."""
+    form = _ragged_form(ragged_dot_dimension_numbers)
+    if form == _RAGGED_DOT:
+        return ragged_dot(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type)
+    if form == _RAGGED_DOT_DLHS:   # lhs = dC [M,N], rhs = B [G,K,N] -> dA [M,K]
+        (m, n), (g, k, _) = lhs.shape, rhs.shape
+        cot, bufs = cotangent(ragged_dot_layouts(m, k, g, n), "a", (m, k)), {"c": lhs, "b": rhs}
+    else:                          # lhs = A [M,K], rhs = dC [M,N] -> dB [G,K,N]
+        (m, k), (_, n), g = lhs.shape, rhs.shape, group_sizes.shape[0]
+        cot, bufs = cotangent(ragged_dot_layouts(m, k, g, n), "b", (g, k, n)), {"a": lhs, "c": rhs}
+    assert not cot.extra and cot.layouts.c_shape == tuple(out_aval.shape), (cot, out_aval)
+    acc = _acc_dtype(np.dtype(lhs.dtype))
+    return _GROUPED[cot.layouts.mode].bind(
+        bufs[cot.operands[0]], bufs[cot.operands[1]], group_sizes.astype(jnp.int32), layouts=cot.layouts,
+        out_dtype=np.dtype(out_aval.dtype).name, acc_dtype=np.dtype(acc).name)
+
+
+def _refusal(eqn) -> str | None:
+    """Why the product ``eqn`` stays XLA's, or None to rewrite it."""
+    p, avals = eqn.params, [v.aval for v in eqn.invars]
+    if p.get("out_sharding") is not None:
+        return f"explicit out_sharding {p['out_sharding']} (XLA's sharded dot is kept)"
+    why = _precision_refusal(p.get("precision")) or _dtype_refusal(avals[0], avals[1], eqn.outvars[0].aval)
+    if why is not None or eqn.primitive.name == "dot_general":
+        return why
+    # ragged_dot_general
+    if p.get("group_offset") is not None:
+        return "group_offset (a sharded ragged_dot) is not supported"
+    if _ragged_form(p["ragged_dot_dimension_numbers"]) is None:
+        return (f"ragged dimension numbers {p['ragged_dot_dimension_numbers']} are not lax.ragged_dot's "
+                "or its gradients'")
+    if not jnp.issubdtype(avals[2].dtype, jnp.integer):
+        return f"group sizes of dtype {avals[2].dtype}"
+    return None
+
+
+# -- the interpreter --------------------------------------------------------------------------
+
+class _Keep(Exception):
+    """A body could not be rewritten faithfully; the equation is bound as written."""
+
+
+def _open(j) -> tuple[Any, list]:
+    """(jaxpr whose constvars take ``consts``, consts) of a jaxpr-valued parameter."""
+    if _UNIFIED_JAXPR:  # JAX 0.12: a Jaxpr carries its consts
+        return j, list(j.consts)
+    if isinstance(j, ClosedJaxpr):
+        return j.jaxpr, list(j.consts)
+    return j, []
+
+
+def _is_jaxpr(v) -> bool:
+    return isinstance(v, (Jaxpr, ClosedJaxpr))
+
+
+def _sub_jaxprs(params) -> list:
+    return [s for v in params.values() for s in (v if isinstance(v, tuple) else (v,)) if _is_jaxpr(s)]
+
+
+def _avals_match(a: Sequence, b: Sequence) -> bool:
+    key = lambda x: (tuple(x.shape), np.dtype(x.dtype), getattr(x, "weak_type", False))  # noqa: E731
+    return len(a) == len(b) and all(key(x) == key(y) for x, y in zip(a, b))
+
+
+class _Interpreter:
+    def __init__(self) -> None:
+        self.products: list[Product] = []
+        self.where: list[str] = []
+
+    # bookkeeping
+    def _record(self, eqn, kernelized: bool, reason: str | None = None) -> None:
+        avals, out = [v.aval for v in eqn.invars], eqn.outvars[0].aval
+        product = Product(eqn.primitive.name, tuple(tuple(a.shape) for a in avals),
+                          tuple(np.dtype(a.dtype).name for a in avals), tuple(out.shape), np.dtype(out.dtype).name,
+                          kernelized, reason, "/".join(self.where))
+        if not kernelized:
+            if config.strict():
+                raise FallbackError("kernelize", product.describe())
+            logger.info("jax_cute.kernelize: leaving to XLA: %s", product.describe())
+        self.products.append(product)
+
+    def _record_untouched(self, jaxpr, reason: str) -> None:
+        """Record every product inside a body that is bound as written."""
+        inner, _ = _open(jaxpr)
+        for eqn in inner.eqns:
+            if eqn.primitive.name in ("dot_general", "ragged_dot_general"):
+                self._record(eqn, False, reason)
+            for sub in _sub_jaxprs(eqn.params):
+                self._record_untouched(sub, reason)
+
+    # evaluation
+    def eval(self, jaxpr, consts: Sequence, args: Sequence) -> list:
+        env: dict = {}
+        read = lambda v: v.val if isinstance(v, Literal) else env[v]  # noqa: E731
+        for var, val in zip(jaxpr.constvars, consts, strict=True):
+            env[var] = val
+        for var, val in zip(jaxpr.invars, args, strict=True):
+            env[var] = val
+        for eqn in jaxpr.eqns:
+            invals = [read(v) for v in eqn.invars]
+            name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+            with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
+                outs = self._eqn(eqn, invals)
+            outs = outs if eqn.primitive.multiple_results else [outs]
+            for var, val in zip(eqn.outvars, outs, strict=True):
+                env[var] = val
+        return [read(v) for v in jaxpr.outvars]
+
+    def _eqn(self, eqn, invals: list):
+        name = eqn.primitive.name
+        if name in ("dot_general", "ragged_dot_general"):
+            why = _refusal(eqn)
+            self._record(eqn, why is None, why)
+            if why is None:
+                rule = _dot if name == "dot_general" else functools.partial(_ragged, out_aval=eqn.outvars[0].aval)
+                return rule(*invals, **eqn.params)
+        elif _sub_jaxprs(eqn.params):
+            return self._higher_order(eqn, invals)
+        return eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
+
+    def _higher_order(self, eqn, invals: list):
+        name, params = eqn.primitive.name, eqn.params
+        if name not in ENTERED:
+            for sub in _sub_jaxprs(params):
+                self._record_untouched(sub, f"inside {name}, which kernelize does not enter")
+            return eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(params))
+        start = len(self.products)
+        self.where.append(name)
+        try:
+            new = {k: (tuple(self._rewrite(s) if _is_jaxpr(s) else s for s in v) if isinstance(v, tuple)
+                       else self._rewrite(v) if _is_jaxpr(v) else v) for k, v in params.items()}
+        except _Keep as e:
+            del self.products[start:]
+            for sub in _sub_jaxprs(params):
+                self._record_untouched(sub, f"inside {name}: {e}")
+            new = params
+        finally:
+            self.where.pop()
+        return eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(new))
+
+    def _rewrite(self, j):
+        """``j`` with its products rewritten: the interpreter traced over ``j``'s input types."""
+        inner, consts = _open(j)
+        if not _UNIFIED_JAXPR and not isinstance(j, ClosedJaxpr) and inner.constvars:
+            raise _Keep("a body with unbound constants")
+        fun = lu.wrap_init(lambda *args: self.eval(inner, consts, args), debug_info=inner.debug_info)
+        new, out_avals, new_consts = pe.trace_to_jaxpr_dynamic(fun, [v.aval for v in inner.invars])[:3]
+        if not _avals_match(out_avals, [v.aval for v in inner.outvars]):
+            raise _Keep("rewriting would change its result types")
+        if new_consts and not consts:
+            raise _Keep("rewriting would add constants to its body")
+        if new_consts or (not _UNIFIED_JAXPR and isinstance(j, ClosedJaxpr)):
+            return ClosedJaxpr(new, list(new_consts))
+        return new
+
+
+# -- the public function ----------------------------------------------------------------------
+
+def _is_array(x) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, np.generic))
+
+
+def kernelize(fn: Callable, *, report: bool = False) -> Callable:
+    """``fn`` with its matrix products run as jax_cute primitives (see the module docstring).
+
+    The returned function takes ``fn``'s arguments. Array leaves of the arguments are traced;
+    other leaves (Python numbers, strings, functions in an Equinox module, ...) are passed to
+    ``fn`` as they are, so ``fn`` sees exactly what it was given. Each call traces ``fn`` once
+    more (under ``jax.jit`` that happens once per compilation) and stores what became of every
+    product in the returned function's ``report`` attribute (a :class:`KernelizeReport`; None
+    before the first call). With ``report=True`` that summary is also logged on the
+    ``jax_cute`` logger at WARNING level each time the function is traced.
+
+    Use ``jax.grad(kernelize(f))`` (or kernelize a whole training step): the gradients then come
+    from jax_cute's own autodiff rules and are jax_cute GEMMs too.
+    """
+
+    @functools.wraps(fn)
+    def kernelized(*args, **kwargs):
+        leaves, treedef = jax.tree.flatten((args, kwargs))
+        dynamic = [_is_array(x) for x in leaves]
+
+        def flat_fn(*arrays):
+            it = iter(arrays)
+            a, k = jax.tree.unflatten(treedef, [next(it) if d else x for x, d in zip(leaves, dynamic)])
+            return fn(*a, **k)
+
+        closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*(x for x, d in zip(leaves, dynamic) if d))
+        interp = _Interpreter()
+        inner, consts = _open(closed)
+        outs = interp.eval(inner, consts, [x for x, d in zip(leaves, dynamic) if d])
+        kernelized.report = KernelizeReport(interp.products)
+        if report:
+            logger.warning("jax_cute.%s", kernelized.report)
+        return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+
+    kernelized.report = None
+    return kernelized

@@ -1,0 +1,350 @@
+"""``jax_cute.kernelize`` on CPU: the rewritten function equals the original (values and
+gradients) under every order of jit, grad, vmap, checkpoint, scan and export; the report and
+strict mode say what stayed XLA's; lowered for sm_90a, the products are jax_cute's kernels.
+
+On CPU jax_cute's primitives lower to their reference (plain lax ops), so a kernelized function
+computes the same bf16 products in a different order: values agree to bf16 rounding.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import jax_cute
+from jax_cute.kernelize import KernelizeReport
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+
+BF16 = jnp.bfloat16
+PRODUCTS = ("dot_general", "ragged_dot_general")
+JAX_CUTE = ("jax_cute_matmul", "jax_cute_ragged_m", "jax_cute_ragged_k")
+
+
+def _count(jaxpr, names) -> int:
+    """Equations named in ``names`` in ``jaxpr`` and all its sub-jaxprs."""
+    inner = getattr(jaxpr, "jaxpr", jaxpr)
+    n = 0
+    for eqn in inner.eqns:
+        n += eqn.primitive.name in names
+        for v in eqn.params.values():
+            for s in v if isinstance(v, tuple) else (v,):
+                if isinstance(s, (jax.extend.core.Jaxpr, jax.extend.core.ClosedJaxpr)):
+                    n += _count(s, names)
+    return n
+
+
+def assert_trees_close(a, b, rtol: float = 2e-2) -> None:
+    """Leaf-wise agreement to ``rtol`` of the leaf's scale (bf16 products: ~3 digits)."""
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
+        assert x.shape == y.shape
+        scale = max(float(np.max(np.abs(x))), 1e-3)
+        np.testing.assert_allclose(x, y, rtol=0, atol=rtol * scale)
+
+
+def _normal(key: int, shape, dtype=BF16, scale: float = 1.0):
+    return (scale * jax.random.normal(jax.random.key(key), shape, jnp.float32)).astype(dtype)
+
+
+# -- one function with every higher-order primitive kernelize enters ---------------------------
+
+@jax.custom_vjp
+def _custom_matmul(x, w):
+    return x @ w
+
+
+_custom_matmul.defvjp(lambda x, w: (x @ w, (x, w)), lambda r, g: (g @ r[1].T, r[0].T @ g))
+
+
+_BIAS = np.linspace(-0.5, 0.5, 16).astype(jnp.bfloat16)
+
+
+def _everything(x, w):
+    def layer(c, wi):
+        return jax.checkpoint(lambda c: jnp.tanh(c @ wi))(c), jnp.sum(c.astype(jnp.float32))
+
+    x, _ = lax.scan(layer, x, jnp.stack([w, w]))
+    x = lax.cond(jnp.sum(x.astype(jnp.float32)) > 0, lambda x: jnp.tanh(x @ w), lambda x: x, x)
+    x = lax.fori_loop(0, 2, lambda i, c: jnp.tanh(jnp.einsum("bk,kn->bn", c, w)), x)  # a scan
+    x = jax.jit(lambda x: jnp.dot(x, w) + _BIAS)(x)  # a body with a constant
+    x = _custom_matmul(jax.nn.relu(x), w)
+    return jnp.sum(jnp.square(x.astype(jnp.float32)))
+
+
+X, W = _normal(0, (8, 16)), _normal(1, (16, 16), scale=0.25)
+
+
+def test_every_product_becomes_jax_cute_and_values_match():
+    f = jax_cute.kernelize(_everything)
+    assert f.report is None
+    np.testing.assert_allclose(f(X, W), _everything(X, W), rtol=2e-2)
+    assert isinstance(f.report, KernelizeReport)
+    assert [p.where for p in f.report.products] == ["scan/remat2", "cond", "scan", "jit", "custom_vjp_call"]
+    assert not f.report.left_to_xla
+    jaxpr = jax.make_jaxpr(f)(X, W)
+    assert _count(jaxpr, PRODUCTS) == 0 and _count(jaxpr, JAX_CUTE) == 5
+
+
+@pytest.mark.parametrize("order", ["grad(kernelize)", "kernelize(grad)", "jit(grad(kernelize))",
+                                   "jit(kernelize(grad))", "grad(jit(kernelize))"])
+def test_gradients_match_in_any_order(order):
+    grad = functools.partial(jax.grad, argnums=(0, 1))
+    k = jax_cute.kernelize
+    f = {"grad(kernelize)": lambda: grad(k(_everything)),
+         "kernelize(grad)": lambda: k(grad(_everything)),
+         "jit(grad(kernelize))": lambda: jax.jit(grad(k(_everything))),
+         "jit(kernelize(grad))": lambda: jax.jit(k(grad(_everything))),
+         "grad(jit(kernelize))": lambda: grad(jax.jit(k(_everything)))}[order]()
+    assert_trees_close(f(X, W), grad(_everything)(X, W))
+    if order.startswith("kernelize") or order.startswith("jit(kernelize"):
+        jaxpr = jax.make_jaxpr(f)(X, W)
+        assert _count(jaxpr, PRODUCTS) == 0  # the backward products are rewritten too
+
+
+def test_vmap_either_side():
+    xs = jnp.stack([X, -X, 2 * X])
+    want = jax.vmap(_everything, (0, None))(xs, W)
+    np.testing.assert_allclose(jax.vmap(jax_cute.kernelize(_everything), (0, None))(xs, W), want, rtol=2e-2)
+    np.testing.assert_allclose(jax_cute.kernelize(jax.vmap(_everything, (0, None)))(xs, W), want, rtol=2e-2)
+
+
+def test_while_loop_body():
+    def f(x, w):
+        return lax.while_loop(lambda c: c[1] < 3, lambda c: (jnp.tanh(c[0] @ w), c[1] + 1), (x, 0))[0]
+
+    k = jax_cute.kernelize(f)
+    assert_trees_close(jax.jit(k)(X, W), f(X, W))
+    assert [p.where for p in k.report.products] == ["while"] and not k.report.left_to_xla
+
+
+def test_kernelize_inside_a_scan_body_closing_over_tracers():
+    def f(x, ws):
+        def layer(c, w):
+            return jax_cute.kernelize(lambda c: jnp.tanh(c @ w))(c), None  # closes over the scanned w
+        return lax.scan(layer, x, ws)[0]
+
+    ws = jnp.stack([W, W.T, W])
+    assert_trees_close(jax.jit(f)(X, ws), lax.scan(lambda c, w: (jnp.tanh(c @ w), None), X, ws)[0])
+    assert _count(jax.make_jaxpr(f)(X, ws), JAX_CUTE) == 1
+
+
+def test_pytrees_kwargs_and_static_leaves():
+    def f(params, x, *, act, scale):
+        return {"y": act(x @ params["w"]) * scale, "n": jnp.sum(x.astype(jnp.float32))}
+
+    params = {"w": W}
+    got = jax.jit(jax_cute.kernelize(f), static_argnames="act")(params, X, act=jnp.tanh, scale=2.0)
+    want = f(params, X, act=jnp.tanh, scale=2.0)
+    assert set(got) == {"y", "n"}
+    assert_trees_close(got, want)
+
+
+# -- models ------------------------------------------------------------------------------------
+
+def _scan_model(params, x):
+    """A pre-norm MLP stack, layers under lax.scan, each rematerialised (f32 masters, bf16 math)."""
+    def layer(h, p):
+        def block(h):
+            z = h / jnp.sqrt(jnp.mean(jnp.square(h), -1, keepdims=True) + 1e-6)
+            u = jax.nn.gelu(jnp.matmul(z.astype(BF16), p["w1"].astype(BF16), preferred_element_type=jnp.float32))
+            return h + jnp.matmul(u.astype(BF16), p["w2"].astype(BF16), preferred_element_type=jnp.float32)
+        return jax.checkpoint(block)(h), None
+
+    h, _ = lax.scan(layer, x, params)
+    return jnp.mean(jnp.square(h))
+
+
+def test_scan_over_layers_with_checkpoint():
+    d, layers = 32, 3
+    params = {"w1": _normal(2, (layers, d, 4 * d), jnp.float32, d ** -0.5),
+              "w2": _normal(3, (layers, 4 * d, d), jnp.float32, (4 * d) ** -0.5)}
+    x = _normal(4, (16, d), jnp.float32)
+    k = jax_cute.kernelize(_scan_model)
+    np.testing.assert_allclose(jax.jit(k)(params, x), _scan_model(params, x), rtol=1e-2)
+    assert_trees_close(jax.jit(jax.grad(k))(params, x), jax.grad(_scan_model)(params, x))
+    assert [p.where for p in k.report.products] == ["scan/remat2"] * 2
+    assert all(p.out_dtype == "float32" and p.dtypes == ("bfloat16", "bfloat16") for p in k.report.products)
+
+
+def _moe(params, x, top_k: int = 2):
+    """Top-k routing over experts; tokens sorted by expert run through two lax.ragged_dots."""
+    logits = x.astype(jnp.float32) @ params["router"]                      # f32 router: left to XLA
+    weights, experts = lax.top_k(jax.nn.softmax(logits), top_k)
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat)
+    tokens = jnp.repeat(x, top_k, axis=0)[order]
+    sizes = jnp.bincount(flat, length=params["w1"].shape[0]).astype(jnp.int32)
+    h = jax.nn.gelu(lax.ragged_dot(tokens, params["w1"], sizes, preferred_element_type=jnp.float32))
+    y = lax.ragged_dot(h.astype(BF16), params["w2"], sizes, preferred_element_type=jnp.float32)
+    y = jnp.zeros_like(y).at[order].set(y).reshape(x.shape[0], top_k, -1)
+    return jnp.sum(y * weights[..., None], axis=1)
+
+
+def _moe_params(d: int = 32, f: int = 64, e: int = 4):
+    return {"router": _normal(5, (d, e), jnp.float32), "w1": _normal(6, (e, d, f), BF16, d ** -0.5),
+            "w2": _normal(7, (e, f, d), BF16, f ** -0.5)}
+
+
+def test_moe_with_ragged_dot_values_and_gradients():
+    params, x = _moe_params(), _normal(8, (24, 32))
+    loss = lambda p, x: jnp.mean(jnp.square(_moe(p, x)))  # noqa: E731
+    k = jax_cute.kernelize(loss)
+    np.testing.assert_allclose(jax.jit(k)(params, x), loss(params, x), rtol=2e-2)
+    kinds = [(p.primitive, p.kernelized) for p in k.report.products]
+    assert kinds == [("dot_general", False), ("ragged_dot_general", True), ("ragged_dot_general", True)]
+    want = jax.grad(loss, argnums=(0, 1))(params, x)
+    assert_trees_close(jax.jit(jax.grad(k, argnums=(0, 1)))(params, x), want)
+    # kernelize(grad): the gradient's products take the f32 cotangent and a bf16 operand, which
+    # no kernel takes as they are (rounding the cotangent would change the math): left to XLA.
+    kg = jax_cute.kernelize(jax.grad(loss, argnums=(0, 1)))
+    assert_trees_close(jax.jit(kg)(params, x), want)
+    backward = [p for p in kg.report.products if p.primitive == "ragged_dot_general"][2:]
+    assert len(backward) == 4 and all("dtypes differ" in p.reason for p in backward)
+
+
+def test_ragged_dot_gradient_forms_become_grouped_gemms():
+    """lax.ragged_dot's gradient binds ragged_dot_general with two other dimension numbers (the
+    rhs contracted on its last axis; the lhs ragged along the contraction): both are rewritten."""
+    x, w, sizes = _normal(9, (40, 32)), _normal(10, (3, 32, 64), scale=0.2), jnp.array([16, 0, 20], jnp.int32)
+    loss = lambda x, w: jnp.sum(jnp.square(lax.ragged_dot(x, w, sizes).astype(jnp.float32)))  # noqa: E731
+    grad = jax.grad(loss, argnums=(0, 1))
+    k = jax_cute.kernelize(grad)
+    assert_trees_close(jax.jit(k)(x, w), grad(x, w))
+    assert [p.kernelized for p in k.report.products] == [True] * 3
+    jaxpr = jax.make_jaxpr(k)(x, w)
+    assert _count(jaxpr, ("ragged_dot_general",)) == 0
+    assert _count(jaxpr, ("jax_cute_ragged_m",)) == 2 and _count(jaxpr, ("jax_cute_ragged_k",)) == 1
+    # their own gradients (second order) come from jax_cute's autodiff rules; lax has none for
+    # a ragged contraction, so compare with the same product written densely
+    groups = jnp.repeat(jnp.arange(4), jnp.append(sizes, 4), total_repeat_length=40)  # tail rows: none
+    dense = lambda x, w: jnp.einsum("mk,mg,gkn->mn", x, jax.nn.one_hot(groups, 3, dtype=x.dtype), w)  # noqa: E731
+    dense_loss = lambda x, w: jnp.sum(jnp.square(dense(x, w).astype(jnp.float32)))  # noqa: E731
+    second = lambda g: jax.grad(lambda x, w: jnp.sum(g(x, w)[1].astype(jnp.float32)))  # noqa: E731
+    assert_trees_close(second(k)(x, w), second(jax.grad(dense_loss, argnums=(0, 1)))(x, w))
+
+
+# -- what stays XLA's, the report, strict mode --------------------------------------------------
+
+def test_products_no_kernel_takes_stay_xla_with_a_reason():
+    a32, ai = X.astype(jnp.float32), X.astype(jnp.int8)
+    rd = lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(((1,), (1,)), ((), ())),
+                                       lhs_ragged_dimensions=(1,), rhs_group_dimensions=())
+
+    def f(x, w):
+        return (x @ w,                                                          # kernelized
+                a32 @ w.astype(jnp.float32),                                    # f32 operands
+                lax.dot(ai, ai.T, preferred_element_type=jnp.int32),            # integers
+                lax.dot_general(x, w.astype(jnp.float32), (((1,), (0,)), ((), ()))),  # mixed dtypes
+                lax.dot(x, w, precision=lax.DotAlgorithmPreset.BF16_BF16_F32),  # an algorithm
+                lax.ragged_dot_general(x, x, jnp.array([4, 12], jnp.int32), rd))  # ragged contraction
+
+    k = jax_cute.kernelize(f)
+    for got, want in zip(k(X, W), f(X, W)):
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=1e-2)
+    kept = [(p.kernelized, p.reason) for p in k.report.products]
+    assert kept[0] == (True, None)
+    for (done, why), words in zip(kept[1:], ["float32 operands", "integer product", "dtypes differ",
+                                             "dot algorithm", "ragged dimension numbers"]):
+        assert not done and words in why
+    text = str(k.report)
+    assert text.startswith("kernelize: 6 products, 1 on jax_cute, 5 left to XLA")
+    assert "jax_cute dot_general bfloat16[8, 16] x bfloat16[16, 16] -> bfloat16[8, 16]" in text
+
+
+def test_out_sharding_stays_xla():
+    mesh = jax.make_mesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
+    with jax.set_mesh(mesh):
+        f = lambda x, w: jnp.matmul(x, w, out_sharding=jax.sharding.PartitionSpec("x", None))  # noqa: E731
+        k = jax_cute.kernelize(f)
+        np.testing.assert_allclose(np.float32(jax.jit(k)(X, W)), np.float32(f(X, W)))
+    (p,) = k.report.products
+    assert not p.kernelized and "out_sharding" in p.reason
+
+
+def test_report_logged_when_asked(caplog):
+    k = jax_cute.kernelize(lambda x, w: x @ w, report=True)
+    with caplog.at_level("WARNING", logger="jax_cute"):
+        k(X, W)
+    assert "kernelize: 1 products, 1 on jax_cute, 0 left to XLA" in caplog.text
+
+
+def test_strict_mode_raises_on_a_product_left_to_xla():
+    f = jax_cute.kernelize(lambda x, w: (x @ w).astype(jnp.float32) @ w.astype(jnp.float32))
+    with jax_cute.config.override(strict=True):
+        with pytest.raises(jax_cute.FallbackError, match="float32 operands"):
+            f(X, W)
+        jax_cute.kernelize(_everything)(X, W)  # everything kernelized: nothing raised
+
+
+# -- export and CUDA lowering -------------------------------------------------------------------
+
+def test_export_runs_on_cpu():
+    exp = jax.export.export(jax.jit(jax_cute.kernelize(jax.grad(_everything))), platforms=["cpu"])(X, W)
+    assert_trees_close(exp.call(X, W), jax.grad(_everything)(X, W))
+
+
+def _cuda_text(f, *args) -> str:
+    with jax_cute.config.override(target_arch="sm_90a"):
+        return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_export_for_cuda():
+    pytest.importorskip("cutlass")
+    x, w = _normal(0, (128, 64)), _normal(1, (64, 128))
+    f = jax_cute.kernelize(lambda x, w: jnp.sum(jnp.tanh(x @ w).astype(jnp.float32)))
+    with jax_cute.config.override(target_arch="sm_90a"):
+        exp = jax.export.export(jax.jit(jax.grad(f)), platforms=["cuda"],
+                                disabled_checks=jax_cute.export_disabled_checks())(x, w)
+    text = exp.mlir_module()
+    assert "jax_cute_launch" in text and "dot_general" not in text
+
+
+GPT_SIZE = dict(vocab=256, d_model=128, heads=2, layers=1, seq=64, batch=2)  # head_dim 64
+
+
+def _gpt_step(moe: bool):
+    import gpt_training
+
+    cfg = gpt_training.Config(**GPT_SIZE, moe=moe, experts=4)
+    params, opt_state, tx = gpt_training.init_train_state(jax.random.key(0), cfg)
+    tokens = jax.random.randint(jax.random.key(1), (cfg.batch, cfg.seq + 1), 0, cfg.vocab)
+    return gpt_training, cfg, (params, opt_state, tokens), tx
+
+
+def test_gpt_step_every_product_becomes_jax_cute():
+    gpt, cfg, args, tx = _gpt_step(moe=False)
+    plain = jax.make_jaxpr(gpt.make_step(cfg, tx, kernelized=False))(*args)
+    kern = jax.make_jaxpr(gpt.make_step(cfg, tx, kernelized=True))(*args)
+    assert _count(kern, PRODUCTS) == 0
+    assert _count(kern, ("jax_cute_matmul",)) >= _count(plain, ("dot_general",)) > 10
+
+
+def test_gpt_mlp_lowers_for_sm90a_without_an_xla_dot():
+    pytest.importorskip("cutlass")
+    gpt, cfg, (params, _, tokens), _ = _gpt_step(moe=False)
+    layer = jax.tree.map(lambda p: p[0], params["layers"])
+    x = _normal(3, (cfg.batch, cfg.seq, cfg.d_model), jnp.float32)
+    loss = jax_cute.kernelize(lambda p, x: jnp.sum(gpt.mlp(p, x, cfg)))
+    text = _cuda_text(jax.grad(loss, argnums=(0, 1)), layer, x)
+    assert "jax_cute_launch" in text and "dot_general" not in text
+    head = jax_cute.kernelize(lambda e, x: jnp.sum(gpt.logits({"embed": e}, x, cfg)))  # the LM head
+    text = _cuda_text(jax.grad(head, argnums=(0, 1)), params["embed"], x)
+    assert "jax_cute_launch" in text and "dot_general" not in text
+
+
+@pytest.mark.xfail(strict=False, reason="attention einsums (bthd,bshd->bhts) have two batch modes that do not "
+                                        "coalesce into one: the dense kernels fall back until they take several")
+def test_gpt_step_lowers_for_sm90a_without_an_xla_dot():
+    pytest.importorskip("cutlass")
+    gpt, cfg, args, tx = _gpt_step(moe=False)
+    text = _cuda_text(gpt.make_step(cfg, tx, kernelized=True), *args)
+    assert "jax_cute_launch" in text
+    assert "dot_general" not in text
