@@ -10,6 +10,7 @@ import pytest
 from jax.test_util import check_grads
 
 import jax_cute
+from jax_cute import config
 from jax_cute.primitives.dot_general import contraction_layouts
 from jax_cute.primitives.gemm_plan import flatten_gemm
 
@@ -131,3 +132,16 @@ def test_one_batch_mode_keeps_the_rank_3_problem():
     g, _ = contraction_layouts((4, 16, 32), (4, 32, 24), ([2], [1]), ([0], [0]))
     flat = flatten_gemm(g, ["bfloat16"] * 3)
     assert flat.batch_modes == 1 and flat.a.shape == (16, 32, 4) and flat.c.stride == (24, 1, 16 * 24)
+
+
+def test_a_mode_listed_slowest_first_still_coalesces():
+    """The output projection of attention, bthd,hde->bte: its weight gradient contracts (b, t)
+    and its input gradient writes (h, d) sub-modes; whatever order autodiff lists them in, each
+    mode is one contiguous run of memory, so the kernels take them without a copy."""
+    spec = "bthd,hde->bte"
+    f = jax.grad(lambda x, w: (jax_cute.einsum(spec, x, w).astype(jnp.float32) ** 2).sum(), (0, 1))
+    args = [jax.ShapeDtypeStruct((2, 64, 4, 64), jnp.bfloat16), jax.ShapeDtypeStruct((4, 64, 256), jnp.bfloat16)]
+    with config.override(target_arch="sm_90a", strict=True):
+        text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("stablehlo.custom_call @jax_cute_launch") == 3
+    assert "stablehlo.transpose" not in text and "dot_general" not in text

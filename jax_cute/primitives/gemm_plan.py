@@ -82,6 +82,21 @@ def _single(mode: Layout) -> tuple[int, int] | None:
     return fm[0] if len(fm) == 1 else None
 
 
+def _joint_order(x: Layout, y: Layout) -> tuple[Layout, Layout]:
+    """The same logical mode of two operands with its sub-modes permuted alike, so that both
+    coalesce where an order exists. Relabelling a mode's index the same way in every operand
+    leaves the product unchanged; the order autodiff leaves sub-modes in need not be the one
+    that makes them contiguous (a gradient's K' made of (h, d) listed slowest first)."""
+    fx, fy = x.flat_modes(), y.flat_modes()
+    for key in (None, lambda i: fy[i][1], lambda i: fx[i][1]):
+        order = list(range(len(fx))) if key is None else sorted(range(len(fx)), key=key)
+        nx = Layout(tuple(fx[i][0] for i in order), tuple(fx[i][1] for i in order))
+        ny = Layout(tuple(fy[i][0] for i in order), tuple(fy[i][1] for i in order))
+        if _single(nx) is not None and _single(ny) is not None:
+            return nx, ny
+    return x, y
+
+
 def _operand(name: str, rows: Layout, cols: Layout, l_ext: int, l_stride: int, dtype: str,
              names: tuple[str, str]) -> FlatOperand | str:
     """An operand with one batch mode (the grouped kernels take one)."""
@@ -136,6 +151,9 @@ def flatten_gemm(g: GemmLayouts, dtypes: Sequence[str]) -> FlatGemm | str:
     ext = g.extents()
     lmodes = _coalesce_l(g)
     am, ak, bn, bk, cm, cn = g.a.mode(0), g.a.mode(1), g.b.mode(0), g.b.mode(1), g.c.mode(0), g.c.mode(1)
+    am, cm = _joint_order(am, cm)
+    bn, cn = _joint_order(bn, cn)
+    ak, bk = _joint_order(ak, bk)
 
     # Fold batch sub-modes into M (B broadcast) or N (A broadcast) while the strides continue.
     def fold(x: Layout, y: Layout, s: int, dx: int, dy: int) -> tuple[Layout, Layout] | None:
