@@ -77,7 +77,8 @@ def test_launcher_is_the_shared_kernel(monkeypatch):
     spec = GroupedSpec("ragged_m", "bfloat16", "bfloat16", "bfloat16", b_major="n")
     cfg = fam.Config(tile_n=128, raster=4, sms=100)
     assert fam.launcher(spec, cfg) == "launch"
-    assert calls == [(spec, sm90_gemm.Config(128, 128, 1, 1, "m", 4), 100)]
+    # with the dense kernel's epilogue for a 16-bit output: the whole share of 64-wide subtiles
+    assert calls == [(spec, sm90_gemm.Config(128, 128, 1, 1, "m", 4, epi_n=64, whole_c=True), 100)]
     monkeypatch.undo()
     for bad in (sm90_gemm.Config(128, 128, 1, 1, split_k=2), sm90_gemm.Config(128, 128, 2, 1),
                 sm90_gemm.Config(64, 256, 1, 1, pingpong=True)):

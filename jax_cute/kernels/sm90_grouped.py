@@ -21,7 +21,7 @@ from jax_cute.kernels import abi, sm90_gemm
 from jax_cute.kernels.gemm_spec import GroupedSpec, Workspace
 
 FAMILY = "sm90_grouped"
-VERSION = 4
+VERSION = 5
 ARCH = "sm_90a"
 
 _IN_DTYPES = ("bfloat16", "float16")
@@ -88,15 +88,17 @@ def workspace(spec, config, m, n, k, g, l) -> list[Workspace]:
     return []
 
 
-def kernel_config(config: Config) -> sm90_gemm.Config:
+def kernel_config(spec, config: Config) -> sm90_gemm.Config:
     """The shared kernel's config: a cooperative 128 x tile_n tile on one CTA (tiles start at
-    group rows, so no two CTAs share a slice to multicast), panels of `raster` m-tiles, a ring
-    of 64 x 32 epilogue subtiles per consumer warpgroup."""
-    return sm90_gemm.Config(TILE_M, config.tile_n, 1, 1, "m", config.raster)
+    group rows, so no two CTAs share a slice to multicast), panels of `raster` m-tiles, and the
+    dense kernel's epilogue for the output dtype (16-bit: the whole share of 64-wide subtiles;
+    measured on an H200 against the 32-wide ring, 1.02x geometric mean over the grouped suite,
+    2026-11-24)."""
+    return sm90_gemm._epilogue(spec, sm90_gemm.Config(TILE_M, config.tile_n, 1, 1, "m", config.raster))
 
 
 def launcher(spec, config: Config):
     why = unsupported(spec)
     if why:
         raise ValueError(f"{FAMILY}: {why}")
-    return sm90_gemm.make_launcher(spec, kernel_config(config), config.sms)
+    return sm90_gemm.make_launcher(spec, kernel_config(spec, config), config.sms)
