@@ -30,7 +30,7 @@ CHAIN = 8
 
 
 def pallas_impls() -> list[Impl]:
-    """A few Hopper matmul configs from Pallas' own tuning sweep (best one is reported)."""
+    """Hopper matmul configs from Pallas' own tuning sweep (the best one is reported)."""
     try:
         from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
     except Exception as e:  # noqa: BLE001 - a missing rival is recorded, not fatal
@@ -42,8 +42,10 @@ def pallas_impls() -> list[Impl]:
         return [Impl("pallas", missing, "import")]
     D = hm.MatmulDimension
     out = []
-    for tm, tn, minor, width, wg in [(128, 128, D.M, 4, D.N), (256, 128, D.N, 8, D.M),
-                                     (128, 128, D.N, 16, D.N), (256, 64, D.M, 8, D.M)]:
+    # (tile_m, tile_n) are per consumer warpgroup; wg_dimension=M stacks the two warpgroups along M
+    # (a 256x128 CTA tile: the fastest on 8192^3 on an H200, 2026-11-24)
+    for tm, tn, minor, width, wg in [(128, 128, D.M, 4, D.N), (128, 128, D.M, 8, D.M),
+                                     (128, 128, D.N, 16, D.N), (128, 128, D.N, 8, D.M)]:
         cfg = hm.TuningConfig(tile_m=tm, tile_n=tn, tile_k=64, max_concurrent_steps=4, epi_tile_n=64,
                               epi_tile_m=64, grid_minor_dim=minor, grid_tile_width=width, wg_dimension=wg)
         name = f"tm{tm} tn{tn} tk64 s4 minor={minor.name} w{width} wg={wg.name}"
