@@ -190,6 +190,102 @@ def _launch_gemm(a, b, flat: FlatGemm, binary: KernelBinary, workspaces, c_shape
     return res["c"]
 
 
+# -- dense GEMM with a fused epilogue (jax_cute_matmul_fused) ---------------------------------------
+
+def _epilogue_in_xla(reason: str, what: str) -> None:
+    logger.info("jax_cute.matmul: the GEMM kernel runs with its epilogue in XLA: %s (%s)", reason, what)
+
+
+def _bias_per_column(bias_aval, bias_layout, n: int) -> bool:
+    """Whether the bias is one (N,) row broadcast over M and every batch: what kernels read."""
+    if bias_aval is None:
+        return True
+    rows, cols, batch = bias_layout.modes()
+    return (int(np.prod(bias_aval.shape)) == n and cols.coalesce().flat_modes() in (((n, 1),), ((1, 0),))
+            and all(d == 0 for _, d in rows.flat_modes() + batch.flat_modes()))
+
+
+def fused_gemm(a_aval, b_aval, *bias_aval, layouts: GemmLayouts, bias_layout, activation: str | None,
+               preact: bool, out_dtype: str, acc_dtype: str, reference: Callable, precision=None
+               ) -> Callable | None:
+    """The kernel implementation of a ``jax_cute_matmul_fused`` (bias and activation in the
+    kernel's epilogue), or None: the caller then runs the GEMM kernel with a float32 output and
+    the epilogue in XLA (logged at INFO here, with the reason).
+
+    A family fuses what its ``EPILOGUES`` names ("bias" and activation names). Kernels read a
+    bias of one row (N,) in float32; a differentiated forward (``preact``, which also writes
+    the pre-activation) and swiglu run the XLA epilogue. The heuristic config is used (autotune
+    times plain GEMMs only)."""
+    dts = [np.dtype(a_aval.dtype).name, np.dtype(b_aval.dtype).name, np.dtype(out_dtype).name]
+    ext = layouts.extents()
+    what = (f"M={ext['m']} N={ext['n']} K={ext['k']} L={ext['l']}, dtypes {'/'.join(dts)}, "
+            f"bias {'yes' if bias_aval else 'no'}, activation {activation}")
+    if preact:
+        _epilogue_in_xla("a differentiated forward also writes the pre-activation", what)
+        return None
+    if 0 in ext.values():
+        return None
+    bias = bias_aval[0] if bias_aval else None
+    if not _bias_per_column(bias, bias_layout, ext["n"]):
+        _epilogue_in_xla("kernels read a bias of shape (N,) broadcast over rows and batches", what)
+        return None
+    arch, why = target_arch()
+    try:
+        fam = kernels.family("gemm", arch) if arch else None
+    except ImportError:
+        fam = None
+    fusable = getattr(fam, "EPILOGUES", ())
+    if fam is None or (activation and activation not in fusable) or (bias is not None and "bias" not in fusable):
+        _epilogue_in_xla(f"{getattr(fam, 'FAMILY', 'no kernel family')} does not fuse "
+                         f"{'bias and ' if bias is not None else ''}{activation or 'no activation'}", what)
+        return None
+    given = [tuple(a_aval.shape), tuple(b_aval.shape), tuple(layouts.c_shape)]
+    flat, shapes = plan_gemm(layouts, given, dts)
+    if isinstance(flat, str):
+        _epilogue_in_xla(flat, what)
+        return None
+    if flat.n != ext["n"]:
+        _epilogue_in_xla("a batch mode folds into N, so output columns no longer index the bias", what)
+        return None
+    spec = GemmSpec(dts[0], dts[1], dts[2], flat.a.major, flat.b.major, flat.c.major, acc_dtype,
+                    batch_modes=flat.batch_modes, bias=bias is not None, activation=activation or "")
+    picked = _family("matmul", "gemm", spec, what)
+    if picked is None:
+        return None
+    arch, fam = picked
+    if spec.batch_modes not in getattr(fam, "BATCH_MODES", (1,)):
+        _epilogue_in_xla(f"the batch modes do not coalesce into one, and the {fam.FAMILY} kernels take one", what)
+        return None
+    for name, old, new in zip("abc", given, shapes):
+        if old != new:
+            logger.warning("jax_cute.matmul: padding %s from %s to %s (16-byte TMA strides)", name, old, new)
+    for operand, reason in flat.copies:
+        logger.warning("jax_cute.matmul: copying operand %s into a kernel layout: %s", operand, reason)
+    cfg = fam.heuristic(spec, flat.m, flat.n, flat.k, flat.l, arch_info.num_sms(arch))
+    binary = family_binary(fam, arch, spec, launch_mode(cfg))
+    workspaces = fam.workspace(spec, cfg, flat.m, flat.n, flat.k, flat.l)
+
+    def impl(a, b, *bias_buf):
+        a, b = _pad_to(a, shapes[0]), _pad_to(b, shapes[1])
+        extra = {}
+        if bias_buf:
+            extra["bias"] = (jnp.reshape(bias_buf[0], (-1,)).astype(jnp.float32), (ext["n"],), (1,))
+        if flat.a_src is not None:
+            a = materialise(a, flat.a_src, flat.a)
+        if flat.b_src is not None:
+            b = materialise(b, flat.b_src, flat.b)
+        outputs = {"c": (jax.ShapeDtypeStruct(shapes[2], np.dtype(dts[2])), flat.c.shape, flat.c.stride)}
+        outputs.update(workspace_outputs(binary, workspaces))
+        c = kernel_call(binary, {"a": (a, flat.a.shape, flat.a.stride), "b": (b, flat.b.shape, flat.b.stride),
+                                 **extra}, outputs, zeroed=_zeroed(workspaces))["c"]
+        return [c[tuple(slice(0, n) for n in layouts.c_shape)] if shapes[2] != tuple(layouts.c_shape) else c]
+
+    if not _trusted("matmul", binary, impl, reference, (a_aval, b_aval, *bias_aval)):
+        return None
+    logger.info("jax_cute.matmul: %s on %s (%s)", binary.name, arch, what)
+    return impl
+
+
 # -- grouped GEMM (jax_cute_ragged_m / jax_cute_ragged_k) ----------------------------------------
 
 def grouped(a_aval, b_aval, gs_aval, *, layouts: RaggedLayouts, out_dtype: str, acc_dtype: str,

@@ -45,6 +45,11 @@ class GemmSpec:
     c_major: str = "n"
     acc_dtype: str = "float32"
     batch_modes: int = 1   # 1, or 3 (see the module notes)
+    # Fused epilogue (families that declare EPILOGUES only): with ``bias`` the kernel takes a
+    # float32 ``bias`` (N,) after c and computes C = act(A·B + bias[n]) in float32 before the
+    # one rounding to c_dtype; ``activation`` is "" (none) or a name in the family's EPILOGUES.
+    bias: bool = False
+    activation: str = ""
 
     def __post_init__(self):
         if self.a_major not in ("k", "m") or self.b_major not in ("k", "n") or self.c_major not in ("n", "m"):
@@ -54,7 +59,8 @@ class GemmSpec:
 
     def key(self) -> str:
         return (f"{self.a_dtype}.{self.b_dtype}.{self.c_dtype}.acc{self.acc_dtype}."
-                f"{self.a_major}{self.b_major}{self.c_major}" + (f".b{self.batch_modes}" if self.batch_modes > 1 else ""))
+                f"{self.a_major}{self.b_major}{self.c_major}" + (f".b{self.batch_modes}" if self.batch_modes > 1 else "")
+                + (".bias" if self.bias else "") + (f".{self.activation}" if self.activation else ""))
 
     def signature(self, extra: tuple = ()) -> Signature:
         """(a (M,K,L...), b (N,K,L...), c (M,N,L...), *extra, stream)."""

@@ -24,7 +24,7 @@ from jax.interpreters import ad, batching, mlir
 
 from jax_cute import dispatch
 from jax_cute import layout as L
-from jax_cute.primitives import sharding
+from jax_cute.primitives import fused, sharding
 from jax_cute.primitives.gemm_layouts import (GemmLayouts, cotangent_a, cotangent_a_partials, cotangent_b,
                                                cotangent_b_partials, matmul_layouts)
 from jax_cute.primitives.gemm_plan import flatten_gemm
@@ -207,7 +207,7 @@ def bind_gemm(op: str, a, b, layouts: GemmLayouts, preferred_element_type, preci
 
 
 def matmul(a, b, *, transpose_a: bool = False, transpose_b: bool = False, precision=None,
-           preferred_element_type=None, out_sharding=None):
+           preferred_element_type=None, out_sharding=None, bias=None, activation: str | None = None):
     """``jnp.matmul(a', b')`` with ``a' = swapaxes(a, -1, -2)`` when ``transpose_a`` (likewise b).
 
     Batch dimensions broadcast as in ``jnp.matmul``; 1-D operands are promoted and the added
@@ -221,6 +221,12 @@ def matmul(a, b, *, transpose_a: bool = False, transpose_b: bool = False, precis
     GEMMs then run in bfloat16 and the gradients are rounded to the fp8 dtype at the end.
     ``out_sharding`` (a NamedSharding, or a PartitionSpec of the context mesh) constrains the
     result's sharding, as ``jnp.matmul``'s does.
+
+    ``bias`` and ``activation`` fuse an epilogue: the result is ``act(a' @ b' + bias)``, computed
+    in float32 on the accumulator and rounded once to the output dtype (``primitives/fused.py``).
+    ``bias`` has shape (N,) (broadcast over M and the batch) or the product's full shape;
+    ``activation`` is None, "relu", "gelu" (``jax.nn.gelu``, tanh form), "gelu_exact", "silu" or
+    "swiglu" (b's N columns are ``[gate | up]``; the result has N/2 columns, ``silu(gate) * up``).
     """
     a, b = jnp.asarray(a), jnp.asarray(b)
     if a.ndim == 0 or b.ndim == 0:
@@ -229,5 +235,15 @@ def matmul(a, b, *, transpose_a: bool = False, transpose_b: bool = False, precis
         raise ValueError(f"jax_cute.matmul: transpose_a/transpose_b need a 2-D or higher operand, got shapes "
                          f"{a.shape} and {b.shape}")
     layouts, out_shape = matmul_layouts(a.shape, b.shape, transpose_a, transpose_b)
+    if bias is not None or activation is not None:
+        check_operand_dtypes("matmul", a, b)
+        dtype = jnp.result_type(a, b)
+        out = np.dtype(preferred_element_type or dtype)
+        acc = _acc_dtype(np.dtype(dtype))
+        if jnp.issubdtype(out, jnp.floating) and not jnp.issubdtype(acc, jnp.inexact):
+            acc = np.dtype("float32")
+        c = fused.matmul_epilogue(matmul_p, a.astype(dtype), b.astype(dtype), layouts, out_shape, bias=bias,
+                                  activation=activation, out_dtype=out, acc_dtype=acc, precision=precision)
+        return sharding.constrain(c, out_sharding)
     c = bind_gemm("matmul", a, b, layouts, preferred_element_type, precision)
     return sharding.constrain(jnp.reshape(c, out_shape) if c.shape != out_shape else c, out_sharding)

@@ -24,7 +24,7 @@ from jax.interpreters import ad, batching, mlir
 
 from jax_cute import dispatch
 from jax_cute import layout as L
-from jax_cute.primitives import sharding
+from jax_cute.primitives import fused, sharding
 from jax_cute.primitives.matmul import _acc_dtype, _cotangent_dtype, operand_dtype_error
 from jax_cute.primitives.ragged_layouts import (RAGGED_K, RAGGED_M, RaggedLayouts, batched, cotangent,
                                                 ragged_dot_layouts)
@@ -143,7 +143,7 @@ for _p in _pITIVES.values():
 # -- public API -------------------------------------------------------------------------------
 
 def ragged_dot(lhs, rhs, group_sizes, *, precision=None, preferred_element_type=None, group_offset=None,
-               out_sharding=None):
+               out_sharding=None, bias=None, activation: str | None = None):
     """A drop-in for ``jax.lax.ragged_dot``: ``out[m] = lhs[m] @ rhs[g]`` for the rows m of group g.
 
     ``lhs`` is [M, K], ``rhs`` [G, K, N], ``group_sizes`` [G] integer (used as int32); the result is
@@ -159,6 +159,10 @@ def ragged_dot(lhs, rhs, group_sizes, *, precision=None, preferred_element_type=
     ``out_sharding`` constrains the result's sharding, as ``lax.ragged_dot``'s does. Under jit,
     sharded rows (tokens) stay local; sharded groups (experts) are gathered: expert
     parallelism is a ``shard_map`` with a token all-to-all (``jax_cute.primitives.sharding``).
+
+    ``bias`` (G, N) and ``activation`` (as ``jax_cute.matmul``'s) give ``act(lhs[m] @ rhs[g] +
+    bias[g])``, in float32 and rounded once; rows past the last group stay zero. The grouped
+    kernel writes a float32 product and the epilogue runs in XLA (``fused.grouped_epilogue``).
     """
     del precision  # documented: accepted and ignored, as the kernels fix their own accumulation
     if group_offset is not None:
@@ -188,6 +192,13 @@ def ragged_dot(lhs, rhs, group_sizes, *, precision=None, preferred_element_type=
     acc = _acc_dtype(np.dtype(dtype))
     if jnp.issubdtype(out_dtype, jnp.floating) and not jnp.issubdtype(acc, jnp.floating):
         acc = np.dtype("float32")
-    out = ragged_m_p.bind(lhs, rhs, group_sizes.astype(jnp.int32), layouts=ragged_dot_layouts(m, k, g, n),
-                          out_dtype=out_dtype.name, acc_dtype=acc.name)
+    epilogue = bias is not None or activation is not None
+    if epilogue:
+        bias = None if bias is None else jnp.asarray(bias)
+        fused.check_grouped_epilogue(rhs.shape, out_dtype, bias, activation)
+    gs32 = group_sizes.astype(jnp.int32)
+    out = ragged_m_p.bind(lhs, rhs, gs32, layouts=ragged_dot_layouts(m, k, g, n),
+                          out_dtype=(fused.epilogue_dtype(acc) if epilogue else out_dtype).name, acc_dtype=acc.name)
+    if epilogue:
+        out = fused.grouped_epilogue(out, gs32, bias, activation, out_dtype)
     return sharding.constrain(out, out_sharding)

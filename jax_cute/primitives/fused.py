@@ -1,0 +1,315 @@
+"""Fused epilogues: ``act(A·B + bias)`` as one primitive, ``jax_cute_matmul_fused``.
+
+The product is the one ``jax_cute_matmul`` computes (the same ``GemmLayouts``; its C buffer is
+the pre-activation ``z``); the epilogue adds a bias read through a layout of its own and applies
+an activation, in float32 (or the accumulator's wider dtype) on the accumulator, rounding once to
+the output dtype. ``swiglu`` reads C's last buffer axis (N) as ``[gate | up]`` and writes
+``silu(gate) * up``, N/2 columns.
+
+One place for each rule, as in ``matmul.py``:
+- abstract evaluation: ``y`` (and, with ``preact``, the pre-activation ``z``);
+- lowering (CPU, and wherever no fused kernel runs): the GEMM primitive with a float32 output,
+  then the epilogue in XLA (``composed``), which XLA fuses into one elementwise pass;
+- CUDA: ``dispatch.fused_gemm``'s kernel, whose epilogue adds the bias and applies the
+  activation (one device, elementwise activations); otherwise ``composed``, logged at INFO;
+- batching: a vmapped axis becomes an L sub-mode of every operand, the bias included (stride 0
+  where it is unbatched), layouts re-targeted by composition;
+- autodiff: the JVP binds the primitive with ``preact=True``, so the forward also writes the
+  pre-activation ``z`` (rounded to the output dtype) as the residual; the tangent is
+  ``act'(z) * (dA·B + A·dB + dbias)``. Reverse mode transposes that: the cotangent times
+  ``act'(z)`` (one XLA elementwise pass feeding both gradient GEMMs and the bias reduction),
+  then the two GEMMs of ``jax_cute_matmul``'s transpose rules and a sum for the bias.
+  Saving ``z`` costs one extra output write in the forward; recomputing it instead is
+  ``jax.checkpoint`` around the call (the backward then reruns the forward GEMM):
+  benchmarks/bench_fused.py measures both.
+
+The GEMM primitive is a parameter (``gemm``, ``jax_cute_matmul``'s), not an import: the public
+``matmul`` routes here, so this module cannot import it back.
+
+``ragged_dot``'s options run the grouped kernel with a float32 output and
+``grouped_epilogue`` in XLA (per-group bias rows gathered by group index).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax._src import dispatch as jax_dispatch  # no public API marks a primitive as needing devices
+from jax.extend import core
+from jax.interpreters import ad, batching, mlir
+
+from jax_cute import dispatch
+from jax_cute import layout as L
+from jax_cute.layout import Layout, make_layout, product
+from jax_cute.primitives import sharding
+from jax_cute.primitives.gemm_layouts import GemmLayouts
+from jax_cute.primitives.ragged_layouts import batched_layout
+
+logger = logging.getLogger("jax_cute")
+
+ACTIVATIONS = ("relu", "gelu", "gelu_exact", "silu", "swiglu")
+
+
+def _swiglu(z):
+    half = z.shape[-1] // 2
+    return jax.nn.silu(z[..., :half]) * z[..., half:]
+
+
+_FUNCTIONS: dict[str, Callable] = {
+    "relu": jax.nn.relu,
+    "gelu": functools.partial(jax.nn.gelu, approximate=True),
+    "gelu_exact": functools.partial(jax.nn.gelu, approximate=False),
+    "silu": jax.nn.silu,
+    "swiglu": _swiglu,
+}
+
+
+def apply_activation(name: str | None, z):
+    """``name`` applied to ``z`` (swiglu along the last axis), as the ``jax.nn`` functions."""
+    return z if name is None else _FUNCTIONS[name](z)
+
+
+def check_activation(op: str, activation) -> None:
+    if activation is not None and activation not in _FUNCTIONS:
+        raise ValueError(f"jax_cute.{op}: unknown activation {activation!r} (choose one of "
+                         f"{', '.join(ACTIVATIONS)}, or None)")
+
+
+def epilogue_dtype(acc_dtype) -> np.dtype:
+    """Dtype the epilogue computes in: the accumulator's, at least float32."""
+    return np.promote_types(np.dtype(acc_dtype), np.float32)
+
+
+def _check_float(op: str, out_dtype, bias) -> None:
+    if not jnp.issubdtype(out_dtype, jnp.floating):
+        raise TypeError(f"jax_cute.{op}: bias and activation need a real floating output dtype, got {out_dtype}")
+    if bias is not None and not jnp.issubdtype(bias.dtype, jnp.floating):
+        raise TypeError(f"jax_cute.{op}: bias must be a real floating array, got dtype {bias.dtype}")
+
+
+def _check_swiglu(op: str, activation, n: int) -> None:
+    if activation == "swiglu" and n % 2:
+        raise ValueError(f"jax_cute.{op}: swiglu needs an even N (b's N holds [gate | up] halves), got N={n}")
+
+
+# -- the primitive ------------------------------------------------------------------------------
+
+fused_p = core.Primitive("jax_cute_matmul_fused")
+fused_p.multiple_results = True
+
+
+def _y_shape(layouts: GemmLayouts, activation) -> tuple[int, ...]:
+    c = tuple(layouts.c_shape)
+    return c[:-1] + (c[-1] // 2,) if activation == "swiglu" else c
+
+
+def _abstract_eval(a, b, *bias, gemm, layouts: GemmLayouts, bias_layout, activation, preact, out_dtype,
+                   acc_dtype, precision=None):
+    del gemm, acc_dtype, precision
+    if int(np.prod(a.shape)) < layouts.a.cosize() or int(np.prod(b.shape)) < layouts.b.cosize():
+        raise ValueError(f"jax_cute_matmul_fused: layouts {layouts.a} / {layouts.b} reach past buffers "
+                         f"{a.shape} / {b.shape}")
+    if bias and int(np.prod(bias[0].shape)) < bias_layout.cosize():
+        raise ValueError(f"jax_cute_matmul_fused: bias layout {bias_layout} reaches past its buffer {bias[0].shape}")
+    if activation == "swiglu":
+        n_mode = layouts.c.mode(1).coalesce().flat_modes()
+        if n_mode != ((layouts.c_shape[-1], 1),):
+            raise ValueError(f"jax_cute_matmul_fused: swiglu needs N as C's last buffer axis ({layouts.c})")
+    out = [jax.core.ShapedArray(_y_shape(layouts, activation), np.dtype(out_dtype))]
+    if preact:
+        out.append(jax.core.ShapedArray(tuple(layouts.c_shape), np.dtype(out_dtype)))
+    return out
+
+
+fused_p.def_abstract_eval(_abstract_eval)
+
+
+def _eager(*args, **params):
+    # Outside jit, run the primitive as a one-op jitted computation (like jax's own primitives).
+    return jax.jit(functools.partial(fused_p.bind, **params))(*args)
+
+
+fused_p.def_impl(_eager)
+
+
+def _bias_in_c(bias, bias_layout: Layout, layouts: GemmLayouts, dtype):
+    """The bias as a buffer shaped like C (broadcast where its layout has stride 0)."""
+    return L.write(L.read(bias, bias_layout).astype(dtype), layouts.c, layouts.c_shape)
+
+
+def epilogue(acc, bias, *, layouts: GemmLayouts, bias_layout, activation, preact, out_dtype) -> list:
+    """``[act(acc + bias)]`` (and ``z = acc + bias`` with ``preact``), each rounded once to
+    ``out_dtype``; ``acc`` is the GEMM's result in C's buffer, in the epilogue dtype."""
+    z = acc if bias is None else acc + _bias_in_c(bias, bias_layout, layouts, acc.dtype)
+    out = [apply_activation(activation, z).astype(out_dtype)]
+    if preact:
+        out.append(z.astype(out_dtype))
+    return out
+
+
+def composed(a, b, *bias, gemm, layouts: GemmLayouts, bias_layout, activation, preact, out_dtype, acc_dtype,
+             precision=None) -> list:
+    """The GEMM primitive with a float32 (epilogue dtype) output, then the epilogue in XLA."""
+    acc = gemm.bind(a, b, layouts=layouts, out_dtype=epilogue_dtype(acc_dtype).name, acc_dtype=acc_dtype,
+                    precision=precision)
+    return epilogue(acc, bias[0] if bias else None, layouts=layouts, bias_layout=bias_layout,
+                    activation=activation, preact=preact, out_dtype=out_dtype)
+
+
+def reference(a, b, *bias, layouts: GemmLayouts, bias_layout, activation, preact, out_dtype, acc_dtype,
+              precision=None) -> list:
+    """The fused GEMM in plain lax ops (the first-use check of unverified kernels compares to it)."""
+    acc = epilogue_dtype(acc_dtype)
+    av, bv = L.read(a, layouts.a).astype(acc), L.read(b, layouts.b).astype(acc)
+    cv = jax.lax.dot_general(av, bv, (((1,), (1,)), ((2,), (2,))), precision=precision,
+                             preferred_element_type=acc)  # (L, M, N)
+    c = L.write(jnp.transpose(cv, (1, 2, 0)), layouts.c, layouts.c_shape)
+    return epilogue(c, bias[0] if bias else None, layouts=layouts, bias_layout=bias_layout,
+                    activation=activation, preact=preact, out_dtype=out_dtype)
+
+
+# The fused call holds the GEMM primitive's lowering, which partitions through
+# custom_partitioning: that needs the device assignment while lowering.
+jax_dispatch.prim_requires_devices_during_lowering.add(fused_p)
+mlir.register_lowering(fused_p, mlir.lower_fun(composed, multiple_results=True))
+
+
+def _cuda_lowering(ctx, *args, gemm, **params):
+    # The fused kernel runs one shard's problem; a partitioned call runs the GEMM primitive
+    # (which partitions itself) and the epilogue in XLA, which XLA partitions.
+    if sharding._one_shard(ctx.module_context.axis_context):
+        ref = functools.partial(reference, **params)
+        impl = dispatch.fused_gemm(*ctx.avals_in, reference=ref, **params)
+        if impl is not None:
+            return mlir.lower_fun(impl, multiple_results=True)(ctx, *args)
+    else:
+        logger.info("jax_cute.matmul: a partitioned fused call runs the GEMM kernel and the epilogue in XLA")
+    return mlir.lower_fun(functools.partial(composed, gemm=gemm, **params), multiple_results=True)(ctx, *args)
+
+
+mlir.register_lowering(fused_p, _cuda_lowering, platform="cuda")
+
+
+# -- batching -----------------------------------------------------------------------------------
+
+def _batch_rule(args, dims, *, layouts: GemmLayouts, bias_layout, **params):
+    size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
+    a, b, *bias = args
+    new = GemmLayouts(
+        batched_layout(layouts.a, a.shape, dims[0], size, 2),
+        batched_layout(layouts.b, b.shape, dims[1], size, 2),
+        # Outputs get the batch axis in front: old offsets are unchanged at index 0.
+        layouts.c.append_to_mode(2, size, product(layouts.c_shape)),
+        (size,) + tuple(layouts.c_shape),
+    )
+    new_bias = batched_layout(bias_layout, bias[0].shape, dims[2], size, 2) if bias else None
+    outs = fused_p.bind(*args, layouts=new, bias_layout=new_bias, **params)
+    return outs, [0] * len(outs)
+
+
+batching.primitive_batchers[fused_p] = _batch_rule
+
+
+# -- autodiff -----------------------------------------------------------------------------------
+
+def _jvp(primals, tangents, *, gemm, layouts: GemmLayouts, bias_layout, activation, preact, out_dtype,
+         acc_dtype, precision=None):
+    a, b, *bias = primals
+    da, db, *dbias = tangents
+    params = dict(gemm=gemm, layouts=layouts, bias_layout=bias_layout, activation=activation,
+                  out_dtype=out_dtype, acc_dtype=acc_dtype, precision=precision)
+    outs = fused_p.bind(*primals, preact=activation is not None or preact, **params)
+    epi = epilogue_dtype(acc_dtype)
+    # dz = dA·B + A·dB + dbias, in the epilogue dtype; each GEMM's transpose rounds its
+    # cotangent to the operand dtype, as jax_cute_matmul's do
+    terms = []
+    gemm_params = dict(layouts=layouts, out_dtype=epi.name, acc_dtype=acc_dtype, precision=precision)
+    if type(da) is not ad.Zero:
+        terms.append(gemm.bind(da, b, **gemm_params))
+    if type(db) is not ad.Zero:
+        terms.append(gemm.bind(a, db, **gemm_params))
+    if bias and type(dbias[0]) is not ad.Zero:
+        terms.append(_bias_in_c(dbias[0], bias_layout, layouts, epi))
+    if not terms:
+        zeros = [ad.Zero(jax.typeof(o).to_tangent_aval()) for o in outs]
+        return (outs if preact or activation is None else outs[:1]), (zeros if preact or activation is None
+                                                                      else zeros[:1])
+    dz = functools.reduce(jnp.add, terms)
+    if activation is None:
+        return outs, [dz.astype(out_dtype)] * len(outs)
+    y, z = outs
+    dy = jax.jvp(functools.partial(apply_activation, activation), (z.astype(epi),), (dz,))[1]
+    if preact:
+        return [y, z], [dy.astype(out_dtype), dz.astype(out_dtype)]
+    return [y], [dy.astype(out_dtype)]
+
+
+ad.primitive_jvps[fused_p] = _jvp
+
+
+# -- public entry points --------------------------------------------------------------------------
+
+def matmul_epilogue(gemm, a, b, layouts: GemmLayouts, out_shape: tuple[int, ...], *, bias, activation,
+                    out_dtype, acc_dtype, precision=None):
+    """``act(a' @ b' + bias)`` for ``jax_cute.matmul``: ``a``, ``b`` already of one dtype,
+    ``layouts``/``out_shape`` from ``gemm_layouts.matmul_layouts``, ``gemm`` the GEMM primitive.
+
+    ``bias`` has shape (N,) (broadcast over M and the batch) or ``out_shape`` (the
+    pre-activation product's shape; with swiglu its last axis is the full N)."""
+    check_activation("matmul", activation)
+    out_dtype = np.dtype(out_dtype)
+    bias = None if bias is None else jnp.asarray(bias)
+    _check_float("matmul", out_dtype, bias)
+    m, n = (product(layouts.c.mode(i).shape) for i in (0, 1))
+    _check_swiglu("matmul", activation, n)
+    c_shape = tuple(layouts.c_shape)
+    bias_layout, args = None, [a, b]
+    if bias is not None:
+        if bias.shape == (n,):
+            # stride 0 along M and every batch sub-mode: one row of bias for every output row
+            batch = L.flatten(layouts.c.mode(2).shape)
+            bias_layout = make_layout(Layout((m,), (0,)), Layout((n,), (L.stride_of(n, 1),)),
+                                      Layout(batch, (0,) * len(batch)))
+        elif bias.shape == tuple(out_shape):
+            bias, bias_layout = jnp.reshape(bias, c_shape), layouts.c
+        else:
+            raise ValueError(f"jax_cute.matmul: bias must have shape ({n},) or the product's shape "
+                             f"{tuple(out_shape)}, got {bias.shape}")
+        args.append(bias)
+    y, = fused_p.bind(*args, gemm=gemm, layouts=layouts, bias_layout=bias_layout, activation=activation,
+                      preact=False, out_dtype=out_dtype.name, acc_dtype=np.dtype(acc_dtype).name,
+                      precision=precision)
+    shape = tuple(out_shape)
+    if activation == "swiglu":
+        shape = shape[:-1] + (shape[-1] // 2,)
+    return jnp.reshape(y, shape) if y.shape != shape else y
+
+
+def check_grouped_epilogue(rhs_shape: tuple[int, ...], out_dtype, bias, activation) -> None:
+    """Trace-time checks of ``ragged_dot``'s bias (G, N) and activation."""
+    check_activation("ragged_dot", activation)
+    _check_float("ragged_dot", np.dtype(out_dtype), bias)
+    g, _, n = rhs_shape
+    _check_swiglu("ragged_dot", activation, n)
+    if bias is not None and tuple(bias.shape) != (g, n):
+        raise ValueError(f"jax_cute.ragged_dot: bias must have shape (G, N) = ({g}, {n}), got {tuple(bias.shape)}")
+
+
+def grouped_epilogue(acc, group_sizes, bias, activation, out_dtype):
+    """``act(acc + bias[group of row])`` rounded once to ``out_dtype``; ``acc`` (M, N) is the
+    grouped product in the epilogue dtype. Rows past the last group (zero in ``ragged_dot``)
+    take no bias, and every activation maps them to zero."""
+    z = acc
+    if bias is not None:
+        m, g = acc.shape[0], bias.shape[0]
+        # group ends as ragged_dot's: negative sizes count as 0, ends saturate at M (no overflow)
+        ends = jax.lax.associative_scan(lambda x, y: x + jnp.minimum(y, m - x), jnp.clip(group_sizes, 0, m))
+        row_group = jnp.searchsorted(ends, jnp.arange(m, dtype=jnp.int32), side="right")  # G: no group
+        rows = jnp.concatenate([bias.astype(acc.dtype), jnp.zeros((1, bias.shape[1]), acc.dtype)])
+        z = z + jnp.take(rows, jnp.minimum(row_group, g), axis=0)
+    return apply_activation(activation, z).astype(out_dtype)
