@@ -22,7 +22,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 SUITES = {"matmul": "bench_matmul.py", "layouts": "bench_layouts.py", "ragged": "bench_ragged.py",
-          "launch": "bench_launch.py"}
+          "launch": "bench_launch.py", "fused": "bench_fused.py"}
 IMPL_ORDER = ["jax_cute", "xla", "pallas"]
 IMPL_LABEL = {"jax_cute": "jax_cute", "xla": "XLA", "pallas": "Pallas", "xla_bf16_grads": "XLA, bf16 gradient GEMMs"}
 
@@ -174,8 +174,10 @@ SECTIONS = [  # (table, record key, unit, higher is better, title, digits)
 ]
 SUITE_TITLE = {"matmul": "Dense GEMM: jax_cute.matmul", "layouts": "Layouts: einsum, LM head, vmap of batched",
                "ragged": "Grouped GEMM: jax_cute.ragged_dot",
-               "launch": "Launch overhead"}
-SUITE_LABELS = {"ragged": {"xla": "lax.ragged_dot"}}   # what the "xla" rival is in that suite
+               "launch": "Launch overhead", "fused": "Fused epilogues: bias and activation"}
+SUITE_LABELS = {"ragged": {"xla": "lax.ragged_dot"},   # what the "xla" rival is in that suite
+                "fused": {"jax_cute": "jax_cute fused", "jax_cute_remat": "jax_cute fused, jax.checkpoint",
+                          "jax_cute_unfused": "jax_cute + jnp epilogue"}}
 SUITE_NOTE = {
     "matmul": "XLA: `jnp.matmul` (cuBLAS, or XLA's Triton GEMM where XLA picks it). Pallas: the fastest of four "
               "configs of Pallas' Mosaic GPU Hopper matmul. Each call runs 8 independent products in one jit. "
@@ -192,6 +194,12 @@ SUITE_NOTE = {
     "launch": "A tiny `cute_call` kernel (`examples/custom_kernel.py`'s `a * alpha + b`) against the same `jnp` "
               "expression, 1000 dependent iterations in one `lax.fori_loop`, with XLA's command buffers off so "
               "that every iteration is a real launch.",
+    "fused": "*jax_cute fused*: `matmul(..., bias=, activation=)` / `ragged_dot(..., activation=\"swiglu\")`; "
+             "*jax_cute + jnp epilogue*: the same GEMMs without the options, the bias and activation in `jnp`; XLA: "
+             "the layer in `jnp`. Forward: the kernel's epilogue adds the bias and applies GELU where the Hopper "
+             "family fuses them (`sm90_gemm.EPILOGUES`; else the XLA epilogue, logged at INFO). Forward + backward: the forward writes a float32 product and its epilogue (with the pre-activation residual) runs "
+             "in XLA, so the single rounding costs traffic (records' `epilogue_bytes`); *jax.checkpoint* recomputes "
+             "the pre-activation in the backward instead. SwiGLU runs the XLA epilogue in both directions.",
 }
 
 
@@ -229,7 +237,7 @@ def first_call_section(path: str) -> list[str]:
 def report_order(files: list[str]) -> list[str]:
     """The result files among ``files`` (.json suites, .jsonl first-call records; other files are
     skipped): dense GEMM first, then grouped, launch, first call."""
-    rank = {"matmul": 0, "layouts": 1, "ragged": 2, "launch": 3}
+    rank = {"matmul": 0, "layouts": 1, "ragged": 2, "fused": 3, "launch": 4}
     kept = [f for f in files if f.endswith((".json", ".jsonl"))]
     for f in sorted(set(files) - set(kept)):
         print(f"skipping {f}: not a results file")

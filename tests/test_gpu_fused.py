@@ -1,0 +1,165 @@
+"""Fused epilogues on a Hopper GPU: every activation, with and without bias, odd sizes,
+NaN-prefilled outputs, forward and gradients against a float64 host reference, every element.
+
+Run: ``pytest -m gpu tests/test_gpu_fused.py`` (strict mode: a silent XLA fallback fails).
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_cute
+from jax_cute import config
+
+pytestmark = pytest.mark.gpu
+
+ACTS = (None, "relu", "gelu", "gelu_exact", "silu", "swiglu")
+# (M, K, N): odd extents (rows, an unaligned K and N that the plan pads, a 1-row product)
+SIZES = [(257, 136, 392), (300, 100, 1002), (1, 64, 130)]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _hopper():
+    cc = jax.devices()[0].compute_capability if jax.default_backend() == "gpu" else None
+    if cc != "9.0":
+        pytest.skip(f"needs a compute capability 9.0 GPU, got {cc}")
+
+
+@pytest.fixture(autouse=True)
+def _strict_and_nan_filled():
+    # Strict: a fallback to XLA raises. NaN fill: an output element no kernel writes stays NaN.
+    with config.override(strict=True, nan_fill=True):
+        yield
+
+
+def _rand(rng, shape, scale=1.0):
+    return (scale * rng.standard_normal(shape)).astype(np.float32)
+
+
+def _act64(name, z):
+    """The activation and its derivative in float64 (numpy), as jax.nn defines them."""
+    if name is None:
+        return z, np.ones_like(z)
+    if name == "relu":
+        return np.maximum(z, 0), (z > 0).astype(z.dtype)
+    if name == "gelu":
+        c = math.sqrt(2 / math.pi)
+        t = np.tanh(c * (z + 0.044715 * z ** 3))
+        return 0.5 * z * (1 + t), 0.5 * (1 + t) + 0.5 * z * (1 - t * t) * c * (1 + 3 * 0.044715 * z * z)
+    if name == "gelu_exact":
+        erf = np.vectorize(math.erf)(z / math.sqrt(2))
+        return 0.5 * z * (1 + erf), 0.5 * (1 + erf) + z * np.exp(-z * z / 2) / math.sqrt(2 * math.pi)
+    if name == "silu":
+        s = 1 / (1 + np.exp(-z))
+        return z * s, s * (1 + z * (1 - s))
+    raise ValueError(name)
+
+
+def reference(a, b, bias, activation, r):
+    """float64 forward y and, for the cotangent r of y, the gradients of a, b and bias."""
+    z = a.astype(np.float64) @ b.astype(np.float64)
+    if bias is not None:
+        z = z + bias.astype(np.float64)
+    if activation == "swiglu":
+        h = z.shape[-1] // 2
+        (sg, dsg), up = _act64("silu", z[:, :h]), z[:, h:]
+        y = sg * up
+        dz = np.concatenate([r * dsg * up, r * sg], axis=1)
+    else:
+        y, d = _act64(activation, z)
+        dz = r * d
+    return y, dz @ b.T.astype(np.float64), a.T.astype(np.float64) @ dz, dz.sum(0)
+
+
+def assert_close(got, want, tol, what):
+    got = np.asarray(jnp.asarray(got).astype(jnp.float32), np.float64)
+    assert got.shape == want.shape, (what, got.shape, want.shape)
+    assert np.isfinite(got).all(), f"{what}: {np.count_nonzero(~np.isfinite(got))} non-finite elements"
+    scale = max(np.abs(want).max(), 1e-30)
+    err = np.abs(got - want) - tol * np.abs(want)
+    worst = np.unravel_index(np.argmax(err), err.shape)
+    assert err.max() <= tol * scale, (f"{what}: |got - want| {np.abs(got - want)[worst]:.3g} at {worst} "
+                                      f"(want {want[worst]:.6g}, got {got[worst]:.6g}, scale {scale:.3g})")
+
+
+def _compiled(f, *args) -> str:
+    return jax.jit(f).lower(*args).compile().as_text()
+
+
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("activation", ACTS)
+@pytest.mark.parametrize("size", SIZES)
+def test_forward(size, activation, with_bias, out_dtype):
+    if activation is None and not with_bias:
+        pytest.skip("no epilogue: the plain kernel (tests/test_gpu_matmul.py)")
+    m, k, n = size
+    rng = np.random.default_rng(zlib.crc32(repr((size, activation, with_bias, out_dtype)).encode()))
+    a16 = jnp.asarray(_rand(rng, (m, k))).astype(jnp.bfloat16)
+    b16 = jnp.asarray(_rand(rng, (k, n), 1 / math.sqrt(k))).astype(jnp.bfloat16)
+    bias = jnp.asarray(_rand(rng, (n,))) if with_bias else None
+    f = lambda a, b, c: jax_cute.matmul(a, b, bias=c, activation=activation,  # noqa: E731
+                                        preferred_element_type=out_dtype)
+    text = _compiled(f, a16, b16, bias)
+    assert 'custom_call_target="jax_cute_launch' in text and "cublas" not in text.lower()
+    got = jax.jit(f)(a16, b16, bias)
+    assert got.dtype == out_dtype
+    a, b = np.asarray(a16.astype(jnp.float32)), np.asarray(b16.astype(jnp.float32))
+    want = reference(a, b, None if bias is None else np.asarray(bias), activation, 0.0)[0]
+    # bfloat16: one rounding (2^-9) and the MUFU tanh/exp; float32: accumulation order only
+    assert_close(got, want, 1e-2 if out_dtype == jnp.bfloat16 else 1e-5, f"y {size} {activation}")
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("activation", ACTS)
+def test_gradients(activation, with_bias):
+    m, k, n = 300, 136, 392
+    rng = np.random.default_rng(zlib.crc32(repr((activation, with_bias)).encode()))
+    a16 = jnp.asarray(_rand(rng, (m, k))).astype(jnp.bfloat16)
+    b16 = jnp.asarray(_rand(rng, (k, n), 1 / math.sqrt(k))).astype(jnp.bfloat16)
+    bias = jnp.asarray(_rand(rng, (n,))).astype(jnp.bfloat16) if with_bias else None
+    n_out = n // 2 if activation == "swiglu" else n
+    r16 = jnp.asarray(_rand(rng, (m, n_out))).astype(jnp.bfloat16)
+
+    def loss(a, b, c):
+        y = jax_cute.matmul(a, b, bias=c, activation=activation)
+        return jnp.sum(y.astype(jnp.float32) * r16.astype(jnp.float32))
+
+    argnums = (0, 1, 2) if with_bias else (0, 1)
+    grad = jax.grad(loss, argnums=argnums)
+    text = _compiled(grad, a16, b16, bias)
+    assert text.count('custom_call_target="jax_cute_launch') >= 3, "forward and two gradient GEMMs"
+    got = jax.jit(grad)(a16, b16, bias)
+    a, b = np.asarray(a16.astype(jnp.float32)), np.asarray(b16.astype(jnp.float32))
+    c = None if bias is None else np.asarray(bias.astype(jnp.float32))
+    _, da, db, dc = reference(a, b, c, activation, np.asarray(r16.astype(jnp.float32), np.float64))
+    # bfloat16 residual and cotangent, rounded once each before the gradient GEMMs
+    for g, w, name in zip(got, (da, db, dc), ("da", "db", "dbias")):
+        assert g.dtype == jnp.bfloat16
+        assert_close(g, w, 3e-2, f"{name} {activation}")
+
+
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_ragged_dot(activation):
+    g, m, k, n = 4, 300, 136, 392
+    rng = np.random.default_rng(5)
+    x16 = jnp.asarray(_rand(rng, (m, k))).astype(jnp.bfloat16)
+    w16 = jnp.asarray(_rand(rng, (g, k, n), 1 / math.sqrt(k))).astype(jnp.bfloat16)
+    bias = jnp.asarray(_rand(rng, (g, n)))
+    sizes = jnp.array([100, 0, 150, 30], jnp.int32)  # 280 of 300 rows
+    f = lambda x, w, c: jax_cute.ragged_dot(x, w, sizes, bias=c, activation=activation)  # noqa: E731
+    assert 'custom_call_target="jax_cute_launch' in _compiled(f, x16, w16, bias)
+    got = np.asarray(jax.jit(f)(x16, w16, bias).astype(jnp.float32), np.float64)
+    x, w = np.asarray(x16.astype(jnp.float32)), np.asarray(w16.astype(jnp.float32))
+    ends = np.cumsum(np.asarray(sizes))
+    want = np.zeros_like(got)
+    for i in range(g):
+        lo, hi = ends[i] - int(sizes[i]), ends[i]
+        want[lo:hi] = reference(x[lo:hi], w[i], np.asarray(bias)[i], activation, 0.0)[0]
+    assert_close(got, want, 1e-2, f"ragged {activation}")
