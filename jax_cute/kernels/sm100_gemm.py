@@ -25,6 +25,7 @@ from jax_cute.kernels.gemm_spec import Workspace
 FAMILY = "sm100_gemm"
 VERSION = 1
 ARCH = "sm_100a"
+BATCH_MODES = (1, 3)    # dense GemmSpec.batch_modes taken (grouped specs: one)
 
 _IN_DTYPES = ("bfloat16", "float16")
 _OUT_DTYPES = ("bfloat16", "float16", "float32")
@@ -113,14 +114,15 @@ def ab_stages(config: Config, in_bytes: int, c_stage_bytes: int) -> int:
 def launcher(spec, config):
     if why := unsupported(spec):
         raise ValueError(why)
-    return make_launcher("dense", config)
+    return make_launcher("dense", config, spec.batch_modes)
 
 
 
 
-def make_launcher(mode: str, config: Config):
-    """The @cute.jit launcher for ``mode`` ("dense", "ragged_m", "ragged_k")."""
-    return _kernel_class()(mode, config).launcher()
+def make_launcher(mode: str, config: Config, batch_modes: int = 1):
+    """The @cute.jit launcher for ``mode`` ("dense", "ragged_m", "ragged_k"); dense takes one or
+    three batch modes (gemm_spec.GemmSpec.batch_modes)."""
+    return _kernel_class()(mode, config, batch_modes).launcher()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -150,8 +152,9 @@ def _kernel_class():
         BAR_EPI = 1      # named barrier ids; 0 is __syncthreads
         BAR_TMEM = 2
 
-        def __init__(self, mode: str, cfg: Config):
+        def __init__(self, mode: str, cfg: Config, batch_modes: int = 1):
             self.mode = mode
+            self.nb = batch_modes
             self.cfg = cfg
             self.v = 2 if cfg.two_cta else 1
             self.cta_m = cfg.tile_m // self.v
@@ -175,6 +178,10 @@ def _kernel_class():
         # ---- host side: traced once per compile --------------------------------------------
         def host(self, a, b, c, gs, stream):
             cfg = self.cfg
+            if const_expr(self.nb > 1):
+                # (rows, cols, L0, L1, L2) -> (rows, cols, (L0, L1, L2)): tiles and TMA views see
+                # one (nested) batch mode; the TMA tensor maps still span all five dimensions
+                a, b, c = cute.group_modes(a, 2, 5), cute.group_modes(b, 2, 5), cute.group_modes(c, 2, 5)
             self.ab_dtype = a.element_type
             self.c_dtype = c.element_type
             self.acc_dtype = cutlass.Float32
@@ -231,11 +238,28 @@ def _kernel_class():
             m, n = c.shape[0], c.shape[1]
             tiles_n = (n + C - 1) // C
             if const_expr(self.mode == "dense"):
-                return ((m + R - 1) // R) * tiles_n * c.shape[2]
+                return ((m + R - 1) // R) * tiles_n * (c.shape[2] if const_expr(self.nb == 1)
+                                                       else cute.size(c, mode=[2]))
             if const_expr(self.mode == "ragged_m"):
                 # sum over the groups and the zero tail of ceil(rows / R) <= ceil(M / R) + G + 1
                 return ((m + R - 1) // R + gs.shape[0] + 1) * tiles_n * c.shape[2]
             return ((m + R - 1) // R) * tiles_n * gs.shape[0] * c.shape[3]
+
+        def c_batch(self, l, mC):
+            """C's batch coordinate of linear batch l: l itself, or with three modes l split
+            colexicographically over C's batch extents (L0 fastest)."""
+            if const_expr(self.nb == 1):
+                return l
+            ext = mC.shape[2]
+            q = l // ext[0]
+            return l - q * ext[0], q % ext[1], q // ext[1]
+
+        def ab_batch(self, l, mC, t):
+            """Input ``t``'s batch coordinate of linear batch l: C's, clamped per mode to t's
+            extent (extent 1: broadcast, index 0)."""
+            if const_expr(self.nb == 1):
+                return cutlass.min(l, t.shape[2] - 1)
+            return tuple(cutlass.min(i, e - 1) for i, e in zip(self.c_batch(l, mC), t.shape[2]))
 
         @cute.jit
         def tile(self, w: Int32, mM: Int32, nN: Int32, kK: Int32, gs):
@@ -393,14 +417,14 @@ def _kernel_class():
                     if do_mma:
                         mma_row = row0 + crd[1] * cfg.tile_m
                         col = col0 + crd[2] * cfg.tile_n
-                        la = cutlass.min(l, mA.shape[2] - 1)       # L extent 1 = broadcast
+                        la = self.ab_batch(l, mC, mA)   # L extent 1 = broadcast
                         gA = cute.local_tile(cute.domain_offset((mma_row, k0), mA[None, None, la]),
                                              (cfg.tile_m, self.bk), (0, None))
                         if const_expr(self.mode == "ragged_m"):
                             lb = cutlass.min(l, mB.shape[3] - 1)
                             mB2 = mB[None, None, g, lb]
                         else:
-                            lb = cutlass.min(l, mB.shape[2] - 1)
+                            lb = self.ab_batch(l, mC, mB)
                             mB2 = mB[None, None, lb]
                         gB = cute.local_tile(cute.domain_offset((col, k0), mB2), (cfg.tile_n, self.bk), (0, None))
                         tAsA, tAgA = cpasync.tma_partition(tma_a, crd[2], a_cta_layout, cute.group_modes(sA, 0, 3),
@@ -491,7 +515,8 @@ def _kernel_class():
                         col = col0 + crd[2] * cfg.tile_n
                         if do_mma:
                             acc_pipe.consumer_wait(accc)
-                        args = (t2r, tTR_tAcc, tTR_rAcc, accc.index, do_mma, epi_tile, cta_row, col, l, n_sub)
+                        args = (t2r, tTR_tAcc, tTR_rAcc, accc.index, do_mma, epi_tile, cta_row, col,
+                                self.c_batch(l, mC), n_sub)
                         if const_expr(self.mode == "ragged_m"):
                             # TMA store clips only at M: a tile that crosses into the next group
                             # is stored row-predicated from registers instead

@@ -18,6 +18,10 @@ Kernel shape (one persistent CTA per SM, 384 threads):
   bytes the subtiles on that edge are stored with predicated per-element stores instead.
 - work is a linear sequence of (cluster tile, batch, k-split) units in a grouped ("swizzled")
   raster order; every CTA strides through it by the number of resident clusters.
+- three batch modes (GemmSpec.batch_modes=3): the launcher groups each rank-5 operand's batch
+  modes into one nested mode (its TMA tensor map keeps five dimensions). Units still walk a
+  linear batch l; where a tile is addressed, l is split over C's batch extents and each input's
+  coordinate clamped per mode (0 where it is broadcast). Split-K counters keep the linear l.
 - split-K (Config.split_k = S > 1): each unit covers 1/S of the k-tiles, writes its fp32
   partial tile to a workspace and bumps a per-tile counter; the CTA that arrives last sums the
   S partials in split order (deterministic) and runs the epilogue, then resets the counter.
@@ -69,6 +73,7 @@ from jax_cute.kernels.gemm_spec import GemmSpec, GroupedSpec, Workspace
 FAMILY = "sm90_gemm"
 VERSION = 4
 ARCH = "sm_90a"
+BATCH_MODES = (1, 3)    # dense GemmSpec.batch_modes taken (grouped specs: one)
 
 NUM_SMS = 132            # H100 SXM / H200; compiled into the persistent grid bound
 SMEM_BYTES = 232448      # opt-in dynamic shared memory per block on sm_90 (227 KiB)
@@ -299,6 +304,9 @@ def heuristic(spec, m: int, n: int, k: int, l: int, num_sms: int = NUM_SMS) -> C
         raise ValueError(reason)
     cands = [c for c in candidate_configs(spec)
              if c.raster == "m" and c.group == 8 and not c.pingpong and c == _epilogue(spec, c)]
+    if spec.batch_modes > 1 and _ITEM[spec.c_dtype] == 4:
+        # an fp32 128x256 tile split 4 ways spills registers with three batch modes (16-96 bytes)
+        cands = [c for c in cands if not (c.tile_n == 256 and c.split_k == 4)]
     tiles_m = -(-max(m, 1) // 128)
     if tiles_m == 1:   # a 2x1 cluster would idle half its CTAs; share A along N instead
         cands = [c for c in cands if c.cluster_m == 1]
@@ -382,6 +390,7 @@ def _kernel_class():
         def __init__(self, spec: GemmSpec | GroupedSpec, config: Config, sms: int):
             # the tile scheduler: the dense raster, or a GroupedSpec's ragged_m / ragged_k walk
             self.mode = spec.mode if isinstance(spec, GroupedSpec) else "dense"
+            self.nb = 1 if isinstance(spec, GroupedSpec) else spec.batch_modes
             self.sms = sms          # grouped grid size (the dense grid is sized from its units)
             self.cfg = config
             self.bm, self.bn, self.bk = config.tile_m, config.tile_n, tile_k(spec.a_dtype)
@@ -402,6 +411,10 @@ def _kernel_class():
         def run(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, ws, flags, stream):
             """Dense: ``ws``/``flags`` are the split-K partials and arrival counters (or None).
             Grouped: ``ws`` holds the group sizes; the kernel gets K in ``flags``."""
+            if const_expr(self.nb > 1):
+                # (rows, cols, L0, L1, L2) -> (rows, cols, (L0, L1, L2)): tiles and TMA views see
+                # one (nested) batch mode; the TMA tensor maps still span all five dimensions
+                a, b, c = cute.group_modes(a, 2, 5), cute.group_modes(b, 2, 5), cute.group_modes(c, 2, 5)
             ab_t, c_t = a.element_type, c.element_type
             self.ab_t, self.c_t = ab_t, c_t
             a_lay, b_lay = LayoutEnum.from_tensor(a), LayoutEnum.from_tensor(b)
@@ -454,7 +467,7 @@ def _kernel_class():
                 tiles_m = (c.shape[0] + self.bm - 1) // self.bm
                 tiles_n = (c.shape[1] + self.bn - 1) // self.bn
                 units = ((tiles_m + self.cm - 1) // self.cm) * ((tiles_n + self.cn - 1) // self.cn) \
-                    * c.shape[2] * self.split
+                    * self.batch_count(c) * self.split
                 slots = NUM_SMS // (self.cm * self.cn)
                 n_clusters = cutlass.max(cutlass.min(units, slots), 1)
             else:
@@ -498,6 +511,26 @@ def _kernel_class():
             else:
                 ci_m, ci_n = i_slow, i_fast
             return ci_m * self.cm + cc[0], ci_n * self.cn + cc[1], l, s
+
+        def batch_count(self, t):
+            """Batches of C (all of its batch modes)."""
+            return t.shape[2] if const_expr(self.nb == 1) else cute.size(t, mode=[2])
+
+        def c_batch(self, l, ext):
+            """C's batch coordinate of linear batch l: l itself, or with three modes l split
+            colexicographically over C's batch extents ``ext`` (L0 fastest)."""
+            if const_expr(self.nb == 1):
+                return l
+            q = l // ext[0]
+            return l - q * ext[0], q % ext[1], q // ext[1]
+
+        def ab_batch(self, l, ext, bound):
+            """An input's batch coordinate of linear batch l. One mode: min(l, bound), bound its
+            last batch. Three: C's coordinate, 0 in each mode where the input's extent (bound) is 1
+            (a select on i < extent: holding extent - 1 as well spilled the producer's registers)."""
+            if const_expr(self.nb == 1):
+                return cutlass.min(l, bound)
+            return tuple(cutlass.select_(i < e, i, 0) for i, e in zip(self.c_batch(l, ext), bound))
 
         def k_range(self, s, k_tiles):
             """Contiguous k-tiles [k0, k0 + count) of split s."""
@@ -695,9 +728,14 @@ def _kernel_class():
                 k_tiles = cute.size(gA, mode=[3])
                 cl_m = (cute.size(gC, mode=[2]) + self.cm - 1) // self.cm
                 cl_n = (cute.size(gC, mode=[3]) + self.cn - 1) // self.cn
-                batches = mC.shape[2]
+                batches = self.batch_count(mC)
                 total = cl_m * cl_n * batches * self.split
-                la_last, lb_last = mA.shape[2] - 1, mB.shape[2] - 1   # extent 1: broadcast batch 0
+                c_ext = None   # C's batch extents, to split a linear batch index (three modes)
+                if const_expr(self.nb == 1):
+                    la_last, lb_last = mA.shape[2] - 1, mB.shape[2] - 1   # extent 1: broadcast batch 0
+                else:
+                    c_ext = mC.shape[2]
+                    la_last, lb_last = mA.shape[2], mB.shape[2]   # extents (see ab_batch)
             else:
                 # ws: group sizes (G, L or 1); flags: K. The ragged views keep L in mode 2.
                 gs = ws
@@ -726,8 +764,8 @@ def _kernel_class():
                         while w < total:
                             tm, tn, l, s = self.work(w, cl_m, cl_n, batches, cc)
                             k0, kc = self.k_range(s, k_tiles)
-                            tAgA_t = tAgA[(None, tm, None, cutlass.min(l, la_last))]
-                            tBgB_t = tBgB[(None, tn, None, cutlass.min(l, lb_last))]
+                            tAgA_t = tAgA[(None, tm, None, self.ab_batch(l, c_ext, la_last))]
+                            tBgB_t = tBgB[(None, tn, None, self.ab_batch(l, c_ext, lb_last))]
                             prod = self.load(ab_pipe, prod, tma_a, tAgA_t, tAsA, a_mask, tma_b, tBgB_t, tBsB, b_mask,
                                              k0, kc)
                             w += stride
@@ -851,9 +889,10 @@ def _kernel_class():
                         warpgroup.fence()
                         read = mainloop_start(tiled_mma, acc, tCrA, tCrB, ab_pipe, read, k_tiles, self.cfg.defer)
                         if have_prev != 0:
-                            self.epilogue(tma_c, gC[(None, None, p_tm, p_tn, p_l)], sC, acc_c, r2s, tRS_accc, tRS_r32,
+                            p_lc = self.c_batch(p_l, c_ext)
+                            self.epilogue(tma_c, gC[(None, None, p_tm, p_tn, p_lc)], sC, acc_c, r2s, tRS_accc, tRS_r32,
                                           tRS_rC, tRS_sC, n_rd, n_epi, row_blk, epi_bar, warp_id,
-                                          gmem_c, p_tm, p_tn, p_l, ragged, etid, store_warp, buf0, True)
+                                          gmem_c, p_tm, p_tn, p_lc, ragged, etid, store_warp, buf0, True)
                         read, release = mainloop_rest(tiled_mma, acc, tCrA, tCrB, ab_pipe, read, release, k_tiles,
                                                       self.cfg.defer)
                         acc_c.store(acc.load().to(self.c_t))
@@ -861,9 +900,10 @@ def _kernel_class():
                         have_prev = Int32(1)
                         w += step
                     # every CTA has at least one unit (the grid never exceeds them): store the last
-                    self.epilogue(tma_c, gC[(None, None, p_tm, p_tn, p_l)], sC, acc_c, r2s, tRS_accc, tRS_r32,
+                    p_lc = self.c_batch(p_l, c_ext)
+                    self.epilogue(tma_c, gC[(None, None, p_tm, p_tn, p_lc)], sC, acc_c, r2s, tRS_accc, tRS_r32,
                                   tRS_rC, tRS_sC, n_rd, n_epi, row_blk, epi_bar, warp_id,
-                                  gmem_c, p_tm, p_tn, p_l, ragged, etid, store_warp, buf0, True)
+                                  gmem_c, p_tm, p_tn, p_lc, ragged, etid, store_warp, buf0, True)
                 else:
                     # each unit's coordinates are worked out one unit ahead, while the previous
                     # unit's first WGMMAs run: between tiles, work()'s divisions took ~0.4k cycles
@@ -895,11 +935,12 @@ def _kernel_class():
                                 turn_other.arrive()
                             release = mainloop_finish(ab_pipe, release, kc, 1)
 
-                        gC_t = gC[(None, None, tm, tn, l)]
+                        lc = self.c_batch(l, c_ext)   # (split-K's tile counters take the linear l)
+                        gC_t = gC[(None, None, tm, tn, lc)]
                         if const_expr(self.split == 1):
                             self.epilogue(tma_c, gC_t, sC, acc, r2s, tRS_acc, tRS_r32, tRS_rC, tRS_sC,
                                           n_rd, n_epi, row_blk, epi_bar, warp_id,
-                                          gmem_c, tm, tn, l, ragged, etid, store_warp, buf0)
+                                          gmem_c, tm, tn, lc, ragged, etid, store_warp, buf0)
                         else:
                             # ---- split-K: publish the partial, the last of the S arrivals folds them
                             tile_id = (Int64(l) * (cl_n * self.cn) + tn) * (cl_m * self.cm) + tm
@@ -935,9 +976,15 @@ def _kernel_class():
                                                 acc_flat[v] = part[v]
                                             else:
                                                 acc_flat[v] = acc_flat[v] + part[v]
-                                self.epilogue(tma_c, gC_t, sC, acc, r2s, tRS_acc, tRS_r32, tRS_rC, tRS_sC,
+                                gC_s, lc_s = gC_t, lc
+                                if const_expr(self.nb > 1):
+                                    # split l only now: three coordinates held live across the
+                                    # partial's publication spilled
+                                    lc_s = self.c_batch(l, c_ext)
+                                    gC_s = gC[(None, None, tm, tn, lc_s)]
+                                self.epilogue(tma_c, gC_s, sC, acc, r2s, tRS_acc, tRS_r32, tRS_rC, tRS_sC,
                                               n_rd, n_epi, row_blk, epi_bar, warp_id,
-                                              gmem_c, tm, tn, l, ragged, etid, store_warp, buf0)
+                                              gmem_c, tm, tn, lc_s, ragged, etid, store_warp, buf0)
                         if const_expr(self.pp):
                             for _ in range(k_tiles):            # the other warpgroup's next unit
                                 read.advance()
@@ -968,6 +1015,7 @@ def _kernel_class():
             A subtile that crosses C's contiguous edge while that edge is not 16-byte aligned
             (`ragged`) is written by all the warpgroup's threads with predicated stores instead.
             ``converted``: ``tRS_acc`` already holds the output dtype (the deferred epilogue's copy).
+            ``l``: the tile's batch coordinate in ``gmem_c`` (a tuple with three batch modes).
             """
             bSG_sC, bSG_gC = cpasync.tma_partition(
                 tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2),
@@ -1002,6 +1050,8 @@ def _kernel_class():
                 edge = ragged and ((n0 + en > n_ext) if const_expr(c_n) else (m0 + em > m_ext))
                 if const_expr(self.mode == "dense"):   # (grouped: never ragged, C may be rank 4)
                     if edge:
+                        if const_expr(self.nb > 1):
+                            gmem_t = gmem_c[(None, None, l)]   # one batch offset held live, not three
                         # consecutive threads walk the contiguous mode (coalesced, conflict-light)
                         for it in range_constexpr((em * en) // self.epi_threads):
                             idx = etid + it * self.epi_threads
@@ -1010,7 +1060,10 @@ def _kernel_class():
                             else:
                                 r, q = idx % em, idx // em
                             if m0 + r < m_ext and n0 + q < n_ext:
-                                gmem_c[(m0 + r, n0 + q, l)] = sC[(r, q, buf)]
+                                if const_expr(self.nb == 1):
+                                    gmem_c[(m0 + r, n0 + q, l)] = sC[(r, q, buf)]
+                                else:
+                                    gmem_t[(m0 + r, n0 + q)] = sC[(r, q, buf)]
                 if warp_id == store_warp:
                     if not edge:
                         cute.copy(tma_c, bSG_sC[(None, buf)], bSG_gC[(None, (blk, e_n))])
