@@ -62,6 +62,22 @@ def test_dense_compiles(i):
     _check_ptx(_compile(sm100_gemm, spec, cfg), cfg)
 
 
+# three batch modes (rank-5 operands), each candidate config once over dtypes and majors
+B3_SPECS = [GemmSpec(i, i, o, *mj, batch_modes=3) for i, o, mj in (
+    ("bfloat16", "bfloat16", "kkn"), ("float16", "float32", "knn"), ("bfloat16", "float16", "mkn"),
+    ("float16", "bfloat16", "kkm"), ("float16", "float16", "kkn"), ("bfloat16", "float32", "knn"))]
+
+
+@pytest.mark.parametrize("i", range(len(_DENSE_CFGS)), ids=[c.key() for c in _DENSE_CFGS])
+def test_dense_three_batch_modes_compile(i):
+    spec = B3_SPECS[i % len(B3_SPECS)]
+    assert sm100_gemm.BATCH_MODES == (1, 3) and sm100_gemm.unsupported(spec) is None
+    cfg = sm100_gemm.candidate_configs(spec)[i]
+    ptx = _compile(sm100_gemm, spec, cfg)
+    _check_ptx(ptx, cfg)
+    assert "cp.async.bulk.tensor.5d" in ptx and "cp.async.bulk.tensor.3d" not in ptx   # (rows, cols, L0, L1, L2)
+
+
 GROUPED_SPECS = {
     "ragged_m": [GroupedSpec("ragged_m", "bfloat16", "bfloat16", "bfloat16"),
                  GroupedSpec("ragged_m", "float16", "float16", "float32", a_major="m", b_major="n", c_major="m"),
@@ -102,6 +118,14 @@ def test_heuristics_return_candidates():
             for g in (1, 8, 128):
                 for sms in (148, 20):
                     assert dataclasses_key(sm100_grouped.heuristic(specs[0], m, n, k, g, l, num_sms=sms)) in cands
+
+
+def test_three_batch_modes_take_the_same_configs():
+    for three in B3_SPECS:
+        one = GemmSpec(three.a_dtype, three.b_dtype, three.c_dtype, three.a_major, three.b_major, three.c_major)
+        assert sm100_gemm.candidate_configs(three) == sm100_gemm.candidate_configs(one)
+        for m, n, k, l in [(2048, 2048, 128, 8 * 16), (128, 256, 64, 3), (4096, 4096, 4096, 1)]:
+            assert sm100_gemm.heuristic(three, m, n, k, l) == sm100_gemm.heuristic(one, m, n, k, l)
 
 
 def dataclasses_key(cfg):

@@ -307,3 +307,49 @@ def test_no_optimization_warnings():
         _compile(spec, cfg)
     assert not [w for w in seen if issubclass(w.category, DSLOptimizationWarning)]
     assert not hasattr(sm90_gemm.Config(), "trace")   # no timing build
+
+
+# Three batch modes (rank-5 operands: attention's (B, T, H, D) activations, nested vmap): the
+# heuristic's cooperative tiles with either cluster, split-K, and autotune's pingpong and
+# deferred epilogues, over input/output dtypes and majors
+C = sm90_gemm.Config
+_B3 = [(BF, BF, "kkn", C(epi_n=64, whole_c=True)),
+       (BF, BF, "kkn", C(epi_n=64, whole_c=True, pdl=True)),
+       (F16, F32, "knn", C()),
+       (BF, F16, "mkn", C(128, 128, 2, 1, epi_n=64, whole_c=True)),
+       (F16, F16, "kkm", C(128, 256, 1, 2, epi_n=64, whole_c=True)),
+       (BF, F32, "kkm", C(128, 128, 1, 2)),
+       (F16, F16, "kkn", C(128, 128, 1, 1, epi_n=64, whole_c=True)),
+       (BF, BF, "knn", C(128, 256, 2, 1, split_k=2, epi_n=64)),
+       (F16, BF, "mkn", C(128, 256, 1, 2, split_k=4, epi_n=64)),
+       (BF, F32, "kkn", C(128, 128, 1, 2, split_k=4)),
+       (BF, BF, "kkm", sm90_gemm._PINGPONG),
+       (F16, F32, "knn", C(128, 128, 2, 1, pingpong=True)),
+       (BF, BF, "mkn", C(defer=sm90_gemm.DEFER))]
+del C
+
+
+@pytest.mark.parametrize("in_dt,out_dt,majors,cfg", _B3,
+                         ids=lambda x: x.key() if dataclasses.is_dataclass(x) else str(x))
+def test_compile_three_batch_modes(in_dt, out_dt, majors, cfg):
+    spec = GemmSpec(in_dt, in_dt, out_dt, *majors, batch_modes=3)
+    assert dataclasses.replace(cfg, pdl=False) in sm90_gemm.candidate_configs(spec)
+    ptx = _compile(spec, cfg).ptx
+    # every TMA map spans (rows, cols, L0, L1, L2); the unaligned-edge stores are there too
+    assert "cp.async.bulk.tensor.5d" in ptx and "cp.async.bulk.tensor.3d" not in ptx
+    assert "st.global" in ptx
+
+
+def test_three_batch_modes_configs():
+    assert sm90_gemm.BATCH_MODES == (1, 3)
+    for majors in ("kkn", "mnm"):
+        for out in (BF, F32):
+            one, three = GemmSpec(BF, BF, out, *majors), GemmSpec(BF, BF, out, *majors, batch_modes=3)
+            assert sm90_gemm.unsupported(three) is None
+            cands = sm90_gemm.candidate_configs(three)
+            assert cands == sm90_gemm.candidate_configs(one)
+            for m, n, k, l in BENCH + ODD + [(2048, 2048, 128, 8 * 16), (2048, 128, 2048, 8 * 16)]:
+                want, got = sm90_gemm.heuristic(one, m, n, k, l), sm90_gemm.heuristic(three, m, n, k, l)
+                # except an fp32 128x256 tile split 4 ways, which spills with three batch modes
+                assert got == want or (out == F32 and (want.tile_n, want.split_k) == (256, 4)
+                                       and (got.tile_n, got.split_k) != (256, 4) and got in cands)
