@@ -105,9 +105,7 @@ def moe_sharded(mesh, ragged_dot=jax_cute.ragged_dot):
     specs = {"router": P(), "w1": P("expert"), "w2": P("expert")}
     body = lambda params, x: moe_shard(params, x, axis="expert", shards=mesh.size,  # noqa: E731
                                        ragged_dot=ragged_dot)
-    # check_vma=False: jax_cute's primitives do not type which mesh axes their results vary over,
-    # which shard_map's check needs for gradients.
-    return jax.shard_map(body, mesh=mesh, in_specs=(specs, P("expert")), out_specs=P("expert"), check_vma=False)
+    return jax.shard_map(body, mesh=mesh, in_specs=(specs, P("expert")), out_specs=P("expert"))
 
 
 # -- the run ------------------------------------------------------------------------------------

@@ -118,13 +118,18 @@ def test_sharded_layers_example_on_one_device(capsys):
 
 # -- multi-device checks (subprocess) ---------------------------------------------------------
 
-@functools.lru_cache(maxsize=None)
-def _results(shardy: bool) -> dict:
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={DEVICES}",
+def _run_worker(devices: int, *argv: str, shardy: bool = True) -> dict:
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
            "JAX_PLATFORMS": "cpu", "JAX_USE_SHARDY_PARTITIONER": "1" if shardy else "0"}
-    proc = subprocess.run([sys.executable, __file__], env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run([sys.executable, __file__, *argv], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@functools.lru_cache(maxsize=None)
+def _results(shardy: bool) -> dict:
+    return _run_worker(DEVICES, shardy=shardy)
 
 
 @pytest.fixture(scope="module", params=[True, False], ids=["shardy", "gspmd"])
@@ -206,9 +211,11 @@ def test_expert_parallel_moe_under_shard_map(results):
 
 
 def test_shard_map_with_vmap_and_grad_inside(results):
+    """With shard_map's default check_vma: matmul and ragged_dot forward and gradients."""
     case = results["shard_map_vmap_grad"]
     _close(case)
     assert max(case["grad_diffs"]) <= 1e-4 * case["grad_scale"]
+    _close(results["shard_map_ragged_vmap_grad"])  # its value holds the gradients taken inside
 
 
 def test_out_sharding(results):
@@ -222,6 +229,164 @@ def test_layout_that_cannot_follow_a_sharding_runs_replicated(results):
     case = results["unlocalizable"]
     _close(case)
     assert case["fwd"]["all-gather"] >= 1
+
+
+# -- sharding in types: Explicit and Auto meshes of 1, 2 and 8 devices (subprocess) ----------------
+
+@pytest.fixture(scope="module", params=[1, 2, DEVICES], ids=lambda n: f"{n}dev")
+def typed(request):
+    return _run_worker(request.param, "types")
+
+
+@pytest.mark.parametrize("mode", ["explicit", "auto"])
+def test_products_on_typed_meshes_match_jax(typed, mode):
+    """matmul, dot_general, einsum and ragged_dot: values and gradients equal jnp/lax's; on
+    Explicit axes each result (and gradient) has the sharding type jnp/lax give theirs."""
+    if "skip" in typed:
+        pytest.skip(typed["skip"])
+    for name, case in typed[mode].items():
+        _close(case)
+        assert max(case["grad_diffs"]) <= 1e-4 * case["grad_scale"], name
+        if mode == "explicit":
+            assert case["spec"] == case["want"], (name, case)
+            assert case["grad_specs"] == case["arg_specs"], (name, case)
+
+
+def test_contraction_sharded_in_both_operands(typed):
+    """As lax: on Explicit axes it needs out_sharding (lax's error without), and the result then
+    has that sharding; on Auto axes the partitioner reduces."""
+    if "skip" in typed:
+        pytest.skip(typed["skip"])
+    explicit, auto = typed["contracting"]["explicit"], typed["contracting"]["auto"]
+    assert explicit["error"] and explicit["error"] == explicit["lax_error"]
+    assert explicit["out_sharding_spec"] == ["x"], explicit
+    assert auto["error"] is None
+    _close(explicit)
+    _close(auto)
+
+
+# -- one GPU (pytest -m gpu): the kernels under the partitioning rules ------------------------------
+
+GPU_TOL = 3e-2  # bf16 products and cotangents against the float32 unsharded computation
+
+
+def _gpu_mesh(shape: tuple[int, ...], names: tuple[str, ...], axis_type: str = "Auto"):
+    import jax
+
+    try:
+        gpu = jax.devices("gpu")[0]
+    except RuntimeError:
+        pytest.skip("no GPU")
+    return jax.make_mesh(shape, names, axis_types=(getattr(jax.sharding.AxisType, axis_type),) * len(names),
+                         devices=[gpu])
+
+
+def _example():
+    sys.path.insert(0, str(ROOT / "examples"))
+    import sharded_layers
+
+    return sharded_layers
+
+
+def _check_on_gpu(f, ref, plain: tuple, sharded: tuple, mesh=None, tol: float = GPU_TOL) -> None:
+    """``f`` on the ``sharded`` bf16 operands (under ``mesh`` when given: its axes are typed)
+    against ``ref`` on the ``plain`` ones in float32: values, gradients of a sum of squares, and
+    our kernels in the compiled forward and backward computations."""
+    import contextlib
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    nums = tuple(range(len(plain)))
+    loss = lambda g: lambda *a: jnp.sum(g(*a).astype(jnp.float32) ** 2)  # noqa: E731
+    rel = lambda a, b: float(jnp.max(jnp.abs(a.astype(jnp.float32) - b)) / jnp.max(jnp.abs(b)))  # noqa: E731
+    wide = [jnp.asarray(np.asarray(x, np.float32)) for x in plain]
+    with jax.default_matmul_precision("float32"):
+        want, want_grads = jax.jit(ref)(*wide), jax.jit(jax.grad(loss(ref), nums))(*wide)
+    with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+        got, grads = jax.jit(f)(*sharded), jax.jit(jax.grad(loss(f), nums))(*sharded)
+        texts = [jax.jit(fn).lower(*sharded).compile().as_text() for fn in (f, jax.grad(loss(f), nums))]
+    assert rel(got, want) <= tol
+    for i, (g, w) in enumerate(zip(grads, want_grads)):
+        assert rel(g, w) <= tol, f"gradient {i}: {rel(g, w)}"
+    assert all("jax_cute_launch" in t for t in texts), "a computation ran without jax_cute's kernels"
+
+
+def _gpu_operands():
+    import jax
+    import jax.numpy as jnp
+
+    k = jax.random.split(jax.random.PRNGKey(0), 4)
+    x = jax.random.normal(k[0], (256, 512), jnp.bfloat16)
+    w1 = (jax.random.normal(k[1], (512, 1024)) / 512 ** 0.5).astype(jnp.bfloat16)
+    w2 = (jax.random.normal(k[2], (1024, 512)) / 1024 ** 0.5).astype(jnp.bfloat16)
+    we = (jax.random.normal(k[3], (4, 512, 256)) / 512 ** 0.5).astype(jnp.bfloat16)
+    return x, w1, w2, we
+
+
+@pytest.mark.gpu
+def test_gpu_data_and_tensor_parallel_on_one_device():
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    import jax_cute
+
+    ex = _example()
+    mesh = _gpu_mesh((1, 1), ("data", "model"))
+    put = lambda x, *spec: jax.device_put(x, NamedSharding(mesh, P(*spec)))  # noqa: E731
+    x, w1, w2, _ = _gpu_operands()
+    _check_on_gpu(jax_cute.matmul, jnp.matmul, (x, w1), (put(x, "data", None), put(w1)))
+    mlp = lambda a, b, c: ex.mlp({"w1": b, "w2": c}, a)  # noqa: E731
+    mlp_ref = lambda a, b, c: ex.mlp({"w1": b, "w2": c}, a, jnp.matmul)  # noqa: E731
+    _check_on_gpu(mlp, mlp_ref, (x, w1, w2), (put(x, "data", None), put(w1, None, "model"), put(w2, "model", None)))
+
+
+@pytest.mark.gpu
+def test_gpu_explicit_mesh_axes_on_one_device():
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    import jax_cute
+
+    mesh = _gpu_mesh((1, 1), ("data", "model"), "Explicit")
+    put = lambda x, *spec: jax.device_put(x, NamedSharding(mesh, P(*spec)))  # noqa: E731
+    x, w1, _, we = _gpu_operands()
+    _check_on_gpu(jax_cute.matmul, jnp.matmul, (x, w1), (put(x, "data", None), put(w1, None, "model")), mesh)
+    gs = np.array([64, 0, 100, 92], np.int32)
+    _check_on_gpu(lambda a, b: jax_cute.ragged_dot(a, b, gs), lambda a, b: jax.lax.ragged_dot(a, b, gs),
+                  (x, we), (put(x, "data", None), put(we)), mesh)
+
+
+@pytest.mark.gpu
+def test_gpu_expert_parallel_on_one_device():
+    import jax
+    import jax.numpy as jnp
+
+    ex = _example()
+    mesh = _gpu_mesh((1,), ("expert",))
+    p = ex.init(jax.random.PRNGKey(1), d=256, h=512, experts=2, dtype=jnp.bfloat16)
+    # The sign of feature 0 picks the expert with a wide margin: bf16 and float32 route alike.
+    x = jax.random.normal(jax.random.PRNGKey(2), (256, 256))
+    x = x.at[:, 0].set(jnp.where(x[:, 0] >= 0, 1.0, -1.0) * (1 + jnp.abs(x[:, 0]))).astype(jnp.bfloat16)
+    router = jnp.zeros((256, 2), jnp.float32).at[0].set(jnp.array([8.0, -8.0]))
+    moe = ex.moe_sharded(mesh)
+    f = lambda xx, a, b: moe({"router": router.astype(jnp.bfloat16), "w1": a, "w2": b}, xx)  # noqa: E731
+    ref = lambda xx, a, b: ex.moe_reference({"router": router, "w1": a, "w2": b}, xx)  # noqa: E731
+    _check_on_gpu(f, ref, (x, p["e1"], p["e2"]), (x, p["e1"], p["e2"]), tol=5e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_sharded_layers_example_runs_the_kernels():
+    _gpu_mesh((1,), ("x",))  # skips without a GPU
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "sharded_layers.py")],
+                          env={**os.environ, "JAX_CUTE_STRICT": "1"}, cwd=ROOT, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "path: jax_cute kernels on" in proc.stdout, proc.stdout
 
 
 # -- the worker -----------------------------------------------------------------------------------
@@ -324,11 +489,24 @@ def _worker() -> dict:
         f = lambda a, b: jnp.sum(jax.vmap(jnp.matmul, in_axes=(0, None))(a, b) ** 2)  # noqa: E731
         return jax.grad(f, argnums=1)(a, b)[None]
 
-    sm = lambda fn: jax.shard_map(fn, mesh=emesh, in_specs=(P("expert"), P()), out_specs=P("expert"),  # noqa: E731
-                                  check_vma=False)
+    # shard_map's default check_vma: results vary over their operands' manual axes
+    sm = lambda fn: jax.shard_map(fn, mesh=emesh, in_specs=(P("expert"), P()), out_specs=P("expert"))  # noqa: E731
     r["shard_map_vmap_grad"] = case(lambda a, b: jnp.sum(sm(body)(a, b) ** 2, axis=0),
                                     lambda a, b: jnp.sum(sm(body_ref)(a, b) ** 2, axis=0),
                                     (rnd(DEVICES * 2, 8, 16), rnd(16, 8)), grad_of=2)
+
+    def ragged_body(batched):
+        def body(a, b, g):  # per shard: a batch of ragged_dots, its value and gradients
+            f = lambda a, b: batched(a, b, g)  # noqa: E731
+            ga, gb = jax.grad(lambda a, b: jnp.sum(f(a, b) ** 2), argnums=(0, 1))(a, b)
+            return jnp.concatenate([f(a, b).ravel(), ga.ravel(), gb.ravel()])
+        return jax.shard_map(body, mesh=emesh, in_specs=(P("expert"), P(), P()), out_specs=P("expert"))
+
+    # (lax.ragged_dot cannot transpose its own vmap in JAX 0.10, nor its transposes: the reference
+    # loops, and the gradients are those taken inside the body)
+    loop = lambda a, b, g: jnp.stack([jax.lax.ragged_dot(x_, b, g) for x_ in a])  # noqa: E731
+    r["shard_map_ragged_vmap_grad"] = case(ragged_body(jax.vmap(rd, in_axes=(0, None, None))), ragged_body(loop),
+                                           (rnd(DEVICES * 2, 16, 8), rnd(4, 8, 6), jnp.asarray([5, 0, 7, 4], jnp.int32)))
 
     want = NamedSharding(mesh, P("data", "model"))
     outs = {
@@ -360,5 +538,71 @@ def _worker() -> dict:
     return r
 
 
+def _typed_worker() -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+    import jax_cute
+
+    if not hasattr(jax, "set_mesh"):
+        return {"skip": f"JAX {jax.__version__} has no jax.set_mesh (sharding in types)"}
+    n = len(jax.devices())
+    shape = {1: (1, 1), 2: (2, 1)}.get(n, (2, n // 2))
+    rng = np.random.default_rng(0)
+    rnd = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
+    mx = lambda x: float(np.max(np.abs(np.asarray(x, np.float32))))  # noqa: E731
+    loss = lambda f: lambda *a: jnp.sum(f(*a) ** 2)  # noqa: E731
+    gs = np.array([3, 10, 0, 7, 20, 5, 9, 6], np.int32)  # 60 of 64 rows, groups across shards
+    dn = (((2,), (1,)), ((0,), (0,)))
+    eq = "bthd,bshd->bhts"
+    cases = {  # name: (ours, reference, ((operand, spec), ...), the result's sharding where lax infers none)
+        "matmul": (jax_cute.matmul, jnp.matmul, ((rnd(32, 64), ("x", None)), (rnd(64, 16), (None, "y"))), None),
+        "dot_general": (lambda a, b: jax_cute.dot_general(a, b, dn), lambda a, b: jax.lax.dot_general(a, b, dn),
+                        ((rnd(4, 16, 32), ("x", None, None)), (rnd(4, 32, 8), ("x", None, "y"))), None),
+        "einsum": (lambda a, b: jax_cute.einsum(eq, a, b), lambda a, b: jnp.einsum(eq, a, b),
+                   ((rnd(2, 16, 4, 8), ("x", None, "y", None)), (rnd(2, 16, 4, 8), ("x", None, "y", None))), None),
+        # lax.ragged_dot infers no sharding on Explicit axes (it asks for out_sharding)
+        "ragged_dot": (lambda a, b: jax_cute.ragged_dot(a, b, gs), lambda a, b: jax.lax.ragged_dot(a, b, gs),
+                       ((rnd(64, 32), ("x", None)), (rnd(8, 32, 16), (None, None, "y"))), ["x", "y"]),
+    }
+    out: dict = {}
+    for mode, axis_type in (("explicit", AxisType.Explicit), ("auto", AxisType.Auto)):
+        mesh = jax.make_mesh(shape, ("x", "y"), axis_types=(axis_type,) * 2)
+        res = out[mode] = {}
+        for name, (f, ref, operands, want) in cases.items():
+            arrays = [a for a, _ in operands]
+            nums = tuple(range(len(arrays)))
+            want_out, want_grads = ref(*arrays), jax.grad(loss(ref), nums)(*arrays)  # unsharded
+            with jax.set_mesh(mesh):
+                args = [jax.device_put(a, NamedSharding(mesh, P(*spec))) for a, spec in operands]
+                got = jax.jit(f)(*args)
+                grads = jax.jit(jax.grad(loss(f), nums))(*args)
+                if want is None and mode == "explicit":
+                    want = _spec(jax.jit(ref)(*args).sharding.spec)
+            res[name] = {"diff": mx(got - want_out), "scale": mx(want_out), "spec": _spec(got.sharding.spec),
+                         "want": want, "grad_diffs": [mx(a - b) for a, b in zip(grads, want_grads)],
+                         "grad_scale": max(mx(b) for b in want_grads),
+                         "grad_specs": [_spec(g.sharding.spec) for g in grads],
+                         "arg_specs": [_spec(a.sharding.spec) for a in args]}
+
+    out["contracting"] = {}
+    x, w = rnd(32, 64), rnd(64, 16)
+    for mode, axis_type in (("explicit", AxisType.Explicit), ("auto", AxisType.Auto)):
+        mesh = jax.make_mesh(shape, ("x", "y"), axis_types=(axis_type,) * 2)
+        case = out["contracting"][mode] = {"error": None, "lax_error": None}
+        with jax.set_mesh(mesh):
+            args = (jax.device_put(x, NamedSharding(mesh, P(None, "y"))), jax.device_put(w, NamedSharding(mesh, P("y"))))
+            for key, f in (("error", jax_cute.matmul), ("lax_error", jnp.matmul)):
+                try:
+                    jax.jit(f)(*args)
+                except Exception as e:  # noqa: BLE001 - compared with lax's
+                    case[key] = f"{type(e).__name__}: {str(e).split(' Got ')[0]}"
+            got = jax.jit(lambda a, b: jax_cute.matmul(a, b, out_sharding=P("x")))(*args)
+        case.update(diff=mx(got - x @ w), scale=mx(x @ w), out_sharding_spec=_spec(got.sharding.spec))
+    return out
+
+
 if __name__ == "__main__":
-    print(json.dumps(_worker()))
+    print(json.dumps(_typed_worker() if sys.argv[1:] == ["types"] else _worker()))

@@ -19,7 +19,6 @@ import logging
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend import core
 from jax.interpreters import ad, batching, mlir
 
 from jax_cute import dispatch
@@ -31,14 +30,14 @@ from jax_cute.primitives.gemm_plan import flatten_gemm
 
 logger = logging.getLogger("jax_cute")
 
-matmul_p = core.Primitive("jax_cute_matmul")
+matmul_p = sharding.Primitive("jax_cute_matmul")
 
 
 def _abstract_eval(a, b, *, layouts: GemmLayouts, out_dtype, acc_dtype, precision=None):
     if int(np.prod(a.shape)) < layouts.a.cosize() or int(np.prod(b.shape)) < layouts.b.cosize():
         raise ValueError(f"jax_cute_matmul: layouts {layouts.a} / {layouts.b} reach past buffers "
                          f"{a.shape} / {b.shape}")
-    return jax.core.ShapedArray(layouts.c_shape, np.dtype(out_dtype))
+    return sharding.result_aval(matmul_p.name, layouts, (a, b), np.dtype(out_dtype))
 
 
 matmul_p.def_abstract_eval(_abstract_eval)

@@ -19,7 +19,6 @@ import logging
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend import core
 from jax.interpreters import ad, batching, mlir
 
 from jax_cute import dispatch
@@ -31,8 +30,8 @@ from jax_cute.primitives.ragged_layouts import (RAGGED_K, RAGGED_M, RaggedLayout
 
 logger = logging.getLogger("jax_cute")
 
-ragged_m_p = core.Primitive("jax_cute_ragged_m")
-ragged_k_p = core.Primitive("jax_cute_ragged_k")
+ragged_m_p = sharding.Primitive("jax_cute_ragged_m")
+ragged_k_p = sharding.Primitive("jax_cute_ragged_k")
 _pITIVES = {RAGGED_M: ragged_m_p, RAGGED_K: ragged_k_p}
 
 
@@ -43,7 +42,7 @@ def _abstract_eval(a, b, gs, *, layouts: RaggedLayouts, out_dtype, acc_dtype):
                              f"its buffer {x.shape}")
     if gs.dtype != np.dtype("int32"):
         raise TypeError(f"jax_cute_{layouts.mode}: group sizes must be int32, got {gs.dtype}")
-    return jax.core.ShapedArray(layouts.c_shape, np.dtype(out_dtype))
+    return sharding.result_aval(f"jax_cute_{layouts.mode}", layouts, (a, b, gs), np.dtype(out_dtype))
 
 
 def _eager(prim, *args, **params):

@@ -29,21 +29,36 @@ What each kind of factor does when sharded:
   own tokens and groups (``examples/sharded_layers.py``).
 - a factor that is not the slowest of its axis in every operand holding it, or an axis whose
   sub-modes do not tile it (a layout that cannot be localized): replicated.
+
+Sharding in types (mesh axes of type Explicit): the result's type takes each factor's sharding
+from the operands' types, as lax's sharding rules do (``result_aval``). Where two operands
+shard a contracting factor alike, the type is the reduced (summed) result; a public function
+called without ``out_sharding`` then raises lax's error (``constrain``), while the transposes,
+which take no ``out_sharding``, get the reduced cotangent. Inside ``shard_map`` the result
+varies over the union of the operands' manual axes (their vma), and binding first makes the
+operands vary alike (``Primitive``), as lax's binary ops do, so gradients check.
 """
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import functools
 import math
+import weakref
 from typing import Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 from jax.experimental.custom_partitioning import ArrayMapping, CompoundFactor, SdyShardingRule, custom_partitioning
-from jax._src import dispatch as jax_dispatch  # no public API marks a primitive as needing devices
+from jax.extend import core as extend_core
+# No public API for these: marking a primitive as needing devices, lax's typed-result lowering,
+# its operand vma matching and its sharding type error.
+from jax._src import core as jax_core
+from jax._src import dispatch as jax_dispatch
+from jax._src.interpreters import mlir as jax_mlir
 from jax.interpreters import mlir
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec
 
 from jax_cute import layout as L
 from jax_cute.layout import Layout, make_layout
@@ -365,6 +380,71 @@ def local_layouts(p: Problem, pl: Plan, mesh_shape: Mapping[str, int], layouts):
     return RaggedLayouts(layouts.mode, new["a"], new["b"], new["c"], new["gs"], c_shape), shapes
 
 
+# -- sharding in types ---------------------------------------------------------------------------
+
+def _explicit(mesh) -> bool:
+    return not mesh.empty and AxisType.Explicit in tuple(mesh.axis_types)
+
+
+def _typed_factors(name: str, p: Problem, avals) -> tuple[dict[str, tuple[str, ...]], bool]:
+    """Each factor's mesh axes as the operands' sharding types give them (a buffer axis's
+    sharding is its slowest factor's), and whether two operands shard a contracting factor."""
+    assignment: dict[str, tuple[str, ...]] = {}
+    holders: dict[str, int] = {}
+    for o, a in zip(p.operands, avals):
+        for fs, axes in zip(o.axes, spec_of(a.sharding, a.ndim) or ()):
+            if not fs or not axes:
+                continue
+            f = fs[0]
+            holders[f] = holders.get(f, 0) + 1
+            if assignment.setdefault(f, axes) != axes:
+                raise jax_core.ShardingTypeError(
+                    f"{name}: operands shard one dimension differently ({assignment[f]} and {axes}, "
+                    f"mode {f[0].upper()}); reshard one of them. Got "
+                    + ", ".join(x.str_short(short_dtypes=True) for x in avals))
+    reduced = any(f.startswith(REDUCTION) and n > 1 for f, n in holders.items())
+    return assignment, reduced
+
+
+def result_aval(name: str, layouts: GemmLayouts | RaggedLayouts, avals, out_dtype) -> jax.core.ShapedArray:
+    """The type of the call's result: its buffer's shape and ``out_dtype``; where mesh axes are
+    Explicit, the sharding of the factors it holds (as lax's sharding rules give theirs); and
+    the union of the operands' varying manual axes (inside shard_map)."""
+    meshes = {a.sharding.mesh for a in avals if not a.sharding.mesh.empty}
+    if len(meshes) > 1:
+        raise jax_core.ShardingTypeError(f"{name}: operands on different meshes: {meshes}")
+    mesh = meshes.pop() if meshes else jax.sharding.get_abstract_mesh()
+    spec = PartitionSpec()
+    if _explicit(mesh):
+        p = problem(layouts, [a.shape for a in avals])
+        assignment, _ = _typed_factors(name, p, avals)
+        spec = Plan(assignment, None, ()).spec(p.operands[-1], result=True)
+    varying = frozenset().union(*(a.mat.varying for a in avals))
+    return jax.core.ShapedArray(layouts.c_shape, out_dtype, sharding=NamedSharding(mesh, spec),
+                                manual_axis_type=jax_core.ManualAxisType(varying=varying))
+
+
+# The last result whose contraction ran over operands both sharded along it (see ``constrain``).
+_reduced_result: contextvars.ContextVar[weakref.ref | None] = contextvars.ContextVar("jax_cute_reduced", default=None)
+
+
+class Primitive(extend_core.Primitive):
+    """A GEMM primitive (its params hold ``layouts``). Binding first makes the operands vary over
+    the same manual mesh axes, as lax's dot_general does: a transpose then sums a cotangent over
+    the axes its operand did not vary over. A result contracted over operands both sharded
+    along the contraction (Explicit axes) is remembered for ``constrain``."""
+
+    def bind(self, *args, **params):
+        args = jax_core.auto_insert_reshard(*args)
+        out = super().bind(*args, **params)
+        avals = [jax.typeof(x) for x in args]
+        if any(_explicit(a.sharding.mesh) for a in avals):
+            p = problem(params["layouts"], [a.shape for a in avals])
+            if _typed_factors(self.name, p, avals)[1]:
+                _reduced_result.set(weakref.ref(out))
+        return out
+
+
 # -- the partitioned call -----------------------------------------------------------------------
 
 Local = Callable[[tuple, dict], Callable]  # (input avals, params) -> the computation on the arrays
@@ -415,6 +495,14 @@ def _local_group_sizes(gs, gs_layout: Layout, gs_shape, extent: int, local_exten
     return L.write((clip(ends) - clip(starts)).astype(gs.dtype), gs_layout, gs_shape)
 
 
+def _traced_unmeshed(fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    def wrapped(*args):
+        with _unmeshed():
+            return fn(*args)
+    return wrapped
+
+
 def _partition(call: _Call, mesh, arg_shapes, result_shape):
     params = call.kwargs
     layouts = params["layouts"]
@@ -427,6 +515,7 @@ def _partition(call: _Call, mesh, arg_shapes, result_shape):
     local, shapes = local_layouts(p, pl, ms, layouts)
     local_params = {**params, "layouts": local}
 
+    @_traced_unmeshed
     def lower_fn(*args):
         args = list(args)
         if p.ragged in pl.assignment:
@@ -472,7 +561,8 @@ def _rule(call: _Call, mesh, operand_types, result_types) -> SdyShardingRule:
 def _body(call: _Call, *args):
     # Inside a jit of its own, array constants (gather offsets, empty outputs) stay in the inner
     # computation: custom_partitioning refuses a body that closes over constants.
-    return jax.jit(call.local(_avals(args), call.kwargs))(*args)
+    with _unmeshed():
+        return jax.jit(call.local(_avals(args), call.kwargs))(*args)
 
 
 _partitioned = custom_partitioning(_body, static_argnums=(0,))
@@ -491,14 +581,25 @@ def lowering(primitive, local: Local) -> Callable:
     jax_dispatch.prim_requires_devices_during_lowering.add(primitive)
 
     def rule(ctx, *args, **params):
-        if _one_shard(ctx.module_context.axis_context):  # nothing to partition: the computation itself
-            return mlir.lower_fun(local(ctx.avals_in, params), multiple_results=False)(ctx, *args)
-        call = _Call(tuple(sorted(params.items())), local)
-        # The body sees plain (unsharded) types: the rules, not the types, partition the call.
-        plain = ctx.replace(avals_in=_avals(ctx.avals_in), avals_out=_avals(ctx.avals_out))
-        return mlir.lower_fun(functools.partial(_partitioned, call), multiple_results=False)(plain, *args)
+        # The computation is typed without a mesh: the rules, not the types, partition the call.
+        with _unmeshed():
+            plain = ctx.replace(avals_in=_avals(ctx.avals_in), avals_out=_avals(ctx.avals_out))
+            if _one_shard(ctx.module_context.axis_context):  # nothing to partition: the computation itself
+                fn = local(plain.avals_in, params)
+            else:
+                fn = functools.partial(_partitioned, _Call(tuple(sorted(params.items())), local))
+            out, = mlir.lower_fun(fn, multiple_results=False)(plain, *args)
+        # As lax's lowerings: a result typed with Explicit mesh axes is constrained to its type.
+        return [jax_mlir.lower_with_sharding_in_types(ctx, out, ctx.avals_out[0])]
 
     return rule
+
+
+def _unmeshed():
+    """Trace a local computation without the caller's mesh: traced under Explicit mesh axes,
+    its ops would be typed (and lowered) with shardings of that mesh, whose constraints inside a
+    partitioned body no partitioner removes (XLA then finds no `Sharding` custom call)."""
+    return jax.sharding.use_abstract_mesh(AbstractMesh((), ()))
 
 
 def _one_shard(axis_context) -> bool:
@@ -517,9 +618,19 @@ def reference_local(reference: Callable) -> Local:
 
 
 def constrain(x, out_sharding):
-    """The result of a call with ``out_sharding`` (as ``jnp.matmul``, ``lax.dot_general`` and
-    ``lax.ragged_dot`` take it: a NamedSharding, or a PartitionSpec of the context mesh):
-    ``x`` constrained to that sharding. Unlike JAX's own ops this also accepts Auto mesh axes,
-    where the constraint guides the partitioner."""
-    return x if out_sharding is None else jax.lax.with_sharding_constraint(x, out_sharding)
-
+    """The result ``x`` of a public call with ``out_sharding`` (as ``jnp.matmul``,
+    ``lax.dot_general`` and ``lax.ragged_dot`` take it: a NamedSharding, or a PartitionSpec of
+    the context mesh), resharded to it on Explicit mesh axes and constrained to it on Auto ones
+    (where JAX's own ops refuse it; there the constraint guides the partitioner). Without one,
+    a result contracted over operands both sharded along the contraction raises lax's error."""
+    if out_sharding is None:
+        ref = _reduced_result.get()
+        if ref is not None and ref() is x:
+            raise jax_core.ShardingTypeError(
+                "Contracting dimensions are sharded and it is ambiguous how the output should be sharded. "
+                "Please specify the output sharding via the `out_sharding` parameter.")
+        return x
+    mesh = out_sharding.mesh if isinstance(out_sharding, NamedSharding) else jax.sharding.get_abstract_mesh()
+    if _explicit(mesh):
+        return jax.sharding.reshard(x, out_sharding)
+    return jax.lax.with_sharding_constraint(x, out_sharding)
