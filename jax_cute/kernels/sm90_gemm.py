@@ -14,6 +14,10 @@ Kernel shape (one persistent CTA per SM, 384 threads):
 - epilogue: each consumer warpgroup stores its own rows (its own named barrier, shared-memory
   ring of 64 x epi_n subtiles and store warp) with TMA, clipped at the tensor edge, so the two
   never wait on each other between mainloops.
+- fused epilogue (GemmSpec.bias / activation, EPILOGUES): after a subtile's accumulators are
+  copied out, each element adds the float32 bias of its output column (read from global memory,
+  L1-cached; the column from an identity tensor partitioned like the accumulators) and the
+  activation (kernels/epilogue.py) runs on the fragment, before the one rounding to C's dtype.
 - TMA stores write whole 16-byte chunks, so where C's contiguous extent is not a multiple of 16
   bytes the subtiles on that edge are stored with predicated per-element stores instead.
 - work is a linear sequence of (cluster tile, batch, k-split) units in a grouped ("swizzled")
@@ -68,12 +72,16 @@ import dataclasses
 import functools
 
 from jax_cute.kernels import abi
+from jax_cute.kernels import epilogue as fused_epilogue
 from jax_cute.kernels.gemm_spec import GemmSpec, GroupedSpec, Workspace
 
 FAMILY = "sm90_gemm"
 VERSION = 4
 ARCH = "sm_90a"
 BATCH_MODES = (1, 3)    # dense GemmSpec.batch_modes taken (grouped specs: one)
+# fused epilogues (GemmSpec.bias, GemmSpec.activation; dense specs): C = act(A·B + bias[n]) in
+# float32 on each register fragment before the one rounding (kernels/epilogue.py)
+EPILOGUES = ("bias", *fused_epilogue.ACTIVATIONS)
 
 NUM_SMS = 132            # H100 SXM / H200; compiled into the persistent grid bound
 SMEM_BYTES = 232448      # opt-in dynamic shared memory per block on sm_90 (227 KiB)
@@ -140,7 +148,13 @@ def unsupported(spec) -> str | None:
         return f"{FAMILY}: output dtype {spec.c_dtype} not supported ({', '.join(_OUT_DTYPES)})"
     if spec.acc_dtype != "float32":
         return f"{FAMILY}: accumulation must be float32, not {spec.acc_dtype}"
+    if spec.activation and spec.activation not in fused_epilogue.ACTIVATIONS:
+        return f"{FAMILY}: no fused epilogue for activation {spec.activation!r} ({', '.join(fused_epilogue.ACTIVATIONS)})"
     return None
+
+
+def _fused(spec) -> bool:
+    return isinstance(spec, GemmSpec) and (spec.bias or bool(spec.activation))
 
 
 def _check_config(config: Config) -> None:
@@ -191,6 +205,8 @@ def candidate_configs(spec) -> list[Config]:
     # of 64-wide subtiles stored after each mainloop, and session 7's deferred epilogue
     out += [v for c in out if c.whole_c
             for v in (dataclasses.replace(c, whole_c=False), dataclasses.replace(c, whole_c=False, epi_n=32, defer=DEFER))]
+    if _fused(spec):   # a deferred epilogue converts before the fused epilogue would run
+        out = [c for c in out if not c.defer]
     return list(dict.fromkeys(out))
 
 
@@ -333,8 +349,10 @@ def _ws_args(config: Config) -> tuple:
 
 
 def signature(spec, config: Config) -> abi.Signature:
-    """(a, b, c[, splitk_partials, splitk_flags], stream); workspaces are 1-D, nbytes/4 long."""
-    return spec.signature(_ws_args(config))
+    """(a, b, c[, bias][, splitk_partials, splitk_flags], stream); bias is float32 (N,);
+    workspaces are 1-D, nbytes/4 long."""
+    bias = (abi.TensorArg("bias", "float32", (abi.DYN,), (1,), align=4),) if getattr(spec, "bias", False) else ()
+    return spec.signature(bias + _ws_args(config))
 
 
 def workspace(spec, config: Config, m: int, n: int, k: int, l: int) -> list[Workspace]:
@@ -354,6 +372,8 @@ def launcher(spec, config: Config):
     if config.defer and _ITEM[spec.c_dtype] != 2:
         # the converted copy of the accumulators must fit next to them in the register file
         raise ValueError(f"{FAMILY}: a deferred epilogue needs a 16-bit output, not {spec.c_dtype}")
+    if config.defer and _fused(spec):
+        raise ValueError(f"{FAMILY}: a deferred epilogue cannot fuse a bias or activation ({config})")
     return make_launcher(spec, config)
 
 
@@ -402,14 +422,19 @@ def _kernel_class():
             # every consumer warpgroup stores its own 64 output rows (its own named barrier, smem
             # ring and store warp), so neither waits on the other between mainloops
             self.epi_tile = (64, config.epi_n)
+            # fused epilogue (dense only): bias per output column, then the activation
+            dense = isinstance(spec, GemmSpec)
+            self.fuse_bias = dense and spec.bias
+            self.act = spec.activation if dense else ""
             self.threads = 384
             self.mma_threads = 256
             self.epi_threads = 128
 
         # ----------------------------------------------------------------------- host side
         @cute.jit
-        def run(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, ws, flags, stream):
-            """Dense: ``ws``/``flags`` are the split-K partials and arrival counters (or None).
+        def run(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, ws, flags, stream, bias=None):
+            """Dense: ``ws``/``flags`` are the split-K partials and arrival counters (or None),
+            ``bias`` the fused epilogue's float32 (N,) bias (or None).
             Grouped: ``ws`` holds the group sizes; the kernel gets K in ``flags``."""
             if const_expr(self.nb > 1):
                 # (rows, cols, L0, L1, L2) -> (rows, cols, (L0, L1, L2)): tiles and TMA views see
@@ -483,7 +508,7 @@ def _kernel_class():
                 sC: cute.struct.Align[cute.struct.MemRange[c_t, cute.cosize(sc)], 1024]
 
             self.storage = Storage
-            self.kernel(tma_a, tA, tma_b, tB, tma_c, tC, c, ws, flags, tiled_mma, wg_mma, sa, sb, sc).launch(
+            self.kernel(tma_a, tA, tma_b, tB, tma_c, tC, c, ws, flags, tiled_mma, wg_mma, sa, sb, sc, bias).launch(
                 grid=[self.cm, self.cn, n_clusters], block=[self.threads, 1, 1],
                 cluster=[self.cm, self.cn, 1], min_blocks_per_mp=1, stream=stream, use_pdl=self.cfg.pdl)
 
@@ -682,7 +707,7 @@ def _kernel_class():
                    tma_c: cute.CopyAtom, mC: cute.Tensor, gmem_c: cute.Tensor, ws, flags,
                    tiled_mma: cute.TiledMma, wg_mma: cute.TiledMma,
                    sa_layout: cute.ComposedLayout, sb_layout: cute.ComposedLayout,
-                   sc_layout: cute.ComposedLayout):
+                   sc_layout: cute.ComposedLayout, bias):
             tidx, _, _ = cute.arch.thread_idx()
             warp_id = cute.arch.make_warp_uniform(cute.arch.warp_idx())
             wg = cute.arch.make_warp_uniform(tidx // 128)
@@ -824,6 +849,12 @@ def _kernel_class():
                 thr_r2s = r2s.get_slice(etid)
                 tRS_sC = thr_r2s.partition_D(sC)
                 tRS_acc = r2s.retile(acc)
+                epi_coords = None   # fused bias: each fragment element's (row, column) in the tile
+                if const_expr(self.fuse_bias):
+                    # this thread's accumulator coordinates (its own slice, not the warpgroup's
+                    # first thread's, which the WGMMA operand partitions take), retiled like tRS_acc
+                    share = cute.make_identity_tensor((self.bm if const_expr(self.pp) else 64, self.bn))
+                    epi_coords = r2s.retile(wg_mma.get_slice(etid).partition_C(share))
                 rd_shape = cute.shape(thr_r2s.partition_S(sC))[:3]
                 tRS_r32 = cute.make_rmem_tensor(rd_shape, Float32)
                 tRS_rC = cute.make_rmem_tensor(rd_shape, self.c_t)
@@ -940,7 +971,8 @@ def _kernel_class():
                         if const_expr(self.split == 1):
                             self.epilogue(tma_c, gC_t, sC, acc, r2s, tRS_acc, tRS_r32, tRS_rC, tRS_sC,
                                           n_rd, n_epi, row_blk, epi_bar, warp_id,
-                                          gmem_c, tm, tn, lc, ragged, etid, store_warp, buf0)
+                                          gmem_c, tm, tn, lc, ragged, etid, store_warp, buf0,
+                                          coords=epi_coords, bias=bias)
                         else:
                             # ---- split-K: publish the partial, the last of the S arrivals folds them
                             tile_id = (Int64(l) * (cl_n * self.cn) + tn) * (cl_m * self.cm) + tm
@@ -984,7 +1016,8 @@ def _kernel_class():
                                     gC_s = gC[(None, None, tm, tn, lc_s)]
                                 self.epilogue(tma_c, gC_s, sC, acc, r2s, tRS_acc, tRS_r32, tRS_rC, tRS_sC,
                                               n_rd, n_epi, row_blk, epi_bar, warp_id,
-                                              gmem_c, tm, tn, lc_s, ragged, etid, store_warp, buf0)
+                                              gmem_c, tm, tn, lc_s, ragged, etid, store_warp, buf0,
+                                              coords=epi_coords, bias=bias)
                         if const_expr(self.pp):
                             for _ in range(k_tiles):            # the other warpgroup's next unit
                                 read.advance()
@@ -997,7 +1030,8 @@ def _kernel_class():
         @cute.jit
         def epilogue(self, tma_c, gC_t, sC, acc, r2s, tRS_acc, tRS_r32, tRS_rC, tRS_sC, n_rd: cutlass.Constexpr,
                      n_epi: cutlass.Constexpr, row_blk, epi_bar, warp_id,
-                     gmem_c, tm, tn, l, ragged, etid, store_warp, buf0, converted: cutlass.Constexpr = False):
+                     gmem_c, tm, tn, l, ragged, etid, store_warp, buf0, converted: cutlass.Constexpr = False,
+                     coords=None, bias=None):
             """One warpgroup's 64 rows of the tile: acc -> output dtype -> smem ring -> TMA store,
             one 64 x epi_n subtile at a time, one named barrier per subtile.
 
@@ -1040,6 +1074,13 @@ def _kernel_class():
                 else:
                     for v in range_constexpr(n_rd):
                         tRS_r32[v] = tRS_acc[e * n_rd + v]
+                    if const_expr(self.fuse_bias):
+                        # columns past N read the last bias: they are never stored
+                        for v in range_constexpr(n_rd):
+                            col = cutlass.min(tn * self.bn + coords[e * n_rd + v][1], n_ext - 1)
+                            tRS_r32[v] = tRS_r32[v] + bias[col]
+                    if const_expr(self.act):
+                        tRS_r32.store(fused_epilogue.activation(self.act, tRS_r32.load(), fast=self.c_t.width == 16))
                     tRS_rC.store(tRS_r32.load().to(self.c_t))
                 buf = buf0 + e % depth
                 cute.copy(r2s, tRS_rC, tRS_sC[(None, None, None, buf)])
@@ -1101,6 +1142,15 @@ def make_launcher(spec: GemmSpec | GroupedSpec, config: Config, sms: int = NUM_S
         def launch(a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, group_sizes: cute.Tensor,
                    stream: cuda_driver.CUstream):
             gemm.run(a, b, c, group_sizes, None, stream)
+    elif config.split_k == 1 and spec.bias:
+        @cute.jit
+        def launch(a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, bias: cute.Tensor, stream: cuda_driver.CUstream):
+            gemm.run(a, b, c, None, None, stream, bias)
+    elif spec.bias:
+        @cute.jit
+        def launch(a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, bias: cute.Tensor, partials: cute.Tensor,
+                   flags: cute.Tensor, stream: cuda_driver.CUstream):
+            gemm.run(a, b, c, partials, flags, stream, bias)
     elif config.split_k == 1:
         @cute.jit
         def launch(a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, stream: cuda_driver.CUstream):

@@ -1,0 +1,105 @@
+"""Compile-only checks of the fused epilogues of the sm90_gemm family (no GPU needed).
+
+Every configuration the heuristic picks for a fused spec compiles for sm_90a with WGMMA and no
+register spills; the fused lowering emits one kernel and no XLA epilogue; routing reports the
+cases that keep the XLA epilogue.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jax_cute
+from jax_cute import config
+from jax_cute.kernels import cubin_info, epilogue, sm90_gemm
+from jax_cute.kernels.gemm_spec import GemmSpec
+
+BF, F16, F32 = "bfloat16", "float16", "float32"
+SHAPES = [(8192, 14336, 4096, 1), (8192, 4096, 14336, 1), (4096, 4096, 4096, 1), (64, 4096, 16384, 1),
+          (1000, 1032, 776, 3), (1, 1, 1, 1), (100000, 64, 64, 1)]
+
+
+def _compile(spec: GemmSpec, cfg: sm90_gemm.Config):
+    pytest.importorskip("cutlass")
+    from jax_cute.kernels import build
+
+    binary = build.compile_launcher(sm90_gemm.launcher(spec, cfg), sm90_gemm.signature(spec, cfg),
+                                    arch="sm_90a", name=f"test_{spec.key()}_{cfg.key()}", keep_ptx=True)
+    ptx = binary.ptx or ""
+    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
+    res = cubin_info.resources(binary.obj)
+    assert res["local_bytes"] == 0 and res["frame_bytes"] == 0, (spec.key(), cfg.key(), res)
+    return ptx
+
+
+def _picks(spec: GemmSpec) -> list[sm90_gemm.Config]:
+    return sorted({sm90_gemm.heuristic(spec, *s) for s in SHAPES}, key=lambda c: c.key())
+
+
+def test_family_declares_its_epilogues():
+    assert set(sm90_gemm.EPILOGUES) == {"bias", *epilogue.ACTIVATIONS}
+    assert sm90_gemm.unsupported(GemmSpec(BF, BF, BF, bias=True, activation="gelu")) is None
+    assert "swiglu" in sm90_gemm.unsupported(GemmSpec(BF, BF, BF, activation="swiglu"))
+    # cache keys of plain specs are unchanged; fused ones name their epilogue
+    assert GemmSpec(BF, BF, BF).key() == "bfloat16.bfloat16.bfloat16.accfloat32.kkn"
+    assert GemmSpec(BF, BF, BF, bias=True, activation="silu").key().endswith(".kkn.bias.silu")
+
+
+def test_fused_signature_and_configs():
+    spec = GemmSpec(BF, BF, BF, bias=True, activation="relu")
+    names = [a.name for a in sm90_gemm.signature(spec, sm90_gemm.Config(split_k=2)) if hasattr(a, "dtype")]
+    assert names == ["a", "b", "c", "bias", "splitk_partials", "splitk_flags"]
+    cands = sm90_gemm.candidate_configs(spec)
+    assert cands and not any(c.defer for c in cands)
+    assert all(c in cands for c in _picks(spec))
+    with pytest.raises(ValueError, match="deferred epilogue cannot fuse"):
+        sm90_gemm.launcher(spec, dataclasses.replace(sm90_gemm.Config(epi_n=32), defer=2))
+
+
+@pytest.mark.parametrize("c_dtype", [BF, F32])
+@pytest.mark.parametrize("majors", ["kkn", "mnm"])
+def test_every_heuristic_pick_compiles(c_dtype, majors):
+    """bias + gelu (the longest epilogue) in every config the heuristic picks."""
+    spec = GemmSpec(BF if c_dtype == BF else F16, BF if c_dtype == BF else F16, c_dtype, *majors,
+                    bias=True, activation="gelu")
+    for cfg in _picks(spec):
+        _compile(spec, cfg)
+
+
+@pytest.mark.parametrize("bias, activation", [(True, "")] + [(b, a) for a in epilogue.ACTIVATIONS for b in (False, True)])
+def test_every_epilogue_compiles(bias, activation):
+    spec = GemmSpec(BF, BF, BF, bias=bias, activation=activation)
+    ptx = _compile(spec, sm90_gemm.heuristic(spec, 8192, 14336, 4096, 1))
+    if activation == "gelu":
+        assert "tanh.approx.f32" in ptx  # 16-bit output: the MUFU tanh
+
+
+def lowered(f, *shapes, dtype=jnp.bfloat16) -> str:
+    args = [jax.ShapeDtypeStruct(s, dtype) for s in shapes]
+    with config.override(target_arch="sm_90a"):
+        return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("activation", epilogue.ACTIVATIONS)
+def test_fused_lowering_is_one_kernel(activation, caplog):
+    f = lambda x, w, c: jax_cute.matmul(x, w, bias=c, activation=activation)  # noqa: E731
+    with caplog.at_level(logging.INFO, logger="jax_cute"):
+        text = lowered(f, (300, 256), (256, 520), (520,))
+    assert text.count("stablehlo.custom_call @jax_cute_launch") == 1
+    for op in ("dot_general", "stablehlo.tanh", "stablehlo.exponential", "stablehlo.maximum", "chlo.erf"):
+        assert op not in text, op
+    assert any(f".bias.{activation}" in r.getMessage() for r in caplog.records)
+
+
+def test_batched_bias_keeps_the_xla_epilogue(caplog):
+    """A bias per batch is not one (N,) row: the kernel GEMM, then the epilogue in XLA."""
+    f = jax.vmap(lambda x, w, c: jax_cute.matmul(x, w, bias=c, activation="relu"))
+    with caplog.at_level(logging.INFO, logger="jax_cute"):
+        text = lowered(f, (2, 256, 128), (2, 128, 256), (2, 256))
+    assert text.count("stablehlo.custom_call @jax_cute_launch") == 1
+    assert any("epilogue in XLA" in r.getMessage() for r in caplog.records)
