@@ -2,7 +2,7 @@
 # The GPU checks, one step after another, each logged under $OUT (default /tmp/out). Run it from
 # the repository root on a machine with an H100 or H200:
 #
-#   tools/gpu_session.sh info build gpu-tests sanitize
+#   tools/gpu-checks.sh info build gpu-tests sanitize
 #
 # steps:
 #   info        nvidia-smi (power limit, clocks) and the devices jax sees
