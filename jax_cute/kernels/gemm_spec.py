@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
 
 from jax_cute.kernels.abi import DYN, Dyn, Signature, StreamArg, TensorArg
 
@@ -115,14 +114,6 @@ class GroupedSpec:
             raise ValueError(f"unknown grouped mode {self.mode!r}")
         gs = TensorArg("group_sizes", "int32", (DYN, DYN), (1, DYN), align=4)
         return (a, b, c, gs, *extra, StreamArg())
-
-
-def reference_gemm(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """float64 reference in the (M,K,L) x (N,K,L) -> (M,N,L) convention, with broadcast L
-    (batched BLAS matmul: einsum's loop took seconds on the devcheck's larger problems)."""
-    a64 = np.moveaxis(a.astype(np.float64), 2, 0)                  # (L, M, K)
-    b64 = np.moveaxis(b.astype(np.float64), 2, 0).swapaxes(1, 2)   # (L, K, N)
-    return np.moveaxis(np.matmul(a64, b64), 0, 2)
 
 
 @dataclasses.dataclass(frozen=True)

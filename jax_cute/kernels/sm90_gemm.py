@@ -39,7 +39,7 @@ Kernel shape (one persistent CTA per SM, 384 threads):
   warpgroup converts its finished accumulators to the output dtype in registers, issues the
   first d k-tiles of its next tile's WGMMAs, and only then stores the previous tile (the
   cooperative tile's 128 accumulator registers leave room for the 64 of a 16-bit copy, not for
-  a second fp32 set). Measured with per-tile SM clock stamps (session 9):
+  a second fp32 set). Per-tile SM clock stamps on an H200 show that
   issuing WGMMAs stalls once about two are queued, so most of the d k-tiles run while they are
   being issued; the stores then hide under only ~0.5k cycles of tensor work.
 - programmatic dependent launch (Config.pdl, off by default): the grid is launched so that its
@@ -108,10 +108,10 @@ class Config:
     # pingpong: each consumer warpgroup owns whole 64 x tile_n tiles (alternate tiles of the
     # CTA's sequence), so one warpgroup's epilogue overlaps the other's mainloop
     pingpong: bool = False
-    # programmatic dependent launch (see the module notes), set by the routing for stream
-    # launches (gemm_route.launch_mode): on an H200 it left kernel time unchanged (ncu); inside
-    # graphs it made back-to-back products 3-8% slower (session 4), on the stream 2-3% faster
-    # on short products (session 8, benchmarks/launch_probe.py)
+    # programmatic dependent launch (see the module notes), set by the dispatch for stream
+    # launches (dispatch.launch_mode): on an H200 it leaves kernel time unchanged (ncu); inside
+    # graphs it makes back-to-back products 3-8% slower, on the stream 2-3% faster on short
+    # products (docs/performance.md)
     pdl: bool = False
     # width of the epilogue's subtiles (64 rows x epi_n columns per consumer warpgroup): 64 halves
     # the number of store rounds per tile and gives a 16-bit N-major C 128-byte swizzle atoms
@@ -178,10 +178,9 @@ def _check_config(config: Config) -> None:
 DEFER = 2   # k-tiles of the next tile issued before a deferred epilogue's stores (autotune only)
 
 
-def _epilogue(spec, config: Config) -> Config:
+def epilogue_for(spec, config: Config) -> Config:
     """The epilogue a cooperative config runs with a 16-bit output: 64-wide subtiles, and the
-    whole-share mode when K is not split (the heuristic's pick since session 10; see the notes
-    above heuristic). fp32 outputs keep a ring of 32-wide subtiles: a whole 128x256 fp32 share
+    whole-share mode when K is not split (see the notes above heuristic). fp32 outputs keep a ring of 32-wide subtiles: a whole 128x256 fp32 share
     would leave 2 A/B stages."""
     if config.pingpong or _ITEM[spec.c_dtype] != 2 or config.tile_n % 64:
         return config
@@ -198,11 +197,11 @@ def candidate_configs(spec) -> list[Config]:
                 out.append(Config(128, tn, cm, cn, "m", 8, split))
     out.append(Config(128, 256, 2, 1, "n", 8, 1))
     out.append(Config(128, 128, 1, 1, "m", 8, 1))
-    out.append(Config(128, 256, 2, 1, "n", 16, 1))   # session 4's pick: autotune may still time it
+    out.append(Config(128, 256, 2, 1, "n", 16, 1))   # N fastest in bands of 16: an autotune candidate
     out += [_PINGPONG, _PINGPONG_160, Config(128, 128, 2, 1, pingpong=True)]
-    out = [_epilogue(spec, c) for c in out]
-    # each whole-share tile also with the epilogues it replaced, for autotune: session 6's ring
-    # of 64-wide subtiles stored after each mainloop, and session 7's deferred epilogue
+    out = [epilogue_for(spec, c) for c in out]
+    # each whole-share tile also with the other epilogues, for autotune: the ring of 64-wide
+    # subtiles stored after each mainloop, and the deferred epilogue
     out += [v for c in out if c.whole_c
             for v in (dataclasses.replace(c, whole_c=False), dataclasses.replace(c, whole_c=False, epi_n=32, defer=DEFER))]
     if _fused(spec):   # a deferred epilogue converts before the fused epilogue would run
@@ -212,44 +211,34 @@ def candidate_configs(spec) -> list[Config]:
 
 # The heuristic ranks the unsplit and split cooperative tiles with _estimate. Where it picks the
 # unsplit 128x256 2x1-cluster tile, that tile runs M fastest inside bands of 8 clusters with
-# the whole-share epilogue (16-bit outputs). H200 measurements (docs/kernel-run-notes.md):
-# - whole-share epilogue (session 10, Config.whole_c): per-tile SM clock stamps
-#   put a tile's epilogue at 1.35-1.42k cycles, against 2.6-2.75k for the 2-deep ring of
-#   64-wide subtiles (each store waited for before the next) and 2.15k for the deferred one;
-#   with 3 A/B stages and the stores running under the next mainloop, that mainloop takes
-#   ~1-2% more cycles per k-tile at K = 2048 and below. Kernel cycles under ncu against the
-#   deferred pick of sessions 7-9: -2.6% on 16384x1536x1024, -0.5% on 16384x2048x2048, -1.5%
-#   on 4096^3, +0.5% on 8192^3, equal on 4096x14336x4096; against the ring on one tile per CTA
-#   (2048^3, 512x8192x8192) +0.5-1%. In the devcheck's short windows it was the fastest or
-#   within 1% of it on all 8 benchmark shapes (0.986-1.010x XLA). Deferral on top of it
-#   (3 stages) was slower: the deferred k-tiles then starve the mainloop.
-# - deferred epilogue (session 7, autotune only since session 10): each tile's stores run
-#   under the next tile's first 2 k-tiles; it costs ~3.4k cycles once per CTA (session 8) and
-#   saves ~0.5k per tile (session 9: WGMMA issue stalls once about two are queued).
-# - raster: session 4 had moved to N fastest in bands of 16 on a short-window sweep; session 5
-#   measured that raster's DRAM reads under ncu: 1477 MB on 8192^3 and 654 MB on
+# the whole-share epilogue (16-bit outputs). Why, from H200 measurements (2026-11-21 to -24;
+# docs/performance.md has more):
+# - whole-share epilogue (Config.whole_c): per-tile SM clock stamps put a tile's epilogue at
+#   1.35-1.42k cycles, against 2.6-2.75k for the 2-deep ring of 64-wide subtiles and 2.15k for
+#   the deferred one; the next mainloop then takes ~1-2% more cycles per k-tile at K <= 2048.
+#   Kernel cycles under ncu against the deferred epilogue: -2.6% on 16384x1536x1024, -0.5% on
+#   16384x2048x2048, -1.5% on 4096^3, +0.5% on 8192^3. Deferral on top of it (3 stages) starves
+#   the mainloop.
+# - deferred epilogue (autotune only): each tile's stores run under the next tile's first 2
+#   k-tiles; it costs ~3.4k cycles once per CTA and saves ~0.5k per tile.
+# - raster: N fastest in bands of 16 reads 1477 MB of DRAM on 8192^3 and 654 MB on
 #   4096x14336x4096, against 1229 / 492 MB for M fastest in bands of 8 and 1204 / 453 MB for
 #   cuBLAS. On a board held at its 700 W cap, the extra traffic costs clock in sustained runs.
 # - 64-wide epilogue subtiles: half the store rounds (and barriers) per tile; equal or up to 4%
-#   faster in short windows, equal in sustained ones (session 6). Split-K tiles keep them.
-# - 4-deep ring of 32-wide subtiles with 4 A/B stages (session 13): 0.9-1.4% more cycles than
-#   the whole share under ncu on 16384x1536x1024 and 16384x2048x2048 (fewer on 2048^3), 2% slower
-#   in 1 s windows, 3-5% slower in an A/B with shuffled round order. An A/B in the fixed
-#   rotation, where the whole share always ran right after XLA, had ranked it 2-4% ahead.
+#   faster in short windows, equal in sustained ones. Split-K tiles keep them.
+# - a 4-deep ring of 32-wide subtiles with 4 A/B stages takes 0.9-1.4% more cycles than the whole
+#   share on 16384x1536x1024 and 16384x2048x2048, and runs 3-5% slower with shuffled rounds.
 # - pingpong (64x256 or 128x160 tiles, one warpgroup's epilogue under the other's mainloop) is
-#   an autotune candidate only. 128x160 won 2-7% in short windows (50-60 ms, the suite's and the
-#   devcheck's) on 4096x14336x4096, 16384x2048x2048 and 16384x1536x1024, and lost 1-3% on all
-#   three in sustained 1 s windows (benchmarks/energy_probe.py): it moves ~20% more bytes
-#   through shared memory per FLOP, and at the 700 W cap energy per FLOP sets the rate. A
-#   training loop runs at that cap, so the heuristic serves the sustained case. Session 11:
-#   128x128 with 6 stages, handing over before its last WGMMAs drain, takes 2-6% fewer cycles
-#   than the pick at K <= 2048 but runs 3-4% lower clocks and loses 1.6-3.7% sustained.
-#   64x256 pingpong (the short-K pick of sessions 2-5) lost to the cooperative tile in both
-#   windows (session 6).
+#   an autotune candidate only. 128x160 wins 2-7% in short (50-60 ms) windows on
+#   4096x14336x4096, 16384x2048x2048 and 16384x1536x1024 and loses 1-3% in sustained 1 s
+#   windows: it moves ~20% more bytes through shared memory per FLOP, and at the 700 W cap
+#   energy per FLOP sets the rate. A training loop runs at that cap, so the heuristic serves the
+#   sustained case. 128x128 with 6 stages takes 2-6% fewer cycles than the pick at K <= 2048
+#   but runs 3-4% lower clocks and loses 1.6-3.7% sustained; 64x256 loses in both windows.
 
 # Cooperative tile widths. 160 and 192 could leave fewer SMs idle in the last wave on some
 # shapes (cuBLAS runs 4096x14336x4096 with 128x160 tiles; N-major B then takes 64-byte swizzle
-# atoms). They compute correctly on an H200 but ran 5-25% slower than 128x256 (session 5), so
+# atoms). They compute correctly on an H200 but run 5-25% slower than 128x256, so
 # neither the heuristic nor candidate_configs offers them.
 _TILE_NS = (128, 160, 192, 256)
 _PINGPONG = Config(64, 256, 2, 1, "n", 8, 1, pingpong=True)
@@ -319,7 +308,7 @@ def heuristic(spec, m: int, n: int, k: int, l: int, num_sms: int = NUM_SMS) -> C
     if reason:
         raise ValueError(reason)
     cands = [c for c in candidate_configs(spec)
-             if c.raster == "m" and c.group == 8 and not c.pingpong and c == _epilogue(spec, c)]
+             if c.raster == "m" and c.group == 8 and not c.pingpong and c == epilogue_for(spec, c)]
     if spec.batch_modes > 1 and _ITEM[spec.c_dtype] == 4:
         # an fp32 128x256 tile split 4 ways spills registers with three batch modes (16-96 bytes)
         cands = [c for c in cands if not (c.tile_n == 256 and c.split_k == 4)]
@@ -1038,8 +1027,8 @@ def _kernel_class():
             whole_c: the ring has a slot per subtile. After one wait for the previous tile's
             stores (issued a mainloop ago), each subtile's store is issued as soon as it is
             written, and nobody waits on them until the next tile's epilogue. (Issuing them all
-            after the last subtile took the same epilogue time, and the next mainloop ran ~2%
-            slower per k-tile at K = 1024: H200, session 10.)
+            after the last subtile takes the same epilogue time, and the next mainloop runs ~2%
+            slower per k-tile at K = 1024 on an H200.)
 
             Otherwise the ring (depth d) is used round-robin across tiles (n_epi is a multiple of
             d). After committing subtile e the store warp waits until at most d - 2 stores still
