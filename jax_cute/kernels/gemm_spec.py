@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 
-
 from jax_cute.kernels.abi import DYN, Dyn, Signature, StreamArg, TensorArg
 
 ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1, "int32": 4}
