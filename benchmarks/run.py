@@ -21,7 +21,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-SUITES = {"matmul": "bench_matmul.py", "layouts": "bench_layouts.py", "ragged": "bench_ragged.py",
+SUITES = {"models": "bench_models.py", "matmul": "bench_matmul.py", "layouts": "bench_layouts.py", "ragged": "bench_ragged.py",
           "launch": "bench_launch.py", "fused": "bench_fused.py"}
 IMPL_ORDER = ["jax_cute", "xla", "pallas"]
 IMPL_LABEL = {"jax_cute": "jax_cute", "xla": "XLA", "pallas": "Pallas", "xla_bf16_grads": "XLA, bf16 gradient GEMMs"}
@@ -172,7 +172,7 @@ SECTIONS = [  # (table, record key, unit, higher is better, title, digits)
     ("e2e", "ms", "ms", False, "End-to-end steps (time per call)", 2),
     ("launch", "us_per_iter", "µs/iter", False, "Tiny kernel in a fori_loop (command buffers off)", 2),
 ]
-SUITE_TITLE = {"matmul": "Dense GEMM: jax_cute.matmul", "layouts": "Layouts: einsum, LM head, vmap of batched",
+SUITE_TITLE = {"models": "Models: jax_cute.kernelize", "matmul": "Dense GEMM: jax_cute.matmul", "layouts": "Layouts: einsum, LM head, vmap of batched",
                "ragged": "Grouped GEMM: jax_cute.ragged_dot",
                "launch": "Launch overhead", "fused": "Fused epilogues: bias and activation"}
 SUITE_LABELS = {"ragged": {"xla": "lax.ragged_dot"},   # what the "xla" rival is in that suite
@@ -183,6 +183,10 @@ SUITE_NOTE = {
               "configs of Pallas' Mosaic GPU Hopper matmul. Each call runs 8 independent products in one jit. "
               "The MLP step is the forward + backward + SGD update of `examples/mlp_training.py`; *XLA, bf16 "
               "gradient GEMMs* rounds the f32 cotangent to bf16 as jax_cute does, the like-for-like baseline.",
+    "models": "The training step of `examples/gpt_training.py` (embeddings, pre-norm blocks of causal attention "
+              "through `jnp.einsum` and a GELU MLP or a top-2 mixture of experts on `lax.ragged_dot`, layers "
+              "under `lax.scan` + `jax.checkpoint`, tied LM head, AdamW; bf16 products, f32 master weights): "
+              "*jax_cute* is `jax.value_and_grad(jax_cute.kernelize(loss))`, *XLA* the model as written.",
     "layouts": "XLA: the same `jnp.einsum` / `jnp.matmul` expression. Attention products read (B, T, H, D) "
                "activations and write their outputs in the einsum's order; the LM head has a 50257-word "
                "vocabulary (rows padded to 16 bytes inside the lowering); *vmap of batched* maps axis 1 of a "
