@@ -139,9 +139,6 @@ def gemm(a_aval, b_aval, *, layouts: GemmLayouts, out_dtype: str, acc_dtype: str
     # into the neighbouring op where it can): cheaper than a transposing copy or the fallback.
     given = [tuple(a_aval.shape), tuple(b_aval.shape), tuple(layouts.c_shape)]
     flat, shapes = plan_gemm(layouts, given, dts)
-    for name, old, new in zip("abc", given, shapes):
-        if old != new:
-            logger.warning("jax_cute.matmul: padding %s from %s to %s (16-byte TMA strides)", name, old, new)
     if isinstance(flat, str):
         fallback("matmul", f"{flat} ({what})")
         return None
@@ -155,39 +152,51 @@ def gemm(a_aval, b_aval, *, layouts: GemmLayouts, out_dtype: str, acc_dtype: str
         fallback("matmul", f"the batch modes do not coalesce into one, and the {fam.FAMILY} kernels take "
                            f"one ({what})")
         return None
-    for operand, reason in flat.copies:
-        logger.warning("jax_cute.matmul: copying operand %s into a kernel layout: %s", operand, reason)
+    _log_copies(flat, given, shapes)
     cfg = fam.heuristic(spec, flat.m, flat.n, flat.k, flat.l, arch_info.num_sms(arch))
     if config.autotune():
         cfg = autotune.tuned_gemm_config(fam, arch, spec, flat, dts, cfg)
-    binary = family_binary(fam, arch, spec, launch_mode(cfg))
-    workspaces = fam.workspace(spec, cfg, flat.m, flat.n, flat.k, flat.l)
-
-    def impl(a, b):
-        a, b = _pad_to(a, shapes[0]), _pad_to(b, shapes[1])
-        c = _launch_gemm(a, b, flat, binary, workspaces, shapes[2], dts[2])
-        return c[tuple(slice(0, n) for n in layouts.c_shape)] if shapes[2] != tuple(layouts.c_shape) else c
-
-    if not _trusted("matmul", binary, impl, reference, (a_aval, b_aval)):
+    binary, launch = _gemm_launcher(fam, arch, spec, cfg, flat, shapes, layouts.c_shape)
+    if not _trusted("matmul", binary, launch, reference, (a_aval, b_aval)):
         return None
     logger.info("jax_cute.matmul: %s on %s (%s)", binary.name, arch, what)
-    return impl
+    return launch
+
+
+def _log_copies(flat: FlatGemm, given, shapes) -> None:
+    """Log what a plan moves besides the kernel's own reads: padded buffers and copied operands."""
+    for name, old, new in zip("abc", given, shapes):
+        if old != new:
+            logger.warning("jax_cute.matmul: padding %s from %s to %s (16-byte TMA strides)", name, old, new)
+    for operand, reason in flat.copies:
+        logger.warning("jax_cute.matmul: copying operand %s into a kernel layout: %s", operand, reason)
 
 
 def _pad_to(x, shape):
     return x if x.shape == tuple(shape) else jnp.pad(x, [(0, n - m) for m, n in zip(x.shape, shape)])
 
 
-def _launch_gemm(a, b, flat: FlatGemm, binary: KernelBinary, workspaces, c_shape, out_dtype: str):
-    if flat.a_src is not None:
-        a = materialise(a, flat.a_src, flat.a)
-    if flat.b_src is not None:
-        b = materialise(b, flat.b_src, flat.b)
-    outputs = {"c": (jax.ShapeDtypeStruct(c_shape, np.dtype(out_dtype)), flat.c.shape, flat.c.stride)}
-    outputs.update(workspace_outputs(binary, workspaces))
-    res = kernel_call(binary, {"a": (a, flat.a.shape, flat.a.stride), "b": (b, flat.b.shape, flat.b.stride)},
-                      outputs, zeroed=_zeroed(workspaces))
-    return res["c"]
+def _gemm_launcher(fam, arch: str, spec, cfg, flat: FlatGemm, shapes, c_shape) -> tuple[KernelBinary, Callable]:
+    """(binary, ``launch(a, b, extra=None) -> c``): the compiled kernel for ``cfg`` launched on the plan's
+    (padded, or copied) operands, with ``extra`` inputs (name -> (array, shape, stride)), and its
+    output sliced back to ``c_shape`` where the plan padded it."""
+    binary = family_binary(fam, arch, spec, launch_mode(cfg))
+    workspaces = fam.workspace(spec, cfg, flat.m, flat.n, flat.k, flat.l)
+    padded_c = tuple(shapes[2]) != tuple(c_shape)
+
+    def launch(a, b, extra=None):
+        a, b = _pad_to(a, shapes[0]), _pad_to(b, shapes[1])
+        if flat.a_src is not None:
+            a = materialise(a, flat.a_src, flat.a)
+        if flat.b_src is not None:
+            b = materialise(b, flat.b_src, flat.b)
+        outputs = {"c": (jax.ShapeDtypeStruct(shapes[2], np.dtype(spec.c_dtype)), flat.c.shape, flat.c.stride)}
+        outputs.update(workspace_outputs(binary, workspaces))
+        inputs = {"a": (a, flat.a.shape, flat.a.stride), "b": (b, flat.b.shape, flat.b.stride), **(extra or {})}
+        c = kernel_call(binary, inputs, outputs, zeroed=_zeroed(workspaces))["c"]
+        return c[tuple(slice(0, n) for n in c_shape)] if padded_c else c
+
+    return binary, launch
 
 
 # -- dense GEMM with a fused epilogue (jax_cute_matmul_fused) ---------------------------------------
@@ -256,29 +265,13 @@ def fused_gemm(a_aval, b_aval, *bias_aval, layouts: GemmLayouts, bias_layout, ac
     if spec.batch_modes not in getattr(fam, "BATCH_MODES", (1,)):
         _epilogue_in_xla(f"the batch modes do not coalesce into one, and the {fam.FAMILY} kernels take one", what)
         return None
-    for name, old, new in zip("abc", given, shapes):
-        if old != new:
-            logger.warning("jax_cute.matmul: padding %s from %s to %s (16-byte TMA strides)", name, old, new)
-    for operand, reason in flat.copies:
-        logger.warning("jax_cute.matmul: copying operand %s into a kernel layout: %s", operand, reason)
+    _log_copies(flat, given, shapes)
     cfg = fam.heuristic(spec, flat.m, flat.n, flat.k, flat.l, arch_info.num_sms(arch))
-    binary = family_binary(fam, arch, spec, launch_mode(cfg))
-    workspaces = fam.workspace(spec, cfg, flat.m, flat.n, flat.k, flat.l)
+    binary, launch = _gemm_launcher(fam, arch, spec, cfg, flat, shapes, layouts.c_shape)
 
     def impl(a, b, *bias_buf):
-        a, b = _pad_to(a, shapes[0]), _pad_to(b, shapes[1])
-        extra = {}
-        if bias_buf:
-            extra["bias"] = (jnp.reshape(bias_buf[0], (-1,)).astype(jnp.float32), (ext["n"],), (1,))
-        if flat.a_src is not None:
-            a = materialise(a, flat.a_src, flat.a)
-        if flat.b_src is not None:
-            b = materialise(b, flat.b_src, flat.b)
-        outputs = {"c": (jax.ShapeDtypeStruct(shapes[2], np.dtype(dts[2])), flat.c.shape, flat.c.stride)}
-        outputs.update(workspace_outputs(binary, workspaces))
-        c = kernel_call(binary, {"a": (a, flat.a.shape, flat.a.stride), "b": (b, flat.b.shape, flat.b.stride),
-                                 **extra}, outputs, zeroed=_zeroed(workspaces))["c"]
-        return [c[tuple(slice(0, n) for n in layouts.c_shape)] if shapes[2] != tuple(layouts.c_shape) else c]
+        extra = {"bias": (jnp.reshape(bias_buf[0], (-1,)).astype(jnp.float32), (ext["n"],), (1,))} if bias_buf else None
+        return [launch(a, b, extra)]
 
     if not _trusted("matmul", binary, impl, reference, (a_aval, b_aval, *bias_aval)):
         return None
