@@ -1,8 +1,9 @@
 """GEMM suite: jax_cute.matmul vs XLA (jnp.matmul) vs Pallas Mosaic-GPU Hopper matmul, bf16.
 
-Also: fp8 (e4m3) products against XLA's, vmap of 8 independent problems (both operands batched)
-against one flat problem of the same total size, and the MLP block training step (forward +
-backward) on jax_cute vs jnp.
+Also: small products timed inside one lax.fori_loop (kernel-level), the two largest shapes in
+sustained 1 s windows, fp8 (e4m3) products against XLA's, vmap of 8 independent problems (both
+operands batched) against one flat problem of the same total size, and the MLP block training
+step (forward + backward) on jax_cute vs jnp.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import argparse
 import functools
 import os
 import sys
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +29,13 @@ SMOKE_SHAPES = [(128, 256, 64), (256, 128, 128)]
 # Each GEMM call of the table is timed as CHAIN independent products in one jit (see
 # common.measure): 2048^3 takes ~30 us, less than the host needs to dispatch one jitted call.
 CHAIN = 8
+# Small products, also timed as LOOP dependent products inside one lax.fori_loop (one jitted call),
+# so neither the host's dispatch nor the gaps between calls are in the figure.
+LOOP_SHAPES = [(1024, 1024, 1024), (2048, 2048, 2048)]
+LOOP = 64
+# Sustained load: 1 s windows back to back, where the board sits at its power cap (the regime of a
+# training loop; docs/performance.md).
+SUSTAINED_SHAPES = [(8192, 8192, 8192), (4096, 14336, 4096)]
 
 
 def pallas_impls() -> list[Impl]:
@@ -53,7 +62,18 @@ def pallas_impls() -> list[Impl]:
     return out
 
 
-FP8_SHAPES = [(8192, 8192, 8192), (4096, 14336, 4096), (2048, 2048, 2048)]
+FP8_SHAPES = [(8192, 8192, 8192), (4096, 14336, 4096), (16384, 2048, 2048), (2048, 2048, 2048)]
+
+
+def in_loop(fn: Callable, iters: int = LOOP) -> Callable:
+    """``fn(a, b)`` run ``iters`` times in one ``lax.fori_loop``. Each product writes one element
+    back into ``a``, so no iteration can be hoisted out of the loop or skipped; that one-element
+    in-place update is the same for every implementation."""
+    def run(a, b):
+        def body(_, a):
+            return a.at[0, 0].set(fn(a, b)[0, 0].astype(a.dtype))
+        return jax.lax.fori_loop(0, iters, body, a)
+    return run
 
 
 def _fp8_ours(x, w):
@@ -98,6 +118,25 @@ def run(args: argparse.Namespace) -> list[dict]:
                                             zip(jax.random.split(jax.random.key(s)), [(m, k), (k, n)]))
         recs += measure("matmul", "gemm", f"{m}x{n}x{k}", impls, mk, 2.0 * m * n * k, rounds=rounds,
                         meta={"m": m, "n": n, "k": k, "dtype": "bfloat16"}, chain=chain)
+
+    # kernel-level figures for small products: LOOP of them in one fori_loop per call
+    for m, n, k in SMOKE_SHAPES[:1] if args.smoke else LOOP_SHAPES:
+        iters = 4 if args.smoke else LOOP
+        impls = [Impl(im.name, in_loop(im.fn, iters), im.config) for im in
+                 [Impl("jax_cute", jax_cute.matmul), Impl("xla", jnp.matmul), *rivals]]
+        mk = lambda s, m=m, n=n, k=k: tuple(jax.random.normal(key, sh, dt) for key, sh in  # noqa: E731
+                                            zip(jax.random.split(jax.random.key(s)), [(m, k), (k, n)]))
+        recs += measure("matmul", "gemm_loop", f"{m}x{n}x{k}", impls, mk, 2.0 * m * n * k * iters, rounds=rounds,
+                        meta={"m": m, "n": n, "k": k, "dtype": "bfloat16", "loop": iters}, check=False)
+
+    # sustained load: each timed window about 1 s (the suite's other windows are about 50 ms)
+    for m, n, k in SMOKE_SHAPES[:1] if args.smoke else SUSTAINED_SHAPES:
+        impls = [Impl("jax_cute", jax_cute.matmul), Impl("xla", jnp.matmul), *rivals]
+        mk = lambda s, m=m, n=n, k=k: tuple(jax.random.normal(key, sh, dt) for key, sh in  # noqa: E731
+                                            zip(jax.random.split(jax.random.key(s)), [(m, k), (k, n)]))
+        recs += measure("matmul", "gemm_sustained", f"{m}x{n}x{k}", impls, mk, 2.0 * m * n * k,
+                        rounds=2 if args.smoke else 3, chain=chain, target_s=0.01 if args.smoke else 1.0,
+                        meta={"m": m, "n": n, "k": k, "dtype": "bfloat16"})
 
     # fp8 (e4m3) inputs, x (M, K) times w (N, K) transposed, bf16 out: the only fp8 layout our
     # Hopper kernel takes (both operands K-major); XLA gets the same dot_general.

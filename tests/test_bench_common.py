@@ -39,3 +39,15 @@ def test_measure_records_each_rounds_predecessor():
         for pos, name in enumerate(order):
             rec = next(x for x in recs if x["impl"] == name)
             assert rec["rounds_after"][r] == (order[pos - 1] if pos else None)
+
+
+def test_in_loop_feeds_each_product_back():
+    # the kernel-level timing of small products: every iteration's product depends on the
+    # previous one's (one element written back), so XLA can neither hoist nor drop it
+    import bench_matmul
+    a = jnp.arange(6.0).reshape(2, 3)
+    b = jnp.full((3, 2), 0.5)
+    want = a
+    for _ in range(3):
+        want = want.at[0, 0].set((want @ b)[0, 0])
+    assert (bench_matmul.in_loop(jnp.matmul, 3)(a, b) == want).all()

@@ -125,6 +125,24 @@ def test_epilogues_with_many_tiles_per_cta(k, epilogue, monkeypatch):
     jax.clear_caches()
 
 
+@pytest.mark.parametrize("whole", [False, True])
+@pytest.mark.parametrize("ta,tb", [(False, False), (True, True)])
+@pytest.mark.parametrize("m,n,k", [(1000, 1032, 776), (264, 136, 72), (4096, 4096, 4096), (600, 4100, 300)])
+def test_256_row_cooperative_tiles(m, n, k, ta, tb, whole, monkeypatch):
+    """The 256 x 128 cooperative tile (autotune's candidate of Pallas's shape): each warpgroup
+    owns two interleaved 64-row blocks, so a wrong block mapping leaves NaN rows or swaps them."""
+    from jax_cute.kernels import sm90_gemm
+    want = sm90_gemm.Config(256, 128, epi_n=64, whole_c=whole)
+    monkeypatch.setattr(sm90_gemm, "heuristic", lambda *a, **kw: want)
+    jax.clear_caches()
+    a = rand((k, m) if ta else (m, k))
+    b = rand((n, k) if tb else (k, n))
+    f = lambda x, y: jax_cute.matmul(x, y, transpose_a=ta, transpose_b=tb)  # noqa: E731
+    assert_ours(f, a, b, calls=1)
+    check(jax.jit(f)(a, b), ref_mm(a, b, ta, tb), jnp.bfloat16)
+    jax.clear_caches()
+
+
 @pytest.mark.parametrize("ta,tb", [(False, False), (True, False), (False, True), (True, True)])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_every_layout(ta, tb, dtype):
@@ -182,7 +200,8 @@ def test_grad(sa, sb):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
-@pytest.mark.parametrize("m,n,k", [(1000, 1032, 784), (264, 136, 80), (4096, 4096, 4096)])
+@pytest.mark.parametrize("m,n,k", [(1000, 1032, 784), (264, 136, 80), (4096, 4096, 4096),
+                                   (2000, 2900, 520), (1000, 14336, 1024)])   # (pingpong 128x128, 128x160)
 @pytest.mark.parametrize("out", [jnp.bfloat16, jnp.float32])
 def test_fp8_inputs(dtype, m, n, k, out):
     # fp8 WGMMA takes both operands K-major: x (M, K) @ w (N, K)^T. The reference multiplies the

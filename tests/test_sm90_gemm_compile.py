@@ -90,6 +90,8 @@ def test_heuristic_picks_a_candidate(majors):
     # split tiles keep the ring (only the last split of a tile stores it)
     assert split.split_k > 1 and split.defer == 0 and split.epi_n == 64 and not split.whole_c
     assert sm90_gemm.heuristic(spec, 64, 4096, 16384, 1).cluster_m == 1
+    # 256x128 tiles (Pallas's shape) and pingpong: autotune only for 16-bit inputs
+    assert all(sm90_gemm.heuristic(spec, *s[:3], 1).tile_m == 128 for s in BENCH + ODD)
     f32 = sm90_gemm.heuristic(GemmSpec(BF, BF, F32, *majors), 8192, 8192, 8192, 1)
     # no room for a deferred fp32 copy, nor for a whole fp32 share next to 3 A/B stages
     assert (f32.epi_n, f32.defer, f32.whole_c) == (32, 0, False)
@@ -211,7 +213,7 @@ def test_compile_whole_share_epilogue(in_dt, out_dt, majors, cfg):
     spec = GemmSpec(in_dt, in_dt, out_dt, *majors)
     ptx = _compile(spec, cfg).ptx
     plain = _compile(spec, dataclasses.replace(cfg, whole_c=False)).ptx
-    subtiles = ((cfg.tile_m if cfg.pingpong else 64) // 64) * (cfg.tile_n // cfg.epi_n)
+    subtiles = ((cfg.tile_m if cfg.pingpong else cfg.tile_m // 2) // 64) * (cfg.tile_n // cfg.epi_n)
     assert ptx.count("cp.async.bulk.wait_group.read") == 2
     assert plain.count("cp.async.bulk.wait_group.read") == subtiles + 1
     assert ptx.count("cp.async.bulk.commit_group") == plain.count("cp.async.bulk.commit_group") == subtiles
@@ -238,7 +240,7 @@ def test_ragged_edge_store_path():
     assert "st.global" in binary.ptx
 
 
-_FP8 = [("float8_e4m3fn", BF, sm90_gemm._PINGPONG), ("float8_e5m2", F32, sm90_gemm.Config(128, 128, 1, 2, split_k=2))]
+_FP8 = [("float8_e4m3fn", BF, sm90_gemm._PINGPONG), ("float8_e4m3fn", BF, sm90_gemm._PINGPONG_160), ("float8_e5m2", F32, sm90_gemm.Config(128, 128, 1, 2, split_k=2))]
 
 
 @pytest.mark.parametrize("in_dt,out_dt,cfg", _FP8, ids=lambda x: x.key() if dataclasses.is_dataclass(x) else str(x))
@@ -253,12 +255,47 @@ def test_compile_fp8(in_dt, out_dt, cfg):
     assert "cp.async.bulk.tensor" in binary.ptx
 
 
+def test_fp8_heuristic_takes_pingpong_where_waves_waste():
+    # 8-bit k-tiles run twice as fast, so a cooperative tile's exposed epilogue weighs twice as
+    # much: 128x160 pingpong ran fp8 4096x14336x4096 at 1323 against 1252 TFLOP/s for the
+    # cooperative 128x256 (XLA 1353); on 8192^3 they tied and on 2048^3 pingpong lost 14% (H200,
+    # 2026-11-24). 16-bit inputs keep the cooperative tile (pingpong loses sustained).
+    spec = GemmSpec("float8_e4m3fn", "float8_e4m3fn", BF, "k", "k", "n")
+    assert sm90_gemm.heuristic(spec, 4096, 14336, 4096, 1) == sm90_gemm._PINGPONG_160
+    for shape in ((8192, 8192, 8192), (2048, 2048, 2048), (4096, 4096, 14336), (512, 8192, 8192)):
+        assert not sm90_gemm.heuristic(spec, *shape, 1).pingpong, shape
+    assert not sm90_gemm.heuristic(GemmSpec(BF, BF, BF, "k", "k", "n"), 4096, 14336, 4096, 1).pingpong
+
+
 _WIDTHS = [(BF, BF, "knn", sm90_gemm.Config(128, 160, raster="n", group=16)),
            (BF, F32, "kkn", sm90_gemm.Config(128, 160)),
            (F16, F16, "mnm", sm90_gemm.Config(128, 160, 1, 2)),
            ("float8_e4m3fn", BF, "kkn", sm90_gemm.Config(128, 160)),
            (BF, BF, "knn", sm90_gemm.Config(128, 192, raster="n", group=16)),
            (BF, F32, "mkn", sm90_gemm.Config(128, 192, 1, 2))]
+
+
+_TALL = [(BF, BF, "kkn", sm90_gemm.Config(256, 128, epi_n=64)),
+         (BF, BF, "mnm", sm90_gemm.Config(256, 128, 1, 2, epi_n=64, whole_c=True)),
+         (BF, F32, "knn", sm90_gemm.Config(256, 128, split_k=2)),
+         ("float8_e4m3fn", BF, "kkn", sm90_gemm.Config(256, 128, 1, 1, epi_n=32, defer=2))]
+
+
+@pytest.mark.parametrize("in_dt,out_dt,majors,cfg", _TALL,
+                         ids=lambda x: x.key() if dataclasses.is_dataclass(x) else str(x))
+def test_compile_256_row_cooperative_tiles(in_dt, out_dt, majors, cfg):
+    # each warpgroup runs two m64 WGMMAs per k-step (its rows 0-63 and 128-191, or 64-127 and
+    # 192-255) into 128 x 128 accumulators, and stores both row blocks
+    spec = GemmSpec(in_dt, in_dt, out_dt, *majors)
+    binary = _compile(spec, cfg)
+    k = 32 if in_dt.startswith("float8") else 16
+    assert f"wgmma.mma_async.sync.aligned.m64n128k{k}" in binary.ptx
+    plain = dataclasses.replace(cfg, whole_c=False, defer=0)
+    per_wg = 2 * (cfg.tile_n // cfg.epi_n)
+    if not cfg.defer and cfg.split_k == 1:
+        assert binary.ptx.count("cp.async.bulk.commit_group") == per_wg
+    assert sm90_gemm.tiles_per_cta(plain, 8192, 8192, 1) == 16 * cfg.split_k
+    assert sm90_gemm.Config(256, 128, epi_n=64) in sm90_gemm.candidate_configs(GemmSpec(BF, BF, BF))
 
 
 @pytest.mark.parametrize("in_dt,out_dt,majors,cfg", _WIDTHS,
@@ -270,7 +307,7 @@ def test_compile_160_and_192_wide_tiles(in_dt, out_dt, majors, cfg):
 
 
 def test_epilogue_ring_divides_the_subtiles_and_everything_fits():
-    tiles = [(128, tn, False) for tn in sm90_gemm._TILE_NS] + [(tm, tn, True) for tm, tn in sm90_gemm._PINGPONG_TILES]
+    tiles = [(tm, tn, False) for tm, tn in sm90_gemm._COOP_TILES] + [(tm, tn, True) for tm, tn in sm90_gemm._PINGPONG_TILES]
     for tm, tn, pp in tiles:
         for c_dt in (BF, F32):
             for epi_n in (32, 64):
@@ -279,7 +316,7 @@ def test_epilogue_ring_divides_the_subtiles_and_everything_fits():
                 ab, depth = sm90_gemm._stage_plan(tn, c_dt, 0, pp, epi_n, tm)
                 item = 4 if c_dt == F32 else 2
                 # each consumer warpgroup's ring holds 64 x epi_n subtiles of its own rows
-                subtiles = ((tm if pp else 64) // 64) * (tn // epi_n)
+                subtiles = ((tm if pp else tm // 2) // 64) * (tn // epi_n)
                 assert subtiles % depth == 0 and ab >= 4, (tm, tn, pp, c_dt, epi_n, ab, depth)
                 assert ab * (tm + tn) * 128 + 2 * depth * 64 * epi_n * item + 1024 <= sm90_gemm.SMEM_BYTES
     # cooperative 16-bit 128x256: 4-deep ring of 64x32 or 2-deep of 64x64 subtiles per warpgroup
@@ -290,6 +327,10 @@ def test_epilogue_ring_divides_the_subtiles_and_everything_fits():
     assert sm90_gemm._stage_plan(256, BF, 0, False, 64, 128, True) == (3, 4)
     assert sm90_gemm._stage_plan(128, BF, 0, False, 64, 128, True) == (6, 2)
     assert sm90_gemm._stage_plan(160, BF, 0, True, 32, 128, True) == (4, 10)
+    # 256x128 (two 64 x 128 row blocks per warpgroup): 4 stages beside a 2-deep ring of 64x64
+    # subtiles, 3 beside a whole 128 x 128 share
+    assert sm90_gemm._stage_plan(128, BF, 0, False, 64, 256) == (4, 2)
+    assert sm90_gemm._stage_plan(128, BF, 0, False, 64, 256, True) == (3, 4)
     # a whole fp32 128x256 share leaves 2 stages: refused
     assert sm90_gemm._stage_plan(256, F32, 0, False, 32, 128, True)[0] == 2
     with pytest.raises(ValueError, match="3 needed"):

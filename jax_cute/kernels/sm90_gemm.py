@@ -6,13 +6,14 @@ Kernel shape (one persistent CTA per SM, 384 threads):
   A and B k-slices into a ring of shared-memory stages (multicast to the other CTAs of a 2x1,
   1x2 or 2x2 cluster, which share the same B or A slice); it then keeps only 40 registers
   (setmaxnreg).
-- warpgroups 1 and 2 are the consumers (232 registers each). Cooperative (128 x 128..256
-  tiles): each owns 64 rows of every tile, runs WGMMA from shared memory into fp32
-  accumulators and releases stages back to the producer(s). Pingpong (Config.pingpong, 64- or
+- warpgroups 1 and 2 are the consumers (232 registers each). Cooperative (128 x 128..256 and
+  256 x 128 tiles): each owns half the rows of every tile (64, or two 64-row blocks of a
+  256-row tile, interleaved: warpgroup 1 rows 0-63 and 128-191), runs WGMMA from shared memory
+  into fp32 accumulators and releases stages back to the producer(s). Pingpong (Config.pingpong, 64- or
   128-row tiles): each warpgroup owns alternate whole tiles; their mainloops take turns
   (named-barrier tokens) so one warpgroup's epilogue runs under the other's mainloop.
-- epilogue: each consumer warpgroup stores its own rows (its own named barrier, shared-memory
-  ring of 64 x epi_n subtiles and store warp) with TMA, clipped at the tensor edge, so the two
+- epilogue: each consumer warpgroup stores its own 64-row blocks (its own named barrier,
+  shared-memory ring of 64 x epi_n subtiles and store warp) with TMA, clipped at the tensor edge, so the two
   never wait on each other between mainloops.
 - fused epilogue (GemmSpec.bias / activation, EPILOGUES): after a subtile's accumulators are
   copied out, each element adds the float32 bias of its output column (read from global memory,
@@ -158,7 +159,7 @@ def _fused(spec) -> bool:
 
 
 def _check_config(config: Config) -> None:
-    tiles = _PINGPONG_TILES if config.pingpong else [(128, n) for n in _TILE_NS]
+    tiles = _PINGPONG_TILES if config.pingpong else _COOP_TILES
     if (config.tile_m, config.tile_n) not in tiles:
         raise ValueError(f"{FAMILY}: unsupported tile {config.tile_m}x{config.tile_n} (tiles are "
                          + ", ".join(f"{m}x{n}" for m, n in tiles) + (" with pingpong)" if config.pingpong else ")"))
@@ -198,7 +199,8 @@ def candidate_configs(spec) -> list[Config]:
     out.append(Config(128, 256, 2, 1, "n", 8, 1))
     out.append(Config(128, 128, 1, 1, "m", 8, 1))
     out.append(Config(128, 256, 2, 1, "n", 16, 1))   # N fastest in bands of 16: an autotune candidate
-    out += [_PINGPONG, _PINGPONG_160, Config(128, 128, 2, 1, pingpong=True)]
+    out.append(Config(256, 128, 2, 1, "m", 8, 1, epi_n=64))   # Pallas's shape (see _COOP_TILES)
+    out += [_PINGPONG, _PINGPONG_160, _PINGPONG_128]
     out = [epilogue_for(spec, c) for c in out]
     # each whole-share tile also with the other epilogues, for autotune: the ring of 64-wide
     # subtiles stored after each mainloop, and the deferred epilogue
@@ -241,8 +243,13 @@ def candidate_configs(spec) -> list[Config]:
 # atoms). They compute correctly on an H200 but run 5-25% slower than 128x256, so
 # neither the heuristic nor candidate_configs offers them.
 _TILE_NS = (128, 160, 192, 256)
+# cooperative tiles (each consumer warpgroup holds tile_m * tile_n / 256 fp32 accumulators per
+# thread): 256 x 128 gives each warpgroup two 64 x 128 row blocks, the shape of Pallas's fastest
+# Hopper matmul configuration (two warpgroups stacked along M, 128 x 128 each)
+_COOP_TILES = [(128, n) for n in _TILE_NS] + [(256, 128)]
 _PINGPONG = Config(64, 256, 2, 1, "n", 8, 1, pingpong=True)
 _PINGPONG_160 = Config(128, 160, 2, 1, pingpong=True)
+_PINGPONG_128 = Config(128, 128, 2, 1, pingpong=True)
 # pingpong tiles (one warpgroup's accumulators: tile_m * tile_n / 128 fp32 registers per thread)
 _PINGPONG_TILES = [(64, 128), (64, 256), (128, 128), (128, 160)]
 
@@ -256,8 +263,8 @@ def _stage_plan(tile_n: int, c_dtype: str, stages: int, pingpong: bool = False,
                 epi_n: int = 32, tile_m: int = 128, whole_c: bool = False) -> tuple[int, int]:
     """(A/B stages, epilogue ring depth) for a tile_m x tile_n x tile_k tile.
 
-    Each consumer warpgroup stores its own rows of output (cooperative: its 64-row half of the
-    tile; pingpong: its whole tile) through its own ring of 64 x epi_n subtiles. The ring is
+    Each consumer warpgroup stores its own rows of output (cooperative: its half of the tile, in
+    64-row blocks; pingpong: its whole tile) through its own ring of 64 x epi_n subtiles. The ring is
     reused round-robin across tiles, so its depth divides a warpgroup's subtiles per tile.
     Cooperative: as deep as fits in 16 KB per warpgroup (the A/B ring keeps the rest); pingpong:
     2 deep (its A/B stages matter more). whole_c: one slot per subtile of the warpgroup's share."""
@@ -267,9 +274,9 @@ def _stage_plan(tile_n: int, c_dtype: str, stages: int, pingpong: bool = False,
         epi_stages = 2 if subtiles % 2 == 0 else 1
         ab_bytes = (tile_m + tile_n) * ROW_BYTES
     else:
-        subtiles = tile_n // epi_n
+        subtiles = (tile_m // 128) * (tile_n // epi_n)
         epi_stages = max(d for d in range(1, subtiles + 1) if subtiles % d == 0 and (d == 1 or d * sub_bytes <= 16384))
-        ab_bytes = (128 + tile_n) * ROW_BYTES
+        ab_bytes = (tile_m + tile_n) * ROW_BYTES
     if whole_c:
         epi_stages = subtiles
     epi_bytes = 2 * sub_bytes * epi_stages
@@ -292,8 +299,12 @@ def _estimate(config: Config, m: int, n: int, k: int, l: int, num_sms: int, bk: 
     waves = tiles_per_cta(config, m, n, l, num_sms)
     k_tiles = -(-max(k, 1) // bk)
     k_per_unit = -(-k_tiles // config.split_k)
-    size = config.tile_n / 128
-    speed = 1.0 if config.tile_n == 256 else 0.88      # 128x128 tiles reach less of peak
+    size = config.tile_m * config.tile_n / (128 * 128)
+    speed = 1.0 if size > 1 else 0.88                  # 128x128 tiles reach less of peak
+    if config.pingpong:
+        # the mainloops run back to back; only the CTA's last epilogue is not under the other
+        # warpgroup's mainloop
+        return waves * k_per_unit * size / speed + 2.0 * size
     # mainloop + epilogue. A deferred epilogue is charged in full too: it hides under the next
     # tile only where a CTA has one, and the split/unsplit ranking was tuned with this charge
     # (re-ranking with the deferral credited is for a measured session)
@@ -308,7 +319,7 @@ def heuristic(spec, m: int, n: int, k: int, l: int, num_sms: int = NUM_SMS) -> C
     if reason:
         raise ValueError(reason)
     cands = [c for c in candidate_configs(spec)
-             if c.raster == "m" and c.group == 8 and not c.pingpong and c == epilogue_for(spec, c)]
+             if c.raster == "m" and c.group == 8 and not c.pingpong and c.tile_m == 128 and c == epilogue_for(spec, c)]
     if spec.batch_modes > 1 and _ITEM[spec.c_dtype] == 4:
         # an fp32 128x256 tile split 4 ways spills registers with three batch modes (16-96 bytes)
         cands = [c for c in cands if not (c.tile_n == 256 and c.split_k == 4)]
@@ -318,7 +329,14 @@ def heuristic(spec, m: int, n: int, k: int, l: int, num_sms: int = NUM_SMS) -> C
     else:
         cands = [c for c in cands if c.cluster_m == 2]
     bk = tile_k(spec.a_dtype)
-    return min(cands, key=lambda c: (_estimate(c, m, n, k, l, num_sms, bk), c.split_k, -c.tile_n))
+    best = min(cands, key=lambda c: (_estimate(c, m, n, k, l, num_sms, bk), c.split_k, -c.tile_n))
+    if spec.a_dtype in _FP8 and tiles_m > 1:
+        # 8-bit k-tiles run twice as fast, so the cooperative tile's exposed epilogue weighs twice
+        # as much: the pingpong tiles win where the model says they save 3% or more
+        pp = min((_PINGPONG_160, _PINGPONG_128), key=lambda c: _estimate(c, m, n, k, l, num_sms, bk))
+        if _estimate(pp, m, n, k, l, num_sms, bk) < 0.97 * _estimate(best, m, n, k, l, num_sms, bk):
+            return pp
+    return best
 
 
 def tiles_per_cta(config: Config, m: int, n: int, l: int, num_sms: int = NUM_SMS) -> int:
@@ -411,6 +429,10 @@ def _kernel_class():
             # every consumer warpgroup stores its own 64 output rows (its own named barrier, smem
             # ring and store warp), so neither waits on the other between mainloops
             self.epi_tile = (64, config.epi_n)
+            # rows of each tile a consumer warpgroup owns, and the step between its 64-row blocks
+            # (cooperative tiles interleave the warpgroups' blocks: 0, 2 and 1, 3 of 256 rows)
+            self.wg_rows = config.tile_m if self.pp else config.tile_m // 2
+            self.blk_step = 1 if self.pp else 2
             # fused epilogue (dense only): bias per output column, then the activation
             dense = isinstance(spec, GemmSpec)
             self.fuse_bias = dense and spec.bias
@@ -842,14 +864,14 @@ def _kernel_class():
                 if const_expr(self.fuse_bias):
                     # this thread's accumulator coordinates (its own slice, not the warpgroup's
                     # first thread's, which the WGMMA operand partitions take), retiled like tRS_acc
-                    share = cute.make_identity_tensor((self.bm if const_expr(self.pp) else 64, self.bn))
+                    share = cute.make_identity_tensor((self.wg_rows, self.bn))
                     epi_coords = r2s.retile(wg_mma.get_slice(etid).partition_C(share))
                 rd_shape = cute.shape(thr_r2s.partition_S(sC))[:3]
                 tRS_r32 = cute.make_rmem_tensor(rd_shape, Float32)
                 tRS_rC = cute.make_rmem_tensor(rd_shape, self.c_t)
                 n_rd = cute.size(tRS_r32)
                 # subtiles per warpgroup and tile: row blocks x column blocks, N fastest
-                n_epi = ((self.bm if const_expr(self.pp) else 64) // 64) * (self.bn // self.epi_tile[1])
+                n_epi = (self.wg_rows // 64) * (self.bn // self.epi_tile[1])
                 frag = cute.size(acc)
                 acc_flat = cute.make_tensor(acc.iterator, cute.make_layout(frag))
                 # TMA stores write whole 16-byte chunks: when C's contiguous extent is not a
@@ -1021,7 +1043,7 @@ def _kernel_class():
                      n_epi: cutlass.Constexpr, row_blk, epi_bar, warp_id,
                      gmem_c, tm, tn, l, ragged, etid, store_warp, buf0, converted: cutlass.Constexpr = False,
                      coords=None, bias=None):
-            """One warpgroup's 64 rows of the tile: acc -> output dtype -> smem ring -> TMA store,
+            """One warpgroup's rows of the tile: acc -> output dtype -> smem ring -> TMA store,
             one 64 x epi_n subtile at a time, one named barrier per subtile.
 
             whole_c: the ring has a slot per subtile. After one wait for the previous tile's
@@ -1055,7 +1077,7 @@ def _kernel_class():
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
                 epi_bar.arrive_and_wait()
             for e in range_constexpr(n_epi):
-                blk, e_n = row_blk + e // per_row, e % per_row
+                blk, e_n = row_blk + self.blk_step * (e // per_row), e % per_row
                 m0 = tm * self.bm + blk * em
                 if const_expr(converted):
                     for v in range_constexpr(n_rd):
@@ -1116,7 +1138,7 @@ def make_launcher(spec: GemmSpec | GroupedSpec, config: Config, sms: int = NUM_S
         raise ValueError(f"{FAMILY}: grouped tiles are cooperative 128-row tiles on one CTA, unsplit ({config})")
     Sm90Gemm, cute, cuda_driver = _kernel_class()
     # the epilogue reuses its smem ring round-robin across tiles: subtiles per tile must fill it
-    rows = config.tile_m if config.pingpong else 64
+    rows = config.tile_m if config.pingpong else config.tile_m // 2
     ab_stages, epi_stages = _stage_plan(config.tile_n, spec.c_dtype, config.stages, config.pingpong,
                                         config.epi_n, config.tile_m, config.whole_c)
     assert (rows // 64) * (config.tile_n // config.epi_n) % epi_stages == 0
