@@ -77,6 +77,15 @@ checks = {
     # pingpong tiles (autotune candidates), partial tiles along M and N, ~2 tiles per CTA
     "pingpong 128x160": pingpong(128, 160, 4000, 1000, 1000),
     "pingpong 64x256": pingpong(64, 256, 4000, 1000, 1000),
+    # 256x128 cooperative tiles (autotune candidates): two 64-row blocks per warpgroup, partial
+    # tiles along M and N, a 2-deep ring of 64x64 subtiles or the whole share
+    "256x128 ring": direct({"tile_m": 256, "tile_n": 128, "epi_n": 64}, 1000, 1032, 776),
+    "256x128 whole share": direct({"tile_m": 256, "tile_n": 128, "epi_n": 64, "whole_c": True}, 4000, 1000, 1000),
+    # fp8: the heuristic's pingpong 128x128 (x (M, K) times w (N, K) transposed)
+    "fp8 pingpong": (lambda x, w: jax_cute.matmul(x, w, transpose_b=True, preferred_element_type=jnp.bfloat16),
+                     (r(2000, 256).astype(jnp.float8_e4m3fn), r(1400, 256).astype(jnp.float8_e4m3fn))),
+    "fused bias gelu": (lambda x, w, b: jax_cute.matmul(x, w, bias=b, activation="gelu"),
+                        (r(1000, 776), r(776, 1032), jnp.asarray(rng.standard_normal(1032), jnp.float32))),
     "matmul stream pdl chain": stream_chain(),
     "matmul grad": (jax.grad(lambda a, b: jax_cute.matmul(a, b).astype(jnp.float32).sum(), (0, 1)),
                     (r(264, 136), r(136, 72))),
