@@ -65,6 +65,12 @@ def pallas_impls() -> list[Impl]:
 FP8_SHAPES = [(8192, 8192, 8192), (4096, 14336, 4096), (16384, 2048, 2048), (2048, 2048, 2048)]
 
 
+def normal_operands(m: int, n: int, k: int, dt) -> Callable[[int], tuple]:
+    """``make_args`` for measure(): fresh standard-normal a (M, K) and b (K, N) per seed."""
+    return lambda s: tuple(jax.random.normal(key, sh, dt)
+                           for key, sh in zip(jax.random.split(jax.random.key(s)), [(m, k), (k, n)]))
+
+
 def in_loop(fn: Callable, iters: int = LOOP) -> Callable:
     """``fn(a, b)`` run ``iters`` times in one ``lax.fori_loop``. Each product writes one element
     back into ``a``, so no iteration can be hoisted out of the loop or skipped; that one-element
@@ -112,30 +118,23 @@ def run(args: argparse.Namespace) -> list[dict]:
     chain = 2 if args.smoke else CHAIN
     recs: list[dict] = []
     rivals = pallas_impls() if on_gpu else []  # Mosaic GPU cannot run on a CPU
+    dense = [Impl("jax_cute", jax_cute.matmul), Impl("xla", jnp.matmul), *rivals]
     for m, n, k in SMOKE_SHAPES if args.smoke else SHAPES:
-        impls = [Impl("jax_cute", jax_cute.matmul), Impl("xla", jnp.matmul), *rivals]
-        mk = lambda s, m=m, n=n, k=k: tuple(jax.random.normal(key, sh, dt) for key, sh in  # noqa: E731
-                                            zip(jax.random.split(jax.random.key(s)), [(m, k), (k, n)]))
-        recs += measure("matmul", "gemm", f"{m}x{n}x{k}", impls, mk, 2.0 * m * n * k, rounds=rounds,
-                        meta={"m": m, "n": n, "k": k, "dtype": "bfloat16"}, chain=chain)
+        recs += measure("matmul", "gemm", f"{m}x{n}x{k}", dense, normal_operands(m, n, k, dt), 2.0 * m * n * k,
+                        rounds=rounds, meta={"m": m, "n": n, "k": k, "dtype": "bfloat16"}, chain=chain)
 
     # kernel-level figures for small products: LOOP of them in one fori_loop per call
     for m, n, k in SMOKE_SHAPES[:1] if args.smoke else LOOP_SHAPES:
         iters = 4 if args.smoke else LOOP
-        impls = [Impl(im.name, in_loop(im.fn, iters), im.config) for im in
-                 [Impl("jax_cute", jax_cute.matmul), Impl("xla", jnp.matmul), *rivals]]
-        mk = lambda s, m=m, n=n, k=k: tuple(jax.random.normal(key, sh, dt) for key, sh in  # noqa: E731
-                                            zip(jax.random.split(jax.random.key(s)), [(m, k), (k, n)]))
-        recs += measure("matmul", "gemm_loop", f"{m}x{n}x{k}", impls, mk, 2.0 * m * n * k * iters, rounds=rounds,
+        looped = [Impl(im.name, in_loop(im.fn, iters), im.config) for im in dense]
+        recs += measure("matmul", "gemm_loop", f"{m}x{n}x{k}", looped, normal_operands(m, n, k, dt),
+                        2.0 * m * n * k * iters, rounds=rounds,
                         meta={"m": m, "n": n, "k": k, "dtype": "bfloat16", "loop": iters}, check=False)
 
     # sustained load: each timed window about 1 s (the suite's other windows are about 50 ms)
     for m, n, k in SMOKE_SHAPES[:1] if args.smoke else SUSTAINED_SHAPES:
-        impls = [Impl("jax_cute", jax_cute.matmul), Impl("xla", jnp.matmul), *rivals]
-        mk = lambda s, m=m, n=n, k=k: tuple(jax.random.normal(key, sh, dt) for key, sh in  # noqa: E731
-                                            zip(jax.random.split(jax.random.key(s)), [(m, k), (k, n)]))
-        recs += measure("matmul", "gemm_sustained", f"{m}x{n}x{k}", impls, mk, 2.0 * m * n * k,
-                        rounds=2 if args.smoke else 3, chain=chain, target_s=0.01 if args.smoke else 1.0,
+        recs += measure("matmul", "gemm_sustained", f"{m}x{n}x{k}", dense, normal_operands(m, n, k, dt),
+                        2.0 * m * n * k, rounds=2 if args.smoke else 3, chain=chain, target_s=0.01 if args.smoke else 1.0,
                         meta={"m": m, "n": n, "k": k, "dtype": "bfloat16"})
 
     # fp8 (e4m3) inputs, x (M, K) times w (N, K) transposed, bf16 out: the only fp8 layout our

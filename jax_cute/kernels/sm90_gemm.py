@@ -259,6 +259,12 @@ def tile_k(in_dtype: str) -> int:
     return ROW_BYTES // _ITEM[in_dtype]
 
 
+def _wg_rows(tile_m: int, pingpong: bool) -> int:
+    """Rows of each tile one consumer warpgroup computes and stores, in 64-row blocks: pingpong its
+    whole tile, cooperative half of it."""
+    return tile_m if pingpong else tile_m // 2
+
+
 def _stage_plan(tile_n: int, c_dtype: str, stages: int, pingpong: bool = False,
                 epi_n: int = 32, tile_m: int = 128, whole_c: bool = False) -> tuple[int, int]:
     """(A/B stages, epilogue ring depth) for a tile_m x tile_n x tile_k tile.
@@ -269,12 +275,11 @@ def _stage_plan(tile_n: int, c_dtype: str, stages: int, pingpong: bool = False,
     Cooperative: as deep as fits in 16 KB per warpgroup (the A/B ring keeps the rest); pingpong:
     2 deep (its A/B stages matter more). whole_c: one slot per subtile of the warpgroup's share."""
     sub_bytes = 64 * epi_n * _ITEM[c_dtype]
+    subtiles = (_wg_rows(tile_m, pingpong) // 64) * (tile_n // epi_n)
     if pingpong:
-        subtiles = (tile_m // 64) * (tile_n // epi_n)
         epi_stages = 2 if subtiles % 2 == 0 else 1
         ab_bytes = (tile_m + tile_n) * ROW_BYTES
     else:
-        subtiles = (tile_m // 128) * (tile_n // epi_n)
         epi_stages = max(d for d in range(1, subtiles + 1) if subtiles % d == 0 and (d == 1 or d * sub_bytes <= 16384))
         ab_bytes = (tile_m + tile_n) * ROW_BYTES
     if whole_c:
@@ -431,7 +436,7 @@ def _kernel_class():
             self.epi_tile = (64, config.epi_n)
             # rows of each tile a consumer warpgroup owns, and the step between its 64-row blocks
             # (cooperative tiles interleave the warpgroups' blocks: 0, 2 and 1, 3 of 256 rows)
-            self.wg_rows = config.tile_m if self.pp else config.tile_m // 2
+            self.wg_rows = _wg_rows(config.tile_m, self.pp)
             self.blk_step = 1 if self.pp else 2
             # fused epilogue (dense only): bias per output column, then the activation
             dense = isinstance(spec, GemmSpec)
@@ -1138,7 +1143,7 @@ def make_launcher(spec: GemmSpec | GroupedSpec, config: Config, sms: int = NUM_S
         raise ValueError(f"{FAMILY}: grouped tiles are cooperative 128-row tiles on one CTA, unsplit ({config})")
     Sm90Gemm, cute, cuda_driver = _kernel_class()
     # the epilogue reuses its smem ring round-robin across tiles: subtiles per tile must fill it
-    rows = config.tile_m if config.pingpong else config.tile_m // 2
+    rows = _wg_rows(config.tile_m, config.pingpong)
     ab_stages, epi_stages = _stage_plan(config.tile_n, spec.c_dtype, config.stages, config.pingpong,
                                         config.epi_n, config.tile_m, config.whole_c)
     assert (rows // 64) * (config.tile_n // config.epi_n) % epi_stages == 0
