@@ -1,6 +1,6 @@
 """GEMM suite: jax_cute.matmul vs XLA (jnp.matmul) vs Pallas Mosaic-GPU Hopper matmul, bf16.
 
-Also: small products timed inside one lax.fori_loop (kernel-level), the two largest shapes in
+Also: small products timed inside one lax.fori_loop (no host dispatch between them), the two largest shapes in
 sustained 1 s windows, fp8 (e4m3) products against XLA's, vmap of 8 independent problems (both
 operands batched) against one flat problem of the same total size, and the MLP block training
 step (forward + backward) on jax_cute vs jnp.
@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         recs += measure("matmul", "gemm", f"{m}x{n}x{k}", dense, normal_operands(m, n, k, dt), 2.0 * m * n * k,
                         rounds=rounds, meta={"m": m, "n": n, "k": k, "dtype": "bfloat16"}, chain=chain)
 
-    # kernel-level figures for small products: LOOP of them in one fori_loop per call
+    # small products without the host's dispatch: LOOP of them in one fori_loop per call
     for m, n, k in SMOKE_SHAPES[:1] if args.smoke else LOOP_SHAPES:
         iters = 4 if args.smoke else LOOP
         looped = [Impl(im.name, in_loop(im.fn, iters), im.config) for im in dense]

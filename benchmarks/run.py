@@ -168,7 +168,7 @@ def plot(recs: list[dict], key: str, ylabel: str, title: str, path: Path,
 
 SECTIONS = [  # (table, record key, unit, higher is better, title, digits)
     ("gemm", "tflops", "TFLOP/s", True, "GEMM (M×N×K; bf16 unless marked fp8)", 1),
-    ("gemm_loop", "tflops", "TFLOP/s", True, "Small GEMMs, kernel-level: 64 dependent products in one lax.fori_loop", 1),
+    ("gemm_loop", "tflops", "TFLOP/s", True, "Small GEMMs: 64 dependent products in one lax.fori_loop (no host dispatch; the loop's own per-iteration overhead included)", 1),
     ("gemm_sustained", "tflops", "TFLOP/s", True, "Large GEMMs under sustained load: 1 s windows, bf16", 1),
     ("ragged", "tflops", "TFLOP/s", True, "Grouped GEMM (ragged_dot), bf16: forward, lhs and rhs gradients", 1),
     ("e2e", "ms", "ms", False, "End-to-end steps (time per call)", 2),
