@@ -89,9 +89,8 @@ def traffic(kind: str, m: int, f: int, d: int, train: bool) -> dict[str, int]:
     - unfused (and XLA): the GEMM writes z, an XLA pass writes act(z + bias); the second
       layer's bias is one more M x D pass;
     - fused forward: the kernel writes act(z + bias) only (the second layer's bias too);
-    - fused forward + backward: the forward's GEMM writes a float32 accumulator and the XLA
-      epilogue writes y, plus (dense) the pre-activation residual z: the single rounding costs
-      traffic until a kernel writes both outputs;
+    - fused forward + backward, dense: the kernel writes y and the pre-activation residual z;
+      grouped (swiglu): the GEMM writes a float32 accumulator and the XLA epilogue writes y;
     - remat: the fused forward, then the backward's recomputation writes the training
       forward's bytes.
     """
@@ -100,7 +99,7 @@ def traffic(kind: str, m: int, f: int, d: int, train: bool) -> dict[str, int]:
     bias2 = 2 * m * d if kind == "gelu" else 0
     unfused = 2 * z + 2 * y + bias2
     inference = 2 * y
-    training = 4 * z + 2 * y + (2 * z if kind == "gelu" else 0) + bias2
+    training = (2 * z if kind == "gelu" else 4 * z) + 2 * y + bias2
     return {"jax_cute": training if train else inference, "jax_cute_unfused": unfused, "xla": unfused,
             "jax_cute_remat": inference + training}
 

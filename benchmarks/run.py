@@ -203,9 +203,11 @@ SUITE_NOTE = {
     "fused": "*jax_cute fused*: `matmul(..., bias=, activation=)` / `ragged_dot(..., activation=\"swiglu\")`; "
              "*jax_cute + jnp epilogue*: the same GEMMs without the options, the bias and activation in `jnp`; XLA: "
              "the layer in `jnp`. Forward: the kernel's epilogue adds the bias and applies GELU where the Hopper "
-             "family fuses them (`sm90_gemm.EPILOGUES`; else the XLA epilogue, logged at INFO). Forward + backward: the forward writes a float32 product and its epilogue (with the pre-activation residual) runs "
-             "in XLA, so the single rounding costs traffic (records' `epilogue_bytes`); *jax.checkpoint* recomputes "
-             "the pre-activation in the backward instead. SwiGLU runs the XLA epilogue in both directions.",
+             "family fuses them (`sm90_gemm.EPILOGUES`; else the XLA epilogue, logged at INFO). Forward + backward: the forward kernel writes the output and the pre-activation residual; "
+             "the backward multiplies the cotangent by the activation's derivative in XLA (one elementwise pass) "
+             "before the two gradient GEMMs (records' `epilogue_bytes`: bytes written between GEMMs); "
+             "*jax.checkpoint* recomputes the pre-activation in the backward instead. SwiGLU runs the GEMM with a "
+             "float32 output and the XLA epilogue.",
 }
 
 

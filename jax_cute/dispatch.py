@@ -157,10 +157,14 @@ def gemm(a_aval, b_aval, *, layouts: GemmLayouts, out_dtype: str, acc_dtype: str
     if config.autotune():
         cfg = autotune.tuned_gemm_config(fam, arch, spec, flat, dts, cfg)
     binary, launch = _gemm_launcher(fam, arch, spec, cfg, flat, shapes, layouts.c_shape)
-    if not _trusted("matmul", binary, launch, reference, (a_aval, b_aval)):
+
+    def impl(a, b):
+        return launch(a, b)[0]
+
+    if not _trusted("matmul", binary, impl, reference, (a_aval, b_aval)):
         return None
     logger.info("jax_cute.matmul: %s on %s (%s)", binary.name, arch, what)
-    return launch
+    return impl
 
 
 def _log_copies(flat: FlatGemm, given, shapes) -> None:
@@ -176,10 +180,12 @@ def _pad_to(x, shape):
     return x if x.shape == tuple(shape) else jnp.pad(x, [(0, n - m) for m, n in zip(x.shape, shape)])
 
 
-def _gemm_launcher(fam, arch: str, spec, cfg, flat: FlatGemm, shapes, c_shape) -> tuple[KernelBinary, Callable]:
-    """(binary, ``launch(a, b, extra=None) -> c``): the compiled kernel for ``cfg`` launched on the plan's
-    (padded, or copied) operands, with ``extra`` inputs (name -> (array, shape, stride)), and its
-    output sliced back to ``c_shape`` where the plan padded it."""
+def _gemm_launcher(fam, arch: str, spec, cfg, flat: FlatGemm, shapes, c_shape,
+                   outs: tuple[str, ...] = ("c",)) -> tuple[KernelBinary, Callable]:
+    """(binary, ``launch(a, b, extra=None) -> [c, ...]``): the compiled kernel for ``cfg`` launched
+    on the plan's (padded, or copied) operands, with ``extra`` inputs (name -> (array, shape,
+    stride)), and its outputs ``outs`` (each laid out like c) sliced back to ``c_shape`` where the
+    plan padded them."""
     binary = family_binary(fam, arch, spec, launch_mode(cfg))
     workspaces = fam.workspace(spec, cfg, flat.m, flat.n, flat.k, flat.l)
     padded_c = tuple(shapes[2]) != tuple(c_shape)
@@ -190,11 +196,12 @@ def _gemm_launcher(fam, arch: str, spec, cfg, flat: FlatGemm, shapes, c_shape) -
             a = materialise(a, flat.a_src, flat.a)
         if flat.b_src is not None:
             b = materialise(b, flat.b_src, flat.b)
-        outputs = {"c": (jax.ShapeDtypeStruct(shapes[2], np.dtype(spec.c_dtype)), flat.c.shape, flat.c.stride)}
+        out_type = jax.ShapeDtypeStruct(shapes[2], np.dtype(spec.c_dtype))
+        outputs = {name: (out_type, flat.c.shape, flat.c.stride) for name in outs}
         outputs.update(workspace_outputs(binary, workspaces))
         inputs = {"a": (a, flat.a.shape, flat.a.stride), "b": (b, flat.b.shape, flat.b.stride), **(extra or {})}
-        c = kernel_call(binary, inputs, outputs, zeroed=_zeroed(workspaces))["c"]
-        return c[tuple(slice(0, n) for n in c_shape)] if padded_c else c
+        got = kernel_call(binary, inputs, outputs, zeroed=_zeroed(workspaces))
+        return [got[name][tuple(slice(0, n) for n in c_shape)] if padded_c else got[name] for name in outs]
 
     return binary, launch
 
@@ -221,17 +228,14 @@ def fused_gemm(a_aval, b_aval, *bias_aval, layouts: GemmLayouts, bias_layout, ac
     kernel's epilogue), or None: the caller then runs the GEMM kernel with a float32 output and
     the epilogue in XLA (logged at INFO here, with the reason).
 
-    A family fuses what its ``EPILOGUES`` names ("bias" and activation names). Kernels read a
-    bias of one row (N,) in float32; a differentiated forward (``preact``, which also writes
-    the pre-activation) and swiglu run the XLA epilogue. The heuristic config is used (autotune
-    times plain GEMMs only)."""
+    A family fuses what its ``EPILOGUES`` names ("bias", activation names, and "preact": a
+    differentiated forward's second output, the pre-activation). Kernels read a bias of one row
+    (N,) in float32; swiglu runs the XLA epilogue. The heuristic config is used (autotune times
+    plain GEMMs only)."""
     dts = [np.dtype(a_aval.dtype).name, np.dtype(b_aval.dtype).name, np.dtype(out_dtype).name]
     ext = layouts.extents()
     what = (f"M={ext['m']} N={ext['n']} K={ext['k']} L={ext['l']}, dtypes {'/'.join(dts)}, "
             f"bias {'yes' if bias_aval else 'no'}, activation {activation}")
-    if preact:
-        _epilogue_in_xla("a differentiated forward also writes the pre-activation", what)
-        return None
     if 0 in ext.values():
         return None
     bias = bias_aval[0] if bias_aval else None
@@ -244,9 +248,13 @@ def fused_gemm(a_aval, b_aval, *bias_aval, layouts: GemmLayouts, bias_layout, ac
     except ImportError:
         fam = None
     fusable = getattr(fam, "EPILOGUES", ())
-    if fam is None or (activation and activation not in fusable) or (bias is not None and "bias" not in fusable):
+    # without an activation the pre-activation is the output itself
+    two_outputs = preact and bool(activation)
+    if fam is None or (activation and activation not in fusable) or (bias is not None and "bias" not in fusable) \
+            or (two_outputs and "preact" not in fusable):
         _epilogue_in_xla(f"{getattr(fam, 'FAMILY', 'no kernel family')} does not fuse "
-                         f"{'bias and ' if bias is not None else ''}{activation or 'no activation'}", what)
+                         f"{'bias and ' if bias is not None else ''}{activation or 'no activation'}"
+                         f"{' with the pre-activation output' if two_outputs else ''}", what)
         return None
     given = [tuple(a_aval.shape), tuple(b_aval.shape), tuple(layouts.c_shape)]
     flat, shapes = plan_gemm(layouts, given, dts)
@@ -257,7 +265,8 @@ def fused_gemm(a_aval, b_aval, *bias_aval, layouts: GemmLayouts, bias_layout, ac
         _epilogue_in_xla("a batch mode folds into N, so output columns no longer index the bias", what)
         return None
     spec = GemmSpec(dts[0], dts[1], dts[2], flat.a.major, flat.b.major, flat.c.major, acc_dtype,
-                    batch_modes=flat.batch_modes, bias=bias is not None, activation=activation or "")
+                    batch_modes=flat.batch_modes, bias=bias is not None, activation=activation or "",
+                    preact=two_outputs)
     picked = _family("matmul", "gemm", spec, what)
     if picked is None:
         return None
@@ -267,11 +276,13 @@ def fused_gemm(a_aval, b_aval, *bias_aval, layouts: GemmLayouts, bias_layout, ac
         return None
     _log_copies(flat, given, shapes)
     cfg = fam.heuristic(spec, flat.m, flat.n, flat.k, flat.l, arch_info.num_sms(arch))
-    binary, launch = _gemm_launcher(fam, arch, spec, cfg, flat, shapes, layouts.c_shape)
+    binary, launch = _gemm_launcher(fam, arch, spec, cfg, flat, shapes, layouts.c_shape,
+                                    ("c", "d") if two_outputs else ("c",))
 
     def impl(a, b, *bias_buf):
         extra = {"bias": (jnp.reshape(bias_buf[0], (-1,)).astype(jnp.float32), (ext["n"],), (1,))} if bias_buf else None
-        return [launch(a, b, extra)]
+        outs = launch(a, b, extra)
+        return outs * 2 if preact and not two_outputs else outs
 
     if not _trusted("matmul", binary, impl, reference, (a_aval, b_aval, *bias_aval)):
         return None

@@ -42,12 +42,15 @@ def _picks(spec: GemmSpec) -> list[sm90_gemm.Config]:
 
 
 def test_family_declares_its_epilogues():
-    assert set(sm90_gemm.EPILOGUES) == {"bias", *epilogue.ACTIVATIONS}
+    assert set(sm90_gemm.EPILOGUES) == {"bias", *epilogue.ACTIVATIONS, "preact"}
     assert sm90_gemm.unsupported(GemmSpec(BF, BF, BF, bias=True, activation="gelu")) is None
     assert "swiglu" in sm90_gemm.unsupported(GemmSpec(BF, BF, BF, activation="swiglu"))
     # cache keys of plain specs are unchanged; fused ones name their epilogue
     assert GemmSpec(BF, BF, BF).key() == "bfloat16.bfloat16.bfloat16.accfloat32.kkn"
     assert GemmSpec(BF, BF, BF, bias=True, activation="silu").key().endswith(".kkn.bias.silu")
+    assert GemmSpec(BF, BF, BF, activation="relu", preact=True).key().endswith(".kkn.relu.preact")
+    with pytest.raises(ValueError, match="needs an activation"):
+        GemmSpec(BF, BF, BF, bias=True, preact=True)
 
 
 def test_fused_signature_and_configs():
@@ -59,6 +62,20 @@ def test_fused_signature_and_configs():
     assert all(c in cands for c in _picks(spec))
     with pytest.raises(ValueError, match="deferred epilogue cannot fuse"):
         sm90_gemm.launcher(spec, dataclasses.replace(sm90_gemm.Config(epi_n=32), defer=2))
+
+
+def test_preact_signature_and_configs():
+    """The pre-activation output d follows the bias; its tiles are unsplit, with the ring epilogue."""
+    spec = GemmSpec(BF, BF, BF, "k", "n", "m", bias=True, activation="gelu", preact=True)
+    cfg = sm90_gemm.heuristic(spec, 8192, 14336, 4096, 1)
+    sig = [a for a in sm90_gemm.signature(spec, cfg) if hasattr(a, "dtype")]
+    assert [a.name for a in sig] == ["a", "b", "c", "bias", "d"]
+    assert sig[4].stride == sig[2].stride and sig[4].dtype == BF   # laid out like c
+    cands = sm90_gemm.candidate_configs(spec)
+    assert cands and all(c.split_k == 1 and not c.whole_c and not c.defer for c in cands)
+    assert all(c in cands for c in _picks(spec))
+    with pytest.raises(ValueError, match="pre-activation output needs unsplit"):
+        sm90_gemm.launcher(spec, sm90_gemm.Config(split_k=2))
 
 
 @pytest.mark.parametrize("c_dtype", [BF, F32])
@@ -77,6 +94,14 @@ def test_every_epilogue_compiles(bias, activation):
     ptx = _compile(spec, sm90_gemm.heuristic(spec, 8192, 14336, 4096, 1))
     if activation == "gelu":
         assert "tanh.approx.f32" in ptx  # 16-bit output: the MUFU tanh
+
+
+@pytest.mark.parametrize("c_dtype", [BF, F32])
+def test_every_preact_pick_compiles(c_dtype):
+    """bias + gelu with the pre-activation output in every config the heuristic picks."""
+    spec = GemmSpec(BF, BF, c_dtype, bias=True, activation="gelu", preact=True)
+    for cfg in _picks(spec):
+        _compile(spec, cfg)
 
 
 def lowered(f, *shapes, dtype=jnp.bfloat16) -> str:
@@ -103,3 +128,18 @@ def test_batched_bias_keeps_the_xla_epilogue(caplog):
         text = lowered(f, (2, 256, 128), (2, 128, 256), (2, 256))
     assert text.count("stablehlo.custom_call @jax_cute_launch") == 1
     assert any("epilogue in XLA" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("activation", ["gelu", "relu"])
+def test_differentiated_forward_is_one_kernel(activation, caplog):
+    """Under grad the forward kernel writes y and the pre-activation z (no float32 product, no
+    XLA epilogue): three kernels in all, and the activation's derivative in XLA."""
+    def loss(x, w, c):
+        return jnp.sum(jax_cute.matmul(x, w, bias=c, activation=activation).astype(jnp.float32))
+
+    with caplog.at_level(logging.INFO, logger="jax_cute"):
+        text = lowered(jax.grad(loss, argnums=(0, 1, 2)), (300, 256), (256, 520), (520,))
+    assert text.count("stablehlo.custom_call @jax_cute_launch") == 3
+    assert "dot_general" not in text
+    assert any(f".bias.{activation}.preact" in r.getMessage() for r in caplog.records)
+    assert not any("epilogue in XLA" in r.getMessage() for r in caplog.records)

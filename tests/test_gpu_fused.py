@@ -16,6 +16,7 @@ import pytest
 
 import jax_cute
 from jax_cute import config
+from jax_cute.primitives import fused
 
 pytestmark = pytest.mark.gpu
 
@@ -148,6 +149,36 @@ def test_gradients(activation, with_bias):
     for g, w, name in zip(got, (da, db, dc), ("da", "db", "dbias")):
         assert g.dtype == jnp.bfloat16
         assert_close(g, w, 3e-2, f"{name} {activation}")
+
+
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("activation, with_bias", [("gelu", True), ("relu", True), ("silu", False),
+                                                    ("gelu_exact", True)])
+@pytest.mark.parametrize("size", SIZES)
+def test_preact_output(size, activation, with_bias, out_dtype):
+    """A differentiated forward's kernel writes y = act(z) and the pre-activation z, both from
+    the same float32 values, each rounded once."""
+    m, k, n = size
+    rng = np.random.default_rng(zlib.crc32(repr(("preact", size, activation, with_bias, out_dtype)).encode()))
+    a16 = jnp.asarray(_rand(rng, (m, k))).astype(jnp.bfloat16)
+    b16 = jnp.asarray(_rand(rng, (k, n), 1 / math.sqrt(k))).astype(jnp.bfloat16)
+    bias = jnp.asarray(_rand(rng, (n,))) if with_bias else None
+    args = (a16, b16) + ((bias,) if with_bias else ())
+    f = lambda a, b, *c: jax_cute.matmul(a, b, bias=c[0] if c else None, activation=activation,  # noqa: E731
+                                         preferred_element_type=out_dtype)
+    # the primitive jax.grad binds: the same call with the pre-activation output asked for
+    eqn = next(e for e in jax.make_jaxpr(f)(*args).eqns if e.primitive is fused.fused_p)
+    g = lambda *xs: fused.fused_p.bind(*xs, **dict(eqn.params, preact=True))  # noqa: E731
+    text = _compiled(g, *args)
+    assert text.count('custom_call_target="jax_cute_launch') == 1 and "tanh" not in text
+    y, z = jax.jit(g)(*args)
+    a, b = np.asarray(a16.astype(jnp.float32)), np.asarray(b16.astype(jnp.float32))
+    c = None if bias is None else np.asarray(bias)
+    z64 = reference(a, b, c, None, 0.0)[0]
+    tol = 1e-2 if out_dtype == jnp.bfloat16 else 1e-5
+    assert y.dtype == z.dtype == out_dtype
+    assert_close(z, z64, tol, f"z {size} {activation}")
+    assert_close(y, _act64(activation, z64)[0], tol, f"y {size} {activation}")
 
 
 @pytest.mark.parametrize("activation", ["gelu", "swiglu"])

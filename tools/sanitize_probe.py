@@ -86,6 +86,11 @@ checks = {
                      (r(2000, 256).astype(jnp.float8_e4m3fn), r(1400, 256).astype(jnp.float8_e4m3fn))),
     "fused bias gelu": (lambda x, w, b: jax_cute.matmul(x, w, bias=b, activation="gelu"),
                         (r(1000, 776), r(776, 1032), jnp.asarray(rng.standard_normal(1032), jnp.float32))),
+    # a differentiated forward: the kernel also writes the pre-activation (ring epilogue, twice
+    # the subtiles; an unaligned N takes the predicated edge stores for both outputs)
+    "fused preact grad": (jax.grad(lambda x, w, b: jax_cute.matmul(x, w, bias=b, activation="gelu")
+                                   .astype(jnp.float32).sum(), (0, 1, 2)),
+                          (r(1000, 776), r(776, 1030), jnp.asarray(rng.standard_normal(1030), jnp.float32))),
     "matmul stream pdl chain": stream_chain(),
     "matmul grad": (jax.grad(lambda a, b: jax_cute.matmul(a, b).astype(jnp.float32).sum(), (0, 1)),
                     (r(264, 136), r(136, 72))),

@@ -46,19 +46,30 @@ class GemmSpec:
     # Fused epilogue (families that declare EPILOGUES only): with ``bias`` the kernel takes a
     # float32 ``bias`` (N,) after c and computes C = act(A·B + bias[n]) in float32 before the
     # one rounding to c_dtype; ``activation`` is "" (none) or a name in the family's EPILOGUES.
+    # ``preact`` (with an activation; families whose EPILOGUES name "preact"): the kernel also
+    # writes the pre-activation A·B + bias, rounded once to c_dtype, to an output ``d`` laid
+    # out like c (the residual a differentiated forward saves).
     bias: bool = False
     activation: str = ""
+    preact: bool = False
 
     def __post_init__(self):
         if self.a_major not in ("k", "m") or self.b_major not in ("k", "n") or self.c_major not in ("n", "m"):
             raise ValueError(f"bad major-ness in {self}")
         if self.batch_modes not in (1, 3):
             raise ValueError(f"a GEMM takes 1 or 3 batch modes, not {self.batch_modes}")
+        if self.preact and not self.activation:
+            raise ValueError("a pre-activation output needs an activation (without one it equals c)")
 
     def key(self) -> str:
         return (f"{self.a_dtype}.{self.b_dtype}.{self.c_dtype}.acc{self.acc_dtype}."
                 f"{self.a_major}{self.b_major}{self.c_major}" + (f".b{self.batch_modes}" if self.batch_modes > 1 else "")
-                + (".bias" if self.bias else "") + (f".{self.activation}" if self.activation else ""))
+                + (".bias" if self.bias else "") + (f".{self.activation}" if self.activation else "")
+                + (".preact" if self.preact else ""))
+
+    def preact_arg(self) -> TensorArg:
+        """The pre-activation output ``d``: c's dtype, rank and major mode."""
+        return _operand("d", self.c_dtype, 2 + self.batch_modes, 1 if self.c_major == "n" else 0)
 
     def signature(self, extra: tuple = ()) -> Signature:
         """(a (M,K,L...), b (N,K,L...), c (M,N,L...), *extra, stream)."""

@@ -19,6 +19,10 @@ Kernel shape (one persistent CTA per SM, 384 threads):
   copied out, each element adds the float32 bias of its output column (read from global memory,
   L1-cached; the column from an identity tensor partitioned like the accumulators) and the
   activation (kernels/epilogue.py) runs on the fragment, before the one rounding to C's dtype.
+- pre-activation output (GemmSpec.preact, unsplit tiles): each subtile is stored twice through
+  the ring, first A·B + bias rounded to D's dtype (the residual of a differentiated forward),
+  then the activation of the same float32 values rounded to C's dtype; the ring then holds
+  twice the subtiles per tile, so these tiles take the ring epilogue, not the whole share.
 - TMA stores write whole 16-byte chunks, so where C's contiguous extent is not a multiple of 16
   bytes the subtiles on that edge are stored with predicated per-element stores instead.
 - work is a linear sequence of (cluster tile, batch, k-split) units in a grouped ("swizzled")
@@ -77,12 +81,12 @@ from jax_cute.kernels import epilogue as fused_epilogue
 from jax_cute.kernels.gemm_spec import GemmSpec, GroupedSpec, Workspace
 
 FAMILY = "sm90_gemm"
-VERSION = 4
+VERSION = 5
 ARCH = "sm_90a"
 BATCH_MODES = (1, 3)    # dense GemmSpec.batch_modes taken (grouped specs: one)
 # fused epilogues (GemmSpec.bias, GemmSpec.activation; dense specs): C = act(A·B + bias[n]) in
 # float32 on each register fragment before the one rounding (kernels/epilogue.py)
-EPILOGUES = ("bias", *fused_epilogue.ACTIVATIONS)
+EPILOGUES = ("bias", *fused_epilogue.ACTIVATIONS, "preact")
 
 NUM_SMS = 132            # H100 SXM / H200; compiled into the persistent grid bound
 SMEM_BYTES = 232448      # opt-in dynamic shared memory per block on sm_90 (227 KiB)
@@ -154,6 +158,10 @@ def unsupported(spec) -> str | None:
     return None
 
 
+def _preact(spec) -> bool:
+    return isinstance(spec, GemmSpec) and spec.preact
+
+
 def _fused(spec) -> bool:
     return isinstance(spec, GemmSpec) and (spec.bias or bool(spec.activation))
 
@@ -185,7 +193,8 @@ def epilogue_for(spec, config: Config) -> Config:
     would leave 2 A/B stages."""
     if config.pingpong or _ITEM[spec.c_dtype] != 2 or config.tile_n % 64:
         return config
-    return dataclasses.replace(config, epi_n=64, whole_c=config.split_k == 1)
+    # a pre-activation output stores every subtile twice: no slot per subtile for that
+    return dataclasses.replace(config, epi_n=64, whole_c=config.split_k == 1 and not _preact(spec))
 
 
 def candidate_configs(spec) -> list[Config]:
@@ -208,6 +217,8 @@ def candidate_configs(spec) -> list[Config]:
             for v in (dataclasses.replace(c, whole_c=False), dataclasses.replace(c, whole_c=False, epi_n=32, defer=DEFER))]
     if _fused(spec):   # a deferred epilogue converts before the fused epilogue would run
         out = [c for c in out if not c.defer]
+    if _preact(spec):   # (the second output is written by unsplit tiles only)
+        out = [c for c in out if c.split_k == 1]
     return list(dict.fromkeys(out))
 
 
@@ -361,10 +372,11 @@ def _ws_args(config: Config) -> tuple:
 
 
 def signature(spec, config: Config) -> abi.Signature:
-    """(a, b, c[, bias][, splitk_partials, splitk_flags], stream); bias is float32 (N,);
-    workspaces are 1-D, nbytes/4 long."""
+    """(a, b, c[, bias][, d][, splitk_partials, splitk_flags], stream); bias is float32 (N,), d the
+    pre-activation output (laid out like c); workspaces are 1-D, nbytes/4 long."""
     bias = (abi.TensorArg("bias", "float32", (abi.DYN,), (1,), align=4),) if getattr(spec, "bias", False) else ()
-    return spec.signature(bias + _ws_args(config))
+    d = (spec.preact_arg(),) if _preact(spec) else ()
+    return spec.signature(bias + d + _ws_args(config))
 
 
 def workspace(spec, config: Config, m: int, n: int, k: int, l: int) -> list[Workspace]:
@@ -386,6 +398,8 @@ def launcher(spec, config: Config):
         raise ValueError(f"{FAMILY}: a deferred epilogue needs a 16-bit output, not {spec.c_dtype}")
     if config.defer and _fused(spec):
         raise ValueError(f"{FAMILY}: a deferred epilogue cannot fuse a bias or activation ({config})")
+    if _preact(spec) and (config.split_k != 1 or config.whole_c):
+        raise ValueError(f"{FAMILY}: a pre-activation output needs unsplit tiles with the ring epilogue ({config})")
     return make_launcher(spec, config)
 
 
@@ -442,20 +456,24 @@ def _kernel_class():
             dense = isinstance(spec, GemmSpec)
             self.fuse_bias = dense and spec.bias
             self.act = spec.activation if dense else ""
+            self.preact = dense and spec.preact
             self.threads = 384
             self.mma_threads = 256
             self.epi_threads = 128
 
         # ----------------------------------------------------------------------- host side
         @cute.jit
-        def run(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, ws, flags, stream, bias=None):
+        def run(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, ws, flags, stream, bias=None, d=None):
             """Dense: ``ws``/``flags`` are the split-K partials and arrival counters (or None),
-            ``bias`` the fused epilogue's float32 (N,) bias (or None).
+            ``bias`` the fused epilogue's float32 (N,) bias (or None), ``d`` its pre-activation
+            output (or None).
             Grouped: ``ws`` holds the group sizes; the kernel gets K in ``flags``."""
             if const_expr(self.nb > 1):
                 # (rows, cols, L0, L1, L2) -> (rows, cols, (L0, L1, L2)): tiles and TMA views see
                 # one (nested) batch mode; the TMA tensor maps still span all five dimensions
                 a, b, c = cute.group_modes(a, 2, 5), cute.group_modes(b, 2, 5), cute.group_modes(c, 2, 5)
+                if const_expr(self.preact):
+                    d = cute.group_modes(d, 2, 5)
             ab_t, c_t = a.element_type, c.element_type
             self.ab_t, self.c_t = ab_t, c_t
             a_lay, b_lay = LayoutEnum.from_tensor(a), LayoutEnum.from_tensor(b)
@@ -502,6 +520,10 @@ def _kernel_class():
             tma_b, tB = load_atom(b_src, sb, (self.bn, self.bk), self.cm)
             tma_c, tC = cpasync.make_tiled_tma_atom(
                 cpasync.CopyBulkTensorTileS2GOp(), c_dst, cute.slice_(sc, (None, None, 0)), self.epi_tile)
+            tma_d, tD = None, None
+            if const_expr(self.preact):   # d: c's dtype and layout, so c's staging ring serves it
+                tma_d, tD = cpasync.make_tiled_tma_atom(
+                    cpasync.CopyBulkTensorTileS2GOp(), d, cute.slice_(sc, (None, None, 0)), self.epi_tile)
 
             if const_expr(self.mode == "dense"):
                 # Persistent grid: one cluster per resident slot, never more than there are units.
@@ -524,7 +546,8 @@ def _kernel_class():
                 sC: cute.struct.Align[cute.struct.MemRange[c_t, cute.cosize(sc)], 1024]
 
             self.storage = Storage
-            self.kernel(tma_a, tA, tma_b, tB, tma_c, tC, c, ws, flags, tiled_mma, wg_mma, sa, sb, sc, bias).launch(
+            self.kernel(tma_a, tA, tma_b, tB, tma_c, tC, c, ws, flags, tiled_mma, wg_mma, sa, sb, sc, bias,
+                        tma_d, tD, d).launch(
                 grid=[self.cm, self.cn, n_clusters], block=[self.threads, 1, 1],
                 cluster=[self.cm, self.cn, 1], min_blocks_per_mp=1, stream=stream, use_pdl=self.cfg.pdl)
 
@@ -723,7 +746,7 @@ def _kernel_class():
                    tma_c: cute.CopyAtom, mC: cute.Tensor, gmem_c: cute.Tensor, ws, flags,
                    tiled_mma: cute.TiledMma, wg_mma: cute.TiledMma,
                    sa_layout: cute.ComposedLayout, sb_layout: cute.ComposedLayout,
-                   sc_layout: cute.ComposedLayout, bias):
+                   sc_layout: cute.ComposedLayout, bias, tma_d, mD, gmem_d):
             tidx, _, _ = cute.arch.thread_idx()
             warp_id = cute.arch.make_warp_uniform(cute.arch.warp_idx())
             wg = cute.arch.make_warp_uniform(tidx // 128)
@@ -731,6 +754,8 @@ def _kernel_class():
                 cpasync.prefetch_descriptor(tma_a)
                 cpasync.prefetch_descriptor(tma_b)
                 cpasync.prefetch_descriptor(tma_c)
+                if const_expr(self.preact):
+                    cpasync.prefetch_descriptor(tma_d)
 
             cta_layout = cute.make_layout((self.cm, self.cn, 1))
             rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
@@ -761,6 +786,7 @@ def _kernel_class():
                 gA = cute.local_tile(mA, (self.bm, self.bk), (None, None, None))   # (bm,bk,M/bm,K/bk,L)
                 gB = cute.local_tile(mB, (self.bn, self.bk), (None, None, None))
                 gC = cute.local_tile(mC, (self.bm, self.bn), (None, None, None))   # (bm,bn,M/bm,N/bn,L)
+                gD = cute.local_tile(mD, (self.bm, self.bn), (None, None, None)) if const_expr(self.preact) else None
                 tAsA, tAgA = cpasync.tma_partition(tma_a, cc[1], cute.make_layout(self.cn),
                                                    cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
                 tBsB, tBgB = cpasync.tma_partition(tma_b, cc[0], cute.make_layout(self.cm),
@@ -985,10 +1011,11 @@ def _kernel_class():
                         lc = self.c_batch(l, c_ext)   # (split-K's tile counters take the linear l)
                         gC_t = gC[(None, None, tm, tn, lc)]
                         if const_expr(self.split == 1):
+                            pre = (tma_d, gD[(None, None, tm, tn, lc)], gmem_d) if const_expr(self.preact) else None
                             self.epilogue(tma_c, gC_t, sC, acc, r2s, tRS_acc, tRS_r32, tRS_rC, tRS_sC,
                                           n_rd, n_epi, row_blk, epi_bar, warp_id,
                                           gmem_c, tm, tn, lc, ragged, etid, store_warp, buf0,
-                                          coords=epi_coords, bias=bias)
+                                          coords=epi_coords, bias=bias, pre=pre)
                         else:
                             # ---- split-K: publish the partial, the last of the S arrivals folds them
                             tile_id = (Int64(l) * (cl_n * self.cn) + tn) * (cl_m * self.cm) + tm
@@ -1047,7 +1074,7 @@ def _kernel_class():
         def epilogue(self, tma_c, gC_t, sC, acc, r2s, tRS_acc, tRS_r32, tRS_rC, tRS_sC, n_rd: cutlass.Constexpr,
                      n_epi: cutlass.Constexpr, row_blk, epi_bar, warp_id,
                      gmem_c, tm, tn, l, ragged, etid, store_warp, buf0, converted: cutlass.Constexpr = False,
-                     coords=None, bias=None):
+                     coords=None, bias=None, pre=None):
             """One warpgroup's rows of the tile: acc -> output dtype -> smem ring -> TMA store,
             one 64 x epi_n subtile at a time, one named barrier per subtile.
 
@@ -1066,17 +1093,21 @@ def _kernel_class():
             (`ragged`) is written by all the warpgroup's threads with predicated stores instead.
             ``converted``: ``tRS_acc`` already holds the output dtype (the deferred epilogue's copy).
             ``l``: the tile's batch coordinate in ``gmem_c`` (a tuple with three batch modes).
+            ``pre``: (TMA atom, tile, tensor) of the pre-activation output D (GemmSpec.preact):
+            each subtile goes through the ring twice, D's values first (ring positions 2e, 2e + 1).
             """
             bSG_sC, bSG_gC = cpasync.tma_partition(
                 tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2),
                 cute.zipped_divide(gC_t, self.epi_tile))
-            em, en = self.epi_tile
-            depth = self.epi_stages
-            whole = self.cfg.whole_c
-            c_n = self.c_lay.is_n_major_c()
-            m_ext, n_ext = gmem_c.shape[0], gmem_c.shape[1]
-            per_row = self.bn // en
-            if const_expr(whole):
+            bSG_gD = None
+            if const_expr(self.preact):
+                bSG_gD = cpasync.tma_partition(
+                    pre[0], 0, cute.make_layout(1), cute.group_modes(sC, 0, 2),
+                    cute.zipped_divide(pre[1], self.epi_tile))[1]
+            em = self.epi_tile[0]
+            per_row = self.bn // self.epi_tile[1]
+            passes = 2 if const_expr(self.preact) else 1
+            if const_expr(self.cfg.whole_c):
                 # one slot per subtile: the previous tile's stores left them a mainloop ago
                 if warp_id == store_warp:
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
@@ -1084,6 +1115,7 @@ def _kernel_class():
             for e in range_constexpr(n_epi):
                 blk, e_n = row_blk + self.blk_step * (e // per_row), e % per_row
                 m0 = tm * self.bm + blk * em
+                n0 = tn * self.bn + e_n * self.epi_tile[1]
                 if const_expr(converted):
                     for v in range_constexpr(n_rd):
                         tRS_rC[v] = tRS_acc[e * n_rd + v]
@@ -1093,42 +1125,57 @@ def _kernel_class():
                     if const_expr(self.fuse_bias):
                         # columns past N read the last bias: they are never stored
                         for v in range_constexpr(n_rd):
-                            col = cutlass.min(tn * self.bn + coords[e * n_rd + v][1], n_ext - 1)
+                            col = cutlass.min(tn * self.bn + coords[e * n_rd + v][1], gmem_c.shape[1] - 1)
                             tRS_r32[v] = tRS_r32[v] + bias[col]
+                    if const_expr(self.preact):
+                        tRS_rC.store(tRS_r32.load().to(self.c_t))
+                        self.store_subtile(pre[0], bSG_sC, bSG_gD, pre[2], sC, r2s, tRS_rC, tRS_sC, 2 * e,
+                                           blk, e_n, m0, n0, l, ragged, etid, store_warp, buf0, epi_bar, warp_id)
                     if const_expr(self.act):
                         tRS_r32.store(fused_epilogue.activation(self.act, tRS_r32.load(), fast=self.c_t.width == 16))
                     tRS_rC.store(tRS_r32.load().to(self.c_t))
-                buf = buf0 + e % depth
-                cute.copy(r2s, tRS_rC, tRS_sC[(None, None, None, buf)])
-                # generic-proxy smem writes must be visible to the TMA (async proxy) store
-                cute.arch.fence_proxy("async.shared", space="cta")
-                epi_bar.arrive_and_wait()
-                n0 = tn * self.bn + e_n * en
-                edge = ragged and ((n0 + en > n_ext) if const_expr(c_n) else (m0 + em > m_ext))
-                if const_expr(self.mode == "dense"):   # (grouped: never ragged, C may be rank 4)
-                    if edge:
-                        if const_expr(self.nb > 1):
-                            gmem_t = gmem_c[(None, None, l)]   # one batch offset held live, not three
-                        # consecutive threads walk the contiguous mode (coalesced, conflict-light)
-                        for it in range_constexpr((em * en) // self.epi_threads):
-                            idx = etid + it * self.epi_threads
-                            if const_expr(c_n):
-                                r, q = idx // en, idx % en
+                self.store_subtile(tma_c, bSG_sC, bSG_gC, gmem_c, sC, r2s, tRS_rC, tRS_sC, passes * e + passes - 1,
+                                   blk, e_n, m0, n0, l, ragged, etid, store_warp, buf0, epi_bar, warp_id)
+
+        @cute.jit
+        def store_subtile(self, tma, bSG_sC, bSG_g, gmem, sC, r2s, tRS_rC, tRS_sC, pos: cutlass.Constexpr,
+                          blk, e_n, m0, n0, l, ragged, etid, store_warp, buf0, epi_bar, warp_id):
+            """Registers ``tRS_rC`` -> ring slot of position ``pos`` -> subtile (blk, e_n) of the
+            output ``gmem`` (TMA atom ``tma``, tile partition ``bSG_g``); see epilogue()."""
+            em, en = self.epi_tile
+            depth = self.epi_stages
+            c_n = self.c_lay.is_n_major_c()
+            m_ext, n_ext = gmem.shape[0], gmem.shape[1]
+            buf = buf0 + pos % depth
+            cute.copy(r2s, tRS_rC, tRS_sC[(None, None, None, buf)])
+            # generic-proxy smem writes must be visible to the TMA (async proxy) store
+            cute.arch.fence_proxy("async.shared", space="cta")
+            epi_bar.arrive_and_wait()
+            edge = ragged and ((n0 + en > n_ext) if const_expr(c_n) else (m0 + em > m_ext))
+            if const_expr(self.mode == "dense"):   # (grouped: never ragged, C may be rank 4)
+                if edge:
+                    if const_expr(self.nb > 1):
+                        gmem_t = gmem[(None, None, l)]   # one batch offset held live, not three
+                    # consecutive threads walk the contiguous mode (coalesced, conflict-light)
+                    for it in range_constexpr((em * en) // self.epi_threads):
+                        idx = etid + it * self.epi_threads
+                        if const_expr(c_n):
+                            r, q = idx // en, idx % en
+                        else:
+                            r, q = idx % em, idx // em
+                        if m0 + r < m_ext and n0 + q < n_ext:
+                            if const_expr(self.nb == 1):
+                                gmem[(m0 + r, n0 + q, l)] = sC[(r, q, buf)]
                             else:
-                                r, q = idx % em, idx // em
-                            if m0 + r < m_ext and n0 + q < n_ext:
-                                if const_expr(self.nb == 1):
-                                    gmem_c[(m0 + r, n0 + q, l)] = sC[(r, q, buf)]
-                                else:
-                                    gmem_t[(m0 + r, n0 + q)] = sC[(r, q, buf)]
-                if warp_id == store_warp:
-                    if not edge:
-                        cute.copy(tma_c, bSG_sC[(None, buf)], bSG_gC[(None, (blk, e_n))])
-                    cute.arch.cp_async_bulk_commit_group()
-                    if const_expr(not whole):
-                        cute.arch.cp_async_bulk_wait_group(max(depth - 2, 0), read=True)
-                if const_expr(depth == 1):
-                    epi_bar.arrive_and_wait()
+                                gmem_t[(m0 + r, n0 + q)] = sC[(r, q, buf)]
+            if warp_id == store_warp:
+                if not edge:
+                    cute.copy(tma, bSG_sC[(None, buf)], bSG_g[(None, (blk, e_n))])
+                cute.arch.cp_async_bulk_commit_group()
+                if const_expr(not self.cfg.whole_c):
+                    cute.arch.cp_async_bulk_wait_group(max(depth - 2, 0), read=True)
+            if const_expr(depth == 1):
+                epi_bar.arrive_and_wait()
 
     return Sm90Gemm, cute, cuda_driver
 
@@ -1158,6 +1205,15 @@ def make_launcher(spec: GemmSpec | GroupedSpec, config: Config, sms: int = NUM_S
         def launch(a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, group_sizes: cute.Tensor,
                    stream: cuda_driver.CUstream):
             gemm.run(a, b, c, group_sizes, None, stream)
+    elif spec.preact and spec.bias:
+        @cute.jit
+        def launch(a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, bias: cute.Tensor, d: cute.Tensor,
+                   stream: cuda_driver.CUstream):
+            gemm.run(a, b, c, None, None, stream, bias, d)
+    elif spec.preact:
+        @cute.jit
+        def launch(a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, d: cute.Tensor, stream: cuda_driver.CUstream):
+            gemm.run(a, b, c, None, None, stream, None, d)
     elif config.split_k == 1 and spec.bias:
         @cute.jit
         def launch(a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, bias: cute.Tensor, stream: cuda_driver.CUstream):

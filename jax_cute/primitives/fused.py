@@ -11,11 +11,12 @@ One place for each rule, as in ``matmul.py``:
 - lowering (CPU, and wherever no fused kernel runs): the GEMM primitive with a float32 output,
   then the epilogue in XLA (``composed``), which XLA fuses into one elementwise pass;
 - CUDA: ``dispatch.fused_gemm``'s kernel, whose epilogue adds the bias and applies the
-  activation (one device, elementwise activations); otherwise ``composed``, logged at INFO;
+  activation (one device, elementwise activations) and, with ``preact``, also writes ``z``;
+  otherwise ``composed``, logged at INFO;
 - batching: a vmapped axis becomes an L sub-mode of every operand, the bias included (stride 0
   where it is unbatched), layouts re-targeted by composition;
 - autodiff: the JVP binds the primitive with ``preact=True``, so the forward also writes the
-  pre-activation ``z`` (rounded to the output dtype) as the residual; the tangent is
+  pre-activation ``z`` (rounded to the output dtype, by the same kernel) as the residual; the tangent is
   ``act'(z) * (dA·B + A·dB + dbias)``. Reverse mode transposes that: the cotangent times
   ``act'(z)`` (one XLA elementwise pass feeding both gradient GEMMs and the bias reduction),
   then the two GEMMs of ``jax_cute_matmul``'s transpose rules and a sum for the bias.
