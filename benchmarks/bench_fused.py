@@ -53,8 +53,18 @@ def mlp_xla(x, w1, b1, w2, b2):
     return jax.nn.gelu(x @ w1 + b1) @ w2 + b2
 
 
-def _grads(layer):
-    return jax.grad(lambda *p: jnp.sum(layer(*p).astype(jnp.float32)), argnums=(0, 1, 2, 3, 4))
+def _grads(layer, params: tuple[int, ...] | None = None):
+    """Gradients of ``layer``'s arguments ``params`` (default all) for a random output cotangent,
+    the last argument (a constant one, the gradient of a plain sum, would let XLA turn the
+    second layer's gradient GEMMs into reductions)."""
+    def grads(*args):
+        p, ct = list(args[:-1]), args[-1]
+        keep = tuple(range(len(p))) if params is None else params
+
+        def f(*q):
+            return layer(*[q[keep.index(i)] if i in keep else x for i, x in enumerate(p)])
+        return jax.vjp(f, *(p[i] for i in keep))[1](ct)
+    return grads
 
 
 def moe(fused: bool, top_k: int = 2):
@@ -110,6 +120,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     m, d, f = (256, 128, 384) if args.smoke else (8192, 4096, 14336)
     shapes = [(m, d), (d, f), (f,), (f, d), (d,)]
     mk = lambda s: normal(s, shapes, (1.0, d ** -0.5, 0.1, f ** -0.5, 0.1))  # noqa: E731
+    mk_train = lambda s: normal(s, shapes + [(m, d)], (1.0, d ** -0.5, 0.1, f ** -0.5, 0.1, 1.0))  # noqa: E731
     for train in (False, True):
         impls = [("jax_cute", mlp_fused), ("jax_cute_unfused", mlp_unfused), ("xla", mlp_xla)]
         if train:
@@ -117,15 +128,15 @@ def run(args: argparse.Namespace) -> list[dict]:
         written = traffic("gelu", m, f, d, train)
         what = "forward + backward" if train else "forward"
         recs += measure("fused", "e2e", f"GELU MLP block {what} {m}x{d}->{f}->{d}, bias",
-                        [Impl(n, _grads(fn) if train else fn) for n, fn in impls], mk,
+                        [Impl(n, _grads(fn) if train else fn) for n, fn in impls], mk_train if train else mk,
                         (6.0 if train else 2.0) * 2 * m * d * f, rounds=rounds,
                         meta={"dtype": "bfloat16", "epilogue_bytes": {n: written[n] for n, _ in impls}})
 
     t, e = (256, 4) if args.smoke else (8192, 8)
     rows = 2 * t
-    mshapes = [(t, d), (d, e), (e, d, 2 * f), (e, f, d)]
-    mkm = lambda s: normal(s, mshapes, (1.0, 0.1, d ** -0.5, f ** -0.5))  # noqa: E731
-    grads = lambda layer: jax.grad(lambda *p: jnp.sum(layer(*p).astype(jnp.float32)), argnums=(0, 2, 3))  # noqa: E731
+    mshapes = [(t, d), (d, e), (e, d, 2 * f), (e, f, d), (t, d)]
+    mkm = lambda s: normal(s, mshapes, (1.0, 0.1, d ** -0.5, f ** -0.5, 1.0))  # noqa: E731
+    grads = lambda layer: _grads(layer, (0, 2, 3))  # noqa: E731  (x, w_in, w_out; not the router)
     written = traffic("swiglu", rows, f, d, True)
     recs += measure("fused", "e2e", f"SwiGLU MoE layer forward + backward {t} tokens, {e} experts top-2, "
                     f"{d}->{f}->{d}",

@@ -65,15 +65,18 @@ def test_fused_signature_and_configs():
 
 
 def test_preact_signature_and_configs():
-    """The pre-activation output d follows the bias; its tiles are unsplit, with the ring epilogue."""
+    """The pre-activation output d follows the bias; its tiles are unsplit, with a bias in the
+    ring epilogue (the whole share spills there), without one in the whole share."""
     spec = GemmSpec(BF, BF, BF, "k", "n", "m", bias=True, activation="gelu", preact=True)
     cfg = sm90_gemm.heuristic(spec, 8192, 14336, 4096, 1)
     sig = [a for a in sm90_gemm.signature(spec, cfg) if hasattr(a, "dtype")]
     assert [a.name for a in sig] == ["a", "b", "c", "bias", "d"]
     assert sig[4].stride == sig[2].stride and sig[4].dtype == BF   # laid out like c
     cands = sm90_gemm.candidate_configs(spec)
-    assert cands and all(c.split_k == 1 and not c.whole_c and not c.defer for c in cands)
-    assert all(c in cands for c in _picks(spec))
+    assert cands and all(c.split_k == 1 and not c.defer for c in cands)
+    assert all(c in cands for c in _picks(spec)) and not cfg.whole_c
+    no_bias = dataclasses.replace(spec, bias=False)
+    assert sm90_gemm.heuristic(no_bias, 8192, 14336, 4096, 1).whole_c
     with pytest.raises(ValueError, match="pre-activation output needs unsplit"):
         sm90_gemm.launcher(spec, sm90_gemm.Config(split_k=2))
 
@@ -96,10 +99,11 @@ def test_every_epilogue_compiles(bias, activation):
         assert "tanh.approx.f32" in ptx  # 16-bit output: the MUFU tanh
 
 
+@pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("c_dtype", [BF, F32])
-def test_every_preact_pick_compiles(c_dtype):
-    """bias + gelu with the pre-activation output in every config the heuristic picks."""
-    spec = GemmSpec(BF, BF, c_dtype, bias=True, activation="gelu", preact=True)
+def test_every_preact_pick_compiles(c_dtype, bias):
+    """gelu (with and without bias) and the pre-activation output in every config the heuristic picks."""
+    spec = GemmSpec(BF, BF, c_dtype, bias=bias, activation="gelu", preact=True)
     for cfg in _picks(spec):
         _compile(spec, cfg)
 

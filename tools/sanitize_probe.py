@@ -91,6 +91,9 @@ checks = {
     "fused preact grad": (jax.grad(lambda x, w, b: jax_cute.matmul(x, w, bias=b, activation="gelu")
                                    .astype(jnp.float32).sum(), (0, 1, 2)),
                           (r(1000, 776), r(776, 1030), jnp.asarray(rng.standard_normal(1030), jnp.float32))),
+    # without a bias: the whole share, both passes through the same slots, ~2 tiles per CTA
+    "fused preact whole share": (jax.grad(lambda x, w: jax_cute.matmul(x, w, activation="silu")
+                                          .astype(jnp.float32).sum(), (0, 1)), (r(4000, 1000), r(1000, 2056))),
     "matmul stream pdl chain": stream_chain(),
     "matmul grad": (jax.grad(lambda a, b: jax_cute.matmul(a, b).astype(jnp.float32).sum(), (0, 1)),
                     (r(264, 136), r(136, 72))),

@@ -19,10 +19,11 @@ Kernel shape (one persistent CTA per SM, 384 threads):
   copied out, each element adds the float32 bias of its output column (read from global memory,
   L1-cached; the column from an identity tensor partitioned like the accumulators) and the
   activation (kernels/epilogue.py) runs on the fragment, before the one rounding to C's dtype.
-- pre-activation output (GemmSpec.preact, unsplit tiles): each subtile is stored twice through
-  the ring, first A·B + bias rounded to D's dtype (the residual of a differentiated forward),
-  then the activation of the same float32 values rounded to C's dtype; the ring then holds
-  twice the subtiles per tile, so these tiles take the ring epilogue, not the whole share.
+- pre-activation output (GemmSpec.preact, unsplit tiles): the epilogue runs two passes over the
+  warpgroup's subtiles, first A·B + bias rounded to D's dtype (the residual of a differentiated
+  forward), then the activation of the same float32 values rounded to C's dtype. With the whole
+  share (no bias: see epilogue_for) the second pass refills the slots once the first pass's
+  stores have read them.
 - TMA stores write whole 16-byte chunks, so where C's contiguous extent is not a multiple of 16
   bytes the subtiles on that edge are stored with predicated per-element stores instead.
 - work is a linear sequence of (cluster tile, batch, k-split) units in a grouped ("swizzled")
@@ -193,8 +194,11 @@ def epilogue_for(spec, config: Config) -> Config:
     would leave 2 A/B stages."""
     if config.pingpong or _ITEM[spec.c_dtype] != 2 or config.tile_n % 64:
         return config
-    # a pre-activation output stores every subtile twice: no slot per subtile for that
-    return dataclasses.replace(config, epi_n=64, whole_c=config.split_k == 1 and not _preact(spec))
+    # With a bias and the pre-activation output, the whole share leaves a few registers spilled
+    # (the first pass keeps the tile's sums live), and on an H200 it ran no faster than the ring
+    # (8192x4096->14336: 1.57-1.59 ms both), so those tiles keep the ring.
+    whole = config.split_k == 1 and not (_preact(spec) and spec.bias)
+    return dataclasses.replace(config, epi_n=64, whole_c=whole)
 
 
 def candidate_configs(spec) -> list[Config]:
@@ -398,8 +402,8 @@ def launcher(spec, config: Config):
         raise ValueError(f"{FAMILY}: a deferred epilogue needs a 16-bit output, not {spec.c_dtype}")
     if config.defer and _fused(spec):
         raise ValueError(f"{FAMILY}: a deferred epilogue cannot fuse a bias or activation ({config})")
-    if _preact(spec) and (config.split_k != 1 or config.whole_c):
-        raise ValueError(f"{FAMILY}: a pre-activation output needs unsplit tiles with the ring epilogue ({config})")
+    if _preact(spec) and config.split_k != 1:
+        raise ValueError(f"{FAMILY}: a pre-activation output needs unsplit tiles ({config})")
     return make_launcher(spec, config)
 
 
@@ -1094,7 +1098,7 @@ def _kernel_class():
             ``converted``: ``tRS_acc`` already holds the output dtype (the deferred epilogue's copy).
             ``l``: the tile's batch coordinate in ``gmem_c`` (a tuple with three batch modes).
             ``pre``: (TMA atom, tile, tensor) of the pre-activation output D (GemmSpec.preact):
-            each subtile goes through the ring twice, D's values first (ring positions 2e, 2e + 1).
+            a first pass over the subtiles stores D's values (ring positions e, then n_epi + e).
             """
             bSG_sC, bSG_gC = cpasync.tma_partition(
                 tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2),
@@ -1106,36 +1110,51 @@ def _kernel_class():
                     cute.zipped_divide(pre[1], self.epi_tile))[1]
             em = self.epi_tile[0]
             per_row = self.bn // self.epi_tile[1]
-            passes = 2 if const_expr(self.preact) else 1
             if const_expr(self.cfg.whole_c):
                 # one slot per subtile: the previous tile's stores left them a mainloop ago
                 if warp_id == store_warp:
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
                 epi_bar.arrive_and_wait()
-            for e in range_constexpr(n_epi):
-                blk, e_n = row_blk + self.blk_step * (e // per_row), e % per_row
-                m0 = tm * self.bm + blk * em
-                n0 = tn * self.bn + e_n * self.epi_tile[1]
-                if const_expr(converted):
-                    for v in range_constexpr(n_rd):
-                        tRS_rC[v] = tRS_acc[e * n_rd + v]
-                else:
-                    for v in range_constexpr(n_rd):
-                        tRS_r32[v] = tRS_acc[e * n_rd + v]
-                    if const_expr(self.fuse_bias):
-                        # columns past N read the last bias: they are never stored
+            passes = 2 if const_expr(self.preact) else 1
+            for p in range_constexpr(passes):
+                last = p == passes - 1   # (static) the pass that writes C
+                if const_expr(p == 1):
+                    if const_expr(self.cfg.whole_c):
+                        # the first pass's stores must have read the slots the second one refills
+                        if warp_id == store_warp:
+                            cute.arch.cp_async_bulk_wait_group(0, read=True)
+                        epi_bar.arrive_and_wait()
+                for e in range_constexpr(n_epi):
+                    blk, e_n = row_blk + self.blk_step * (e // per_row), e % per_row
+                    m0 = tm * self.bm + blk * em
+                    n0 = tn * self.bn + e_n * self.epi_tile[1]
+                    if const_expr(converted):
                         for v in range_constexpr(n_rd):
-                            col = cutlass.min(tn * self.bn + coords[e * n_rd + v][1], gmem_c.shape[1] - 1)
-                            tRS_r32[v] = tRS_r32[v] + bias[col]
-                    if const_expr(self.preact):
+                            tRS_rC[v] = tRS_acc[e * n_rd + v]
+                    else:
+                        for v in range_constexpr(n_rd):
+                            tRS_r32[v] = tRS_acc[e * n_rd + v]
+                        if const_expr(self.fuse_bias and p == 0):
+                            # columns past N read the last bias: they are never stored
+                            for v in range_constexpr(n_rd):
+                                col = cutlass.min(tn * self.bn + coords[e * n_rd + v][1], gmem_c.shape[1] - 1)
+                                tRS_r32[v] = tRS_r32[v] + bias[col]
+                            if const_expr(not last):
+                                # the second pass starts from A·B + bias (bias columns and loads
+                                # kept for it would take registers the 128x256 tile lacks)
+                                for v in range_constexpr(n_rd):
+                                    tRS_acc[e * n_rd + v] = tRS_r32[v]
+                        if const_expr(last):   # (the DSL rewrites `and`: nested, not joined)
+                            if const_expr(self.act):
+                                tRS_r32.store(fused_epilogue.activation(self.act, tRS_r32.load(),
+                                                                        fast=self.c_t.width == 16))
                         tRS_rC.store(tRS_r32.load().to(self.c_t))
-                        self.store_subtile(pre[0], bSG_sC, bSG_gD, pre[2], sC, r2s, tRS_rC, tRS_sC, 2 * e,
+                    if const_expr(last):
+                        self.store_subtile(tma_c, bSG_sC, bSG_gC, gmem_c, sC, r2s, tRS_rC, tRS_sC, p * n_epi + e,
                                            blk, e_n, m0, n0, l, ragged, etid, store_warp, buf0, epi_bar, warp_id)
-                    if const_expr(self.act):
-                        tRS_r32.store(fused_epilogue.activation(self.act, tRS_r32.load(), fast=self.c_t.width == 16))
-                    tRS_rC.store(tRS_r32.load().to(self.c_t))
-                self.store_subtile(tma_c, bSG_sC, bSG_gC, gmem_c, sC, r2s, tRS_rC, tRS_sC, passes * e + passes - 1,
-                                   blk, e_n, m0, n0, l, ragged, etid, store_warp, buf0, epi_bar, warp_id)
+                    else:
+                        self.store_subtile(pre[0], bSG_sC, bSG_gD, pre[2], sC, r2s, tRS_rC, tRS_sC, e,
+                                           blk, e_n, m0, n0, l, ragged, etid, store_warp, buf0, epi_bar, warp_id)
 
         @cute.jit
         def store_subtile(self, tma, bSG_sC, bSG_g, gmem, sC, r2s, tRS_rC, tRS_sC, pos: cutlass.Constexpr,
