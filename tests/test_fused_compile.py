@@ -68,17 +68,29 @@ def test_preact_signature_and_configs():
     """The pre-activation output d follows the bias; its tiles are unsplit, with a bias in the
     ring epilogue (the whole share spills there), without one in the whole share."""
     spec = GemmSpec(BF, BF, BF, "k", "n", "m", bias=True, activation="gelu", preact=True)
-    cfg = sm90_gemm.heuristic(spec, 8192, 14336, 4096, 1)
+    cfg = sm90_gemm.heuristic(spec, 8192, 4096, 14336, 1)   # long K: the cooperative tile
     sig = [a for a in sm90_gemm.signature(spec, cfg) if hasattr(a, "dtype")]
     assert [a.name for a in sig] == ["a", "b", "c", "bias", "d"]
     assert sig[4].stride == sig[2].stride and sig[4].dtype == BF   # laid out like c
     cands = sm90_gemm.candidate_configs(spec)
     assert cands and all(c.split_k == 1 and not c.defer for c in cands)
-    assert all(c in cands for c in _picks(spec)) and not cfg.whole_c
+    assert all(c in cands for c in _picks(spec)) and not cfg.pingpong and not cfg.whole_c
     no_bias = dataclasses.replace(spec, bias=False)
-    assert sm90_gemm.heuristic(no_bias, 8192, 14336, 4096, 1).whole_c
+    assert sm90_gemm.heuristic(no_bias, 8192, 4096, 14336, 1).whole_c
     with pytest.raises(ValueError, match="pre-activation output needs unsplit"):
         sm90_gemm.launcher(spec, sm90_gemm.Config(split_k=2))
+
+
+def test_fused_activation_takes_pingpong_where_its_epilogue_weighs():
+    """An activation's epilogue is exposed in the cooperative tile: at K = 4096 the heuristic
+    takes pingpong 128x128 (its epilogue under the other warpgroup's mainloop), at K = 14336
+    the cooperative tile; bias alone, and plain GEMMs, keep the cooperative pick."""
+    for preact in (False, True):
+        spec = GemmSpec(BF, BF, BF, "k", "n", "n", bias=True, activation="gelu", preact=preact)
+        assert sm90_gemm.heuristic(spec, 8192, 14336, 4096, 1) == sm90_gemm._PINGPONG_128
+        assert not sm90_gemm.heuristic(spec, 8192, 4096, 14336, 1).pingpong
+    for spec in (GemmSpec(BF, BF, BF, "k", "n", "n", bias=True), GemmSpec(BF, BF, BF, "k", "n", "n")):
+        assert not sm90_gemm.heuristic(spec, 8192, 14336, 4096, 1).pingpong
 
 
 @pytest.mark.parametrize("c_dtype", [BF, F32])

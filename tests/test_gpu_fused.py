@@ -16,6 +16,8 @@ import pytest
 
 import jax_cute
 from jax_cute import config
+from jax_cute.kernels import sm90_gemm
+from jax_cute.kernels.gemm_spec import GemmSpec
 from jax_cute.primitives import fused
 
 pytestmark = pytest.mark.gpu
@@ -154,7 +156,7 @@ def test_gradients(activation, with_bias):
 @pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("activation, with_bias", [("gelu", True), ("relu", True), ("silu", False),
                                                     ("gelu_exact", True)])
-@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("size", SIZES + [(2048, 8192, 1032)])   # (the last: long K, cooperative tiles)
 def test_preact_output(size, activation, with_bias, out_dtype):
     """A differentiated forward's kernel writes y = act(z) and the pre-activation z, both from
     the same float32 values, each rounded once."""
@@ -179,6 +181,27 @@ def test_preact_output(size, activation, with_bias, out_dtype):
     assert y.dtype == z.dtype == out_dtype
     assert_close(z, z64, tol, f"z {size} {activation}")
     assert_close(y, _act64(activation, z64)[0], tol, f"y {size} {activation}")
+
+
+def test_tiles_the_heuristic_picks_for_fused_epilogues():
+    """Every tile family the heuristic picks for a fused activation runs here: pingpong 128x128
+    (short K), the cooperative 128x256 ring (pre-activation output, long K), split-K (forward,
+    long K, few tiles)."""
+    def pick(m, k, n, preact):
+        spec = GemmSpec("bfloat16", "bfloat16", "bfloat16", "k", "n", "n", bias=True, activation="gelu",
+                        preact=preact)
+        return sm90_gemm.heuristic(spec, m, n, k, 1)
+    assert pick(1000, 776, 1032, False).pingpong and pick(300, 136, 392, True).pingpong
+    long_fwd, long_pre = pick(2048, 8192, 1032, False), pick(2048, 8192, 1032, True)
+    assert long_fwd.split_k > 1 and not long_pre.pingpong and long_pre.tile_n == 256
+    rng = np.random.default_rng(11)
+    m, k, n = 2048, 8192, 1032
+    a16 = jnp.asarray(_rand(rng, (m, k))).astype(jnp.bfloat16)
+    b16 = jnp.asarray(_rand(rng, (k, n), 1 / math.sqrt(k))).astype(jnp.bfloat16)
+    bias = jnp.asarray(_rand(rng, (n,)))
+    got = jax.jit(lambda a, b, c: jax_cute.matmul(a, b, bias=c, activation="gelu"))(a16, b16, bias)
+    a, b = np.asarray(a16.astype(jnp.float32)), np.asarray(b16.astype(jnp.float32))
+    assert_close(got, reference(a, b, np.asarray(bias), "gelu", 0.0)[0], 1e-2, "split-K fused")
 
 
 @pytest.mark.parametrize("activation", ["gelu", "swiglu"])
