@@ -132,6 +132,13 @@ def run(args: argparse.Namespace) -> list[dict]:
                         (6.0 if train else 2.0) * 2 * m * d * f, rounds=rounds,
                         meta={"dtype": "bfloat16", "epilogue_bytes": {n: written[n] for n, _ in impls}})
 
+        if train:
+            # a training loop runs at the board's power cap: the same step in 1 s windows
+            recs += measure("fused", "e2e", f"GELU MLP block {what} {m}x{d}->{f}->{d}, bias, 1 s windows",
+                            [Impl(n, _grads(fn)) for n, fn in impls if n != "jax_cute_remat"], mk_train,
+                            6.0 * 2 * m * d * f, rounds=min(rounds, 3), target_s=0.05 if args.smoke else 1.0,
+                            meta={"dtype": "bfloat16"})
+
     t, e = (256, 4) if args.smoke else (8192, 8)
     rows = 2 * t
     mshapes = [(t, d), (d, e), (e, d, 2 * f), (e, f, d), (t, d)]
