@@ -92,24 +92,24 @@ def moe(fused: bool, top_k: int = 2):
 # -- traffic --------------------------------------------------------------------------------------
 
 def traffic(kind: str, m: int, f: int, d: int, train: bool) -> dict[str, int]:
-    """Bytes written by the epilogues and elementwise passes of the first layer (M x F
-    activation; its pre-activation is M x 2F for swiglu) and the second layer's bias (M x D),
-    per implementation, all bf16 unless said:
+    """Bytes the forward's epilogues and elementwise passes write, per implementation, from the
+    shapes (M x F activation; its pre-activation z is M x 2F for swiglu), all bf16 unless said:
 
-    - unfused (and XLA): the GEMM writes z, an XLA pass writes act(z + bias); the second
-      layer's bias is one more M x D pass;
-    - fused forward: the kernel writes act(z + bias) only (the second layer's bias too);
-    - fused forward + backward, dense: the kernel writes y and the pre-activation residual z;
-      grouped (swiglu): the GEMM writes a float32 accumulator and the XLA epilogue writes y;
-    - remat: the fused forward, then the backward's recomputation writes the training
-      forward's bytes.
+    - unfused (and XLA): the GEMM writes z, an XLA pass writes y = act(z + bias); a forward
+      also adds the second layer's bias in one more M x D pass (a training step's gradients
+      never need the block's output, so there it is never computed);
+    - fused forward: the kernel writes y only (and adds the second layer's bias itself);
+    - fused forward + backward, dense: the kernel writes y and the residual z, as unfused does:
+      fusion saves the pass reading z back; grouped (swiglu): the GEMM writes a float32
+      accumulator and the XLA epilogue writes y;
+    - remat: the fused forward, then the backward's recomputation writes y and z again.
     """
     z = m * f * (2 if kind == "swiglu" else 1)
     y = m * f
-    bias2 = 2 * m * d if kind == "gelu" else 0
+    bias2 = 2 * m * d if kind == "gelu" and not train else 0
     unfused = 2 * z + 2 * y + bias2
     inference = 2 * y
-    training = (2 * z if kind == "gelu" else 4 * z) + 2 * y + bias2
+    training = (2 * z if kind == "gelu" else 4 * z) + 2 * y
     return {"jax_cute": training if train else inference, "jax_cute_unfused": unfused, "xla": unfused,
             "jax_cute_remat": inference + training}
 

@@ -205,7 +205,7 @@ SUITE_NOTE = {
              "the layer in `jnp`. Forward: the kernel's epilogue adds the bias and applies GELU where the Hopper "
              "family fuses them (`sm90_gemm.EPILOGUES`; else the XLA epilogue, logged at INFO). Forward + backward: the forward kernel writes the output and the pre-activation residual; "
              "the backward multiplies the cotangent by the activation's derivative in XLA (one elementwise pass) "
-             "before the two gradient GEMMs (records' `epilogue_bytes`: bytes written between GEMMs); "
+             "before the two gradient GEMMs; "
              "*jax.checkpoint* recomputes the pre-activation in the backward instead. SwiGLU runs the GEMM with a "
              "float32 output and the XLA epilogue.",
 }
@@ -240,6 +240,23 @@ def first_call_section(path: str) -> list[str]:
                    f"{(ours['lower_s'] + ours['first_run_s']) * 1e3:.0f} |")
     return out + ["", "The lowering cost is our lowering (cache load or compile) plus the first run, where the "
                   "handler loads the module onto the device; XLA's own compile of the module follows either way.", ""]
+
+
+def traffic_table(recs: list[dict], labels: dict | None) -> list[str]:
+    """Markdown: the bytes each implementation's forward epilogues and elementwise passes write
+    between the GEMMs (records' ``epilogue_bytes``, computed from the shapes), per case, in MiB."""
+    cases: dict[str, dict] = {}
+    for r in recs:
+        if r.get("epilogue_bytes") and r["case"] not in cases:
+            cases[r["case"]] = r["epilogue_bytes"]
+    if not cases:
+        return []
+    impls = list(dict.fromkeys(i for b in cases.values() for i in b))
+    out = ["### Bytes the forward writes between its GEMMs (MiB, from the shapes)", "",
+           "| case | " + " | ".join(_label(i, labels) for i in impls) + " |", "|---|" + "---|" * len(impls)]
+    for case, b in cases.items():
+        out.append(f"| {case} | " + " | ".join(f"{b[i] / 2**20:.0f}" if i in b else "—" for i in impls) + " |")
+    return out + [""]
 
 
 def report_order(files: list[str]) -> list[str]:
@@ -290,6 +307,7 @@ def report(files: list[str], md: str, plots: str) -> str:
             if fails:
                 out += ["<details><summary>failures</summary>", ""]
                 out += [f"- {r['case']} / {r['impl']}: {r['error']}" for r in fails] + ["", "</details>", ""]
+        out += traffic_table(recs, SUITE_LABELS.get(suites[0]) if len(suites) == 1 else None)
     text = "\n".join(out).rstrip() + "\n"
     Path(md).write_text(text)
     print(f"wrote {md} ({len(text.encode())} bytes) and plots under {plots}")
