@@ -246,7 +246,8 @@ def candidate_configs(spec) -> list[Config]:
 # - a 4-deep ring of 32-wide subtiles with 4 A/B stages takes 0.9-1.4% more cycles than the whole
 #   share on 16384x1536x1024 and 16384x2048x2048, and runs 3-5% slower with shuffled rounds.
 # - pingpong (64x256 or 128x160 tiles, one warpgroup's epilogue under the other's mainloop) is
-#   an autotune candidate only for 16-bit inputs (8-bit: see the end of heuristic). 128x160 wins 2-7% in short (50-60 ms) windows on
+#   an autotune candidate only for plain 16-bit products (8-bit inputs and fused activations: see
+#   heuristic). 128x160 wins 2-7% in short (50-60 ms) windows on
 #   4096x14336x4096, 16384x2048x2048 and 16384x1536x1024 and loses 1-3% in sustained 1 s
 #   windows: it moves ~20% more bytes through shared memory per FLOP, and at the 700 W cap
 #   energy per FLOP sets the rate. A training loop runs at that cap, so the heuristic serves the
