@@ -62,7 +62,8 @@ def _grads(layer, params: tuple[int, ...] | None = None):
         keep = tuple(range(len(p))) if params is None else params
 
         def f(*q):
-            return layer(*[q[keep.index(i)] if i in keep else x for i, x in enumerate(p)])
+            given = dict(zip(keep, q))
+            return layer(*[given.get(i, x) for i, x in enumerate(p)])
         return jax.vjp(f, *(p[i] for i in keep))[1](ct)
     return grads
 

@@ -1143,8 +1143,8 @@ def _kernel_class():
                 if const_expr(self.fuse_bias):
                     for e in range_constexpr(n_epi):
                         for v in range_constexpr(n_rd):
-                            col = cutlass.min(tn * self.bn + coords[e * n_rd + v][1], gmem_c.shape[1] - 1)
-                            tRS_acc[e * n_rd + v] = tRS_acc[e * n_rd + v] + bias[col]
+                            i = e * n_rd + v
+                            tRS_acc[i] = tRS_acc[i] + self.bias_of(bias, coords, i, tn, gmem_c)
             for p in range_constexpr(passes):
                 last = p == passes - 1   # (static) the pass that writes C
                 if const_expr(p == 1):
@@ -1164,14 +1164,12 @@ def _kernel_class():
                         for v in range_constexpr(n_rd):
                             tRS_r32[v] = tRS_acc[e * n_rd + v]
                         if const_expr(self.fuse_bias and p == 0 and not bias_first):
-                            # columns past N read the last bias: they are never stored
                             for v in range_constexpr(n_rd):
-                                col = cutlass.min(tn * self.bn + coords[e * n_rd + v][1], gmem_c.shape[1] - 1)
-                                tRS_r32[v] = tRS_r32[v] + bias[col]
+                                tRS_r32[v] = tRS_r32[v] + self.bias_of(bias, coords, e * n_rd + v, tn, gmem_c)
                             if const_expr(not last):
                                 for v in range_constexpr(n_rd):
                                     tRS_acc[e * n_rd + v] = tRS_r32[v]
-                        if const_expr(last):   # (the DSL rewrites `and`: nested, not joined)
+                        if const_expr(last):   # (nested: the DSL's rewritten `and` takes no str like self.act)
                             if const_expr(self.act):
                                 tRS_r32.store(fused_epilogue.activation(self.act, tRS_r32.load(),
                                                                         fast=self.c_t.width == 16))
@@ -1182,6 +1180,11 @@ def _kernel_class():
                     else:
                         self.store_subtile(pre[0], bSG_sC, bSG_gD, pre[2], sC, r2s, tRS_rC, tRS_sC, e,
                                            blk, e_n, m0, n0, l, ragged, etid, store_warp, buf0, epi_bar, warp_id)
+
+        def bias_of(self, bias, coords, i: int, tn, gmem_c):
+            """The float32 bias of fragment element ``i``'s output column in tile column ``tn``;
+            columns past N read the last bias (they are never stored)."""
+            return bias[cutlass.min(tn * self.bn + coords[i][1], gmem_c.shape[1] - 1)]
 
         @cute.jit
         def store_subtile(self, tma, bSG_sC, bSG_g, gmem, sC, r2s, tRS_rC, tRS_sC, pos: cutlass.Constexpr,
