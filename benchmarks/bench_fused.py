@@ -3,7 +3,8 @@ written unfused (jax_cute GEMMs, then jnp ops) and against XLA, bf16.
 
 A GELU MLP block (8192 tokens, 4096 -> 14336 -> 4096, bias) forward, and forward + backward
 (also with jax.checkpoint around the fused layer: the backward recomputes the pre-activation
-instead of reading the saved one); a SwiGLU MoE layer (8 experts, top-2, 4096 -> 14336 -> 4096)
+instead of reading the saved one); a SwiGLU MLP block (8192 tokens, 4096 -> 2 x 14336 -> 4096,
+no bias) forward + backward; a SwiGLU MoE layer (8 experts, top-2, 4096 -> 14336 -> 4096)
 forward + backward, fused (ragged_dot(..., activation="swiglu")) against unfused. Each record
 carries ``epilogue_bytes``: the bytes the implementation's GEMM epilogues and elementwise
 passes write between the GEMMs, computed from the shapes (``traffic``), so the report shows
@@ -53,6 +54,23 @@ def mlp_xla(x, w1, b1, w2, b2):
     return jax.nn.gelu(x @ w1 + b1) @ w2 + b2
 
 
+def swiglu_fused(x, w1, w2):
+    return jax_cute.matmul(jax_cute.matmul(x, w1, activation="swiglu"), w2)
+
+
+def _swiglu(z):
+    f = z.shape[-1] // 2
+    return (jax.nn.silu(z[:, :f].astype(jnp.float32)) * z[:, f:]).astype(DT)
+
+
+def swiglu_unfused(x, w1, w2):
+    return jax_cute.matmul(_swiglu(jax_cute.matmul(x, w1)), w2)
+
+
+def swiglu_xla(x, w1, w2):
+    return _swiglu(x @ w1) @ w2
+
+
 def _grads(layer, params: tuple[int, ...] | None = None):
     """Gradients of ``layer``'s arguments ``params`` (default all) for a random output cotangent,
     the last argument (a constant one, the gradient of a plain sum, would let XLA turn the
@@ -82,9 +100,7 @@ def moe(fused: bool, top_k: int = 2):
         if fused:
             h = jax_cute.ragged_dot(xs, w_in, sizes, activation="swiglu")
         else:
-            z = jax_cute.ragged_dot(xs, w_in, sizes)
-            f = z.shape[-1] // 2
-            h = (jax.nn.silu(z[:, :f].astype(jnp.float32)) * z[:, f:]).astype(DT)
+            h = _swiglu(jax_cute.ragged_dot(xs, w_in, sizes))
         y = jax_cute.ragged_dot(h, w_out, sizes) * weights.reshape(-1)[order][:, None].astype(DT)
         return jnp.zeros_like(x).at[tokens].add(y)
     return layer
@@ -100,9 +116,8 @@ def traffic(kind: str, m: int, f: int, d: int, train: bool) -> dict[str, int]:
       also adds the second layer's bias in one more M x D pass (a training step's gradients
       never need the block's output, so there it is never computed);
     - fused forward: the kernel writes y only (and adds the second layer's bias itself);
-    - fused forward + backward, dense: the kernel writes y and the residual z, as unfused does:
-      fusion saves the pass reading z back; grouped (swiglu): the GEMM writes a float32
-      accumulator and the XLA epilogue writes y;
+    - fused forward + backward: the kernel writes y and the residual z, as unfused does: fusion
+      saves the pass reading z back;
     - remat: the fused forward, then the backward's recomputation writes y and z again.
     """
     z = m * f * (2 if kind == "swiglu" else 1)
@@ -110,7 +125,7 @@ def traffic(kind: str, m: int, f: int, d: int, train: bool) -> dict[str, int]:
     bias2 = 2 * m * d if kind == "gelu" and not train else 0
     unfused = 2 * z + 2 * y + bias2
     inference = 2 * y
-    training = (2 * z if kind == "gelu" else 4 * z) + 2 * y
+    training = 2 * z + 2 * y
     return {"jax_cute": training if train else inference, "jax_cute_unfused": unfused, "xla": unfused,
             "jax_cute_remat": inference + training}
 
@@ -139,6 +154,15 @@ def run(args: argparse.Namespace) -> list[dict]:
                             [Impl(n, _grads(fn)) for n, fn in impls if n != "jax_cute_remat"], mk_train,
                             6.0 * 2 * m * d * f, rounds=min(rounds, 3), target_s=0.05 if args.smoke else 1.0,
                             meta={"dtype": "bfloat16"})
+
+    # SwiGLU MLP (Llama-style, no bias): w1 holds [gate | up]
+    sshapes = [(m, d), (d, 2 * f), (f, d), (m, d)]
+    mks = lambda s: normal(s, sshapes, (1.0, d ** -0.5, f ** -0.5, 1.0))  # noqa: E731
+    simpls = [("jax_cute", swiglu_fused), ("jax_cute_unfused", swiglu_unfused), ("xla", swiglu_xla)]
+    written = traffic("swiglu", m, f, d, True)
+    recs += measure("fused", "e2e", f"SwiGLU MLP block forward + backward {m}x{d}->2x{f}->{d}",
+                    [Impl(n, _grads(fn)) for n, fn in simpls], mks, 6.0 * 3 * m * d * f, rounds=rounds,
+                    meta={"dtype": "bfloat16", "epilogue_bytes": {n: written[n] for n, _ in simpls}})
 
     t, e = (256, 4) if args.smoke else (8192, 8)
     rows = 2 * t

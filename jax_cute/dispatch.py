@@ -29,10 +29,11 @@ from jax_cute import autotune, config, kernels, selfcheck
 from jax_cute.cache import CACHE, family_binary
 from jax_cute.custom_call import kernel_call, workspace_outputs
 from jax_cute.kernels import abi
+from jax_cute.kernels import epilogue as kernel_epilogue
 from jax_cute.kernels.build import KernelBinary, compile_launcher
 from jax_cute.kernels.gemm_spec import GemmSpec, GroupedSpec
 from jax_cute.primitives.gemm_layouts import GemmLayouts
-from jax_cute.primitives.gemm_plan import FlatGemm, materialise, plan_gemm
+from jax_cute.primitives.gemm_plan import FlatGemm, FlatOperand, materialise, plan_gemm
 from jax_cute.primitives.ragged_layouts import RAGGED_M, FlatGrouped, RaggedLayouts, flatten_grouped
 
 logger = logging.getLogger("jax_cute")
@@ -181,14 +182,19 @@ def _pad_to(x, shape):
 
 
 def _gemm_launcher(fam, arch: str, spec, cfg, flat: FlatGemm, shapes, c_shape,
-                   outs: tuple[str, ...] = ("c",)) -> tuple[KernelBinary, Callable]:
+                   outs: tuple[str, ...] = ("c",), glu_c: FlatOperand | None = None
+                   ) -> tuple[KernelBinary, Callable]:
     """(binary, ``launch(a, b, extra=None) -> [c, ...]``): the compiled kernel for ``cfg`` launched
     on the plan's (padded, or copied) operands, with ``extra`` inputs (name -> (array, shape,
     stride)), and its outputs ``outs`` (each laid out like c) sliced back to ``c_shape`` where the
-    plan padded them."""
+    plan padded them. ``glu_c``: c is a gated activation's output instead, laid out so (half of
+    N's columns, c's buffer with its last axis halved; never padded)."""
     binary = family_binary(fam, arch, spec, launch_mode(cfg))
     workspaces = fam.workspace(spec, cfg, flat.m, flat.n, flat.k, flat.l)
     padded_c = tuple(shapes[2]) != tuple(c_shape)
+    layout_of = {name: (tuple(shapes[2]), flat.c) for name in outs}
+    if glu_c is not None:
+        layout_of["c"] = (tuple(shapes[2][:-1]) + (shapes[2][-1] // 2,), glu_c)
 
     def launch(a, b, extra=None):
         a, b = _pad_to(a, shapes[0]), _pad_to(b, shapes[1])
@@ -196,8 +202,8 @@ def _gemm_launcher(fam, arch: str, spec, cfg, flat: FlatGemm, shapes, c_shape,
             a = materialise(a, flat.a_src, flat.a)
         if flat.b_src is not None:
             b = materialise(b, flat.b_src, flat.b)
-        out_type = jax.ShapeDtypeStruct(shapes[2], np.dtype(spec.c_dtype))
-        outputs = {name: (out_type, flat.c.shape, flat.c.stride) for name in outs}
+        outputs = {name: (jax.ShapeDtypeStruct(shape, np.dtype(spec.c_dtype)), op.shape, op.stride)
+                   for name, (shape, op) in layout_of.items()}
         outputs.update(workspace_outputs(binary, workspaces))
         inputs = {"a": (a, flat.a.shape, flat.a.stride), "b": (b, flat.b.shape, flat.b.stride), **(extra or {})}
         got = kernel_call(binary, inputs, outputs, zeroed=_zeroed(workspaces))
@@ -208,8 +214,23 @@ def _gemm_launcher(fam, arch: str, spec, cfg, flat: FlatGemm, shapes, c_shape,
 
 # -- dense GEMM with a fused epilogue (jax_cute_matmul_fused) ---------------------------------------
 
-def _epilogue_in_xla(reason: str, what: str) -> None:
-    logger.info("jax_cute.matmul: the GEMM kernel runs with its epilogue in XLA: %s (%s)", reason, what)
+def _epilogue_in_xla(reason: str, what: str, op: str = "matmul") -> None:
+    logger.info("jax_cute.%s: the GEMM kernel runs with its epilogue in XLA: %s (%s)", op, reason, what)
+
+
+def _epilogue_family(kind: str, bias: bool, activation: str | None, two_outputs: bool):
+    """The target's ``kind`` family if it fuses this epilogue (its ``EPILOGUES``), else why not."""
+    arch, _ = target_arch()
+    try:
+        fam = kernels.family(kind, arch) if arch else None
+    except ImportError:
+        fam = None
+    fusable = getattr(fam, "EPILOGUES", ())
+    if fam is None or (activation and activation not in fusable) or (bias and "bias" not in fusable) \
+            or (two_outputs and "preact" not in fusable):
+        return (f"{getattr(fam, 'FAMILY', 'no kernel family')} does not fuse {'bias and ' if bias else ''}"
+                f"{activation or 'no activation'}{' with the pre-activation output' if two_outputs else ''}")
+    return fam
 
 
 def _bias_per_column(bias_aval, bias_layout, n: int) -> bool:
@@ -221,6 +242,23 @@ def _bias_per_column(bias_aval, bias_layout, n: int) -> bool:
             and all(d == 0 for _, d in rows.flat_modes() + batch.flat_modes()))
 
 
+def _gated_output(flat: FlatGemm | FlatGrouped, c_buffer, c_shape, columns: int) -> FlatOperand | str:
+    """A gated activation's output as the kernel writes it (N/2 columns of an N-major C whose
+    every other stride counts whole rows of N), or why the kernel cannot write it."""
+    c = flat.c
+    if c.major != "n" or tuple(c_buffer) != tuple(c_shape):
+        return "a gated output needs an unpadded C contiguous along N"
+    if c.batch_modes > 1:
+        return "a gated output takes one batch mode (the paired N spends three TMA dimensions)"
+    if (flat.n // 2) % columns:
+        return f"kernels pair gate and up columns in blocks of {columns}: N/2 = {flat.n // 2} is not a multiple"
+    if any(s % flat.n for i, (e, s) in enumerate(zip(c.shape, c.stride)) if i != 1 and e > 1):
+        return "C's row strides are not whole multiples of N"
+    # (an extent-1 mode's stride is never used; N/2 keeps it aligned)
+    stride = tuple(1 if i == 1 else (s // 2 if s % flat.n == 0 else flat.n // 2) for i, s in enumerate(c.stride))
+    return FlatOperand((c.shape[0], flat.n // 2, *c.shape[2:]), stride, "n")
+
+
 def fused_gemm(a_aval, b_aval, *bias_aval, layouts: GemmLayouts, bias_layout, activation: str | None,
                preact: bool, out_dtype: str, acc_dtype: str, reference: Callable, precision=None
                ) -> Callable | None:
@@ -230,8 +268,8 @@ def fused_gemm(a_aval, b_aval, *bias_aval, layouts: GemmLayouts, bias_layout, ac
 
     A family fuses what its ``EPILOGUES`` names ("bias", activation names, and "preact": a
     differentiated forward's second output, the pre-activation). Kernels read a bias of one row
-    (N,) in float32; swiglu runs the XLA epilogue. The heuristic config is used (autotune times
-    plain GEMMs only)."""
+    (N,) in float32; a gated activation (swiglu) writes N/2 columns (``_gated_output``). The
+    heuristic config is used (autotune times plain GEMMs only)."""
     dts = [np.dtype(a_aval.dtype).name, np.dtype(b_aval.dtype).name, np.dtype(out_dtype).name]
     ext = layouts.extents()
     what = (f"M={ext['m']} N={ext['n']} K={ext['k']} L={ext['l']}, dtypes {'/'.join(dts)}, "
@@ -242,19 +280,11 @@ def fused_gemm(a_aval, b_aval, *bias_aval, layouts: GemmLayouts, bias_layout, ac
     if not _bias_per_column(bias, bias_layout, ext["n"]):
         _epilogue_in_xla("kernels read a bias of shape (N,) broadcast over rows and batches", what)
         return None
-    arch, why = target_arch()
-    try:
-        fam = kernels.family("gemm", arch) if arch else None
-    except ImportError:
-        fam = None
-    fusable = getattr(fam, "EPILOGUES", ())
     # without an activation the pre-activation is the output itself
     two_outputs = preact and bool(activation)
-    if fam is None or (activation and activation not in fusable) or (bias is not None and "bias" not in fusable) \
-            or (two_outputs and "preact" not in fusable):
-        _epilogue_in_xla(f"{getattr(fam, 'FAMILY', 'no kernel family')} does not fuse "
-                         f"{'bias and ' if bias is not None else ''}{activation or 'no activation'}"
-                         f"{' with the pre-activation output' if two_outputs else ''}", what)
+    fam = _epilogue_family("gemm", bias is not None, activation, two_outputs)
+    if isinstance(fam, str):
+        _epilogue_in_xla(fam, what)
         return None
     given = [tuple(a_aval.shape), tuple(b_aval.shape), tuple(layouts.c_shape)]
     flat, shapes = plan_gemm(layouts, given, dts)
@@ -264,6 +294,12 @@ def fused_gemm(a_aval, b_aval, *bias_aval, layouts: GemmLayouts, bias_layout, ac
     if flat.n != ext["n"]:
         _epilogue_in_xla("a batch mode folds into N, so output columns no longer index the bias", what)
         return None
+    glu_c = None
+    if activation in kernel_epilogue.GATED:
+        glu_c = _gated_output(flat, shapes[2], layouts.c_shape, fam.GATED_COLUMNS)
+        if isinstance(glu_c, str):
+            _epilogue_in_xla(glu_c, what)
+            return None
     spec = GemmSpec(dts[0], dts[1], dts[2], flat.a.major, flat.b.major, flat.c.major, acc_dtype,
                     batch_modes=flat.batch_modes, bias=bias is not None, activation=activation or "",
                     preact=two_outputs)
@@ -277,7 +313,7 @@ def fused_gemm(a_aval, b_aval, *bias_aval, layouts: GemmLayouts, bias_layout, ac
     _log_copies(flat, given, shapes)
     cfg = fam.heuristic(spec, flat.m, flat.n, flat.k, flat.l, arch_info.num_sms(arch))
     binary, launch = _gemm_launcher(fam, arch, spec, cfg, flat, shapes, layouts.c_shape,
-                                    ("c", "d") if two_outputs else ("c",))
+                                    ("c", "d") if two_outputs else ("c",), glu_c)
 
     def impl(a, b, *bias_buf):
         extra = {"bias": (jnp.reshape(bias_buf[0], (-1,)).astype(jnp.float32), (ext["n"],), (1,))} if bias_buf else None
@@ -314,27 +350,92 @@ def grouped(a_aval, b_aval, gs_aval, *, layouts: RaggedLayouts, out_dtype: str, 
     workspaces = fam.workspace(spec, cfg, flat.m, flat.n, flat.k, flat.g, flat.l)
 
     def impl(a, b, gs):
-        return _launch_grouped(a, b, gs, flat, binary, workspaces, layouts.c_shape, dts[2])
+        return _launch_grouped(a, b, gs, flat, binary, workspaces, {"c": (layouts.c_shape, None)}, dts[2])[0]
 
-    ragged = e["m"] if layouts.mode == RAGGED_M else e["k"]
-
-    def sizes(rng, shape):  # a random split of the ragged extent, some groups empty
-        cuts = np.sort(rng.integers(0, ragged + 1, shape), axis=0)
-        return np.diff(cuts, axis=0, prepend=0)
-
+    sizes = _group_split(e["m"] if layouts.mode == RAGGED_M else e["k"])
     if not _trusted("ragged_dot", binary, impl, reference, (a_aval, b_aval, gs_aval), sizes):
         return None
     logger.info("jax_cute.ragged_dot: %s on %s (%s)", binary.name, arch, what)
     return impl
 
 
-def _launch_grouped(a, b, gs, flat: FlatGrouped, binary: KernelBinary, workspaces, c_shape, out_dtype: str):
+def _group_split(extent: int) -> Callable:
+    """Group sizes for a first-use check: a random split of the ragged ``extent``, some groups empty."""
+    def sizes(rng, shape):
+        cuts = np.sort(rng.integers(0, extent + 1, shape), axis=0)
+        return np.diff(cuts, axis=0, prepend=0)
+    return sizes
+
+
+def _launch_grouped(a, b, gs, flat: FlatGrouped, binary: KernelBinary, workspaces, outs, out_dtype: str,
+                    extra=None) -> list:
+    """The grouped kernel's outputs ``outs`` (name -> (buffer shape, FlatOperand, or None for
+    c's own layout)), with ``extra`` inputs (name -> (array, shape, stride))."""
     b_desc = flat.b4 or (flat.b.shape, flat.b.stride)
     c_desc = flat.c4 or (flat.c.shape, flat.c.stride)
-    outputs = {"c": (jax.ShapeDtypeStruct(c_shape, np.dtype(out_dtype)), *c_desc)}
+    outputs = {name: (jax.ShapeDtypeStruct(shape, np.dtype(out_dtype)),
+                      *(c_desc if op is None else (op.shape, op.stride))) for name, (shape, op) in outs.items()}
     outputs.update(workspace_outputs(binary, workspaces))
-    inputs = {"a": (a, flat.a.shape, flat.a.stride), "b": (b, *b_desc), "group_sizes": (gs, *flat.gs)}
-    return kernel_call(binary, inputs, outputs, zeroed=_zeroed(workspaces))["c"]
+    inputs = {"a": (a, flat.a.shape, flat.a.stride), "b": (b, *b_desc), "group_sizes": (gs, *flat.gs), **(extra or {})}
+    got = kernel_call(binary, inputs, outputs, zeroed=_zeroed(workspaces))
+    return [got[name] for name in outs]
+
+
+def grouped_fused(a_aval, b_aval, gs_aval, *bias_aval, layouts: RaggedLayouts, activation: str | None,
+                  preact: bool, out_dtype: str, acc_dtype: str, reference: Callable) -> Callable | None:
+    """The kernel implementation of a ``jax_cute_ragged_fused`` (``ragged_dot`` with a per-group
+    bias (G, N) and an activation in the grouped kernel's epilogue), or None: the caller then
+    runs the grouped kernel with a float32 output and the epilogue in XLA (logged here, with the
+    reason)."""
+    dts = [np.dtype(a_aval.dtype).name, np.dtype(b_aval.dtype).name, np.dtype(out_dtype).name]
+    e = layouts.extents()
+    what = (f"{layouts.mode} M={e['m']} N={e['n']} K={e['k']} G={e['g']} L={e['l']}, dtypes {'/'.join(dts)}, "
+            f"bias {'yes' if bias_aval else 'no'}, activation {activation}")
+    if 0 in e.values():
+        return None
+    two_outputs = preact and bool(activation)
+    fam = _epilogue_family("grouped", bool(bias_aval), activation, two_outputs)
+    if isinstance(fam, str):
+        _epilogue_in_xla(fam, what, "ragged_dot")
+        return None
+    flat = flatten_grouped(layouts, dts)
+    if isinstance(flat, str):
+        _epilogue_in_xla(flat, what, "ragged_dot")
+        return None
+    if layouts.mode != RAGGED_M or flat.l != 1:
+        _epilogue_in_xla("kernels fuse the epilogue of an unbatched ragged_m product", what, "ragged_dot")
+        return None
+    c_shape = tuple(layouts.c_shape)
+    outs = {"c": (c_shape, None)}
+    if activation in kernel_epilogue.GATED:
+        glu_c = _gated_output(flat, c_shape, c_shape, fam.GATED_COLUMNS)
+        if isinstance(glu_c, str):
+            _epilogue_in_xla(glu_c, what, "ragged_dot")
+            return None
+        outs = {"c": (c_shape[:-1] + (c_shape[-1] // 2,), glu_c)}
+    if two_outputs:
+        outs["d"] = (c_shape, None)
+    spec = GroupedSpec(layouts.mode, *dts, flat.a.major, flat.b.major, flat.c.major, acc_dtype,
+                       bias=bool(bias_aval), activation=activation or "", preact=two_outputs)
+    picked = _family("ragged_dot", "grouped", spec, what)
+    if picked is None:
+        return None
+    arch, fam = picked
+    cfg = fam.heuristic(spec, flat.m, flat.n, flat.k, flat.g, flat.l, arch_info.num_sms(arch))
+    binary = family_binary(fam, arch, spec, cfg)
+    workspaces = fam.workspace(spec, cfg, flat.m, flat.n, flat.k, flat.g, flat.l)
+
+    def impl(a, b, gs, *bias_buf):
+        # bias (G, N) row-major, read as (N, G)
+        extra = {"bias": (bias_buf[0].astype(jnp.float32), (e["n"], e["g"]), (1, e["n"]))} if bias_buf else None
+        got = _launch_grouped(a, b, gs, flat, binary, workspaces, outs, dts[2], extra)
+        return got * 2 if preact and not two_outputs else got
+
+    if not _trusted("ragged_dot", binary, impl, reference, (a_aval, b_aval, gs_aval, *bias_aval),
+                    _group_split(e["m"])):
+        return None
+    logger.info("jax_cute.ragged_dot: %s on %s (%s)", binary.name, arch, what)
+    return impl
 
 
 # -- user kernels (jax_cute_call) ----------------------------------------------------------------

@@ -42,9 +42,10 @@ def _picks(spec: GemmSpec) -> list[sm90_gemm.Config]:
 
 
 def test_family_declares_its_epilogues():
-    assert set(sm90_gemm.EPILOGUES) == {"bias", *epilogue.ACTIVATIONS, "preact"}
+    assert set(sm90_gemm.EPILOGUES) == {"bias", *epilogue.ACTIVATIONS, "swiglu", "preact"}
     assert sm90_gemm.unsupported(GemmSpec(BF, BF, BF, bias=True, activation="gelu")) is None
-    assert "swiglu" in sm90_gemm.unsupported(GemmSpec(BF, BF, BF, activation="swiglu"))
+    assert sm90_gemm.unsupported(GemmSpec(BF, BF, BF, bias=True, activation="swiglu")) is None
+    assert "geglu" in sm90_gemm.unsupported(GemmSpec(BF, BF, BF, activation="geglu"))
     # cache keys of plain specs are unchanged; fused ones name their epilogue
     assert GemmSpec(BF, BF, BF).key() == "bfloat16.bfloat16.bfloat16.accfloat32.kkn"
     assert GemmSpec(BF, BF, BF, bias=True, activation="silu").key().endswith(".kkn.bias.silu")
@@ -159,3 +160,144 @@ def test_differentiated_forward_is_one_kernel(activation, caplog):
     assert "dot_general" not in text
     assert any(f".bias.{activation}.preact" in r.getMessage() for r in caplog.records)
     assert not any("epilogue in XLA" in r.getMessage() for r in caplog.records)
+
+
+# gated (swiglu) products: N holds [gate | up]; N/2 = 14336, 1408 (tiles of 256 pair 128 columns
+# of each), 64 * 3 (only 128-wide tiles pair whole blocks), and a 3-batch product
+GATED_SHAPES = [(8192, 28672, 4096, 1), (8192, 2816, 4096, 1), (4096, 384, 1024, 1), (1000, 1024, 776, 3),
+                (64, 4096, 4096, 1), (1, 128, 64, 1)]
+
+
+def _gated_picks(spec: GemmSpec) -> list[sm90_gemm.Config]:
+    return sorted({sm90_gemm.heuristic(spec, *s) for s in GATED_SHAPES}, key=lambda c: c.key())
+
+
+def test_gated_tiles_pair_whole_blocks():
+    """Every pick pairs halves of whole 64-column blocks: a 128x256 tile needs N/2 % 128 == 0,
+    else the 128-wide tiles; N/2 off the 64-column grid has no kernel."""
+    spec = GemmSpec(BF, BF, BF, "k", "n", "n", bias=True, activation="swiglu")
+    for m, n, k, l in GATED_SHAPES:
+        cfg = sm90_gemm.heuristic(spec, m, n, k, l)
+        assert (n // 2) % (cfg.tile_n // 2) == 0, (n, cfg)
+    assert sm90_gemm.heuristic(spec, 4096, 384, 1024, 1).tile_n == 128
+    with pytest.raises(ValueError, match="multiple of 64"):
+        sm90_gemm.heuristic(spec, 4096, 200, 1024, 1)
+    assert all(c.tile_n in (128, 256) for c in sm90_gemm.candidate_configs(spec))
+    with pytest.raises(ValueError, match="pairs halves"):
+        sm90_gemm.launcher(spec, sm90_gemm.Config(128, 160, 2, 1, pingpong=True))
+
+
+@pytest.mark.parametrize("c_dtype", [BF, F32])
+@pytest.mark.parametrize("bias, preact", [(True, False), (False, True), (True, True)])
+def test_every_gated_pick_compiles(c_dtype, bias, preact):
+    """swiglu, with and without bias and the pre-activation output, in every config the
+    heuristic picks (N-major B and C, as a weight (K, N) and its output)."""
+    spec = GemmSpec(BF, BF, c_dtype, "k", "n", "n", bias=bias, activation="swiglu", preact=preact)
+    for cfg in _gated_picks(spec):
+        _compile(spec, cfg)
+
+
+def test_gated_k_major_b_compiles():
+    """B contiguous along K (a weight passed as (N, K)): its N mode is paired by stride too."""
+    spec = GemmSpec(BF, BF, BF, "k", "k", "n", bias=True, activation="swiglu", preact=True)
+    _compile(spec, sm90_gemm.heuristic(spec, 8192, 28672, 4096, 1))
+
+
+def test_gated_lowering_is_one_kernel(caplog):
+    """swiglu in the kernel: one launch writes the N/2 output columns, no XLA epilogue; under grad
+    the forward also writes the pre-activation."""
+    f = lambda x, w, c: jax_cute.matmul(x, w, bias=c, activation="swiglu")  # noqa: E731
+    with caplog.at_level(logging.INFO, logger="jax_cute"):
+        text = lowered(f, (300, 256), (256, 640), (640,))
+    assert text.count("stablehlo.custom_call @jax_cute_launch") == 1
+    for op in ("dot_general", "stablehlo.tanh", "stablehlo.logistic", "stablehlo.exponential"):
+        assert op not in text, op
+    assert any(".bias.swiglu" in r.getMessage() for r in caplog.records)
+
+    def loss(x, w, c):
+        return jnp.sum(jax_cute.matmul(x, w, bias=c, activation="swiglu").astype(jnp.float32))
+
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="jax_cute"):
+        text = lowered(jax.grad(loss, argnums=(0, 1, 2)), (300, 256), (256, 640), (640,))
+    assert text.count("stablehlo.custom_call @jax_cute_launch") == 3
+    assert any(".bias.swiglu.preact" in r.getMessage() for r in caplog.records)
+    assert not any("epilogue in XLA" in r.getMessage() for r in caplog.records)
+
+
+
+# -- the grouped kernel's epilogues (ragged_dot) --------------------------------------------------
+
+def _grouped_compile(spec, n):
+    pytest.importorskip("cutlass")
+    from jax_cute.kernels import build, sm90_grouped
+
+    cfg = sm90_grouped.heuristic(spec, 16384, n, 4096, 8, 1)
+    binary = build.compile_launcher(sm90_grouped.launcher(spec, cfg), sm90_grouped.signature(spec, cfg),
+                                    arch="sm_90a", name=f"test_{spec.key()}_{cfg.key()}", keep_ptx=True)
+    res = cubin_info.resources(binary.obj)
+    assert res["local_bytes"] == 0 and res["frame_bytes"] == 0, (spec.key(), cfg.key(), res)
+    return binary
+
+
+@pytest.mark.parametrize("n", [2816, 1408])   # 128x256 and 128x128 tiles (swiglu: both 128x256)
+@pytest.mark.parametrize("c_dtype", [BF, F32])
+@pytest.mark.parametrize("bias, activation, preact", [
+    (True, "", False), (True, "gelu", False), (False, "silu", True), (True, "gelu_exact", True),
+    (True, "relu", True), (True, "swiglu", False), (False, "swiglu", True), (True, "swiglu", True)])
+def test_every_grouped_epilogue_compiles(c_dtype, bias, activation, preact, n):
+    """Without register spills, in the tiles the heuristic picks."""
+    from jax_cute.kernels.gemm_spec import GroupedSpec
+
+    spec = GroupedSpec("ragged_m", BF, BF, c_dtype, "k", "n", "n", bias=bias, activation=activation, preact=preact)
+    names = [a.name for a in _grouped_compile(spec, n).signature if hasattr(a, "dtype")]
+    assert names == ["a", "b", "c", "group_sizes"] + ["bias"] * bias + ["d"] * preact
+
+
+def test_grouped_spec_checks():
+    from jax_cute.kernels import sm90_grouped
+    from jax_cute.kernels.gemm_spec import GroupedSpec
+
+    with pytest.raises(ValueError, match="needs mode ragged_m"):
+        GroupedSpec("ragged_k", BF, BF, BF, "m", "n", "n", bias=True)
+    spec = GroupedSpec("ragged_m", BF, BF, BF, "k", "n", "n", activation="swiglu")
+    assert sm90_grouped.heuristic(spec, 4096, 28672, 4096, 8, 1).tile_n == 256
+    assert sm90_grouped.heuristic(spec, 4096, 384, 4096, 8, 1).tile_n == 128   # N/2 = 192: 64 + 64 pairs
+    with pytest.raises(ValueError, match="multiple of 64"):
+        sm90_grouped.heuristic(spec, 4096, 200, 4096, 8, 1)
+    assert GroupedSpec("ragged_m", BF, BF, BF).key() == "ragged_m.bfloat16.bfloat16.bfloat16.accfloat32.kkn"
+
+
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_grouped_lowering_is_one_kernel(activation, caplog):
+    """ragged_dot's bias and activation run in the grouped kernel: one launch, no XLA epilogue;
+    under grad the forward writes the pre-activation and the gradient GEMMs are the two grouped
+    kernels (three launches)."""
+    gs = jnp.array([100, 0, 150, 30], jnp.int32)
+
+    def f(x, w, c):
+        return jax_cute.ragged_dot(x, w, gs, bias=c, activation=activation)
+
+    with caplog.at_level(logging.INFO, logger="jax_cute"):
+        text = lowered(f, (300, 256), (4, 256, 640), (4, 640))
+    assert text.count("stablehlo.custom_call @jax_cute_launch") == 1
+    for op in ("dot_general", "stablehlo.tanh", "stablehlo.logistic", "stablehlo.exponential"):
+        assert op not in text, op
+    assert any(f".bias.{activation}" in r.getMessage() and "ragged_m" in r.getMessage() for r in caplog.records)
+
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="jax_cute"):
+        text = lowered(jax.grad(lambda *xs: jnp.sum(f(*xs).astype(jnp.float32)), argnums=(0, 1, 2)),
+                       (300, 256), (4, 256, 640), (4, 640))
+    assert text.count("stablehlo.custom_call @jax_cute_launch") == 3
+    assert any(f".bias.{activation}.preact" in r.getMessage() for r in caplog.records)
+    assert not any("epilogue in XLA" in r.getMessage() for r in caplog.records)
+
+
+def test_grouped_off_the_column_grid_keeps_the_xla_epilogue(caplog):
+    gs = jnp.array([100, 200], jnp.int32)
+    f = lambda x, w: jax_cute.ragged_dot(x, w, gs, activation="swiglu")  # noqa: E731
+    with caplog.at_level(logging.INFO, logger="jax_cute"):
+        text = lowered(f, (300, 256), (2, 256, 200))
+    assert text.count("stablehlo.custom_call @jax_cute_launch") == 1
+    assert any("epilogue in XLA" in r.getMessage() and "blocks of 64" in r.getMessage() for r in caplog.records)

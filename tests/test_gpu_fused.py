@@ -7,6 +7,7 @@ Run: ``pytest -m gpu tests/test_gpu_fused.py`` (strict mode: a silent XLA fallba
 from __future__ import annotations
 
 import math
+import re
 import zlib
 
 import jax
@@ -18,7 +19,7 @@ import jax_cute
 from jax_cute import config
 from jax_cute.kernels import sm90_gemm
 from jax_cute.kernels.gemm_spec import GemmSpec
-from jax_cute.primitives import fused
+from jax_cute.primitives import fused, ragged_fused
 
 pytestmark = pytest.mark.gpu
 
@@ -56,7 +57,7 @@ def _act64(name, z):
         t = np.tanh(c * (z + 0.044715 * z ** 3))
         return 0.5 * z * (1 + t), 0.5 * (1 + t) + 0.5 * z * (1 - t * t) * c * (1 + 3 * 0.044715 * z * z)
     if name == "gelu_exact":
-        erf = np.vectorize(math.erf)(z / math.sqrt(2))
+        erf = np.vectorize(math.erf, otypes=[np.float64])(z / math.sqrt(2))
         return 0.5 * z * (1 + erf), 0.5 * (1 + erf) + z * np.exp(-z * z / 2) / math.sqrt(2 * math.pi)
     if name == "silu":
         s = 1 / (1 + np.exp(-z))
@@ -93,6 +94,12 @@ def assert_close(got, want, tol, what):
 
 def _compiled(f, *args) -> str:
     return jax.jit(f).lower(*args).compile().as_text()
+
+
+def _no_xla_epilogue(text: str) -> None:
+    """No HLO instruction of an activation (the names also occur in the text's stack traces)."""
+    ops = re.findall(r"\b(logistic|tanh|exponential|erf)\(", text)
+    assert not ops, ops
 
 
 # every epilogue: each activation with and without bias, and bias alone (no epilogue at all is
@@ -204,21 +211,159 @@ def test_tiles_the_heuristic_picks_for_fused_epilogues():
     assert_close(got, reference(a, b, np.asarray(bias), "gelu", 0.0)[0], 1e-2, "split-K fused")
 
 
-@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
-def test_ragged_dot(activation):
-    g, m, k, n = 4, 300, 136, 392
-    rng = np.random.default_rng(5)
+# swiglu in the kernel: N/2 on the 64-column grid (192: 128-wide tiles; 1408: 128x256 or
+# pingpong tiles, by K), odd rows, a 1-row product, a batched product with a shared weight
+GATED_SIZES = [(257, 136, 384), (300, 100, 2816), (1, 64, 128), (2048, 4096, 2816), (3, 301, 72, 256)]
+
+
+def _gated_args(size, with_bias, seed, k_major_b=False):
+    *lead, k, n = size
+    rng = np.random.default_rng(zlib.crc32(repr(seed).encode()))
+    a16 = jnp.asarray(_rand(rng, (*lead, k))).astype(jnp.bfloat16)
+    b16 = jnp.asarray(_rand(rng, (n, k) if k_major_b else (k, n), 1 / math.sqrt(k))).astype(jnp.bfloat16)
+    bias = jnp.asarray(_rand(rng, (n,))) if with_bias else None
+    return a16, b16, bias
+
+
+def _gated_want(a16, b16, bias, k_major_b=False):
+    """float64 (z, swiglu(z)) of every row (leading axes flattened)."""
+    a = np.asarray(a16.astype(jnp.float32)).reshape(-1, a16.shape[-1])
+    b = np.asarray(b16.astype(jnp.float32))
+    z = reference(a, b.T if k_major_b else b, None if bias is None else np.asarray(bias), None, 0.0)[0]
+    h = z.shape[1] // 2
+    return z, _act64("silu", z[:, :h])[0] * z[:, h:]
+
+
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("preact", [False, True])
+@pytest.mark.parametrize("size", GATED_SIZES)
+def test_gated_in_kernel(size, preact, with_bias, out_dtype):
+    """swiglu in the epilogue: one launch writes silu(gate) * up (and, as a differentiated forward,
+    the pre-activation z in [gate | up] order), no XLA epilogue."""
+    a16, b16, bias = _gated_args(size, with_bias, ("gated", size, preact, with_bias, out_dtype))
+    args = (a16, b16) + ((bias,) if with_bias else ())
+    f = lambda a, b, *c: jax_cute.matmul(a, b, bias=c[0] if c else None, activation="swiglu",  # noqa: E731
+                                         preferred_element_type=out_dtype)
+    eqn = next(e for e in jax.make_jaxpr(f)(*args).eqns if e.primitive is fused.fused_p)
+    g = lambda *xs: fused.fused_p.bind(*xs, **dict(eqn.params, preact=preact))  # noqa: E731
+    text = _compiled(g, *args)
+    assert text.count('custom_call_target="jax_cute_launch') == 1
+    _no_xla_epilogue(text)
+    outs = jax.jit(g)(*args)
+    z64, y64 = _gated_want(a16, b16, bias)
+    tol = 1e-2 if out_dtype == jnp.bfloat16 else 1e-5
+    assert len(outs) == (2 if preact else 1)
+    assert_close(np.asarray(outs[0].astype(jnp.float32)).reshape(y64.shape), y64, tol, f"y {size}")
+    if preact:
+        assert_close(np.asarray(outs[1].astype(jnp.float32)).reshape(z64.shape), z64, tol, f"z {size}")
+
+
+@pytest.mark.parametrize("size", [(300, 136, 384), (1000, 4096, 2816)])
+def test_gated_k_major_weight(size):
+    """A weight passed as (N, K) (transpose_b): B's N mode is paired through its row stride."""
+    a16, b16, bias = _gated_args(size, True, ("gated-k", size), k_major_b=True)
+    f = lambda a, b, c: jax_cute.matmul(a, b, transpose_b=True, bias=c, activation="swiglu")  # noqa: E731
+    text = _compiled(f, a16, b16, bias)
+    assert text.count('custom_call_target="jax_cute_launch') == 1
+    _no_xla_epilogue(text)
+    assert_close(jax.jit(f)(a16, b16, bias), _gated_want(a16, b16, bias, k_major_b=True)[1], 1e-2, "y")
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gated_gradients(with_bias):
+    """The gradients of a swiglu product whose forward runs in the kernel (it saves z)."""
+    m, k, n = 300, 136, 384
+    rng = np.random.default_rng(zlib.crc32(repr(("gated-grad", with_bias)).encode()))
+    a16 = jnp.asarray(_rand(rng, (m, k))).astype(jnp.bfloat16)
+    b16 = jnp.asarray(_rand(rng, (k, n), 1 / math.sqrt(k))).astype(jnp.bfloat16)
+    bias = jnp.asarray(_rand(rng, (n,))).astype(jnp.bfloat16) if with_bias else None
+    r16 = jnp.asarray(_rand(rng, (m, n // 2))).astype(jnp.bfloat16)
+
+    def loss(a, b, c):
+        y = jax_cute.matmul(a, b, bias=c, activation="swiglu")
+        return jnp.sum(y.astype(jnp.float32) * r16.astype(jnp.float32))
+
+    grad = jax.grad(loss, argnums=(0, 1, 2) if with_bias else (0, 1))
+    assert _compiled(grad, a16, b16, bias).count('custom_call_target="jax_cute_launch') == 3
+    got = jax.jit(grad)(a16, b16, bias)
+    a, b = np.asarray(a16.astype(jnp.float32)), np.asarray(b16.astype(jnp.float32))
+    c = None if bias is None else np.asarray(bias.astype(jnp.float32))
+    _, da, db, dc = reference(a, b, c, "swiglu", np.asarray(r16.astype(jnp.float32), np.float64))
+    for g, w, name in zip(got, (da, db, dc), ("da", "db", "dbias")):
+        assert_close(g, w, 3e-2, f"{name} swiglu")
+
+
+# ragged_dot: (M, K, N, group sizes) with empty groups, rows past the last group (zeros, no
+# bias), a group of one row; N = 384 (128-wide tiles), 2816 (128x256), 392 (not gated: the last
+# tile is partly past N)
+RAGGED = [(300, 136, 384, (100, 0, 150, 30)), (1000, 264, 2816, (0, 333, 1, 600)), (129, 64, 392, (129, 0, 0, 0))]
+RAGGED_EPILOGUES = [(case, a, b) for case in RAGGED for a, b in EPILOGUES if a != "swiglu" or case[2] % 128 == 0]
+
+
+def _ragged_want(x, w, bias, sizes, activation, r=None):
+    """float64 (y, z) per group and, for a cotangent r of y, (dx, dw, dbias)."""
+    g, n = w.shape[0], w.shape[2]
+    n_out = n // 2 if activation == "swiglu" else n
+    y, z = np.zeros((x.shape[0], n_out)), np.zeros((x.shape[0], n))
+    dx, dw, db = np.zeros(x.shape), np.zeros(w.shape), np.zeros((g, n))
+    hi = 0
+    for i, size in enumerate(sizes):
+        lo, hi = hi, hi + size
+        c = None if bias is None else bias[i]
+        z[lo:hi] = reference(x[lo:hi], w[i], c, None, 0.0)[0]
+        y[lo:hi], dx[lo:hi], dw[i], db[i] = reference(x[lo:hi], w[i], c, activation,
+                                                       0.0 if r is None else r[lo:hi])
+    return y, z, dx, dw, db
+
+
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("case, activation, with_bias", RAGGED_EPILOGUES)
+def test_ragged_epilogue_in_kernel(case, activation, with_bias, out_dtype):
+    """The grouped kernel's epilogue: y, and as a differentiated forward also z, each from one
+    launch with no XLA epilogue; rows past the last group zero in both."""
+    m, k, n, sizes = case
+    rng = np.random.default_rng(zlib.crc32(repr(("ragged", case, activation, with_bias, out_dtype)).encode()))
     x16 = jnp.asarray(_rand(rng, (m, k))).astype(jnp.bfloat16)
-    w16 = jnp.asarray(_rand(rng, (g, k, n), 1 / math.sqrt(k))).astype(jnp.bfloat16)
-    bias = jnp.asarray(_rand(rng, (g, n)))
-    sizes = jnp.array([100, 0, 150, 30], jnp.int32)  # 280 of 300 rows
-    f = lambda x, w, c: jax_cute.ragged_dot(x, w, sizes, bias=c, activation=activation)  # noqa: E731
-    assert 'custom_call_target="jax_cute_launch' in _compiled(f, x16, w16, bias)
-    got = np.asarray(jax.jit(f)(x16, w16, bias).astype(jnp.float32), np.float64)
+    w16 = jnp.asarray(_rand(rng, (len(sizes), k, n), 1 / math.sqrt(k))).astype(jnp.bfloat16)
+    bias = jnp.asarray(_rand(rng, (len(sizes), n))) if with_bias else None
+    gs = jnp.asarray(sizes, jnp.int32)
+    args = (x16, w16, gs) + ((bias,) if with_bias else ())
+    f = lambda x, w, gs, *c: jax_cute.ragged_dot(x, w, gs, bias=c[0] if c else None,  # noqa: E731
+                                                 activation=activation, preferred_element_type=out_dtype)
+    eqn = next(e for e in jax.make_jaxpr(f)(*args).eqns if e.primitive is ragged_fused.ragged_fused_p)
+    preact = activation is not None
+    g = lambda *xs: ragged_fused.ragged_fused_p.bind(*xs, **dict(eqn.params, preact=preact))  # noqa: E731
+    text = _compiled(g, *args)
+    assert text.count('custom_call_target="jax_cute_launch') == 1
+    _no_xla_epilogue(text)
+    outs = jax.jit(g)(*args)
     x, w = np.asarray(x16.astype(jnp.float32)), np.asarray(w16.astype(jnp.float32))
-    ends = np.cumsum(np.asarray(sizes))
-    want = np.zeros_like(got)
-    for i in range(g):
-        lo, hi = ends[i] - int(sizes[i]), ends[i]
-        want[lo:hi] = reference(x[lo:hi], w[i], np.asarray(bias)[i], activation, 0.0)[0]
-    assert_close(got, want, 1e-2, f"ragged {activation}")
+    y64, z64, *_ = _ragged_want(x, w, None if bias is None else np.asarray(bias), sizes, activation)
+    tol = 1e-2 if out_dtype == jnp.bfloat16 else 1e-5
+    assert_close(outs[0], y64, tol, f"y {case} {activation}")
+    if preact:
+        assert_close(outs[1], z64, tol, f"z {case} {activation}")
+
+
+@pytest.mark.parametrize("activation", ["gelu", "swiglu", "relu"])
+def test_ragged_epilogue_gradients(activation):
+    m, k, n, sizes = 300, 136, 384, (100, 0, 150, 30)
+    rng = np.random.default_rng(zlib.crc32(repr(("ragged-grad", activation)).encode()))
+    x16 = jnp.asarray(_rand(rng, (m, k))).astype(jnp.bfloat16)
+    w16 = jnp.asarray(_rand(rng, (4, k, n), 1 / math.sqrt(k))).astype(jnp.bfloat16)
+    b16 = jnp.asarray(_rand(rng, (4, n))).astype(jnp.bfloat16)
+    r16 = jnp.asarray(_rand(rng, (m, n // 2 if activation == "swiglu" else n))).astype(jnp.bfloat16)
+    gs = jnp.asarray(sizes, jnp.int32)
+
+    def loss(x, w, c):
+        y = jax_cute.ragged_dot(x, w, gs, bias=c, activation=activation)
+        return jnp.sum(y.astype(jnp.float32) * r16.astype(jnp.float32))
+
+    grad = jax.grad(loss, argnums=(0, 1, 2))
+    assert _compiled(grad, x16, w16, b16).count('custom_call_target="jax_cute_launch') == 3
+    got = jax.jit(grad)(x16, w16, b16)
+    want = _ragged_want(*(np.asarray(t.astype(jnp.float32)) for t in (x16, w16, b16)), sizes, activation,
+                        np.asarray(r16.astype(jnp.float32), np.float64))[2:]
+    for gv, wv, name in zip(got, want, ("dx", "dw", "dbias")):
+        assert_close(gv, wv, 3e-2, f"{name} {activation}")

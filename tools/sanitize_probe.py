@@ -94,6 +94,17 @@ checks = {
     # without a bias: the whole share, both passes through the same slots, ~2 tiles per CTA
     "fused preact whole share": (jax.grad(lambda x, w: jax_cute.matmul(x, w, activation="silu")
                                           .astype(jnp.float32).sum(), (0, 1)), (r(4000, 1000), r(1000, 2056))),
+    # swiglu: B's N paired (gate and up halves in one tile), C half as wide; under grad also D
+    "fused swiglu grad": (jax.grad(lambda x, w, b: jax_cute.matmul(x, w, bias=b, activation="swiglu")
+                                   .astype(jnp.float32).sum(), (0, 1, 2)),
+                          (r(1000, 776), r(776, 2816), jnp.asarray(rng.standard_normal(2816), jnp.float32))),
+    # the grouped kernel's epilogue: bias row per group, the zero tail, swiglu, and under grad D
+    "ragged swiglu grad": (jax.grad(lambda x, w, b: jax_cute.ragged_dot(
+        x, w, jnp.asarray([300, 0, 1, 500], jnp.int32), bias=b, activation="swiglu").astype(jnp.float32).sum(),
+        (0, 1, 2)), (r(1000, 264), r(4, 264, 2816), r(4, 2816))),
+    "ragged bias gelu": (lambda x, w, b: jax_cute.ragged_dot(x, w, jnp.asarray([100, 0, 37, 120], jnp.int32),
+                                                             bias=b, activation="gelu"),
+                         (r(300, 136), r(4, 136, 392), r(4, 392))),
     "matmul stream pdl chain": stream_chain(),
     "matmul grad": (jax.grad(lambda a, b: jax_cute.matmul(a, b).astype(jnp.float32).sum(), (0, 1)),
                     (r(264, 136), r(136, 72))),

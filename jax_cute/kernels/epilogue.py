@@ -16,6 +16,8 @@ from __future__ import annotations
 import math
 
 ACTIVATIONS = ("relu", "gelu", "gelu_exact", "silu")
+# gated activations: the product's N holds [gate | up] halves and the output has N/2 columns
+GATED = ("swiglu",)
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _SQRT_HALF = math.sqrt(0.5)
@@ -41,3 +43,11 @@ def activation(name: str, x, fast: bool):
         # the approximate division (2 ulp): the IEEE one's slow path is a call needing a stack frame
         return cute.math.div(x, 1.0 + cute.math.exp(-x), fastmath=True)
     raise ValueError(f"no kernel epilogue for activation {name!r} (kernels fuse {', '.join(ACTIVATIONS)})")
+
+
+def gated(name: str, gate, up, fast: bool):
+    """``name`` (a GATED activation) of paired ``gate`` and ``up`` fragments: swiglu is
+    ``silu(gate) * up``."""
+    if name == "swiglu":
+        return activation("silu", gate, fast) * up
+    raise ValueError(f"no kernel epilogue for gated activation {name!r} (kernels fuse {', '.join(GATED)})")

@@ -97,6 +97,11 @@ class GroupedSpec:
     groups. Here K is the ragged (token) mode.
 
     Any operand, group_sizes included, may have L extent 1 (broadcast over batches).
+
+    Fused epilogue (ragged_m; families whose EPILOGUES name them), as GemmSpec's with a bias per
+    group: ``bias`` adds a float32 ``bias`` (N, G) (row g for the rows of group g; the zero rows
+    past the last group take none), ``activation`` and ``preact`` as GemmSpec's, the
+    pre-activation ``d`` laid out like c (with a gated activation, like c's N columns).
     """
 
     mode: str
@@ -107,10 +112,21 @@ class GroupedSpec:
     b_major: str = "k"
     c_major: str = "n"
     acc_dtype: str = "float32"
+    bias: bool = False
+    activation: str = ""
+    preact: bool = False
+
+    def __post_init__(self):
+        if (self.bias or self.activation) and self.mode != "ragged_m":
+            raise ValueError(f"a fused grouped epilogue needs mode ragged_m, not {self.mode}")
+        if self.preact and not self.activation:
+            raise ValueError("a pre-activation output needs an activation (without one it equals c)")
 
     def key(self) -> str:
         return (f"{self.mode}.{self.a_dtype}.{self.b_dtype}.{self.c_dtype}.acc{self.acc_dtype}."
-                f"{self.a_major}{self.b_major}{self.c_major}")
+                f"{self.a_major}{self.b_major}{self.c_major}"
+                + (".bias" if self.bias else "") + (f".{self.activation}" if self.activation else "")
+                + (".preact" if self.preact else ""))
 
     def signature(self, extra: tuple = ()) -> Signature:
         a = _operand("a", self.a_dtype, 3, 1 if self.a_major == "k" else 0)
@@ -123,7 +139,10 @@ class GroupedSpec:
         else:
             raise ValueError(f"unknown grouped mode {self.mode!r}")
         gs = TensorArg("group_sizes", "int32", (DYN, DYN), (1, DYN), align=4)
-        return (a, b, c, gs, *extra, StreamArg())
+        fused = (TensorArg("bias", "float32", (DYN, DYN), (1, DYN), align=4),) if self.bias else ()
+        if self.preact:
+            fused += (_operand("d", self.c_dtype, 3, 1 if self.c_major == "n" else 0),)
+        return (a, b, c, gs, *fused, *extra, StreamArg())
 
 
 @dataclasses.dataclass(frozen=True)

@@ -66,6 +66,8 @@ def unsupported(spec) -> str | None:
         return f"sm100: output dtype {spec.c_dtype} not in {_OUT_DTYPES}"
     if spec.acc_dtype != "float32":
         return "sm100: only float32 accumulation"
+    if getattr(spec, "bias", False) or getattr(spec, "activation", ""):
+        return "sm100: no fused epilogue (bias, activation)"
     return None
 
 

@@ -24,6 +24,16 @@ Kernel shape (one persistent CTA per SM, 384 threads):
   forward), then the activation of the same float32 values rounded to C's dtype. With the whole
   share (no bias: see epilogue_for) the second pass refills the slots once the first pass's
   stores have read them.
+- gated activation (GemmSpec.activation "swiglu": B's N holds [gate | up] halves, C has N/2
+  columns): B's N mode is read as (tile_n / 2, 2, N / tile_n) with strides (1, N/2, tile_n / 2)
+  in its N stride, so the TMA loads of one tile bring tile_n / 2 gate columns and the up columns
+  that pair with them, and each accumulator fragment holds both (the WGMMA layout repeats every 8
+  columns, so column j and j + tile_n / 2 sit in the same thread). The C pass pairs each gate
+  subtile with the up subtile half a row block to its right and writes a tile_n / 2 wide tile.
+  The bias is paired like B; the pre-activation output D keeps the [gate | up] order, each row
+  block's halves stored to their own tile_n / 2 wide tiles of D. N / 2 must be a multiple of
+  tile_n / 2 (GATED_COLUMNS for the narrowest tile), and B takes one batch mode: its paired N
+  spends three of the five dimensions of a TMA tensor (grouped: B's batch mode is dropped).
 - TMA stores write whole 16-byte chunks, so where C's contiguous extent is not a multiple of 16
   bytes the subtiles on that edge are stored with predicated per-element stores instead.
 - work is a linear sequence of (cluster tile, batch, k-split) units in a grouped ("swizzled")
@@ -87,7 +97,10 @@ ARCH = "sm_90a"
 BATCH_MODES = (1, 3)    # dense GemmSpec.batch_modes taken (grouped specs: one)
 # fused epilogues (GemmSpec.bias, GemmSpec.activation; dense specs): C = act(A·B + bias[n]) in
 # float32 on each register fragment before the one rounding (kernels/epilogue.py)
-EPILOGUES = ("bias", *fused_epilogue.ACTIVATIONS, "preact")
+EPILOGUES = ("bias", *fused_epilogue.ACTIVATIONS, *fused_epilogue.GATED, "preact")
+# a gated activation pairs gate and up columns inside one tile of tile_n / 2 of each, so N / 2
+# must be a multiple of the narrowest pairing (see the module notes)
+GATED_COLUMNS = 64
 
 NUM_SMS = 132            # H100 SXM / H200; compiled into the persistent grid bound
 SMEM_BYTES = 232448      # opt-in dynamic shared memory per block on sm_90 (227 KiB)
@@ -154,17 +167,24 @@ def unsupported(spec) -> str | None:
         return f"{FAMILY}: output dtype {spec.c_dtype} not supported ({', '.join(_OUT_DTYPES)})"
     if spec.acc_dtype != "float32":
         return f"{FAMILY}: accumulation must be float32, not {spec.acc_dtype}"
-    if spec.activation and spec.activation not in fused_epilogue.ACTIVATIONS:
-        return f"{FAMILY}: no fused epilogue for activation {spec.activation!r} ({', '.join(fused_epilogue.ACTIVATIONS)})"
+    acts = (*fused_epilogue.ACTIVATIONS, *fused_epilogue.GATED)
+    if spec.activation and spec.activation not in acts:
+        return f"{FAMILY}: no fused epilogue for activation {spec.activation!r} ({', '.join(acts)})"
+    if spec.activation in fused_epilogue.GATED and spec.batch_modes > 1:
+        return f"{FAMILY}: a gated activation takes one batch mode (B's paired N spends three TMA dimensions)"
     return None
 
 
 def _preact(spec) -> bool:
-    return isinstance(spec, GemmSpec) and spec.preact
+    return spec.preact
+
+
+def _gated(spec) -> bool:
+    return spec.activation in fused_epilogue.GATED
 
 
 def _fused(spec) -> bool:
-    return isinstance(spec, GemmSpec) and (spec.bias or bool(spec.activation))
+    return spec.bias or bool(spec.activation)
 
 
 def _check_config(config: Config) -> None:
@@ -223,6 +243,8 @@ def candidate_configs(spec) -> list[Config]:
         out = [c for c in out if not c.defer]
     if _preact(spec):   # (the second output is written by unsplit tiles only)
         out = [c for c in out if c.split_k == 1]
+    if _gated(spec):    # (tiles whose halves are whole 64-column blocks)
+        out = [c for c in out if c.tile_n in (128, 256)]
     return list(dict.fromkeys(out))
 
 
@@ -288,21 +310,24 @@ def _wg_rows(tile_m: int, pingpong: bool) -> int:
 
 
 def _stage_plan(tile_n: int, c_dtype: str, stages: int, pingpong: bool = False,
-                epi_n: int = 32, tile_m: int = 128, whole_c: bool = False) -> tuple[int, int]:
+                epi_n: int = 32, tile_m: int = 128, whole_c: bool = False, gated: bool = False
+                ) -> tuple[int, int]:
     """(A/B stages, epilogue ring depth) for a tile_m x tile_n x tile_k tile.
 
     Each consumer warpgroup stores its own rows of output (cooperative: its half of the tile, in
     64-row blocks; pingpong: its whole tile) through its own ring of 64 x epi_n subtiles. The ring is
     reused round-robin across tiles, so its depth divides a warpgroup's subtiles per tile.
     Cooperative: as deep as fits in 16 KB per warpgroup (the A/B ring keeps the rest); pingpong:
-    2 deep (its A/B stages matter more). whole_c: one slot per subtile of the warpgroup's share."""
+    2 deep (its A/B stages matter more). whole_c: one slot per subtile of the warpgroup's share.
+    gated: the C pass stores half the subtiles, and the depth divides that count too."""
     sub_bytes = 64 * epi_n * _ITEM[c_dtype]
     subtiles = (_wg_rows(tile_m, pingpong) // 64) * (tile_n // epi_n)
+    stored = subtiles // 2 if gated else subtiles
     if pingpong:
-        epi_stages = 2 if subtiles % 2 == 0 else 1
+        epi_stages = 2 if stored % 2 == 0 else 1
         ab_bytes = (tile_m + tile_n) * ROW_BYTES
     else:
-        epi_stages = max(d for d in range(1, subtiles + 1) if subtiles % d == 0 and (d == 1 or d * sub_bytes <= 16384))
+        epi_stages = max(d for d in range(1, stored + 1) if stored % d == 0 and (d == 1 or d * sub_bytes <= 16384))
         ab_bytes = (tile_m + tile_n) * ROW_BYTES
     if whole_c:
         epi_stages = subtiles
@@ -353,6 +378,10 @@ def heuristic(spec, m: int, n: int, k: int, l: int, num_sms: int = NUM_SMS) -> C
     if spec.batch_modes > 1 and _ITEM[spec.c_dtype] == 4:
         # an fp32 128x256 tile split 4 ways spills registers with three batch modes (16-96 bytes)
         cands = [c for c in cands if not (c.tile_n == 256 and c.split_k == 4)]
+    if _gated(spec):   # a tile pairs tile_n / 2 gate columns with as many up columns
+        cands = [c for c in cands if (n // 2) % (c.tile_n // 2) == 0]
+        if not cands:
+            raise ValueError(f"{FAMILY}: a gated activation needs N/2 a multiple of {GATED_COLUMNS}, got N={n}")
     tiles_m = -(-max(m, 1) // 128)
     if tiles_m == 1:   # a 2x1 cluster would idle half its CTAs; share A along N instead
         cands = [c for c in cands if c.cluster_m == 1]
@@ -423,6 +452,8 @@ def launcher(spec, config: Config):
         raise ValueError(f"{FAMILY}: a deferred epilogue cannot fuse a bias or activation ({config})")
     if _preact(spec) and config.split_k != 1:
         raise ValueError(f"{FAMILY}: a pre-activation output needs unsplit tiles ({config})")
+    if _gated(spec) and config.tile_n not in (128, 256):
+        raise ValueError(f"{FAMILY}: a gated activation pairs halves of 128- or 256-wide tiles ({config})")
     return make_launcher(spec, config)
 
 
@@ -455,6 +486,16 @@ def _kernel_class():
         sub = t[(None, None, None, _BIG, start + length)]
         return cute.domain_offset(tuple(_BIG - length if i == dim else None for i in range(3)), sub)
 
+    def paired_halves(t, dim: int, h: int):
+        """``t`` with its N mode ``dim`` (extent N: [gate | up] halves) read as (h, 2, N / 2h):
+        each bn = 2h columns of the result are h gate columns followed by the h up columns that
+        pair with them (a gated epilogue; N / 2 is a multiple of h)."""
+        n, s = t.shape[dim], t.stride[dim]
+        half = n // 2
+        shape = tuple((h, 2, half // h) if i == dim else t.shape[i] for i in range(cute.rank(t)))
+        stride = tuple((s, s * half, s * h) if i == dim else t.stride[i] for i in range(cute.rank(t)))
+        return cute.make_tensor(t.iterator, cute.make_layout(shape, stride=stride))
+
     class Sm90Gemm:
         def __init__(self, spec: GemmSpec | GroupedSpec, config: Config, sms: int):
             # the tile scheduler: the dense raster, or a GroupedSpec's ragged_m / ragged_k walk
@@ -467,7 +508,7 @@ def _kernel_class():
             self.split = config.split_k
             self.pp = config.pingpong
             self.ab_stages, self.epi_stages = _stage_plan(config.tile_n, spec.c_dtype, config.stages, self.pp,
-                                                          config.epi_n, config.tile_m, config.whole_c)
+                                                          config.epi_n, config.tile_m, config.whole_c, _gated(spec))
             # every consumer warpgroup stores its own 64 output rows (its own named barrier, smem
             # ring and store warp), so neither waits on the other between mainloops
             self.epi_tile = (64, config.epi_n)
@@ -475,11 +516,13 @@ def _kernel_class():
             # (cooperative tiles interleave the warpgroups' blocks: 0, 2 and 1, 3 of 256 rows)
             self.wg_rows = _wg_rows(config.tile_m, self.pp)
             self.blk_step = 1 if self.pp else 2
-            # fused epilogue (dense only): bias per output column, then the activation
-            dense = isinstance(spec, GemmSpec)
-            self.fuse_bias = dense and spec.bias
-            self.act = spec.activation if dense else ""
-            self.preact = dense and spec.preact
+            # fused epilogue: bias per output column (grouped: the tile's group's row), then the activation
+            self.fuse_bias = spec.bias
+            self.act = spec.activation
+            self.preact = spec.preact
+            # gated activation: B's N mode paired (paired_halves); C's (and D's) tiles are half as wide
+            self.glu = self.act in fused_epilogue.GATED
+            self.cbn = self.bn // 2 if self.glu else self.bn
             self.threads = 384
             self.mma_threads = 256
             self.epi_threads = 128
@@ -490,7 +533,16 @@ def _kernel_class():
             """Dense: ``ws``/``flags`` are the split-K partials and arrival counters (or None),
             ``bias`` the fused epilogue's float32 (N,) bias (or None), ``d`` its pre-activation
             output (or None).
-            Grouped: ``ws`` holds the group sizes; the kernel gets K in ``flags``."""
+            Grouped: ``ws`` holds the group sizes; the kernel gets K in ``flags``; ``bias`` is
+            (N, G)."""
+            if const_expr(self.glu):
+                b = paired_halves(b, 0, self.bn // 2)
+                if const_expr(self.mode != "dense"):
+                    # (N', K, G, L) -> (N', K, G): a TMA tensor has at most five dimensions, and
+                    # the paired N takes three (fused grouped launches have one batch)
+                    b = b[(None, None, None, 0)]
+                if const_expr(self.fuse_bias):
+                    bias = paired_halves(bias, 0, self.bn // 2)
             if const_expr(self.nb > 1):
                 # (rows, cols, L0, L1, L2) -> (rows, cols, (L0, L1, L2)): tiles and TMA views see
                 # one (nested) batch mode; the TMA tensor maps still span all five dimensions
@@ -534,9 +586,11 @@ def _kernel_class():
                                                    num_multicast=mcast)
 
             # grouped: the ragged mode of the TMA views is clipped at each tile's group end
-            a_src, b_src, c_dst = a, b, c
+            a_src, b_src, c_dst, d_dst = a, b, c, d
             if const_expr(self.mode == "ragged_m"):
                 c_dst = ragged_tensor(c, 0)
+                if const_expr(self.preact):
+                    d_dst = ragged_tensor(d, 0)
             if const_expr(self.mode == "ragged_k"):
                 a_src, b_src = ragged_tensor(a, 1), ragged_tensor(b, 1)
             tma_a, tA = load_atom(a_src, sa, (self.bm, self.bk), self.cn)
@@ -546,12 +600,12 @@ def _kernel_class():
             tma_d, tD = None, None
             if const_expr(self.preact):   # d: c's dtype and layout, so c's staging ring serves it
                 tma_d, tD = cpasync.make_tiled_tma_atom(
-                    cpasync.CopyBulkTensorTileS2GOp(), d, cute.slice_(sc, (None, None, 0)), self.epi_tile)
+                    cpasync.CopyBulkTensorTileS2GOp(), d_dst, cute.slice_(sc, (None, None, 0)), self.epi_tile)
 
             if const_expr(self.mode == "dense"):
                 # Persistent grid: one cluster per resident slot, never more than there are units.
                 tiles_m = (c.shape[0] + self.bm - 1) // self.bm
-                tiles_n = (c.shape[1] + self.bn - 1) // self.bn
+                tiles_n = (c.shape[1] + self.cbn - 1) // self.cbn
                 units = ((tiles_m + self.cm - 1) // self.cm) * ((tiles_n + self.cn - 1) // self.cn) \
                     * self.batch_count(c) * self.split
                 slots = NUM_SMS // (self.cm * self.cn)
@@ -656,7 +710,7 @@ def _kernel_class():
                 xe = Int32(0)
             start = rows0 + cutlass.min(xe, R - rows0)
             end = rows0 + cutlass.min(x, R - rows0)
-            nt = (N + self.bn - 1) // self.bn
+            nt = (N + self.cbn - 1) // self.cbn   # (N: C's columns)
             t = Int32(0)
             if const_expr(self.mode == "ragged_m"):
                 t = (end - start + self.bm - 1) // self.bm * nt
@@ -699,7 +753,7 @@ def _kernel_class():
             if sel == 0:
                 excl = tiles0
             local = w - excl
-            nt = (N + self.bn - 1) // self.bn
+            nt = (N + self.cbn - 1) // self.cbn
             mt = (M + self.bm - 1) // self.bm
             if const_expr(self.mode == "ragged_m"):
                 mt = (t1 - t0 + self.bm - 1) // self.bm
@@ -733,7 +787,8 @@ def _kernel_class():
                 row0 = t0 + m_t * self.bm
                 gA = cute.local_tile(cute.domain_offset((row0, None), mA[(None, None, la)]),
                                      (self.bm, self.bk), (0, None))
-                gB = cute.local_tile(mB[(None, None, g, lb)], (self.bn, self.bk), (n_t, None))
+                gB_g = mB[(None, None, g)] if const_expr(self.glu) else mB[(None, None, g, lb)]
+                gB = cute.local_tile(gB_g, (self.bn, self.bk), (n_t, None))
             else:
                 gA = cute.local_tile(ragged_view(mA, 1, t0, t1 - t0)[(None, None, la)], (self.bm, self.bk),
                                      (m_t, None))
@@ -742,13 +797,14 @@ def _kernel_class():
             return gA, gB
 
         @cute.jit
-        def group_c(self, mC, cl, g, t0, t1, m_t, n_t):
-            """The output tile of a grouped tile; ragged_m's TMA stores stop at the group's end."""
+        def group_c(self, mC, cl, g, t0, t1, m_t, n_t, width: cutlass.Constexpr):
+            """The output tile (``width`` columns) of a grouped tile; ragged_m's TMA stores stop
+            at the group's end."""
             if const_expr(self.mode == "ragged_m"):
                 row0 = t0 + m_t * self.bm
                 return cute.local_tile(ragged_view(mC, 0, row0, t1 - row0)[(None, None, cl)],
-                                       (self.bm, self.bn), (0, n_t))
-            return cute.local_tile(mC[(None, None, g, cl)], (self.bm, self.bn), (m_t, n_t))
+                                       (self.bm, width), (0, n_t))
+            return cute.local_tile(mC[(None, None, g, cl)], (self.bm, width), (m_t, n_t))
 
         @cute.jit
         def load(self, ab_pipe, prod, tma_a, tAgA_t, tAsA, a_mask, tma_b, tBgB_t, tBsB, b_mask, k0, kc):
@@ -808,8 +864,10 @@ def _kernel_class():
             if const_expr(self.mode == "dense"):
                 gA = cute.local_tile(mA, (self.bm, self.bk), (None, None, None))   # (bm,bk,M/bm,K/bk,L)
                 gB = cute.local_tile(mB, (self.bn, self.bk), (None, None, None))
-                gC = cute.local_tile(mC, (self.bm, self.bn), (None, None, None))   # (bm,bn,M/bm,N/bn,L)
-                gD = cute.local_tile(mD, (self.bm, self.bn), (None, None, None)) if const_expr(self.preact) else None
+                gC = cute.local_tile(mC, (self.bm, self.cbn), (None, None, None))   # (bm,cbn,M/bm,N/bn,L)
+                gD = None   # (gated: tiles of bn / 2 columns; a tile's up half is nt_half tiles right)
+                if const_expr(self.preact):
+                    gD = cute.local_tile(mD, (self.bm, self.cbn), (None, None, None))
                 tAsA, tAgA = cpasync.tma_partition(tma_a, cc[1], cute.make_layout(self.cn),
                                                    cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
                 tBsB, tBgB = cpasync.tma_partition(tma_b, cc[0], cute.make_layout(self.cm),
@@ -832,7 +890,10 @@ def _kernel_class():
                 c_batch = 2 if const_expr(self.mode == "ragged_m") else 3
                 ext = (gmem_c.shape[0], gmem_c.shape[1], flags, gs.shape[0], gmem_c.shape[c_batch], gs.shape[1])
                 la_last = mA.shape[2] - 1
-                lb_last = (mB.shape[3] if const_expr(self.mode == "ragged_m") else mB.shape[2]) - 1
+                if const_expr(self.glu):
+                    lb_last = 0   # (B's batch mode dropped in run())
+                else:
+                    lb_last = (mB.shape[3] if const_expr(self.mode == "ragged_m") else mB.shape[2]) - 1
             first, stride = cute.arch.block_idx()[2], cute.arch.grid_dim()[2]
 
             pipeline.pipeline_init_wait(cluster_shape_mn=(self.cm, self.cn))
@@ -923,6 +984,7 @@ def _kernel_class():
                 rd_shape = cute.shape(thr_r2s.partition_S(sC))[:3]
                 tRS_r32 = cute.make_rmem_tensor(rd_shape, Float32)
                 tRS_rC = cute.make_rmem_tensor(rd_shape, self.c_t)
+                tRS_u32 = cute.make_rmem_tensor(rd_shape, Float32) if const_expr(self.glu) else None
                 n_rd = cute.size(tRS_r32)
                 # subtiles per warpgroup and tile: row blocks x column blocks, N fastest
                 n_epi = (self.wg_rows // 64) * (self.bn // self.epi_tile[1])
@@ -936,7 +998,7 @@ def _kernel_class():
                 # (Grouped outputs: their row strides are 16-byte multiples and stores must stop
                 # at group ends, which only the TMA clip does.)
                 ragged = False
-                if const_expr(self.mode == "dense"):
+                if const_expr(self.mode == "dense" and not self.glu):   # (gated: N / 2 % 64 == 0)
                     c_m_extent, c_n_extent = gmem_c.shape[0], gmem_c.shape[1]
                     contig = c_n_extent if const_expr(self.c_lay.is_n_major_c()) else c_m_extent
                     ragged = (contig * _ITEM_OF[self.c_t.width]) % 16 != 0
@@ -965,9 +1027,18 @@ def _kernel_class():
                         warpgroup.fence()
                         read = mainloop_start(tiled_mma, acc, tCrA, tCrB, ab_pipe, read, n_k, 1)
                         read, release = mainloop_rest(tiled_mma, acc, tCrA, tCrB, ab_pipe, read, release, n_k, 1)
-                        self.epilogue(tma_c, self.group_c(mC, cl, g, t0, t1, m_t, n_t), sC, acc, r2s, tRS_acc,
-                                      tRS_r32, tRS_rC, tRS_sC, n_rd, n_epi, row_blk, epi_bar, warp_id,
-                                      gmem_c, m_t, n_t, cl, ragged, etid, store_warp, buf0)
+                        pre, g_bias = None, None
+                        if const_expr(self.preact):
+                            pre = (tma_d, self.d_tiles(
+                                self.group_c(mD, cl, g, t0, t1, m_t, n_t, self.cbn),
+                                self.group_c(mD, cl, g, t0, t1, m_t, n_t + self.half_tiles(mD), self.cbn)), gmem_d)
+                        if const_expr(self.fuse_bias):
+                            # the group's bias row; the zero tail (g == G) adds none
+                            g_bias = (bias[(None, cutlass.min(g, ext[3] - 1))], cutlass.select_(g < ext[3], Float32(1.0), Float32(0.0)))
+                        self.epilogue(tma_c, self.group_c(mC, cl, g, t0, t1, m_t, n_t, self.cbn), sC, acc, r2s,
+                                      tRS_acc, tRS_r32, tRS_rC, tRS_sC, n_rd, n_epi, row_blk, epi_bar, warp_id,
+                                      gmem_c, m_t, n_t, cl, ragged, etid, store_warp, buf0,
+                                      coords=epi_coords, bias=g_bias, pre=pre, tRS_u32=tRS_u32)
                         w += stride
                         cl, cg0, rows0, tiles0, start, end, incl, valid, g, t0, t1, m_t, n_t = self.find(
                             gs, ext, w, cl, cg0, rows0, tiles0, start, end, incl)
@@ -1034,11 +1105,14 @@ def _kernel_class():
                         lc = self.c_batch(l, c_ext)   # (split-K's tile counters take the linear l)
                         gC_t = gC[(None, None, tm, tn, lc)]
                         if const_expr(self.split == 1):
-                            pre = (tma_d, gD[(None, None, tm, tn, lc)], gmem_d) if const_expr(self.preact) else None
+                            pre = None
+                            if const_expr(self.preact):
+                                pre = (tma_d, self.d_tiles(gD[(None, None, tm, tn, lc)],
+                                                           gD[(None, None, tm, tn + self.half_tiles(mD), lc)]), gmem_d)
                             self.epilogue(tma_c, gC_t, sC, acc, r2s, tRS_acc, tRS_r32, tRS_rC, tRS_sC,
                                           n_rd, n_epi, row_blk, epi_bar, warp_id,
                                           gmem_c, tm, tn, lc, ragged, etid, store_warp, buf0,
-                                          coords=epi_coords, bias=bias, pre=pre)
+                                          coords=epi_coords, bias=bias, pre=pre, tRS_u32=tRS_u32)
                         else:
                             # ---- split-K: publish the partial, the last of the S arrivals folds them
                             tile_id = (Int64(l) * (cl_n * self.cn) + tn) * (cl_m * self.cm) + tm
@@ -1083,7 +1157,7 @@ def _kernel_class():
                                 self.epilogue(tma_c, gC_s, sC, acc, r2s, tRS_acc, tRS_r32, tRS_rC, tRS_sC,
                                               n_rd, n_epi, row_blk, epi_bar, warp_id,
                                               gmem_c, tm, tn, lc_s, ragged, etid, store_warp, buf0,
-                                              coords=epi_coords, bias=bias)
+                                              coords=epi_coords, bias=bias, tRS_u32=tRS_u32)
                         if const_expr(self.pp):
                             for _ in range(k_tiles):            # the other warpgroup's next unit
                                 read.advance()
@@ -1097,7 +1171,7 @@ def _kernel_class():
         def epilogue(self, tma_c, gC_t, sC, acc, r2s, tRS_acc, tRS_r32, tRS_rC, tRS_sC, n_rd: cutlass.Constexpr,
                      n_epi: cutlass.Constexpr, row_blk, epi_bar, warp_id,
                      gmem_c, tm, tn, l, ragged, etid, store_warp, buf0, converted: cutlass.Constexpr = False,
-                     coords=None, bias=None, pre=None):
+                     coords=None, bias=None, pre=None, tRS_u32=None):
             """One warpgroup's rows of the tile: acc -> output dtype -> smem ring -> TMA store,
             one 64 x epi_n subtile at a time, one named barrier per subtile.
 
@@ -1118,15 +1192,15 @@ def _kernel_class():
             ``l``: the tile's batch coordinate in ``gmem_c`` (a tuple with three batch modes).
             ``pre``: (TMA atom, tile, tensor) of the pre-activation output D (GemmSpec.preact):
             a first pass over the subtiles stores D's values (ring positions e, then n_epi + e).
+            ``tRS_u32``: a gated activation's fragment of up values (the gate's is ``tRS_r32``).
             """
             bSG_sC, bSG_gC = cpasync.tma_partition(
                 tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2),
                 cute.zipped_divide(gC_t, self.epi_tile))
-            bSG_gD = None
+            bSG_gD = None   # per D tile (d_tiles)
             if const_expr(self.preact):
-                bSG_gD = cpasync.tma_partition(
-                    pre[0], 0, cute.make_layout(1), cute.group_modes(sC, 0, 2),
-                    cute.zipped_divide(pre[1], self.epi_tile))[1]
+                bSG_gD = tuple(cpasync.tma_partition(pre[0], 0, cute.make_layout(1), cute.group_modes(sC, 0, 2),
+                                                     cute.zipped_divide(t, self.epi_tile))[1] for t in pre[1])
             em = self.epi_tile[0]
             per_row = self.bn // self.epi_tile[1]
             if const_expr(self.cfg.whole_c):
@@ -1153,23 +1227,38 @@ def _kernel_class():
                         if warp_id == store_warp:
                             cute.arch.cp_async_bulk_wait_group(0, read=True)
                         epi_bar.arrive_and_wait()
-                for e in range_constexpr(n_epi):
-                    blk, e_n = row_blk + self.blk_step * (e // per_row), e % per_row
+                # a gated activation's C pass pairs each gate subtile (first half of a row block's
+                # columns) with the up subtile half a row block to its right: half the subtiles
+                gate = self.glu and last
+                per_out = per_row // 2 if const_expr(gate) else per_row
+                for e in range_constexpr(n_epi // 2 if const_expr(gate) else n_epi):
+                    blk, e_n = row_blk + self.blk_step * (e // per_out), e % per_out
+                    src = (e // per_out) * per_row + e_n   # the accumulator subtile (gate's)
                     m0 = tm * self.bm + blk * em
-                    n0 = tn * self.bn + e_n * self.epi_tile[1]
+                    n0 = tn * (self.cbn if const_expr(last) else self.bn) + e_n * self.epi_tile[1]
                     if const_expr(converted):
                         for v in range_constexpr(n_rd):
-                            tRS_rC[v] = tRS_acc[e * n_rd + v]
+                            tRS_rC[v] = tRS_acc[src * n_rd + v]
                     else:
+                        add_bias = self.fuse_bias and p == 0 and not bias_first
                         for v in range_constexpr(n_rd):
-                            tRS_r32[v] = tRS_acc[e * n_rd + v]
-                        if const_expr(self.fuse_bias and p == 0 and not bias_first):
+                            tRS_r32[v] = tRS_acc[src * n_rd + v]
+                        if const_expr(add_bias):
                             for v in range_constexpr(n_rd):
-                                tRS_r32[v] = tRS_r32[v] + self.bias_of(bias, coords, e * n_rd + v, tn, gmem_c)
+                                tRS_r32[v] = tRS_r32[v] + self.bias_of(bias, coords, src * n_rd + v, tn, gmem_c)
                             if const_expr(not last):
                                 for v in range_constexpr(n_rd):
-                                    tRS_acc[e * n_rd + v] = tRS_r32[v]
-                        if const_expr(last):   # (nested: the DSL's rewritten `and` takes no str like self.act)
+                                    tRS_acc[src * n_rd + v] = tRS_r32[v]
+                        if const_expr(gate):
+                            up = (src + per_row // 2) * n_rd
+                            for v in range_constexpr(n_rd):
+                                tRS_u32[v] = tRS_acc[up + v]
+                            if const_expr(add_bias):
+                                for v in range_constexpr(n_rd):
+                                    tRS_u32[v] = tRS_u32[v] + self.bias_of(bias, coords, up + v, tn, gmem_c)
+                            tRS_r32.store(fused_epilogue.gated(self.act, tRS_r32.load(), tRS_u32.load(),
+                                                               fast=self.c_t.width == 16))
+                        elif const_expr(last):   # (nested: the DSL's rewritten `and` takes no str like self.act)
                             if const_expr(self.act):
                                 tRS_r32.store(fused_epilogue.activation(self.act, tRS_r32.load(),
                                                                         fast=self.c_t.width == 16))
@@ -1178,12 +1267,34 @@ def _kernel_class():
                         self.store_subtile(tma_c, bSG_sC, bSG_gC, gmem_c, sC, r2s, tRS_rC, tRS_sC, p * n_epi + e,
                                            blk, e_n, m0, n0, l, ragged, etid, store_warp, buf0, epi_bar, warp_id)
                     else:
-                        self.store_subtile(pre[0], bSG_sC, bSG_gD, pre[2], sC, r2s, tRS_rC, tRS_sC, e,
-                                           blk, e_n, m0, n0, l, ragged, etid, store_warp, buf0, epi_bar, warp_id)
+                        # (gated: the gate and up halves of the row block go to their own D tiles)
+                        half = per_row // 2 if const_expr(self.glu) else per_row
+                        self.store_subtile(pre[0], bSG_sC, bSG_gD[e_n // half], pre[2], sC, r2s, tRS_rC, tRS_sC, e,
+                                           blk, e_n % half, m0, n0, l, ragged, etid, store_warp, buf0, epi_bar,
+                                           warp_id)
+
+        def half_tiles(self, mD):
+            """Gated: D's tiles (bn / 2 wide) from a gate tile to the up tile paired with it."""
+            return (mD.shape[1] // 2) // self.cbn if const_expr(self.glu) else 0
+
+        def d_tiles(self, gate, up):
+            """The pre-activation's output tiles of a product tile: one, or (gated) the gate
+            tile and the up tile its second half of columns goes to."""
+            return (gate, up) if const_expr(self.glu) else (gate,)
 
         def bias_of(self, bias, coords, i: int, tn, gmem_c):
-            """The float32 bias of fragment element ``i``'s output column in tile column ``tn``;
-            columns past N read the last bias (they are never stored)."""
+            """The float32 bias of fragment element ``i``'s product column in tile column ``tn``;
+            columns past N read the last bias (they are never stored). Gated: the bias is paired
+            like B, whose N the tiles divide. Grouped: ``bias`` is (the group's row, its weight:
+            1, or 0 for the zero tail)."""
+            if const_expr(self.mode != "dense"):
+                row, keep = bias
+                col = tn * self.bn + coords[i][1]
+                if const_expr(not self.glu):
+                    col = cutlass.min(col, gmem_c.shape[1] - 1)
+                return row[col] * keep
+            if const_expr(self.glu):
+                return bias[tn * self.bn + coords[i][1]]
             return bias[cutlass.min(tn * self.bn + coords[i][1], gmem_c.shape[1] - 1)]
 
         @cute.jit
@@ -1200,8 +1311,10 @@ def _kernel_class():
             # generic-proxy smem writes must be visible to the TMA (async proxy) store
             cute.arch.fence_proxy("async.shared", space="cta")
             epi_bar.arrive_and_wait()
-            edge = ragged and ((n0 + en > n_ext) if const_expr(c_n) else (m0 + em > m_ext))
-            if const_expr(self.mode == "dense"):   # (grouped: never ragged, C may be rank 4)
+            edge = False   # (gated: never ragged, D's N mode is paired)
+            if const_expr(not self.glu):
+                edge = ragged and ((n0 + en > n_ext) if const_expr(c_n) else (m0 + em > m_ext))
+            if const_expr(self.mode == "dense" and not self.glu):   # (grouped: never ragged, C may be rank 4)
                 if edge:
                     if const_expr(self.nb > 1):
                         gmem_t = gmem[(None, None, l)]   # one batch offset held live, not three
@@ -1241,7 +1354,8 @@ def make_launcher(spec: GemmSpec | GroupedSpec, config: Config, sms: int = NUM_S
     # the epilogue reuses its smem ring round-robin across tiles: subtiles per tile must fill it
     rows = _wg_rows(config.tile_m, config.pingpong)
     ab_stages, epi_stages = _stage_plan(config.tile_n, spec.c_dtype, config.stages, config.pingpong,
-                                        config.epi_n, config.tile_m, config.whole_c)
+                                        config.epi_n, config.tile_m, config.whole_c, _gated(spec))
+    # (a gated C pass stores half the subtiles: _stage_plan's depth divides that count too)
     assert (rows // 64) * (config.tile_n // config.epi_n) % epi_stages == 0
     if config.whole_c and ab_stages < 3:
         # two stages cannot keep loads ahead of the tensor cores
@@ -1249,7 +1363,22 @@ def make_launcher(spec: GemmSpec | GroupedSpec, config: Config, sms: int = NUM_S
                          f"stage(s) for a {config.tile_m}x{config.tile_n} tile (3 needed)")
     gemm = Sm90Gemm(spec, config, sms)
 
-    if grouped:
+    if grouped and spec.preact and spec.bias:
+        @cute.jit
+        def launch(a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, group_sizes: cute.Tensor, bias: cute.Tensor,
+                   d: cute.Tensor, stream: cuda_driver.CUstream):
+            gemm.run(a, b, c, group_sizes, None, stream, bias, d)
+    elif grouped and spec.preact:
+        @cute.jit
+        def launch(a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, group_sizes: cute.Tensor, d: cute.Tensor,
+                   stream: cuda_driver.CUstream):
+            gemm.run(a, b, c, group_sizes, None, stream, None, d)
+    elif grouped and spec.bias:
+        @cute.jit
+        def launch(a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, group_sizes: cute.Tensor, bias: cute.Tensor,
+                   stream: cuda_driver.CUstream):
+            gemm.run(a, b, c, group_sizes, None, stream, bias)
+    elif grouped:
         @cute.jit
         def launch(a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, group_sizes: cute.Tensor,
                    stream: cuda_driver.CUstream):

@@ -10,6 +10,10 @@ holds the family's configs and heuristic. Two modes of :class:`~jax_cute.kernels
 * ``ragged_k`` (rhs gradient): K (tokens) is split into groups; every (g, m-tile, n-tile) is a
   tile whose K loop runs over that group's rows only; empty groups store 0.
 
+Fused epilogues (ragged_m, EPILOGUES): the dense kernel's, with the bias row of the tile's
+group (tiles never mix groups; the zero tail takes no bias, and every activation maps 0 to 0),
+the pre-activation output D stored with C's clipped TMA view, and swiglu's paired halves.
+
 Clipping at group ends uses TMA views whose ragged mode needs a 16-byte-multiple stride, so
 ragged_k needs MN-major A and B, and ragged_m an N-major C (what ragged_dot and its gradients
 use). Nothing is precomputed on the host: no workspace, and replays with new sizes are exact.
@@ -18,15 +22,18 @@ use). Nothing is precomputed on the host: no workspace, and replays with new siz
 import dataclasses
 
 from jax_cute.kernels import abi, sm90_gemm
+from jax_cute.kernels.epilogue import GATED
 from jax_cute.kernels.gemm_spec import GroupedSpec, Workspace
 
 FAMILY = "sm90_grouped"
-VERSION = 5
+VERSION = 6
 ARCH = "sm_90a"
 
 _IN_DTYPES = ("bfloat16", "float16")
 _OUT_DTYPES = ("bfloat16", "float16", "float32")
 TILE_M = 128
+EPILOGUES = sm90_gemm.EPILOGUES    # ragged_m only (see unsupported)
+GATED_COLUMNS = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +55,8 @@ def unsupported(spec) -> str | None:
         return f"output dtype {spec.c_dtype} not supported"
     if spec.acc_dtype != "float32":
         return "accumulation must be float32"
+    if spec.activation and spec.activation not in EPILOGUES:
+        return f"no fused epilogue for activation {spec.activation!r}"
     if spec.mode == "ragged_m" and spec.c_major != "n":
         return "ragged_m needs an N-major output (clipped TMA store along M)"
     if spec.mode == "ragged_m" and spec.a_major != "k":
@@ -75,6 +84,15 @@ def heuristic(spec, m, n, k, g, l, num_sms: int = 132) -> Config:
     # group sizes in two runs; the ragged_k rhs gradient at N=1408, also on 128x128 since,
     # held its speed in the suite (605 vs 603 TFLOP/s uniform). Multiples of 256 keep 128x256.
     tile_n = 128 if n <= 128 or 0 < n % 256 <= 128 else 256
+    if spec.activation in GATED:
+        if (n // 2) % GATED_COLUMNS:
+            raise ValueError(f"{FAMILY}: a gated activation needs N/2 a multiple of {GATED_COLUMNS}, got N={n}")
+        # a tile pairs tile_n / 2 gate columns with as many up columns
+        tile_n = 256 if (n // 2) % 128 == 0 and tile_n == 256 else 128
+    if spec.preact and spec.bias and spec.activation == "gelu_exact" and spec.c_dtype == "float32":
+        # float32's accurate erf beside a bias and the pre-activation output spills 8 bytes of
+        # the 128x256 tile's registers (sm_90a); the 128-wide tile has room
+        tile_n = 128
     if spec.mode == "ragged_k" and -(-m // TILE_M) * -(-n // 256) * g * l < 2 * num_sms:
         tile_n = 128
     return Config(tile_n=tile_n, sms=num_sms)
@@ -94,7 +112,11 @@ def kernel_config(spec, config: Config) -> sm90_gemm.Config:
     dense kernel's epilogue for the output dtype (16-bit: the whole share of 64-wide subtiles;
     measured on an H200 against the 32-wide ring, 1.02x geometric mean over the grouped suite,
     2026-11-24)."""
-    return sm90_gemm.epilogue_for(spec, sm90_gemm.Config(TILE_M, config.tile_n, 1, 1, "m", config.raster))
+    cfg = sm90_gemm.epilogue_for(spec, sm90_gemm.Config(TILE_M, config.tile_n, 1, 1, "m", config.raster))
+    # the pre-activation output's two passes over the whole share (or a ring of 64-wide
+    # subtiles) leave the walker's registers short (an 8-16 byte stack frame with silu): those
+    # tiles take the ring of 32-wide subtiles
+    return dataclasses.replace(cfg, whole_c=False, epi_n=32) if spec.preact else cfg
 
 
 def launcher(spec, config: Config):

@@ -27,8 +27,7 @@ One place for each rule, as in ``matmul.py``:
 The GEMM primitive is a parameter (``gemm``, ``jax_cute_matmul``'s), not an import: the public
 ``matmul`` routes here, so this module cannot import it back.
 
-``ragged_dot``'s options run the grouped kernel with a float32 output and
-``grouped_epilogue`` in XLA (per-group bias rows gathered by group index).
+``ragged_dot``'s options are the same epilogue on the grouped GEMM: ``ragged_fused.py``.
 """
 
 from __future__ import annotations
@@ -86,14 +85,14 @@ def epilogue_dtype(acc_dtype) -> np.dtype:
     return np.promote_types(np.dtype(acc_dtype), np.float32)
 
 
-def _check_float(op: str, out_dtype, bias) -> None:
+def check_float(op: str, out_dtype, bias) -> None:
     if not jnp.issubdtype(out_dtype, jnp.floating):
         raise TypeError(f"jax_cute.{op}: bias and activation need a real floating output dtype, got {out_dtype}")
     if bias is not None and not jnp.issubdtype(bias.dtype, jnp.floating):
         raise TypeError(f"jax_cute.{op}: bias must be a real floating array, got dtype {bias.dtype}")
 
 
-def _check_swiglu(op: str, activation, n: int) -> None:
+def check_swiglu(op: str, activation, n: int) -> None:
     if activation == "swiglu" and n % 2:
         raise ValueError(f"jax_cute.{op}: swiglu needs an even N (b's N holds [gate | up] halves), got N={n}")
 
@@ -236,6 +235,16 @@ def _jvp(primals, tangents, *, gemm, layouts: GemmLayouts, bias_layout, activati
         terms.append(gemm.bind(a, db, **gemm_params))
     if bias and type(dbias[0]) is not ad.Zero:
         terms.append(_bias_in_c(dbias[0], bias_layout, layouts, epi))
+    return epilogue_tangents(outs, terms, activation=activation, preact=preact, out_dtype=out_dtype, epi=epi)
+
+
+ad.primitive_jvps[fused_p] = _jvp
+
+
+def epilogue_tangents(outs: list, terms: list, *, activation, preact: bool, out_dtype, epi) -> tuple[list, list]:
+    """(primal outputs, their tangents) of a fused GEMM's JVP: ``outs`` the call bound with
+    ``preact=True`` where there is an activation ([y, z]), ``terms`` the tangent of z's sum in the
+    epilogue dtype ``epi`` (none: zero tangents). The output list is [y] (and z with ``preact``)."""
     if not terms:
         zeros = [ad.Zero(jax.typeof(o).to_tangent_aval()) for o in outs]
         return (outs if preact or activation is None else outs[:1]), (zeros if preact or activation is None
@@ -250,9 +259,6 @@ def _jvp(primals, tangents, *, gemm, layouts: GemmLayouts, bias_layout, activati
     return [y], [dy.astype(out_dtype)]
 
 
-ad.primitive_jvps[fused_p] = _jvp
-
-
 # -- public entry points --------------------------------------------------------------------------
 
 def matmul_epilogue(gemm, a, b, layouts: GemmLayouts, out_shape: tuple[int, ...], *, bias, activation,
@@ -265,9 +271,9 @@ def matmul_epilogue(gemm, a, b, layouts: GemmLayouts, out_shape: tuple[int, ...]
     check_activation("matmul", activation)
     out_dtype = np.dtype(out_dtype)
     bias = None if bias is None else jnp.asarray(bias)
-    _check_float("matmul", out_dtype, bias)
+    check_float("matmul", out_dtype, bias)
     m, n = (product(layouts.c.mode(i).shape) for i in (0, 1))
-    _check_swiglu("matmul", activation, n)
+    check_swiglu("matmul", activation, n)
     c_shape = tuple(layouts.c_shape)
     bias_layout, args = None, [a, b]
     if bias is not None:
@@ -289,28 +295,3 @@ def matmul_epilogue(gemm, a, b, layouts: GemmLayouts, out_shape: tuple[int, ...]
     if activation == "swiglu":
         shape = shape[:-1] + (shape[-1] // 2,)
     return jnp.reshape(y, shape) if y.shape != shape else y
-
-
-def check_grouped_epilogue(rhs_shape: tuple[int, ...], out_dtype, bias, activation) -> None:
-    """Trace-time checks of ``ragged_dot``'s bias (G, N) and activation."""
-    check_activation("ragged_dot", activation)
-    _check_float("ragged_dot", np.dtype(out_dtype), bias)
-    g, _, n = rhs_shape
-    _check_swiglu("ragged_dot", activation, n)
-    if bias is not None and tuple(bias.shape) != (g, n):
-        raise ValueError(f"jax_cute.ragged_dot: bias must have shape (G, N) = ({g}, {n}), got {tuple(bias.shape)}")
-
-
-def grouped_epilogue(acc, group_sizes, bias, activation, out_dtype):
-    """``act(acc + bias[group of row])`` rounded once to ``out_dtype``; ``acc`` (M, N) is the
-    grouped product in the epilogue dtype. Rows past the last group (zero in ``ragged_dot``)
-    take no bias, and every activation maps them to zero."""
-    z = acc
-    if bias is not None:
-        m, g = acc.shape[0], bias.shape[0]
-        # group ends as ragged_dot's: negative sizes count as 0, ends saturate at M (no overflow)
-        ends = jax.lax.associative_scan(lambda x, y: x + jnp.minimum(y, m - x), jnp.clip(group_sizes, 0, m))
-        row_group = jnp.searchsorted(ends, jnp.arange(m, dtype=jnp.int32), side="right")  # G: no group
-        rows = jnp.concatenate([bias.astype(acc.dtype), jnp.zeros((1, bias.shape[1]), acc.dtype)])
-        z = z + jnp.take(rows, jnp.minimum(row_group, g), axis=0)
-    return apply_activation(activation, z).astype(out_dtype)

@@ -22,9 +22,9 @@ import numpy as np
 from jax.interpreters import ad, batching, mlir
 
 from jax_cute import dispatch
-from jax_cute import layout as L
-from jax_cute.primitives import fused, sharding
+from jax_cute.primitives import ragged_fused, sharding
 from jax_cute.primitives.matmul import _acc_dtype, _cotangent_dtype, operand_dtype_error
+from jax_cute.primitives.ragged_reference import reference
 from jax_cute.primitives.ragged_layouts import (RAGGED_K, RAGGED_M, RaggedLayouts, batched, cotangent,
                                                 ragged_dot_layouts)
 
@@ -48,38 +48,6 @@ def _abstract_eval(a, b, gs, *, layouts: RaggedLayouts, out_dtype, acc_dtype):
 def _eager(prim, *args, **params):
     # Outside jit, run the primitive as a one-op jitted computation (like jax's own primitives).
     return jax.jit(functools.partial(prim.bind, **params))(*args)
-
-
-def group_ends(sizes, extent: int):
-    """Documented bad-size rules: negative sizes count as 0 and group ends are clipped at
-    ``extent``. A saturating scan (``x + min(y, R - x)``) cannot overflow int32."""
-    s = jnp.clip(sizes, 0, extent)
-    return jax.lax.associative_scan(lambda x, y: x + jnp.minimum(y, extent - x), s, axis=0)
-
-
-def clipped_sizes(ends):
-    return jnp.diff(ends, axis=0, prepend=jnp.zeros_like(ends[:1]))
-
-
-def reference(a, b, gs, *, layouts: RaggedLayouts, out_dtype, acc_dtype):
-    """The grouped GEMM in plain lax ops (masks, as lax.ragged_dot's own decomposition),
-    reading and writing through the layouts."""
-    av, bv, sv = L.read(a, layouts.a), L.read(b, layouts.b), L.read(gs, layouts.gs)
-    acc = np.dtype(acc_dtype)
-    ends = group_ends(sv, layouts.ragged_extent())  # (G, L)
-    starts = ends - clipped_sizes(ends)
-    # mask[g, r, l]: ragged index r (row m, or reduction index k) lies in group g of batch l
-    r = jnp.arange(av.shape[0 if layouts.mode == RAGGED_M else 1], dtype=jnp.int32)[None, :, None]
-    mask = (starts[:, None, :] <= r) & (r < ends[:, None, :])
-    if layouts.mode == RAGGED_M:
-        am = jnp.where(mask[:, :, None, :], av[None], 0)  # (G, M, K, L)
-        cv = jax.lax.dot_general(am, bv, (((0, 2), (2, 1)), ((3,), (3,))), preferred_element_type=acc)  # (L, M, N)
-        cv = jnp.transpose(cv, (1, 2, 0))
-    else:
-        am = jnp.where(mask[:, None, :, :], av[None], 0)  # (G, M, K, L)
-        cv = jax.lax.dot_general(am, bv, (((2,), (1,)), ((3,), (2,))), preferred_element_type=acc)  # (L, G, M, N)
-        cv = jnp.transpose(cv, (2, 3, 1, 0))
-    return L.write(cv.astype(out_dtype), layouts.c, layouts.c_shape)
 
 
 def _cuda_lowering(avals, params):
@@ -161,7 +129,8 @@ def ragged_dot(lhs, rhs, group_sizes, *, precision=None, preferred_element_type=
 
     ``bias`` (G, N) and ``activation`` (as ``jax_cute.matmul``'s) give ``act(lhs[m] @ rhs[g] +
     bias[g])``, in float32 and rounded once; rows past the last group stay zero. The grouped
-    kernel writes a float32 product and the epilogue runs in XLA (``fused.grouped_epilogue``).
+    kernel runs the epilogue (``ragged_fused.py``), and under ``grad`` also writes the
+    pre-activation its backward needs.
     """
     del precision  # documented: accepted and ignored, as the kernels fix their own accumulation
     if group_offset is not None:
@@ -191,13 +160,11 @@ def ragged_dot(lhs, rhs, group_sizes, *, precision=None, preferred_element_type=
     acc = _acc_dtype(np.dtype(dtype))
     if jnp.issubdtype(out_dtype, jnp.floating) and not jnp.issubdtype(acc, jnp.floating):
         acc = np.dtype("float32")
-    epilogue = bias is not None or activation is not None
-    if epilogue:
-        bias = None if bias is None else jnp.asarray(bias)
-        fused.check_grouped_epilogue(rhs.shape, out_dtype, bias, activation)
     gs32 = group_sizes.astype(jnp.int32)
-    out = ragged_m_p.bind(lhs, rhs, gs32, layouts=ragged_dot_layouts(m, k, g, n),
-                          out_dtype=(fused.epilogue_dtype(acc) if epilogue else out_dtype).name, acc_dtype=acc.name)
-    if epilogue:
-        out = fused.grouped_epilogue(out, gs32, bias, activation, out_dtype)
+    layouts = ragged_dot_layouts(m, k, g, n)
+    if bias is not None or activation is not None:
+        out = ragged_fused.ragged_epilogue(ragged_m_p, lhs, rhs, gs32, layouts, bias=bias, activation=activation,
+                                           out_dtype=out_dtype, acc_dtype=acc)
+    else:
+        out = ragged_m_p.bind(lhs, rhs, gs32, layouts=layouts, out_dtype=out_dtype.name, acc_dtype=acc.name)
     return sharding.constrain(out, out_sharding)

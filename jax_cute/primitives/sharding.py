@@ -482,7 +482,7 @@ def _shard_index(axes: Sequence[str], mesh_shape: Mapping[str, int]):
 
 
 def _saturating_ends(sizes, extent: int):
-    # As ragged_dot.group_ends: negative sizes count as 0, ends clip at extent, no int32 overflow.
+    # As ragged_reference.group_ends: negative sizes count as 0, ends clip at extent, no int32 overflow.
     s = jnp.clip(sizes, 0, extent)
     return jax.lax.associative_scan(lambda x, y: x + jnp.minimum(y, extent - x), s, axis=0)
 

@@ -1,0 +1,167 @@
+"""``ragged_dot``'s fused epilogue as one primitive, ``jax_cute_ragged_fused``:
+``act(lhs[m] @ rhs[g] + bias[g])`` for the rows m of group g, rows past the last group zero.
+
+The product is the one ``jax_cute_ragged_m`` computes (same ``RaggedLayouts``); the epilogue adds
+the bias row (G, N) of each row's group and applies the activation (``fused.py``'s, swiglu
+included) in float32, rounding once. Rows past the last group take no bias, and every
+activation maps their zeros to zero. One place for each rule, as in ``fused.py``:
+- abstract evaluation: ``y`` (N/2 columns with swiglu) and, with ``preact``, the
+  pre-activation ``z`` (M, N);
+- lowering (CPU, and wherever no fused kernel runs): the grouped GEMM primitive with a float32
+  output, then the epilogue in XLA (``composed``);
+- CUDA: ``dispatch.grouped_fused``'s kernel on one shard (bias row per tile's group, activation,
+  ``z`` stored clipped at group ends like y); otherwise ``composed``, logged at INFO;
+- batching: ``composed`` under ``vmap``: the grouped GEMM's own rule composes the layouts, and
+  the epilogue runs in XLA (no fused kernel takes a batch of groups);
+- autodiff: the JVP binds the primitive with ``preact=True``, so the forward kernel also writes
+  ``z`` as the residual; the tangent is ``act'(z) * (dA·B + A·dB + dbias[g])`` (the grouped GEMM
+  primitive's transposes give the gradient GEMMs, the bias rows' transpose a per-group sum).
+
+The grouped GEMM primitive is a parameter (``gemm``), not an import: ``ragged_dot`` routes here.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax._src import dispatch as jax_dispatch  # no public API marks a primitive as needing devices
+from jax.extend import core
+from jax.interpreters import ad, batching, mlir
+
+from jax_cute import dispatch
+from jax_cute.primitives import sharding
+from jax_cute.primitives.fused import (apply_activation, check_activation, check_float, check_swiglu,
+                                       epilogue_dtype, epilogue_tangents)
+from jax_cute.primitives.ragged_layouts import RaggedLayouts
+from jax_cute.primitives.ragged_reference import group_ends
+from jax_cute.primitives.ragged_reference import reference as gemm_reference
+
+logger = logging.getLogger("jax_cute")
+
+ragged_fused_p = core.Primitive("jax_cute_ragged_fused")
+ragged_fused_p.multiple_results = True
+
+
+def _abstract_eval(a, b, gs, *bias, gemm, layouts: RaggedLayouts, activation, preact, out_dtype, acc_dtype):
+    del gemm, acc_dtype
+    m, n = layouts.c_shape
+    if bias and tuple(bias[0].shape) != (layouts.extents()["g"], n):
+        raise ValueError(f"jax_cute_ragged_fused: bias {bias[0].shape} is not (G, N)")
+    out = [jax.core.ShapedArray((m, n // 2 if activation == "swiglu" else n), np.dtype(out_dtype))]
+    if preact:
+        out.append(jax.core.ShapedArray((m, n), np.dtype(out_dtype)))
+    return out
+
+
+ragged_fused_p.def_abstract_eval(_abstract_eval)
+
+
+def _eager(*args, **params):
+    # Outside jit, run the primitive as a one-op jitted computation (like jax's own primitives).
+    return jax.jit(functools.partial(ragged_fused_p.bind, **params))(*args)
+
+
+ragged_fused_p.def_impl(_eager)
+
+
+def bias_rows(bias, group_sizes, m: int, dtype):
+    """(M, N): row m holds ``bias[g]`` of its group g, zero past the last group (group ends as
+    ragged_dot's: negative sizes count as 0, ends clip at M)."""
+    ends = group_ends(group_sizes, m)
+    row_group = jnp.searchsorted(ends, jnp.arange(m, dtype=jnp.int32), side="right")   # G: no group
+    rows = jnp.concatenate([bias.astype(dtype), jnp.zeros((1, bias.shape[1]), dtype)])
+    return jnp.take(rows, jnp.minimum(row_group, bias.shape[0]), axis=0)
+
+
+def epilogue(acc, group_sizes, bias, *, activation, preact, out_dtype) -> list:
+    """``[act(acc + bias rows)]`` (and ``z`` with ``preact``), each rounded once to ``out_dtype``;
+    ``acc`` (M, N) is the grouped product in the epilogue dtype."""
+    z = acc if bias is None else acc + bias_rows(bias, group_sizes, acc.shape[0], acc.dtype)
+    out = [apply_activation(activation, z).astype(out_dtype)]
+    if preact:
+        out.append(z.astype(out_dtype))
+    return out
+
+
+def composed(a, b, gs, *bias, gemm, layouts: RaggedLayouts, activation, preact, out_dtype, acc_dtype) -> list:
+    """The grouped GEMM primitive with a float32 (epilogue dtype) output, then the epilogue in XLA."""
+    acc = gemm.bind(a, b, gs, layouts=layouts, out_dtype=epilogue_dtype(acc_dtype).name, acc_dtype=acc_dtype)
+    return epilogue(acc, gs, bias[0] if bias else None, activation=activation, preact=preact, out_dtype=out_dtype)
+
+
+def reference(a, b, gs, *bias, layouts: RaggedLayouts, activation, preact, out_dtype, acc_dtype) -> list:
+    """The fused grouped GEMM in plain lax ops (the first-use check of unverified kernels)."""
+    acc = gemm_reference(a, b, gs, layouts=layouts, out_dtype=epilogue_dtype(acc_dtype), acc_dtype=acc_dtype)
+    return epilogue(acc, gs, bias[0] if bias else None, activation=activation, preact=preact, out_dtype=out_dtype)
+
+
+jax_dispatch.prim_requires_devices_during_lowering.add(ragged_fused_p)
+mlir.register_lowering(ragged_fused_p, mlir.lower_fun(composed, multiple_results=True))
+
+
+def _cuda_lowering(ctx, *args, gemm, **params):
+    # The fused kernel runs one shard's problem; a partitioned call runs the grouped GEMM
+    # primitive (which partitions itself) and the epilogue in XLA.
+    if sharding._one_shard(ctx.module_context.axis_context):
+        impl = dispatch.grouped_fused(*ctx.avals_in, reference=functools.partial(reference, **params), **params)
+        if impl is not None:
+            return mlir.lower_fun(impl, multiple_results=True)(ctx, *args)
+    else:
+        logger.info("jax_cute.ragged_dot: a partitioned fused call runs the grouped kernel and the epilogue in XLA")
+    return mlir.lower_fun(functools.partial(composed, gemm=gemm, **params), multiple_results=True)(ctx, *args)
+
+
+mlir.register_lowering(ragged_fused_p, _cuda_lowering, platform="cuda")
+
+
+def _batch_rule(args, dims, **params):
+    outs = jax.vmap(functools.partial(composed, **params), in_axes=tuple(dims))(*args)
+    return outs, [0] * len(outs)
+
+
+batching.primitive_batchers[ragged_fused_p] = _batch_rule
+
+
+def _jvp(primals, tangents, *, gemm, layouts: RaggedLayouts, activation, preact, out_dtype, acc_dtype):
+    a, b, gs, *bias = primals
+    da, db, _, *dbias = tangents   # group sizes are integers: no tangent
+    params = dict(gemm=gemm, layouts=layouts, activation=activation, out_dtype=out_dtype, acc_dtype=acc_dtype)
+    outs = ragged_fused_p.bind(*primals, preact=activation is not None or preact, **params)
+    epi = epilogue_dtype(acc_dtype)
+    gemm_params = dict(layouts=layouts, out_dtype=epi.name, acc_dtype=acc_dtype)
+    terms = []
+    if type(da) is not ad.Zero:
+        terms.append(gemm.bind(da, b, gs, **gemm_params))
+    if type(db) is not ad.Zero:
+        terms.append(gemm.bind(a, db, gs, **gemm_params))
+    if bias and type(dbias[0]) is not ad.Zero:
+        terms.append(bias_rows(dbias[0], gs, layouts.c_shape[0], epi))
+    return epilogue_tangents(outs, terms, activation=activation, preact=preact, out_dtype=out_dtype, epi=epi)
+
+
+ad.primitive_jvps[ragged_fused_p] = _jvp
+
+
+def check_epilogue(rhs_shape: tuple[int, ...], out_dtype, bias, activation) -> None:
+    """Trace-time checks of ``ragged_dot``'s bias (G, N) and activation."""
+    check_activation("ragged_dot", activation)
+    check_float("ragged_dot", np.dtype(out_dtype), bias)
+    g, _, n = rhs_shape
+    check_swiglu("ragged_dot", activation, n)
+    if bias is not None and tuple(bias.shape) != (g, n):
+        raise ValueError(f"jax_cute.ragged_dot: bias must have shape (G, N) = ({g}, {n}), got {tuple(bias.shape)}")
+
+
+def ragged_epilogue(gemm, lhs, rhs, group_sizes, layouts: RaggedLayouts, *, bias, activation, out_dtype, acc_dtype):
+    """``act(lhs[m] @ rhs[g] + bias[g])`` for ``jax_cute.ragged_dot``: operands of one dtype,
+    int32 ``group_sizes``, ``layouts`` from ``ragged_dot_layouts``, ``gemm`` its primitive."""
+    bias = None if bias is None else jnp.asarray(bias)
+    check_epilogue(rhs.shape, out_dtype, bias, activation)
+    args = (lhs, rhs, group_sizes) + (() if bias is None else (bias,))
+    y, = ragged_fused_p.bind(*args, gemm=gemm, layouts=layouts, activation=activation, preact=False,
+                             out_dtype=np.dtype(out_dtype).name, acc_dtype=np.dtype(acc_dtype).name)
+    return y
