@@ -102,6 +102,10 @@ checks = {
     "ragged swiglu grad": (jax.grad(lambda x, w, b: jax_cute.ragged_dot(
         x, w, jnp.asarray([300, 0, 1, 500], jnp.int32), bias=b, activation="swiglu").astype(jnp.float32).sum(),
         (0, 1, 2)), (r(1000, 264), r(4, 264, 2816), r(4, 2816))),
+    # without a bias: the whole share, the second (gated) pass refilling half the slots
+    "ragged swiglu grad whole share": (jax.grad(lambda x, w: jax_cute.ragged_dot(
+        x, w, jnp.asarray([300, 0, 1, 500], jnp.int32), activation="swiglu").astype(jnp.float32).sum(),
+        (0, 1)), (r(1000, 264), r(4, 264, 2816))),
     "ragged bias gelu": (lambda x, w, b: jax_cute.ragged_dot(x, w, jnp.asarray([100, 0, 37, 120], jnp.int32),
                                                              bias=b, activation="gelu"),
                          (r(300, 136), r(4, 136, 392), r(4, 392))),

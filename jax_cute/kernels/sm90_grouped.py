@@ -114,9 +114,12 @@ def kernel_config(spec, config: Config) -> sm90_gemm.Config:
     2026-11-24)."""
     cfg = sm90_gemm.epilogue_for(spec, sm90_gemm.Config(TILE_M, config.tile_n, 1, 1, "m", config.raster))
     # the pre-activation output's two passes over the whole share (or a ring of 64-wide
-    # subtiles) leave the walker's registers short (an 8-16 byte stack frame with silu): those
-    # tiles take the ring of 32-wide subtiles
-    return dataclasses.replace(cfg, whole_c=False, epi_n=32) if spec.preact else cfg
+    # subtiles) leave the walker's registers short for elementwise activations (an 8-16 byte
+    # stack frame with silu): those tiles take the ring of 32-wide subtiles. A gated epilogue's
+    # second pass holds half the subtiles and fits.
+    if spec.preact and spec.activation not in GATED:
+        return dataclasses.replace(cfg, whole_c=False, epi_n=32)
+    return cfg
 
 
 def launcher(spec, config: Config):
