@@ -208,8 +208,8 @@ SUITE_NOTE = {
              "more ([docs/performance.md](docs/performance.md)). Forward + backward: the forward kernel writes the output and the pre-activation residual; "
              "the backward multiplies the cotangent by the activation's derivative in XLA (one elementwise pass) "
              "before the two gradient GEMMs; "
-             "*jax.checkpoint* recomputes the pre-activation in the backward instead. SwiGLU runs the GEMM with a "
-             "float32 output and the XLA epilogue.",
+             "*jax.checkpoint* recomputes the pre-activation in the backward instead. SwiGLU: each tile loads the "
+             "gate columns with the up columns they pair with, in `matmul` and in `ragged_dot`'s grouped kernel.",
 }
 
 

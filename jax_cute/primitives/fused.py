@@ -10,9 +10,9 @@ One place for each rule, as in ``matmul.py``:
 - abstract evaluation: ``y`` (and, with ``preact``, the pre-activation ``z``);
 - lowering (CPU, and wherever no fused kernel runs): the GEMM primitive with a float32 output,
   then the epilogue in XLA (``composed``), which XLA fuses into one elementwise pass;
-- CUDA: ``dispatch.fused_gemm``'s kernel, whose epilogue adds the bias and applies the
-  activation (one device, elementwise activations) and, with ``preact``, also writes ``z``;
-  otherwise ``composed``, logged at INFO;
+- CUDA: ``dispatch.fused_gemm``'s kernel on one device, whose epilogue adds the bias and
+  applies the activation (swiglu: each tile holds gate columns and the up columns they pair
+  with) and, with ``preact``, also writes ``z``; otherwise ``composed``, logged at INFO;
 - batching: a vmapped axis becomes an L sub-mode of every operand, the bias included (stride 0
   where it is unbatched), layouts re-targeted by composition;
 - autodiff: the JVP binds the primitive with ``preact=True``, so the forward also writes the
