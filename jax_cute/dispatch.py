@@ -218,6 +218,10 @@ def _epilogue_in_xla(reason: str, what: str, op: str = "matmul") -> None:
     logger.info("jax_cute.%s: the GEMM kernel runs with its epilogue in XLA: %s (%s)", op, reason, what)
 
 
+def _epilogue_what(dims: str, dts, bias: bool, activation) -> str:
+    return f"{dims}, dtypes {'/'.join(dts)}, bias {'yes' if bias else 'no'}, activation {activation}"
+
+
 def _epilogue_family(kind: str, bias: bool, activation: str | None, two_outputs: bool):
     """The target's ``kind`` family if it fuses this epilogue (its ``EPILOGUES``), else why not."""
     arch, _ = target_arch()
@@ -272,8 +276,7 @@ def fused_gemm(a_aval, b_aval, *bias_aval, layouts: GemmLayouts, bias_layout, ac
     heuristic config is used (autotune times plain GEMMs only)."""
     dts = [np.dtype(a_aval.dtype).name, np.dtype(b_aval.dtype).name, np.dtype(out_dtype).name]
     ext = layouts.extents()
-    what = (f"M={ext['m']} N={ext['n']} K={ext['k']} L={ext['l']}, dtypes {'/'.join(dts)}, "
-            f"bias {'yes' if bias_aval else 'no'}, activation {activation}")
+    what = _epilogue_what(f"M={ext['m']} N={ext['n']} K={ext['k']} L={ext['l']}", dts, bool(bias_aval), activation)
     if 0 in ext.values():
         return None
     bias = bias_aval[0] if bias_aval else None
@@ -340,14 +343,11 @@ def grouped(a_aval, b_aval, gs_aval, *, layouts: RaggedLayouts, out_dtype: str, 
     if isinstance(flat, str):
         fallback("ragged_dot", f"{flat} ({what})")
         return None
-    spec = GroupedSpec(layouts.mode, *dts, flat.a.major, flat.b.major, flat.c.major, acc_dtype)
-    picked = _family("ragged_dot", "grouped", spec, what)
+    picked = _grouped_kernel(GroupedSpec(layouts.mode, *dts, flat.a.major, flat.b.major, flat.c.major, acc_dtype),
+                             flat, what)
     if picked is None:
         return None
-    arch, fam = picked
-    cfg = fam.heuristic(spec, flat.m, flat.n, flat.k, flat.g, flat.l, arch_info.num_sms(arch))
-    binary = family_binary(fam, arch, spec, cfg)
-    workspaces = fam.workspace(spec, cfg, flat.m, flat.n, flat.k, flat.g, flat.l)
+    arch, binary, workspaces = picked
 
     def impl(a, b, gs):
         return _launch_grouped(a, b, gs, flat, binary, workspaces, {"c": (layouts.c_shape, None)}, dts[2])[0]
@@ -357,6 +357,17 @@ def grouped(a_aval, b_aval, gs_aval, *, layouts: RaggedLayouts, out_dtype: str, 
         return None
     logger.info("jax_cute.ragged_dot: %s on %s (%s)", binary.name, arch, what)
     return impl
+
+
+def _grouped_kernel(spec: GroupedSpec, flat: FlatGrouped, what: str):
+    """(arch, binary, workspaces) of the grouped family's heuristic kernel for ``spec``, or None
+    (the family refused it, logged)."""
+    picked = _family("ragged_dot", "grouped", spec, what)
+    if picked is None:
+        return None
+    arch, fam = picked
+    cfg = fam.heuristic(spec, flat.m, flat.n, flat.k, flat.g, flat.l, arch_info.num_sms(arch))
+    return arch, family_binary(fam, arch, spec, cfg), fam.workspace(spec, cfg, flat.m, flat.n, flat.k, flat.g, flat.l)
 
 
 def _group_split(extent: int) -> Callable:
@@ -389,10 +400,10 @@ def grouped_fused(a_aval, b_aval, gs_aval, *bias_aval, layouts: RaggedLayouts, a
     reason)."""
     dts = [np.dtype(a_aval.dtype).name, np.dtype(b_aval.dtype).name, np.dtype(out_dtype).name]
     e = layouts.extents()
-    what = (f"{layouts.mode} M={e['m']} N={e['n']} K={e['k']} G={e['g']} L={e['l']}, dtypes {'/'.join(dts)}, "
-            f"bias {'yes' if bias_aval else 'no'}, activation {activation}")
     if 0 in e.values():
         return None
+    what = _epilogue_what(f"{layouts.mode} M={e['m']} N={e['n']} K={e['k']} G={e['g']} L={e['l']}", dts,
+                          bool(bias_aval), activation)
     two_outputs = preact and bool(activation)
     fam = _epilogue_family("grouped", bool(bias_aval), activation, two_outputs)
     if isinstance(fam, str):
@@ -417,13 +428,10 @@ def grouped_fused(a_aval, b_aval, gs_aval, *bias_aval, layouts: RaggedLayouts, a
         outs["d"] = (c_shape, None)
     spec = GroupedSpec(layouts.mode, *dts, flat.a.major, flat.b.major, flat.c.major, acc_dtype,
                        bias=bool(bias_aval), activation=activation or "", preact=two_outputs)
-    picked = _family("ragged_dot", "grouped", spec, what)
+    picked = _grouped_kernel(spec, flat, what)
     if picked is None:
         return None
-    arch, fam = picked
-    cfg = fam.heuristic(spec, flat.m, flat.n, flat.k, flat.g, flat.l, arch_info.num_sms(arch))
-    binary = family_binary(fam, arch, spec, cfg)
-    workspaces = fam.workspace(spec, cfg, flat.m, flat.n, flat.k, flat.g, flat.l)
+    arch, binary, workspaces = picked
 
     def impl(a, b, gs, *bias_buf):
         # bias (G, N) row-major, read as (N, G)

@@ -179,20 +179,24 @@ jax_dispatch.prim_requires_devices_during_lowering.add(fused_p)
 mlir.register_lowering(fused_p, mlir.lower_fun(composed, multiple_results=True))
 
 
-def _cuda_lowering(ctx, *args, gemm, **params):
-    # The fused kernel runs one shard's problem; a partitioned call runs the GEMM primitive
-    # (which partitions itself) and the epilogue in XLA, which XLA partitions.
-    if sharding._one_shard(ctx.module_context.axis_context):
-        ref = functools.partial(reference, **params)
-        impl = dispatch.fused_gemm(*ctx.avals_in, reference=ref, **params)
-        if impl is not None:
-            return mlir.lower_fun(impl, multiple_results=True)(ctx, *args)
-    else:
-        logger.info("jax_cute.matmul: a partitioned fused call runs the GEMM kernel and the epilogue in XLA")
-    return mlir.lower_fun(functools.partial(composed, gemm=gemm, **params), multiple_results=True)(ctx, *args)
+def kernel_or_composed(kernel: Callable, reference: Callable, composed: Callable, op: str) -> Callable:
+    """The CUDA lowering rule of a fused primitive: on one shard, the fused kernel ``kernel``
+    (a dispatch function, given the avals, ``reference`` and the params) where it picks one;
+    otherwise ``composed``. A partitioned call runs the GEMM primitive (which partitions itself)
+    and the epilogue in XLA, which XLA partitions."""
+    def rule(ctx, *args, gemm, **params):
+        if sharding._one_shard(ctx.module_context.axis_context):
+            impl = kernel(*ctx.avals_in, reference=functools.partial(reference, **params), **params)
+            if impl is not None:
+                return mlir.lower_fun(impl, multiple_results=True)(ctx, *args)
+        else:
+            logger.info("jax_cute.%s: a partitioned fused call runs the GEMM kernel and the epilogue in XLA", op)
+        return mlir.lower_fun(functools.partial(composed, gemm=gemm, **params), multiple_results=True)(ctx, *args)
+    return rule
 
 
-mlir.register_lowering(fused_p, _cuda_lowering, platform="cuda")
+mlir.register_lowering(fused_p, kernel_or_composed(dispatch.fused_gemm, reference, composed, "matmul"),
+                       platform="cuda")
 
 
 # -- batching -----------------------------------------------------------------------------------

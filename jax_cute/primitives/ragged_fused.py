@@ -33,9 +33,8 @@ from jax.extend import core
 from jax.interpreters import ad, batching, mlir
 
 from jax_cute import dispatch
-from jax_cute.primitives import sharding
 from jax_cute.primitives.fused import (apply_activation, check_activation, check_float, check_swiglu,
-                                       epilogue_dtype, epilogue_tangents)
+                                       epilogue_dtype, epilogue_tangents, kernel_or_composed)
 from jax_cute.primitives.ragged_layouts import RaggedLayouts
 from jax_cute.primitives.ragged_reference import group_ends
 from jax_cute.primitives.ragged_reference import reference as gemm_reference
@@ -103,22 +102,12 @@ jax_dispatch.prim_requires_devices_during_lowering.add(ragged_fused_p)
 mlir.register_lowering(ragged_fused_p, mlir.lower_fun(composed, multiple_results=True))
 
 
-def _cuda_lowering(ctx, *args, gemm, **params):
-    # The fused kernel runs one shard's problem; a partitioned call runs the grouped GEMM
-    # primitive (which partitions itself) and the epilogue in XLA.
-    if sharding._one_shard(ctx.module_context.axis_context):
-        impl = dispatch.grouped_fused(*ctx.avals_in, reference=functools.partial(reference, **params), **params)
-        if impl is not None:
-            return mlir.lower_fun(impl, multiple_results=True)(ctx, *args)
-    else:
-        logger.info("jax_cute.ragged_dot: a partitioned fused call runs the grouped kernel and the epilogue in XLA")
-    return mlir.lower_fun(functools.partial(composed, gemm=gemm, **params), multiple_results=True)(ctx, *args)
-
-
-mlir.register_lowering(ragged_fused_p, _cuda_lowering, platform="cuda")
+mlir.register_lowering(ragged_fused_p, kernel_or_composed(dispatch.grouped_fused, reference, composed, "ragged_dot"),
+                       platform="cuda")
 
 
 def _batch_rule(args, dims, **params):
+    logger.info("jax_cute.ragged_dot: under vmap the grouped kernel runs with its epilogue in XLA")
     outs = jax.vmap(functools.partial(composed, **params), in_axes=tuple(dims))(*args)
     return outs, [0] * len(outs)
 
