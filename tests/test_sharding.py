@@ -194,6 +194,15 @@ def test_ragged_dot_tokens_sharded(results):
     assert results["ragged_contracting"]["fwd"]["all-reduce"] == 1
 
 
+def test_fused_ragged_dot_tokens_sharded(results):
+    """ragged_dot's bias and swiglu on sharded tokens: each shard runs its rows (the grouped GEMM
+    partitions itself, the epilogue is elementwise), forward and gradients exact."""
+    case = results["ragged_fused_tokens"]
+    _close(case)
+    assert case["fwd"] == dict.fromkeys(COLLECTIVES, 0)
+    assert max(case["grad_diffs"]) <= 1e-4 * case["grad_scale"]
+
+
 def test_ragged_dot_experts_sharded_under_jit_are_gathered(results):
     """Documented: groups (experts) stay replicated under jit; the result is still exact."""
     case = results["ragged_experts_jit"]
@@ -470,6 +479,15 @@ def _worker() -> dict:
     r["ragged_tokens"] = case(rd, jax.lax.ragged_dot, (put(xr, "model", None), put(wr), put(gs)), grad_of=2)
     r["ragged_contracting"] = case(rd, jax.lax.ragged_dot,
                                    (put(xr, None, "model"), put(wr, None, "model", None), put(gs)))
+
+    def rd_swiglu_ref(a, b, g, c):   # bias row of each row's group (none past the last), then swiglu
+        rows = jnp.concatenate([c, jnp.zeros_like(c[:1])])
+        z = jax.lax.ragged_dot(a, b, g) + rows[jnp.searchsorted(jnp.cumsum(g), jnp.arange(a.shape[0]), side="right")]
+        return jax.nn.silu(z[:, :8]) * z[:, 8:]
+
+    rd_swiglu = lambda a, b, g, c: jax_cute.ragged_dot(a, b, g, bias=c, activation="swiglu")  # noqa: E731
+    r["ragged_fused_tokens"] = case(rd_swiglu, rd_swiglu_ref, (put(xr, "model", None), put(wr), put(gs), put(rnd(8, 16))),
+                                    grad_of=2)
     r["ragged_experts_jit"] = case(rd, jax.lax.ragged_dot, (put(xr), put(wr, "model", None, None), put(gs, "model")),
                                    grad_of=2)
 
