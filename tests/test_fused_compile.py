@@ -183,6 +183,9 @@ def test_gated_tiles_pair_whole_blocks():
     with pytest.raises(ValueError, match="multiple of 64"):
         sm90_gemm.heuristic(spec, 4096, 200, 1024, 1)
     assert all(c.tile_n in (128, 256) for c in sm90_gemm.candidate_configs(spec))
+    f8 = "float8_e4m3fn"   # fp8's pingpong pick, too (128x160 elsewhere)
+    f8_spec = GemmSpec(f8, f8, BF, "k", "k", "n", activation="swiglu")
+    assert all(sm90_gemm.heuristic(f8_spec, *s).tile_n in (128, 256) for s in GATED_SHAPES)
     with pytest.raises(ValueError, match="pairs halves"):
         sm90_gemm.launcher(spec, sm90_gemm.Config(128, 160, 2, 1, pingpong=True))
 
@@ -197,9 +200,11 @@ def test_every_gated_pick_compiles(c_dtype, bias, preact):
         _compile(spec, cfg)
 
 
-def test_gated_k_major_b_compiles():
-    """B contiguous along K (a weight passed as (N, K)): its N mode is paired by stride too."""
-    spec = GemmSpec(BF, BF, BF, "k", "k", "n", bias=True, activation="swiglu", preact=True)
+@pytest.mark.parametrize("a_dtype", [BF, "float8_e4m3fn"])
+def test_gated_k_major_b_compiles(a_dtype):
+    """B contiguous along K (a weight passed as (N, K); fp8's only layout): its N mode is paired
+    by stride too."""
+    spec = GemmSpec(a_dtype, a_dtype, BF, "k", "k", "n", bias=True, activation="swiglu", preact=True)
     _compile(spec, sm90_gemm.heuristic(spec, 8192, 28672, 4096, 1))
 
 

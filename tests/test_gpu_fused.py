@@ -270,6 +270,19 @@ def test_gated_k_major_weight(size):
     assert_close(jax.jit(f)(a16, b16, bias), _gated_want(a16, b16, bias, k_major_b=True)[1], 1e-2, "y")
 
 
+def test_gated_fp8():
+    """fp8 inputs (both contiguous along K) with swiglu and a bias: the pingpong 128x128 pick."""
+    a16, b16, bias = _gated_args((2048, 4096, 2816), True, ("gated-fp8",), k_major_b=True)
+    a8, b8 = a16.astype(jnp.float8_e4m3fn), b16.astype(jnp.float8_e4m3fn)
+    f = lambda a, b, c: jax_cute.matmul(a, b, transpose_b=True, bias=c, activation="swiglu",  # noqa: E731
+                                        preferred_element_type=jnp.bfloat16)
+    text = _compiled(f, a8, b8, bias)
+    assert text.count('custom_call_target="jax_cute_launch') == 1
+    _no_xla_epilogue(text)
+    a32, b32 = a8.astype(jnp.float32), b8.astype(jnp.float32)
+    assert_close(jax.jit(f)(a8, b8, bias), _gated_want(a32, b32, bias, k_major_b=True)[1], 1e-2, "y fp8")
+
+
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_gated_gradients(with_bias):
     """The gradients of a swiglu product whose forward runs in the kernel (it saves z)."""

@@ -401,7 +401,9 @@ def heuristic(spec, m: int, n: int, k: int, l: int, num_sms: int = NUM_SMS) -> C
     if spec.a_dtype in _FP8 and tiles_m > 1:
         # 8-bit k-tiles run twice as fast, so the cooperative tile's exposed epilogue weighs twice
         # as much: the pingpong tiles win where the model says they save 3% or more
-        pp = min((_PINGPONG_160, _PINGPONG_128), key=lambda c: _estimate(c, m, n, k, l, num_sms, bk))
+        # (a gated tile pairs halves of 64-column blocks: not 160 wide)
+        pps = (_PINGPONG_128,) if _gated(spec) else (_PINGPONG_160, _PINGPONG_128)
+        pp = min(pps, key=lambda c: _estimate(c, m, n, k, l, num_sms, bk))
         if _estimate(pp, m, n, k, l, num_sms, bk) < 0.97 * _estimate(best, m, n, k, l, num_sms, bk):
             return pp
     return best
