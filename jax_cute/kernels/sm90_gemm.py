@@ -1289,15 +1289,13 @@ def _kernel_class():
             columns past N read the last bias (they are never stored). Gated: the bias is paired
             like B, whose N the tiles divide. Grouped: ``bias`` is (the group's row, its weight:
             1, or 0 for the zero tail)."""
+            col = tn * self.bn + coords[i][1]
+            if const_expr(not self.glu):
+                col = cutlass.min(col, gmem_c.shape[1] - 1)
             if const_expr(self.mode != "dense"):
                 row, keep = bias
-                col = tn * self.bn + coords[i][1]
-                if const_expr(not self.glu):
-                    col = cutlass.min(col, gmem_c.shape[1] - 1)
                 return row[col] * keep
-            if const_expr(self.glu):
-                return bias[tn * self.bn + coords[i][1]]
-            return bias[cutlass.min(tn * self.bn + coords[i][1], gmem_c.shape[1] - 1)]
+            return bias[col]
 
         @cute.jit
         def store_subtile(self, tma, bSG_sC, bSG_g, gmem, sC, r2s, tRS_rC, tRS_sC, pos: cutlass.Constexpr,
@@ -1313,10 +1311,8 @@ def _kernel_class():
             # generic-proxy smem writes must be visible to the TMA (async proxy) store
             cute.arch.fence_proxy("async.shared", space="cta")
             epi_bar.arrive_and_wait()
-            edge = False   # (gated: never ragged, D's N mode is paired)
-            if const_expr(not self.glu):
-                edge = ragged and ((n0 + en > n_ext) if const_expr(c_n) else (m0 + em > m_ext))
-            if const_expr(self.mode == "dense" and not self.glu):   # (grouped: never ragged, C may be rank 4)
+            edge = ragged and ((n0 + en > n_ext) if const_expr(c_n) else (m0 + em > m_ext))
+            if const_expr(self.mode == "dense"):   # (grouped: never ragged, C may be rank 4)
                 if edge:
                     if const_expr(self.nb > 1):
                         gmem_t = gmem[(None, None, l)]   # one batch offset held live, not three

@@ -33,7 +33,7 @@ _IN_DTYPES = ("bfloat16", "float16")
 _OUT_DTYPES = ("bfloat16", "float16", "float32")
 TILE_M = 128
 EPILOGUES = sm90_gemm.EPILOGUES    # ragged_m only (see unsupported)
-GATED_COLUMNS = 64
+GATED_COLUMNS = sm90_gemm.GATED_COLUMNS
 
 
 @dataclasses.dataclass(frozen=True)

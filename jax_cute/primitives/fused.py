@@ -146,6 +146,11 @@ def epilogue(acc, bias, *, layouts: GemmLayouts, bias_layout, activation, preact
     """``[act(acc + bias)]`` (and ``z = acc + bias`` with ``preact``), each rounded once to
     ``out_dtype``; ``acc`` is the GEMM's result in C's buffer, in the epilogue dtype."""
     z = acc if bias is None else acc + _bias_in_c(bias, bias_layout, layouts, acc.dtype)
+    return activated(z, activation=activation, preact=preact, out_dtype=out_dtype)
+
+
+def activated(z, *, activation, preact, out_dtype) -> list:
+    """``[act(z)]`` (and ``z`` itself with ``preact``), each rounded once to ``out_dtype``."""
     out = [apply_activation(activation, z).astype(out_dtype)]
     if preact:
         out.append(z.astype(out_dtype))

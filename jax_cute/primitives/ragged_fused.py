@@ -33,8 +33,8 @@ from jax.extend import core
 from jax.interpreters import ad, batching, mlir
 
 from jax_cute import dispatch
-from jax_cute.primitives.fused import (apply_activation, check_activation, check_float, check_swiglu,
-                                       epilogue_dtype, epilogue_tangents, kernel_or_composed)
+from jax_cute.primitives.fused import (activated, check_activation, check_float, check_swiglu, epilogue_dtype,
+                                       epilogue_tangents, kernel_or_composed)
 from jax_cute.primitives.ragged_layouts import RaggedLayouts
 from jax_cute.primitives.ragged_reference import group_ends
 from jax_cute.primitives.ragged_reference import reference as gemm_reference
@@ -80,10 +80,7 @@ def epilogue(acc, group_sizes, bias, *, activation, preact, out_dtype) -> list:
     """``[act(acc + bias rows)]`` (and ``z`` with ``preact``), each rounded once to ``out_dtype``;
     ``acc`` (M, N) is the grouped product in the epilogue dtype."""
     z = acc if bias is None else acc + bias_rows(bias, group_sizes, acc.shape[0], acc.dtype)
-    out = [apply_activation(activation, z).astype(out_dtype)]
-    if preact:
-        out.append(z.astype(out_dtype))
-    return out
+    return activated(z, activation=activation, preact=preact, out_dtype=out_dtype)
 
 
 def composed(a, b, gs, *bias, gemm, layouts: RaggedLayouts, activation, preact, out_dtype, acc_dtype) -> list:
@@ -100,8 +97,6 @@ def reference(a, b, gs, *bias, layouts: RaggedLayouts, activation, preact, out_d
 
 jax_dispatch.prim_requires_devices_during_lowering.add(ragged_fused_p)
 mlir.register_lowering(ragged_fused_p, mlir.lower_fun(composed, multiple_results=True))
-
-
 mlir.register_lowering(ragged_fused_p, kernel_or_composed(dispatch.grouped_fused, reference, composed, "ragged_dot"),
                        platform="cuda")
 

@@ -64,6 +64,7 @@ from jax_cute import layout as L
 from jax_cute.layout import Layout, make_layout
 from jax_cute.primitives.gemm_layouts import GemmLayouts, refine
 from jax_cute.primitives.ragged_layouts import RAGGED_K, RAGGED_M, RaggedLayouts
+from jax_cute.primitives.ragged_reference import clipped_sizes, group_ends
 
 # Logical modes of each operand's layout, in mode order; the last name is the result.
 MODES = {
@@ -481,16 +482,10 @@ def _shard_index(axes: Sequence[str], mesh_shape: Mapping[str, int]):
     return idx
 
 
-def _saturating_ends(sizes, extent: int):
-    # As ragged_reference.group_ends: negative sizes count as 0, ends clip at extent, no int32 overflow.
-    s = jnp.clip(sizes, 0, extent)
-    return jax.lax.associative_scan(lambda x, y: x + jnp.minimum(y, extent - x), s, axis=0)
-
-
 def _local_group_sizes(gs, gs_layout: Layout, gs_shape, extent: int, local_extent: int, offset):
     """Group sizes of one shard's block [offset, offset + local_extent) of the ragged mode."""
-    ends = _saturating_ends(L.read(gs, gs_layout), extent)  # (G, L)
-    starts = ends - jnp.diff(ends, axis=0, prepend=jnp.zeros_like(ends[:1]))
+    ends = group_ends(L.read(gs, gs_layout), extent)  # (G, L)
+    starts = ends - clipped_sizes(ends)
     clip = lambda x: jnp.clip(x - offset, 0, local_extent)  # noqa: E731
     return L.write((clip(ends) - clip(starts)).astype(gs.dtype), gs_layout, gs_shape)
 
