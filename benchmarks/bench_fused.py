@@ -3,7 +3,8 @@ written unfused (jax_cute GEMMs, then jnp ops) and against XLA, bf16.
 
 A GELU MLP block (8192 tokens, 4096 -> 14336 -> 4096, bias) forward, and forward + backward
 (also with jax.checkpoint around the fused layer: the backward recomputes the pre-activation
-instead of reading the saved one); a SwiGLU MLP block (8192 tokens, 4096 -> 2 x 14336 -> 4096,
+instead of reading the saved one, and the XLA layer as written through ``jax_cute.kernelize``,
+which fuses its first bias and gelu); a SwiGLU MLP block (8192 tokens, 4096 -> 2 x 14336 -> 4096,
 no bias) forward + backward; a SwiGLU MoE layer (8 experts, top-2, 4096 -> 14336 -> 4096)
 forward + backward, fused (ragged_dot(..., activation="swiglu")) against unfused. Each record
 carries ``epilogue_bytes``: the bytes the implementation's GEMM epilogues and elementwise
@@ -52,6 +53,10 @@ def mlp_unfused(x, w1, b1, w2, b2):
 
 def mlp_xla(x, w1, b1, w2, b2):
     return jax.nn.gelu(x @ w1 + b1) @ w2 + b2
+
+
+# the XLA layer as written, through kernelize: its bias and gelu become the first GEMM's epilogue
+mlp_kernelized = jax_cute.kernelize(mlp_xla)
 
 
 def swiglu_fused(x, w1, w2):
@@ -118,7 +123,9 @@ def traffic(kind: str, m: int, f: int, d: int, train: bool) -> dict[str, int]:
     - fused forward: the kernel writes y only (and adds the second layer's bias itself);
     - fused forward + backward: the kernel writes y and the residual z, as unfused does: fusion
       saves the pass reading z back;
-    - remat: the fused forward, then the backward's recomputation writes y and z again.
+    - remat: the fused forward, then the backward's recomputation writes y and z again;
+    - kernelize (the XLA layer through ``jax_cute.kernelize``): the first GEMM fused as above;
+      the second layer's bias stays an XLA pass (no activation follows it).
     """
     z = m * f * (2 if kind == "swiglu" else 1)
     y = m * f
@@ -127,7 +134,7 @@ def traffic(kind: str, m: int, f: int, d: int, train: bool) -> dict[str, int]:
     inference = 2 * y
     training = 2 * z + 2 * y
     return {"jax_cute": training if train else inference, "jax_cute_unfused": unfused, "xla": unfused,
-            "jax_cute_remat": inference + training}
+            "jax_cute_remat": inference + training, "jax_cute_kernelize": training if train else inference + bias2}
 
 
 def run(args: argparse.Namespace) -> list[dict]:
@@ -138,7 +145,8 @@ def run(args: argparse.Namespace) -> list[dict]:
     mk = lambda s: normal(s, shapes, (1.0, d ** -0.5, 0.1, f ** -0.5, 0.1))  # noqa: E731
     mk_train = lambda s: normal(s, shapes + [(m, d)], (1.0, d ** -0.5, 0.1, f ** -0.5, 0.1, 1.0))  # noqa: E731
     for train in (False, True):
-        impls = [("jax_cute", mlp_fused), ("jax_cute_unfused", mlp_unfused), ("xla", mlp_xla)]
+        impls = [("jax_cute", mlp_fused), ("jax_cute_unfused", mlp_unfused), ("xla", mlp_xla),
+                 ("jax_cute_kernelize", mlp_kernelized)]
         if train:
             impls.insert(1, ("jax_cute_remat", mlp_fused_remat))
         written = traffic("gelu", m, f, d, train)

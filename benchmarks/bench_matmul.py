@@ -173,6 +173,8 @@ def run(args: argparse.Namespace) -> list[dict]:
     recs += measure("matmul", "e2e", f"MLP train step {batch}x{d_model}x{d_ff}",
                     [Impl("jax_cute", mlp.make_step(jax_cute.matmul, step_dt, lr)),
                      Impl("xla", mlp.make_step(jnp.matmul, step_dt, lr)),
+                     # the jnp step's loss through kernelize: its gelu becomes the first GEMM's epilogue
+                     Impl("jax_cute_kernelize", mlp.make_step(jnp.matmul, step_dt, lr, transform=jax_cute.kernelize)),
                      Impl("xla_bf16_grads", mlp.make_step(
                          lambda a, b, preferred_element_type=None: jnp_matmul_bf16_grads(a, b, preferred_element_type),
                          step_dt, lr))],

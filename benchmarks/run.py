@@ -24,7 +24,8 @@ ROOT = HERE.parent
 SUITES = {"models": "bench_models.py", "matmul": "bench_matmul.py", "layouts": "bench_layouts.py", "ragged": "bench_ragged.py",
           "launch": "bench_launch.py", "fused": "bench_fused.py"}
 IMPL_ORDER = ["jax_cute", "xla", "pallas"]
-IMPL_LABEL = {"jax_cute": "jax_cute", "xla": "XLA", "pallas": "Pallas", "xla_bf16_grads": "XLA, bf16 gradient GEMMs"}
+IMPL_LABEL = {"jax_cute": "jax_cute", "xla": "XLA", "pallas": "Pallas", "xla_bf16_grads": "XLA, bf16 gradient GEMMs",
+              "jax_cute_kernelize": "kernelize(jnp step): gelu fused"}
 
 
 # -- running ----------------------------------------------------------------------------------
@@ -179,7 +180,8 @@ SUITE_TITLE = {"models": "Models: jax_cute.kernelize", "matmul": "Dense GEMM: ja
                "launch": "Launch overhead", "fused": "Fused epilogues: bias and activation"}
 SUITE_LABELS = {"ragged": {"xla": "lax.ragged_dot"},   # what the "xla" rival is in that suite
                 "fused": {"jax_cute": "jax_cute fused", "jax_cute_remat": "jax_cute fused, jax.checkpoint",
-                          "jax_cute_unfused": "jax_cute + jnp epilogue"}}
+                          "jax_cute_unfused": "jax_cute + jnp epilogue",
+                          "jax_cute_kernelize": "kernelize(XLA layer)"}}
 SUITE_NOTE = {
     "matmul": "XLA: `jnp.matmul` (cuBLAS, or XLA's Triton GEMM where XLA picks it). Pallas: the fastest of four "
               "configs of Pallas' Mosaic GPU Hopper matmul. Each call runs 8 independent products in one jit. "

@@ -41,14 +41,18 @@ def block(params: Params, x: jax.Array, mm: Callable, dtype) -> jax.Array:
     return x + mm(h, params["w2"].astype(dtype), preferred_element_type=jnp.float32)
 
 
-def make_step(mm: Callable, dtype, lr: float) -> Callable:
+def make_step(mm: Callable, dtype, lr: float, transform: Callable | None = None) -> Callable:
+    """The jitted SGD step; ``transform`` (e.g. ``jax_cute.kernelize``) wraps the loss before
+    it is differentiated."""
     def loss_fn(params, x, y):
         return jnp.mean(jnp.square(block(params, x, mm, dtype) - y))
 
+    loss = transform(loss_fn) if transform is not None else loss_fn
+
     @jax.jit
     def step(params, x, y):
-        loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
-        return jax.tree.map(lambda p, g: p - lr * g, params, grads), loss  # plain SGD on f32 masters
+        loss_value, grads = jax.value_and_grad(loss)(params, x, y)
+        return jax.tree.map(lambda p, g: p - lr * g, params, grads), loss_value  # plain SGD on f32 masters
 
     return step
 

@@ -5,7 +5,9 @@ caller's tracers (a jaxpr interpreter, like ``jax.core.eval_jaxpr``):
 
 - ``dot_general`` (so ``@``, ``jnp.matmul``, ``jnp.dot``, ``jnp.einsum`` and Flax/Equinox
   layers) becomes ``jax_cute.dot_general`` with the same dimension numbers, precision and
-  ``preferred_element_type``;
+  ``preferred_element_type``; where ``jax.nn.relu``/``gelu``/``silu`` follows it (after an
+  optional bias add, before an optional cast), the product and that epilogue become one fused
+  call (``epilogue_match``);
 - ``ragged_dot_general`` becomes ``jax_cute.ragged_dot`` for ``lax.ragged_dot``'s dimension
   numbers, and a grouped GEMM over the same buffers for the two forms ``lax.ragged_dot``'s own
   gradient produces;
@@ -42,6 +44,7 @@ from jax.interpreters import partial_eval as pe
 
 from jax_cute import config
 from jax_cute.dispatch import FallbackError
+from jax_cute.epilogue_match import Epilogue, find_epilogues
 from jax_cute.primitives.dot_general import dot_general
 from jax_cute.primitives.matmul import _acc_dtype
 from jax_cute.primitives.ragged_dot import ragged_dot, ragged_k_p, ragged_m_p
@@ -80,10 +83,12 @@ class Product:
     kernelized: bool                      # True: now a jax_cute primitive
     reason: str | None = None             # why it stayed XLA's
     where: str = ""                       # enclosing primitives, outermost first ("scan/remat2")
+    epilogue: str = ""                    # what was fused into its epilogue ("bias + gelu")
 
     def describe(self) -> str:
         ops = " x ".join(f"{d}{list(s)}" for s, d in zip(self.shapes, self.dtypes))
         head = f"{'jax_cute' if self.kernelized else 'XLA':<8} {self.primitive} {ops} -> {self.out_dtype}{list(self.out_shape)}"
+        head += f" with {self.epilogue} fused" if self.epilogue else ""
         tail = f"  [in {self.where}]" if self.where else ""
         return head + tail + ("" if self.kernelized else f": {self.reason}")
 
@@ -147,8 +152,10 @@ def _ragged_form(rd) -> tuple | None:
 
 # -- rewriting products ------------------------------------------------------------------------
 
-def _dot(lhs, rhs, *, dimension_numbers, precision=None, preferred_element_type=None, **_):
-    return dot_general(lhs, rhs, dimension_numbers, precision=precision, preferred_element_type=preferred_element_type)
+def _dot(lhs, rhs, *, dimension_numbers, precision=None, preferred_element_type=None, bias=None, activation=None,
+         **_):
+    return dot_general(lhs, rhs, dimension_numbers, precision=precision, preferred_element_type=preferred_element_type,
+                       bias=bias, activation=activation)
 
 
 def _ragged(lhs, rhs, group_sizes, *, ragged_dot_dimension_numbers, preferred_element_type=None, out_aval, **_):
@@ -220,16 +227,17 @@ def _avals_match(a: Sequence, b: Sequence) -> bool:
 
 
 class _Interpreter:
-    def __init__(self) -> None:
+    def __init__(self, fuse: bool) -> None:
         self.products: list[Product] = []
         self.where: list[str] = []
+        self.fuse = fuse
 
     # bookkeeping
-    def _record(self, eqn, kernelized: bool, reason: str | None = None) -> None:
-        avals, out = [v.aval for v in eqn.invars], eqn.outvars[0].aval
+    def _record(self, eqn, kernelized: bool, reason: str | None = None, epilogue: Epilogue | None = None) -> None:
+        avals, out = [v.aval for v in eqn.invars], (epilogue.out if epilogue else eqn.outvars[0]).aval
         product = Product(eqn.primitive.name, tuple(tuple(a.shape) for a in avals),
                           tuple(np.dtype(a.dtype).name for a in avals), tuple(out.shape), np.dtype(out.dtype).name,
-                          kernelized, reason, "/".join(self.where))
+                          kernelized, reason, "/".join(self.where), epilogue.describe() if epilogue else "")
         if not kernelized:
             if config.strict():
                 raise FallbackError("kernelize", product.describe())
@@ -253,7 +261,23 @@ class _Interpreter:
             env[var] = val
         for var, val in zip(jaxpr.invars, args, strict=True):
             env[var] = val
-        for eqn in jaxpr.eqns:
+        fused = self._epilogues(jaxpr)
+        skipped = {i for p, ep in fused.items() for i in (p, *ep.eqns)}
+        at_last = {ep.last: p for p, ep in fused.items()}
+        for i, eqn in enumerate(jaxpr.eqns):
+            if i in skipped and i not in at_last:
+                continue
+            if i in at_last:  # the product and its epilogue, as one fused call
+                p = at_last[i]
+                eqn, ep = jaxpr.eqns[p], fused[p]
+                bias = None if ep.bias is None else (
+                    jnp.reshape(read(ep.bias_source), ep.bias_shape) if ep.bias_source is not None else read(ep.bias))
+                name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+                with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
+                    self._record(eqn, True, epilogue=ep)
+                    env[ep.out] = _dot(*(read(v) for v in eqn.invars), **{**eqn.params, "preferred_element_type":
+                                       ep.out_dtype}, bias=bias, activation=ep.activation)
+                continue
             invals = [read(v) for v in eqn.invars]
             name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
             with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
@@ -262,6 +286,14 @@ class _Interpreter:
             for var, val in zip(eqn.outvars, outs, strict=True):
                 env[var] = val
         return [read(v) for v in jaxpr.outvars]
+
+    def _epilogues(self, jaxpr) -> dict[int, Epilogue]:
+        """The products of ``jaxpr`` (by equation index) to fuse with the epilogue after them."""
+        if not self.fuse:
+            return {}
+        products = {i: e.outvars[0] for i, e in enumerate(jaxpr.eqns)
+                    if e.primitive.name == "dot_general" and _refusal(e) is None}
+        return find_epilogues(jaxpr, products) if products else {}
 
     def _eqn(self, eqn, invals: list):
         name = eqn.primitive.name
@@ -317,7 +349,7 @@ def _is_array(x) -> bool:
     return isinstance(x, (jax.Array, np.ndarray, np.generic))
 
 
-def kernelize(fn: Callable, *, report: bool = False) -> Callable:
+def kernelize(fn: Callable, *, report: bool = False, fuse_epilogues: bool = True) -> Callable:
     """``fn`` with its matrix products run as jax_cute primitives (see the module docstring).
 
     The returned function takes ``fn``'s arguments. Array leaves of the arguments are traced;
@@ -330,6 +362,13 @@ def kernelize(fn: Callable, *, report: bool = False) -> Callable:
 
     Use ``jax.grad(kernelize(f))`` (or kernelize a whole training step): the gradients then come
     from jax_cute's own autodiff rules and are jax_cute GEMMs too.
+
+    With ``fuse_epilogues`` (the default), a product followed by ``jax.nn.relu``, ``gelu`` (either
+    form) or ``silu``, optionally with a bias added before and a cast to a 16- or 32-bit float
+    after, becomes one fused call (``jax_cute.dot_general(..., bias=, activation=)``): the
+    activation runs in float32 on the accumulator and is rounded once (``epilogue_match`` says
+    exactly what is matched). Under ``grad(kernelize(f))`` the backward pass then takes the
+    activation's derivative from the saved pre-activation, rounded to the output dtype.
     """
 
     @functools.wraps(fn)
@@ -343,7 +382,7 @@ def kernelize(fn: Callable, *, report: bool = False) -> Callable:
             return fn(*a, **k)
 
         closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*(x for x, d in zip(leaves, dynamic) if d))
-        interp = _Interpreter()
+        interp = _Interpreter(fuse_epilogues)
         inner, consts = _open(closed)
         outs = interp.eval(inner, consts, [x for x, d in zip(leaves, dynamic) if d])
         kernelized.report = KernelizeReport(interp.products)

@@ -169,31 +169,37 @@ def row_major(shape: Sequence[int]) -> Layout:
     return Layout(tuple(shape), tuple(reversed(stride)))
 
 
-def restride(layout: Layout, old_shape: Sequence[int], new_shape: Sequence[int]) -> Layout | None:
-    """``layout`` over a row-major buffer of ``old_shape`` moved to a padded buffer of
-    ``new_shape`` (no axis shorter): the same elements at their new offsets. Each flat sub-mode
-    must lie inside one buffer axis (then its stride scales with that axis's); None otherwise."""
-    old = [math.prod(old_shape[i + 1:]) for i in range(len(old_shape))]
-    new = [math.prod(new_shape[i + 1:]) for i in range(len(new_shape))]
+def reindex(layout: Layout, shape: Sequence[int], axis_strides: Sequence[int]) -> Layout | None:
+    """``layout`` over a row-major buffer of ``shape`` re-targeted at a buffer whose axis i has
+    stride ``axis_strides[i]`` (a padded buffer, or a broadcast one with stride 0): the element at
+    the same index tuple. Each flat sub-mode must lie inside one buffer axis (its stride then
+    scales with that axis's); None otherwise."""
+    old = [math.prod(shape[i + 1:]) for i in range(len(shape))]
 
     def moved(extent: int, stride: int) -> int | None:
         if extent == 1 or stride == 0:
             return stride
         # the slowest axis whose stride divides this one: the axis the sub-mode steps along
-        axis = max((i for i, s in enumerate(old) if old_shape[i] > 1 and s <= stride and stride % s == 0),
+        axis = max((i for i, s in enumerate(old) if shape[i] > 1 and s <= stride and stride % s == 0),
                    key=lambda i: old[i], default=None)
-        if axis is None or (stride // old[axis]) * (extent - 1) >= old_shape[axis]:
+        if axis is None or (stride // old[axis]) * (extent - 1) >= shape[axis]:
             return None
-        return stride // old[axis] * new[axis]
+        return stride // old[axis] * axis_strides[axis]
 
-    def walk(shape: IntTuple, stride: IntTuple) -> IntTuple | None:
-        if isinstance(shape, int):
-            return moved(shape, stride)  # type: ignore[arg-type]
-        out = [walk(s, d) for s, d in zip(shape, stride)]  # type: ignore[arg-type]
+    def walk(sh: IntTuple, stride: IntTuple) -> IntTuple | None:
+        if isinstance(sh, int):
+            return moved(sh, stride)  # type: ignore[arg-type]
+        out = [walk(s, d) for s, d in zip(sh, stride)]  # type: ignore[arg-type]
         return None if any(x is None for x in out) else tuple(out)
 
     stride = walk(layout.shape, layout.stride)
     return None if stride is None else Layout(layout.shape, stride)
+
+
+def restride(layout: Layout, old_shape: Sequence[int], new_shape: Sequence[int]) -> Layout | None:
+    """``layout`` over a row-major buffer of ``old_shape`` moved to a padded buffer of
+    ``new_shape`` (no axis shorter): the same elements at their new offsets (``reindex``)."""
+    return reindex(layout, old_shape, [math.prod(new_shape[i + 1:]) for i in range(len(new_shape))])
 
 
 def insert_axis(buffer_shape: Sequence[int], axis: int, extent: int) -> tuple[Layout, int]:

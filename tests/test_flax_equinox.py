@@ -26,6 +26,7 @@ def _check_model(loss, params, *args, products: int):
     np.testing.assert_allclose(jax.jit(k)(params, *args), loss(params, *args), rtol=1e-2)
     assert_trees_close(jax.jit(jax.grad(k))(params, *args), jax.grad(loss)(params, *args))
     assert len(k.report.products) == products and not k.report.left_to_xla, str(k.report)
+    return k.report
 
 
 class MLP(nn.Module):
@@ -51,7 +52,9 @@ def _mse(model):
 
 def test_flax_linen_mlp():
     model = MLP()
-    _check_model(_mse(model), model.init(jax.random.key(1), X), X, products=2)
+    report = _check_model(_mse(model), model.init(jax.random.key(1), X), X, products=2)
+    # Dense's bias and nn.gelu are the first product's epilogue
+    assert [p.epilogue for p in report.products] == ["bias + gelu", ""]
 
 
 def test_flax_linen_attention_block():

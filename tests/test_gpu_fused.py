@@ -160,6 +160,58 @@ def test_gradients(activation, with_bias):
         assert_close(g, w, 3e-2, f"{name} {activation}")
 
 
+# -- einsum and kernelize: the same kernels through other entry points ---------------------------
+
+@pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_exact", "silu"])
+def test_einsum_epilogue_in_kernel(activation):
+    """A projection into heads, ``btd,dhk->bthk``, with a per-(head, column) bias: N is two
+    free dims of the weight; one launch, epilogue inside, every element against float64."""
+    rng = np.random.default_rng(zlib.crc32(repr(("einsum", activation)).encode()))
+    x16 = jnp.asarray(_rand(rng, (3, 77, 136))).astype(jnp.bfloat16)
+    w16 = jnp.asarray(_rand(rng, (136, 4, 96), 1 / math.sqrt(136))).astype(jnp.bfloat16)
+    bias = jnp.asarray(_rand(rng, (4, 96)))
+    f = lambda x, w, c: jax_cute.einsum("btd,dhk->bthk", x, w, bias=c, activation=activation)  # noqa: E731
+    text = _compiled(f, x16, w16, bias)
+    assert text.count('custom_call_target="jax_cute_launch') == 1
+    _no_xla_epilogue(text)
+    got = jax.jit(f)(x16, w16, bias)
+    a = np.asarray(x16.astype(jnp.float32)).reshape(-1, 136)
+    b = np.asarray(w16.astype(jnp.float32)).reshape(136, -1)
+    want = reference(a, b, np.asarray(bias).reshape(-1), activation, 0.0)[0].reshape(got.shape)
+    assert_close(got, want, 1e-2, f"einsum {activation}")
+
+
+@pytest.mark.parametrize("activation", ["gelu", "silu"])
+def test_kernelize_fuses_a_models_epilogue(activation):
+    """A layer as a model writes it (bf16 product to f32, bias, jax.nn activation, cast to bf16)
+    through kernelize: the forward is one launch with the epilogue inside; forward and
+    gradients (forward with the pre-activation, two gradient GEMMs) against float64."""
+    m, k, n = 300, 136, 392
+    rng = np.random.default_rng(zlib.crc32(repr(("kernelize", activation)).encode()))
+    a16 = jnp.asarray(_rand(rng, (m, k))).astype(jnp.bfloat16)
+    b16 = jnp.asarray(_rand(rng, (k, n), 1 / math.sqrt(k))).astype(jnp.bfloat16)
+    bias = jnp.asarray(_rand(rng, (n,))).astype(jnp.bfloat16)
+    r16 = jnp.asarray(_rand(rng, (m, n))).astype(jnp.bfloat16)
+    act = getattr(jax.nn, activation)
+
+    def layer(x, w, c):
+        return act(jnp.dot(x, w, preferred_element_type=jnp.float32) + c.astype(jnp.float32)).astype(jnp.bfloat16)
+
+    f = jax_cute.kernelize(layer)
+    text = _compiled(f, a16, b16, bias)
+    assert text.count('custom_call_target="jax_cute_launch') == 1
+    _no_xla_epilogue(text)
+    assert [p.epilogue for p in f.report.products] == [f"bias + {activation}"]
+    a, b, c = (np.asarray(t.astype(jnp.float32)) for t in (a16, b16, bias))
+    y, da, db, dc = reference(a, b, c, activation, np.asarray(r16.astype(jnp.float32), np.float64))
+    assert_close(jax.jit(f)(a16, b16, bias), y, 1e-2, f"y {activation}")
+    loss = lambda x, w, c: jnp.sum(f(x, w, c).astype(jnp.float32) * r16.astype(jnp.float32))  # noqa: E731
+    grad = jax.grad(loss, argnums=(0, 1, 2))
+    assert _compiled(grad, a16, b16, bias).count('custom_call_target="jax_cute_launch') == 3
+    for g, w, name in zip(jax.jit(grad)(a16, b16, bias), (da, db, dc), ("da", "db", "dbias")):
+        assert_close(g, w, 3e-2, f"{name} {activation}")
+
+
 @pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("activation, with_bias", [("gelu", True), ("relu", True), ("silu", False),
                                                     ("gelu_exact", True)])

@@ -147,6 +147,58 @@ def test_pytrees_kwargs_and_static_leaves():
     assert_trees_close(got, want)
 
 
+# -- fused epilogues ----------------------------------------------------------------------------
+
+def _layers(x, w, b):
+    """One product per activation kernelize fuses, with the biases and casts models write."""
+    h = jnp.dot(x, w, preferred_element_type=jnp.float32) + b             # bias (N,): a broadcast_in_dim
+    h1 = jax.nn.gelu(h).astype(BF16)                                        # tanh gelu, cast fused
+    h2 = jax.nn.gelu(x @ w + jnp.reshape(b.astype(BF16), (1, -1)), approximate=False)  # Flax's (1, N) bias
+    h3 = jax.nn.silu(jnp.einsum("bk,kn->bn", x, w))
+    h4 = jax.nn.relu(x @ w)
+    return h1, h2, h3, h4
+
+
+def test_activations_after_a_product_are_fused():
+    x, w, b = _normal(0, (8, 16)), _normal(1, (16, 24), scale=0.25), _normal(2, (24,), jnp.float32)
+    k = jax_cute.kernelize(_layers)
+    got, want = jax.jit(k)(x, w, b), _layers(x, w, b)
+    assert_trees_close(got, want)
+    assert [g.dtype for g in got] == [w_.dtype for w_ in want]
+    assert [p.epilogue for p in k.report.products] == ["bias + gelu", "bias + gelu_exact", "silu", "relu"]
+    assert k.report.products[0].out_dtype == "bfloat16"  # the cast after gelu is the fused output dtype
+    jaxpr = str(jax.make_jaxpr(k)(x, w, b))
+    assert jaxpr.count("jax_cute_matmul_fused") == 4 and "tanh" not in jaxpr and "erf" not in jaxpr
+    # the (N,) bias is read from the array the model broadcast, not from the broadcast matrix
+    assert "bias_layout=((8,), (24,), (1,)):((0,), (1,), (0,))" in jaxpr.replace("\n", " ")
+    loss = lambda f: lambda x, w, b: sum(jnp.sum(jnp.square(h.astype(jnp.float32))) for h in f(x, w, b))  # noqa
+    assert_trees_close(jax.grad(loss(k), argnums=(0, 1, 2))(x, w, b), jax.grad(loss(_layers), argnums=(0, 1, 2))(x, w, b))
+
+
+def test_epilogues_used_elsewhere_or_hand_written_stay_unfused():
+    x, w = _normal(0, (8, 16)), _normal(1, (16, 24), scale=0.25)
+
+    def f(x, w):
+        z = x @ w
+        h = x @ w
+        return jax.nn.gelu(z), z, 0.5 * h * (1 + jnp.tanh(0.79788456 * (h + 0.044715 * h ** 3)))
+
+    k = jax_cute.kernelize(f)
+    assert_trees_close(k(x, w), f(x, w))
+    assert [p.epilogue for p in k.report.products] == ["", ""]  # z is also an output; h's gelu is hand-written
+    plain = jax_cute.kernelize(_layers, fuse_epilogues=False)
+    b = _normal(2, (24,), jnp.float32)
+    assert "jax_cute_matmul_fused" not in str(jax.make_jaxpr(plain)(x, w, b))
+
+
+def test_fused_epilogue_lowers_to_one_kernel_for_sm90a():
+    x, w, b = (jax.ShapeDtypeStruct(s, d) for s, d in (((256, 128), BF16), ((128, 256), BF16), ((256,), BF16)))
+    f = jax_cute.kernelize(lambda x, w, b: jax.nn.gelu(x @ w + b))
+    with jax_cute.config.override(target_arch="sm_90a"):
+        text = jax.jit(f).trace(x, w, b).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("stablehlo.custom_call @jax_cute_launch") == 1 and "tanh" not in text
+
+
 # -- models ------------------------------------------------------------------------------------
 
 def _scan_model(params, x):
@@ -171,7 +223,9 @@ def test_scan_over_layers_with_checkpoint():
     np.testing.assert_allclose(jax.jit(k)(params, x), _scan_model(params, x), rtol=1e-2)
     assert_trees_close(jax.jit(jax.grad(k))(params, x), jax.grad(_scan_model)(params, x))
     assert [p.where for p in k.report.products] == ["scan/remat2"] * 2
-    assert all(p.out_dtype == "float32" and p.dtypes == ("bfloat16", "bfloat16") for p in k.report.products)
+    assert all(p.dtypes == ("bfloat16", "bfloat16") for p in k.report.products)
+    # gelu and the cast after it are the first product's epilogue: it writes bf16 directly
+    assert [(p.out_dtype, p.epilogue) for p in k.report.products] == [("bfloat16", "gelu"), ("float32", "")]
 
 
 def _moe(params, x, top_k: int = 2):
@@ -324,7 +378,9 @@ def test_gpt_step_every_product_becomes_jax_cute():
     plain = jax.make_jaxpr(gpt.make_step(cfg, tx, kernelized=False))(*args)
     kern = jax.make_jaxpr(gpt.make_step(cfg, tx, kernelized=True))(*args)
     assert _count(kern, PRODUCTS) == 0
-    assert _count(kern, ("jax_cute_matmul",)) >= _count(plain, ("dot_general",)) > 10
+    # the MLP's gelu is fused into its first product (jax_cute_matmul_fused, a GEMM too)
+    assert _count(kern, ("jax_cute_matmul", "jax_cute_matmul_fused")) >= _count(plain, ("dot_general",)) > 10
+    assert _count(kern, ("jax_cute_matmul_fused",)) >= 1
 
 
 def test_gpt_mlp_lowers_for_sm90a_without_an_xla_dot():

@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 
 from jax_cute.layout import Layout, make_layout, row_major, stride_of
+from jax_cute.primitives.fused import (activated, check_activation, check_bias_broadcasts, check_float, check_swiglu,
+                                      epilogue_dtype)
 from jax_cute.primitives.gemm_layouts import GemmLayouts
 from jax_cute.primitives.matmul import bind_gemm, check_operand_dtypes
 from jax_cute.primitives.sharding import constrain
@@ -63,7 +65,7 @@ def contraction_layouts(lhs_shape: Sequence[int], rhs_shape: Sequence[int], cont
 
 
 def dot_general(lhs, rhs, dimension_numbers: DimensionNumbers, precision=None, preferred_element_type=None, *,
-                out_sharding=None):
+                out_sharding=None, bias=None, activation: str | None = None):
     """``jax.lax.dot_general`` with the same semantics and errors, as one jax_cute GEMM.
 
     Any number of contracting and batch dimensions, in any positions; the output is ordered
@@ -71,6 +73,11 @@ def dot_general(lhs, rhs, dimension_numbers: DimensionNumbers, precision=None, p
     buffers through layouts wherever each of M, N, K coalesces into a mode the kernel can
     address, and otherwise the smallest copy is made (logged; strict mode names it).
     ``out_sharding`` constrains the result's sharding, as ``lax.dot_general``'s does.
+
+    ``bias`` and ``activation`` fuse ``act(product + bias)`` into the GEMM's epilogue, as for
+    ``jax_cute.matmul``: the bias broadcasts against the product by numpy's rules (shaped like
+    the rhs free dimensions, it is one bias per output column, what the kernels read); swiglu
+    needs one rhs free dimension, holding [gate | up], and halves it.
     """
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
     # lax's own shape rule: the same trace-time errors for bad dimension numbers and dtypes
@@ -84,24 +91,31 @@ def dot_general(lhs, rhs, dimension_numbers: DimensionNumbers, precision=None, p
     layouts, shape = contraction_layouts(lhs.shape, rhs.shape, contracting, batch)
     assert shape == out.shape, (shape, out.shape)
     return constrain(bind_gemm("dot_general", lhs, rhs, layouts, preferred_element_type, precision,
-                               out_dtype=out.dtype), out_sharding)
+                               out_dtype=out.dtype, bias=bias, activation=activation), out_sharding)
 
 
-def einsum(subscripts: str, a, b, *, precision=None, preferred_element_type=None, out_sharding=None):
+def einsum(subscripts: str, a, b, *, precision=None, preferred_element_type=None, out_sharding=None, bias=None,
+           activation: str | None = None):
     """Two-operand ``jnp.einsum``, written as one GEMM whose output layout is the requested order.
 
     Indices in both operands and the output are batch modes, in both operands only contracted,
     in one operand and the output free. An index that appears in one operand only and not in the
     output is summed first. Repeated indices within one operand (diagonals) are not GEMMs: they
     run as ``jnp.einsum`` (logged). ``out_sharding`` constrains the result's sharding.
+
+    ``bias`` and ``activation`` fuse ``act(product + bias)`` into the GEMM's epilogue, as for
+    ``jax_cute.matmul``: the bias broadcasts against the result by numpy's rules; swiglu halves
+    the result's last index, which must be the second operand's only free index.
     """
     a, b = jnp.asarray(a), jnp.asarray(b)
     lhs, rhs, out = _parse(subscripts, a.ndim, b.ndim)
     if len(set(lhs)) != len(lhs) or len(set(rhs)) != len(rhs):
         logger.warning("jax_cute.einsum: %r repeats an index within an operand (a diagonal): "
                        "running jnp.einsum", subscripts)
-        return constrain(jnp.einsum(subscripts, a, b, precision=precision,
-                                    preferred_element_type=preferred_element_type), out_sharding)
+        z = jnp.einsum(subscripts, a, b, precision=precision, preferred_element_type=preferred_element_type)
+        if bias is not None or activation is not None:
+            z = _xla_epilogue("einsum", subscripts, a, b, z.dtype, bias, activation, precision)
+        return constrain(z, out_sharding)
     for name, idx, x in (("first", lhs, a), ("second", rhs, b)):
         lone = [i for i, c in enumerate(idx) if c not in out and c not in (rhs if x is a else lhs)]
         if lone:  # summed over before the product: a reduction, as jnp.einsum does
@@ -128,7 +142,8 @@ def einsum(subscripts: str, a, b, *, precision=None, preferred_element_type=None
     layouts, _ = contraction_layouts(
         a.shape, b.shape, ([lhs.index(c) for c in contract], [rhs.index(c) for c in contract]),
         ([lhs.index(c) for c in batch], [rhs.index(c) for c in batch]), [logical.index(c) for c in out])
-    return constrain(bind_gemm("einsum", a, b, layouts, preferred_element_type, precision), out_sharding)
+    return constrain(bind_gemm("einsum", a, b, layouts, preferred_element_type, precision, bias=bias,
+                               activation=activation), out_sharding)
 
 
 def _parse(subscripts: str, lhs_ndim: int, rhs_ndim: int) -> tuple[str, str, str]:
@@ -150,3 +165,18 @@ def _parse(subscripts: str, lhs_ndim: int, rhs_ndim: int) -> tuple[str, str, str
         return expanded[0], expanded[1], out.replace("...", ell)
     both = expanded[0] + expanded[1]
     return expanded[0], expanded[1], ell + "".join(sorted(c for c in set(both) if both.count(c) == 1 and c not in ell))
+
+
+def _xla_epilogue(op: str, subscripts: str, a, b, out_dtype, bias, activation, precision):
+    """``act(einsum + bias)`` in XLA, where no GEMM layout exists (diagonals), with the fused
+    path's checks and numerics: the product in float32 (or wider), rounded once."""
+    check_activation(op, activation)
+    bias = None if bias is None else jnp.asarray(bias)
+    check_float(op, out_dtype, bias)
+    z = jnp.einsum(subscripts, a, b, precision=precision, preferred_element_type=epilogue_dtype(out_dtype))
+    if activation == "swiglu":
+        check_swiglu(op, activation, z.shape[-1] if z.ndim else 1)
+    if bias is not None:
+        check_bias_broadcasts(op, bias.shape, z.shape)
+        z = z + bias.astype(z.dtype)
+    return activated(z, activation=activation, preact=False, out_dtype=out_dtype)[0]

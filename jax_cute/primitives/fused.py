@@ -45,7 +45,7 @@ from jax.interpreters import ad, batching, mlir
 
 from jax_cute import dispatch
 from jax_cute import layout as L
-from jax_cute.layout import Layout, make_layout, product
+from jax_cute.layout import Layout, product
 from jax_cute.primitives import sharding
 from jax_cute.primitives.gemm_layouts import GemmLayouts
 from jax_cute.primitives.ragged_layouts import batched_layout
@@ -270,37 +270,53 @@ def epilogue_tangents(outs: list, terms: list, *, activation, preact: bool, out_
 
 # -- public entry points --------------------------------------------------------------------------
 
-def matmul_epilogue(gemm, a, b, layouts: GemmLayouts, out_shape: tuple[int, ...], *, bias, activation,
-                    out_dtype, acc_dtype, precision=None):
-    """``act(a' @ b' + bias)`` for ``jax_cute.matmul``: ``a``, ``b`` already of one dtype,
-    ``layouts``/``out_shape`` from ``gemm_layouts.matmul_layouts``, ``gemm`` the GEMM primitive.
+def check_bias_broadcasts(op: str, bias_shape: tuple[int, ...], out_shape: tuple[int, ...]) -> None:
+    if len(bias_shape) > len(out_shape) or any(x not in (1, y) for x, y in zip(bias_shape[::-1], out_shape[::-1])):
+        raise ValueError(f"jax_cute.{op}: bias of shape {tuple(bias_shape)} does not broadcast to the product's "
+                         f"shape {tuple(out_shape)}")
 
-    ``bias`` has shape (N,) (broadcast over M and the batch) or ``out_shape`` (the
-    pre-activation product's shape; with swiglu its last axis is the full N)."""
-    check_activation("matmul", activation)
+
+def broadcast_bias_layout(op: str, bias_shape: tuple[int, ...], out_shape: tuple[int, ...],
+                          layouts: GemmLayouts) -> Layout:
+    """The layout that reads a bias of ``bias_shape``, broadcast against the pre-activation
+    product's shape ``out_shape`` by numpy's rules, at C's (M, N, L) coordinates: stride 0 along
+    every axis it is broadcast over, so nothing is materialized. C's buffer (``c_shape``) is
+    ``out_shape`` with unit axes inserted (``matmul``'s 1-D operands)."""
+    check_bias_broadcasts(op, bias_shape, out_shape)
+    own = L.row_major(bias_shape).stride
+    per_out = [0] * (len(out_shape) - len(bias_shape)) + [s if x > 1 else 0 for x, s in zip(bias_shape, own)]
+    wide = iter([(x, s) for x, s in zip(out_shape, per_out) if x > 1])
+    c_strides = [next(wide)[1] if x > 1 else 0 for x in layouts.c_shape]
+    lay = L.reindex(layouts.c, layouts.c_shape, c_strides)
+    assert lay is not None, (layouts.c, layouts.c_shape)  # C's sub-modes each index one output axis
+    return lay
+
+
+def epilogue_call(op: str, gemm, a, b, layouts: GemmLayouts, out_shape: tuple[int, ...], *, bias, activation,
+                  out_dtype, acc_dtype, precision=None):
+    """``act(a' @ b' + bias)`` for ``jax_cute.{op}``: ``a``, ``b`` already of one dtype, ``layouts``
+    the product's and ``out_shape`` its result's shape (with swiglu: the pre-activation's, whose
+    last axis, N, holds [gate | up]), ``gemm`` the GEMM primitive.
+
+    ``bias`` broadcasts against ``out_shape`` by numpy's rules: (N,) (one bias per column, what
+    the kernels read), the full shape, or anything between."""
+    check_activation(op, activation)
     out_dtype = np.dtype(out_dtype)
     bias = None if bias is None else jnp.asarray(bias)
-    check_float("matmul", out_dtype, bias)
-    m, n = (product(layouts.c.mode(i).shape) for i in (0, 1))
-    check_swiglu("matmul", activation, n)
-    c_shape = tuple(layouts.c_shape)
+    check_float(op, out_dtype, bias)
+    out_shape = tuple(out_shape)
+    if activation == "swiglu":
+        n_mode = layouts.c.mode(1).coalesce().flat_modes()
+        if not out_shape or n_mode not in (((out_shape[-1], 1),), ((1, 0),)) or layouts.c_shape[-1] != out_shape[-1]:
+            raise ValueError(f"jax_cute.{op}: swiglu needs the product's last axis to be its only N (rhs free) "
+                             f"axis, holding [gate | up]; the product's shape is {out_shape}")
+        check_swiglu(op, activation, out_shape[-1])
     bias_layout, args = None, [a, b]
     if bias is not None:
-        if bias.shape == (n,):
-            # stride 0 along M and every batch sub-mode: one row of bias for every output row
-            batch = L.flatten(layouts.c.mode(2).shape)
-            bias_layout = make_layout(Layout((m,), (0,)), Layout((n,), (L.stride_of(n, 1),)),
-                                      Layout(batch, (0,) * len(batch)))
-        elif bias.shape == tuple(out_shape):
-            bias, bias_layout = jnp.reshape(bias, c_shape), layouts.c
-        else:
-            raise ValueError(f"jax_cute.matmul: bias must have shape ({n},) or the product's shape "
-                             f"{tuple(out_shape)}, got {bias.shape}")
+        bias_layout = broadcast_bias_layout(op, tuple(bias.shape), out_shape, layouts)
         args.append(bias)
     y, = fused_p.bind(*args, gemm=gemm, layouts=layouts, bias_layout=bias_layout, activation=activation,
                       preact=False, out_dtype=out_dtype.name, acc_dtype=np.dtype(acc_dtype).name,
                       precision=precision)
-    shape = tuple(out_shape)
-    if activation == "swiglu":
-        shape = shape[:-1] + (shape[-1] // 2,)
+    shape = out_shape[:-1] + (out_shape[-1] // 2,) if activation == "swiglu" else out_shape
     return jnp.reshape(y, shape) if y.shape != shape else y

@@ -192,9 +192,12 @@ def check_operand_dtypes(op: str, a, b) -> None:
                             f"(shapes {a.shape}:{a.dtype}, {b.shape}:{b.dtype})")
 
 
-def bind_gemm(op: str, a, b, layouts: GemmLayouts, preferred_element_type, precision, out_dtype=None):
-    """Bind ``jax_cute_matmul`` with numpy-style dtype promotion (both operands cast to their
-    result type) and the output dtype ``preferred_element_type`` or ``out_dtype`` or that type."""
+def bind_gemm(op: str, a, b, layouts: GemmLayouts, preferred_element_type, precision, out_dtype=None, *,
+              out_shape: tuple[int, ...] | None = None, bias=None, activation: str | None = None):
+    """The product as ``jax_cute_matmul`` (or, with ``bias``/``activation``, the fused epilogue
+    primitive), with numpy-style dtype promotion (both operands cast to their result type) and
+    the output dtype ``preferred_element_type`` or ``out_dtype`` or that type; the result has
+    ``out_shape`` (default: C's buffer shape)."""
     check_operand_dtypes(op, a, b)
     dtype = jnp.result_type(a, b)
     a, b = a.astype(dtype), b.astype(dtype)
@@ -202,7 +205,12 @@ def bind_gemm(op: str, a, b, layouts: GemmLayouts, preferred_element_type, preci
     acc = _acc_dtype(np.dtype(dtype))
     if jnp.issubdtype(out, jnp.floating) and not jnp.issubdtype(acc, jnp.inexact):
         acc = np.dtype("float32")
-    return matmul_p.bind(a, b, layouts=layouts, out_dtype=out.name, acc_dtype=acc.name, precision=precision)
+    shape = tuple(layouts.c_shape) if out_shape is None else tuple(out_shape)
+    if bias is not None or activation is not None:
+        return fused.epilogue_call(op, matmul_p, a, b, layouts, shape, bias=bias, activation=activation,
+                                   out_dtype=out, acc_dtype=acc, precision=precision)
+    c = matmul_p.bind(a, b, layouts=layouts, out_dtype=out.name, acc_dtype=acc.name, precision=precision)
+    return jnp.reshape(c, shape) if c.shape != shape else c
 
 
 def matmul(a, b, *, transpose_a: bool = False, transpose_b: bool = False, precision=None,
@@ -223,9 +231,10 @@ def matmul(a, b, *, transpose_a: bool = False, transpose_b: bool = False, precis
 
     ``bias`` and ``activation`` fuse an epilogue: the result is ``act(a' @ b' + bias)``, computed
     in float32 on the accumulator and rounded once to the output dtype (``primitives/fused.py``).
-    ``bias`` has shape (N,) (broadcast over M and the batch) or the product's full shape;
-    ``activation`` is None, "relu", "gelu" (``jax.nn.gelu``, tanh form), "gelu_exact", "silu" or
-    "swiglu" (b's N columns are ``[gate | up]``; the result has N/2 columns, ``silu(gate) * up``).
+    ``bias`` broadcasts against the product by numpy's rules: (N,) (one per column, what the
+    kernels read), the product's full shape, or anything between. ``activation`` is None,
+    "relu", "gelu" (``jax.nn.gelu``, tanh form), "gelu_exact", "silu" or "swiglu" (b's N columns
+    are ``[gate | up]``; the result has N/2 columns, ``silu(gate) * up``).
     """
     a, b = jnp.asarray(a), jnp.asarray(b)
     if a.ndim == 0 or b.ndim == 0:
@@ -234,15 +243,5 @@ def matmul(a, b, *, transpose_a: bool = False, transpose_b: bool = False, precis
         raise ValueError(f"jax_cute.matmul: transpose_a/transpose_b need a 2-D or higher operand, got shapes "
                          f"{a.shape} and {b.shape}")
     layouts, out_shape = matmul_layouts(a.shape, b.shape, transpose_a, transpose_b)
-    if bias is not None or activation is not None:
-        check_operand_dtypes("matmul", a, b)
-        dtype = jnp.result_type(a, b)
-        out = np.dtype(preferred_element_type or dtype)
-        acc = _acc_dtype(np.dtype(dtype))
-        if jnp.issubdtype(out, jnp.floating) and not jnp.issubdtype(acc, jnp.inexact):
-            acc = np.dtype("float32")
-        c = fused.matmul_epilogue(matmul_p, a.astype(dtype), b.astype(dtype), layouts, out_shape, bias=bias,
-                                  activation=activation, out_dtype=out, acc_dtype=acc, precision=precision)
-        return sharding.constrain(c, out_sharding)
-    c = bind_gemm("matmul", a, b, layouts, preferred_element_type, precision)
-    return sharding.constrain(jnp.reshape(c, out_shape) if c.shape != out_shape else c, out_sharding)
+    return sharding.constrain(bind_gemm("matmul", a, b, layouts, preferred_element_type, precision,
+                                        out_shape=out_shape, bias=bias, activation=activation), out_sharding)

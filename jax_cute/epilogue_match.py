@@ -1,0 +1,197 @@
+"""Finding ``act(product + bias)`` in a jaxpr, so ``kernelize`` can fuse it into the GEMM.
+
+A product's result is fused with what follows it when, in program order of the jaxpr:
+
+- an optional ``add`` of the product and a *bias* (any array broadcasting to the product's shape,
+  e.g. Flax's ``(1, N)`` reshape of its bias); a bias made by ``broadcast_in_dim`` is read from
+  the array it broadcasts, so the kernel reads one row instead of a materialized matrix;
+- an *activation*: equations that are exactly what ``jax.nn.relu``, ``jax.nn.gelu`` (both forms)
+  or ``jax.nn.silu`` trace to for that shape and dtype in this JAX version (matched equation by
+  equation against the function's own trace, so a hand-written look-alike is left alone);
+- an optional ``convert_element_type`` to a 16-bit or 32-bit float, which becomes the fused
+  product's output dtype (one rounding instead of two);
+
+and no value inside the group is used outside it (each is computed once, in the epilogue). A
+product without an activation is left as it is: XLA already fuses a lone bias into the next pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections import defaultdict
+from typing import Any, Callable
+
+import jax
+import jax.extend as jex
+import jax.numpy as jnp
+import numpy as np
+
+Literal = jex.core.Literal
+
+# jax_cute's activation names and the jax.nn functions whose traces are matched
+ACTIVATION_FUNCTIONS: dict[str, Callable] = {
+    "relu": jax.nn.relu,
+    "gelu": functools.partial(jax.nn.gelu, approximate=True),
+    "gelu_exact": functools.partial(jax.nn.gelu, approximate=False),
+    "silu": jax.nn.silu,
+}
+_OUTPUT_DTYPES = {np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Epilogue:
+    """A product's fusable tail: the equations it replaces and what the fused call needs."""
+
+    activation: str
+    bias: Any                 # the bias's jaxpr var (or Literal), or None
+    bias_source: Any          # the smaller array ``bias`` broadcasts (via broadcast_in_dim), or None
+    bias_shape: tuple[int, ...] | None   # the shape to read ``bias_source`` as (numpy-broadcastable)
+    out: Any                  # the var the fused call's result is bound to
+    out_dtype: np.dtype
+    eqns: frozenset[int]      # indices of the replaced equations (the product's excluded)
+    last: int                 # index of the last of them: where the fused call is evaluated
+
+    def describe(self) -> str:
+        return ("bias + " if self.bias is not None else "") + self.activation
+
+
+def _uses(jaxpr) -> dict:
+    """var -> indices of the equations reading it (jaxpr outputs count as index -1)."""
+    uses: dict = defaultdict(list)
+    for i, eqn in enumerate(jaxpr.eqns):
+        for v in eqn.invars:
+            if not isinstance(v, Literal):
+                uses[v].append(i)
+    for v in jaxpr.outvars:
+        if not isinstance(v, Literal):
+            uses[v].append(-1)
+    return uses
+
+
+def _same_value(x, y) -> bool:
+    if isinstance(x, (jex.core.Jaxpr, jex.core.ClosedJaxpr)) or isinstance(y, (jex.core.Jaxpr, jex.core.ClosedJaxpr)):
+        return str(x) == str(y)
+    if callable(x) or callable(y) or hasattr(x, "f"):
+        # a custom_jvp's rule is a fresh wrapped function per trace: jax.nn.relu's is known by
+        # its primal body (a jit named relu around max(x, 0)), compared as the call_jaxpr
+        return True
+    if isinstance(x, tuple) and isinstance(y, tuple):
+        return len(x) == len(y) and all(_same_value(a, b) for a, b in zip(x, y))
+    try:
+        return bool(x == y) if not isinstance(x, np.ndarray) else np.array_equal(x, y)
+    except Exception:  # noqa: BLE001 - values of unknown types compare by their text
+        return str(x) == str(y)
+
+
+def _same_params(p: dict, q: dict) -> bool:
+    return p.keys() == q.keys() and all(_same_value(p[k], q[k]) for k in p)
+
+
+def _same_literal(x, y) -> bool:
+    return (isinstance(x, Literal) and isinstance(y, Literal) and np.dtype(x.aval.dtype) == np.dtype(y.aval.dtype)
+            and np.array_equal(np.asarray(x.val), np.asarray(y.val)))
+
+
+@functools.lru_cache(maxsize=256)
+def _reference(name: str, shape: tuple[int, ...], dtype: str):
+    """The jaxpr ``jax.nn``'s function traces to on (shape, dtype), or None if it captures constants."""
+    closed = jax.make_jaxpr(ACTIVATION_FUNCTIONS[name])(jax.ShapeDtypeStruct(shape, np.dtype(dtype)))
+    inner = getattr(closed, "jaxpr", closed)
+    return None if inner.constvars or len(inner.outvars) != 1 or not inner.eqns else inner
+
+
+def _match(ref, start, jaxpr, uses, taken: set) -> tuple[Any, list[int]] | None:
+    """Map the reference's equations onto ``jaxpr``'s, starting from ``start`` (the reference's
+    input). Returns (the var the reference's output maps to, the matched equation indices)."""
+    env = {ref.invars[0]: start}
+    matched: list[int] = []
+    for r in ref.eqns:
+        ins = [v if isinstance(v, Literal) else env.get(v) for v in r.invars]
+        if any(x is None for x in ins):
+            return None
+        anchor = next((x for x in ins if not isinstance(x, Literal)), None)
+        if anchor is None:
+            return None
+        found = None
+        for i in uses.get(anchor, ()):
+            if i < 0 or i in taken or i in matched:
+                continue
+            e = jaxpr.eqns[i]
+            if (e.primitive is r.primitive and len(e.invars) == len(ins) and len(e.outvars) == len(r.outvars)
+                    and all(_same_literal(x, y) if isinstance(x, Literal) else x is y for x, y in zip(ins, e.invars))
+                    and _same_params(e.params, r.params)):
+                found = i
+                break
+        if found is None:
+            return None
+        matched.append(found)
+        env.update(zip(r.outvars, jaxpr.eqns[found].outvars))
+    out = env.get(ref.outvars[0])
+    return None if out is None else (out, matched)
+
+
+def _only_used_by(var, allowed: set[int], uses) -> bool:
+    return all(i in allowed for i in uses.get(var, ()))
+
+
+def find_epilogues(jaxpr, products: dict[int, Any]) -> dict[int, Epilogue]:
+    """For each product equation index in ``products`` (index -> its output var), the fusable
+    tail after it, where there is one (see the module docstring)."""
+    uses = _uses(jaxpr)
+    producer = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
+    found: dict[int, Epilogue] = {}
+    taken: set[int] = set()
+    for p, out in products.items():
+        aval = out.aval
+        if not jnp.issubdtype(aval.dtype, jnp.floating):
+            continue
+        group: list[int] = []
+        cur, bias = out, None
+        add = uses.get(cur, [])
+        if len(add) == 1 and add[0] >= 0 and jaxpr.eqns[add[0]].primitive.name == "add":
+            e = jaxpr.eqns[add[0]]
+            other = e.invars[1] if e.invars[0] is cur else e.invars[0]
+            shape = tuple(getattr(other.aval, "shape", ()))
+            if (e.invars[0] is not e.invars[1] and tuple(e.outvars[0].aval.shape) == tuple(aval.shape)
+                    and len(shape) <= len(aval.shape) and jnp.issubdtype(other.aval.dtype, jnp.floating)
+                    and all(x in (1, y) for x, y in zip(shape[::-1], tuple(aval.shape)[::-1]))):
+                group.append(add[0])
+                bias, cur = other, e.outvars[0]
+        act = None
+        for name in ACTIVATION_FUNCTIONS:
+            ref = _reference(name, tuple(aval.shape), np.dtype(cur.aval.dtype).name)
+            hit = None if ref is None else _match(ref, cur, jaxpr, uses, taken | set(group))
+            if hit is not None:
+                act, (y, eqns) = name, hit
+                break
+        if act is None:
+            continue
+        group += eqns
+        inside = set(group)
+        internal = [out] + [v for i in group for v in jaxpr.eqns[i].outvars if v is not y]
+        if not all(_only_used_by(v, inside, uses) for v in internal):
+            continue
+        out_dtype = np.dtype(y.aval.dtype)
+        conv = uses.get(y, [])
+        if len(conv) == 1 and conv[0] >= 0:
+            e = jaxpr.eqns[conv[0]]
+            if e.primitive.name == "convert_element_type" and np.dtype(e.params["new_dtype"]) in _OUTPUT_DTYPES \
+                    and not e.params.get("weak_type", False):
+                group.append(conv[0])
+                y, out_dtype = e.outvars[0], np.dtype(e.params["new_dtype"])
+        source, source_shape = None, None
+        if bias is not None and not isinstance(bias, Literal) and bias in producer:
+            b = jaxpr.eqns[producer[bias]]
+            dims = tuple(b.params.get("broadcast_dimensions", ())) if b.primitive.name == "broadcast_in_dim" else None
+            if dims is not None and list(dims) == sorted(dims) and not isinstance(b.invars[0], Literal):
+                src_shape = tuple(b.invars[0].aval.shape)
+                full = tuple(b.outvars[0].aval.shape)
+                shape = [1] * len(full)
+                for d, n in zip(dims, src_shape):
+                    shape[d] = n
+                if all(shape[d] in (1, full[d]) for d in range(len(full))):
+                    source, source_shape = b.invars[0], tuple(shape)
+        taken |= set(group)
+        found[p] = Epilogue(act, bias, source, source_shape, y, out_dtype, frozenset(group), max(group))
+    return found
