@@ -13,6 +13,8 @@ A product's result is fused with what follows it when, in program order of the j
 
 and no value inside the group is used outside it (each is computed once, in the epilogue). A
 product without an activation is left as it is: XLA already fuses a lone bias into the next pass.
+A grouped product (``lax.ragged_dot``) takes the activation and the cast, not a bias (its bias
+is per group, which a model writes as a gather this matcher does not follow).
 """
 
 from __future__ import annotations
@@ -135,9 +137,10 @@ def _only_used_by(var, allowed: set[int], uses) -> bool:
     return all(i in allowed for i in uses.get(var, ()))
 
 
-def find_epilogues(jaxpr, products: dict[int, Any]) -> dict[int, Epilogue]:
+def find_epilogues(jaxpr, products: dict[int, Any], unbiased: frozenset[int] = frozenset()) -> dict[int, Epilogue]:
     """For each product equation index in ``products`` (index -> its output var), the fusable
-    tail after it, where there is one (see the module docstring)."""
+    tail after it, where there is one (see the module docstring); products in ``unbiased``
+    (grouped ones, whose bias is per group) take an activation only."""
     uses = _uses(jaxpr)
     producer = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
     found: dict[int, Epilogue] = {}
@@ -149,7 +152,7 @@ def find_epilogues(jaxpr, products: dict[int, Any]) -> dict[int, Epilogue]:
         group: list[int] = []
         cur, bias = out, None
         add = uses.get(cur, [])
-        if len(add) == 1 and add[0] >= 0 and jaxpr.eqns[add[0]].primitive.name == "add":
+        if p not in unbiased and len(add) == 1 and add[0] >= 0 and jaxpr.eqns[add[0]].primitive.name == "add":
             e = jaxpr.eqns[add[0]]
             other = e.invars[1] if e.invars[0] is cur else e.invars[0]
             shape = tuple(getattr(other.aval, "shape", ()))

@@ -10,7 +10,8 @@ caller's tracers (a jaxpr interpreter, like ``jax.core.eval_jaxpr``):
   call (``epilogue_match``);
 - ``ragged_dot_general`` becomes ``jax_cute.ragged_dot`` for ``lax.ragged_dot``'s dimension
   numbers, and a grouped GEMM over the same buffers for the two forms ``lax.ragged_dot``'s own
-  gradient produces;
+  gradient produces; an activation after ``lax.ragged_dot`` is fused into the grouped kernel
+  the same way (without a bias);
 - the bodies of ``jit``, ``scan``, ``while``, ``cond``, ``checkpoint``/``remat`` and calls are
   rewritten the same way and the higher-order primitive is bound again with them, so the
   result still composes with ``jit``, ``grad``, ``vmap``, ``scan`` and ``jax.export``;
@@ -275,8 +276,13 @@ class _Interpreter:
                 name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
                 with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
                     self._record(eqn, True, epilogue=ep)
-                    env[ep.out] = _dot(*(read(v) for v in eqn.invars), **{**eqn.params, "preferred_element_type":
-                                       ep.out_dtype}, bias=bias, activation=ep.activation)
+                    ins = [read(v) for v in eqn.invars]
+                    if eqn.primitive.name == "ragged_dot_general":
+                        env[ep.out] = ragged_dot(*ins[:2], ins[2].astype(jnp.int32), preferred_element_type=ep.out_dtype,
+                                                 activation=ep.activation)
+                    else:
+                        env[ep.out] = _dot(*ins, **{**eqn.params, "preferred_element_type": ep.out_dtype}, bias=bias,
+                                           activation=ep.activation)
                 continue
             invals = [read(v) for v in eqn.invars]
             name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
@@ -291,9 +297,16 @@ class _Interpreter:
         """The products of ``jaxpr`` (by equation index) to fuse with the epilogue after them."""
         if not self.fuse:
             return {}
-        products = {i: e.outvars[0] for i, e in enumerate(jaxpr.eqns)
-                    if e.primitive.name == "dot_general" and _refusal(e) is None}
-        return find_epilogues(jaxpr, products) if products else {}
+        products, grouped = {}, set()
+        for i, e in enumerate(jaxpr.eqns):
+            if e.primitive.name not in ("dot_general", "ragged_dot_general") or _refusal(e) is not None:
+                continue
+            if e.primitive.name == "ragged_dot_general":
+                if _ragged_form(e.params["ragged_dot_dimension_numbers"]) != _RAGGED_DOT:
+                    continue  # the gradient forms have no epilogue of their own
+                grouped.add(i)
+            products[i] = e.outvars[0]
+        return find_epilogues(jaxpr, products, frozenset(grouped)) if products else {}
 
     def _eqn(self, eqn, invals: list):
         name = eqn.primitive.name

@@ -432,3 +432,30 @@ def test_ragged_epilogue_gradients(activation):
                         np.asarray(r16.astype(jnp.float32), np.float64))[2:]
     for gv, wv, name in zip(got, want, ("dx", "dw", "dbias")):
         assert_close(gv, wv, 3e-2, f"{name} {activation}")
+
+
+@pytest.mark.parametrize("activation", ["gelu", "silu"])
+def test_kernelize_fuses_an_activation_after_ragged_dot(activation):
+    """An MoE expert layer as a model writes it (lax.ragged_dot to f32, a jax.nn activation, a
+    cast to bf16) through kernelize: one grouped launch with the activation inside; forward and
+    gradients against float64, empty groups and rows past the last group included."""
+    m, k, n, sizes = RAGGED[1]
+    rng = np.random.default_rng(zlib.crc32(repr(("kernelize ragged", activation)).encode()))
+    x16 = jnp.asarray(_rand(rng, (m, k))).astype(jnp.bfloat16)
+    w16 = jnp.asarray(_rand(rng, (len(sizes), k, n), 1 / math.sqrt(k))).astype(jnp.bfloat16)
+    r16 = jnp.asarray(_rand(rng, (m, n))).astype(jnp.bfloat16)
+    gs = jnp.asarray(sizes, jnp.int32)
+    act = getattr(jax.nn, activation)
+    f = jax_cute.kernelize(lambda x, w, gs: act(jax.lax.ragged_dot(x, w, gs, preferred_element_type=jnp.float32))
+                           .astype(jnp.bfloat16))
+    text = _compiled(f, x16, w16, gs)
+    assert text.count('custom_call_target="jax_cute_launch') == 1
+    _no_xla_epilogue(text)
+    assert [p.epilogue for p in f.report.products] == [activation]
+    x, w, r = (np.asarray(t.astype(jnp.float32)) for t in (x16, w16, r16))
+    y64, _, dx, dw, _ = _ragged_want(x, w, None, sizes, activation, r.astype(np.float64))
+    assert_close(jax.jit(f)(x16, w16, gs), y64, 1e-2, f"y {activation}")
+    loss = lambda x, w: jnp.sum(f(x, w, gs).astype(jnp.float32) * r16.astype(jnp.float32))  # noqa: E731
+    got = jax.jit(jax.grad(loss, argnums=(0, 1)))(x16, w16)
+    for g, want, name in zip(got, (dx, dw), ("dx", "dw")):
+        assert_close(g, want, 3e-2, f"{name} {activation}")

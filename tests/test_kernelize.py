@@ -254,6 +254,9 @@ def test_moe_with_ragged_dot_values_and_gradients():
     np.testing.assert_allclose(jax.jit(k)(params, x), loss(params, x), rtol=2e-2)
     kinds = [(p.primitive, p.kernelized) for p in k.report.products]
     assert kinds == [("dot_general", False), ("ragged_dot_general", True), ("ragged_dot_general", True)]
+    # the gelu after the first grouped product, and the cast after it, are its epilogue
+    assert [p.epilogue for p in k.report.products] == ["", "gelu", ""]
+    assert "jax_cute_ragged_fused" in str(jax.make_jaxpr(k)(params, x))
     want = jax.grad(loss, argnums=(0, 1))(params, x)
     assert_trees_close(jax.jit(jax.grad(k, argnums=(0, 1)))(params, x), want)
     # kernelize(grad): the gradient's products take the f32 cotangent and a bf16 operand, which
