@@ -1,6 +1,7 @@
 """Models suite: a GPT decoder's training step (examples/gpt_training.py), kernelized with
-jax_cute.kernelize against the same model on XLA, dense and with a mixture-of-experts
-feed-forward, bf16 with f32 master weights and AdamW."""
+jax_cute.kernelize against the same model on XLA (and kernelized without fusing the MLP's gelu
+into its first GEMM), dense and with a mixture-of-experts feed-forward, bf16 with f32 master
+weights and AdamW."""
 
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ def run(args: argparse.Namespace) -> list[dict]:
                 f"{cfg.batch}x{cfg.seq} tokens, vocab {cfg.vocab}")
         recs += measure("models", "e2e", case,
                         [Impl("jax_cute", gpt.make_step(cfg, tx, kernelized=True)),
-                         Impl("xla", gpt.make_step(cfg, tx, kernelized=False))],
+                         Impl("xla", gpt.make_step(cfg, tx, kernelized=False)),
+                         Impl("jax_cute_unfused", gpt.make_step(cfg, tx, kernelized=True, fuse_epilogues=False))],
                         lambda s: (params, opt_state, data[s % len(data)]), 0.0, rounds=rounds, check=False,
                         meta={"dtype": "bfloat16"})
     return recs

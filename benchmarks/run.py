@@ -179,6 +179,7 @@ SUITE_TITLE = {"models": "Models: jax_cute.kernelize", "matmul": "Dense GEMM: ja
                "ragged": "Grouped GEMM: jax_cute.ragged_dot",
                "launch": "Launch overhead", "fused": "Fused epilogues: bias and activation"}
 SUITE_LABELS = {"ragged": {"xla": "lax.ragged_dot"},   # what the "xla" rival is in that suite
+                "models": {"jax_cute_unfused": "jax_cute, gelu not fused"},
                 "fused": {"jax_cute": "jax_cute fused", "jax_cute_remat": "jax_cute fused, jax.checkpoint",
                           "jax_cute_unfused": "jax_cute + jnp epilogue",
                           "jax_cute_kernelize": "kernelize(XLA layer)"}}
@@ -193,7 +194,9 @@ SUITE_NOTE = {
     "models": "The training step of `examples/gpt_training.py` (embeddings, pre-norm blocks of causal attention "
               "through `jnp.einsum` and a GELU MLP or a top-2 mixture of experts on `lax.ragged_dot`, layers "
               "under `lax.scan` + `jax.checkpoint`, tied LM head, AdamW; bf16 products, f32 master weights): "
-              "*jax_cute* is `jax.value_and_grad(jax_cute.kernelize(loss))`, *XLA* the model as written.",
+              "*jax_cute* is `jax.value_and_grad(jax_cute.kernelize(loss))`, *XLA* the model as written; "
+              "*gelu not fused*: `kernelize(loss, fuse_epilogues=False)`, the MLP's (or the experts') gelu an "
+              "XLA pass after the GEMM.",
     "layouts": "XLA: the same `jnp.einsum` / `jnp.matmul` expression. Attention products read (B, T, H, D) "
                "activations and write their outputs in the einsum's order; the LM head has a 50257-word "
                "vocabulary (rows padded to 16 bytes inside the lowering); *vmap of batched* maps axis 1 of a "

@@ -157,10 +157,11 @@ def init_train_state(key: jax.Array, cfg: Config):
     return params, tx.init(params), tx
 
 
-def make_step(cfg: Config, tx: optax.GradientTransformation, kernelized: bool) -> Callable:
+def make_step(cfg: Config, tx: optax.GradientTransformation, kernelized: bool, fuse_epilogues: bool = True
+              ) -> Callable:
     loss = lambda params, tokens: loss_fn(params, tokens, cfg)  # noqa: E731
     if kernelized:
-        loss = jax_cute.kernelize(loss)
+        loss = jax_cute.kernelize(loss, fuse_epilogues=fuse_epilogues)
 
     @jax.jit
     def step(params, opt_state, tokens):
