@@ -2,6 +2,8 @@
 
 A product's result is fused with what follows it when, in program order of the jaxpr:
 
+- an optional ``transpose`` that the product's caller can absorb by swapping its operands
+  (``vmap`` of ``W @ x``, as Equinox's ``Linear`` is written, transposes ``W·Xᵀ``);
 - an optional ``add`` of the product and a *bias* (any array broadcasting to the product's shape,
   e.g. Flax's ``(1, N)`` reshape of its bias); a bias made by ``broadcast_in_dim`` is read from
   the array it broadcasts, so the kernel reads one row instead of a materialized matrix;
@@ -53,6 +55,7 @@ class Epilogue:
     out_dtype: np.dtype
     eqns: frozenset[int]      # indices of the replaced equations (the product's excluded)
     last: int                 # index of the last of them: where the fused call is evaluated
+    swap: bool = False        # a transpose of the product is in the group: swap the operands
 
     def describe(self) -> str:
         return ("bias + " if self.bias is not None else "") + self.activation
@@ -137,33 +140,42 @@ def _only_used_by(var, allowed: set[int], uses) -> bool:
     return all(i in allowed for i in uses.get(var, ()))
 
 
-def find_epilogues(jaxpr, products: dict[int, Any], unbiased: frozenset[int] = frozenset()) -> dict[int, Epilogue]:
+def find_epilogues(jaxpr, products: dict[int, Any], unbiased: frozenset[int] = frozenset(),
+                   swappable: Callable[[int, tuple[int, ...]], bool] = lambda p, perm: False) -> dict[int, Epilogue]:
     """For each product equation index in ``products`` (index -> its output var), the fusable
     tail after it, where there is one (see the module docstring); products in ``unbiased``
-    (grouped ones, whose bias is per group) take an activation only."""
+    (grouped ones, whose bias is per group) take an activation only. A ``transpose`` right after
+    product ``p`` joins the group where ``swappable(p, permutation)`` says the product can be
+    written with its operands swapped instead (``Epilogue.swap``: what ``vmap`` of ``W @ x``
+    produces)."""
     uses = _uses(jaxpr)
     producer = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
     found: dict[int, Epilogue] = {}
     taken: set[int] = set()
     for p, out in products.items():
-        aval = out.aval
-        if not jnp.issubdtype(aval.dtype, jnp.floating):
+        if not jnp.issubdtype(out.aval.dtype, jnp.floating):
             continue
         group: list[int] = []
-        cur, bias = out, None
+        cur, bias, swap = out, None, False
+        nxt = uses.get(cur, [])
+        if len(nxt) == 1 and nxt[0] >= 0 and jaxpr.eqns[nxt[0]].primitive.name == "transpose" \
+                and swappable(p, tuple(jaxpr.eqns[nxt[0]].params["permutation"])):
+            group.append(nxt[0])
+            cur, swap = jaxpr.eqns[nxt[0]].outvars[0], True
+        shape_now = tuple(cur.aval.shape)
         add = uses.get(cur, [])
         if p not in unbiased and len(add) == 1 and add[0] >= 0 and jaxpr.eqns[add[0]].primitive.name == "add":
             e = jaxpr.eqns[add[0]]
             other = e.invars[1] if e.invars[0] is cur else e.invars[0]
             shape = tuple(getattr(other.aval, "shape", ()))
-            if (e.invars[0] is not e.invars[1] and tuple(e.outvars[0].aval.shape) == tuple(aval.shape)
-                    and len(shape) <= len(aval.shape) and jnp.issubdtype(other.aval.dtype, jnp.floating)
-                    and all(x in (1, y) for x, y in zip(shape[::-1], tuple(aval.shape)[::-1]))):
+            if (e.invars[0] is not e.invars[1] and tuple(e.outvars[0].aval.shape) == shape_now
+                    and len(shape) <= len(shape_now) and jnp.issubdtype(other.aval.dtype, jnp.floating)
+                    and all(x in (1, y) for x, y in zip(shape[::-1], shape_now[::-1]))):
                 group.append(add[0])
                 bias, cur = other, e.outvars[0]
         act = None
         for name in ACTIVATION_FUNCTIONS:
-            ref = _reference(name, tuple(aval.shape), np.dtype(cur.aval.dtype).name)
+            ref = _reference(name, shape_now, np.dtype(cur.aval.dtype).name)
             hit = None if ref is None else _match(ref, cur, jaxpr, uses, taken | set(group))
             if hit is not None:
                 act, (y, eqns) = name, hit
@@ -196,5 +208,5 @@ def find_epilogues(jaxpr, products: dict[int, Any], unbiased: frozenset[int] = f
                 if all(shape[d] in (1, full[d]) for d in range(len(full))):
                     source, source_shape = b.invars[0], tuple(shape)
         taken |= set(group)
-        found[p] = Epilogue(act, bias, source, source_shape, y, out_dtype, frozenset(group), max(group))
+        found[p] = Epilogue(act, bias, source, source_shape, y, out_dtype, frozenset(group), max(group), swap)
     return found

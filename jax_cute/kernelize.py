@@ -180,6 +180,25 @@ def _ragged(lhs, rhs, group_sizes, *, ragged_dot_dimension_numbers, preferred_el
         out_dtype=np.dtype(out_aval.dtype).name, acc_dtype=np.dtype(acc).name)
 
 
+def _swapped(dims) -> tuple:
+    """dot_general's dimension numbers with the operands swapped."""
+    (lc, rc), (lb, rb) = _normal(dims)
+    return (rc, lc), (rb, lb)
+
+
+def _swappable(jaxpr, p: int, perm: tuple[int, ...]) -> bool:
+    """Whether ``transpose(dot_general(l, r), perm)`` is ``dot_general(r, l)``: ``perm`` keeps the
+    batch axes first and swaps the lhs free axes with the rhs free ones."""
+    eqn = jaxpr.eqns[p]
+    if eqn.primitive.name != "dot_general":
+        return False
+    (lc, rc), (lb, _) = _normal(eqn.params["dimension_numbers"])
+    nb = len(lb)
+    nl = eqn.invars[0].aval.ndim - nb - len(lc)
+    nr = eqn.invars[1].aval.ndim - nb - len(rc)
+    return tuple(perm) == tuple(range(nb)) + tuple(range(nb + nl, nb + nl + nr)) + tuple(range(nb, nb + nl))
+
+
 def _refusal(eqn) -> str | None:
     """Why the product ``eqn`` stays XLA's, or None to rewrite it."""
     p, avals = eqn.params, [v.aval for v in eqn.invars]
@@ -281,8 +300,10 @@ class _Interpreter:
                         env[ep.out] = ragged_dot(*ins[:2], ins[2].astype(jnp.int32), preferred_element_type=ep.out_dtype,
                                                  activation=ep.activation)
                     else:
-                        env[ep.out] = _dot(*ins, **{**eqn.params, "preferred_element_type": ep.out_dtype}, bias=bias,
-                                           activation=ep.activation)
+                        params = {**eqn.params, "preferred_element_type": ep.out_dtype}
+                        if ep.swap:
+                            ins, params["dimension_numbers"] = ins[::-1], _swapped(eqn.params["dimension_numbers"])
+                        env[ep.out] = _dot(*ins, **params, bias=bias, activation=ep.activation)
                 continue
             invals = [read(v) for v in eqn.invars]
             name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
@@ -306,7 +327,8 @@ class _Interpreter:
                     continue  # the gradient forms have no epilogue of their own
                 grouped.add(i)
             products[i] = e.outvars[0]
-        return find_epilogues(jaxpr, products, frozenset(grouped)) if products else {}
+        return find_epilogues(jaxpr, products, frozenset(grouped), functools.partial(_swappable, jaxpr)) \
+            if products else {}
 
     def _eqn(self, eqn, invals: list):
         name = eqn.primitive.name

@@ -106,3 +106,6 @@ def test_equinox_mlp():
     got = eqx.filter(eqx.filter_jit(eqx.filter_grad(k))(mlp, x), eqx.is_array)
     assert_trees_close(got, eqx.filter(eqx.filter_grad(loss)(mlp, x), eqx.is_array))
     assert len(k.report.products) == 3 and not k.report.left_to_xla
+    # vmap of Linear's W @ x transposes W·Xᵀ: the product is taken as X·Wᵀ, bias and gelu fused
+    assert [p.epilogue for p in k.report.products] == ["bias + gelu", "bias + gelu", ""]
+    assert [p.out_shape for p in k.report.products][:2] == [(16, 64), (16, 64)]

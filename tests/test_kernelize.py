@@ -191,6 +191,25 @@ def test_epilogues_used_elsewhere_or_hand_written_stay_unfused():
     assert "jax_cute_matmul_fused" not in str(jax.make_jaxpr(plain)(x, w, b))
 
 
+def test_a_transposed_product_is_fused_with_its_operands_swapped():
+    x, w, b = _normal(0, (8, 16)), _normal(1, (24, 16), scale=0.25), _normal(2, (24,))
+
+    def f(x, w, b):  # vmap of w @ x + b (Equinox's Linear) is transpose(w·xᵀ) + b
+        return jax.nn.silu(jax.vmap(lambda v: w @ v + b)(x))
+
+    def g(x, w, b):  # a transpose that moves the batch axis is not an operand swap: unfused
+        return jax.nn.silu(jnp.einsum("bik,bjk->bij", x.reshape(2, 4, 16), w.reshape(2, 12, 16))
+                           .transpose(1, 0, 2) + b[:12])
+
+    for fn, fused in ((f, "bias + silu"), (g, "")):
+        k = jax_cute.kernelize(fn)
+        assert_trees_close(jax.jit(k)(x, w, b), fn(x, w, b))
+        assert [p.epilogue for p in k.report.products] == [fused]
+    loss = lambda f: lambda *a: jnp.sum(jnp.square(f(*a).astype(jnp.float32)))  # noqa: E731
+    assert_trees_close(jax.grad(loss(jax_cute.kernelize(f)), argnums=(0, 1, 2))(x, w, b),
+                       jax.grad(loss(f), argnums=(0, 1, 2))(x, w, b))
+
+
 def test_fused_epilogue_lowers_to_one_kernel_for_sm90a():
     x, w, b = (jax.ShapeDtypeStruct(s, d) for s, d in (((256, 128), BF16), ((128, 256), BF16), ((256,), BF16)))
     f = jax_cute.kernelize(lambda x, w, b: jax.nn.gelu(x @ w + b))

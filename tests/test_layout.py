@@ -146,3 +146,16 @@ def test_restride_reads_the_same_elements_from_the_padded_buffer(shape, lay):
 def test_restride_refuses_a_sub_mode_spanning_axes():
     # one sub-mode of 35 elements covers both axes of a (5, 7) buffer: padding breaks it
     assert L.restride(L.Layout((35,), (1,)), (5, 7), (5, 8)) is None
+
+
+@pytest.mark.parametrize("bias_shape", [(7,), (5, 1), (1, 7), (), (3, 1, 7)])
+def test_reindex_reads_a_broadcast_buffer_through_stride_zero(bias_shape):
+    # C of a (3, 5, 7) product read at its (M, N, L) coordinates; a bias broadcast against it
+    shape = (3, 5, 7)
+    lay = L.Layout(((5,), (7,), (3,)), ((7,), (1,), (35,)))
+    bias = np.arange(max(1, int(np.prod(bias_shape))), dtype=np.float32).reshape(bias_shape)
+    own = L.row_major(bias_shape).stride
+    per_axis = [0] * (3 - len(bias_shape)) + [s if n > 1 else 0 for n, s in zip(bias_shape, own)]
+    moved = L.reindex(lay, shape, per_axis)
+    want = L.read(jnp.asarray(np.broadcast_to(bias, shape).copy()), lay)
+    np.testing.assert_array_equal(L.read(jnp.asarray(bias.reshape(-1)), moved), want)
