@@ -459,3 +459,20 @@ def test_kernelize_fuses_an_activation_after_ragged_dot(activation):
     got = jax.jit(jax.grad(loss, argnums=(0, 1)))(x16, w16)
     for g, want, name in zip(got, (dx, dw), ("dx", "dw")):
         assert_close(g, want, 3e-2, f"{name} {activation}")
+
+
+def test_kernelize_fuses_a_vmapped_linear_layer():
+    """vmap of ``w @ x + b`` then gelu (Equinox's Linear and MLP): the transposed product is
+    taken with its operands swapped, so one launch writes gelu(X·Wᵀ + b) in the batch's order."""
+    rng = np.random.default_rng(zlib.crc32(b"vmapped linear"))
+    x16 = jnp.asarray(_rand(rng, (300, 136))).astype(jnp.bfloat16)
+    w16 = jnp.asarray(_rand(rng, (392, 136), 1 / math.sqrt(136))).astype(jnp.bfloat16)
+    b16 = jnp.asarray(_rand(rng, (392,))).astype(jnp.bfloat16)
+    f = jax_cute.kernelize(lambda x, w, b: jax.vmap(lambda v: jax.nn.gelu(w @ v + b))(x))
+    text = _compiled(f, x16, w16, b16)
+    assert text.count('custom_call_target="jax_cute_launch') == 1
+    _no_xla_epilogue(text)
+    assert [p.epilogue for p in f.report.products] == ["bias + gelu"]
+    x, w, b = (np.asarray(t.astype(jnp.float32)) for t in (x16, w16, b16))
+    # bf16 result: the model's bf16 gelu and ours (f32, rounded once) differ by bf16 rounding
+    assert_close(jax.jit(f)(x16, w16, b16), reference(x, w.T, b, "gelu", 0.0)[0], 1e-2, "vmapped linear")
