@@ -54,8 +54,12 @@ class Epilogue:
     out: Any                  # the var the fused call's result is bound to
     out_dtype: np.dtype
     eqns: frozenset[int]      # indices of the replaced equations (the product's excluded)
-    last: int                 # index of the last of them: where the fused call is evaluated
     swap: bool = False        # a transpose of the product is in the group: swap the operands
+
+    @property
+    def last(self) -> int:
+        """Index of the last replaced equation: where the fused call is evaluated."""
+        return max(self.eqns)
 
     def describe(self) -> str:
         return ("bias + " if self.bias is not None else "") + self.activation
@@ -174,6 +178,8 @@ def find_epilogues(jaxpr, products: dict[int, Any], unbiased: frozenset[int] = f
                 group.append(add[0])
                 bias, cur = other, e.outvars[0]
         act = None
+        if not any(i >= 0 for i in uses.get(cur, ())):
+            continue   # nothing reads it: no activation to match (and no reference traced for its shape)
         for name in ACTIVATION_FUNCTIONS:
             ref = _reference(name, shape_now, np.dtype(cur.aval.dtype).name)
             hit = None if ref is None else _match(ref, cur, jaxpr, uses, taken | set(group))
@@ -208,5 +214,5 @@ def find_epilogues(jaxpr, products: dict[int, Any], unbiased: frozenset[int] = f
                 if all(shape[d] in (1, full[d]) for d in range(len(full))):
                     source, source_shape = b.invars[0], tuple(shape)
         taken |= set(group)
-        found[p] = Epilogue(act, bias, source, source_shape, y, out_dtype, frozenset(group), max(group), swap)
+        found[p] = Epilogue(act, bias, source, source_shape, y, out_dtype, frozenset(group), swap)
     return found

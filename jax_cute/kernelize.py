@@ -30,6 +30,7 @@ left to XLA raises :class:`jax_cute.FallbackError` when the function is traced.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -246,6 +247,14 @@ def _avals_match(a: Sequence, b: Sequence) -> bool:
     return len(a) == len(b) and all(key(x) == key(y) for x, y in zip(a, b))
 
 
+@contextlib.contextmanager
+def _context(eqn):
+    """The equation's own source location, name stack and context (e.g. its mesh) while it is bound."""
+    name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+    with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
+        yield
+
+
 class _Interpreter:
     def __init__(self, fuse: bool) -> None:
         self.products: list[Product] = []
@@ -292,8 +301,7 @@ class _Interpreter:
                 eqn, ep = jaxpr.eqns[p], fused[p]
                 bias = None if ep.bias is None else (
                     jnp.reshape(read(ep.bias_source), ep.bias_shape) if ep.bias_source is not None else read(ep.bias))
-                name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
-                with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
+                with _context(eqn):
                     self._record(eqn, True, epilogue=ep)
                     ins = [read(v) for v in eqn.invars]
                     if eqn.primitive.name == "ragged_dot_general":
@@ -306,8 +314,7 @@ class _Interpreter:
                         env[ep.out] = _dot(*ins, **params, bias=bias, activation=ep.activation)
                 continue
             invals = [read(v) for v in eqn.invars]
-            name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
-            with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
+            with _context(eqn):
                 outs = self._eqn(eqn, invals)
             outs = outs if eqn.primitive.multiple_results else [outs]
             for var, val in zip(eqn.outvars, outs, strict=True):

@@ -10,6 +10,7 @@ and the kernels' choice work exactly as for ``matmul``.
 
 from __future__ import annotations
 
+import functools
 import logging
 import string
 from typing import Sequence
@@ -18,8 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_cute.layout import Layout, make_layout, row_major, stride_of
-from jax_cute.primitives.fused import (activated, check_activation, check_bias_broadcasts, check_float, check_swiglu,
-                                      epilogue_dtype)
+from jax_cute.primitives.fused import activated, check_bias_broadcasts, check_swiglu, checked_options, epilogue_dtype
 from jax_cute.primitives.gemm_layouts import GemmLayouts
 from jax_cute.primitives.matmul import bind_gemm, check_operand_dtypes
 from jax_cute.primitives.sharding import constrain
@@ -112,10 +112,12 @@ def einsum(subscripts: str, a, b, *, precision=None, preferred_element_type=None
     if len(set(lhs)) != len(lhs) or len(set(rhs)) != len(rhs):
         logger.warning("jax_cute.einsum: %r repeats an index within an operand (a diagonal): "
                        "running jnp.einsum", subscripts)
-        z = jnp.einsum(subscripts, a, b, precision=precision, preferred_element_type=preferred_element_type)
-        if bias is not None or activation is not None:
-            z = _xla_epilogue("einsum", subscripts, a, b, z.dtype, bias, activation, precision)
-        return constrain(z, out_sharding)
+        plain = functools.partial(jnp.einsum, subscripts, precision=precision,
+                                  preferred_element_type=preferred_element_type)
+        if bias is None and activation is None:
+            return constrain(plain(a, b), out_sharding)
+        out_dtype = jax.eval_shape(plain, a, b).dtype
+        return constrain(_xla_epilogue("einsum", subscripts, a, b, out_dtype, bias, activation, precision), out_sharding)
     for name, idx, x in (("first", lhs, a), ("second", rhs, b)):
         lone = [i for i, c in enumerate(idx) if c not in out and c not in (rhs if x is a else lhs)]
         if lone:  # summed over before the product: a reduction, as jnp.einsum does
@@ -170,9 +172,7 @@ def _parse(subscripts: str, lhs_ndim: int, rhs_ndim: int) -> tuple[str, str, str
 def _xla_epilogue(op: str, subscripts: str, a, b, out_dtype, bias, activation, precision):
     """``act(einsum + bias)`` in XLA, where no GEMM layout exists (diagonals), with the fused
     path's checks and numerics: the product in float32 (or wider), rounded once."""
-    check_activation(op, activation)
-    bias = None if bias is None else jnp.asarray(bias)
-    check_float(op, out_dtype, bias)
+    bias = checked_options(op, out_dtype, bias, activation)
     z = jnp.einsum(subscripts, a, b, precision=precision, preferred_element_type=epilogue_dtype(out_dtype))
     if activation == "swiglu":
         check_swiglu(op, activation, z.shape[-1] if z.ndim else 1)

@@ -92,6 +92,15 @@ def check_float(op: str, out_dtype, bias) -> None:
         raise TypeError(f"jax_cute.{op}: bias must be a real floating array, got dtype {bias.dtype}")
 
 
+def checked_options(op: str, out_dtype, bias, activation):
+    """``bias`` as an array (or None), after the checks every fused entry point makes: a known
+    activation, and a real floating output dtype and bias."""
+    check_activation(op, activation)
+    bias = None if bias is None else jnp.asarray(bias)
+    check_float(op, np.dtype(out_dtype), bias)
+    return bias
+
+
 def check_swiglu(op: str, activation, n: int) -> None:
     if activation == "swiglu" and n % 2:
         raise ValueError(f"jax_cute.{op}: swiglu needs an even N (b's N holds [gate | up] halves), got N={n}")
@@ -300,10 +309,8 @@ def epilogue_call(op: str, gemm, a, b, layouts: GemmLayouts, out_shape: tuple[in
 
     ``bias`` broadcasts against ``out_shape`` by numpy's rules: (N,) (one bias per column, what
     the kernels read), the full shape, or anything between."""
-    check_activation(op, activation)
     out_dtype = np.dtype(out_dtype)
-    bias = None if bias is None else jnp.asarray(bias)
-    check_float(op, out_dtype, bias)
+    bias = checked_options(op, out_dtype, bias, activation)
     out_shape = tuple(out_shape)
     if activation == "swiglu":
         n_mode = layouts.c.mode(1).coalesce().flat_modes()

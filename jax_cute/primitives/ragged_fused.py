@@ -33,8 +33,8 @@ from jax.extend import core
 from jax.interpreters import ad, batching, mlir
 
 from jax_cute import dispatch
-from jax_cute.primitives.fused import (activated, check_activation, check_float, check_swiglu, epilogue_dtype,
-                                       epilogue_tangents, kernel_or_composed)
+from jax_cute.primitives.fused import (activated, check_swiglu, checked_options, epilogue_dtype, epilogue_tangents,
+                                       kernel_or_composed)
 from jax_cute.primitives.ragged_layouts import RaggedLayouts
 from jax_cute.primitives.ragged_reference import group_ends
 from jax_cute.primitives.ragged_reference import reference as gemm_reference
@@ -130,21 +130,21 @@ def _jvp(primals, tangents, *, gemm, layouts: RaggedLayouts, activation, preact,
 ad.primitive_jvps[ragged_fused_p] = _jvp
 
 
-def check_epilogue(rhs_shape: tuple[int, ...], out_dtype, bias, activation) -> None:
-    """Trace-time checks of ``ragged_dot``'s bias (G, N) and activation."""
-    check_activation("ragged_dot", activation)
-    check_float("ragged_dot", np.dtype(out_dtype), bias)
+def check_epilogue(rhs_shape: tuple[int, ...], out_dtype, bias, activation):
+    """``ragged_dot``'s bias (G, N) as an array (or None), after the trace-time checks of it and
+    the activation."""
+    bias = checked_options("ragged_dot", out_dtype, bias, activation)
     g, _, n = rhs_shape
     check_swiglu("ragged_dot", activation, n)
     if bias is not None and tuple(bias.shape) != (g, n):
         raise ValueError(f"jax_cute.ragged_dot: bias must have shape (G, N) = ({g}, {n}), got {tuple(bias.shape)}")
+    return bias
 
 
 def ragged_epilogue(gemm, lhs, rhs, group_sizes, layouts: RaggedLayouts, *, bias, activation, out_dtype, acc_dtype):
     """``act(lhs[m] @ rhs[g] + bias[g])`` for ``jax_cute.ragged_dot``: operands of one dtype,
     int32 ``group_sizes``, ``layouts`` from ``ragged_dot_layouts``, ``gemm`` its primitive."""
-    bias = None if bias is None else jnp.asarray(bias)
-    check_epilogue(rhs.shape, out_dtype, bias, activation)
+    bias = check_epilogue(rhs.shape, out_dtype, bias, activation)
     args = (lhs, rhs, group_sizes) + (() if bias is None else (bias,))
     y, = ragged_fused_p.bind(*args, gemm=gemm, layouts=layouts, activation=activation, preact=False,
                              out_dtype=np.dtype(out_dtype).name, acc_dtype=np.dtype(acc_dtype).name)
