@@ -413,8 +413,11 @@ def grouped_fused(a_aval, b_aval, gs_aval, *bias_aval, layouts: RaggedLayouts, a
     if isinstance(flat, str):
         _epilogue_in_xla(flat, what, "ragged_dot")
         return None
-    if layouts.mode != RAGGED_M or flat.l != 1:
-        _epilogue_in_xla("kernels fuse the epilogue of an unbatched ragged_m product", what, "ragged_dot")
+    if layouts.mode != RAGGED_M:
+        _epilogue_in_xla("kernels fuse the epilogue of a ragged_m product", what, "ragged_dot")
+        return None
+    if flat.l != 1 and (bias_aval or activation in kernel_epilogue.GATED):
+        _epilogue_in_xla("a batch of groups takes a fused activation without a bias, not gated", what, "ragged_dot")
         return None
     c_shape = tuple(layouts.c_shape)
     outs = {"c": (c_shape, None)}

@@ -224,6 +224,34 @@ def test_ragged_vmap_and_grad():
             _close(g[i], w)
 
 
+@pytest.mark.parametrize("activation", ("gelu", "silu", "swiglu"))
+@pytest.mark.parametrize("axes", [(0, None, None), (0, 0, None), (None, 0, 0), (1, 2, 0)])
+def test_ragged_vmap_without_bias_stays_one_primitive(activation, axes):
+    """Without a bias, a vmapped axis becomes a batch mode of the fused primitive (the epilogue
+    stays with the product, where the kernel runs it), whichever operands it maps over,
+    group sizes included; values and gradients equal the unfused expression per batch."""
+    shapes = {0: (3, 12, 6), None: (12, 6), 1: (12, 3, 6)}
+    lhs = _data(shapes[axes[0]])[0]
+    rhs = _data((4, 6, 8) if axes[1] is None else (4, 6, 3, 8) if axes[1] == 2 else (3, 4, 6, 8), seed=1)[0]
+    gs = GROUPS if axes[2] is None else jnp.array([[3, 0, 5, 2], [0, 12, 0, 0], [1, 1, 1, 1]], jnp.int32)
+    f = lambda x, w, g: jax_cute.ragged_dot(x, w, g, activation=activation)  # noqa: E731
+    vf = jax.vmap(f, in_axes=axes)
+    eqns = jax.make_jaxpr(vf)(lhs, rhs, gs).eqns
+    assert [e.primitive.name for e in eqns if e.primitive.name.startswith("jax_cute")] == ["jax_cute_ragged_fused"]
+    take = lambda x, ax, i: x if ax is None else jnp.take(x, i, axis=ax)  # noqa: E731
+    got = jax.jit(vf)(lhs, rhs, gs)
+    loss = lambda x, w: jnp.sum(jnp.sin(vf(x, w, gs)))  # noqa: E731
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1)))(lhs, rhs)
+    want_grads = jax.grad(lambda x, w: sum(jnp.sum(jnp.sin(_ragged_ref(take(x, axes[0], i), take(w, axes[1], i),
+                                                                         take(gs, axes[2], i), None, activation)))
+                                           for i in range(3)), argnums=(0, 1))(lhs, rhs)
+    for i in range(3):
+        _close(got[i], _ragged_ref(take(lhs, axes[0], i), take(rhs, axes[1], i), take(gs, axes[2], i), None,
+                                   activation))
+    for g, w in zip(grads, want_grads):
+        _close(g, w)
+
+
 # -- dot_general and einsum ---------------------------------------------------------------------
 
 PROJ = (((2,), (0,)), ((), ()))  # x (B, T, D) . w (D, H, K) -> (B, T, H, K): two rhs free dims

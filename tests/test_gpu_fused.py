@@ -434,6 +434,41 @@ def test_ragged_epilogue_gradients(activation):
         assert_close(gv, wv, 3e-2, f"{name} {activation}")
 
 
+@pytest.mark.parametrize("activation", ["gelu", "silu", "relu"])
+def test_ragged_epilogue_under_vmap(activation):
+    """vmap of ragged_dot with an activation and no bias, the group sizes mapped too: one
+    grouped launch runs the batch with the activation in its epilogue; under grad three. Each
+    batch's y, dx and its share of dw against float64."""
+    m, k, n = 300, 136, 384
+    sizes = [(100, 0, 150, 30), (0, 300, 0, 0), (1, 1, 297, 1)]
+    rng = np.random.default_rng(zlib.crc32(repr(("ragged-vmap", activation)).encode()))
+    x16 = jnp.asarray(_rand(rng, (3, m, k))).astype(jnp.bfloat16)
+    w16 = jnp.asarray(_rand(rng, (4, k, n), 1 / math.sqrt(k))).astype(jnp.bfloat16)
+    r16 = jnp.asarray(_rand(rng, (3, m, n))).astype(jnp.bfloat16)
+    gs = jnp.asarray(sizes, jnp.int32)
+    f = jax.vmap(lambda x, w, g: jax_cute.ragged_dot(x, w, g, activation=activation), in_axes=(0, None, 0))
+
+    def loss(x, w):
+        return jnp.sum(f(x, w, gs).astype(jnp.float32) * r16.astype(jnp.float32))
+
+    text = _compiled(lambda x, w: f(x, w, gs), x16, w16)
+    assert text.count('custom_call_target="jax_cute_launch') == 1
+    _no_xla_epilogue(text)
+    grad = jax.grad(loss, argnums=(0, 1))
+    assert _compiled(grad, x16, w16).count('custom_call_target="jax_cute_launch') == 3
+    y = jax.jit(lambda x, w: f(x, w, gs))(x16, w16)
+    dx, dw = jax.jit(grad)(x16, w16)
+    x, w = np.asarray(x16.astype(jnp.float32)), np.asarray(w16.astype(jnp.float32))
+    r = np.asarray(r16.astype(jnp.float32), np.float64)
+    dw_want = np.zeros(w.shape)
+    for i in range(3):
+        y64, _, dx64, dw64, _ = _ragged_want(x[i], w, None, sizes[i], activation, r[i])
+        assert_close(y[i], y64, 1e-2, f"y[{i}] {activation}")
+        assert_close(dx[i], dx64, 3e-2, f"dx[{i}] {activation}")
+        dw_want += dw64
+    assert_close(dw, dw_want, 3e-2, f"dw {activation}")
+
+
 @pytest.mark.parametrize("activation", ["gelu", "silu"])
 def test_kernelize_fuses_an_activation_after_ragged_dot(activation):
     """An MoE expert layer as a model writes it (lax.ragged_dot to f32, a jax.nn activation, a

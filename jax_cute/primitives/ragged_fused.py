@@ -11,8 +11,9 @@ activation maps their zeros to zero. One place for each rule, as in ``fused.py``
   output, then the epilogue in XLA (``composed``);
 - CUDA: ``dispatch.grouped_fused``'s kernel on one shard (bias row per tile's group, activation,
   ``z`` stored clipped at group ends like y); otherwise ``composed``, logged at INFO;
-- batching: ``composed`` under ``vmap``: the grouped GEMM's own rule composes the layouts, and
-  the epilogue runs in XLA (no fused kernel takes a batch of groups);
+- batching: without a bias, a vmapped axis becomes an L sub-mode of the operands (the grouped
+  GEMM's layouts, composed as its own rule does) and the fused kernel runs the batch with its
+  epilogue; with a bias, ``composed`` under ``vmap`` (the kernels read one (G, N) bias), logged;
 - autodiff: the JVP binds the primitive with ``preact=True``, so the forward kernel also writes
   ``z`` as the residual; the tangent is ``act'(z) * (dA·B + A·dB + dbias[g])`` (the grouped GEMM
   primitive's transposes give the gradient GEMMs, the bias rows' transpose a per-group sum).
@@ -35,7 +36,7 @@ from jax.interpreters import ad, batching, mlir
 from jax_cute import dispatch
 from jax_cute.primitives.fused import (activated, check_swiglu, checked_options, epilogue_dtype, epilogue_tangents,
                                        kernel_or_composed)
-from jax_cute.primitives.ragged_layouts import RaggedLayouts
+from jax_cute.primitives.ragged_layouts import RaggedLayouts, batched
 from jax_cute.primitives.ragged_reference import group_ends
 from jax_cute.primitives.ragged_reference import reference as gemm_reference
 
@@ -47,12 +48,13 @@ ragged_fused_p.multiple_results = True
 
 def _abstract_eval(a, b, gs, *bias, gemm, layouts: RaggedLayouts, activation, preact, out_dtype, acc_dtype):
     del gemm, acc_dtype
-    m, n = layouts.c_shape
-    if bias and tuple(bias[0].shape) != (layouts.extents()["g"], n):
-        raise ValueError(f"jax_cute_ragged_fused: bias {bias[0].shape} is not (G, N)")
-    out = [jax.core.ShapedArray((m, n // 2 if activation == "swiglu" else n), np.dtype(out_dtype))]
+    c_shape = tuple(layouts.c_shape)   # (M, N), with vmapped batch axes in front
+    n = c_shape[-1]
+    if bias and (len(c_shape) != 2 or tuple(bias[0].shape) != (layouts.extents()["g"], n)):
+        raise ValueError(f"jax_cute_ragged_fused: bias {bias[0].shape} is not (G, N) of an unbatched product")
+    out = [jax.core.ShapedArray(c_shape[:-1] + (n // 2 if activation == "swiglu" else n,), np.dtype(out_dtype))]
     if preact:
-        out.append(jax.core.ShapedArray((m, n), np.dtype(out_dtype)))
+        out.append(jax.core.ShapedArray(c_shape, np.dtype(out_dtype)))
     return out
 
 
@@ -101,9 +103,14 @@ mlir.register_lowering(ragged_fused_p, kernel_or_composed(dispatch.grouped_fused
                        platform="cuda")
 
 
-def _batch_rule(args, dims, **params):
-    logger.info("jax_cute.ragged_dot: under vmap the grouped kernel runs with its epilogue in XLA")
-    outs = jax.vmap(functools.partial(composed, **params), in_axes=tuple(dims))(*args)
+def _batch_rule(args, dims, *, layouts: RaggedLayouts, **params):
+    if len(args) == 3:   # no bias: the batch is an L sub-mode, the epilogue stays in the kernel
+        size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
+        new = batched(layouts, [x.shape for x in args], dims, size)
+        outs = ragged_fused_p.bind(*args, layouts=new, **params)
+        return outs, [0] * len(outs)
+    logger.info("jax_cute.ragged_dot: under vmap a biased product runs the grouped kernel with its epilogue in XLA")
+    outs = jax.vmap(functools.partial(composed, layouts=layouts, **params), in_axes=tuple(dims))(*args)
     return outs, [0] * len(outs)
 
 
