@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from typing import Callable
 
 import jax
@@ -416,10 +417,19 @@ def grouped_fused(a_aval, b_aval, gs_aval, *bias_aval, layouts: RaggedLayouts, a
     if layouts.mode != RAGGED_M:
         _epilogue_in_xla("kernels fuse the epilogue of a ragged_m product", what, "ragged_dot")
         return None
-    if flat.l != 1 and (bias_aval or activation in kernel_epilogue.GATED):
-        _epilogue_in_xla("a batch of groups takes a fused activation without a bias, not gated", what, "ragged_dot")
-        return None
     c_shape = tuple(layouts.c_shape)
+    if flat.l != 1 and activation in kernel_epilogue.GATED:
+        _epilogue_in_xla("a gated activation takes one batch of groups (the paired N spends three TMA "
+                         "dimensions)", what, "ragged_dot")
+        return None
+    bias_batches = 1   # the kernel's bias (N, G, L or 1): one per batch, or one for all
+    if bias_aval:
+        lead = tuple(bias_aval[0].shape[:-2])
+        if any(x != 1 for x in lead):
+            if lead != c_shape[:-2] or math.prod(lead) != flat.l:
+                _epilogue_in_xla("a bias shared by some vmapped axes but not all", what, "ragged_dot")
+                return None
+            bias_batches = flat.l
     outs = {"c": (c_shape, None)}
     if activation in kernel_epilogue.GATED:
         glu_c = _gated_output(flat, c_shape, c_shape, fam.GATED_COLUMNS)
@@ -437,8 +447,9 @@ def grouped_fused(a_aval, b_aval, gs_aval, *bias_aval, layouts: RaggedLayouts, a
     arch, binary, workspaces = picked
 
     def impl(a, b, gs, *bias_buf):
-        # bias (G, N) row-major, read as (N, G)
-        extra = {"bias": (bias_buf[0].astype(jnp.float32), (e["n"], e["g"]), (1, e["n"]))} if bias_buf else None
+        # bias (..., G, N) row-major, read as (N, G, L or 1)
+        extra = {"bias": (bias_buf[0].astype(jnp.float32), (e["n"], e["g"], bias_batches),
+                          (1, e["n"], e["g"] * e["n"]))} if bias_buf else None
         got = _launch_grouped(a, b, gs, flat, binary, workspaces, outs, dts[2], extra)
         return got * 2 if preact and not two_outputs else got
 

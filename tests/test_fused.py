@@ -225,30 +225,50 @@ def test_ragged_vmap_and_grad():
 
 
 @pytest.mark.parametrize("activation", ("gelu", "silu", "swiglu"))
-@pytest.mark.parametrize("axes", [(0, None, None), (0, 0, None), (None, 0, 0), (1, 2, 0)])
-def test_ragged_vmap_without_bias_stays_one_primitive(activation, axes):
-    """Without a bias, a vmapped axis becomes a batch mode of the fused primitive (the epilogue
-    stays with the product, where the kernel runs it), whichever operands it maps over,
-    group sizes included; values and gradients equal the unfused expression per batch."""
+@pytest.mark.parametrize("axes", [(0, None, None, None), (0, 0, None, 0), (None, 0, 0, None), (1, 2, 0, 1),
+                                  (0, None, 0, "none")])
+def test_ragged_vmap_stays_one_primitive(activation, axes):
+    """A vmapped axis becomes a batch mode of the fused primitive (the epilogue stays with the
+    product, where the kernel runs it), whichever operands it maps over, group sizes and bias
+    included; values and gradients equal the unfused expression per batch."""
     shapes = {0: (3, 12, 6), None: (12, 6), 1: (12, 3, 6)}
     lhs = _data(shapes[axes[0]])[0]
     rhs = _data((4, 6, 8) if axes[1] is None else (4, 6, 3, 8) if axes[1] == 2 else (3, 4, 6, 8), seed=1)[0]
     gs = GROUPS if axes[2] is None else jnp.array([[3, 0, 5, 2], [0, 12, 0, 0], [1, 1, 1, 1]], jnp.int32)
-    f = lambda x, w, g: jax_cute.ragged_dot(x, w, g, activation=activation)  # noqa: E731
-    vf = jax.vmap(f, in_axes=axes)
-    eqns = jax.make_jaxpr(vf)(lhs, rhs, gs).eqns
+    bias_ax = None if axes[3] == "none" else axes[3]
+    bias = None if axes[3] == "none" else _data({None: (4, 8), 0: (3, 4, 8), 1: (4, 3, 8)}[bias_ax], seed=2)[0]
+    f = lambda x, w, g, c: jax_cute.ragged_dot(x, w, g, bias=c, activation=activation)  # noqa: E731
+    vf = jax.vmap(f, in_axes=axes[:3] + (bias_ax,))
+    eqns = jax.make_jaxpr(vf)(lhs, rhs, gs, bias).eqns
     assert [e.primitive.name for e in eqns if e.primitive.name.startswith("jax_cute")] == ["jax_cute_ragged_fused"]
-    take = lambda x, ax, i: x if ax is None else jnp.take(x, i, axis=ax)  # noqa: E731
-    got = jax.jit(vf)(lhs, rhs, gs)
-    loss = lambda x, w: jnp.sum(jnp.sin(vf(x, w, gs)))  # noqa: E731
-    grads = jax.jit(jax.grad(loss, argnums=(0, 1)))(lhs, rhs)
-    want_grads = jax.grad(lambda x, w: sum(jnp.sum(jnp.sin(_ragged_ref(take(x, axes[0], i), take(w, axes[1], i),
-                                                                         take(gs, axes[2], i), None, activation)))
-                                           for i in range(3)), argnums=(0, 1))(lhs, rhs)
+    take = lambda x, ax, i: x if ax is None or x is None else jnp.take(x, i, axis=ax)  # noqa: E731
+    got = jax.jit(vf)(lhs, rhs, gs, bias)
+    loss = lambda x, w, c: jnp.sum(jnp.sin(vf(x, w, gs, c)))  # noqa: E731
+    want_loss = lambda x, w, c: sum(  # noqa: E731
+        jnp.sum(jnp.sin(_ragged_ref(take(x, axes[0], i), take(w, axes[1], i), take(gs, axes[2], i),
+                                    take(c, bias_ax, i), activation))) for i in range(3))
+    argnums = (0, 1) if bias is None else (0, 1, 2)
+    grads = jax.jit(jax.grad(loss, argnums=argnums))(lhs, rhs, bias)
     for i in range(3):
-        _close(got[i], _ragged_ref(take(lhs, axes[0], i), take(rhs, axes[1], i), take(gs, axes[2], i), None,
-                                   activation))
-    for g, w in zip(grads, want_grads):
+        _close(got[i], _ragged_ref(take(lhs, axes[0], i), take(rhs, axes[1], i), take(gs, axes[2], i),
+                                   take(bias, bias_ax, i), activation))
+    for g, w in zip(grads, jax.grad(want_loss, argnums=argnums)(lhs, rhs, bias)):
+        _close(g, w)
+
+
+def test_ragged_nested_vmap_with_bias():
+    """Two vmapped axes, the bias mapped over the outer one only (extent 1 over the inner)."""
+    lhs, rhs, bias = _data((2, 3, 12, 6), (4, 6, 8), (2, 4, 8))
+    f = lambda x, c: jax_cute.ragged_dot(x, rhs, GROUPS, bias=c, activation="gelu")  # noqa: E731
+    vf = jax.vmap(jax.vmap(f, in_axes=(0, None)))
+    got = jax.jit(vf)(lhs, bias)
+    for i in range(2):
+        for j in range(3):
+            _close(got[i, j], _ragged_ref(lhs[i, j], rhs, GROUPS, bias[i], "gelu"))
+    grads = jax.jit(jax.grad(lambda x, c: jnp.sum(jnp.sin(vf(x, c))), argnums=(0, 1)))(lhs, bias)
+    want = jax.grad(lambda x, c: sum(jnp.sum(jnp.sin(_ragged_ref(x[i, j], rhs, GROUPS, c[i], "gelu")))
+                                     for i in range(2) for j in range(3)), argnums=(0, 1))(lhs, bias)
+    for g, w in zip(grads, want):
         _close(g, w)
 
 

@@ -301,9 +301,9 @@ def test_grouped_lowering_is_one_kernel(activation, caplog):
 
 @pytest.mark.parametrize("activation", ["gelu", "silu"])
 def test_grouped_vmap_is_one_kernel(activation, caplog):
-    """vmap of ragged_dot with an activation and no bias: the grouped kernel runs the batch with
-    the activation in its epilogue (one launch, no XLA epilogue); under grad three launches.
-    With a bias (the kernels read one (G, N) bias) the epilogue runs in XLA, logged."""
+    """vmap of ragged_dot with an activation: the grouped kernel runs the batch with the
+    activation in its epilogue (one launch, no XLA epilogue); under grad three launches. A bias
+    per batch, or one shared by every batch, is read by the kernel too."""
     gs = jnp.array([[100, 0, 150, 30], [0, 300, 0, 0]], jnp.int32)
     f = jax.vmap(lambda x, w, g: jax_cute.ragged_dot(x, w, g, activation=activation), in_axes=(0, None, 0))
     with caplog.at_level(logging.INFO, logger="jax_cute"):
@@ -317,12 +317,15 @@ def test_grouped_vmap_is_one_kernel(activation, caplog):
     assert any(f".{activation}" in r.getMessage() and "L=2" in r.getMessage() for r in caplog.records)
     assert not any("epilogue in XLA" in r.getMessage() for r in caplog.records)
 
-    caplog.clear()
-    fb = jax.vmap(lambda x, w, c: jax_cute.ragged_dot(x, w, gs[0], bias=c, activation=activation),
-                  in_axes=(0, None, 0))
-    with caplog.at_level(logging.INFO, logger="jax_cute"):
-        lowered(fb, (2, 300, 256), (4, 256, 640), (2, 4, 640))
-    assert any("biased product" in r.getMessage() for r in caplog.records)
+    for bias_axis in (0, None):
+        caplog.clear()
+        fb = jax.vmap(lambda x, w, c: jax_cute.ragged_dot(x, w, gs[0], bias=c, activation=activation),
+                      in_axes=(0, None, bias_axis))
+        with caplog.at_level(logging.INFO, logger="jax_cute"):
+            text = lowered(fb, (2, 300, 256), (4, 256, 640), (2, 4, 640) if bias_axis == 0 else (4, 640))
+        assert text.count("stablehlo.custom_call @jax_cute_launch") == 1
+        assert any(f".bias.{activation}" in r.getMessage() and "L=2" in r.getMessage() for r in caplog.records)
+        assert not any("epilogue in XLA" in r.getMessage() for r in caplog.records)
 
 
 def test_grouped_off_the_column_grid_keeps_the_xla_epilogue(caplog):

@@ -434,39 +434,52 @@ def test_ragged_epilogue_gradients(activation):
         assert_close(gv, wv, 3e-2, f"{name} {activation}")
 
 
-@pytest.mark.parametrize("activation", ["gelu", "silu", "relu"])
-def test_ragged_epilogue_under_vmap(activation):
-    """vmap of ragged_dot with an activation and no bias, the group sizes mapped too: one
-    grouped launch runs the batch with the activation in its epilogue; under grad three. Each
-    batch's y, dx and its share of dw against float64."""
+@pytest.mark.parametrize("activation, bias", [("gelu", None), ("silu", "per batch"), ("relu", "shared"),
+                                              (None, "per batch")])
+def test_ragged_epilogue_under_vmap(activation, bias):
+    """vmap of ragged_dot with an activation and/or a bias (one per batch, or one shared), the
+    group sizes mapped too: one grouped launch runs the batch with its epilogue; under grad
+    three. Each batch's y, dx (and its share of dw and dbias) against float64."""
     m, k, n = 300, 136, 384
     sizes = [(100, 0, 150, 30), (0, 300, 0, 0), (1, 1, 297, 1)]
-    rng = np.random.default_rng(zlib.crc32(repr(("ragged-vmap", activation)).encode()))
+    rng = np.random.default_rng(zlib.crc32(repr(("ragged-vmap", activation, bias)).encode()))
     x16 = jnp.asarray(_rand(rng, (3, m, k))).astype(jnp.bfloat16)
     w16 = jnp.asarray(_rand(rng, (4, k, n), 1 / math.sqrt(k))).astype(jnp.bfloat16)
+    c16 = {None: None, "per batch": (3, 4, n), "shared": (4, n)}[bias]
+    c16 = None if c16 is None else jnp.asarray(_rand(rng, c16)).astype(jnp.bfloat16)
     r16 = jnp.asarray(_rand(rng, (3, m, n))).astype(jnp.bfloat16)
     gs = jnp.asarray(sizes, jnp.int32)
-    f = jax.vmap(lambda x, w, g: jax_cute.ragged_dot(x, w, g, activation=activation), in_axes=(0, None, 0))
+    f = jax.vmap(lambda x, w, g, c: jax_cute.ragged_dot(x, w, g, bias=c, activation=activation),
+                 in_axes=(0, None, 0, 0 if bias == "per batch" else None))
 
-    def loss(x, w):
-        return jnp.sum(f(x, w, gs).astype(jnp.float32) * r16.astype(jnp.float32))
+    def loss(x, w, c):
+        return jnp.sum(f(x, w, gs, c).astype(jnp.float32) * r16.astype(jnp.float32))
 
-    text = _compiled(lambda x, w: f(x, w, gs), x16, w16)
+    text = _compiled(lambda x, w, c: f(x, w, gs, c), x16, w16, c16)
     assert text.count('custom_call_target="jax_cute_launch') == 1
     _no_xla_epilogue(text)
-    grad = jax.grad(loss, argnums=(0, 1))
-    assert _compiled(grad, x16, w16).count('custom_call_target="jax_cute_launch') == 3
-    y = jax.jit(lambda x, w: f(x, w, gs))(x16, w16)
-    dx, dw = jax.jit(grad)(x16, w16)
+    argnums = (0, 1) if bias is None else (0, 1, 2)
+    grad = jax.grad(loss, argnums=argnums)
+    assert _compiled(grad, x16, w16, c16).count('custom_call_target="jax_cute_launch') == 3
+    y = jax.jit(lambda x, w, c: f(x, w, gs, c))(x16, w16, c16)
+    grads = jax.jit(grad)(x16, w16, c16)
     x, w = np.asarray(x16.astype(jnp.float32)), np.asarray(w16.astype(jnp.float32))
+    c = None if c16 is None else np.asarray(c16.astype(jnp.float32))
     r = np.asarray(r16.astype(jnp.float32), np.float64)
-    dw_want = np.zeros(w.shape)
+    dw_want, dc_want = np.zeros(w.shape), np.zeros(() if c is None else c.shape)
     for i in range(3):
-        y64, _, dx64, dw64, _ = _ragged_want(x[i], w, None, sizes[i], activation, r[i])
-        assert_close(y[i], y64, 1e-2, f"y[{i}] {activation}")
-        assert_close(dx[i], dx64, 3e-2, f"dx[{i}] {activation}")
+        ci = None if c is None else c[i] if bias == "per batch" else c
+        y64, _, dx64, dw64, dc64 = _ragged_want(x[i], w, ci, sizes[i], activation, r[i])
+        assert_close(y[i], y64, 1e-2, f"y[{i}] {activation} {bias}")
+        assert_close(grads[0][i], dx64, 3e-2, f"dx[{i}] {activation} {bias}")
         dw_want += dw64
-    assert_close(dw, dw_want, 3e-2, f"dw {activation}")
+        if bias == "per batch":
+            dc_want[i] = dc64
+        elif bias == "shared":
+            dc_want += dc64
+    assert_close(grads[1], dw_want, 3e-2, f"dw {activation} {bias}")
+    if bias is not None:
+        assert_close(grads[2], dc_want, 3e-2, f"dbias {activation} {bias}")
 
 
 @pytest.mark.parametrize("activation", ["gelu", "silu"])

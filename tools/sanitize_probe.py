@@ -109,6 +109,10 @@ checks = {
     "ragged bias gelu": (lambda x, w, b: jax_cute.ragged_dot(x, w, jnp.asarray([100, 0, 37, 120], jnp.int32),
                                                              bias=b, activation="gelu"),
                          (r(300, 136), r(4, 136, 392), r(4, 392))),
+    # vmap: a batch of groups per launch, group sizes per batch, a bias row per (group, batch)
+    "ragged vmap bias gelu grad": (jax.grad(lambda x, w, b: jax.vmap(lambda x, g, b: jax_cute.ragged_dot(
+        x, w, g, bias=b, activation="gelu"))(x, jnp.asarray([[100, 0, 37, 120], [0, 300, 0, 0]], jnp.int32), b)
+        .astype(jnp.float32).sum(), (0, 1, 2)), (r(2, 300, 136), r(4, 136, 392), r(2, 4, 392))),
     "matmul stream pdl chain": stream_chain(),
     "matmul grad": (jax.grad(lambda a, b: jax_cute.matmul(a, b).astype(jnp.float32).sum(), (0, 1)),
                     (r(264, 136), r(136, 72))),

@@ -99,8 +99,8 @@ class GroupedSpec:
     Any operand, group_sizes included, may have L extent 1 (broadcast over batches).
 
     Fused epilogue (ragged_m; families whose EPILOGUES name them), as GemmSpec's with a bias per
-    group: ``bias`` adds a float32 ``bias`` (N, G) (row g for the rows of group g; the zero rows
-    past the last group take none), ``activation`` and ``preact`` as GemmSpec's, the
+    group: ``bias`` adds a float32 ``bias`` (N, G, L) (row (g, l) for the rows of group g in batch
+    l; L extent 1: one bias for every batch; the zero rows past the last group take none), ``activation`` and ``preact`` as GemmSpec's, the
     pre-activation ``d`` laid out like c (with a gated activation, like c's N columns).
     """
 
@@ -139,7 +139,7 @@ class GroupedSpec:
         else:
             raise ValueError(f"unknown grouped mode {self.mode!r}")
         gs = TensorArg("group_sizes", "int32", (DYN, DYN), (1, DYN), align=4)
-        fused = (TensorArg("bias", "float32", (DYN, DYN), (1, DYN), align=4),) if self.bias else ()
+        fused = (TensorArg("bias", "float32", (DYN, DYN, DYN), (1, DYN, DYN), align=4),) if self.bias else ()
         if self.preact:
             fused += (_operand("d", self.c_dtype, 3, 1 if self.c_major == "n" else 0),)
         return (a, b, c, gs, *fused, *extra, StreamArg())

@@ -536,7 +536,7 @@ def _kernel_class():
             ``bias`` the fused epilogue's float32 (N,) bias (or None), ``d`` its pre-activation
             output (or None).
             Grouped: ``ws`` holds the group sizes; the kernel gets K in ``flags``; ``bias`` is
-            (N, G)."""
+            (N, G, L or 1)."""
             if const_expr(self.glu):
                 b = paired_halves(b, 0, self.bn // 2)
                 if const_expr(self.mode != "dense"):
@@ -1035,8 +1035,10 @@ def _kernel_class():
                                 self.group_c(mD, cl, g, t0, t1, m_t, n_t, self.cbn),
                                 self.group_c(mD, cl, g, t0, t1, m_t, n_t + self.half_tiles(mD), self.cbn)), gmem_d)
                         if const_expr(self.fuse_bias):
-                            # the group's bias row; the zero tail (g == G) adds none
-                            g_bias = (bias[(None, cutlass.min(g, ext[3] - 1))], cutlass.select_(g < ext[3], Float32(1.0), Float32(0.0)))
+                            # the bias row of the group and batch (extent 1: shared by every
+                            # batch); the zero tail (g == G) adds none
+                            g_bias = (bias[(None, cutlass.min(g, ext[3] - 1), cutlass.min(cl, bias.shape[2] - 1))],
+                                      cutlass.select_(g < ext[3], Float32(1.0), Float32(0.0)))
                         self.epilogue(tma_c, self.group_c(mC, cl, g, t0, t1, m_t, n_t, self.cbn), sC, acc, r2s,
                                       tRS_acc, tRS_r32, tRS_rC, tRS_sC, n_rd, n_epi, row_blk, epi_bar, warp_id,
                                       gmem_c, m_t, n_t, cl, ragged, etid, store_warp, buf0,

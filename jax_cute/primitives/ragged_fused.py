@@ -11,9 +11,9 @@ activation maps their zeros to zero. One place for each rule, as in ``fused.py``
   output, then the epilogue in XLA (``composed``);
 - CUDA: ``dispatch.grouped_fused``'s kernel on one shard (bias row per tile's group, activation,
   ``z`` stored clipped at group ends like y); otherwise ``composed``, logged at INFO;
-- batching: without a bias, a vmapped axis becomes an L sub-mode of the operands (the grouped
-  GEMM's layouts, composed as its own rule does) and the fused kernel runs the batch with its
-  epilogue; with a bias, ``composed`` under ``vmap`` (the kernels read one (G, N) bias), logged;
+- batching: a vmapped axis becomes an L sub-mode of the operands (the grouped GEMM's layouts,
+  composed as its own rule does) and a leading axis of the bias (..., G, N), extent 1 where the
+  bias is shared; the fused kernel runs the whole batch (a gated activation: one batch only);
 - autodiff: the JVP binds the primitive with ``preact=True``, so the forward kernel also writes
   ``z`` as the residual; the tangent is ``act'(z) * (dA·B + A·dB + dbias[g])`` (the grouped GEMM
   primitive's transposes give the gradient GEMMs, the bias rows' transpose a per-group sum).
@@ -24,7 +24,6 @@ The grouped GEMM primitive is a parameter (``gemm``), not an import: ``ragged_do
 from __future__ import annotations
 
 import functools
-import logging
 
 import jax
 import jax.numpy as jnp
@@ -34,13 +33,12 @@ from jax.extend import core
 from jax.interpreters import ad, batching, mlir
 
 from jax_cute import dispatch
+from jax_cute import layout as L
 from jax_cute.primitives.fused import (activated, check_swiglu, checked_options, epilogue_dtype, epilogue_tangents,
                                        kernel_or_composed)
 from jax_cute.primitives.ragged_layouts import RaggedLayouts, batched
 from jax_cute.primitives.ragged_reference import group_ends
 from jax_cute.primitives.ragged_reference import reference as gemm_reference
-
-logger = logging.getLogger("jax_cute")
 
 ragged_fused_p = core.Primitive("jax_cute_ragged_fused")
 ragged_fused_p.multiple_results = True
@@ -50,8 +48,9 @@ def _abstract_eval(a, b, gs, *bias, gemm, layouts: RaggedLayouts, activation, pr
     del gemm, acc_dtype
     c_shape = tuple(layouts.c_shape)   # (M, N), with vmapped batch axes in front
     n = c_shape[-1]
-    if bias and (len(c_shape) != 2 or tuple(bias[0].shape) != (layouts.extents()["g"], n)):
-        raise ValueError(f"jax_cute_ragged_fused: bias {bias[0].shape} is not (G, N) of an unbatched product")
+    if bias and (bias[0].ndim != len(c_shape) or tuple(bias[0].shape[-2:]) != (layouts.extents()["g"], n)
+                 or any(x not in (1, y) for x, y in zip(bias[0].shape[:-2], c_shape[:-2]))):
+        raise ValueError(f"jax_cute_ragged_fused: bias {bias[0].shape} is not (..., G, N) for an output {c_shape}")
     out = [jax.core.ShapedArray(c_shape[:-1] + (n // 2 if activation == "swiglu" else n,), np.dtype(out_dtype))]
     if preact:
         out.append(jax.core.ShapedArray(c_shape, np.dtype(out_dtype)))
@@ -78,23 +77,35 @@ def bias_rows(bias, group_sizes, m: int, dtype):
     return jnp.take(rows, jnp.minimum(row_group, bias.shape[0]), axis=0)
 
 
-def epilogue(acc, group_sizes, bias, *, activation, preact, out_dtype) -> list:
+def bias_in_c(bias, group_sizes, layouts: RaggedLayouts, dtype):
+    """``bias_rows`` of every batch, shaped like C: ``bias`` (..., G, N) with a leading axis per
+    batch axis of C (extent 1: shared), ``group_sizes`` read through its layout."""
+    c_shape = tuple(layouts.c_shape)
+    sizes = L.read(group_sizes, layouts.gs)   # (G, L), L in C's batch order
+    per_batch = jnp.broadcast_to(bias, c_shape[:-2] + bias.shape[-2:]).reshape((-1,) + bias.shape[-2:])
+    rows = jax.vmap(lambda b, s: bias_rows(b, s, c_shape[-2], dtype), in_axes=(0, 1))(per_batch, sizes)
+    return rows.reshape(c_shape)
+
+
+def epilogue(acc, group_sizes, bias, *, layouts: RaggedLayouts, activation, preact, out_dtype) -> list:
     """``[act(acc + bias rows)]`` (and ``z`` with ``preact``), each rounded once to ``out_dtype``;
-    ``acc`` (M, N) is the grouped product in the epilogue dtype."""
-    z = acc if bias is None else acc + bias_rows(bias, group_sizes, acc.shape[0], acc.dtype)
+    ``acc`` (C's buffer) is the grouped product in the epilogue dtype."""
+    z = acc if bias is None else acc + bias_in_c(bias, group_sizes, layouts, acc.dtype)
     return activated(z, activation=activation, preact=preact, out_dtype=out_dtype)
 
 
 def composed(a, b, gs, *bias, gemm, layouts: RaggedLayouts, activation, preact, out_dtype, acc_dtype) -> list:
     """The grouped GEMM primitive with a float32 (epilogue dtype) output, then the epilogue in XLA."""
     acc = gemm.bind(a, b, gs, layouts=layouts, out_dtype=epilogue_dtype(acc_dtype).name, acc_dtype=acc_dtype)
-    return epilogue(acc, gs, bias[0] if bias else None, activation=activation, preact=preact, out_dtype=out_dtype)
+    return epilogue(acc, gs, bias[0] if bias else None, layouts=layouts, activation=activation, preact=preact,
+                    out_dtype=out_dtype)
 
 
 def reference(a, b, gs, *bias, layouts: RaggedLayouts, activation, preact, out_dtype, acc_dtype) -> list:
     """The fused grouped GEMM in plain lax ops (the first-use check of unverified kernels)."""
     acc = gemm_reference(a, b, gs, layouts=layouts, out_dtype=epilogue_dtype(acc_dtype), acc_dtype=acc_dtype)
-    return epilogue(acc, gs, bias[0] if bias else None, activation=activation, preact=preact, out_dtype=out_dtype)
+    return epilogue(acc, gs, bias[0] if bias else None, layouts=layouts, activation=activation, preact=preact,
+                    out_dtype=out_dtype)
 
 
 jax_dispatch.prim_requires_devices_during_lowering.add(ragged_fused_p)
@@ -104,13 +115,12 @@ mlir.register_lowering(ragged_fused_p, kernel_or_composed(dispatch.grouped_fused
 
 
 def _batch_rule(args, dims, *, layouts: RaggedLayouts, **params):
-    if len(args) == 3:   # no bias: the batch is an L sub-mode, the epilogue stays in the kernel
-        size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
-        new = batched(layouts, [x.shape for x in args], dims, size)
-        outs = ragged_fused_p.bind(*args, layouts=new, **params)
-        return outs, [0] * len(outs)
-    logger.info("jax_cute.ragged_dot: under vmap a biased product runs the grouped kernel with its epilogue in XLA")
-    outs = jax.vmap(functools.partial(composed, layouts=layouts, **params), in_axes=tuple(dims))(*args)
+    size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
+    new = batched(layouts, [x.shape for x in args[:3]], dims[:3], size)
+    a, b, gs, *bias = args
+    if bias:   # the bias's batch axis in front, as the output's (extent 1: shared)
+        bias = [jnp.expand_dims(bias[0], 0) if dims[3] is None else jnp.moveaxis(bias[0], dims[3], 0)]
+    outs = ragged_fused_p.bind(a, b, gs, *bias, layouts=new, **params)
     return outs, [0] * len(outs)
 
 
@@ -130,7 +140,7 @@ def _jvp(primals, tangents, *, gemm, layouts: RaggedLayouts, activation, preact,
     if type(db) is not ad.Zero:
         terms.append(gemm.bind(a, db, gs, **gemm_params))
     if bias and type(dbias[0]) is not ad.Zero:
-        terms.append(bias_rows(dbias[0], gs, layouts.c_shape[0], epi))
+        terms.append(bias_in_c(dbias[0], gs, layouts, epi))
     return epilogue_tangents(outs, terms, activation=activation, preact=preact, out_dtype=out_dtype, epi=epi)
 
 
