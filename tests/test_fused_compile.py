@@ -42,7 +42,7 @@ def _picks(spec: GemmSpec) -> list[sm90_gemm.Config]:
 
 
 def test_family_declares_its_epilogues():
-    assert set(sm90_gemm.EPILOGUES) == {"bias", *epilogue.ACTIVATIONS, "swiglu", "preact"}
+    assert set(sm90_gemm.EPILOGUES) == {"bias", *epilogue.ACTIVATIONS, "swiglu", "preact", "dact"}
     assert sm90_gemm.unsupported(GemmSpec(BF, BF, BF, bias=True, activation="gelu")) is None
     assert sm90_gemm.unsupported(GemmSpec(BF, BF, BF, bias=True, activation="swiglu")) is None
     assert "geglu" in sm90_gemm.unsupported(GemmSpec(BF, BF, BF, activation="geglu"))
@@ -229,6 +229,88 @@ def test_gated_lowering_is_one_kernel(caplog):
     assert any(".bias.swiglu.preact" in r.getMessage() for r in caplog.records)
     assert not any("epilogue in XLA" in r.getMessage() for r in caplog.records)
 
+
+
+# -- the activation-derivative epilogue (GemmSpec.dact: C = act'(Z) * A·B) ----------------------
+
+def _dact_configs(spec: GemmSpec) -> dict[str, sm90_gemm.Config]:
+    """The cooperative 128x256 tile the heuristic picks at long K (the whole share for 16-bit C),
+    the same tile with the ring of 64-wide subtiles, and pingpong 128x128 (its pick at short K)."""
+    coop = sm90_gemm.heuristic(spec, 8192, 4096, 14336, 1)
+    return {"coop": coop, "ring": dataclasses.replace(coop, whole_c=False), "pingpong": sm90_gemm._PINGPONG_128}
+
+
+def test_dact_spec():
+    """dact scales the bare product: no bias, activation or pre-activation output with it; its
+    key names it and every other spec keeps its key; z follows c, laid out like it."""
+    for other in (dict(bias=True), dict(activation="gelu"), dict(activation="relu", preact=True)):
+        with pytest.raises(ValueError, match="dact"):
+            GemmSpec(BF, BF, BF, dact="gelu", **other)
+    assert GemmSpec(BF, BF, BF, dact="silu").key() == "bfloat16.bfloat16.bfloat16.accfloat32.kkn.dact-silu"
+    assert GemmSpec(BF, BF, F32, "k", "n", "m").key() == "bfloat16.bfloat16.float32.accfloat32.knm"
+    assert (GemmSpec(F16, F16, F16, "m", "k", "n", batch_modes=3, bias=True, activation="gelu", preact=True).key()
+            == "float16.float16.float16.accfloat32.mkn.b3.bias.gelu.preact")
+    for majors in ("kkn", "mnm"):
+        spec = GemmSpec(BF, BF, F32, *majors, dact="gelu")
+        sig = [a for a in sm90_gemm.signature(spec, _dact_configs(spec)["coop"]) if hasattr(a, "dtype")]
+        assert [a.name for a in sig] == ["a", "b", "c", "z"]
+        assert (sig[3].dtype, sig[3].shape, sig[3].stride) == (sig[2].dtype, sig[2].shape, sig[2].stride)
+    assert sm90_gemm.unsupported(GemmSpec("float8_e4m3fn", "float8_e4m3fn", BF, dact="relu")) is None
+    assert "softplus" in sm90_gemm.unsupported(GemmSpec(BF, BF, BF, dact="softplus"))
+    assert "one batch mode" in sm90_gemm.unsupported(GemmSpec(BF, BF, BF, batch_modes=3, dact="gelu"))
+    assert sm90_gemm.candidate_configs(GemmSpec(BF, BF, BF, batch_modes=3, dact="gelu")) == []
+
+
+@pytest.mark.parametrize("c_dtype", [BF, F32])
+def test_dact_configs(c_dtype):
+    """Unsplit tiles without a deferred epilogue (the tile's sums are scaled before any
+    conversion), none of the tiles that spill with it (256x128, pingpong 128x160); the heuristic's
+    picks are candidates (8-bit inputs too, whose pick would be 128x160 on 4096x14336x4096), and
+    it takes pingpong 128x128 where it does for a fused activation."""
+    spec = GemmSpec(BF, BF, c_dtype, "k", "n", "n", dact="gelu")
+    cands = sm90_gemm.candidate_configs(spec)
+    assert cands and all(c.split_k == 1 and not c.defer for c in cands)
+    assert not any(c.tile_m == 256 or c.tile_n == 160 for c in cands)
+    f8 = "float8_e4m3fn"
+    f8_spec = GemmSpec(f8, f8, c_dtype, "k", "k", "n", dact="gelu")
+    f8_cands = sm90_gemm.candidate_configs(f8_spec)
+    assert sm90_gemm.heuristic(f8_spec, 4096, 14336, 4096, 1) in f8_cands   # (128x160 without dact)
+    assert all(c in f8_cands for c in _picks(f8_spec))
+    assert all(c in cands for c in _picks(spec)), _picks(spec)
+    assert sm90_gemm.heuristic(spec, 8192, 14336, 4096, 1) == sm90_gemm._PINGPONG_128
+    assert not sm90_gemm.heuristic(spec, 8192, 4096, 14336, 1).pingpong
+    assert all(c in cands for c in _dact_configs(spec).values())
+    with pytest.raises(ValueError, match="unsplit tiles"):
+        sm90_gemm.launcher(spec, sm90_gemm.Config(split_k=2))
+    with pytest.raises(ValueError, match="deferred epilogue"):
+        sm90_gemm.launcher(dataclasses.replace(spec, c_dtype=BF), sm90_gemm.Config(epi_n=32, defer=2))
+
+
+def _compile_dact(spec: GemmSpec, cfg: sm90_gemm.Config) -> None:
+    ptx = _compile(spec, cfg)   # (WGMMA, TMA, no spills)
+    assert "ld.global" in ptx   # Z, read by the epilogue
+    if spec.dact in ("gelu", "silu"):   # exp(-|u|) forms (MUFU ex2), not 1 - tanh^2 of MUFU tanh
+        assert "ex2.approx" in ptx and "tanh.approx.f32" not in ptx
+
+
+@pytest.mark.parametrize("which", ["coop", "ring", "pingpong"])
+@pytest.mark.parametrize("dact", epilogue.ACTIVATIONS)
+def test_every_dact_epilogue_compiles(dact, which):
+    spec = GemmSpec(BF, BF, BF, "k", "n", "n", dact=dact)
+    cfg = _dact_configs(spec)[which]
+    assert cfg.whole_c == (which == "coop") and cfg.tile_n == (128 if which == "pingpong" else 256)
+    _compile_dact(spec, cfg)
+
+
+@pytest.mark.parametrize("which", ["coop", "pingpong"])
+@pytest.mark.parametrize("in_dt, c_dtype, majors", [(F16, F16, "kkn"), (BF, BF, "mnm"), (BF, F32, "kkn"),
+                                                    (F16, F32, "mnm")])
+@pytest.mark.parametrize("dact", ["gelu", "silu"])
+def test_dact_dtypes_and_layouts_compile(dact, in_dt, c_dtype, majors, which):
+    """fp16 and fp32 outputs (fp32: the ring of 32-wide subtiles), C (and Z) contiguous along N
+    or M."""
+    spec = GemmSpec(in_dt, in_dt, c_dtype, *majors, dact=dact)
+    _compile_dact(spec, _dact_configs(spec)[which])
 
 
 # -- the grouped kernel's epilogues (ragged_dot) --------------------------------------------------

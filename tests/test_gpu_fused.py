@@ -6,6 +6,7 @@ Run: ``pytest -m gpu tests/test_gpu_fused.py`` (strict mode: a silent XLA fallba
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import zlib
@@ -524,3 +525,107 @@ def test_kernelize_fuses_a_vmapped_linear_layer():
     x, w, b = (np.asarray(t.astype(jnp.float32)) for t in (x16, w16, b16))
     # bf16 result: the model's bf16 gelu and ours (f32, rounded once) differ by bf16 rounding
     assert_close(jax.jit(f)(x16, w16, b16), reference(x, w.T, b, "gelu", 0.0)[0], 1e-2, "vmapped linear")
+
+
+# -- the activation-derivative epilogue (GemmSpec.dact: C = act'(Z) * A·Bᵀ) ------------------------
+# These launch the sm90_gemm kernel through the kernels layer, binding its arguments (a, b, c,
+# z) themselves, to reach configs and layouts the primitive's routing does not pick
+# (test_gpu_dact.py takes the routed path). (M, K, N): partial tiles along both modes, an N
+# whose rows need padding (and the per-element edge stores), one row, and tiles all inside.
+DACT_SIZES = [(257, 144, 392), (300, 144, 1002), (1, 64, 130), (512, 256, 1024)]
+
+
+def _padded(n: int, dtype) -> int:
+    """n rounded up to 16 bytes of dtype (a TMA stride)."""
+    per = 16 // jnp.dtype(dtype).itemsize
+    return -(-n // per) * per
+
+
+def _dact_call(spec: GemmSpec, cfg: sm90_gemm.Config, a, b, z):
+    """The kernel of (spec, cfg) on a (M, K) and b (N, K), both contiguous along K, and z (M, N).
+    C and Z are laid out alike: contiguous along N (c_major "n") or M, the other stride padded to
+    16 bytes; Z's padding is NaN, so a read of it shows. Returns C as (M, N)."""
+    from jax_cute.cache import family_binary
+    from jax_cute.custom_call import kernel_call
+
+    (m, k), n = a.shape, b.shape[0]
+    c_dt = jnp.dtype(spec.c_dtype)
+    if spec.c_major == "n":
+        pad = _padded(n, c_dt)
+        stride, zbuf = (pad, 1, m * pad), jnp.full((m, pad), jnp.nan, c_dt).at[:, :n].set(z)
+    else:
+        pad = _padded(m, c_dt)
+        stride, zbuf = (1, pad, n * pad), jnp.full((n, pad), jnp.nan, c_dt).at[:, :m].set(z.T)
+    binary = family_binary(sm90_gemm, "sm_90a", spec, cfg)
+
+    def f(a, b, zb):
+        return kernel_call(binary, {"a": (a.reshape(-1), (m, k, 1), (k, 1, m * k)),
+                                    "b": (b.reshape(-1), (n, k, 1), (k, 1, n * k)),
+                                    "z": (zb.reshape(-1), (m, n, 1), stride)},
+                           {"c": (jax.ShapeDtypeStruct((zbuf.size,), c_dt), (m, n, 1), stride)})["c"]
+
+    c = jax.jit(f)(a, b, zbuf).reshape(zbuf.shape)
+    return c[:, :n] if spec.c_major == "n" else c[:, :m].T
+
+
+def _dact_case(spec: GemmSpec, size, seed):
+    """Inputs of a dact product (z spread wide, into the activations' tails) and the float64
+    reference from the values the kernel reads."""
+    m, k, n = size
+    rng = np.random.default_rng(zlib.crc32(repr((spec.key(), size, seed)).encode()))
+    a = jnp.asarray(_rand(rng, (m, k))).astype(spec.a_dtype)
+    b = jnp.asarray(_rand(rng, (n, k), 1 / math.sqrt(k))).astype(spec.b_dtype)
+    z = jnp.asarray(_rand(rng, (m, n), 3.0)).astype(spec.c_dtype)
+    a64, b64, z64 = (np.asarray(t.astype(jnp.float32), np.float64) for t in (a, b, z))
+    return a, b, z, (a64 @ b64.T) * _act64(spec.dact, z64)[1]
+
+
+def _dact_configs(spec: GemmSpec, size) -> dict[str, sm90_gemm.Config]:
+    m, k, n = size
+    coop = sm90_gemm.epilogue_for(spec, sm90_gemm.Config())
+    return {"pick": sm90_gemm.heuristic(spec, m, n, k, 1), "coop": coop,
+            "ring": dataclasses.replace(coop, whole_c=False), "pingpong": sm90_gemm._PINGPONG_128}
+
+
+# 16-bit outputs: one rounding (bf16: 2^-9) and gelu_exact's fast erf; float32: the derivative's
+# MUFU ex2 and rcp forms, a few float32 ulps
+_DACT_TOL = {"bfloat16": 1e-2, "float16": 1e-2, "float32": 1e-4}
+
+
+@pytest.mark.parametrize("which", ["pick", "coop", "ring", "pingpong"])
+@pytest.mark.parametrize("dact", ["relu", "gelu", "gelu_exact", "silu"])
+def test_dact_epilogue(dact, which):
+    """Every activation's derivative in the tiles a dact product takes: the heuristic's pick,
+    the cooperative 128x256 tile with its whole-share epilogue and with the ring, pingpong
+    128x128 (bf16 in and out, C and Z contiguous along N)."""
+    spec = GemmSpec("bfloat16", "bfloat16", "bfloat16", "k", "k", "n", dact=dact)
+    for size in DACT_SIZES:
+        a, b, z, want = _dact_case(spec, size, which)
+        cfg = _dact_configs(spec, size)[which]
+        assert_close(_dact_call(spec, cfg, a, b, z), want, _DACT_TOL[spec.c_dtype], f"{dact} {size} {cfg.key()}")
+
+
+@pytest.mark.parametrize("which", ["pick", "pingpong"])
+@pytest.mark.parametrize("a_dtype, c_dtype, c_major", [("bfloat16", "bfloat16", "m"), ("float16", "float16", "n"),
+                                                       ("bfloat16", "float32", "n"), ("float16", "float32", "m"),
+                                                       ("float8_e4m3fn", "bfloat16", "n")])
+@pytest.mark.parametrize("dact", ["relu", "gelu", "gelu_exact", "silu"])
+def test_dact_dtypes_and_layouts(dact, a_dtype, c_dtype, c_major, which):
+    """fp16, fp32 (the accurate forms) and 8-bit-input products, C and Z contiguous along M."""
+    spec = GemmSpec(a_dtype, a_dtype, c_dtype, "k", "k", c_major, dact=dact)
+    for size in DACT_SIZES:
+        a, b, z, want = _dact_case(spec, size, which)
+        cfg = _dact_configs(spec, size)[which]
+        assert_close(_dact_call(spec, cfg, a, b, z), want, _DACT_TOL[c_dtype], f"{dact} {size} {cfg.key()}")
+
+
+def test_dact_relu_selects_the_cotangent():
+    """relu's derivative selects, as jax.nn.relu's JVP does: a NaN product where z <= 0 gives 0,
+    where z > 0 it stays NaN."""
+    spec = GemmSpec("bfloat16", "bfloat16", "bfloat16", "k", "k", "n", dact="relu")
+    a, b, z, _ = _dact_case(spec, (300, 144, 392), "nan")
+    a = a.at[7].set(jnp.nan)
+    got = np.asarray(_dact_call(spec, sm90_gemm.heuristic(spec, 300, 392, 144, 1), a, b, z).astype(jnp.float32))
+    positive = np.asarray(z[7].astype(jnp.float32)) > 0
+    assert np.isnan(got[7][positive]).all() and (got[7][~positive] == 0).all()
+    assert np.isfinite(np.delete(got, 7, axis=0)).all()

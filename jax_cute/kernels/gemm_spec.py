@@ -49,9 +49,14 @@ class GemmSpec:
     # ``preact`` (with an activation; families whose EPILOGUES name "preact"): the kernel also
     # writes the pre-activation A·B + bias, rounded once to c_dtype, to an output ``d`` laid
     # out like c (the residual a differentiated forward saves).
+    # ``dact`` (families whose EPILOGUES name "dact"; alone, without bias or activation): an
+    # activation name whose derivative scales the product, C = act'(z) * A·B in float32, with z
+    # an input ``z`` laid out like c (the saved pre-activation): the gradient GEMM of
+    # ``y = act(z)`` with the activation's backward fused.
     bias: bool = False
     activation: str = ""
     preact: bool = False
+    dact: str = ""
 
     def __post_init__(self):
         if self.a_major not in ("k", "m") or self.b_major not in ("k", "n") or self.c_major not in ("n", "m"):
@@ -60,16 +65,24 @@ class GemmSpec:
             raise ValueError(f"a GEMM takes 1 or 3 batch modes, not {self.batch_modes}")
         if self.preact and not self.activation:
             raise ValueError("a pre-activation output needs an activation (without one it equals c)")
+        if self.dact and (self.bias or self.activation or self.preact):
+            raise ValueError("an activation's derivative (dact) scales the bare product: no bias, activation "
+                             "or preact with it")
 
     def key(self) -> str:
         return (f"{self.a_dtype}.{self.b_dtype}.{self.c_dtype}.acc{self.acc_dtype}."
                 f"{self.a_major}{self.b_major}{self.c_major}" + (f".b{self.batch_modes}" if self.batch_modes > 1 else "")
                 + (".bias" if self.bias else "") + (f".{self.activation}" if self.activation else "")
-                + (".preact" if self.preact else ""))
+                + (".preact" if self.preact else "")
+                + (f".dact-{self.dact}" if self.dact else ""))
 
     def preact_arg(self) -> TensorArg:
         """The pre-activation output ``d``: c's dtype, rank and major mode."""
         return _operand("d", self.c_dtype, 2 + self.batch_modes, 1 if self.c_major == "n" else 0)
+
+    def dact_arg(self) -> TensorArg:
+        """The pre-activation input ``z`` of a dact epilogue: c's dtype, rank and major mode."""
+        return _operand("z", self.c_dtype, 2 + self.batch_modes, 1 if self.c_major == "n" else 0)
 
     def signature(self, extra: tuple = ()) -> Signature:
         """(a (M,K,L...), b (N,K,L...), c (M,N,L...), *extra, stream)."""

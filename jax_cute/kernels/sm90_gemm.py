@@ -24,6 +24,12 @@ Kernel shape (one persistent CTA per SM, 384 threads):
   forward), then the activation of the same float32 values rounded to C's dtype. With the whole
   share (no bias: see epilogue_for) the second pass refills the slots once the first pass's
   stores have read them.
+- dact epilogue (GemmSpec.dact, unsplit tiles, one batch mode): the backward of an activation
+  fused into its gradient GEMM, C = act'(Z) * A·B, scaled in float32 before the one rounding.
+  Each thread reads Z (laid out like C) from global memory at its accumulators' coordinates, a
+  subtile's loads all issued before its derivative so their latencies overlap. Tiles on Z's edge
+  clamp the coordinates (elements past the edge are never stored) and take half a subtile at a
+  time: with all its loads in flight next to the accumulators, registers spilled.
 - gated activation (GemmSpec.activation "swiglu": B's N holds [gate | up] halves, C has N/2
   columns): B's N mode is read as (tile_n / 2, 2, N / tile_n) with strides (1, N/2, tile_n / 2)
   in its N stride, so the TMA loads of one tile bring tile_n / 2 gate columns and the up columns
@@ -92,12 +98,13 @@ from jax_cute.kernels import epilogue as fused_epilogue
 from jax_cute.kernels.gemm_spec import GemmSpec, GroupedSpec, Workspace
 
 FAMILY = "sm90_gemm"
-VERSION = 5
+VERSION = 6
 ARCH = "sm_90a"
 BATCH_MODES = (1, 3)    # dense GemmSpec.batch_modes taken (grouped specs: one)
 # fused epilogues (GemmSpec.bias, GemmSpec.activation; dense specs): C = act(A·B + bias[n]) in
-# float32 on each register fragment before the one rounding (kernels/epilogue.py)
-EPILOGUES = ("bias", *fused_epilogue.ACTIVATIONS, *fused_epilogue.GATED, "preact")
+# float32 on each register fragment before the one rounding (kernels/epilogue.py); "dact":
+# GemmSpec.dact, an activation's derivative at an input z scaling the product
+EPILOGUES = ("bias", *fused_epilogue.ACTIVATIONS, *fused_epilogue.GATED, "preact", "dact")
 # a gated activation pairs gate and up columns inside one tile of tile_n / 2 of each, so N / 2
 # must be a multiple of the narrowest pairing (see the module notes)
 GATED_COLUMNS = 64
@@ -110,6 +117,7 @@ _IN_DTYPES = ("bfloat16", "float16", *_FP8)
 _OUT_DTYPES = ("bfloat16", "float16", "float32")
 _ITEM = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1}
 _ITEM_OF = {16: 2, 32: 4}   # output element width in bits -> bytes
+_DACT_CHUNK = 8             # fragment elements a dact epilogue takes the derivative of at once
 _BIG = 2**30                # extent of a grouped launch's ragged mode (see the module notes)
 _MAXI = 2**31 - 1           # extent of the two wrap-around modes beside it
 
@@ -172,6 +180,12 @@ def unsupported(spec) -> str | None:
         return f"{FAMILY}: no fused epilogue for activation {spec.activation!r} ({', '.join(acts)})"
     if spec.activation in fused_epilogue.GATED and spec.batch_modes > 1:
         return f"{FAMILY}: a gated activation takes one batch mode (B's paired N spends three TMA dimensions)"
+    dact = getattr(spec, "dact", "")
+    if dact and dact not in fused_epilogue.ACTIVATIONS:
+        return (f"{FAMILY}: no fused epilogue for the derivative of {dact!r} "
+                f"({', '.join(fused_epilogue.ACTIVATIONS)})")
+    if dact and spec.batch_modes != 1:
+        return f"{FAMILY}: an activation's derivative (dact) takes one batch mode"
     return None
 
 
@@ -185,6 +199,10 @@ def _gated(spec) -> bool:
 
 def _fused(spec) -> bool:
     return spec.bias or bool(spec.activation)
+
+
+def _dact(spec) -> bool:
+    return bool(getattr(spec, "dact", ""))
 
 
 def _check_config(config: Config) -> None:
@@ -239,12 +257,16 @@ def candidate_configs(spec) -> list[Config]:
     # subtiles stored after each mainloop, and the deferred epilogue
     out += [v for c in out if c.whole_c
             for v in (dataclasses.replace(c, whole_c=False), dataclasses.replace(c, whole_c=False, epi_n=32, defer=DEFER))]
-    if _fused(spec):   # a deferred epilogue converts before the fused epilogue would run
+    if _fused(spec) or _dact(spec):   # a deferred epilogue converts before the fused epilogue would run
         out = [c for c in out if not c.defer]
-    if _preact(spec):   # (the second output is written by unsplit tiles only)
+    if _preact(spec) or _dact(spec):   # (the second output, and Z's reads, in unsplit tiles only)
         out = [c for c in out if c.split_k == 1]
     if _gated(spec):    # (tiles whose halves are whole 64-column blocks)
         out = [c for c in out if c.tile_n in (128, 256)]
+    if _dact(spec):
+        # next to Z's reads, the 256x128 tile (two row blocks per warpgroup) and pingpong 128x160
+        # (160 accumulators) spill registers with a float32 C, 256x128 with an M-major C too
+        out = [c for c in out if c.tile_m != 256 and c != _PINGPONG_160]
     return list(dict.fromkeys(out))
 
 
@@ -389,20 +411,21 @@ def heuristic(spec, m: int, n: int, k: int, l: int, num_sms: int = NUM_SMS) -> C
         cands = [c for c in cands if c.cluster_m == 2]
     bk = tile_k(spec.a_dtype)
     best = min(cands, key=lambda c: (_estimate(c, m, n, k, l, num_sms, bk), c.split_k, -c.tile_n))
-    if spec.activation and spec.a_dtype not in _FP8 and tiles_m > 1:
+    if (spec.activation or _dact(spec)) and spec.a_dtype not in _FP8 and tiles_m > 1:
         # A fused activation makes the cooperative tile's exposed epilogue 2.5x heavier (and the
         # pre-activation output 4x): pingpong 128x128 hides it under the other warpgroup's
         # mainloop. Charges and its rate fitted on an H200 (bias + gelu, 8192 rows): it ran
-        # 3.5-4% faster at N=14336, K=4096 and 2.5-3.5% slower at N=4096, K=14336.
-        epi = _EPI_ACT + (_EPI_PREACT if spec.preact else 0.0)
+        # 3.5-4% faster at N=14336, K=4096 and 2.5-3.5% slower at N=4096, K=14336. A derivative
+        # is charged as an activation plus its reads of Z (not measured).
+        epi = _EPI_ACT + (_EPI_PREACT if spec.preact or _dact(spec) else 0.0)
         if (_estimate(_PINGPONG_128, m, n, k, l, num_sms, bk, epi, speed=0.95)
                 < _estimate(best, m, n, k, l, num_sms, bk, epi)):
             return _PINGPONG_128
     if spec.a_dtype in _FP8 and tiles_m > 1:
         # 8-bit k-tiles run twice as fast, so the cooperative tile's exposed epilogue weighs twice
         # as much: the pingpong tiles win where the model says they save 3% or more
-        # (a gated tile pairs halves of 64-column blocks: not 160 wide)
-        pps = (_PINGPONG_128,) if _gated(spec) else (_PINGPONG_160, _PINGPONG_128)
+        # (a gated tile pairs halves of 64-column blocks: not 160 wide; dact: see candidate_configs)
+        pps = (_PINGPONG_128,) if _gated(spec) or _dact(spec) else (_PINGPONG_160, _PINGPONG_128)
         pp = min(pps, key=lambda c: _estimate(c, m, n, k, l, num_sms, bk))
         if _estimate(pp, m, n, k, l, num_sms, bk) < 0.97 * _estimate(best, m, n, k, l, num_sms, bk):
             return pp
@@ -427,7 +450,10 @@ def _ws_args(config: Config) -> tuple:
 
 def signature(spec, config: Config) -> abi.Signature:
     """(a, b, c[, bias][, d][, splitk_partials, splitk_flags], stream); bias is float32 (N,), d the
-    pre-activation output (laid out like c); workspaces are 1-D, nbytes/4 long."""
+    pre-activation output (laid out like c); workspaces are 1-D, nbytes/4 long. dact: (a, b, c, z,
+    stream), z the pre-activation input (laid out like c)."""
+    if _dact(spec):
+        return spec.signature((spec.dact_arg(),))
     bias = (abi.TensorArg("bias", "float32", (abi.DYN,), (1,), align=4),) if getattr(spec, "bias", False) else ()
     d = (spec.preact_arg(),) if _preact(spec) else ()
     return spec.signature(bias + d + _ws_args(config))
@@ -454,6 +480,9 @@ def launcher(spec, config: Config):
         raise ValueError(f"{FAMILY}: a deferred epilogue cannot fuse a bias or activation ({config})")
     if _preact(spec) and config.split_k != 1:
         raise ValueError(f"{FAMILY}: a pre-activation output needs unsplit tiles ({config})")
+    if _dact(spec) and (config.split_k != 1 or config.defer):
+        raise ValueError(f"{FAMILY}: an activation's derivative (dact) needs unsplit tiles and no deferred "
+                         f"epilogue ({config})")
     if _gated(spec) and config.tile_n not in (128, 256):
         raise ValueError(f"{FAMILY}: a gated activation pairs halves of 128- or 256-wide tiles ({config})")
     return make_launcher(spec, config)
@@ -522,6 +551,8 @@ def _kernel_class():
             self.fuse_bias = spec.bias
             self.act = spec.activation
             self.preact = spec.preact
+            # the derivative of this activation at z scales the product (dense, unsplit tiles)
+            self.dact = getattr(spec, "dact", "")
             # gated activation: B's N mode paired (paired_halves); C's (and D's) tiles are half as wide
             self.glu = self.act in fused_epilogue.GATED
             self.cbn = self.bn // 2 if self.glu else self.bn
@@ -531,10 +562,11 @@ def _kernel_class():
 
         # ----------------------------------------------------------------------- host side
         @cute.jit
-        def run(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, ws, flags, stream, bias=None, d=None):
+        def run(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, ws, flags, stream, bias=None, d=None,
+                z=None):
             """Dense: ``ws``/``flags`` are the split-K partials and arrival counters (or None),
             ``bias`` the fused epilogue's float32 (N,) bias (or None), ``d`` its pre-activation
-            output (or None).
+            output (or None), ``z`` a dact epilogue's pre-activation input (or None).
             Grouped: ``ws`` holds the group sizes; the kernel gets K in ``flags``; ``bias`` is
             (N, G, L or 1)."""
             if const_expr(self.glu):
@@ -626,7 +658,7 @@ def _kernel_class():
 
             self.storage = Storage
             self.kernel(tma_a, tA, tma_b, tB, tma_c, tC, c, ws, flags, tiled_mma, wg_mma, sa, sb, sc, bias,
-                        tma_d, tD, d).launch(
+                        tma_d, tD, d, z).launch(
                 grid=[self.cm, self.cn, n_clusters], block=[self.threads, 1, 1],
                 cluster=[self.cm, self.cn, 1], min_blocks_per_mp=1, stream=stream, use_pdl=self.cfg.pdl)
 
@@ -827,7 +859,7 @@ def _kernel_class():
                    tma_c: cute.CopyAtom, mC: cute.Tensor, gmem_c: cute.Tensor, ws, flags,
                    tiled_mma: cute.TiledMma, wg_mma: cute.TiledMma,
                    sa_layout: cute.ComposedLayout, sb_layout: cute.ComposedLayout,
-                   sc_layout: cute.ComposedLayout, bias, tma_d, mD, gmem_d):
+                   sc_layout: cute.ComposedLayout, bias, tma_d, mD, gmem_d, mZ):
             tidx, _, _ = cute.arch.thread_idx()
             warp_id = cute.arch.make_warp_uniform(cute.arch.warp_idx())
             wg = cute.arch.make_warp_uniform(tidx // 128)
@@ -870,6 +902,7 @@ def _kernel_class():
                 gD = None   # (gated: tiles of bn / 2 columns; a tile's up half is nt_half tiles right)
                 if const_expr(self.preact):
                     gD = cute.local_tile(mD, (self.bm, self.cbn), (None, None, None))
+                gZ = cute.local_tile(mZ, (self.bm, self.bn), (None, None, None)) if const_expr(self.dact) else None
                 tAsA, tAgA = cpasync.tma_partition(tma_a, cc[1], cute.make_layout(self.cn),
                                                    cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
                 tBsB, tBgB = cpasync.tma_partition(tma_b, cc[0], cute.make_layout(self.cm),
@@ -983,6 +1016,17 @@ def _kernel_class():
                     # first thread's, which the WGMMA operand partitions take), retiled like tRS_acc
                     share = cute.make_identity_tensor((self.wg_rows, self.bn))
                     epi_coords = r2s.retile(wg_mma.get_slice(etid).partition_C(share))
+                z_thr, z_at, z_off = None, None, None
+                if const_expr(self.dact):
+                    # Z is read like the accumulators: this thread's slice of a tile (its own
+                    # index, as for epi_coords). Element i lies at a static offset (thread 0's
+                    # element i) from the thread's first one (z_at), so bound checks compare
+                    # constants with per-tile limits: per-element coordinates were hoisted out of
+                    # the tile loop as invariants and spilled.
+                    z_thr = tiled_mma.get_slice(etid if const_expr(self.pp) else ctid)
+                    tile_crd = cute.make_identity_tensor((self.bm, self.bn))
+                    z_off = r2s.retile(tiled_mma.get_slice(0).partition_C(tile_crd))
+                    z_at = r2s.retile(z_thr.partition_C(tile_crd))[0]
                 rd_shape = cute.shape(thr_r2s.partition_S(sC))[:3]
                 tRS_r32 = cute.make_rmem_tensor(rd_shape, Float32)
                 tRS_rC = cute.make_rmem_tensor(rd_shape, self.c_t)
@@ -1109,14 +1153,17 @@ def _kernel_class():
                         lc = self.c_batch(l, c_ext)   # (split-K's tile counters take the linear l)
                         gC_t = gC[(None, None, tm, tn, lc)]
                         if const_expr(self.split == 1):
-                            pre = None
+                            pre, zt = None, None
                             if const_expr(self.preact):
                                 pre = (tma_d, self.d_tiles(gD[(None, None, tm, tn, lc)],
                                                            gD[(None, None, tm, tn + self.half_tiles(mD), lc)]), gmem_d)
+                            if const_expr(self.dact):
+                                zt = self.z_tile(r2s.retile(z_thr.partition_C(gZ[(None, None, tm, tn, lc)])), mZ,
+                                                 z_at, z_off, tm, tn)
                             self.epilogue(tma_c, gC_t, sC, acc, r2s, tRS_acc, tRS_r32, tRS_rC, tRS_sC,
                                           n_rd, n_epi, row_blk, epi_bar, warp_id,
                                           gmem_c, tm, tn, lc, ragged, etid, store_warp, buf0,
-                                          coords=epi_coords, bias=bias, pre=pre, tRS_u32=tRS_u32)
+                                          coords=epi_coords, bias=bias, pre=pre, tRS_u32=tRS_u32, z=zt)
                         else:
                             # ---- split-K: publish the partial, the last of the S arrivals folds them
                             tile_id = (Int64(l) * (cl_n * self.cn) + tn) * (cl_m * self.cm) + tm
@@ -1175,7 +1222,7 @@ def _kernel_class():
         def epilogue(self, tma_c, gC_t, sC, acc, r2s, tRS_acc, tRS_r32, tRS_rC, tRS_sC, n_rd: cutlass.Constexpr,
                      n_epi: cutlass.Constexpr, row_blk, epi_bar, warp_id,
                      gmem_c, tm, tn, l, ragged, etid, store_warp, buf0, converted: cutlass.Constexpr = False,
-                     coords=None, bias=None, pre=None, tRS_u32=None):
+                     coords=None, bias=None, pre=None, tRS_u32=None, z=None):
             """One warpgroup's rows of the tile: acc -> output dtype -> smem ring -> TMA store,
             one 64 x epi_n subtile at a time, one named barrier per subtile.
 
@@ -1197,6 +1244,8 @@ def _kernel_class():
             ``pre``: (TMA atom, tile, tensor) of the pre-activation output D (GemmSpec.preact):
             a first pass over the subtiles stores D's values (ring positions e, then n_epi + e).
             ``tRS_u32``: a gated activation's fragment of up values (the gate's is ``tRS_r32``).
+            ``z``: a dact epilogue's reads of the pre-activation input Z (unsplit dense tiles; see
+            z_tile).
             """
             bSG_sC, bSG_gC = cpasync.tma_partition(
                 tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2),
@@ -1213,6 +1262,7 @@ def _kernel_class():
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
                 epi_bar.arrive_and_wait()
             passes = 2 if const_expr(self.preact) else 1
+            tRS_z = cute.make_rmem_tensor(tRS_r32.shape, self.c_t) if const_expr(self.dact) else None
             # Both passes start from A·B + bias, added in place into the accumulators: before the
             # passes (pingpong) or by the first pass (cooperative). ptxas keeps every register of
             # these tiles busy, and each tile compiles without spills only in its own order.
@@ -1266,6 +1316,8 @@ def _kernel_class():
                             if const_expr(self.act):
                                 tRS_r32.store(fused_epilogue.activation(self.act, tRS_r32.load(),
                                                                         fast=self.c_t.width == 16))
+                            if const_expr(self.dact):
+                                self.scale_by_dact(z, tRS_z, tRS_r32, src, n_rd)
                         tRS_rC.store(tRS_r32.load().to(self.c_t))
                     if const_expr(last):
                         self.store_subtile(tma_c, bSG_sC, bSG_gC, gmem_c, sC, r2s, tRS_rC, tRS_sC, p * n_epi + e,
@@ -1298,6 +1350,57 @@ def _kernel_class():
                 row, keep = bias
                 return row[col] * keep
             return bias[col]
+
+        @cute.jit
+        def z_tile(self, tZ, mZ, at, off, tm, tn):
+            """What scale_by_dact reads tile (tm, tn)'s Z with: this thread's elements ``tZ``
+            (ordered like tRS_acc), a view with Z's strides at the first of them, their static
+            offsets ``off`` from it (``at``: its tile coordinates), the rows and columns Z has
+            left from it, and whether the tile lies inside Z."""
+            near = cute.make_tensor(tZ.iterator, cute.make_layout((self.bm, self.bn),
+                                                                  stride=(mZ.stride[0], mZ.stride[1])))
+            inside = (tm + 1) * self.bm <= mZ.shape[0] and (tn + 1) * self.bn <= mZ.shape[1]
+            return (tZ, near, off, mZ.shape[0] - tm * self.bm - at[0], mZ.shape[1] - tn * self.bn - at[1],
+                    inside)
+
+        @cute.jit
+        def scale_by_dact(self, z, tRS_z, tRS_r32, src: cutlass.Constexpr, n_rd: cutlass.Constexpr):
+            """``tRS_r32`` times act'(Z) at the elements of accumulator subtile ``src`` (``z``: see
+            z_tile), with Z read into ``tRS_z``.
+
+            Inside Z every load of the subtile is issued before the derivative (a 16-bit Z
+            contiguous along N is read in pairs, 32 bits a load). On Z's edge the coordinates are
+            clamped to its extents (elements past them are never stored) and the subtile goes in
+            halves, each under a branch that skips a half lying wholly past the edge: loads are not
+            hoisted out of a branch, so half of them are in flight (all 32 clamped 16-bit loads of
+            a 128x256 tile's subtile, next to its 128 accumulators, spilled)."""
+            tZ, near, off, m_left, n_left, inside = z
+            fast = self.c_t.width == 16
+            if inside:
+                for v in range_constexpr(n_rd):
+                    tRS_z[v] = tZ[src * n_rd + v]
+                self.scale_chunks(tRS_z, tRS_r32, 0, n_rd, fast)
+            else:
+                half = n_rd // 2
+                for h in range_constexpr(0, n_rd, half):
+                    els = [src * n_rd + v for v in range(h, h + half)]
+                    if min(off[i][0] for i in els) < m_left and min(off[i][1] for i in els) < n_left:
+                        for v in range_constexpr(h, h + half):
+                            i = src * n_rd + v
+                            r, c = cutlass.min(off[i][0], m_left - 1), cutlass.min(off[i][1], n_left - 1)
+                            tRS_z[v] = near[(r, c)]
+                        self.scale_chunks(tRS_z, tRS_r32, h, half, fast)
+
+        @cute.jit
+        def scale_chunks(self, tRS_z, tRS_r32, first: cutlass.Constexpr, count: cutlass.Constexpr,
+                         fast: cutlass.Constexpr):
+            """Elements [first, first + count) of ``tRS_r32`` times act'(``tRS_z``), _DACT_CHUNK at a
+            time: over a whole subtile the derivative's temporaries, next to the tile's
+            accumulators, spilled."""
+            for h in range_constexpr(first, first + count, _DACT_CHUNK):
+                zs = cute.make_tensor(tRS_z.iterator + h, cute.make_layout(_DACT_CHUNK))
+                gs = cute.make_tensor(tRS_r32.iterator + h, cute.make_layout(_DACT_CHUNK))
+                gs.store(fused_epilogue.scaled_by_derivative(self.dact, zs.load().to(Float32), gs.load(), fast=fast))
 
         @cute.jit
         def store_subtile(self, tma, bSG_sC, bSG_g, gmem, sC, r2s, tRS_rC, tRS_sC, pos: cutlass.Constexpr,
@@ -1383,6 +1486,10 @@ def make_launcher(spec: GemmSpec | GroupedSpec, config: Config, sms: int = NUM_S
         def launch(a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, group_sizes: cute.Tensor,
                    stream: cuda_driver.CUstream):
             gemm.run(a, b, c, group_sizes, None, stream)
+    elif spec.dact:
+        @cute.jit
+        def launch(a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, z: cute.Tensor, stream: cuda_driver.CUstream):
+            gemm.run(a, b, c, None, None, stream, z=z)
     elif spec.preact and spec.bias:
         @cute.jit
         def launch(a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, bias: cute.Tensor, d: cute.Tensor,

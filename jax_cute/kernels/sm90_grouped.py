@@ -32,7 +32,8 @@ ARCH = "sm_90a"
 _IN_DTYPES = ("bfloat16", "float16")
 _OUT_DTYPES = ("bfloat16", "float16", "float32")
 TILE_M = 128
-EPILOGUES = sm90_gemm.EPILOGUES    # ragged_m only (see unsupported)
+# ragged_m only (see unsupported); an activation's derivative (dact) is the dense kernel's alone
+EPILOGUES = tuple(e for e in sm90_gemm.EPILOGUES if e != "dact")
 GATED_COLUMNS = sm90_gemm.GATED_COLUMNS
 
 
