@@ -33,6 +33,7 @@ from jax_cute.kernels import abi
 from jax_cute.kernels import epilogue as kernel_epilogue
 from jax_cute.kernels.build import KernelBinary, compile_launcher
 from jax_cute.kernels.gemm_spec import GemmSpec, GroupedSpec
+from jax_cute.layout import Layout
 from jax_cute.primitives.gemm_layouts import GemmLayouts
 from jax_cute.primitives.gemm_plan import FlatGemm, FlatOperand, materialise, plan_gemm
 from jax_cute.primitives.ragged_layouts import RAGGED_M, FlatGrouped, RaggedLayouts, flatten_grouped
@@ -223,8 +224,9 @@ def _epilogue_what(dims: str, dts, bias: bool, activation) -> str:
     return f"{dims}, dtypes {'/'.join(dts)}, bias {'yes' if bias else 'no'}, activation {activation}"
 
 
-def _epilogue_family(kind: str, bias: bool, activation: str | None, two_outputs: bool):
-    """The target's ``kind`` family if it fuses this epilogue (its ``EPILOGUES``), else why not."""
+def _epilogue_family(kind: str, bias: bool, activation: str | None, two_outputs: bool, dact: bool = False):
+    """The target's ``kind`` family if it fuses this epilogue (its ``EPILOGUES``; ``dact``: the
+    activation's derivative), else why not."""
     arch, _ = target_arch()
     try:
         fam = kernels.family(kind, arch) if arch else None
@@ -232,9 +234,10 @@ def _epilogue_family(kind: str, bias: bool, activation: str | None, two_outputs:
         fam = None
     fusable = getattr(fam, "EPILOGUES", ())
     if fam is None or (activation and activation not in fusable) or (bias and "bias" not in fusable) \
-            or (two_outputs and "preact" not in fusable):
+            or (two_outputs and "preact" not in fusable) or (dact and "dact" not in fusable):
         return (f"{getattr(fam, 'FAMILY', 'no kernel family')} does not fuse {'bias and ' if bias else ''}"
-                f"{activation or 'no activation'}{' with the pre-activation output' if two_outputs else ''}")
+                f"{activation or 'no activation'}{' with the pre-activation output' if two_outputs else ''}"
+                f"{' derivative' if dact else ''}")
     return fam
 
 
@@ -325,6 +328,59 @@ def fused_gemm(a_aval, b_aval, *bias_aval, layouts: GemmLayouts, bias_layout, ac
         return outs * 2 if preact and not two_outputs else outs
 
     if not _trusted("matmul", binary, impl, reference, (a_aval, b_aval, *bias_aval)):
+        return None
+    logger.info("jax_cute.matmul: %s on %s (%s)", binary.name, arch, what)
+    return impl
+
+
+# -- dense GEMM times an activation's derivative (jax_cute_matmul_dact) -----------------------------
+
+def _same_layout(x: Layout, y: Layout) -> bool:
+    return all(x.mode(i).coalesce().flat_modes() == y.mode(i).coalesce().flat_modes() for i in range(3))
+
+
+def dact_gemm(a_aval, b_aval, z_aval, *, layouts: GemmLayouts, z_layout: Layout, activation: str, out_dtype: str,
+              acc_dtype: str, reference: Callable, precision=None) -> Callable | None:
+    """The kernel implementation of a ``jax_cute_matmul_dact`` (``act'(Z) * (A·B)``, Z read by the
+    epilogue), or None: the caller then runs the GEMM kernel with a float32 output and the
+    multiply in XLA (logged at INFO here, with the reason).
+
+    The kernel reads Z exactly as it writes C: Z must be a buffer of C's shape and dtype, laid
+    out like C, and C must need no padding."""
+    dts = [np.dtype(a_aval.dtype).name, np.dtype(b_aval.dtype).name, np.dtype(out_dtype).name]
+    ext = layouts.extents()
+    what = f"M={ext['m']} N={ext['n']} K={ext['k']} L={ext['l']}, dtypes {'/'.join(dts)}, {activation} derivative"
+    if 0 in ext.values():
+        return None
+    if np.dtype(z_aval.dtype) != np.dtype(out_dtype) or tuple(z_aval.shape) != tuple(layouts.c_shape) \
+            or not _same_layout(z_layout, layouts.c):
+        _epilogue_in_xla("kernels read the pre-activation laid out as the output, in its dtype", what)
+        return None
+    fam = _epilogue_family("gemm", False, None, False, dact=True)
+    if isinstance(fam, str):
+        _epilogue_in_xla(fam, what)
+        return None
+    given = [tuple(a_aval.shape), tuple(b_aval.shape), tuple(layouts.c_shape)]
+    flat, shapes = plan_gemm(layouts, given, dts)
+    if isinstance(flat, str):
+        _epilogue_in_xla(flat, what)
+        return None
+    if tuple(shapes[2]) != tuple(layouts.c_shape) or flat.batch_modes != 1:
+        _epilogue_in_xla("the output needs padding or more than one batch mode", what)
+        return None
+    spec = GemmSpec(dts[0], dts[1], dts[2], flat.a.major, flat.b.major, flat.c.major, acc_dtype, dact=activation)
+    picked = _family("matmul", "gemm", spec, what)
+    if picked is None:
+        return None
+    arch, fam = picked
+    _log_copies(flat, given, shapes)
+    cfg = fam.heuristic(spec, flat.m, flat.n, flat.k, flat.l, arch_info.num_sms(arch))
+    binary, launch = _gemm_launcher(fam, arch, spec, cfg, flat, shapes, layouts.c_shape)
+
+    def impl(a, b, z):
+        return launch(a, b, {"z": (z, flat.c.shape, flat.c.stride)})[0]
+
+    if not _trusted("matmul", binary, impl, reference, (a_aval, b_aval, z_aval)):
         return None
     logger.info("jax_cute.matmul: %s on %s (%s)", binary.name, arch, what)
     return impl

@@ -15,6 +15,9 @@ A product's result is fused with what follows it when, in program order of the j
 
 and no value inside the group is used outside it (each is computed once, in the epilogue). A
 product without an activation is left as it is: XLA already fuses a lone bias into the next pass.
+Where such a group's result is an operand of the next product and nothing else (an MLP's two
+layers), ``find_chains`` pairs them: that product's backward GEMM then applies the
+activation's derivative in its epilogue (``primitives/dact.py``).
 A grouped product (``lax.ragged_dot``) takes the activation and the cast, not a bias (its bias
 is per group, which a model writes as a gather this matcher does not follow).
 """
@@ -31,15 +34,12 @@ import jax.extend as jex
 import jax.numpy as jnp
 import numpy as np
 
+from jax_cute.primitives.activations import FUNCTIONS, GATED
+
 Literal = jex.core.Literal
 
-# jax_cute's activation names and the jax.nn functions whose traces are matched
-ACTIVATION_FUNCTIONS: dict[str, Callable] = {
-    "relu": jax.nn.relu,
-    "gelu": functools.partial(jax.nn.gelu, approximate=True),
-    "gelu_exact": functools.partial(jax.nn.gelu, approximate=False),
-    "silu": jax.nn.silu,
-}
+# jax_cute's elementwise activation names and the jax.nn functions whose traces are matched
+ACTIVATION_FUNCTIONS: dict[str, Callable] = {k: f for k, f in FUNCTIONS.items() if k not in GATED}
 _OUTPUT_DTYPES = {np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32)}
 
 
@@ -216,3 +216,24 @@ def find_epilogues(jaxpr, products: dict[int, Any], unbiased: frozenset[int] = f
         taken |= set(group)
         found[p] = Epilogue(act, bias, source, source_shape, y, out_dtype, frozenset(group), swap)
     return found
+
+
+def find_chains(jaxpr, fused: dict[int, Epilogue], consumers: set[int]) -> dict[int, tuple[int, int]]:
+    """Products whose operand is the activated result of a fused product before them, so that
+    the backward GEMM of that operand can apply the activation's derivative in its epilogue:
+    {consumer product index: (fused product index, operand position 0 or 1)}. ``fused`` is
+    ``find_epilogues``' result, ``consumers`` the products that may take a chained operand. The
+    result must be 16-bit (a kernel operand as it is) and read by that one product only, once."""
+    uses = _uses(jaxpr)
+    chains: dict[int, tuple[int, int]] = {}
+    for p, ep in fused.items():
+        if jaxpr.eqns[p].primitive.name != "dot_general" or np.dtype(ep.out_dtype).itemsize != 2:
+            continue
+        readers = uses.get(ep.out, [])
+        if len(readers) != 1 or readers[0] not in consumers or readers[0] in chains:
+            continue
+        q = readers[0]
+        pos = [i for i, v in enumerate(jaxpr.eqns[q].invars) if v is ep.out]
+        if len(pos) == 1 and pos[0] < 2:
+            chains[q] = (p, pos[0])
+    return chains

@@ -46,8 +46,8 @@ from jax.interpreters import partial_eval as pe
 
 from jax_cute import config
 from jax_cute.dispatch import FallbackError
-from jax_cute.epilogue_match import Epilogue, find_epilogues
-from jax_cute.primitives.dot_general import dot_general
+from jax_cute.epilogue_match import Epilogue, find_chains, find_epilogues
+from jax_cute.primitives.dot_general import chained_dot_general
 from jax_cute.primitives.matmul import _acc_dtype
 from jax_cute.primitives.ragged_dot import ragged_dot, ragged_k_p, ragged_m_p
 from jax_cute.primitives.ragged_layouts import RAGGED_K, RAGGED_M, cotangent, ragged_dot_layouts
@@ -86,11 +86,15 @@ class Product:
     reason: str | None = None             # why it stayed XLA's
     where: str = ""                       # enclosing primitives, outermost first ("scan/remat2")
     epilogue: str = ""                    # what was fused into its epilogue ("bias + gelu")
+    chained: str = ""                     # an operand that is the activated product before it ("lhs gelu")
 
     def describe(self) -> str:
         ops = " x ".join(f"{d}{list(s)}" for s, d in zip(self.shapes, self.dtypes))
         head = f"{'jax_cute' if self.kernelized else 'XLA':<8} {self.primitive} {ops} -> {self.out_dtype}{list(self.out_shape)}"
         head += f" with {self.epilogue} fused" if self.epilogue else ""
+        if self.chained:
+            operand, act = self.chained.split()
+            head += f", its {operand}'s {act} derivative in its backward GEMM"
         tail = f"  [in {self.where}]" if self.where else ""
         return head + tail + ("" if self.kernelized else f": {self.reason}")
 
@@ -155,9 +159,10 @@ def _ragged_form(rd) -> tuple | None:
 # -- rewriting products ------------------------------------------------------------------------
 
 def _dot(lhs, rhs, *, dimension_numbers, precision=None, preferred_element_type=None, bias=None, activation=None,
-         **_):
-    return dot_general(lhs, rhs, dimension_numbers, precision=precision, preferred_element_type=preferred_element_type,
-                       bias=bias, activation=activation)
+         preact=False, act_operand=None, **_):
+    return chained_dot_general(lhs, rhs, dimension_numbers, precision=precision,
+                               preferred_element_type=preferred_element_type, bias=bias, activation=activation,
+                               preact=preact, act_operand=act_operand)
 
 
 def _ragged(lhs, rhs, group_sizes, *, ragged_dot_dimension_numbers, preferred_element_type=None, out_aval, **_):
@@ -219,6 +224,11 @@ def _refusal(eqn) -> str | None:
     return None
 
 
+def _chained(chain) -> str:
+    """The report's words for a chained operand: "lhs gelu"."""
+    return "" if chain is None else f"{'lhs' if chain[0] == 'a' else 'rhs'} {chain[1]}"
+
+
 # -- the interpreter --------------------------------------------------------------------------
 
 class _Keep(Exception):
@@ -262,11 +272,12 @@ class _Interpreter:
         self.fuse = fuse
 
     # bookkeeping
-    def _record(self, eqn, kernelized: bool, reason: str | None = None, epilogue: Epilogue | None = None) -> None:
+    def _record(self, eqn, kernelized: bool, reason: str | None = None, epilogue: Epilogue | None = None,
+                chained: str = "") -> None:
         avals, out = [v.aval for v in eqn.invars], (epilogue.out if epilogue else eqn.outvars[0]).aval
         product = Product(eqn.primitive.name, tuple(tuple(a.shape) for a in avals),
                           tuple(np.dtype(a.dtype).name for a in avals), tuple(out.shape), np.dtype(out.dtype).name,
-                          kernelized, reason, "/".join(self.where), epilogue.describe() if epilogue else "")
+                          kernelized, reason, "/".join(self.where), epilogue.describe() if epilogue else "", chained)
         if not kernelized:
             if config.strict():
                 raise FallbackError("kernelize", product.describe())
@@ -291,18 +302,26 @@ class _Interpreter:
         for var, val in zip(jaxpr.invars, args, strict=True):
             env[var] = val
         fused = self._epilogues(jaxpr)
+        chains = self._chains(jaxpr, fused)
+        feeds = {p for p, _ in chains.values()}
+        preacts: dict = {}   # a chained fused product's result var -> its pre-activation
         skipped = {i for p, ep in fused.items() for i in (p, *ep.eqns)}
         at_last = {ep.last: p for p, ep in fused.items()}
         for i, eqn in enumerate(jaxpr.eqns):
             if i in skipped and i not in at_last:
                 continue
+            q = at_last.get(i, i)   # the product equation bound here
+            chain = None   # its operand that is a chained product's activated result: (which, act, z)
+            if q in chains:
+                p, pos = chains[q]
+                pos = 1 - pos if q in fused and fused[q].swap else pos
+                chain = ("ab"[pos], fused[p].activation, preacts[fused[p].out])
             if i in at_last:  # the product and its epilogue, as one fused call
-                p = at_last[i]
-                eqn, ep = jaxpr.eqns[p], fused[p]
+                eqn, ep = jaxpr.eqns[q], fused[q]
                 bias = None if ep.bias is None else (
                     jnp.reshape(read(ep.bias_source), ep.bias_shape) if ep.bias_source is not None else read(ep.bias))
                 with _context(eqn):
-                    self._record(eqn, True, epilogue=ep)
+                    self._record(eqn, True, epilogue=ep, chained=_chained(chain))
                     ins = [read(v) for v in eqn.invars]
                     if eqn.primitive.name == "ragged_dot_general":
                         env[ep.out] = ragged_dot(*ins[:2], ins[2].astype(jnp.int32), preferred_element_type=ep.out_dtype,
@@ -311,9 +330,18 @@ class _Interpreter:
                         params = {**eqn.params, "preferred_element_type": ep.out_dtype}
                         if ep.swap:
                             ins, params["dimension_numbers"] = ins[::-1], _swapped(eqn.params["dimension_numbers"])
-                        env[ep.out] = _dot(*ins, **params, bias=bias, activation=ep.activation)
+                        out = _dot(*ins, **params, bias=bias, activation=ep.activation, preact=q in feeds,
+                                   act_operand=chain)
+                        if q in feeds:
+                            out, preacts[ep.out] = out
+                        env[ep.out] = out
                 continue
             invals = [read(v) for v in eqn.invars]
+            if chain is not None:   # a plain product with a chained operand
+                with _context(eqn):
+                    self._record(eqn, True, chained=_chained(chain))
+                    env[eqn.outvars[0]] = _dot(*invals, **eqn.params, act_operand=chain)
+                continue
             with _context(eqn):
                 outs = self._eqn(eqn, invals)
             outs = outs if eqn.primitive.multiple_results else [outs]
@@ -336,6 +364,13 @@ class _Interpreter:
             products[i] = e.outvars[0]
         return find_epilogues(jaxpr, products, frozenset(grouped), functools.partial(_swappable, jaxpr)) \
             if products else {}
+
+    def _chains(self, jaxpr, fused: dict[int, Epilogue]) -> dict[int, tuple[int, int]]:
+        """Products taking a fused product's activated result as an operand (``find_chains``)."""
+        if not fused:
+            return {}
+        consumers = {i for i, e in enumerate(jaxpr.eqns) if e.primitive.name == "dot_general" and _refusal(e) is None}
+        return find_chains(jaxpr, fused, consumers)
 
     def _eqn(self, eqn, invals: list):
         name = eqn.primitive.name

@@ -400,9 +400,11 @@ def test_gpt_step_every_product_becomes_jax_cute():
     plain = jax.make_jaxpr(gpt.make_step(cfg, tx, kernelized=False))(*args)
     kern = jax.make_jaxpr(gpt.make_step(cfg, tx, kernelized=True))(*args)
     assert _count(kern, PRODUCTS) == 0
-    # the MLP's gelu is fused into its first product (jax_cute_matmul_fused, a GEMM too)
-    assert _count(kern, ("jax_cute_matmul", "jax_cute_matmul_fused")) >= _count(plain, ("dot_general",)) > 10
-    assert _count(kern, ("jax_cute_matmul_fused",)) >= 1
+    # the MLP's gelu is fused into its first product (jax_cute_matmul_fused, a GEMM too), and its
+    # derivative into the backward GEMM of the second (jax_cute_matmul_dact, a GEMM too)
+    gemms = ("jax_cute_matmul", "jax_cute_matmul_fused", "jax_cute_matmul_dact")
+    assert _count(kern, gemms) >= _count(plain, ("dot_general",)) > 10
+    assert _count(kern, ("jax_cute_matmul_fused",)) >= 1 and _count(kern, ("jax_cute_matmul_dact",)) >= 1
 
 
 def test_gpt_mlp_lowers_for_sm90a_without_an_xla_dot():

@@ -113,6 +113,14 @@ checks = {
     "ragged vmap bias gelu grad": (jax.grad(lambda x, w, b: jax.vmap(lambda x, g, b: jax_cute.ragged_dot(
         x, w, g, bias=b, activation="gelu"))(x, jnp.asarray([[100, 0, 37, 120], [0, 300, 0, 0]], jnp.int32), b)
         .astype(jnp.float32).sum(), (0, 1, 2)), (r(2, 300, 136), r(4, 136, 392), r(2, 4, 392))),
+    # kernelize's chain: the backward GEMM dout @ w2.T reads the pre-activation in its epilogue
+    # (odd rows, a cooperative and a pingpong pick)
+    "kernelized mlp dact grad": (jax.grad(lambda x, w1, w2: jax_cute.kernelize(
+        lambda x, w1, w2: jax.nn.gelu(x @ w1) @ w2)(x, w1, w2).astype(jnp.float32).sum(), (0, 1, 2)),
+        (r(1000, 136), r(136, 392), r(392, 136))),
+    "kernelized mlp dact grad large": (jax.grad(lambda x, w1, w2: jax_cute.kernelize(
+        lambda x, w1, w2: jax.nn.silu(x @ w1) @ w2)(x, w1, w2).astype(jnp.float32).sum(), (0, 1, 2)),
+        (r(2056, 512), r(512, 2048), r(2048, 512))),
     "matmul stream pdl chain": stream_chain(),
     "matmul grad": (jax.grad(lambda a, b: jax_cute.matmul(a, b).astype(jnp.float32).sum(), (0, 1)),
                     (r(264, 136), r(136, 72))),

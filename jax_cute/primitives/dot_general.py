@@ -79,6 +79,14 @@ def dot_general(lhs, rhs, dimension_numbers: DimensionNumbers, precision=None, p
     the rhs free dimensions, it is one bias per output column, what the kernels read); swiglu
     needs one rhs free dimension, holding [gate | up], and halves it.
     """
+    return constrain(chained_dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type, bias=bias,
+                                         activation=activation), out_sharding)
+
+
+def chained_dot_general(lhs, rhs, dimension_numbers: DimensionNumbers, precision=None, preferred_element_type=None,
+                        *, bias=None, activation: str | None = None, preact: bool = False, act_operand=None):
+    """``dot_general`` without the sharding constraint, for kernelize's chained products:
+    ``preact`` and ``act_operand`` as ``fused.epilogue_call``'s."""
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
     # lax's own shape rule: the same trace-time errors for bad dimension numbers and dtypes
     out = jax.eval_shape(lambda x, y: jax.lax.dot_general(x, y, dimension_numbers, precision=precision,
@@ -90,8 +98,8 @@ def dot_general(lhs, rhs, dimension_numbers: DimensionNumbers, precision=None, p
     batch = (norm(lb, lhs.ndim), norm(rb, rhs.ndim))
     layouts, shape = contraction_layouts(lhs.shape, rhs.shape, contracting, batch)
     assert shape == out.shape, (shape, out.shape)
-    return constrain(bind_gemm("dot_general", lhs, rhs, layouts, preferred_element_type, precision,
-                               out_dtype=out.dtype, bias=bias, activation=activation), out_sharding)
+    return bind_gemm("dot_general", lhs, rhs, layouts, preferred_element_type, precision, out_dtype=out.dtype,
+                     bias=bias, activation=activation, preact=preact, act_operand=act_operand)
 
 
 def einsum(subscripts: str, a, b, *, precision=None, preferred_element_type=None, out_sharding=None, bias=None,

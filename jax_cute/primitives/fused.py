@@ -42,48 +42,19 @@ import numpy as np
 from jax._src import dispatch as jax_dispatch  # no public API marks a primitive as needing devices
 from jax.extend import core
 from jax.interpreters import ad, batching, mlir
+from jax.interpreters import partial_eval as pe
 
 from jax_cute import dispatch
 from jax_cute import layout as L
 from jax_cute.layout import Layout, product
 from jax_cute.primitives import sharding
+from jax_cute.primitives.dact import align_batch, operand_p
+from jax_cute.primitives.activations import (ACTIVATIONS, GATED, apply_activation, check_activation, derivative_times,
+                                             epilogue_dtype)
 from jax_cute.primitives.gemm_layouts import GemmLayouts
 from jax_cute.primitives.ragged_layouts import batched_layout
 
 logger = logging.getLogger("jax_cute")
-
-ACTIVATIONS = ("relu", "gelu", "gelu_exact", "silu", "swiglu")
-
-
-def _swiglu(z):
-    half = z.shape[-1] // 2
-    return jax.nn.silu(z[..., :half]) * z[..., half:]
-
-
-_FUNCTIONS: dict[str, Callable] = {
-    "relu": jax.nn.relu,
-    "gelu": functools.partial(jax.nn.gelu, approximate=True),
-    "gelu_exact": functools.partial(jax.nn.gelu, approximate=False),
-    "silu": jax.nn.silu,
-    "swiglu": _swiglu,
-}
-
-
-def apply_activation(name: str | None, z):
-    """``name`` applied to ``z`` (swiglu along the last axis), as the ``jax.nn`` functions."""
-    return z if name is None else _FUNCTIONS[name](z)
-
-
-def check_activation(op: str, activation) -> None:
-    if activation is not None and activation not in _FUNCTIONS:
-        raise ValueError(f"jax_cute.{op}: unknown activation {activation!r} (choose one of "
-                         f"{', '.join(ACTIVATIONS)}, or None)")
-
-
-def epilogue_dtype(acc_dtype) -> np.dtype:
-    """Dtype the epilogue computes in: the accumulator's, at least float32."""
-    return np.promote_types(np.dtype(acc_dtype), np.float32)
-
 
 def check_float(op: str, out_dtype, bias) -> None:
     if not jnp.issubdtype(out_dtype, jnp.floating):
@@ -117,9 +88,17 @@ def _y_shape(layouts: GemmLayouts, activation) -> tuple[int, ...]:
     return c[:-1] + (c[-1] // 2,) if activation == "swiglu" else c
 
 
-def _abstract_eval(a, b, *bias, gemm, layouts: GemmLayouts, bias_layout, activation, preact, out_dtype,
-                   acc_dtype, precision=None):
+def _split_z(rest: tuple, act_operand) -> tuple[tuple, object]:
+    """(bias operands, Z or None) of the operands after A and B."""
+    return (rest[:-1], rest[-1]) if act_operand is not None else (rest, None)
+
+
+def _abstract_eval(a, b, *rest, gemm, layouts: GemmLayouts, bias_layout, activation, preact, out_dtype,
+                   acc_dtype, precision=None, act_operand=None):
     del gemm, acc_dtype, precision
+    bias, z = _split_z(rest, act_operand)
+    if z is not None and tuple(z.shape) != tuple((a if act_operand[0] == "a" else b).shape):
+        raise ValueError(f"jax_cute_matmul_fused: Z {z.shape} is not shaped like operand {act_operand[0]}")
     if int(np.prod(a.shape)) < layouts.a.cosize() or int(np.prod(b.shape)) < layouts.b.cosize():
         raise ValueError(f"jax_cute_matmul_fused: layouts {layouts.a} / {layouts.b} reach past buffers "
                          f"{a.shape} / {b.shape}")
@@ -189,8 +168,17 @@ def reference(a, b, *bias, layouts: GemmLayouts, bias_layout, activation, preact
 
 # The fused call holds the GEMM primitive's lowering, which partitions through
 # custom_partitioning: that needs the device assignment while lowering.
+def _without_z(rule: Callable) -> Callable:
+    """A lowering rule of the call without Z: the product never reads it, only its JVP does."""
+    def lowered(ctx, *args, act_operand=None, **params):
+        if act_operand is not None:
+            args, ctx = args[:-1], ctx.replace(avals_in=ctx.avals_in[:-1])
+        return rule(ctx, *args, **params)
+    return lowered
+
+
 jax_dispatch.prim_requires_devices_during_lowering.add(fused_p)
-mlir.register_lowering(fused_p, mlir.lower_fun(composed, multiple_results=True))
+mlir.register_lowering(fused_p, _without_z(mlir.lower_fun(composed, multiple_results=True)))
 
 
 def kernel_or_composed(kernel: Callable, reference: Callable, composed: Callable, op: str) -> Callable:
@@ -209,15 +197,23 @@ def kernel_or_composed(kernel: Callable, reference: Callable, composed: Callable
     return rule
 
 
-mlir.register_lowering(fused_p, kernel_or_composed(dispatch.fused_gemm, reference, composed, "matmul"),
+mlir.register_lowering(fused_p, _without_z(kernel_or_composed(dispatch.fused_gemm, reference, composed, "matmul")),
                        platform="cuda")
 
 
 # -- batching -----------------------------------------------------------------------------------
 
-def _batch_rule(args, dims, *, layouts: GemmLayouts, bias_layout, **params):
+def _batch_rule(args, dims, *, layouts: GemmLayouts, bias_layout, act_operand=None, **params):
     size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
-    a, b, *bias = args
+    (a, b, *bias), z = _split_z(tuple(args), act_operand)
+    if act_operand is not None:
+        # Z is read as its operand is: give it the operand's batch axis (an unbatched operand of a
+        # batched Z cannot be act(Z): the chain is dropped, the product stays as it is)
+        (_, dz), d_op = _split_z(tuple(dims), act_operand), dims[0 if act_operand[0] == "a" else 1]
+        if d_op is None and dz is not None:
+            act_operand, z = None, None
+        elif dz != d_op:
+            z = align_batch(z, dz, size, d_op)
     new = GemmLayouts(
         batched_layout(layouts.a, a.shape, dims[0], size, 2),
         batched_layout(layouts.b, b.shape, dims[1], size, 2),
@@ -226,7 +222,8 @@ def _batch_rule(args, dims, *, layouts: GemmLayouts, bias_layout, **params):
         (size,) + tuple(layouts.c_shape),
     )
     new_bias = batched_layout(bias_layout, bias[0].shape, dims[2], size, 2) if bias else None
-    outs = fused_p.bind(*args, layouts=new, bias_layout=new_bias, **params)
+    outs = fused_p.bind(a, b, *bias, *([] if z is None else [z]), layouts=new, bias_layout=new_bias,
+                        act_operand=act_operand, **params)
     return outs, [0] * len(outs)
 
 
@@ -236,27 +233,54 @@ batching.primitive_batchers[fused_p] = _batch_rule
 # -- autodiff -----------------------------------------------------------------------------------
 
 def _jvp(primals, tangents, *, gemm, layouts: GemmLayouts, bias_layout, activation, preact, out_dtype,
-         acc_dtype, precision=None):
-    a, b, *bias = primals
-    da, db, *dbias = tangents
+         acc_dtype, precision=None, act_operand=None):
+    (a, b, *bias), z = _split_z(tuple(primals), act_operand)
+    (da, db, *dbias), dz_op = _split_z(tuple(tangents), act_operand)
     params = dict(gemm=gemm, layouts=layouts, bias_layout=bias_layout, activation=activation,
                   out_dtype=out_dtype, acc_dtype=acc_dtype, precision=precision)
-    outs = fused_p.bind(*primals, preact=activation is not None or preact, **params)
+    outs = fused_p.bind(a, b, *bias, preact=activation is not None or preact, **params)
     epi = epilogue_dtype(acc_dtype)
     # dz = dA·B + A·dB + dbias, in the epilogue dtype; each GEMM's transpose rounds its
-    # cotangent to the operand dtype, as jax_cute_matmul's do
+    # cotangent to the operand dtype, as jax_cute_matmul's do. An operand that is act(Z) (a
+    # chain: act_operand) takes its term as act'(Z)·dZ through dact.operand_p, whose transpose
+    # puts the derivative into the gradient GEMM's epilogue; dA = act'(Z)·dZ itself is not read.
     terms = []
     gemm_params = dict(layouts=layouts, out_dtype=epi.name, acc_dtype=acc_dtype, precision=precision)
-    if type(da) is not ad.Zero:
-        terms.append(gemm.bind(da, b, **gemm_params))
-    if type(db) is not ad.Zero:
-        terms.append(gemm.bind(a, db, **gemm_params))
+    for which, d_op in (("a", da), ("b", db)):
+        x, w = (a, b) if which == "a" else (b, a)
+        if act_operand is not None and act_operand[0] == which:
+            if type(dz_op) is not ad.Zero:
+                terms.append(operand_p.bind(dz_op, w, z, gemm=gemm, which=which, activation=act_operand[1],
+                                            **gemm_params))
+        elif type(d_op) is not ad.Zero:
+            terms.append(gemm.bind(*((d_op, w) if which == "a" else (w, d_op)), **gemm_params))
     if bias and type(dbias[0]) is not ad.Zero:
         terms.append(_bias_in_c(dbias[0], bias_layout, layouts, epi))
     return epilogue_tangents(outs, terms, activation=activation, preact=preact, out_dtype=out_dtype, epi=epi)
 
 
 ad.primitive_jvps[fused_p] = _jvp
+
+
+def _dce(used_outs: list[bool], *rest):
+    """Dead-code elimination (JAX calls it as (used_outs, eqn), or (used_outs, live_ins, eqn)):
+    Z is dropped, since only the JVP reads it, and an unread pre-activation output is not
+    written, so ``kernelize``'s chained calls cost nothing outside autodiff."""
+    eqn = rest[-1]
+    if not any(used_outs):
+        return [False] * len(eqn.invars), None
+    params, invars, outvars = dict(eqn.params), list(eqn.invars), list(eqn.outvars)
+    used = [True] * len(invars)
+    if params.get("act_operand") is not None:
+        params["act_operand"], used[-1], invars = None, False, invars[:-1]
+    if params["preact"] and len(outvars) == 2 and not used_outs[1]:
+        params["preact"], outvars = False, outvars[:1]
+    if params == eqn.params:
+        return used, eqn
+    return used, eqn.replace(params=params, invars=invars, outvars=outvars)
+
+
+pe.dce_rules[fused_p] = _dce
 
 
 def epilogue_tangents(outs: list, terms: list, *, activation, preact: bool, out_dtype, epi) -> tuple[list, list]:
@@ -271,7 +295,7 @@ def epilogue_tangents(outs: list, terms: list, *, activation, preact: bool, out_
     if activation is None:
         return outs, [dz.astype(out_dtype)] * len(outs)
     y, z = outs
-    dy = jax.jvp(functools.partial(apply_activation, activation), (z.astype(epi),), (dz,))[1]
+    dy = derivative_times(activation, z, dz, epi)
     if preact:
         return [y, z], [dy.astype(out_dtype), dz.astype(out_dtype)]
     return [y], [dy.astype(out_dtype)]
@@ -302,13 +326,18 @@ def broadcast_bias_layout(op: str, bias_shape: tuple[int, ...], out_shape: tuple
 
 
 def epilogue_call(op: str, gemm, a, b, layouts: GemmLayouts, out_shape: tuple[int, ...], *, bias, activation,
-                  out_dtype, acc_dtype, precision=None):
+                  out_dtype, acc_dtype, precision=None, preact: bool = False, act_operand=None):
     """``act(a' @ b' + bias)`` for ``jax_cute.{op}``: ``a``, ``b`` already of one dtype, ``layouts``
     the product's and ``out_shape`` its result's shape (with swiglu: the pre-activation's, whose
     last axis, N, holds [gate | up]), ``gemm`` the GEMM primitive.
 
     ``bias`` broadcasts against ``out_shape`` by numpy's rules: (N,) (one bias per column, what
-    the kernels read), the full shape, or anything between."""
+    the kernels read), the full shape, or anything between.
+
+    For ``kernelize``'s chains of two products (``dact.py``): ``preact`` returns ``(y, z)``, the
+    pre-activation too (an elementwise activation), shaped like ``y``; ``act_operand`` =
+    (``"a"`` or ``"b"``, activation, z) says that operand is ``act(z)`` of such a call, so the
+    backward GEMM of that operand applies the activation's derivative in its epilogue."""
     out_dtype = np.dtype(out_dtype)
     bias = checked_options(op, out_dtype, bias, activation)
     out_shape = tuple(out_shape)
@@ -318,12 +347,19 @@ def epilogue_call(op: str, gemm, a, b, layouts: GemmLayouts, out_shape: tuple[in
             raise ValueError(f"jax_cute.{op}: swiglu needs the product's last axis to be its only N (rhs free) "
                              f"axis, holding [gate | up]; the product's shape is {out_shape}")
         check_swiglu(op, activation, out_shape[-1])
+    if preact and (activation not in ACTIVATIONS or activation in GATED):
+        raise ValueError(f"jax_cute.{op}: the pre-activation output takes an elementwise activation, not {activation}")
     bias_layout, args = None, [a, b]
     if bias is not None:
         bias_layout = broadcast_bias_layout(op, tuple(bias.shape), out_shape, layouts)
         args.append(bias)
-    y, = fused_p.bind(*args, gemm=gemm, layouts=layouts, bias_layout=bias_layout, activation=activation,
-                      preact=False, out_dtype=out_dtype.name, acc_dtype=np.dtype(acc_dtype).name,
-                      precision=precision)
+    if act_operand is not None:
+        which, act, z = act_operand
+        args.append(jnp.reshape(z, (a if which == "a" else b).shape))
+        act_operand = (which, act)
+    outs = fused_p.bind(*args, gemm=gemm, layouts=layouts, bias_layout=bias_layout, activation=activation,
+                        preact=preact, out_dtype=out_dtype.name, acc_dtype=np.dtype(acc_dtype).name,
+                        precision=precision, act_operand=act_operand)
     shape = out_shape[:-1] + (out_shape[-1] // 2,) if activation == "swiglu" else out_shape
-    return jnp.reshape(y, shape) if y.shape != shape else y
+    outs = [jnp.reshape(x, shape) if x.shape != shape else x for x in outs]
+    return tuple(outs) if preact else outs[0]

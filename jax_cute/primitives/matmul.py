@@ -193,11 +193,13 @@ def check_operand_dtypes(op: str, a, b) -> None:
 
 
 def bind_gemm(op: str, a, b, layouts: GemmLayouts, preferred_element_type, precision, out_dtype=None, *,
-              out_shape: tuple[int, ...] | None = None, bias=None, activation: str | None = None):
+              out_shape: tuple[int, ...] | None = None, bias=None, activation: str | None = None,
+              preact: bool = False, act_operand=None):
     """The product as ``jax_cute_matmul`` (or, with ``bias``/``activation``, the fused epilogue
     primitive), with numpy-style dtype promotion (both operands cast to their result type) and
     the output dtype ``preferred_element_type`` or ``out_dtype`` or that type; the result has
-    ``out_shape`` (default: C's buffer shape)."""
+    ``out_shape`` (default: C's buffer shape). ``preact`` and ``act_operand``: kernelize's chained
+    products (``fused.epilogue_call``)."""
     check_operand_dtypes(op, a, b)
     dtype = jnp.result_type(a, b)
     a, b = a.astype(dtype), b.astype(dtype)
@@ -206,9 +208,10 @@ def bind_gemm(op: str, a, b, layouts: GemmLayouts, preferred_element_type, preci
     if jnp.issubdtype(out, jnp.floating) and not jnp.issubdtype(acc, jnp.inexact):
         acc = np.dtype("float32")
     shape = tuple(layouts.c_shape) if out_shape is None else tuple(out_shape)
-    if bias is not None or activation is not None:
+    if bias is not None or activation is not None or preact or act_operand is not None:
         return fused.epilogue_call(op, matmul_p, a, b, layouts, shape, bias=bias, activation=activation,
-                                   out_dtype=out, acc_dtype=acc, precision=precision)
+                                   out_dtype=out, acc_dtype=acc, precision=precision, preact=preact,
+                                   act_operand=act_operand)
     c = matmul_p.bind(a, b, layouts=layouts, out_dtype=out.name, acc_dtype=acc.name, precision=precision)
     return jnp.reshape(c, shape) if c.shape != shape else c
 

@@ -1,0 +1,277 @@
+"""An activation's derivative inside the backward GEMM of the product that consumes it.
+
+In ``out = act(z) · W`` (an MLP's two layers, ``z`` the first one's pre-activation) the backward
+pass computes ``dz = act'(z) ⊙ (dout · Wᵀ)``. Unfused, the GEMM writes ``dout · Wᵀ`` and XLA
+reads it back with ``z`` to multiply; here that GEMM multiplies in its epilogue and writes
+``dz`` once. Two linear primitives carry it:
+
+- ``jax_cute_matmul_dact_operand`` (``operand_p``): ``(act'(Z) ⊙ X) · W`` (or ``W · (act'(Z) ⊙ X)``),
+  ``Z`` laid out as ``X``. It is the tangent term a chained product's JVP emits for its
+  activated operand (``fused.py``: a ``jax_cute_matmul_fused`` whose operand is ``act(z)`` of
+  the call before it, as ``kernelize`` chains them). Evaluated only by forward-mode autodiff:
+  an XLA multiply, then the GEMM.
+- ``jax_cute_matmul_dact`` (``dact_p``): ``act'(Z) ⊙ (A · B)``, ``Z`` read through a layout of
+  its own at C's (M, N, L) coordinates, in float32 on the accumulator and rounded once. It is
+  ``operand_p``'s transpose with respect to ``X``: on CUDA the GEMM kernel's epilogue reads
+  ``Z`` (``dispatch.dact_gemm``); elsewhere the GEMM with a float32 output, then the multiply
+  in XLA.
+
+Both are linear in the GEMM's operands; their JVP in ``Z`` is that of the XLA form. Batching
+composes layouts as ``jax_cute_matmul``'s does, ``Z`` kept aligned with what it is read as. Each
+transposes into the other where the GEMM's transpose is a plain permutation of modes, and
+otherwise into the GEMM's own transpose and an XLA multiply. The derivative is ``jax.jvp`` of
+the ``jax.nn`` activation (``activations.derivative_times``), as XLA computes it unfused. The
+GEMM primitive is a parameter (``gemm``), as in ``fused.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax._src import dispatch as jax_dispatch  # no public API marks a primitive as needing devices
+from jax.extend import core
+from jax.interpreters import ad, batching, mlir
+
+from jax_cute import dispatch
+from jax_cute import layout as L
+from jax_cute.layout import Layout, product
+from jax_cute.primitives import sharding
+from jax_cute.primitives.activations import derivative_times, epilogue_dtype
+from jax_cute.primitives.gemm_layouts import GemmLayouts, cotangent_a, cotangent_b
+from jax_cute.primitives.ragged_layouts import batched_layout
+
+logger = logging.getLogger("jax_cute")
+
+dact_p = core.Primitive("jax_cute_matmul_dact")
+operand_p = core.Primitive("jax_cute_matmul_dact_operand")
+
+
+def _z_in_c(z, z_layout: Layout, layouts: GemmLayouts, dtype):
+    """Z as a buffer shaped like C (broadcast where its layout has stride 0)."""
+    return L.write(L.read(z, z_layout).astype(dtype), layouts.c, layouts.c_shape)
+
+
+def _gemm_params(params: dict) -> dict:
+    return {k: params[k] for k in ("layouts", "out_dtype", "acc_dtype", "precision")}
+
+
+def _zero_like(aval):
+    return ad.Zero(aval.to_tangent_aval() if hasattr(aval, "to_tangent_aval") else aval)
+
+
+# -- dact_p: act'(Z) ⊙ (A · B) --------------------------------------------------------------------
+
+def _dact_abstract_eval(a, b, z, *, gemm, layouts: GemmLayouts, z_layout: Layout, activation, out_dtype,
+                        acc_dtype, precision=None):
+    del gemm, activation, acc_dtype, precision
+    for name, x, lay in (("a", a, layouts.a), ("b", b, layouts.b), ("z", z, z_layout)):
+        if int(np.prod(x.shape)) < lay.cosize():
+            raise ValueError(f"jax_cute_matmul_dact: layout {lay} of {name} reaches past its buffer {x.shape}")
+    return jax.core.ShapedArray(tuple(layouts.c_shape), np.dtype(out_dtype))
+
+
+dact_p.def_abstract_eval(_dact_abstract_eval)
+dact_p.def_impl(lambda *args, **params: jax.jit(functools.partial(dact_p.bind, **params))(*args))
+
+
+def dact_composed(a, b, z, *, gemm, layouts: GemmLayouts, z_layout: Layout, activation, out_dtype, acc_dtype,
+                  precision=None):
+    """The GEMM primitive with a float32 (epilogue dtype) output, then the multiply in XLA."""
+    epi = epilogue_dtype(acc_dtype)
+    acc = gemm.bind(a, b, layouts=layouts, out_dtype=epi.name, acc_dtype=acc_dtype, precision=precision)
+    return derivative_times(activation, _z_in_c(z, z_layout, layouts, epi), acc, epi).astype(out_dtype)
+
+
+def _dact_cuda(ctx, a, b, z, *, gemm, **params):
+    """On one shard, the GEMM kernel with the derivative in its epilogue where dispatch picks one;
+    otherwise (a partitioned call too: the GEMM primitive partitions itself) ``dact_composed``."""
+    composed = functools.partial(dact_composed, gemm=gemm, **params)
+    if sharding._one_shard(ctx.module_context.axis_context):
+        impl = dispatch.dact_gemm(*ctx.avals_in, reference=composed, **params)
+        if impl is not None:
+            return mlir.lower_fun(impl, multiple_results=False)(ctx, a, b, z)
+    return mlir.lower_fun(composed, multiple_results=False)(ctx, a, b, z)
+
+
+jax_dispatch.prim_requires_devices_during_lowering.add(dact_p)
+mlir.register_lowering(dact_p, mlir.lower_fun(dact_composed, multiple_results=False))
+mlir.register_lowering(dact_p, _dact_cuda, platform="cuda")
+
+
+def _gemm_batched(layouts: GemmLayouts, a_shape, b_shape, da, db, size: int) -> GemmLayouts:
+    """``layouts`` vmapped over A and B at ``da``/``db``; the output's batch axis is 0 (as
+    ``jax_cute_matmul``'s batching rule)."""
+    return GemmLayouts(batched_layout(layouts.a, a_shape, da, size, 2), batched_layout(layouts.b, b_shape, db, size, 2),
+                       layouts.c.append_to_mode(2, size, product(layouts.c_shape)), (size,) + tuple(layouts.c_shape))
+
+
+def _size(args, dims) -> int:
+    return next(x.shape[d] for x, d in zip(args, dims) if d is not None)
+
+
+def align_batch(x, dim: int | None, size: int, target: int):
+    """``x`` (batched at ``dim``, or unbatched: None) with its batch axis at ``target``."""
+    if dim is None:
+        return jnp.broadcast_to(jnp.expand_dims(x, target), x.shape[:target] + (size,) + x.shape[target:])
+    return jnp.moveaxis(x, dim, target)
+
+
+def _dact_batch(args, dims, *, layouts: GemmLayouts, z_layout: Layout, **params):
+    a, b, z = args
+    size = _size(args, dims)
+    new = _gemm_batched(layouts, a.shape, b.shape, dims[0], dims[1], size)
+    return dact_p.bind(a, b, z, layouts=new, z_layout=batched_layout(z_layout, z.shape, dims[2], size, 2),
+                       **params), 0
+
+
+batching.primitive_batchers[dact_p] = _dact_batch
+
+
+def _dact_jvp(primals, tangents, **params):
+    a, b, z = primals
+    da, db, dz = tangents
+    out = dact_p.bind(a, b, z, **params)
+    terms = []
+    if type(da) is not ad.Zero:
+        terms.append(dact_p.bind(da, b, z, **params))
+    if type(db) is not ad.Zero:
+        terms.append(dact_p.bind(a, db, z, **params))
+    if type(dz) is not ad.Zero:
+        terms.append(jax.jvp(lambda z: dact_composed(a, b, z, **params), (z,), (dz,))[1])
+    if not terms:
+        return out, _zero_like(jax.typeof(out))
+    return out, functools.reduce(jnp.add, terms)
+
+
+ad.primitive_jvps[dact_p] = _dact_jvp
+
+
+def _dact_transpose(ct, a, b, z, *, gemm, layouts: GemmLayouts, z_layout: Layout, activation, out_dtype,
+                    acc_dtype, precision=None):
+    """The cotangent scaled by act'(Z) in XLA, then the GEMM's own transpose (a
+    second-order derivative's path: the backward pass never transposes this primitive)."""
+    if ad.is_undefined_primal(z):
+        raise NotImplementedError("jax_cute_matmul_dact is not linear in Z")
+    if type(ct) is ad.Zero:
+        return [None if not ad.is_undefined_primal(x) else ad.Zero(x.aval) for x in (a, b)] + [None]
+    epi = epilogue_dtype(acc_dtype)
+    s = derivative_times(activation, _z_in_c(z, z_layout, layouts, epi), ct, epi).astype(ct.dtype)
+    cts = ad.get_primitive_transpose(gemm)(s, a, b, layouts=layouts, out_dtype=out_dtype, acc_dtype=acc_dtype,
+                                           precision=precision)
+    return list(cts) + [None]
+
+
+ad.primitive_transposes[dact_p] = _dact_transpose
+
+
+# -- operand_p: (act'(Z) ⊙ X) · W, or W · (act'(Z) ⊙ X) --------------------------------------------
+
+def _operands(x, w, which: str) -> tuple:
+    return (x, w) if which == "a" else (w, x)
+
+
+def _operand_abstract_eval(x, w, z, *, gemm, which, layouts: GemmLayouts, activation, out_dtype, acc_dtype,
+                           precision=None):
+    del activation
+    if tuple(z.shape) != tuple(x.shape):
+        raise ValueError(f"jax_cute_matmul_dact_operand: Z {z.shape} is not shaped like its operand {x.shape}")
+    return gemm.abstract_eval(*_operands(x, w, which), layouts=layouts, out_dtype=out_dtype, acc_dtype=acc_dtype,
+                              precision=precision)[0]
+
+
+operand_p.def_abstract_eval(_operand_abstract_eval)
+operand_p.def_impl(lambda *args, **params: jax.jit(functools.partial(operand_p.bind, **params))(*args))
+
+
+def _scaled_operand(x, z, activation: str, acc_dtype):
+    return derivative_times(activation, z, x, epilogue_dtype(acc_dtype)).astype(x.dtype)
+
+
+def operand_composed(x, w, z, *, gemm, which, layouts: GemmLayouts, activation, out_dtype, acc_dtype,
+                     precision=None):
+    """act'(Z) ⊙ X in XLA (rounded to X's dtype), then the GEMM primitive."""
+    s = _scaled_operand(x, z, activation, acc_dtype)
+    return gemm.bind(*_operands(s, w, which), layouts=layouts, out_dtype=out_dtype, acc_dtype=acc_dtype,
+                     precision=precision)
+
+
+jax_dispatch.prim_requires_devices_during_lowering.add(operand_p)
+mlir.register_lowering(operand_p, mlir.lower_fun(operand_composed, multiple_results=False))
+
+
+def _operand_batch(args, dims, *, which, layouts: GemmLayouts, **params):
+    x, w, z = args
+    dx, dw, dz = dims
+    size = _size(args, dims)
+    if dz != dx:   # Z is read through X's layout: give it X's batch axis
+        if dx is None:
+            x, dx = align_batch(x, None, size, 0), 0
+        z = align_batch(z, dz, size, dx)
+    a, b = _operands(x, w, which)
+    (da, db), (sa, sb) = _operands(dx, dw, which), (a.shape, b.shape)
+    new = _gemm_batched(layouts, sa, sb, da, db, size)
+    return operand_p.bind(x, w, z, which=which, layouts=new, **params), 0
+
+
+batching.primitive_batchers[operand_p] = _operand_batch
+
+
+def _operand_jvp(primals, tangents, **params):
+    x, w, z = primals
+    dx, dw, dz = tangents
+    out = operand_p.bind(x, w, z, **params)
+    terms = []
+    if type(dx) is not ad.Zero:
+        terms.append(operand_p.bind(dx, w, z, **params))
+    if type(dw) is not ad.Zero:
+        terms.append(operand_p.bind(x, dw, z, **params))
+    if type(dz) is not ad.Zero:
+        terms.append(jax.jvp(lambda z: operand_composed(x, w, z, **params), (z,), (dz,))[1])
+    if not terms:
+        return out, _zero_like(jax.typeof(out))
+    return out, functools.reduce(jnp.add, terms)
+
+
+ad.primitive_jvps[operand_p] = _operand_jvp
+
+
+def _plain_permutation(layouts: GemmLayouts, which: str) -> bool:
+    """Whether the operand ``which`` is read once per batch (no L sub-mode of stride 0): its
+    gradient GEMM is then the product's modes permuted, with nothing to sum over a broadcast."""
+    lay = layouts.a if which == "a" else layouts.b
+    return not any(d == 0 and s > 1 for s, d in lay.mode(2).flat_modes())
+
+
+def _operand_transpose(ct, x, w, z, *, gemm, which, layouts: GemmLayouts, activation, out_dtype, acc_dtype,
+                       precision=None):
+    """With respect to X: ``act'(Z) ⊙ (ct · Wᵀ)`` as one ``jax_cute_matmul_dact`` (the derivative
+    in the gradient GEMM's epilogue, Z read exactly as that GEMM writes X's buffer) where X is a
+    16-bit float read once per batch; otherwise the GEMM's own transpose, then the multiply.
+    With respect to W: the GEMM's transpose over the scaled X."""
+    if ad.is_undefined_primal(z):
+        raise NotImplementedError("jax_cute_matmul_dact_operand is not linear in Z")
+    gemm_params = dict(layouts=layouts, out_dtype=out_dtype, acc_dtype=acc_dtype, precision=precision)
+    if type(ct) is ad.Zero:
+        return [ad.Zero(v.aval) if ad.is_undefined_primal(v) else None for v in (x, w)] + [None]
+    transpose = ad.get_primitive_transpose(gemm)
+    if ad.is_undefined_primal(w):
+        s = _scaled_operand(x, z, activation, acc_dtype)
+        cts = transpose(ct, *_operands(s, w, which), **gemm_params)
+        return [None, cts[1 if which == "a" else 0], None]
+    dtype = np.dtype(x.aval.dtype)
+    if dtype.itemsize == 2 and jnp.issubdtype(dtype, jnp.floating) and _plain_permutation(layouts, which):
+        folded = (cotangent_a if which == "a" else cotangent_b)(layouts, x.aval.shape)
+        # (Z has X's buffer and layout, which the gradient GEMM writes through folded.c)
+        return [dact_p.bind(ct.astype(dtype), w, z, gemm=gemm, layouts=folded, z_layout=folded.c,
+                            activation=activation, out_dtype=dtype.name, acc_dtype=acc_dtype,
+                            precision=precision), None, None]
+    cts = transpose(ct, *_operands(x, w, which), **gemm_params)
+    raw = cts[0 if which == "a" else 1]
+    return [_scaled_operand(raw, z, activation, acc_dtype), None, None]
+
+
+ad.primitive_transposes[operand_p] = _operand_transpose
