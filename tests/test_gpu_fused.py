@@ -461,7 +461,10 @@ def test_ragged_epilogue_under_vmap(activation, bias):
     _no_xla_epilogue(text)
     argnums = (0, 1) if bias is None else (0, 1, 2)
     grad = jax.grad(loss, argnums=argnums)
-    assert _compiled(grad, x16, w16, c16).count('custom_call_target="jax_cute_launch') == 3
+    # the forward kernel (writing the pre-activation too) and the two gradient GEMMs; without an
+    # activation the loss is linear in y and the forward GEMM is dead
+    launches = 2 if activation is None else 3
+    assert _compiled(grad, x16, w16, c16).count('custom_call_target="jax_cute_launch') == launches
     y = jax.jit(lambda x, w, c: f(x, w, gs, c))(x16, w16, c16)
     grads = jax.jit(grad)(x16, w16, c16)
     x, w = np.asarray(x16.astype(jnp.float32)), np.asarray(w16.astype(jnp.float32))
