@@ -4,8 +4,8 @@ written unfused (jax_cute GEMMs, then jnp ops) and against XLA, bf16.
 A GELU MLP block (8192 tokens, 4096 -> 14336 -> 4096, bias) forward, and forward + backward
 (also with jax.checkpoint around the fused layer: the backward recomputes the pre-activation
 instead of reading the saved one, and the XLA layer as written through ``jax_cute.kernelize``,
-which fuses its first bias and gelu); a SwiGLU MLP block (8192 tokens, 4096 -> 2 x 14336 -> 4096,
-no bias) forward + backward; a SwiGLU MoE layer (8 experts, top-2, 4096 -> 14336 -> 4096)
+which fuses its first bias and gelu, and gelu's derivative into the backward GEMM after it); a
+SwiGLU MLP block (8192 tokens, 4096 -> 2 x 14336 -> 4096, no bias) forward + backward; a SwiGLU MoE layer (8 experts, top-2, 4096 -> 14336 -> 4096)
 forward + backward, fused (ragged_dot(..., activation="swiglu")) against unfused. Each record
 carries ``epilogue_bytes``: the bytes the implementation's GEMM epilogues and elementwise
 passes write between the GEMMs, computed from the shapes (``traffic``), so the report shows
@@ -55,7 +55,8 @@ def mlp_xla(x, w1, b1, w2, b2):
     return jax.nn.gelu(x @ w1 + b1) @ w2 + b2
 
 
-# the XLA layer as written, through kernelize: its bias and gelu become the first GEMM's epilogue
+# the XLA layer as written, through kernelize: its bias and gelu become the first GEMM's epilogue,
+# and gelu's derivative the epilogue of the backward GEMM of the second
 mlp_kernelized = jax_cute.kernelize(mlp_xla)
 
 

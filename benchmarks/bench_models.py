@@ -1,7 +1,7 @@
 """Models suite: a GPT decoder's training step (examples/gpt_training.py), kernelized with
 jax_cute.kernelize against the same model on XLA (and kernelized without fusing the MLP's gelu
-into its first GEMM), dense and with a mixture-of-experts feed-forward, bf16 with f32 master
-weights and AdamW."""
+into its first GEMM and its derivative into the backward GEMM of the second), dense and with a
+mixture-of-experts feed-forward, bf16 with f32 master weights and AdamW."""
 
 from __future__ import annotations
 

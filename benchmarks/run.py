@@ -194,9 +194,10 @@ SUITE_NOTE = {
     "models": "The training step of `examples/gpt_training.py` (embeddings, pre-norm blocks of causal attention "
               "through `jnp.einsum` and a GELU MLP or a top-2 mixture of experts on `lax.ragged_dot`, layers "
               "under `lax.scan` + `jax.checkpoint`, tied LM head, AdamW; bf16 products, f32 master weights): "
-              "*jax_cute* is `jax.value_and_grad(jax_cute.kernelize(loss))`, *XLA* the model as written; "
-              "*gelu not fused*: `kernelize(loss, fuse_epilogues=False)`, the MLP's (or the experts') gelu an "
-              "XLA pass after the GEMM.",
+              "*jax_cute* is `jax.value_and_grad(jax_cute.kernelize(loss))` (the dense MLP's gelu in its first "
+              "GEMM's epilogue, its derivative in the backward GEMM of the second; the experts' gelu in the grouped "
+              "kernel's epilogue), *XLA* the model as written; *gelu not fused*: "
+              "`kernelize(loss, fuse_epilogues=False)`, the gelu and its derivative XLA passes.",
     "layouts": "XLA: the same `jnp.einsum` / `jnp.matmul` expression. Attention products read (B, T, H, D) "
                "activations and write their outputs in the einsum's order; the LM head has a 50257-word "
                "vocabulary (rows padded to 16 bytes inside the lowering); *vmap of batched* maps axis 1 of a "
@@ -219,7 +220,9 @@ SUITE_NOTE = {
              "*jax.checkpoint* recomputes the pre-activation in the backward instead. SwiGLU: each tile loads the "
              "gate columns with the up columns they pair with, in `matmul` and in `ragged_dot`'s grouped kernel. "
              "*kernelize(XLA layer)*: the XLA layer as written, through `jax_cute.kernelize`, which finds its first "
-             "bias and gelu and fuses them as *jax_cute fused* does (the second bias stays an XLA pass).",
+             "bias and gelu and fuses them as *jax_cute fused* does (the second bias stays an XLA pass), and chains "
+             "the second product to them: under `grad` the backward GEMM `dout @ w2ᵀ` applies gelu's derivative in "
+             "its epilogue, where *jax_cute fused* leaves it to one XLA pass.",
 }
 
 
