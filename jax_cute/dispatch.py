@@ -241,6 +241,22 @@ def _epilogue_family(kind: str, bias: bool, activation: str | None, two_outputs:
     return fam
 
 
+def _epilogue_plan(a_aval, b_aval, layouts: GemmLayouts, dts, what: str, **family):
+    """(family, flat problem, buffer shapes, given shapes) of a dense GEMM with a fused epilogue, or None
+    after logging why the epilogue runs in XLA: the family fuses no such epilogue
+    (``_epilogue_family``'s ``family`` arguments), or no kernel layout exists."""
+    fam = _epilogue_family("gemm", **family)
+    if isinstance(fam, str):
+        _epilogue_in_xla(fam, what)
+        return None
+    given = [tuple(a_aval.shape), tuple(b_aval.shape), tuple(layouts.c_shape)]
+    flat, shapes = plan_gemm(layouts, given, dts)
+    if isinstance(flat, str):
+        _epilogue_in_xla(flat, what)
+        return None
+    return fam, flat, shapes, given
+
+
 def _bias_per_column(bias_aval, bias_layout, n: int) -> bool:
     """Whether the bias is one (N,) row broadcast over M and every batch: what kernels read."""
     if bias_aval is None:
@@ -289,15 +305,11 @@ def fused_gemm(a_aval, b_aval, *bias_aval, layouts: GemmLayouts, bias_layout, ac
         return None
     # without an activation the pre-activation is the output itself
     two_outputs = preact and bool(activation)
-    fam = _epilogue_family("gemm", bias is not None, activation, two_outputs)
-    if isinstance(fam, str):
-        _epilogue_in_xla(fam, what)
+    planned = _epilogue_plan(a_aval, b_aval, layouts, dts, what, bias=bias is not None, activation=activation,
+                             two_outputs=two_outputs)
+    if planned is None:
         return None
-    given = [tuple(a_aval.shape), tuple(b_aval.shape), tuple(layouts.c_shape)]
-    flat, shapes = plan_gemm(layouts, given, dts)
-    if isinstance(flat, str):
-        _epilogue_in_xla(flat, what)
-        return None
+    fam, flat, shapes, given = planned
     if flat.n != ext["n"]:
         _epilogue_in_xla("a batch mode folds into N, so output columns no longer index the bias", what)
         return None
@@ -356,15 +368,11 @@ def dact_gemm(a_aval, b_aval, z_aval, *, layouts: GemmLayouts, z_layout: Layout,
             or not _same_layout(z_layout, layouts.c):
         _epilogue_in_xla("kernels read the pre-activation laid out as the output, in its dtype", what)
         return None
-    fam = _epilogue_family("gemm", False, None, False, dact=True)
-    if isinstance(fam, str):
-        _epilogue_in_xla(fam, what)
+    planned = _epilogue_plan(a_aval, b_aval, layouts, dts, what, bias=False, activation=None, two_outputs=False,
+                             dact=True)
+    if planned is None:
         return None
-    given = [tuple(a_aval.shape), tuple(b_aval.shape), tuple(layouts.c_shape)]
-    flat, shapes = plan_gemm(layouts, given, dts)
-    if isinstance(flat, str):
-        _epilogue_in_xla(flat, what)
-        return None
+    _, flat, shapes, given = planned
     if tuple(shapes[2]) != tuple(layouts.c_shape) or flat.batch_modes != 1:
         _epilogue_in_xla("the output needs padding or more than one batch mode", what)
         return None

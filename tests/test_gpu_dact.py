@@ -18,26 +18,13 @@ import numpy as np
 import pytest
 
 import jax_cute
-from jax_cute import config
-from test_gpu_fused import _act64, _compiled, _no_xla_epilogue, _rand, assert_close
+# (the autouse fixtures too: a compute capability 9.0 GPU, strict mode, NaN-filled outputs)
+from test_gpu_fused import _act64, _compiled, _hopper, _no_xla_epilogue, _rand, _strict_and_nan_filled, assert_close  # noqa: F401
 
 pytestmark = pytest.mark.gpu
 
 # (tokens M, model width D, hidden width F): an odd M, a D whose rows the plan pads, one row
 SIZES = [(1000, 136, 392), (257, 100, 520), (1, 64, 136)]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _hopper():
-    cc = jax.devices()[0].compute_capability if jax.default_backend() == "gpu" else None
-    if cc != "9.0":
-        pytest.skip(f"needs a compute capability 9.0 GPU, got {cc}")
-
-
-@pytest.fixture(autouse=True)
-def _strict_and_nan_filled():
-    with config.override(strict=True, nan_fill=True):
-        yield
 
 
 def _model(act):

@@ -27,7 +27,6 @@ GEMM primitive is a parameter (``gemm``), as in ``fused.py``.
 from __future__ import annotations
 
 import functools
-import logging
 
 import jax
 import jax.numpy as jnp
@@ -44,8 +43,6 @@ from jax_cute.primitives.activations import derivative_times, epilogue_dtype
 from jax_cute.primitives.gemm_layouts import GemmLayouts, cotangent_a, cotangent_b
 from jax_cute.primitives.ragged_layouts import batched_layout
 
-logger = logging.getLogger("jax_cute")
-
 dact_p = core.Primitive("jax_cute_matmul_dact")
 operand_p = core.Primitive("jax_cute_matmul_dact_operand")
 
@@ -53,10 +50,6 @@ operand_p = core.Primitive("jax_cute_matmul_dact_operand")
 def _z_in_c(z, z_layout: Layout, layouts: GemmLayouts, dtype):
     """Z as a buffer shaped like C (broadcast where its layout has stride 0)."""
     return L.write(L.read(z, z_layout).astype(dtype), layouts.c, layouts.c_shape)
-
-
-def _gemm_params(params: dict) -> dict:
-    return {k: params[k] for k in ("layouts", "out_dtype", "acc_dtype", "precision")}
 
 
 def _zero_like(aval):
@@ -131,23 +124,27 @@ def _dact_batch(args, dims, *, layouts: GemmLayouts, z_layout: Layout, **params)
 batching.primitive_batchers[dact_p] = _dact_batch
 
 
-def _dact_jvp(primals, tangents, **params):
-    a, b, z = primals
-    da, db, dz = tangents
-    out = dact_p.bind(a, b, z, **params)
-    terms = []
-    if type(da) is not ad.Zero:
-        terms.append(dact_p.bind(da, b, z, **params))
-    if type(db) is not ad.Zero:
-        terms.append(dact_p.bind(a, db, z, **params))
-    if type(dz) is not ad.Zero:
-        terms.append(jax.jvp(lambda z: dact_composed(a, b, z, **params), (z,), (dz,))[1])
-    if not terms:
-        return out, _zero_like(jax.typeof(out))
-    return out, functools.reduce(jnp.add, terms)
+def _bilinear_jvp(prim, composed):
+    """The JVP rule of ``prim(a, b, z)``, bilinear in (a, b) and smooth in z: the primitive again
+    for each operand's tangent, and in z the JVP of its XLA form ``composed``."""
+    def jvp(primals, tangents, **params):
+        a, b, z = primals
+        da, db, dz = tangents
+        out = prim.bind(a, b, z, **params)
+        terms = []
+        if type(da) is not ad.Zero:
+            terms.append(prim.bind(da, b, z, **params))
+        if type(db) is not ad.Zero:
+            terms.append(prim.bind(a, db, z, **params))
+        if type(dz) is not ad.Zero:
+            terms.append(jax.jvp(lambda z: composed(a, b, z, **params), (z,), (dz,))[1])
+        if not terms:
+            return out, _zero_like(jax.typeof(out))
+        return out, functools.reduce(jnp.add, terms)
+    return jvp
 
 
-ad.primitive_jvps[dact_p] = _dact_jvp
+ad.primitive_jvps[dact_p] = _bilinear_jvp(dact_p, dact_composed)
 
 
 def _dact_transpose(ct, a, b, z, *, gemm, layouts: GemmLayouts, z_layout: Layout, activation, out_dtype,
@@ -220,23 +217,7 @@ def _operand_batch(args, dims, *, which, layouts: GemmLayouts, **params):
 batching.primitive_batchers[operand_p] = _operand_batch
 
 
-def _operand_jvp(primals, tangents, **params):
-    x, w, z = primals
-    dx, dw, dz = tangents
-    out = operand_p.bind(x, w, z, **params)
-    terms = []
-    if type(dx) is not ad.Zero:
-        terms.append(operand_p.bind(dx, w, z, **params))
-    if type(dw) is not ad.Zero:
-        terms.append(operand_p.bind(x, dw, z, **params))
-    if type(dz) is not ad.Zero:
-        terms.append(jax.jvp(lambda z: operand_composed(x, w, z, **params), (z,), (dz,))[1])
-    if not terms:
-        return out, _zero_like(jax.typeof(out))
-    return out, functools.reduce(jnp.add, terms)
-
-
-ad.primitive_jvps[operand_p] = _operand_jvp
+ad.primitive_jvps[operand_p] = _bilinear_jvp(operand_p, operand_composed)
 
 
 def _plain_permutation(layouts: GemmLayouts, which: str) -> bool:
