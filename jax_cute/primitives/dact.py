@@ -37,11 +37,11 @@ from jax.interpreters import ad, batching, mlir
 
 from jax_cute import dispatch
 from jax_cute import layout as L
-from jax_cute.layout import Layout, product
+from jax_cute.layout import Layout
 from jax_cute.primitives import sharding
 from jax_cute.primitives.activations import derivative_times, epilogue_dtype
 from jax_cute.primitives.gemm_layouts import GemmLayouts, cotangent_a, cotangent_b
-from jax_cute.primitives.ragged_layouts import batched_layout
+from jax_cute.primitives.ragged_layouts import batched_gemm, batched_layout
 
 dact_p = core.Primitive("jax_cute_matmul_dact")
 operand_p = core.Primitive("jax_cute_matmul_dact_operand")
@@ -95,13 +95,6 @@ mlir.register_lowering(dact_p, mlir.lower_fun(dact_composed, multiple_results=Fa
 mlir.register_lowering(dact_p, _dact_cuda, platform="cuda")
 
 
-def _gemm_batched(layouts: GemmLayouts, a_shape, b_shape, da, db, size: int) -> GemmLayouts:
-    """``layouts`` vmapped over A and B at ``da``/``db``; the output's batch axis is 0 (as
-    ``jax_cute_matmul``'s batching rule)."""
-    return GemmLayouts(batched_layout(layouts.a, a_shape, da, size, 2), batched_layout(layouts.b, b_shape, db, size, 2),
-                       layouts.c.append_to_mode(2, size, product(layouts.c_shape)), (size,) + tuple(layouts.c_shape))
-
-
 def _size(args, dims) -> int:
     return next(x.shape[d] for x, d in zip(args, dims) if d is not None)
 
@@ -116,7 +109,7 @@ def align_batch(x, dim: int | None, size: int, target: int):
 def _dact_batch(args, dims, *, layouts: GemmLayouts, z_layout: Layout, **params):
     a, b, z = args
     size = _size(args, dims)
-    new = _gemm_batched(layouts, a.shape, b.shape, dims[0], dims[1], size)
+    new = batched_gemm(layouts, a.shape, b.shape, dims[0], dims[1], size)
     return dact_p.bind(a, b, z, layouts=new, z_layout=batched_layout(z_layout, z.shape, dims[2], size, 2),
                        **params), 0
 
@@ -210,7 +203,7 @@ def _operand_batch(args, dims, *, which, layouts: GemmLayouts, **params):
         z = align_batch(z, dz, size, dx)
     a, b = _operands(x, w, which)
     (da, db), (sa, sb) = _operands(dx, dw, which), (a.shape, b.shape)
-    new = _gemm_batched(layouts, sa, sb, da, db, size)
+    new = batched_gemm(layouts, sa, sb, da, db, size)
     return operand_p.bind(x, w, z, which=which, layouts=new, **params), 0
 
 

@@ -46,13 +46,13 @@ from jax.interpreters import partial_eval as pe
 
 from jax_cute import dispatch
 from jax_cute import layout as L
-from jax_cute.layout import Layout, product
+from jax_cute.layout import Layout
 from jax_cute.primitives import sharding
 from jax_cute.primitives.dact import align_batch, operand_p
 from jax_cute.primitives.activations import (ACTIVATIONS, GATED, apply_activation, check_activation, derivative_times,
                                              epilogue_dtype)
 from jax_cute.primitives.gemm_layouts import GemmLayouts
-from jax_cute.primitives.ragged_layouts import batched_layout
+from jax_cute.primitives.ragged_layouts import batched_gemm, batched_layout
 
 logger = logging.getLogger("jax_cute")
 
@@ -214,13 +214,7 @@ def _batch_rule(args, dims, *, layouts: GemmLayouts, bias_layout, act_operand=No
             act_operand, z = None, None
         elif dz != d_op:
             z = align_batch(z, dz, size, d_op)
-    new = GemmLayouts(
-        batched_layout(layouts.a, a.shape, dims[0], size, 2),
-        batched_layout(layouts.b, b.shape, dims[1], size, 2),
-        # Outputs get the batch axis in front: old offsets are unchanged at index 0.
-        layouts.c.append_to_mode(2, size, product(layouts.c_shape)),
-        (size,) + tuple(layouts.c_shape),
-    )
+    new = batched_gemm(layouts, a.shape, b.shape, dims[0], dims[1], size)
     new_bias = batched_layout(bias_layout, bias[0].shape, dims[2], size, 2) if bias else None
     outs = fused_p.bind(a, b, *bias, *([] if z is None else [z]), layouts=new, bias_layout=new_bias,
                         act_operand=act_operand, **params)

@@ -27,6 +27,7 @@ from jax_cute.primitives import fused, sharding
 from jax_cute.primitives.gemm_layouts import (GemmLayouts, cotangent_a, cotangent_a_partials, cotangent_b,
                                                cotangent_b_partials, matmul_layouts)
 from jax_cute.primitives.gemm_plan import flatten_gemm
+from jax_cute.primitives.ragged_layouts import batched_gemm
 
 logger = logging.getLogger("jax_cute")
 
@@ -80,25 +81,11 @@ mlir.register_lowering(matmul_p, sharding.lowering(matmul_p, _cuda_lowering), pl
 
 # -- batching ---------------------------------------------------------------------------------
 
-def _batched_layout(lay: L.Layout, buffer_shape, axis, size) -> L.Layout:
-    if axis is None:
-        return lay.append_to_mode(2, size, 0)
-    unbatched = tuple(s for i, s in enumerate(buffer_shape) if i != axis)
-    relocate, inner = L.insert_axis(unbatched, axis, size)
-    return relocate.compose(lay).append_to_mode(2, size, inner)
-
-
 def _batch_rule(args, dims, *, layouts: GemmLayouts, out_dtype, acc_dtype, precision=None):
     a, b = args
     da, db = dims
     size = a.shape[da] if da is not None else b.shape[db]
-    new = GemmLayouts(
-        _batched_layout(layouts.a, a.shape, da, size),
-        _batched_layout(layouts.b, b.shape, db, size),
-        # The output gets the batch axis in front: old offsets are unchanged at index 0.
-        layouts.c.append_to_mode(2, size, int(np.prod(layouts.c_shape))),
-        (size,) + tuple(layouts.c_shape),
-    )
+    new = batched_gemm(layouts, a.shape, b.shape, da, db, size)
     return matmul_p.bind(a, b, layouts=new, out_dtype=out_dtype, acc_dtype=acc_dtype, precision=precision), 0
 
 

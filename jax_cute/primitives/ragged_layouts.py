@@ -19,7 +19,7 @@ import dataclasses
 from typing import Sequence
 
 from jax_cute.layout import Layout, insert_axis, make_layout, product, stride_of
-from jax_cute.primitives.gemm_layouts import _cat, _sub, refine
+from jax_cute.primitives.gemm_layouts import GemmLayouts, _cat, _sub, refine
 from jax_cute.primitives.gemm_plan import FlatOperand, _operand, _single, itemsize
 
 RAGGED_M, RAGGED_K = "ragged_m", "ragged_k"
@@ -85,6 +85,14 @@ def batched_layout(lay: Layout, buffer_shape: Sequence[int], axis: int | None, s
     unbatched = tuple(s for i, s in enumerate(buffer_shape) if i != axis)
     relocate, inner = insert_axis(unbatched, axis, size)
     return relocate.compose(lay).append_to_mode(l_mode, size, inner)
+
+
+def batched_gemm(g: GemmLayouts, a_shape: Sequence[int], b_shape: Sequence[int], da: int | None, db: int | None,
+                 size: int) -> GemmLayouts:
+    """A dense GEMM's layouts vmapped over A and B at ``da``/``db`` (None: unbatched, read with
+    stride 0); the output gets the batch axis in front, so its old offsets are unchanged at index 0."""
+    return GemmLayouts(batched_layout(g.a, a_shape, da, size, 2), batched_layout(g.b, b_shape, db, size, 2),
+                       g.c.append_to_mode(2, size, product(g.c_shape)), (size,) + tuple(g.c_shape))
 
 
 def batched(r: RaggedLayouts, shapes: Sequence[Sequence[int]], axes: Sequence[int | None], size: int) -> RaggedLayouts:
