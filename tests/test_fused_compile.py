@@ -83,15 +83,19 @@ def test_preact_signature_and_configs():
 
 
 def test_fused_activation_takes_pingpong_where_its_epilogue_weighs():
-    """An activation's epilogue is exposed in the cooperative tile: at K = 4096 the heuristic
-    takes pingpong 128x128 (its epilogue under the other warpgroup's mainloop), at K = 14336
-    the cooperative tile; bias alone, and plain GEMMs, keep the cooperative pick."""
-    for preact in (False, True):
-        spec = GemmSpec(BF, BF, BF, "k", "n", "n", bias=True, activation="gelu", preact=preact)
-        assert sm90_gemm.heuristic(spec, 8192, 14336, 4096, 1) == sm90_gemm._PINGPONG_128
-        assert not sm90_gemm.heuristic(spec, 8192, 4096, 14336, 1).pingpong
-    for spec in (GemmSpec(BF, BF, BF, "k", "n", "n", bias=True), GemmSpec(BF, BF, BF, "k", "n", "n")):
-        assert not sm90_gemm.heuristic(spec, 8192, 14336, 4096, 1).pingpong
+    """An inference forward's activation epilogue is exposed in the cooperative tile: at K = 4096
+    the heuristic takes pingpong 128x128 (its epilogue under the other warpgroup's mainloop), at
+    K = 14336 the cooperative tile. A training step's GEMMs (the pre-activation output, an
+    activation's derivative), bias alone and plain GEMMs keep the cooperative pick."""
+    spec = GemmSpec(BF, BF, BF, "k", "n", "n", bias=True, activation="gelu")
+    assert sm90_gemm.heuristic(spec, 8192, 14336, 4096, 1) == sm90_gemm._PINGPONG_128
+    assert not sm90_gemm.heuristic(spec, 8192, 4096, 14336, 1).pingpong
+    for spec in (GemmSpec(BF, BF, BF, "k", "n", "n", bias=True, activation="gelu", preact=True),
+                 GemmSpec(BF, BF, BF, "k", "n", "n", activation="swiglu", preact=True),
+                 GemmSpec(BF, BF, BF, "k", "k", "n", dact="gelu"),
+                 GemmSpec(BF, BF, BF, "k", "n", "n", bias=True), GemmSpec(BF, BF, BF, "k", "n", "n")):
+        cfg = sm90_gemm.heuristic(spec, 8192, 14336, 4096, 1)
+        assert not cfg.pingpong and (cfg.tile_m, cfg.tile_n) == (128, 256), (spec.key(), cfg.key())
 
 
 @pytest.mark.parametrize("c_dtype", [BF, F32])
@@ -235,7 +239,7 @@ def test_gated_lowering_is_one_kernel(caplog):
 
 def _dact_configs(spec: GemmSpec) -> dict[str, sm90_gemm.Config]:
     """The cooperative 128x256 tile the heuristic picks at long K (the whole share for 16-bit C),
-    the same tile with the ring of 64-wide subtiles, and pingpong 128x128 (its pick at short K)."""
+    the same tile with the ring of 64-wide subtiles, and pingpong 128x128 (autotune's candidate)."""
     coop = sm90_gemm.heuristic(spec, 8192, 4096, 14336, 1)
     return {"coop": coop, "ring": dataclasses.replace(coop, whole_c=False), "pingpong": sm90_gemm._PINGPONG_128}
 
@@ -266,7 +270,7 @@ def test_dact_configs(c_dtype):
     """Unsplit tiles without a deferred epilogue (the tile's sums are scaled before any
     conversion), none of the tiles that spill with it (256x128, pingpong 128x160); the heuristic's
     picks are candidates (8-bit inputs too, whose pick would be 128x160 on 4096x14336x4096), and
-    it takes pingpong 128x128 where it does for a fused activation."""
+    a 16-bit product keeps the cooperative tile (a training step's GEMM, see heuristic)."""
     spec = GemmSpec(BF, BF, c_dtype, "k", "n", "n", dact="gelu")
     cands = sm90_gemm.candidate_configs(spec)
     assert cands and all(c.split_k == 1 and not c.defer for c in cands)
@@ -277,7 +281,7 @@ def test_dact_configs(c_dtype):
     assert sm90_gemm.heuristic(f8_spec, 4096, 14336, 4096, 1) in f8_cands   # (128x160 without dact)
     assert all(c in f8_cands for c in _picks(f8_spec))
     assert all(c in cands for c in _picks(spec)), _picks(spec)
-    assert sm90_gemm.heuristic(spec, 8192, 14336, 4096, 1) == sm90_gemm._PINGPONG_128
+    assert not sm90_gemm.heuristic(spec, 8192, 14336, 4096, 1).pingpong
     assert not sm90_gemm.heuristic(spec, 8192, 4096, 14336, 1).pingpong
     assert all(c in cands for c in _dact_configs(spec).values())
     with pytest.raises(ValueError, match="unsplit tiles"):

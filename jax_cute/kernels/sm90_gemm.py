@@ -314,10 +314,8 @@ _PINGPONG_128 = Config(128, 128, 2, 1, pingpong=True)
 _PINGPONG_TILES = [(64, 128), (64, 256), (128, 128), (128, 160)]
 
 
-# epilogue charges of _estimate per 128 x 128 of a tile: bias + activation, and the
-# pre-activation output's second pass on top (a plain epilogue: 2)
+# epilogue charge of _estimate per 128 x 128 of a tile with bias + activation (a plain epilogue: 2)
 _EPI_ACT = 7.0
-_EPI_PREACT = 3.0
 
 
 def tile_k(in_dtype: str) -> int:
@@ -411,15 +409,19 @@ def heuristic(spec, m: int, n: int, k: int, l: int, num_sms: int = NUM_SMS) -> C
         cands = [c for c in cands if c.cluster_m == 2]
     bk = tile_k(spec.a_dtype)
     best = min(cands, key=lambda c: (_estimate(c, m, n, k, l, num_sms, bk), c.split_k, -c.tile_n))
-    if (spec.activation or _dact(spec)) and spec.a_dtype not in _FP8 and tiles_m > 1:
-        # A fused activation makes the cooperative tile's exposed epilogue 2.5x heavier (and the
-        # pre-activation output 4x): pingpong 128x128 hides it under the other warpgroup's
-        # mainloop. Charges and its rate fitted on an H200 (bias + gelu, 8192 rows): it ran
-        # 3.5-4% faster at N=14336, K=4096 and 2.5-3.5% slower at N=4096, K=14336. A derivative
-        # is charged as an activation plus its reads of Z (not measured).
-        epi = _EPI_ACT + (_EPI_PREACT if spec.preact or _dact(spec) else 0.0)
-        if (_estimate(_PINGPONG_128, m, n, k, l, num_sms, bk, epi, speed=0.95)
-                < _estimate(best, m, n, k, l, num_sms, bk, epi)):
+    if spec.activation and not (spec.preact or _dact(spec)) and spec.a_dtype not in _FP8 and tiles_m > 1:
+        # An inference forward: a fused activation makes the cooperative tile's exposed epilogue
+        # 2.5x heavier, and pingpong 128x128 hides it under the other warpgroup's mainloop.
+        # Charge and rate fitted on an H200 (bias + gelu, 8192 rows, 50 ms windows): it ran
+        # 3.5-4% faster at N=14336, K=4096 and 2.5-3.5% slower at N=4096, K=14336.
+        # A training step's GEMMs (the pre-activation output, a derivative's reads of Z) keep
+        # the cooperative pick: a training loop runs at the power cap, where the pingpong tile's
+        # extra shared-memory traffic costs clock. GELU block forward + backward (8192x4096->
+        # 14336->4096), 1 s windows: even on an H200 (7.46 ms pingpong, 7.49 cooperative), 1.5%
+        # behind on an H100 (7.50 / 7.38), 2.3% behind with the derivative chained (7.62 / 7.44),
+        # and the SwiGLU block 4% behind (12.22 / 11.74 ms; H100, 2026-11-26).
+        if (_estimate(_PINGPONG_128, m, n, k, l, num_sms, bk, _EPI_ACT, speed=0.95)
+                < _estimate(best, m, n, k, l, num_sms, bk, _EPI_ACT)):
             return _PINGPONG_128
     if spec.a_dtype in _FP8 and tiles_m > 1:
         # 8-bit k-tiles run twice as fast, so the cooperative tile's exposed epilogue weighs twice
