@@ -82,20 +82,18 @@ def test_preact_signature_and_configs():
         sm90_gemm.launcher(spec, sm90_gemm.Config(split_k=2))
 
 
-def test_fused_activation_takes_pingpong_where_its_epilogue_weighs():
-    """An inference forward's activation epilogue is exposed in the cooperative tile: at K = 4096
-    the heuristic takes pingpong 128x128 (its epilogue under the other warpgroup's mainloop), at
-    K = 14336 the cooperative tile. A training step's GEMMs (the pre-activation output, an
-    activation's derivative), bias alone and plain GEMMs keep the cooperative pick."""
-    spec = GemmSpec(BF, BF, BF, "k", "n", "n", bias=True, activation="gelu")
-    assert sm90_gemm.heuristic(spec, 8192, 14336, 4096, 1) == sm90_gemm._PINGPONG_128
-    assert not sm90_gemm.heuristic(spec, 8192, 4096, 14336, 1).pingpong
-    for spec in (GemmSpec(BF, BF, BF, "k", "n", "n", bias=True, activation="gelu", preact=True),
+def test_fused_epilogues_keep_the_cooperative_pick():
+    """A fused activation (an inference forward, a training step's pre-activation output, an
+    activation's derivative) takes the cooperative 128x256 tile at short and long K, as plain
+    GEMMs do: the heuristic serves the sustained case, where pingpong loses."""
+    for spec in (GemmSpec(BF, BF, BF, "k", "n", "n", bias=True, activation="gelu"),
+                 GemmSpec(BF, BF, BF, "k", "n", "n", bias=True, activation="gelu", preact=True),
                  GemmSpec(BF, BF, BF, "k", "n", "n", activation="swiglu", preact=True),
                  GemmSpec(BF, BF, BF, "k", "k", "n", dact="gelu"),
                  GemmSpec(BF, BF, BF, "k", "n", "n", bias=True), GemmSpec(BF, BF, BF, "k", "n", "n")):
-        cfg = sm90_gemm.heuristic(spec, 8192, 14336, 4096, 1)
-        assert not cfg.pingpong and (cfg.tile_m, cfg.tile_n) == (128, 256), (spec.key(), cfg.key())
+        for m, n, k in ((8192, 14336, 4096), (8192, 8192, 8192), (2048, 8192, 2048)):
+            cfg = sm90_gemm.heuristic(spec, m, n, k, 1)
+            assert not cfg.pingpong and (cfg.tile_m, cfg.tile_n) == (128, 256), (spec.key(), m, n, k, cfg.key())
 
 
 @pytest.mark.parametrize("c_dtype", [BF, F32])

@@ -290,7 +290,7 @@ def candidate_configs(spec) -> list[Config]:
 # - a 4-deep ring of 32-wide subtiles with 4 A/B stages takes 0.9-1.4% more cycles than the whole
 #   share on 16384x1536x1024 and 16384x2048x2048, and runs 3-5% slower with shuffled rounds.
 # - pingpong (64x256 or 128x160 tiles, one warpgroup's epilogue under the other's mainloop) is
-#   an autotune candidate only for plain 16-bit products (8-bit inputs and fused activations: see
+#   an autotune candidate only for 16-bit products, fused epilogues included (8-bit inputs: see
 #   heuristic). 128x160 wins 2-7% in short (50-60 ms) windows on
 #   4096x14336x4096, 16384x2048x2048 and 16384x1536x1024 and loses 1-3% in sustained 1 s
 #   windows: it moves ~20% more bytes through shared memory per FLOP, and at the 700 W cap
@@ -314,8 +314,6 @@ _PINGPONG_128 = Config(128, 128, 2, 1, pingpong=True)
 _PINGPONG_TILES = [(64, 128), (64, 256), (128, 128), (128, 160)]
 
 
-# epilogue charge of _estimate per 128 x 128 of a tile with bias + activation (a plain epilogue: 2)
-_EPI_ACT = 7.0
 
 
 def tile_k(in_dtype: str) -> int:
@@ -363,19 +361,18 @@ def _tile_grid(config: Config, m: int, n: int, l: int) -> tuple[int, int, int]:
     return (-(-tm // config.cluster_m) * config.cluster_m, -(-tn // config.cluster_n) * config.cluster_n, l)
 
 
-def _estimate(config: Config, m: int, n: int, k: int, l: int, num_sms: int, bk: int,
-              epi: float = 2.0, speed: float | None = None) -> float:
+def _estimate(config: Config, m: int, n: int, k: int, l: int, num_sms: int, bk: int) -> float:
     """Rough time model (units of one 128 x 128 x k-tile MMA step on one SM, the same for every
     input dtype: an 8-bit k-tile is twice as deep and WGMMA runs it twice as fast) used to rank
-    configs. ``epi``: a tile's epilogue per 128 x 128 of it; ``speed``: the MMA rate relative to
-    a 128 x 256 tile (default: 0.88 for 128 x 128 tiles, else 1)."""
+    configs. A tile's epilogue costs 2 per 128 x 128 of it; 128 x 128 tiles run their MMAs at
+    0.88 of a 128 x 256 tile's rate."""
+    epi = 2.0
     csize = config.cluster_m * config.cluster_n
     waves = tiles_per_cta(config, m, n, l, num_sms)
     k_tiles = -(-max(k, 1) // bk)
     k_per_unit = -(-k_tiles // config.split_k)
     size = config.tile_m * config.tile_n / (128 * 128)
-    if speed is None:
-        speed = 1.0 if size > 1 else 0.88              # 128x128 tiles reach less of peak
+    speed = 1.0 if size > 1 else 0.88              # 128x128 tiles reach less of peak
     if config.pingpong:
         # the mainloops run back to back; only the CTA's last epilogue is not under the other
         # warpgroup's mainloop
@@ -409,20 +406,13 @@ def heuristic(spec, m: int, n: int, k: int, l: int, num_sms: int = NUM_SMS) -> C
         cands = [c for c in cands if c.cluster_m == 2]
     bk = tile_k(spec.a_dtype)
     best = min(cands, key=lambda c: (_estimate(c, m, n, k, l, num_sms, bk), c.split_k, -c.tile_n))
-    if spec.activation and not (spec.preact or _dact(spec)) and spec.a_dtype not in _FP8 and tiles_m > 1:
-        # An inference forward: a fused activation makes the cooperative tile's exposed epilogue
-        # 2.5x heavier, and pingpong 128x128 hides it under the other warpgroup's mainloop.
-        # Charge and rate fitted on an H200 (bias + gelu, 8192 rows, 50 ms windows): it ran
-        # 3.5-4% faster at N=14336, K=4096 and 2.5-3.5% slower at N=4096, K=14336.
-        # A training step's GEMMs (the pre-activation output, a derivative's reads of Z) keep
-        # the cooperative pick: a training loop runs at the power cap, where the pingpong tile's
-        # extra shared-memory traffic costs clock. GELU block forward + backward (8192x4096->
-        # 14336->4096), 1 s windows: even on an H200 (7.46 ms pingpong, 7.49 cooperative), 1.5%
-        # behind on an H100 (7.50 / 7.38), 2.3% behind with the derivative chained (7.62 / 7.44),
-        # and the SwiGLU block 4% behind (12.22 / 11.74 ms; H100, 2026-11-26).
-        if (_estimate(_PINGPONG_128, m, n, k, l, num_sms, bk, _EPI_ACT, speed=0.95)
-                < _estimate(best, m, n, k, l, num_sms, bk, _EPI_ACT)):
-            return _PINGPONG_128
+    # A fused activation (bias, pre-activation output, a derivative's reads of Z) keeps the
+    # cooperative pick too. Pingpong 128x128 hides the activation's epilogue under the other
+    # warpgroup's mainloop and wins short windows (H100, 2026-11-26, bias + gelu, 50 ms: 2-12%
+    # on 4096x4096->14336, 4096^3, 16384x4096->4096, 2048x2048->8192), but at the power cap the
+    # cooperative tile wins: 1 s windows 3.5% (8192x4096->14336), 6% (4096^3), 11% (8192^3, where
+    # it also wins short windows); GELU block forward + backward 1.5%, 2.3% with the derivative
+    # chained, SwiGLU block 4%. As for plain GEMMs, the heuristic serves the sustained case.
     if spec.a_dtype in _FP8 and tiles_m > 1:
         # 8-bit k-tiles run twice as fast, so the cooperative tile's exposed epilogue weighs twice
         # as much: the pingpong tiles win where the model says they save 3% or more
