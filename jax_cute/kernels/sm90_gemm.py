@@ -314,8 +314,6 @@ _PINGPONG_128 = Config(128, 128, 2, 1, pingpong=True)
 _PINGPONG_TILES = [(64, 128), (64, 256), (128, 128), (128, 160)]
 
 
-
-
 def tile_k(in_dtype: str) -> int:
     """K extent of one k-tile: a 128-byte row of the input dtype."""
     return ROW_BYTES // _ITEM[in_dtype]

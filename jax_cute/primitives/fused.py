@@ -51,8 +51,7 @@ from jax_cute.primitives import sharding
 from jax_cute.primitives.dact import align_batch, operand_p
 from jax_cute.primitives.activations import (ACTIVATIONS, GATED, apply_activation, check_activation, derivative_times,
                                              epilogue_dtype)
-from jax_cute.primitives.gemm_layouts import GemmLayouts
-from jax_cute.primitives.ragged_layouts import batched_gemm, batched_layout
+from jax_cute.primitives.gemm_layouts import GemmLayouts, batched_gemm, batched_layout
 
 logger = logging.getLogger("jax_cute")
 

@@ -12,7 +12,7 @@ import dataclasses
 import math
 from typing import Sequence
 
-from jax_cute.layout import Layout, flatten, make_layout, product, row_major
+from jax_cute.layout import Layout, flatten, insert_axis, make_layout, product, row_major
 
 M, N, K, L = "m", "n", "k", "l"
 
@@ -28,6 +28,7 @@ class GemmLayouts:
         for name, lay in (("a", self.a), ("b", self.b), ("c", self.c)):
             if lay.rank != 3:
                 raise ValueError(f"GEMM layout {name} must have 3 modes, got {lay}")
+
         ext = self.extents()
         if product(self.a.mode(0).shape) != ext[M] or product(self.b.mode(1).shape) != ext[K] \
                 or product(self.b.mode(2).shape) != ext[L] or product(self.c.mode(1).shape) != ext[N] \
@@ -37,6 +38,23 @@ class GemmLayouts:
     def extents(self) -> dict[str, int]:
         return {M: product(self.c.mode(0).shape), N: product(self.c.mode(1).shape),
                 K: product(self.a.mode(1).shape), L: product(self.c.mode(2).shape)}
+
+
+def batched_layout(lay: Layout, buffer_shape: Sequence[int], axis: int | None, size: int, l_mode: int) -> Layout:
+    """``lay`` re-targeted at the buffer with a vmapped axis, which becomes an L sub-mode."""
+    if axis is None:
+        return lay.append_to_mode(l_mode, size, 0)
+    unbatched = tuple(s for i, s in enumerate(buffer_shape) if i != axis)
+    relocate, inner = insert_axis(unbatched, axis, size)
+    return relocate.compose(lay).append_to_mode(l_mode, size, inner)
+
+
+def batched_gemm(g: GemmLayouts, a_shape: Sequence[int], b_shape: Sequence[int], da: int | None, db: int | None,
+                 size: int) -> GemmLayouts:
+    """A dense GEMM's layouts vmapped over A and B at ``da``/``db`` (None: unbatched, read with
+    stride 0); the output gets the batch axis in front, so its old offsets are unchanged at index 0."""
+    return GemmLayouts(batched_layout(g.a, a_shape, da, size, 2), batched_layout(g.b, b_shape, db, size, 2),
+                       g.c.append_to_mode(2, size, product(g.c_shape)), (size,) + tuple(g.c_shape))
 
 
 def refine(modes: Sequence[Layout]) -> list[Layout]:

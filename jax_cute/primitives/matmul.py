@@ -24,10 +24,9 @@ from jax.interpreters import ad, batching, mlir
 from jax_cute import dispatch
 from jax_cute import layout as L
 from jax_cute.primitives import fused, sharding
-from jax_cute.primitives.gemm_layouts import (GemmLayouts, cotangent_a, cotangent_a_partials, cotangent_b,
-                                               cotangent_b_partials, matmul_layouts)
+from jax_cute.primitives.gemm_layouts import (GemmLayouts, batched_gemm, cotangent_a, cotangent_a_partials,
+                                               cotangent_b, cotangent_b_partials, matmul_layouts)
 from jax_cute.primitives.gemm_plan import flatten_gemm
-from jax_cute.primitives.ragged_layouts import batched_gemm
 
 logger = logging.getLogger("jax_cute")
 

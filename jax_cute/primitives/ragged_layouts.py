@@ -18,8 +18,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from jax_cute.layout import Layout, insert_axis, make_layout, product, stride_of
-from jax_cute.primitives.gemm_layouts import GemmLayouts, _cat, _sub, refine
+from jax_cute.layout import Layout, make_layout, product, stride_of
+from jax_cute.primitives.gemm_layouts import _cat, _sub, batched_layout, refine
 from jax_cute.primitives.gemm_plan import FlatOperand, _operand, _single, itemsize
 
 RAGGED_M, RAGGED_K = "ragged_m", "ragged_k"
@@ -76,23 +76,6 @@ def ragged_dot_layouts(m: int, k: int, g: int, n: int) -> RaggedLayouts:
     return RaggedLayouts(RAGGED_M, make_layout(mode(m, k), mode(k, 1), one),
                          make_layout(mode(n, 1), mode(k, n), mode(g, k * n), one),
                          make_layout(mode(m, n), mode(n, 1), one), make_layout(mode(g, 1), one), (m, n))
-
-
-def batched_layout(lay: Layout, buffer_shape: Sequence[int], axis: int | None, size: int, l_mode: int) -> Layout:
-    """``lay`` re-targeted at the buffer with a vmapped axis, which becomes an L sub-mode."""
-    if axis is None:
-        return lay.append_to_mode(l_mode, size, 0)
-    unbatched = tuple(s for i, s in enumerate(buffer_shape) if i != axis)
-    relocate, inner = insert_axis(unbatched, axis, size)
-    return relocate.compose(lay).append_to_mode(l_mode, size, inner)
-
-
-def batched_gemm(g: GemmLayouts, a_shape: Sequence[int], b_shape: Sequence[int], da: int | None, db: int | None,
-                 size: int) -> GemmLayouts:
-    """A dense GEMM's layouts vmapped over A and B at ``da``/``db`` (None: unbatched, read with
-    stride 0); the output gets the batch axis in front, so its old offsets are unchanged at index 0."""
-    return GemmLayouts(batched_layout(g.a, a_shape, da, size, 2), batched_layout(g.b, b_shape, db, size, 2),
-                       g.c.append_to_mode(2, size, product(g.c_shape)), (size,) + tuple(g.c_shape))
 
 
 def batched(r: RaggedLayouts, shapes: Sequence[Sequence[int]], axes: Sequence[int | None], size: int) -> RaggedLayouts:
