@@ -291,9 +291,12 @@ def sharding_rule(p: Problem) -> SdyShardingRule:
                 dims.append(CompoundFactor(*fs))
             used.update(fs or ())
         mappings.append(ArrayMapping(*dims))
-    real = sorted(used)
+    # Shardy numbers factors in order of first appearance and wants the special ones in that order.
+    order = [f for dims in mappings for d in dims for f in ((d,) if isinstance(d, str) else tuple(d))]
+    rank = {f: i for i, f in reversed(list(enumerate(order)))}
+    real = sorted(used, key=rank.__getitem__)
     reduction = tuple(f for f in real if f in p.shardable and f.startswith(REDUCTION))
-    replicated = tuple(f for f in real if f not in p.shardable) + tuple(private)
+    replicated = tuple(sorted([f for f in real if f not in p.shardable] + private, key=rank.__getitem__))
     factor_sizes = {f: p.sizes[f] for f in real if f not in whole}
     return SdyShardingRule(tuple(mappings[:-1]), (mappings[-1],), reduction_factors=reduction,
                            need_replication_factors=replicated, **factor_sizes)
