@@ -7,6 +7,14 @@ bf16 and returns f32 (``preferred_element_type``), as mixed-precision training d
 ``--moe`` replaces each MLP by a mixture of experts (top-2 of 8, tokens sorted by expert, two
 ``lax.ragged_dot``s).
 
+``--mesh data=N[,model=M]`` trains on N x M devices: the batch is split over ``data`` (data
+parallel; ``--fsdp`` also shards every weight over it, gathered per layer), the attention heads
+and MLP width over ``model`` (tensor parallel: column- then row-parallel products), and with
+``--moe`` the experts over every device (expert parallel: the MoE layer is a ``shard_map`` with
+an all-to-all token dispatch). The sharded run starts from the same parameters and batches as a
+one-device run, so their loss curves agree. With ``--distributed`` each process drives its own
+GPUs through ``jax.distributed`` (see the README for the launch lines).
+
 The kernelized step is ``jax.value_and_grad(jax_cute.kernelize(loss))``: the forward products
 become jax_cute primitives and the gradients come from their autodiff rules, which round the
 f32 cotangent once to bf16 so the gradient GEMMs run on the 16-bit kernels (XLA runs the plain
@@ -14,20 +22,25 @@ model's gradient products on the f32 cotangent). On a CPU both runs are plain XL
 
     python examples/gpt_training.py                 # tiny on CPU, h200 on a GPU
     python examples/gpt_training.py --size h200 --moe --steps 20
+    python examples/gpt_training.py --mesh data=2,model=2 --moe
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import math
 import statistics
 import time
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_cute
 from training_loop import compare_line, path_taken
@@ -73,7 +86,7 @@ def init_params(key: jax.Array, cfg: Config) -> Params:
     ks = iter(jax.random.split(key, 8))
     normal = lambda shape, std: std * jax.random.normal(next(ks), shape, F32)  # noqa: E731
     layers = {"ln1": jnp.ones((n, d), F32), "ln2": jnp.ones((n, d), F32),
-              "wqkv": normal((n, d, 3 * d), d ** -0.5),
+              "wqkv": normal((n, d, 3, cfg.heads, cfg.head_dim), d ** -0.5),
               "wo": normal((n, cfg.heads, cfg.head_dim, d), (2 * n * d) ** -0.5)}
     if cfg.moe:
         layers |= {"router": normal((n, d, e), d ** -0.5), "w1": normal((n, e, d, f), d ** -0.5),
@@ -96,8 +109,8 @@ def mm(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
 
 
 def attention(p: Params, x: jax.Array, cfg: Config) -> jax.Array:
-    b, t, _ = x.shape
-    qkv = mm("btd,de->bte", x, p["wqkv"]).astype(COMPUTE).reshape(b, t, 3, cfg.heads, cfg.head_dim)
+    t = x.shape[1]
+    qkv = mm("btd,dche->btche", x, p["wqkv"]).astype(COMPUTE)  # heads kept as an axis: shardable
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     scores = mm("bthd,bshd->bhts", q, k) * cfg.head_dim ** -0.5
     causal = jnp.tril(jnp.ones((t, t), bool))
@@ -106,23 +119,67 @@ def attention(p: Params, x: jax.Array, cfg: Config) -> jax.Array:
     return mm("bthd,hde->bte", out, p["wo"])
 
 
-def mlp(p: Params, x: jax.Array, cfg: Config) -> jax.Array:
+def mlp(p: Params, x: jax.Array, cfg: Config, mesh: Mesh | None = None) -> jax.Array:
     return mm("btf,fd->btd", jax.nn.gelu(mm("btd,df->btf", x, p["w1"])), p["w2"])
 
 
-def moe(p: Params, x: jax.Array, cfg: Config) -> jax.Array:
-    """Top-k routing: the token copies sorted by expert, two ragged_dots, unsorted and combined."""
+def experts_ffn(w1: jax.Array, w2: jax.Array, tokens: jax.Array, expert: jax.Array, groups: int) -> jax.Array:
+    """Each row of ``tokens`` through its expert's two matrices (``expert`` == ``groups``: a
+    padding row, sorted last and left out of every group): sorted by expert, two ragged_dots,
+    unsorted."""
+    order = jnp.argsort(expert, stable=True)
+    sizes = jnp.bincount(expert, length=groups + 1)[:groups].astype(jnp.int32)
+    h = lax.ragged_dot(tokens[order], w1.astype(COMPUTE), sizes, preferred_element_type=F32)
+    y = lax.ragged_dot(jax.nn.gelu(h).astype(COMPUTE), w2.astype(COMPUTE), sizes, preferred_element_type=F32)
+    return jnp.zeros_like(y).at[order].set(y)
+
+
+def route(p: Params, tokens: jax.Array, cfg: Config) -> tuple[jax.Array, jax.Array]:
+    """Top-k routing of (n, d) tokens: gates and experts, each (n, k)."""
+    return lax.top_k(jax.nn.softmax(mm("nd,de->ne", tokens, p["router"])), cfg.top_k)
+
+
+def moe(p: Params, x: jax.Array, cfg: Config, mesh: Mesh | None = None) -> jax.Array:
+    """Top-k routing, each token copy through its expert, combined with the gate weights. On a
+    mesh the experts are split over every device (``moe_expert_parallel``)."""
     b, t, d = x.shape
     tokens = x.reshape(b * t, d).astype(COMPUTE)
-    gates, experts = lax.top_k(jax.nn.softmax(mm("nd,de->ne", tokens, p["router"])), cfg.top_k)
-    flat = experts.reshape(-1)
-    order = jnp.argsort(flat)
-    sizes = jnp.bincount(flat, length=cfg.experts).astype(jnp.int32)
-    sorted_tokens = jnp.repeat(tokens, cfg.top_k, axis=0)[order]
-    h = lax.ragged_dot(sorted_tokens, p["w1"].astype(COMPUTE), sizes, preferred_element_type=F32)
-    y = lax.ragged_dot(jax.nn.gelu(h).astype(COMPUTE), p["w2"].astype(COMPUTE), sizes, preferred_element_type=F32)
-    y = jnp.zeros_like(y).at[order].set(y).reshape(b * t, cfg.top_k, d)
-    return jnp.sum(y * gates[..., None], axis=1).reshape(b, t, d)
+    if mesh is not None and mesh.size > 1:
+        y = moe_expert_parallel(p, tokens, cfg, mesh)
+    else:
+        gates, experts = route(p, tokens, cfg)
+        y = experts_ffn(p["w1"], p["w2"], jnp.repeat(tokens, cfg.top_k, axis=0), experts.reshape(-1), cfg.experts)
+        y = jnp.sum(y.reshape(b * t, cfg.top_k, d) * gates[..., None], axis=1)
+    return y.reshape(b, t, d)
+
+
+def moe_expert_parallel(p: Params, tokens: jax.Array, cfg: Config, mesh: Mesh) -> jax.Array:
+    """The MoE layer under ``shard_map``: each device holds ``experts / devices`` experts and
+    ``tokens / devices`` tokens. Every token copy is sent to its expert's device (all-to-all,
+    room for all of them: no token is dropped), run there through the local experts, and sent
+    back (all-to-all) to be combined where it came from."""
+    axes, n = tuple(mesh.axis_names), mesh.size
+    local_experts = cfg.experts // n
+
+    def shard(router, w1, w2, x):
+        t, d = x.shape
+        gates, experts = route({"router": router}, x, cfg)
+        dest = (experts // local_experts).reshape(-1)  # (t*k,) each copy's device
+        copies = t * cfg.top_k
+        # each copy's slot in the buffer for its device: its rank among the copies sent there
+        rank = jnp.cumsum(jax.nn.one_hot(dest, n, dtype=jnp.int32), axis=0)[jnp.arange(copies), dest] - 1
+        send = jnp.zeros((n, copies, d), x.dtype).at[dest, rank].set(jnp.repeat(x, cfg.top_k, axis=0))
+        send_expert = jnp.full((n, copies), local_experts, jnp.int32).at[dest, rank].set(
+            (experts % local_experts).reshape(-1))
+        recv = lax.all_to_all(send, axes, 0, 0, tiled=True).reshape(n * copies, d)
+        recv_expert = lax.all_to_all(send_expert, axes, 0, 0, tiled=True).reshape(-1)
+        y = experts_ffn(w1, w2, recv, recv_expert, local_experts)
+        back = lax.all_to_all(y.reshape(n, copies, d), axes, 0, 0, tiled=True)
+        y = back[dest, rank].reshape(t, cfg.top_k, d)
+        return jnp.sum(y * gates[..., None], axis=1)
+
+    return jax.shard_map(shard, mesh=mesh, in_specs=(P(), P(axes), P(axes), P(axes)),
+                         out_specs=P(axes))(p["router"], p["w1"], p["w2"], tokens)
 
 
 def logits(params: Params, h: jax.Array, cfg: Config) -> jax.Array:
@@ -130,23 +187,101 @@ def logits(params: Params, h: jax.Array, cfg: Config) -> jax.Array:
     return mm("btd,vd->btv", h, params["embed"])
 
 
-def forward(params: Params, tokens: jax.Array, cfg: Config) -> jax.Array:
+def forward(params: Params, tokens: jax.Array, cfg: Config, mesh: Mesh | None = None) -> jax.Array:
     x = params["embed"][tokens] + params["pos"][: tokens.shape[1]]  # f32 residual stream
     ffn = moe if cfg.moe else mlp
 
     def layer(x, p):
         def block(x):
             x = x + attention(p, norm(x, p["ln1"]), cfg)
-            return x + ffn(p, norm(x, p["ln2"]), cfg)
+            return x + ffn(p, norm(x, p["ln2"]), cfg, mesh)
         return jax.checkpoint(block)(x), None  # recompute the block in the backward pass
 
     x, _ = lax.scan(layer, x, params["layers"])
     return logits(params, norm(x, params["ln_f"]), cfg)
 
 
-def loss_fn(params: Params, tokens: jax.Array, cfg: Config) -> jax.Array:
-    out = forward(params, tokens[:, :-1], cfg)
+def loss_fn(params: Params, tokens: jax.Array, cfg: Config, mesh: Mesh | None = None) -> jax.Array:
+    out = forward(params, tokens[:, :-1], cfg, mesh)
     return optax.softmax_cross_entropy_with_integer_labels(out, tokens[:, 1:]).mean()
+
+
+# -- sharding -----------------------------------------------------------------------------------
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """``data=N[,model=M]`` as {axis: size}."""
+    axes: dict[str, int] = {}
+    for part in text.split(","):
+        name, _, size = part.strip().partition("=")
+        if name not in ("data", "model") or name in axes or not size.isdigit() or int(size) < 1:
+            raise ValueError(f"--mesh takes data=N[,model=M] with positive sizes, got {text!r}")
+        axes[name] = int(size)
+    return axes
+
+
+def make_mesh(axes: dict[str, int]) -> Mesh:
+    """A mesh of the first prod(sizes) devices (of every process), Auto axes: jit's partitioner
+    and jax_cute's partitioning rules place each product."""
+    n, devices = math.prod(axes.values()), jax.devices()
+    if n > len(devices):
+        raise SystemExit(f"--mesh {axes} needs {n} devices; {len(devices)} are visible")
+    grid = np.array(devices[:n]).reshape(tuple(axes.values()))
+    return Mesh(grid, tuple(axes), axis_types=(jax.sharding.AxisType.Auto,) * len(axes))
+
+
+def _fsdp(spec: P, shape: tuple[int, ...], n: int, first: int) -> P:
+    """``spec`` with the first free axis from ``first`` on that ``n`` divides sharded over data."""
+    parts = list(spec) + [None] * (len(shape) - len(spec))
+    if any("data" in (a if isinstance(a, tuple) else (a,)) for a in parts if a):
+        return spec
+    for i in range(first, len(shape)):
+        if parts[i] is None and shape[i] % n == 0:
+            parts[i] = "data"
+            return P(*parts)
+    return spec
+
+
+def param_specs(params: Params, cfg: Config, mesh: Mesh, fsdp: bool = False) -> Params:
+    """Where each parameter lives: attention heads and MLP width split over ``model`` (column-
+    then row-parallel), experts over every device; with ``fsdp`` every weight also split over
+    ``data`` along one axis (the partitioner gathers it where a layer uses it)."""
+    tp = "model" if "model" in mesh.axis_names else None
+    layer = {"ln1": P(), "ln2": P(), "wqkv": P(None, None, None, tp), "wo": P(None, tp)}
+    if cfg.moe:
+        layer |= {"router": P(), "w1": P(None, tuple(mesh.axis_names)), "w2": P(None, tuple(mesh.axis_names))}
+    else:
+        layer |= {"w1": P(None, None, tp), "w2": P(None, tp)}
+    specs = {"embed": P(), "pos": P(), "ln_f": P(), "layers": layer}
+    if fsdp and "data" in mesh.axis_names:
+        n = mesh.shape["data"]
+        specs = {k: _fsdp(v, params[k].shape, n, 0) for k, v in specs.items() if k != "layers"} | {
+            "layers": {k: _fsdp(v, params["layers"][k].shape, n, 1) for k, v in layer.items()}}
+    return specs
+
+
+def check_mesh(cfg: Config, mesh: Mesh) -> None:
+    """Clear errors for sizes the mesh does not divide."""
+    data, model = mesh.shape.get("data", 1), mesh.shape.get("model", 1)
+    if cfg.batch % data:
+        raise SystemExit(f"batch {cfg.batch} is not divisible by the data axis ({data})")
+    if cfg.heads % model or cfg.d_ff % model:
+        raise SystemExit(f"{cfg.heads} heads and MLP width {cfg.d_ff} must be divisible by the model axis ({model})")
+    if cfg.moe and (cfg.experts % mesh.size or (cfg.batch * cfg.seq) % mesh.size):
+        raise SystemExit(f"{cfg.experts} experts and {cfg.batch * cfg.seq} tokens must be divisible by "
+                         f"the {mesh.size} devices")
+
+
+def place(tree, shardings):
+    """Global arrays of ``tree`` (the same host values in every process) laid out by ``shardings``."""
+    def one(x, sharding):
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+    return jax.tree.map(one, tree, shardings)
+
+
+def scalar(x: jax.Array) -> float:
+    """A replicated scalar's value, read from this process's copy."""
+    return float(np.asarray(x.addressable_data(0)))
 
 
 # -- training -----------------------------------------------------------------------------------
@@ -157,19 +292,34 @@ def init_train_state(key: jax.Array, cfg: Config):
     return params, tx.init(params), tx
 
 
-def make_step(cfg: Config, tx: optax.GradientTransformation, kernelized: bool, fuse_epilogues: bool = True
-              ) -> Callable:
-    loss = lambda params, tokens: loss_fn(params, tokens, cfg)  # noqa: E731
+def shard_train_state(params: Params, opt_state, tx, cfg: Config, mesh: Mesh, fsdp: bool = False):
+    """The train state on ``mesh`` and the step's (params, opt_state, batch) shardings."""
+    specs = param_specs(params, cfg, mesh, fsdp)
+    p_sh = jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs, is_leaf=lambda x: isinstance(x, P))
+    params = place(params, p_sh)
+    # the optimizer state takes its parameters' shardings; its scalars are replicated
+    o_sh = jax.tree.map(lambda s: s if isinstance(s, NamedSharding) else NamedSharding(mesh, P()),
+                        jax.jit(tx.init).lower(params).compile().output_shardings)
+    opt_state = jax.jit(tx.init, out_shardings=o_sh)(params)
+    batch = NamedSharding(mesh, P("data") if "data" in mesh.axis_names else P())
+    return params, opt_state, (p_sh, o_sh, batch)
+
+
+def make_step(cfg: Config, tx: optax.GradientTransformation, kernelized: bool, fuse_epilogues: bool = True,
+              mesh: Mesh | None = None, shardings: tuple | None = None) -> Callable:
+    loss = lambda params, tokens: loss_fn(params, tokens, cfg, mesh)  # noqa: E731
     if kernelized:
         loss = jax_cute.kernelize(loss, fuse_epilogues=fuse_epilogues)
 
-    @jax.jit
     def step(params, opt_state, tokens):
         value, grads = jax.value_and_grad(loss)(params, tokens)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, value
 
-    return step
+    if shardings is None:
+        return jax.jit(step)
+    p_sh, o_sh, batch = shardings
+    return jax.jit(step, in_shardings=shardings, out_shardings=(p_sh, o_sh, NamedSharding(batch.mesh, P())))
 
 
 def batches(key: jax.Array, cfg: Config, n: int = 4) -> jax.Array:
@@ -181,54 +331,102 @@ def batches(key: jax.Array, cfg: Config, n: int = 4) -> jax.Array:
     return ((start + stride * jnp.arange(cfg.seq + 1)) % cfg.vocab).astype(jnp.int32)
 
 
-def train(step: Callable, params, opt_state, data: jax.Array, steps: int, label: str,
+def train(step: Callable, params, opt_state, data: list, steps: int, label: str,
           verbose: bool) -> tuple[list[float], list[float]]:
     losses, times = [], []
     for i in range(steps):
         t0 = time.perf_counter()
         params, opt_state, loss = step(params, opt_state, data[i % len(data)])
-        losses.append(float(loss))  # blocks until the step is done
+        losses.append(scalar(loss))  # blocks until the step is done
         times.append((time.perf_counter() - t0) * 1e3)
         if verbose:
             print(f"[{label}] step {i:3d}  loss {losses[-1]:.5f}  {times[-1]:8.2f} ms")
     return losses, times
 
 
+def init_distributed(arg: str) -> None:
+    """``jax.distributed`` from ``COORDINATOR,PROCESSES,PROCESS_ID`` (or from the environment of a
+    cluster JAX knows, when ``auto``)."""
+    if arg == "auto":
+        jax.distributed.initialize()
+        return
+    try:
+        coordinator, processes, pid = arg.split(",")
+        processes, pid = int(processes), int(pid)
+    except ValueError:
+        raise SystemExit(f"--distributed takes auto or HOST:PORT,PROCESSES,PROCESS_ID, got {arg!r}") from None
+    jax.distributed.initialize(coordinator, processes, pid)
+
+
 def main(argv: list[str] | None = None) -> dict:
-    on_gpu = jax.default_backend() == "gpu"
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--size", choices=sorted(SIZES), default="h200" if on_gpu else "tiny")
+    p.add_argument("--size", choices=sorted(SIZES))
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--lr", type=float)
+    p.add_argument("--batch", type=int, help="global batch (sequences per step); default: the size's")
     p.add_argument("--moe", action="store_true", help="top-2 of 8 experts instead of the dense MLP")
+    p.add_argument("--mesh", help="train on a device mesh: data=N[,model=M] (N x M devices)")
+    p.add_argument("--fsdp", action="store_true", help="with --mesh: also shard every weight over data")
+    p.add_argument("--distributed", metavar="auto|HOST:PORT,PROCESSES,PROCESS_ID",
+                   help="one process per GPU (or per host) through jax.distributed")
+    p.add_argument("--no-compare", action="store_true", help="skip the plain XLA run")
     p.add_argument("--quiet", action="store_true", help="no per-step lines")
+    p.add_argument("--json", help="write the results to this file")
     args = p.parse_args(argv)
-    cfg = dataclasses.replace(SIZES[args.size], moe=args.moe, **({"lr": args.lr} if args.lr else {}))
+    if args.distributed:
+        init_distributed(args.distributed)
+    on_gpu = jax.default_backend() == "gpu"
+    overrides = {k: v for k, v in (("lr", args.lr), ("batch", args.batch)) if v}
+    cfg = dataclasses.replace(SIZES[args.size or ("h200" if on_gpu else "tiny")], moe=args.moe, **overrides)
+    mesh = make_mesh(parse_mesh(args.mesh)) if args.mesh else None
+    lead = jax.process_index() == 0
+    say = print if lead else (lambda *a, **k: None)
 
     params, opt_state, tx = init_train_state(jax.random.key(0), cfg)
-    data = batches(jax.random.key(1), cfg)
+    data = list(batches(jax.random.key(1), cfg))
+    shardings = None
+    if mesh is not None:
+        check_mesh(cfg, mesh)
+        params, opt_state, shardings = shard_train_state(params, opt_state, tx, cfg, mesh, args.fsdp)
+        data = [place(d, shardings[2]) for d in data]
     ffn = f"MoE FFN (top-{cfg.top_k} of {cfg.experts} experts, width {cfg.d_ff})" if cfg.moe else f"MLP width {cfg.d_ff}"
-    print(f"GPT: d_model {cfg.d_model}, {cfg.heads} heads, {cfg.layers} layers, {ffn}, vocab {cfg.vocab}, "
-          f"batch {cfg.batch} x {cfg.seq} tokens; bf16 products, f32 master weights, AdamW (lr {cfg.lr}), "
-          f"{args.steps} steps")
-    kstep, pstep = make_step(cfg, tx, kernelized=True), make_step(cfg, tx, kernelized=False)
+    say(f"GPT: d_model {cfg.d_model}, {cfg.heads} heads, {cfg.layers} layers, {ffn}, vocab {cfg.vocab}, "
+        f"batch {cfg.batch} x {cfg.seq} tokens; bf16 products, f32 master weights, AdamW (lr {cfg.lr}), "
+        f"{args.steps} steps")
+    devices = mesh.size if mesh is not None else 1
+    if mesh is not None:
+        say(f"mesh {dict(mesh.shape)}{' with fully sharded weights' if args.fsdp else ''} over {devices} devices"
+            f"{f' in {jax.process_count()} processes' if jax.process_count() > 1 else ''}")
+    kstep = make_step(cfg, tx, kernelized=True, mesh=mesh, shardings=shardings)
     path = path_taken(kstep, params, opt_state, data[0])
-    print(f"path: {path}")
-    losses, times = train(kstep, params, opt_state, data, args.steps, "kernelized", not args.quiet)
-    ref_losses, ref_times = train(pstep, params, opt_state, data, args.steps, "plain XLA", not args.quiet)
-    ms, ref_ms = statistics.median(times[1:] or times), statistics.median(ref_times[1:] or ref_times)
-
-    print(f"{'step':>4}  {'kernelized':>10}  {'plain XLA':>10}")
-    for i, (a, b) in enumerate(zip(losses, ref_losses)):
-        print(f"{i:4d}  {a:10.5f}  {b:10.5f}")
-    rel = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, ref_losses))
-    print(f"max relative difference between the loss curves: {rel:.2e}")
-    comparison = compare_line(("kernelized", "plain XLA"), ms, ref_ms)
-    print(comparison)
+    say(f"path: {path}")
+    losses, times = train(kstep, params, opt_state, data, args.steps, "kernelized", lead and not args.quiet)
+    ms = statistics.median(times[1:] or times)
+    tokens_per_s = cfg.batch * cfg.seq / ms * 1e3
+    out = {"path": path, "devices": devices, "processes": jax.process_count(),
+           "mesh": dict(mesh.shape) if mesh is not None else {}, "fsdp": args.fsdp, "moe": cfg.moe,
+           "batch": cfg.batch, "seq": cfg.seq, "losses": losses, "ms": ms,
+           "tokens_per_s_per_device": tokens_per_s / devices}
+    if not args.no_compare:
+        pstep = make_step(cfg, tx, kernelized=False, mesh=mesh, shardings=shardings)
+        ref_losses, ref_times = train(pstep, params, opt_state, data, args.steps, "plain XLA", lead and not args.quiet)
+        ref_ms = statistics.median(ref_times[1:] or ref_times)
+        say(f"{'step':>4}  {'kernelized':>10}  {'plain XLA':>10}")
+        for i, (a, b) in enumerate(zip(losses, ref_losses)):
+            say(f"{i:4d}  {a:10.5f}  {b:10.5f}")
+        rel = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, ref_losses))
+        say(f"max relative difference between the loss curves: {rel:.2e}")
+        comparison = compare_line(("kernelized", "plain XLA"), ms, ref_ms)
+        say(comparison)
+        out |= {"ref_losses": ref_losses, "max_rel_diff": rel, "ref_ms": ref_ms, "comparison": comparison,
+                "ref_tokens_per_s_per_device": cfg.batch * cfg.seq / ref_ms * 1e3 / devices}
+    say(f"kernelized: {ms:.2f} ms/step, {out['tokens_per_s_per_device']:.0f} tokens/s per device")
+    if args.json and lead:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
     if not losses[-1] < losses[0]:
         raise SystemExit(f"loss did not go down: {losses[0]} -> {losses[-1]}")
-    return {"path": path, "losses": losses, "ref_losses": ref_losses, "max_rel_diff": rel, "ms": ms,
-            "ref_ms": ref_ms, "comparison": comparison}
+    return out
 
 
 if __name__ == "__main__":

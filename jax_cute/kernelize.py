@@ -23,7 +23,9 @@ Everything else is bound as written. A product stays XLA's when no kernel could 
 operands that are not both bf16/fp16 (or both of one fp8 type), a result that is not
 bf16/fp16/f32, integer products (XLA's integer dot is exact; jax_cute has no integer kernel),
 an explicit ``out_sharding`` or a dot algorithm, other ragged dimension numbers, and products
-inside primitives kernelize does not enter (e.g. ``shard_map``, Pallas kernels). Each decision
+inside primitives kernelize does not enter (e.g. Pallas kernels). A ``shard_map`` is entered:
+its body is rewritten per shard and bound again with the same mesh and specs, so expert- and
+tensor-parallel code written with collectives runs on the kernels too. Each decision
 is recorded in a :class:`KernelizeReport`; in strict mode (``jax_cute.config.strict()``) a product
 left to XLA raises :class:`jax_cute.FallbackError` when the function is traced.
 """
@@ -386,6 +388,8 @@ class _Interpreter:
 
     def _higher_order(self, eqn, invals: list):
         name, params = eqn.primitive.name, eqn.params
+        if name == "shard_map":
+            return self._shard_map(eqn, invals)
         if name not in ENTERED:
             for sub in _sub_jaxprs(params):
                 self._record_untouched(sub, f"inside {name}, which kernelize does not enter")
@@ -404,6 +408,23 @@ class _Interpreter:
             self.where.pop()
         return eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(new))
 
+    def _shard_map(self, eqn, invals: list):
+        """A shard_map bound again through ``jax.shard_map`` over the rewritten body: JAX then
+        traces the body per shard (manual axes, varying types, hoisted constants) as it did."""
+        params = eqn.params
+        inner, consts = _open(params["jaxpr"])
+        if consts or inner.constvars:  # shard_map's body takes its constants as arguments
+            self._record_untouched(params["jaxpr"], "inside shard_map: a body with bound constants")
+            return eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(params))
+        kwargs = _shard_map_kwargs(params)
+        self.where.append("shard_map")
+        try:
+            body = lambda *args: tuple(self.eval(inner, [], args))  # noqa: E731
+            return list(jax.shard_map(body, mesh=params["mesh"], in_specs=tuple(params["in_specs"]),
+                                      out_specs=tuple(params["out_specs"]), **kwargs)(*invals))
+        finally:
+            self.where.pop()
+
     def _rewrite(self, j):
         """``j`` with its products rewritten: the interpreter traced over ``j``'s input types."""
         inner, consts = _open(j)
@@ -418,6 +439,23 @@ class _Interpreter:
         if new_consts or (not _UNIFIED_JAXPR and isinstance(j, ClosedJaxpr)):
             return ClosedJaxpr(new, list(new_consts))
         return new
+
+
+def _shard_map_kwargs(params) -> dict:
+    """``jax.shard_map``'s keyword arguments that reproduce a shard_map equation's ``params``
+    (JAX 0.10 names them check_rep/auto, later check_vma/newly_manual_axes)."""
+    mesh = params["mesh"]
+    if "newly_manual_axes" in params:
+        manual = frozenset(params["newly_manual_axes"])
+    elif "manual_axes" in params:
+        manual = frozenset(params["manual_axes"])
+    else:
+        manual = frozenset(mesh.axis_names) - frozenset(params.get("auto", ()))
+    check = params.get("check_vma", params.get("check_rep", True))
+    kwargs = {"check_vma": check}
+    if manual != frozenset(mesh.axis_names):
+        kwargs["axis_names"] = set(manual)
+    return kwargs
 
 
 # -- the public function ----------------------------------------------------------------------
