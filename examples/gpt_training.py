@@ -347,6 +347,7 @@ def train(step: Callable, params, opt_state, data: list, steps: int, label: str,
 def init_distributed(arg: str) -> None:
     """``jax.distributed`` from ``COORDINATOR,PROCESSES,PROCESS_ID`` (or from the environment of a
     cluster JAX knows, when ``auto``)."""
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU processes too (GPUs use NCCL)
     if arg == "auto":
         jax.distributed.initialize()
         return

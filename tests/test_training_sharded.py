@@ -140,6 +140,34 @@ def test_sharded_training_step_matches_the_unsharded_model(results, name):
     assert case["cuda_dots"] == 0 and case["cuda_products"] >= 10, case
 
 
+def test_two_processes_through_jax_distributed_train_like_one(tmp_path):
+    """The example's multi-process path (one process per device, as across hosts): two CPU
+    processes joined by jax.distributed train to the losses of one process with two devices."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = ["examples/gpt_training.py", "--mesh", "data=2", "--steps", "3", "--quiet", "--no-compare", "--batch", "8"]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    procs = [subprocess.Popen([sys.executable, *argv, "--distributed", f"127.0.0.1:{port},2,{i}",
+                               "--json", str(tmp_path / f"p{i}.json")], env=env, cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    one = subprocess.run([sys.executable, *argv, "--json", str(tmp_path / "one.json")], cwd=ROOT, text=True,
+                         env={**env, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}, capture_output=True,
+                         timeout=600)
+    for p in procs:
+        _, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err[-3000:]
+    assert one.returncode == 0, one.stderr[-3000:]
+    two, single = (json.loads((tmp_path / f).read_text()) for f in ("p0.json", "one.json"))
+    assert not (tmp_path / "p1.json").exists()  # only the first process reports
+    assert two["processes"] == 2 and two["devices"] == 2 and single["processes"] == 1
+    for a, b in zip(two["losses"], single["losses"]):
+        assert abs(a - b) <= 1e-5 * abs(b), (two["losses"], single["losses"])
+
+
 def test_collectives_of_each_parallelism(results):
     dp, fsdp, tp = results["data_parallel"]["step"], results["fully_sharded"]["step"], results["tensor_parallel"]["step"]
     assert dp["all-gather"] == 0 and dp["all-to-all"] == 0 and dp["all-reduce"] >= 1, dp  # gradients summed
