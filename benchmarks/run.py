@@ -22,7 +22,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 SUITES = {"models": "bench_models.py", "matmul": "bench_matmul.py", "layouts": "bench_layouts.py", "ragged": "bench_ragged.py",
-          "launch": "bench_launch.py", "fused": "bench_fused.py"}
+          "launch": "bench_launch.py", "fused": "bench_fused.py", "scaling": "bench_scaling.py"}
 IMPL_ORDER = ["jax_cute", "xla", "pallas"]
 IMPL_LABEL = {"jax_cute": "jax_cute", "xla": "XLA", "pallas": "Pallas", "xla_bf16_grads": "XLA, bf16 gradient GEMMs",
               "jax_cute_kernelize": "kernelize(jnp step): gelu fused"}
@@ -174,10 +174,12 @@ SECTIONS = [  # (table, record key, unit, higher is better, title, digits)
     ("ragged", "tflops", "TFLOP/s", True, "Grouped GEMM (ragged_dot), bf16: forward, lhs and rhs gradients", 1),
     ("e2e", "ms", "ms", False, "End-to-end steps (time per call)", 2),
     ("launch", "us_per_iter", "µs/iter", False, "Tiny kernel in a fori_loop (command buffers off)", 2),
+    ("scaling", "tokens_per_s_per_device", "tokens/s per GPU", True, "Training step on several GPUs, same batch per GPU", 0),
 ]
 SUITE_TITLE = {"models": "Models: jax_cute.kernelize", "matmul": "Dense GEMM: jax_cute.matmul", "layouts": "Layouts: einsum, LM head, vmap of batched",
                "ragged": "Grouped GEMM: jax_cute.ragged_dot",
-               "launch": "Launch overhead", "fused": "Fused epilogues: bias and activation"}
+               "launch": "Launch overhead", "fused": "Fused epilogues: bias and activation",
+               "scaling": "Several GPUs: the GPT training step sharded"}
 SUITE_LABELS = {"ragged": {"xla": "lax.ragged_dot"},   # what the "xla" rival is in that suite
                 "models": {"jax_cute_unfused": "jax_cute, gelu not fused"},
                 "fused": {"jax_cute": "jax_cute fused", "jax_cute_remat": "jax_cute fused, jax.checkpoint",
@@ -207,6 +209,12 @@ SUITE_NOTE = {
               "Pallas' `ragged_dot_mgpu` (forward, lhs gradient) or `transposed_ragged_dot_mgpu` (rhs gradient). "
               "Group sizes are uniform or drawn from Dirichlet(0.3) (a few large groups, many small or empty "
               "ones). The MoE layer is `examples/moe_training.py`'s (router, top-2 of 8 experts, two grouped GEMMs).",
+    "scaling": "The training step of `examples/gpt_training.py` at its `h200` size on a mesh of 1, 2 and 4 GPUs "
+               "of one host (`--mesh data=N`), 8 sequences of 1024 tokens per GPU: the dense model data parallel "
+               "(the batch split, gradients summed), the MoE model expert parallel (its layer a `shard_map` "
+               "with all-to-all token dispatch, 8 experts split over the GPUs). *jax_cute*: "
+               "`value_and_grad(kernelize(loss))`; *XLA*: the same model and shardings as written. *Scaling*: "
+               "tokens/s per GPU against the same implementation on one GPU.",
     "launch": "A tiny `cute_call` kernel (`examples/custom_kernel.py`'s `a * alpha + b`) against the same `jnp` "
               "expression, 1000 dependent iterations in one `lax.fori_loop`, with XLA's command buffers off so "
               "that every iteration is a real launch.",
@@ -275,6 +283,26 @@ def traffic_table(recs: list[dict], labels: dict | None) -> list[str]:
     return out + [""]
 
 
+def scaling_table(recs: list[dict]) -> list[str]:
+    """Markdown: each implementation's tokens/s per GPU as a fraction of its own on one GPU."""
+    base = {(r["impl"], r["moe"]): r["tokens_per_s_per_device"] for r in recs
+            if r.get("table") == "scaling" and r.get("devices") == 1 and r.get("tokens_per_s_per_device")}
+    rows = [r for r in recs if r.get("table") == "scaling" and r.get("devices", 1) > 1]
+    impls = _impls(rows)
+    if not rows or not base:
+        return []
+    out = ["### Scaling: tokens/s per GPU against one GPU", "",
+           "| case | " + " | ".join(_label(i) for i in impls) + " |", "|---|" + "---|" * len(impls)]
+    for case, by in _by_case(rows).items():
+        cells = []
+        for i in impls:
+            r, b = by.get(i), base.get((i, (by.get(i) or {}).get("moe")))
+            ok = r and r.get("tokens_per_s_per_device") and b
+            cells.append(f"{r['tokens_per_s_per_device'] / b:.3f}" if ok else "—")
+        out.append(f"| {case} | " + " | ".join(cells) + " |")
+    return out + [""]
+
+
 def report_order(files: list[str]) -> list[str]:
     """The result files among ``files`` (.json suites, .jsonl first-call records; other files are
     skipped): dense GEMM first, then grouped, launch, first call."""
@@ -324,6 +352,7 @@ def report(files: list[str], md: str, plots: str) -> str:
                 out += ["<details><summary>failures</summary>", ""]
                 out += [f"- {r['case']} / {r['impl']}: {r['error']}" for r in fails] + ["", "</details>", ""]
         out += traffic_table(recs, SUITE_LABELS.get(suites[0]) if len(suites) == 1 else None)
+        out += scaling_table(recs)
     text = "\n".join(out).rstrip() + "\n"
     Path(md).write_text(text)
     print(f"wrote {md} ({len(text.encode())} bytes) and plots under {plots}")

@@ -51,3 +51,15 @@ def test_in_loop_feeds_each_product_back():
     for _ in range(3):
         want = want.at[0, 0].set((want @ b)[0, 0])
     assert (bench_matmul.in_loop(jnp.matmul, 3)(a, b) == want).all()
+
+
+def test_scaling_table_divides_each_implementation_by_its_own_one_gpu_rate():
+    import run
+
+    rec = lambda impl, n, tps: {"table": "scaling", "impl": impl, "devices": n, "moe": False,  # noqa: E731
+                                "case": f"dense, {n} GPUs", "tokens_per_s_per_device": tps}
+    lines = run.scaling_table([rec("jax_cute", 1, 200.0), rec("xla", 1, 100.0), rec("jax_cute", 4, 180.0),
+                               rec("xla", 4, 95.0)])
+    assert lines[2] == "| case | jax_cute | XLA |"
+    assert lines[4] == "| dense, 4 GPUs | 0.900 | 0.950 |"
+    assert run.scaling_table([rec("jax_cute", 4, 180.0)]) == []  # no one-GPU rate: no table

@@ -345,6 +345,23 @@ def test_out_sharding_stays_xla():
     assert not p.kernelized and "out_sharding" in p.reason
 
 
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_shard_map_body_is_rewritten(check_vma):
+    """kernelize enters a shard_map (here over one device, with a collective in its body): the
+    products inside run on jax_cute, values and gradients equal the original's."""
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    body = lambda x, w: lax.psum(jnp.tanh(x @ w) @ w.T, "x")  # noqa: E731
+    f = jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P()), out_specs=P(), check_vma=check_vma)
+    k = jax_cute.kernelize(f)
+    assert_trees_close(jax.jit(k)(X, W), f(X, W))
+    assert [(p.kernelized, p.where) for p in k.report.products] == [(True, "shard_map")] * 2
+    loss = lambda g: lambda x, w: jnp.sum(jnp.square(g(x, w).astype(jnp.float32)))  # noqa: E731
+    assert_trees_close(jax.jit(jax.grad(loss(k), (0, 1)))(X, W), jax.grad(loss(f), (0, 1))(X, W))
+    assert _count(jax.make_jaxpr(k)(X, W), JAX_CUTE) == 2
+
+
 def test_report_logged_when_asked(caplog):
     k = jax_cute.kernelize(lambda x, w: x @ w, report=True)
     with caplog.at_level("WARNING", logger="jax_cute"):
