@@ -48,6 +48,65 @@ def _max_rel(a, b) -> float:
     return max(jax.tree.leaves(diffs))
 
 
+def _primitives_under_grad() -> dict[str, float]:
+    """Each primitive on a 2 x 4 data x model mesh under jit and grad (with vmap, scan and
+    checkpoint around some): the largest gradient error against the float32 unsharded function."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    import jax_cute
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    import gpt_training as gpt
+
+    mesh = gpt.make_mesh({"data": 2, "model": 4})
+    keys = iter(jax.random.split(jax.random.key(2), 32))
+    r = lambda *shape, scale=1.0: (scale * jax.random.normal(next(keys), shape)).astype(jnp.bfloat16)  # noqa: E731
+    gs = jnp.array([10, 20, 4, 30], jnp.int32)
+
+    def scanned(x, ws):
+        layer = lambda h, w: (jax.checkpoint(lambda h: jax_cute.matmul(h, w, activation="relu"))(h), None)  # noqa: E731
+        return jax.lax.scan(layer, x, ws)[0]
+
+    cases = {  # name: (jax_cute function, reference, operands, their PartitionSpecs)
+        "vmap_fused_gelu": (jax.vmap(lambda x, w, b: jax_cute.matmul(x, w, bias=b, activation="gelu"), (0, None, None)),
+                            lambda x, w, b: jax.nn.gelu(x @ w + b), (r(4, 32, 64), r(64, 128), r(128)),
+                            (P("data"), P(None, "model"), P("model"))),
+        "swiglu_data_parallel": (lambda x, w: jax_cute.matmul(x, w, activation="swiglu"),
+                                 lambda x, w: (lambda h: jax.nn.silu(h[..., :64]) * h[..., 64:])(x @ w),
+                                 (r(4, 32, 64), r(64, 128)), (P("data"), P())),
+        "einsum_column_parallel_heads": (lambda x, w: jax_cute.einsum("btd,dhe->bthe", x, w),
+                                         lambda x, w: jnp.einsum("btd,dhe->bthe", x, w),
+                                         (r(4, 32, 64), r(64, 8, 16)), (P("data"), P(None, "model"))),
+        "einsum_row_parallel_heads": (lambda x, w: jax_cute.einsum("bthe,hed->btd", x, w),
+                                      lambda x, w: jnp.einsum("bthe,hed->btd", x, w),
+                                      (r(4, 32, 8, 16), r(8, 16, 64)), (P("data", None, "model"), P("model"))),
+        "dot_general_batch_sharded_twice": (
+            lambda a, b: jax_cute.dot_general(a, b, (((2,), (1,)), ((0,), (0,)))),
+            lambda a, b: jax.lax.dot_general(a, b, (((2,), (1,)), ((0,), (0,)))),
+            (r(8, 32, 64), r(8, 64, 16)), (P(("data", "model")), P(("data", "model")))),
+        "ragged_gelu_tokens_sharded": (lambda t, w: jax_cute.ragged_dot(t, w, gs, activation="gelu"),
+                                       lambda t, w: jax.nn.gelu(jax.lax.ragged_dot(t, w, gs)),
+                                       (r(64, 32), r(4, 32, 48)), (P(("data", "model")), P())),
+        "scan_checkpoint_fused": (scanned, lambda x, ws: jax.lax.scan(lambda h, w: (jax.nn.relu(h @ w), None), x, ws)[0],
+                                  (r(4, 16, 64, scale=0.3), r(3, 64, 64, scale=0.2)), (P("data"), P())),
+        "kernelize_chain_tensor_parallel": (jax_cute.kernelize(lambda x, w1, w2: jax.nn.gelu(x @ w1) @ w2),
+                                            lambda x, w1, w2: jax.nn.gelu(x @ w1) @ w2,
+                                            (r(4, 32, 64), r(64, 128), r(128, 64)),
+                                            (P("data"), P(None, "model"), P("model"))),
+    }
+    errors = {}
+    for name, (f, ref, args, specs) in cases.items():
+        loss = lambda g: lambda *a: jnp.sum(g(*a).astype(jnp.float32) ** 2)  # noqa: E731
+        nums = tuple(range(len(args)))
+        sharded = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, specs)]
+        got = jax.jit(jax.grad(loss(f), nums))(*sharded)
+        want = jax.grad(loss(ref), nums)(*(a.astype(jnp.float32) for a in args))
+        errors[name] = _max_rel([g.astype(jnp.float32) for g in got], list(want))
+    return errors
+
+
 def _worker() -> dict:
     import jax
     import jax.numpy as jnp
@@ -69,6 +128,8 @@ def _worker() -> dict:
     out["snippet"] = {"rel": _max_rel(jax.tree.map(lambda a: a.astype(jnp.float32), got),
                                       jax.tree.map(lambda a: a.astype(jnp.float32), want)),
                       "dx_spec": [a for a in got[0].sharding.spec]}
+
+    out["primitives"] = _primitives_under_grad()
 
     @functools.lru_cache(maxsize=None)
     def unsharded(moe: bool):
@@ -128,11 +189,20 @@ def test_data_parallel_weight_gradient_lowers_and_matches(results):
     assert case["dx_spec"][0] == "data"
 
 
+def test_every_primitive_partitions_under_grad(results):
+    """bf16 products and cotangents against the float32 unsharded function."""
+    for name, err in results["primitives"].items():
+        assert err <= 2e-2, (name, err)
+    assert len(results["primitives"]) == 8
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_sharded_training_step_matches_the_unsharded_model(results, name):
     case = results[name]
-    for got, want in zip(case["losses"], case["want_losses"]):
-        assert abs(got - want) <= 1e-4 * abs(want), case
+    # the first loss is the same function of the same parameters; the second follows one AdamW
+    # step, which scales each gradient element by its own magnitude (bf16 differences included)
+    (got0, got1), (want0, want1) = case["losses"], case["want_losses"]
+    assert abs(got0 - want0) <= 1e-5 * abs(want0) and abs(got1 - want1) <= 1e-3 * abs(want1), case
     # each shard's part of a weight gradient is rounded to bf16 before the sum over shards
     assert case["grad_rel"] <= 2e-2, case
     assert case["grad_specs_kept"], case
