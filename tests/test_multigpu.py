@@ -44,3 +44,43 @@ def test_matmul_and_cute_call_on_every_device():
             np.testing.assert_array_equal(np.asarray(got), np.asarray(x) * 2 + np.asarray(y))
     stats = jax_cute.runtime.stats()
     assert stats["modules_created"] >= 2 * len(devices)  # one module per kernel per device
+
+
+def _gpt_losses(moe: bool, mesh_axes: dict | None, steps: int = 6) -> list[float]:
+    """Losses of the GPT example (a small size) trained kernelized from the same start, on one
+    GPU or on a mesh of them."""
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+    import gpt_training as gpt
+
+    cfg = gpt.Config(vocab=4096, d_model=512, heads=8, layers=2, seq=256, batch=8, moe=moe, lr=1e-3)
+    params, opt_state, tx = gpt.init_train_state(jax.random.key(0), cfg)
+    data = list(gpt.batches(jax.random.key(1), cfg))
+    mesh = shardings = None
+    if mesh_axes:
+        mesh = gpt.make_mesh(mesh_axes)
+        params, opt_state, shardings = gpt.shard_train_state(params, opt_state, tx, cfg, mesh)
+        data = [gpt.place(d, shardings[2]) for d in data]
+    step = gpt.make_step(cfg, tx, kernelized=True, mesh=mesh, shardings=shardings)
+    assert "jax_cute_launch" in step.lower(params, opt_state, data[0]).compile().as_text()
+    return gpt.train(step, params, opt_state, data, steps, "", False)[0]
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_gpt_training_on_every_gpu_matches_one_gpu(moe):
+    """Data parallel (dense) or expert parallel (MoE) over all GPUs, and a 2-D data x model mesh,
+    in strict mode (every product on our kernels): the first loss equals one GPU's, the next
+    ones follow it (MoE routing may flip a few top-2 choices on rounding differences)."""
+    n = len(jax.devices())
+    if n < 2:
+        pytest.skip("needs two GPUs")
+    with jax_cute.config.override(strict=True):
+        one = _gpt_losses(moe, None)
+        meshes = [{"data": n}] + ([{"data": n // 2, "model": 2}] if n >= 4 and not moe else [])
+        for axes in meshes:
+            got = _gpt_losses(moe, axes)
+            assert abs(got[0] - one[0]) <= 1e-4 * one[0], (axes, got, one)
+            tol = 1e-2 if moe else 1e-3
+            assert max(abs(a - b) / b for a, b in zip(got, one)) <= tol, (axes, got, one)
+            assert got[-1] < got[0]
