@@ -117,15 +117,22 @@ def _directions(mode: str, n: int) -> tuple[int, int]:
     return (n // 2, (n - 1) // 2) if mode == "bidirectional" else (n - 1, 0)
 
 
-def _result_fits(p: Problem, result: Spec | None, factor: str, ring: tuple[str, ...]) -> bool:
-    """Whether the requested result shards ``factor``'s axis over exactly the ring's axes and
-    uses them nowhere else (no request: any result will do)."""
+def _result_fits(p: Problem, result: Spec | None, factor: str, axes: tuple[str, ...], ring: tuple[str, ...]) -> bool:
+    """Whether the requested result shards ``factor``'s axis over exactly ``axes`` and uses the
+    ring's axes nowhere else (no request: any result will do)."""
     if result is None:
         return True
     ci = _axis_of(p.operands[-1], factor)
-    if ci is None or tuple(result[ci]) != ring:
+    if ci is None or tuple(result[ci]) != axes:
         return False
     return not any(set(axes) & set(ring) for i, axes in enumerate(result) if i != ci)
+
+
+def _common_suffix(x: tuple[str, ...], y: tuple[str, ...]) -> tuple[str, ...]:
+    j = 0
+    while j < min(len(x), len(y)) and x[len(x) - 1 - j] == y[len(y) - 1 - j]:
+        j += 1
+    return x[len(x) - j:]
 
 
 def _base(p: Problem, mesh_shape, specs, result, ring) -> Plan | None:
@@ -148,7 +155,7 @@ def _gather(p: Problem, ms, specs, result, mode: str, moving: str) -> Ring | Non
                 continue
             outer, n = f_axes[:len(f_axes) - len(ring)], _count(ms, ring)
             if n < 2 or p.sizes[f] % (n * _count(ms, outer)) or p.sizes[g] % n \
-                    or not _result_fits(p, result, g, ring):
+                    or not _result_fits(p, result, g, ring, ring):
                 continue
             base = _base(p, ms, specs, result, ring)
             if base is None or tuple(base.assignment.get(f, ())) != outer or g in base.assignment:
@@ -172,21 +179,25 @@ def _scatter(p: Problem, ms, specs, result, mode: str) -> Ring | None:
     for k, k_axes in _sharded(a, specs[0]):
         if k[0] != "k" or k not in p.shardable or b_axes.get(k) != k_axes:
             continue
-        for f, ring in _sharded(c, result):
+        for f, f_axes in _sharded(c, result):
+            # the ring: the mesh axes that end both K's sharding and the result's (rows over
+            # (data, model) with K over model: a ring over model in each data group)
+            ring = _common_suffix(k_axes, f_axes)
             holder = a if f[0] == "m" else b
             hi = _axis_of(holder, f)
-            if f not in p.shardable or hi is None or specs[[a, b].index(holder)][hi] \
-                    or k_axes[len(k_axes) - len(ring):] != ring:
+            if not ring or f not in p.shardable or hi is None:
                 continue
-            outer, n = k_axes[:len(k_axes) - len(ring)], _count(ms, ring)
-            if n < 2 or p.sizes[f] % n or p.sizes[k] % (n * _count(ms, outer)) \
-                    or not _result_fits(p, result, f, ring):
+            outer_k, outer_f, n = k_axes[:len(k_axes) - len(ring)], f_axes[:len(f_axes) - len(ring)], _count(ms, ring)
+            if n < 2 or specs[[a, b].index(holder)][hi] not in ((), outer_f) \
+                    or p.sizes[f] % (n * _count(ms, outer_f)) or p.sizes[k] % (n * _count(ms, outer_k)) \
+                    or not _result_fits(p, result, f, f_axes, ring):
                 continue
             base = _base(p, ms, specs, result, ring)
-            if base is None or tuple(base.assignment.get(k, ())) != outer or f in base.assignment:
+            if base is None or tuple(base.assignment.get(k, ())) != outer_k \
+                    or tuple(base.assignment.get(f, ())) != outer_f:
                 continue
             inputs = Plan({**base.assignment, k: k_axes}, None, ())
-            chunk = Plan({**base.assignment, k: k_axes, f: ring}, None, ())
+            chunk = Plan({**base.assignment, k: k_axes, f: f_axes}, None, ())
             return Ring(SCATTER, p, ring, n, f, holder.name, chunk, chunk,
                         (inputs.spec(a), inputs.spec(b)), chunk.spec(c), base.reduce, _directions(mode, n))
     return None
