@@ -63,7 +63,7 @@ class Ring:
     specs: tuple[PartitionSpec, ...]  # the inputs' shardings
     result_spec: PartitionSpec
     reduce: tuple[str, ...]  # mesh axes summed over after the ring (K sharded outside it)
-    directions: tuple[int, int]  # chunk steps taken forward (to idx + 1) and backward
+    directions: tuple[int, int]  # hops one way round the ring and the other ((n - 1, 0): one-way)
 
     def partition(self, call, mesh):
         """``custom_partitioning``'s answer for the call: mesh, per-shard body, result and input
@@ -311,9 +311,10 @@ def _scatter_steps(ring: Ring, ops: dict, gemm, block, at, moving_shape, out_dty
         rows = block(ops[ring.operand], mi, extent, at(offset))
         return gemm(out_dtype, **{ring.operand: rows, other: ops[other]})
 
-    # The accumulator of chunk c going backward starts fwd_steps devices after c and collects
-    # one partial product per hop (idx - fwd_steps + s at step s); the one going forward starts
-    # bwd_steps devices before c. Each step's GEMM runs while the previous sum is in flight.
+    # Chunk c's sums: one starts fwd_steps devices after c and travels toward idx - 1, adding one
+    # partial product per hop (at step s device idx adds its part of chunk idx - fwd_steps + s;
+    # one-way: chunk idx + s + 1); the other starts bwd_steps devices before c and travels toward
+    # idx + 1. Both arrive at c, which adds its own part. Each GEMM runs while a sum is in flight.
     down = up = None
     for s in range(max(fwd_steps, bwd_steps)):
         if s < fwd_steps:
