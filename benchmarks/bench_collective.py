@@ -180,7 +180,8 @@ def mlp_case(mesh, tokens: int, d: int, hidden: int, dtype, grad: bool):
     ]
     if not grad:
         def local(x, wg, wu, wd, x_rep):  # every device's three GEMMs on tokens already gathered
-            body = lambda x, wg, wu, wd: jax_cute.matmul(jax.nn.silu(jax_cute.matmul(x, wg)) * jax_cute.matmul(x, wu), wd)  # noqa: E731
+            mm = jax_cute.matmul
+            body = lambda x, wg, wu, wd: mm(jax.nn.silu(mm(x, wg)) * mm(x, wu), wd)  # noqa: E731
             return jax.shard_map(body, mesh=mesh, in_specs=(P(), P(None, AXIS), P(None, AXIS), P(AXIS, None)),
                                  out_specs=P(), check_vma=False)(x_rep, wg, wu, wd)
         impls.append(Impl("local_gemm", local, context=_ring(False)))
@@ -255,7 +256,8 @@ def _windowed(args: argparse.Namespace) -> list[dict]:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
         path = tmp.name
     env = {**os.environ, "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " " + WINDOWED_FLAGS).strip()}
-    cmd = [sys.executable, os.path.abspath(__file__), "--windowed-only", "--records", path, "--rounds", str(args.rounds)]
+    cmd = [sys.executable, os.path.abspath(__file__), "--windowed-only", "--records", path,
+           "--rounds", str(args.rounds)]
     proc = subprocess.run(cmd + (["--smoke"] if args.smoke else []), env=env)
     try:
         with open(path) as f:

@@ -297,7 +297,8 @@ def _worker() -> dict:
     mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     tokens = ("data", "model")
     hidden = NamedSharding(mesh, P("data", "model"))
-    mlp2 = lambda x, w1, w2, mm=mm: mm(jax.lax.with_sharding_constraint(jax.nn.gelu(mm(x, w1)), hidden), w2)  # noqa: E731
+    wsc = jax.lax.with_sharding_constraint
+    mlp2 = lambda x, w1, w2, mm=mm: mm(wsc(jax.nn.gelu(mm(x, w1)), hidden), w2)  # noqa: E731
     r["data_model"] = public(case(mesh, "bidirectional", mlp2, ref_mlp, (rnd(56, 13), rnd(13, 20), rnd(20, 12)),
                                   [(tokens, None), (None, "model"), ("model", None)], out=(tokens, None)))
     return r
