@@ -15,6 +15,7 @@ subprocess with them, timing xla_windowed interleaved with jax_cute and local_ge
 ``collective_windowed``: compare those rows with each other, not across tables).
 
     python benchmarks/bench_collective.py --records out.json     (or: run.py --suite collective)
+    BENCH_COLLECTIVE_CASES=llama python benchmarks/bench_collective.py ...   (cases whose name has a word)
 """
 
 from __future__ import annotations
@@ -189,7 +190,15 @@ def mlp_case(mesh, tokens: int, d: int, hidden: int, dtype, grad: bool):
                 replicated_copy=not grad)
 
 
-def cases(args: argparse.Namespace, mesh, on_gpu: bool) -> list[tuple[str, tuple]]:
+def cases(args: argparse.Namespace, mesh, on_gpu: bool) -> list[tuple[str, Case]]:
+    """The suite's cases; ``BENCH_COLLECTIVE_CASES=up,down`` keeps those whose name contains one of
+    the words (to split a run)."""
+    keep = [w.strip().lower() for w in os.environ.get("BENCH_COLLECTIVE_CASES", "").split(",") if w.strip()]
+    return [(name, case) for name, case in _cases(args, mesh, on_gpu)
+            if not keep or any(w in name.lower() for w in keep)]
+
+
+def _cases(args: argparse.Namespace, mesh, on_gpu: bool) -> list[tuple[str, Case]]:
     n = mesh.size
     if args.smoke:
         f16, bf16 = jnp.float16, jnp.bfloat16
@@ -275,7 +284,10 @@ def _windowed(args: argparse.Namespace) -> list[dict]:
 def run(args: argparse.Namespace) -> list[dict]:
     if getattr(args, "windowed_only", False):
         return _run_cases(args, windowed=True)
-    return _run_cases(args, windowed=False) + _windowed(args)
+    # The windowed-einsum process runs first, before this one takes the GPUs' memory (XLA
+    # preallocates most of it on first use).
+    windowed = _windowed(args)
+    return _run_cases(args, windowed=False) + windowed
 
 
 if __name__ == "__main__":
