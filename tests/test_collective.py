@@ -183,6 +183,15 @@ def test_unidirectional_ring_and_transposed_operands(results, n):
     _none_but_permutes(case["grad"])
 
 
+def test_einsum_with_tokens_in_the_middle_axis(results):
+    for name, spec in (("einsum_up", [None, None, "x"]), ("einsum_down", [None, "x"])):
+        case = results[name]
+        _close(case)
+        assert case["out_spec"] == spec, name
+        _none_but_permutes(case["fwd"])
+        _none_but_permutes(case["grad"])
+
+
 def test_bf16_mlp_within_rounding_of_the_float32_product(results):
     case = results["bf16"]
     _close(case, tol=3e-2)
@@ -340,6 +349,16 @@ def _worker() -> dict:
                                           [(None, "x"), ("x", None)]))
 
     mesh = jax.make_mesh((4,), ("x",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:4])
+    # (batch, tokens, features) activations, tokens sequence-parallel: the ring's factor is the
+    # result's middle axis (chunks written into, or sliced from, axis 1)
+    up = lambda x, w, ein=jax_cute.einsum: ein("btd,dh->bth", x, w)  # noqa: E731
+    down = lambda h, w, ein=jax_cute.einsum: ein("bth,hd->btd", h, w)  # noqa: E731
+    r["einsum_up"] = public(case(mesh, "bidirectional", up, functools.partial(up, ein=jnp.einsum),
+                                 (rnd(3, 20, 13), rnd(13, 12)), [(None, "x", None), (None, "x")],
+                                 out=(None, None, "x")))
+    r["einsum_down"] = public(case(mesh, "bidirectional", down, functools.partial(down, ein=jnp.einsum),
+                                   (rnd(3, 20, 12), rnd(12, 13)), [(None, None, "x"), ("x", None)],
+                                   out=(None, "x", None)))
     args, specs = (rnd(64, 48), rnd(48, 96) / 7, rnd(96, 48) / 10), [("x", None), (None, "x"), ("x", None)]
     on = case(mesh, "bidirectional", mlp, ref_mlp, args, specs, out=("x", None), dtype=jnp.bfloat16)
     off = case(mesh, False, mlp, ref_mlp, args, specs, out=("x", None), dtype=jnp.bfloat16)
