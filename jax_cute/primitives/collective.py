@@ -44,7 +44,7 @@ from jax_cute.primitives import sharding
 from jax_cute.primitives.sharding import Operand, Plan, Problem, Spec
 
 GATHER, GATHER_K, SCATTER = "gather", "gather_k", "scatter"
-FREE = {"a": "m", "b": "n", "c": "mn"}  # an operand's free (uncontracted) modes
+FREE = {"a": "m", "b": "n"}  # each input's free (uncontracted) mode
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -125,7 +125,7 @@ def _result_fits(p: Problem, result: Spec | None, factor: str, axes: tuple[str, 
     ci = _axis_of(p.operands[-1], factor)
     if ci is None or tuple(result[ci]) != axes:
         return False
-    return not any(set(axes) & set(ring) for i, axes in enumerate(result) if i != ci)
+    return not any(set(other) & set(ring) for i, other in enumerate(result) if i != ci)
 
 
 def _common_suffix(x: tuple[str, ...], y: tuple[str, ...]) -> tuple[str, ...]:
@@ -187,7 +187,8 @@ def _scatter(p: Problem, ms, specs, result, mode: str) -> Ring | None:
             hi = _axis_of(holder, f)
             if not ring or f not in p.shardable or hi is None:
                 continue
-            outer_k, outer_f, n = k_axes[:len(k_axes) - len(ring)], f_axes[:len(f_axes) - len(ring)], _count(ms, ring)
+            outer_k, outer_f = k_axes[:len(k_axes) - len(ring)], f_axes[:len(f_axes) - len(ring)]
+            n = _count(ms, ring)
             if n < 2 or specs[[a, b].index(holder)][hi] not in ((), outer_f) \
                     or p.sizes[f] % (n * _count(ms, outer_f)) or p.sizes[k] % (n * _count(ms, outer_k)) \
                     or not _result_fits(p, result, f, f_axes, ring):
