@@ -15,7 +15,7 @@ subprocess with them, timing xla_windowed interleaved with jax_cute and local_ge
 ``collective_windowed``: compare those rows with each other, not across tables).
 
     python benchmarks/bench_collective.py --records out.json     (or: run.py --suite collective)
-    BENCH_COLLECTIVE_CASES=llama python benchmarks/bench_collective.py ...   (cases whose name has a word)
+    BENCH_COLLECTIVE_CASES=doc python benchmarks/bench_collective.py ...   (cases whose name has a word)
 """
 
 from __future__ import annotations
@@ -209,8 +209,10 @@ def _cases(args: argparse.Namespace, mesh, on_gpu: bool) -> list[tuple[str, Case
     f16, bf16 = jnp.float16, jnp.bfloat16
     return [
         # Pallas' collective_matmul doc shape: M = 1024 per shard, K = 4096, N = 4096 per shard
-        (f"all-gather GEMM f16 ({n}x1024)x4096 @ 4096x4096/dev", all_gather_case(mesh, 1024, 4096, 4096, f16, on_gpu)),
-        (f"GEMM reduce-scatter f16 {n * 1024}x(4096/dev) @ 4096", reduce_scatter_case(mesh, n * 1024, 4096, 4096, f16)),
+        (f"doc shape: all-gather GEMM f16 ({n}x1024)x4096 @ 4096x4096/dev",
+         all_gather_case(mesh, 1024, 4096, 4096, f16, on_gpu)),
+        (f"doc shape: GEMM reduce-scatter f16 {n * 1024}x(4096/dev) @ 4096",
+         reduce_scatter_case(mesh, n * 1024, 4096, 4096, f16)),
         # Llama-3-8B MLP: 8192 tokens, 4096 -> 14336 -> 4096
         ("Llama up: all-gather GEMM bf16 8192x4096 @ 4096x14336",
          all_gather_case(mesh, 8192 // n, 4096, 14336 // n, bf16, on_gpu)),
