@@ -22,10 +22,14 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 SUITES = {"models": "bench_models.py", "matmul": "bench_matmul.py", "layouts": "bench_layouts.py", "ragged": "bench_ragged.py",
-          "launch": "bench_launch.py", "fused": "bench_fused.py", "scaling": "bench_scaling.py"}
+          "launch": "bench_launch.py", "fused": "bench_fused.py", "scaling": "bench_scaling.py",
+          "collective": "bench_collective.py"}
 IMPL_ORDER = ["jax_cute", "xla", "pallas"]
 IMPL_LABEL = {"jax_cute": "jax_cute", "xla": "XLA", "pallas": "Pallas", "xla_bf16_grads": "XLA, bf16 gradient GEMMs",
               "jax_cute_kernelize": "kernelize(jnp step): gelu fused"}
+# The collective suite's rows (benchmarks/bench_collective.py)
+IMPL_LABEL.update({"jax_cute_unidirectional": "jax_cute, one-way ring", "jax_cute_no_ring": "jax_cute, XLA collective",
+                   "xla_windowed": "XLA windowed einsum", "local_gemm": "local GEMM (no communication)"})
 
 
 # -- running ----------------------------------------------------------------------------------
@@ -175,17 +179,28 @@ SECTIONS = [  # (table, record key, unit, higher is better, title, digits)
     ("e2e", "ms", "ms", False, "End-to-end steps (time per call)", 2),
     ("launch", "us_per_iter", "µs/iter", False, "Tiny kernel in a fori_loop (command buffers off)", 2),
     ("scaling", "tokens_per_s_per_device", "tokens/s per GPU", True, "Training step on several GPUs, same batch per GPU", 0),
+    ("collective", "ms", "ms", False, "Tensor-parallel products with their collective, all visible GPUs", 3),
+    ("collective_windowed", "ms", "ms", False, "The same, in a process with XLA's windowed einsum on", 3),
 ]
 SUITE_TITLE = {"models": "Models: jax_cute.kernelize", "matmul": "Dense GEMM: jax_cute.matmul", "layouts": "Layouts: einsum, LM head, vmap of batched",
                "ragged": "Grouped GEMM: jax_cute.ragged_dot",
                "launch": "Launch overhead", "fused": "Fused epilogues: bias and activation",
-               "scaling": "Several GPUs: the GPT training step sharded"}
+               "scaling": "Several GPUs: the GPT training step sharded",
+               "collective": "Collective matmul: all-gather and reduce-scatter inside the GEMMs"}
 SUITE_LABELS = {"ragged": {"xla": "lax.ragged_dot"},   # what the "xla" rival is in that suite
                 "models": {"jax_cute_unfused": "jax_cute, gelu not fused"},
                 "fused": {"jax_cute": "jax_cute fused", "jax_cute_remat": "jax_cute fused, jax.checkpoint",
                           "jax_cute_unfused": "jax_cute + jnp epilogue",
                           "jax_cute_kernelize": "kernelize(XLA layer)"}}
 SUITE_NOTE = {
+    "collective": "*jax_cute*: `JAX_CUTE_COLLECTIVE_MATMUL=1`, the partitioning rules' bidirectional ring of "
+                  "collective permutes and per-chunk jax_cute GEMMs ([docs/sharding.md](docs/sharding.md)); *one-way "
+                  "ring*: `=unidirectional`; *XLA collective*: the switch off (XLA's all-gather or reduce-scatter "
+                  "around our GEMM); XLA: `jnp.dot` with the same shardings; Pallas: the fastest of four configs of "
+                  "Pallas' Mosaic GPU `all_gather_lhs_matmul`; *local GEMM*: each device's products on inputs already "
+                  "in place, no communication (the floor). Per-device TFLOP/s aside, times are per call, all devices "
+                  "in one process. XLA's windowed einsum needs process-wide flags: its table comes from a second "
+                  "process, timed interleaved with jax_cute and the local GEMM there.",
     "matmul": "XLA: `jnp.matmul` (cuBLAS, or XLA's Triton GEMM where XLA picks it). Pallas: the fastest of four "
               "configs of Pallas' Mosaic GPU Hopper matmul. Each call runs 8 independent products in one jit. "
               "The MLP step is the forward + backward + SGD update of `examples/mlp_training.py`; *XLA, bf16 "
@@ -306,7 +321,7 @@ def scaling_table(recs: list[dict]) -> list[str]:
 def report_order(files: list[str]) -> list[str]:
     """The result files among ``files`` (.json suites, .jsonl first-call records; other files are
     skipped): dense GEMM first, then grouped, launch, first call."""
-    rank = {"matmul": 0, "layouts": 1, "ragged": 2, "fused": 3, "launch": 4}
+    rank = {"matmul": 0, "layouts": 1, "ragged": 2, "fused": 3, "launch": 4, "collective": 5}
     kept = [f for f in files if f.endswith((".json", ".jsonl"))]
     for f in sorted(set(files) - set(kept)):
         print(f"skipping {f}: not a results file")

@@ -11,6 +11,9 @@
 | autotune              | JAX_CUTE_AUTOTUNE=1               | time candidate configs on the GPU, keep best   |
 | command_buffer        | JAX_CUTE_COMMAND_BUFFER=0         | launch on XLA's stream, outside CUDA graphs,   |
 |                       |                                   | with programmatic dependent launch (Hopper)    |
+| collective_matmul     | JAX_CUTE_COLLECTIVE_MATMUL=1      | tensor-parallel products overlap their all-    |
+|                       | (or unidirectional)               | gather / reduce-scatter in a ring of GEMMs     |
+|                       |                                   | (docs/sharding.md); off by default             |
 
 Python settings win over the environment; ``None`` means "ask the environment". Values are
 checked when set from Python and when read from the environment: a typo is an error, never a
@@ -37,6 +40,7 @@ _ENV = {
     "disk_cache": "JAX_CUTE_DISK_CACHE",
     "autotune": "JAX_CUTE_AUTOTUNE",
     "command_buffer": "JAX_CUTE_COMMAND_BUFFER",
+    "collective_matmul": "JAX_CUTE_COLLECTIVE_MATMUL",
 }
 _BOOL_DEFAULTS = {"strict": False, "nan_fill": False, "unverified_kernels": False, "disk_cache": True,
                   "autotune": False, "command_buffer": True}
@@ -117,6 +121,30 @@ def cache_dir() -> Path:
     return Path(base) / "jax_cute"
 
 
+# collective_matmul: off, or the ring's direction ("1"/true means bidirectional).
+RINGS = ("bidirectional", "unidirectional")
+
+
+def _check_ring(value: object, where: str) -> str | None:
+    if isinstance(value, str) and value.strip().lower() in RINGS:
+        return value.strip().lower()
+    try:
+        return RINGS[0] if _parse_bool("collective_matmul", value, where) else None
+    except ValueError:
+        raise ValueError(f"jax_cute.config: {where} must be a boolean or one of {', '.join(RINGS)}, "
+                         f"got {value!r}") from None
+
+
+def collective_matmul() -> str | None:
+    """The ring tensor-parallel products run in (``primitives/collective.py``): "bidirectional",
+    "unidirectional", or None (off: XLA's all-gather / reduce-scatter around one local GEMM).
+    Read when a call is lowered."""
+    if _overrides.get("collective_matmul") is not None:
+        return _overrides["collective_matmul"] or None  # type: ignore[return-value]
+    raw = os.environ.get(_ENV["collective_matmul"])
+    return _check_ring(raw, _ENV["collective_matmul"]) if raw else None
+
+
 def _validated(name: str, value: object) -> object:
     if name not in _ENV:
         raise ValueError(f"jax_cute.config: unknown switch {name!r}; known: {', '.join(sorted(_ENV))}")
@@ -128,6 +156,8 @@ def _validated(name: str, value: object) -> object:
         if not isinstance(value, (str, os.PathLike)) or not str(value):
             raise ValueError(f"jax_cute.config: cache_dir must be a path, got {value!r}")
         return str(value)
+    if name == "collective_matmul":
+        return _check_ring(value, name) or ""  # "": off from Python (None hands it to the environment)
     return _parse_bool(name, value, name)
 
 

@@ -23,7 +23,7 @@ from jax.interpreters import ad, batching, mlir
 
 from jax_cute import dispatch
 from jax_cute import layout as L
-from jax_cute.primitives import fused, sharding
+from jax_cute.primitives import collective, fused, sharding
 from jax_cute.primitives.gemm_layouts import (GemmLayouts, batched_gemm, cotangent_a, cotangent_a_partials,
                                                cotangent_b, cotangent_b_partials, matmul_layouts)
 from jax_cute.primitives.gemm_plan import flatten_gemm
@@ -67,7 +67,7 @@ def reference(a, b, *, layouts: GemmLayouts, out_dtype, acc_dtype, precision=Non
 
 # Both lowerings go through the partitioning rules (primitives/sharding.py); ``avals`` and
 # ``params`` are then those of one shard.
-mlir.register_lowering(matmul_p, sharding.lowering(matmul_p, sharding.reference_local(reference)))
+mlir.register_lowering(matmul_p, sharding.lowering(matmul_p, sharding.reference_local(reference), collective.planner))
 
 
 def _cuda_lowering(avals, params):
@@ -75,7 +75,7 @@ def _cuda_lowering(avals, params):
     return dispatch.gemm(*avals, reference=ref, **params) or ref
 
 
-mlir.register_lowering(matmul_p, sharding.lowering(matmul_p, _cuda_lowering), platform="cuda")
+mlir.register_lowering(matmul_p, sharding.lowering(matmul_p, _cuda_lowering, collective.planner), platform="cuda")
 
 
 # -- batching ---------------------------------------------------------------------------------

@@ -460,6 +460,9 @@ class _Call:
 
     params: tuple[tuple[str, object], ...]
     local: Local
+    # (problem, mesh shape, input specs, result spec) -> a ring that hides the call's all-gather or
+    # reduce-scatter in its GEMMs, or None (primitives/collective.py; None: that switch is off)
+    rings: Callable | None = None
 
     @property
     def kwargs(self) -> dict:
@@ -509,7 +512,11 @@ def _partition(call: _Call, mesh, arg_shapes, result_shape):
     specs = _input_specs(p, arg_shapes)
     if any(s is None for s in specs):  # shardings we cannot read: run replicated
         specs = [None] * len(specs)
-    pl = plan(p, ms, specs, spec_of(result_shape.sharding, len(result_shape.shape)))
+    result_spec = spec_of(result_shape.sharding, len(result_shape.shape))
+    ring = call.rings(p, ms, specs, result_spec) if call.rings and all(s is not None for s in specs) else None
+    if ring is not None:
+        return ring.partition(call, mesh)
+    pl = plan(p, ms, specs, result_spec)
     local, shapes = local_layouts(p, pl, ms, layouts)
     local_params = {**params, "layouts": local}
 
@@ -537,6 +544,9 @@ def _partition(call: _Call, mesh, arg_shapes, result_shape):
 def _infer(call: _Call, mesh, arg_shapes, result_shape):
     p = problem(call.kwargs["layouts"], [s.shape for s in arg_shapes])
     specs = _input_specs(p, arg_shapes)
+    ring = call.rings(p, _mesh_shape(mesh), specs, None) if call.rings and all(s is not None for s in specs) else None
+    if ring is not None:
+        return NamedSharding(mesh, ring.result_spec)
     pl = plan(p, _mesh_shape(mesh), specs if all(s is not None for s in specs) else [None] * len(specs))
     return NamedSharding(mesh, pl.spec(p.operands[-1]))
 
@@ -568,11 +578,12 @@ _partitioned.def_partition(partition=_partition, infer_sharding_from_operands=_i
                            propagate_user_sharding=_propagate_user, sharding_rule=_rule)
 
 
-def lowering(primitive, local: Local) -> Callable:
+def lowering(primitive, local: Local, rings: Callable[[], Callable | None] | None = None) -> Callable:
     """An MLIR lowering rule for ``primitive`` whose per-shard computation is ``local``.
 
     ``local(avals, params)`` returns the function of the (local) operand arrays that computes
     the primitive with ``params`` (``params["layouts"]`` describe those local buffers).
+    ``rings()``, asked when a call is lowered, gives the planner of ``_Call.rings`` (or None).
     """
     # custom_partitioning needs the device assignment while lowering, which jit passes only to
     # computations holding a primitive that asks for it (as custom_partitioning_p itself does).
@@ -585,7 +596,8 @@ def lowering(primitive, local: Local) -> Callable:
             if _one_shard(ctx.module_context.axis_context):  # nothing to partition: the computation itself
                 fn = local(plain.avals_in, params)
             else:
-                fn = functools.partial(_partitioned, _Call(tuple(sorted(params.items())), local))
+                fn = functools.partial(_partitioned, _Call(tuple(sorted(params.items())), local,
+                                                           rings() if rings else None))
             out, = mlir.lower_fun(fn, multiple_results=False)(plain, *args)
         # As lax's lowerings: a result typed with Explicit mesh axes is constrained to its type.
         return [jax_mlir.lower_with_sharding_in_types(ctx, out, ctx.avals_out[0])]

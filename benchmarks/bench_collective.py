@@ -1,0 +1,300 @@
+"""Collective suite: tensor-parallel products with their all-gather / reduce-scatter, on all visible devices.
+
+Rows, interleaved in one process on fresh random data (common.measure):
+- jax_cute: the ring of ``JAX_CUTE_COLLECTIVE_MATMUL=bidirectional`` (primitives/collective.py);
+  jax_cute_unidirectional: the one-way ring;
+- jax_cute_no_ring: the switch off: XLA's all-gather then our GEMM, or our GEMM then XLA's
+  reduce-scatter;
+- xla: ``jnp.dot`` with the same shardings (XLA's default: NCCL collective, then cuBLAS);
+- pallas: Pallas' Mosaic GPU ``all_gather_lhs_matmul`` (all-gather cases, Hopper only);
+- local_gemm: the same per-device GEMMs on inputs already where they are needed (no
+  communication): the floor the rings aim at (issue 45: within 1.10x at 2 GPUs).
+XLA's windowed einsum needs process-wide flags (--xla_gpu_multi_streamed_windowed_einsum=true
+--xla_gpu_threshold_for_windowed_einsum_mib=0), so this script runs itself once more in a
+subprocess with them, timing xla_windowed interleaved with jax_cute and local_gemm there (table
+``collective_windowed``: compare those rows with each other, not across tables).
+
+    python benchmarks/bench_collective.py --records out.json     (or: run.py --suite collective)
+    BENCH_COLLECTIVE_CASES=doc python benchmarks/bench_collective.py ...   (cases whose name has a word)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import jax_cute  # noqa: E402
+from common import Impl, best_of, measure, suite_main  # noqa: E402
+
+WINDOWED_FLAGS = "--xla_gpu_multi_streamed_windowed_einsum=true --xla_gpu_threshold_for_windowed_einsum_mib=0"
+AXIS = "x"
+
+
+def _mesh() -> jax.sharding.Mesh:
+    return jax.make_mesh((jax.device_count(),), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,))
+
+
+def _ring(mode) -> Callable:
+    return lambda: jax_cute.config.override(collective_matmul=mode)
+
+
+def _normal(mesh, shapes_specs, dtype, replicated_copy: bool) -> Callable[[int], tuple]:
+    """``make_args``: fresh standard-normal arrays made on the devices with their shardings,
+    weights (all but the first) scaled by 1/sqrt(fan-in) so 16-bit products stay O(1); with
+    ``replicated_copy`` the first array once more, replicated (the floor's input)."""
+    makers = [jax.jit(lambda key, shape=shape, scale=(1.0 if i == 0 else shape[0] ** -0.5):
+                      (jax.random.normal(key, shape, jnp.float32) * scale).astype(dtype),
+                      out_shardings=NamedSharding(mesh, P(*spec))) for i, (shape, spec) in enumerate(shapes_specs)]
+    replicate = jax.jit(lambda x: x, out_shardings=NamedSharding(mesh, P()))
+
+    def make(seed: int) -> tuple:
+        keys = jax.random.split(jax.random.key(seed), len(makers))
+        arrays = tuple(mk(k) for mk, k in zip(makers, keys))
+        return arrays + (replicate(arrays[0]),) if replicated_copy else arrays
+    return make
+
+
+def _on(mesh, *spec):
+    return NamedSharding(mesh, P(*spec))
+
+
+def _constrain(mesh, x, *spec):
+    return jax.lax.with_sharding_constraint(x, _on(mesh, *spec))
+
+
+def _pallas_impls(mesh) -> list[Impl]:
+    """Pallas' all-gather matmul (lhs rows gathered, rhs columns sharded), a few of its tuning configs."""
+    try:
+        from jax.experimental.pallas.ops.gpu import collective_matmul_mgpu as cm
+    except Exception as e:  # noqa: BLE001 - a missing rival is recorded, not fatal
+        msg = f"{type(e).__name__}: {e}"
+
+        def missing(*args):
+            raise RuntimeError(f"Pallas collective_matmul_mgpu unavailable: {msg}")
+        return [Impl("pallas", missing, "import")]
+    D = cm.MatmulDimension
+    out = []
+    for tm, tn, minor, width in [(128, 128, D.N, 8), (128, 128, D.M, 8), (128, 256, D.N, 4), (256, 128, D.M, 4)]:
+        cfg = cm.TuningConfig(tile_m=tm, tile_n=tn, tile_k=64, max_concurrent_steps=4, grid_minor_dim=minor,
+                              grid_tile_width=width, wg_dimension=D.N)
+
+        def fn(a, b, a_rep, cfg=cfg):
+            body = functools.partial(cm.all_gather_lhs_matmul, axis_name=AXIS, config=cfg, dtype=a.dtype)
+            return jax.shard_map(body, mesh=mesh, in_specs=(P(AXIS, None), P(None, AXIS)), out_specs=P(None, AXIS),
+                                 check_vma=False)(a, b)
+        out.append(Impl("pallas", fn, f"tm{tm} tn{tn} tk64 s4 minor={minor.name} w{width}"))
+    return out
+
+
+# -- cases ------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Case:
+    args: list  # (global shape, PartitionSpec parts) of each argument
+    out: NamedSharding  # the result's sharding (forward cases)
+    impls: list[Impl]
+    flops: float  # per device
+    dtype: object
+    replicated_copy: bool = False  # the first argument once more, replicated: the floor's input
+    floor_exact: bool = False  # the floor's output is the product (else unreduced partial sums)
+    grad: bool = False  # the result is the gradients (no out sharding, no value check)
+
+
+def all_gather_case(mesh, m_shard: int, k: int, n_shard: int, dtype, pallas: bool):
+    """A (M, K) rows sharded times B (K, N) columns sharded -> (M, N) columns sharded."""
+    n = mesh.size
+    m = n * m_shard
+    args = [((m, k), (AXIS, None)), ((k, n * n_shard), (None, AXIS))]
+    out = _on(mesh, None, AXIS)
+    ring = lambda a, b, a_rep: jax_cute.matmul(a, b)  # noqa: E731
+    impls = [
+        Impl("jax_cute", ring, context=_ring("bidirectional")),
+        Impl("jax_cute_unidirectional", lambda a, b, a_rep: jax_cute.matmul(a, b), context=_ring("unidirectional")),
+        Impl("jax_cute_no_ring", lambda a, b, a_rep: jax_cute.matmul(_constrain(mesh, a, None, None), b),
+             context=_ring(False)),
+        Impl("xla", lambda a, b, a_rep: jnp.dot(a, b)),
+        Impl("local_gemm", lambda a, b, a_rep: jax_cute.matmul(a_rep, b), context=_ring(False)),
+        *(_pallas_impls(mesh) if pallas else []),
+    ]
+    return Case(args, out, impls, 2.0 * m * k * n_shard, dtype, replicated_copy=True, floor_exact=True)
+
+
+def reduce_scatter_case(mesh, m: int, k_shard: int, n_out: int, dtype):
+    """A (M, K) and B (K, N) both sharded along K -> (M, N) rows sharded."""
+    n = mesh.size
+    k = n * k_shard
+    args = [((m, k), (None, AXIS)), ((k, n_out), (AXIS, None))]
+    out = _on(mesh, AXIS, None)
+    # each device's partial sums, unreduced (out_specs P() claims them replicated: no collective)
+    local = jax.shard_map(jax_cute.matmul, mesh=mesh, in_specs=(P(None, AXIS), P(AXIS, None)), out_specs=P(),
+                          check_vma=False)
+    impls = [
+        Impl("jax_cute", lambda a, b: jax_cute.matmul(a, b), context=_ring("bidirectional")),
+        Impl("jax_cute_unidirectional", lambda a, b: jax_cute.matmul(a, b), context=_ring("unidirectional")),
+        Impl("jax_cute_no_ring", lambda a, b: jax_cute.matmul(a, b), context=_ring(False)),
+        Impl("xla", lambda a, b: jnp.dot(a, b)),
+        Impl("local_gemm", local, context=_ring(False)),
+    ]
+    return Case(args, out, impls, 2.0 * m * k_shard * n_out, dtype)
+
+
+def _swiglu_mlp(mesh, mm, x, wg, wu, wd, gather_first: bool = False):
+    """Llama's MLP, tensor parallel: gate and up column-parallel, down row-parallel; tokens
+    sequence-parallel in and out, the hidden activation (tokens, hidden over the axis)."""
+    if gather_first:  # XLA's all-gather of the tokens, then the local products
+        x = _constrain(mesh, x, None, None)
+    h = jax.nn.silu(mm(x, wg)) * mm(x, wu)
+    return mm(_constrain(mesh, h, None, AXIS), wd)
+
+
+def mlp_case(mesh, tokens: int, d: int, hidden: int, dtype, grad: bool):
+    n = mesh.size
+    args = [((tokens, d), (AXIS, None)), ((d, hidden), (None, AXIS)), ((d, hidden), (None, AXIS)),
+            ((hidden, d), (AXIS, None))]
+    out = _on(mesh, AXIS, None)
+
+    def step(mm, gather_first=False):
+        f = lambda x, wg, wu, wd, *x_rep: _swiglu_mlp(mesh, mm, x, wg, wu, wd, gather_first)  # noqa: E731
+        if not grad:
+            return f
+        loss = lambda *a: jnp.sum(_constrain(mesh, f(*a), AXIS, None).astype(jnp.float32) ** 2)  # noqa: E731
+        return lambda *a: jax.grad(loss, argnums=(0, 1, 2, 3))(*a)
+
+    impls = [
+        Impl("jax_cute", step(jax_cute.matmul), context=_ring("bidirectional")),
+        Impl("jax_cute_unidirectional", step(jax_cute.matmul), context=_ring("unidirectional")),
+        Impl("jax_cute_no_ring", step(jax_cute.matmul, gather_first=True), context=_ring(False)),
+        Impl("xla", step(jnp.dot)),
+    ]
+    if not grad:
+        def local(x, wg, wu, wd, x_rep):  # every device's three GEMMs on tokens already gathered
+            mm = jax_cute.matmul
+            body = lambda x, wg, wu, wd: mm(jax.nn.silu(mm(x, wg)) * mm(x, wu), wd)  # noqa: E731
+            return jax.shard_map(body, mesh=mesh, in_specs=(P(), P(None, AXIS), P(None, AXIS), P(AXIS, None)),
+                                 out_specs=P(), check_vma=False)(x_rep, wg, wu, wd)
+        impls.append(Impl("local_gemm", local, context=_ring(False)))
+    return Case(args, out, impls, (3 if grad else 1) * 3 * 2.0 * tokens * d * hidden / n, dtype, grad=grad,
+                replicated_copy=not grad)
+
+
+def cases(args: argparse.Namespace, mesh, on_gpu: bool) -> list[tuple[str, Case]]:
+    """The suite's cases; ``BENCH_COLLECTIVE_CASES=up,down`` keeps those whose name contains one of
+    the words (to split a run)."""
+    keep = [w.strip().lower() for w in os.environ.get("BENCH_COLLECTIVE_CASES", "").split(",") if w.strip()]
+    return [(name, case) for name, case in _cases(args, mesh, on_gpu)
+            if not keep or any(w in name.lower() for w in keep)]
+
+
+def _cases(args: argparse.Namespace, mesh, on_gpu: bool) -> list[tuple[str, Case]]:
+    n = mesh.size
+    if args.smoke:
+        f16, bf16 = jnp.float16, jnp.bfloat16
+        return [(f"all-gather GEMM f16 {n}x64x128 @ 128x128/dev", all_gather_case(mesh, 64, 128, 128, f16, on_gpu)),
+                (f"GEMM reduce-scatter f16 {n * 64}x128/dev x 128", reduce_scatter_case(mesh, n * 64, 128, 128, f16)),
+                ("Llama MLP fwd bf16 64 tokens 64->96", mlp_case(mesh, 64, 64, 96, bf16, grad=False)),
+                ("Llama MLP fwd+bwd bf16 64 tokens 64->96", mlp_case(mesh, 64, 64, 96, bf16, grad=True))]
+    f16, bf16 = jnp.float16, jnp.bfloat16
+    return [
+        # Pallas' collective_matmul doc shape: M = 1024 per shard, K = 4096, N = 4096 per shard
+        (f"doc shape: all-gather GEMM f16 ({n}x1024)x4096 @ 4096x4096/dev",
+         all_gather_case(mesh, 1024, 4096, 4096, f16, on_gpu)),
+        (f"doc shape: GEMM reduce-scatter f16 {n * 1024}x(4096/dev) @ 4096",
+         reduce_scatter_case(mesh, n * 1024, 4096, 4096, f16)),
+        # Llama-3-8B MLP: 8192 tokens, 4096 -> 14336 -> 4096
+        ("Llama up: all-gather GEMM bf16 8192x4096 @ 4096x14336",
+         all_gather_case(mesh, 8192 // n, 4096, 14336 // n, bf16, on_gpu)),
+        ("Llama down: GEMM reduce-scatter bf16 8192x14336 @ 14336x4096",
+         reduce_scatter_case(mesh, 8192, 14336 // n, 4096, bf16)),
+        ("Llama MLP fwd bf16 8192 tokens 4096->14336->4096", mlp_case(mesh, 8192, 4096, 14336, bf16, grad=False)),
+        ("Llama MLP fwd+bwd bf16 8192 tokens 4096->14336->4096", mlp_case(mesh, 8192, 4096, 14336, bf16, grad=True)),
+    ]
+
+
+def _run_cases(args: argparse.Namespace, windowed: bool) -> list[dict]:
+    mesh = _mesh()
+    on_gpu = jax.default_backend() == "gpu"
+    rounds = 2 if args.smoke else args.rounds
+    recs: list[dict] = []
+    if mesh.size < 2:
+        print("collective suite: one device visible; the products have nothing to communicate", file=sys.stderr)
+    for name, case in cases(args, mesh, on_gpu and not windowed):
+        impls = case.impls
+        if windowed:  # XLA's windowed einsum (this process's flags) against the ring and the floor
+            impls = [im for im in impls if im.name in ("jax_cute", "local_gemm")] + \
+                    [Impl("xla_windowed", im.fn) for im in impls if im.name == "xla"]
+        if not case.grad:  # (the floor's unreduced sums stay where they are)
+            impls = [im if im.name == "local_gemm" and not case.floor_exact else
+                     dataclasses.replace(im, fn=jax.jit(im.fn, out_shardings=case.out)) for im in impls]
+        make = _normal(mesh, case.args, case.dtype, case.replicated_copy)
+        chain = 1 if args.smoke or "Llama" in name else 4
+        # --smoke: one call per timed window, so one program is in flight at a time (XLA:CPU's
+        # in-process collectives can deadlock on a 2-core machine with several queued)
+        got = measure("collective", "collective_windowed" if windowed else "collective", name, impls, make,
+                      case.flops, rounds=rounds, chain=chain, check=not case.grad,
+                      target_s=1e-6 if args.smoke else 0.05,
+                      meta={"devices": mesh.size, "dtype": jnp.dtype(case.dtype).name})
+        for r in got:
+            if r["impl"] == "local_gemm" and not case.floor_exact:
+                r.pop("max_rel_err", None)  # unreduced partial sums: the floor's time, not a result
+            if r["impl"] == "jax_cute" and not r["error"]:
+                # the kernel is lowered when the partitioner runs the rules: look in the compiled program
+                r["kernel"] = _compiled_kernel(next(im.fn for im in impls if im.name == "jax_cute"), make(0),
+                                               next(im.context for im in impls if im.name == "jax_cute"))
+        recs += got
+    return best_of(recs, "pallas")
+
+
+def _compiled_kernel(fn: Callable, args: tuple, context) -> bool | None:
+    try:
+        with context():
+            return "jax_cute_launch" in jax.jit(fn).lower(*args).compile().as_text()
+    except Exception:  # noqa: BLE001 - reported as unknown
+        return None
+
+
+def _windowed(args: argparse.Namespace) -> list[dict]:
+    """The windowed-einsum rows, from a subprocess started with XLA's flags for them."""
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
+        path = tmp.name
+    env = {**os.environ, "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " " + WINDOWED_FLAGS).strip()}
+    cmd = [sys.executable, os.path.abspath(__file__), "--windowed-only", "--records", path,
+           "--rounds", str(args.rounds)]
+    proc = subprocess.run(cmd + (["--smoke"] if args.smoke else []), env=env)
+    try:
+        with open(path) as f:
+            return json.load(f)["records"]
+    except (OSError, ValueError, KeyError) as e:
+        return [{"suite": "collective", "table": "collective_windowed", "case": "all", "impl": "xla_windowed",
+                 "ms": None, "tflops": None, "error": f"windowed-einsum subprocess exit {proc.returncode}: {e}"}]
+    finally:
+        os.unlink(path)
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    if getattr(args, "windowed_only", False):
+        return _run_cases(args, windowed=True)
+    # The windowed-einsum process runs first, before this one takes the GPUs' memory (XLA
+    # preallocates most of it on first use).
+    windowed = _windowed(args)
+    return _run_cases(args, windowed=False) + windowed
+
+
+if __name__ == "__main__":
+    if "--windowed-only" in sys.argv:  # suite_main's parser knows only the shared options
+        sys.argv.remove("--windowed-only")
+        suite_main(lambda a: run(argparse.Namespace(**vars(a), windowed_only=True)), __doc__.splitlines()[0])
+    else:
+        suite_main(run, __doc__.splitlines()[0])
