@@ -49,7 +49,11 @@ def _block(x) -> None:
 def uses_kernel(fn: Callable, args: Sequence) -> bool | None:
     """Whether ``fn`` lowers to our custom call here (None when lowering itself fails)."""
     try:
-        return "jax_cute_launch" in jax.jit(fn).lower(*args).as_text()
+        lowered = jax.jit(fn).lower(*args)
+        text = lowered.as_text()
+        if "jax_cute_launch" not in text and "CustomSPMDPartitioning" in text:
+            text = lowered.compile().as_text()  # sharded calls become kernels when partitioned
+        return "jax_cute_launch" in text
     except Exception:  # noqa: BLE001 - reported as unknown
         return None
 
