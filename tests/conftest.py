@@ -14,14 +14,13 @@ import json
 import os
 import subprocess
 
-import tempfile
-
 import pytest
 
-# The DSL writes kept PTX into the working directory unless told otherwise, and reads this when
+from jax_cute.kernels.dsl_env import prepare_dump_dir
+
+# The DSL writes kept PTX into the working directory unless told otherwise, and reads where when
 # it is first imported (some test modules import it before jax_cute does).
-os.environ.setdefault("CUTE_DSL_DUMP_DIR", os.path.join(tempfile.gettempdir(), "jax_cute_dsl_dump"))
-os.makedirs(os.environ["CUTE_DSL_DUMP_DIR"], exist_ok=True)
+prepare_dump_dir()
 
 try:  # JAX traces and compiles per example: no per-example deadline, fewer examples on 2 cores.
     from hypothesis import settings

@@ -163,4 +163,22 @@ def test_config_refuses_bad_environment_values_when_read(monkeypatch):
     with pytest.raises(ValueError, match="JAX_CUTE_TARGET_ARCH='sm_89' has no jax_cute kernels"):
         config.target_arch()
     monkeypatch.setenv("JAX_CUTE_STRICT", "off")
+    with pytest.raises(ValueError, match="JAX_CUTE_TARGET_ARCH='sm_89'"):
+        config.strict()  # reading any switch checks them all
+    monkeypatch.delenv("JAX_CUTE_TARGET_ARCH")
     assert config.strict() is False
+
+
+@pytest.mark.parametrize("var,value,says", [("JAX_CUTE_STRICT", "maybe", "must be a boolean"),
+                                            ("JAX_CUTE_DISK_CACHE", "2", "must be a boolean"),
+                                            ("JAX_CUTE_TARGET_ARCH", "sm_80", "has no jax_cute kernels")])
+def test_bad_environment_values_fail_the_first_call_on_cpu(monkeypatch, var, value, says):
+    """Checked when a function is traced, whichever platform it will run on, not only when
+    lowering for a GPU."""
+    monkeypatch.setenv(var, value)
+    x = jnp.ones((8, 8), jnp.bfloat16)
+    for call in (lambda: jax_cute.matmul(x, x), lambda: jax.jit(jax_cute.matmul)(x, x),
+                 lambda: jax_cute.ragged_dot(x, x[None], jnp.array([8])),
+                 lambda: jax_cute.kernelize(lambda a: a @ a)(x)):
+        with pytest.raises(ValueError, match=f"{var}.*{says}"):
+            call()
