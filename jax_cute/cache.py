@@ -292,8 +292,14 @@ class KernelCache:
 
 
 def _private_dirs(path: Path) -> None:
-    """Create ``path`` (and missing parents) readable and writable by this user only."""
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    """Create ``path`` and its missing parents, each readable and writable by this user only."""
+    missing = []
+    while not path.is_dir():
+        missing.append(path)
+        path = path.parent
+    for p in reversed(missing):
+        with contextlib.suppress(FileExistsError):  # (another process made it meanwhile)
+            p.mkdir(mode=0o700)
 
 
 def atomic_write(path: Path, data: bytes) -> None:
