@@ -114,6 +114,39 @@ def test_autotune_reuses_a_remembered_winner(tmp_path, device):
         assert choice.key() not in lower()  # the heuristic's own choice
 
 
+@pytest.mark.parametrize("table", ['[1, 2]', '"x"', "{not json", '{"KEY": 5}', '{"KEY": {"config": 7}}',
+                                   '{"KEY": {"seconds": 1}}', '{"KEY": ["c"]}'])
+def test_a_wrong_shaped_autotune_table_is_ignored_with_a_warning(tmp_path, device, caplog, table):
+    device(8, 0)  # nothing to time on: the heuristic's config
+    spec = GemmSpec("bfloat16", "bfloat16", "bfloat16", "k", "n", "n")
+    key = autotune.problem_key(sm90_gemm, "sm_90a", spec, (256, 64, 128, 1))
+    (tmp_path / "autotune.json").write_text(table.replace("KEY", key))
+    with config.override(target_arch="sm_90a", autotune=True, cache_dir=str(tmp_path)), \
+            caplog.at_level(logging.WARNING, logger="jax_cute"):
+        assert "@jax_cute_launch" in lower()
+    assert any("jax_cute autotune: ignoring" in r.getMessage() for r in caplog.records)
+
+
+def _record_winners(cache_dir: str, first: int) -> None:
+    with config.override(cache_dir=cache_dir):
+        for i in range(first, first + 15):
+            autotune._record(f"problem{i}", {"config": f"c{i}"})
+
+
+def test_autotune_records_from_several_processes_keep_every_winner(tmp_path):
+    """Writes are read-update-replace under a lock: concurrent processes lose nothing, and the
+    table is always whole JSON."""
+    import multiprocessing
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_record_winners, args=(str(tmp_path), 100 * i)) for i in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    table = json.loads((tmp_path / "autotune.json").read_text())
+    assert len(table) == 60 and table["problem314"] == {"config": "c314"}
+
+
 def test_autotune_samples_every_candidate_each_round_in_varying_order():
     """Autotune's timing loop: every candidate sampled once per round; each round starts with
     another candidate, and the rest follow in an order that varies (no fixed neighbour)."""

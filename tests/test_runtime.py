@@ -228,3 +228,25 @@ def test_instantiate_validates_attributes_on_cpu(tmp_path):
     for case, message in out.items():
         if case != "good":
             assert "kernel test/affine" in message, (case, message)
+
+
+def test_the_dsl_runtime_comes_from_the_installed_distribution_only(tmp_path):
+    """A folder named like the DSL's package in the working directory (first on sys.path) is
+    never where the runtime library is loaded from."""
+    fake = tmp_path / "nvidia_cutlass_dsl" / "cu13" / "lib"
+    fake.mkdir(parents=True)
+    (fake / "libcute_dsl_runtime.so").write_bytes(b"not a library")
+    probe = "import nvidia_cutlass_dsl; from jax_cute import runtime; print(runtime.dsl_runtime_library())"
+    out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert out.returncode == 0, out.stderr[-2000:]
+    path = out.stdout.strip().splitlines()[-1]
+    assert path == runtime.dsl_runtime_library() and not path.startswith(str(tmp_path))
+
+
+def test_compiles_see_only_the_program_name(monkeypatch):
+    """A user's flags (``--h`` is a prefix of the DSL's ``--help``) never reach the DSL's
+    argument parser, and sys.argv is whole again afterwards."""
+    monkeypatch.setattr(sys, "argv", ["train.py", "--h", "4096"])
+    binary = _compile_affine("test/argv")
+    assert binary.obj[:4] == b"\x7fELF" and sys.argv == ["train.py", "--h", "4096"]
