@@ -35,9 +35,16 @@ _outcomes: list[dict] = []
 
 @pytest.fixture(autouse=True, scope="session")
 def _private_kernel_cache(tmp_path_factory):
-    """Tests compile into a cache of their own, never the user's (unless one is named)."""
+    """Tests compile into a cache of their own, never the user's (unless one is named). Under
+    pytest-xdist the workers share one (the run's directory, above each worker's own): the
+    cache's per-key lock makes a kernel compile once per test run, whichever worker needs it."""
     if "JAX_CUTE_CACHE_DIR" not in os.environ:
-        os.environ["JAX_CUTE_CACHE_DIR"] = str(tmp_path_factory.mktemp("jax_cute_cache"))
+        if os.environ.get("PYTEST_XDIST_WORKER"):
+            path = tmp_path_factory.getbasetemp().parent / "jax_cute_cache"
+            os.makedirs(path, mode=0o700, exist_ok=True)
+        else:
+            path = tmp_path_factory.mktemp("jax_cute_cache")
+        os.environ["JAX_CUTE_CACHE_DIR"] = str(path)
     yield
 
 
