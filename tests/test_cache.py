@@ -328,19 +328,32 @@ def test_importing_jax_cute_leaves_tmpdir_alone_and_a_file_there_breaks_nothing(
     """A file where the DSL dump directory would go (a shared /tmp) breaks neither the import
     nor a compile's setup, and the import itself creates nothing there."""
     (tmp_path / "jax_cute_dsl_dump").write_text("someone else's")
-    (tmp_path / f"jax_cute_dsl_dump-{os.geteuid()}").write_text("someone else's")
     env = dict(os.environ, TMPDIR=str(tmp_path), JAX_PLATFORMS="cpu")
     env.pop("CUTE_DSL_DUMP_DIR", None)
     probe = ("import os, jax_cute\n"
              "print(sorted(os.listdir(os.environ['TMPDIR'])))\n"
              "from jax_cute.kernels import dsl_env\n"
              "d = dsl_env.prepare_dump_dir(); st = os.stat(d)\n"
-             "print(os.path.isdir(d), oct(st.st_mode & 0o777), d == os.environ['CUTE_DSL_DUMP_DIR'])\n")
+             "print(os.path.dirname(d) == os.environ['TMPDIR'], oct(st.st_mode & 0o777), "
+             "d == os.environ['CUTE_DSL_DUMP_DIR'])\n")
     out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     listing, made = out.stdout.strip().splitlines()[-2:]
-    assert listing == str(sorted(["jax_cute_dsl_dump", f"jax_cute_dsl_dump-{os.geteuid()}"]))
-    assert made == "True 0o700 True"
+    assert listing == "['jax_cute_dsl_dump']" and made == "True 0o700 True"
+    assert sorted(os.listdir(tmp_path)) == ["jax_cute_dsl_dump"]  # its own directory went with it
+
+
+def test_each_compiling_process_keeps_its_artifacts_apart(tmp_path):
+    """Processes compiling at once (test workers, precompiles) never share a dump directory,
+    even when one inherits another's environment; a directory the user names is used as is."""
+    first = dsl_env.prepare_dump_dir()
+    probe = "from jax_cute.kernels import dsl_env; print(dsl_env.prepare_dump_dir())"
+    child = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0 and child.stdout.strip() not in ("", first), child.stderr[-2000:]
+    env = {k: v for k, v in os.environ.items() if k != "JAX_CUTE_DSL_DUMP_DIR_OF"}
+    env["CUTE_DSL_DUMP_DIR"] = str(tmp_path / "mine")
+    named = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, env=env)
+    assert named.stdout.strip() == str(tmp_path / "mine") and (tmp_path / "mine").is_dir()
 
 
 def test_dsl_settings_exclude_only_known_harmless_ones():

@@ -7,16 +7,17 @@
 - The DSL parses ``sys.argv`` on every compile (its ``-diagnostic`` option, through argparse):
   compiles run with ``sys.argv`` holding the program name only (:func:`program_name_only`).
 - The DSL writes kept artifacts (PTX, cubin) to ``CUTE_DSL_DUMP_DIR``, read once when it is
-  imported: :func:`prepare_dump_dir` points it at a directory of this user's before that.
+  imported: :func:`prepare_dump_dir` points it at a private directory of this process's first.
 
 Nothing here imports the DSL, and importing this module changes nothing.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
-import stat
+import shutil
 import sys
 import tempfile
 import threading
@@ -68,28 +69,27 @@ def program_name_only() -> Iterator[None]:
                 sys.argv[:] = _argv_saved
 
 
-def _private_directory(path: str) -> bool:
-    """Whether ``path`` is a directory of this user's that nobody else may write to."""
-    try:
-        st = os.lstat(path)
-    except OSError:
-        return False
-    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o022
-
-
 def prepare_dump_dir() -> str:
-    """Set ``CUTE_DSL_DUMP_DIR`` (unless the user did) to a directory of this user's, and
-    return it. Called before the DSL is imported. In a shared temporary directory a path that
-    is taken (by a file, or another user) is never used: a fresh private one is made instead."""
+    """Set ``CUTE_DSL_DUMP_DIR`` (unless the user did) to a fresh directory of this process's own,
+    removed when it exits, and return it. Called before the DSL is imported. Never a fixed path
+    in the shared temporary directory: a file or someone else's directory there must not break
+    compiling, and processes compiling at once must not read each other's kept PTX."""
+    global _dump_dir
     chosen = os.environ.get(PREFIX + "DUMP_DIR")
-    if chosen:
+    inherited = os.environ.get(_OWNER) not in (None, str(os.getpid()))  # a jax_cute parent's own
+    if chosen and not inherited and chosen != _dump_dir:
         with contextlib.suppress(OSError):
             os.makedirs(chosen, exist_ok=True)  # kept PTX comes back empty without it
         return chosen
-    path = os.path.join(tempfile.gettempdir(), f"jax_cute_dsl_dump-{os.geteuid()}")
-    with contextlib.suppress(OSError):
-        os.mkdir(path, 0o700)
-    if not _private_directory(path):
-        path = tempfile.mkdtemp(prefix="jax_cute_dsl_dump-")
-    os.environ[PREFIX + "DUMP_DIR"] = path
-    return path
+    if _dump_dir is None or not os.path.isdir(_dump_dir):
+        _dump_dir = tempfile.mkdtemp(prefix="jax_cute_dsl_dump-")
+        atexit.register(shutil.rmtree, _dump_dir, ignore_errors=True)
+    os.environ[PREFIX + "DUMP_DIR"] = _dump_dir
+    os.environ[_OWNER] = str(os.getpid())
+    return _dump_dir
+
+
+_OWNER = "JAX_CUTE_DSL_DUMP_DIR_OF"  # the process whose own CUTE_DSL_DUMP_DIR is set
+
+
+_dump_dir: str | None = None
