@@ -1,4 +1,4 @@
-"""The kernel cache: stable keys, disk entries, corruption, versions, concurrency, precompile."""
+"""The kernel cache: derived keys, disk entries, trust, corruption, concurrency, precompile."""
 
 from __future__ import annotations
 
@@ -15,13 +15,12 @@ from pathlib import Path
 
 import pytest
 
-import jax_cute
+from jax_cute import __main__ as cli
 from jax_cute import cache as cache_mod
 from jax_cute import cache_key, config
-from jax_cute.kernels import dsl_env
-from jax_cute.kernels import abi
+from jax_cute.kernels import abi, dsl_env
 from jax_cute.kernels.build import KernelBinary
-from concurrently import run_concurrently
+from concurrently import run_at_once, run_concurrently
 
 SIG = (abi.TensorArg("x", "float32", (abi.DYN,), (1,)), abi.StreamArg())
 
@@ -281,7 +280,6 @@ def test_wrong_shaped_entries_are_rebuilt_and_listed(fresh, caplog, capsys, meta
     assert other.get(fields, lambda: fake_binary("y")).name == "fake.y"
     assert other.stats.rejected == 1
     meta_path.write_text(meta.replace("KEY", key).replace("SHA", fake_binary().digest))
-    from jax_cute import __main__ as cli
     with config.override(cache_dir=str(tmp)):
         assert cli._list() == 0
     assert "(1 entries)" in capsys.readouterr().out
@@ -303,23 +301,29 @@ def test_clear_removes_only_our_entries(fresh):
         str(p.relative_to(tmp)) for p in theirs)
 
 
-def _build_in_a_process(root: str, out: str) -> None:
-    with config.override(cache_dir=root, disk_cache=True):
-        c = cache_mod.KernelCache()
-        c.get({"family": "f", "n": 49}, lambda: (time.sleep(0.5), fake_binary())[1])
-    Path(out).write_text(str(c.stats.compiles))
+_MISS_AT_ONCE = r"""
+import sys, time
+from pathlib import Path
+from jax_cute import cache, config
+from jax_cute.kernels import abi
+from jax_cute.kernels.build import KernelBinary
+
+root, me, ready, n = sys.argv[1], sys.argv[2], Path(sys.argv[3]), int(sys.argv[4])
+(ready / me).touch()
+while len(list(ready.iterdir())) < n:  # every process is past its imports: miss together
+    time.sleep(0.01)
+sig = (abi.TensorArg("x", "float32", (abi.DYN,), (1,)), abi.StreamArg())
+build = lambda: (time.sleep(1.0), KernelBinary("fake.x", "jc_fake", "sm_90a", sig, b"\x7fELF" + b"x" * 100))[1]
+with config.override(cache_dir=root, disk_cache=True):
+    c = cache.KernelCache()
+    c.get({"family": "f", "n": 49}, build)
+print("COMPILES", c.stats.compiles)
+"""
 
 
 def test_processes_sharing_a_directory_compile_a_missing_kernel_once(tmp_path):
-    import multiprocessing
-    ctx = multiprocessing.get_context("fork")
-    outs = [tmp_path / f"out{i}" for i in range(3)]
-    procs = [ctx.Process(target=_build_in_a_process, args=(str(tmp_path / "c"), str(o))) for o in outs]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(60)
-    assert sorted(int(o.read_text()) for o in outs) == [0, 0, 1]
+    outs = run_at_once(_MISS_AT_ONCE, tmp_path, 3, str(tmp_path / "c"))
+    assert sorted(out.split()[-1] for out in outs) == ["0", "0", "1"]
 
 
 # -- the DSL's environment ---------------------------------------------------------------------------

@@ -17,6 +17,7 @@ import jax_cute
 from jax_cute import arch, autotune, config, dispatch, selfcheck
 from jax_cute.kernels import sm90_gemm, sm90_grouped
 from jax_cute.kernels.gemm_spec import GemmSpec
+from concurrently import run_at_once
 
 ARGS = [jax.ShapeDtypeStruct((256, 128), jnp.bfloat16), jax.ShapeDtypeStruct((128, 64), jnp.bfloat16)]
 
@@ -127,22 +128,25 @@ def test_a_wrong_shaped_autotune_table_is_ignored_with_a_warning(tmp_path, devic
     assert any("jax_cute autotune: ignoring" in r.getMessage() for r in caplog.records)
 
 
-def _record_winners(cache_dir: str, first: int) -> None:
-    with config.override(cache_dir=cache_dir):
-        for i in range(first, first + 15):
-            autotune._record(f"problem{i}", {"config": f"c{i}"})
+_RECORD_AT_ONCE = r"""
+import sys, time
+from pathlib import Path
+from jax_cute import autotune, config
+
+root, me, ready, n = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4])
+(ready / str(me)).touch()
+while len(list(ready.iterdir())) < n:  # every process is past its imports: write together
+    time.sleep(0.01)
+with config.override(cache_dir=root):
+    for i in range(100 * me, 100 * me + 15):
+        autotune._record(f"problem{i}", {"config": f"c{i}"})
+"""
 
 
 def test_autotune_records_from_several_processes_keep_every_winner(tmp_path):
     """Writes are read-update-replace under a lock: concurrent processes lose nothing, and the
     table is always whole JSON."""
-    import multiprocessing
-    ctx = multiprocessing.get_context("fork")
-    procs = [ctx.Process(target=_record_winners, args=(str(tmp_path), 100 * i)) for i in range(4)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(60)
+    run_at_once(_RECORD_AT_ONCE, tmp_path, 4, str(tmp_path))
     table = json.loads((tmp_path / "autotune.json").read_text())
     assert len(table) == 60 and table["problem314"] == {"config": "c314"}
 
