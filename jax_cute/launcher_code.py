@@ -13,6 +13,7 @@ What cannot be keyed (a function without readable source, an object of a user cl
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import sys
@@ -85,6 +86,12 @@ class _Walk:
             for name in sorted(names):
                 if name in vars(value):
                     self.value(f"{label}.{name}", vars(value)[name], names)
+            return
+        if isinstance(value, functools.partial):
+            self.value(f"{label}.func", value.func, names)
+            for i, arg in enumerate((*value.args, *value.keywords.values())):
+                self.value(f"{label} argument {i}", arg, names)
+            self.add(f"{label} keywords", ",".join(sorted(value.keywords)))
             return
         if isinstance(value, (types.FunctionType, type)) or hasattr(value, "__wrapped__"):
             self.function(label, value)  # (library functions and classes are skipped there)

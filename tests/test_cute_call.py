@@ -200,3 +200,56 @@ def test_a_launcher_that_cannot_be_keyed_is_cached_in_memory_only(tmp_path, monk
     assert _compiles_in_a_new_process(_opaque_launcher, tmp_path, monkeypatch) == 1
     assert not list(tmp_path.iterdir())
     assert any("kept in memory only" in r.getMessage() and "_OPAQUE" in r.getMessage() for r in caplog.records)
+
+
+_WALKED = '''
+import functools
+import math
+import helpers_mod as helpers
+
+TABLE = {{"tile": {tile}}}
+
+
+def scale(x, s):
+    return x * s
+
+
+SCALED = functools.partial(scale, s={s})
+
+
+def make(offset):
+    def launcher(stream, x, y):
+        return SCALED(x) + helpers.bump(y) + TABLE["tile"] + offset + math.pi
+    return launcher
+
+
+launcher = make({offset})
+'''
+
+
+@pytest.mark.parametrize("change", ["tile", "s", "offset", "bump"])
+def test_the_launcher_digest_covers_what_its_code_reaches(tmp_path, monkeypatch, change):
+    """Globals, closure cells, functools.partial arguments and functions of user modules the
+    code names are all keyed; a library (math) is not walked."""
+    import sys
+
+    from jax_cute.launcher_code import launcher_digest
+
+    def digest(version: str, **kw) -> str:
+        """The digest of module ``walked`` (and its ``helpers_mod``) as a new process would load it."""
+        values = dict(tile=128, s=2, offset=7, bump="y + 1") | kw
+        where = tmp_path / version
+        where.mkdir()
+        (where / "helpers_mod.py").write_text(f"def bump(y):\n    return {values.pop('bump')}\n")
+        (where / "walked.py").write_text(_WALKED.format(**values))
+        monkeypatch.syspath_prepend(str(where))
+        for name in ("walked", "helpers_mod"):
+            monkeypatch.delitem(sys.modules, name, raising=False)
+        got, why = launcher_digest(importlib.import_module("walked").launcher)
+        assert got is not None, why
+        return got
+
+    base = digest("a")
+    assert digest("same") == base
+    changed = {"tile": dict(tile=64), "s": dict(s=3), "offset": dict(offset=8), "bump": dict(bump="y + 2")}[change]
+    assert digest("changed", **changed) != base

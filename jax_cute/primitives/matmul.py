@@ -23,10 +23,10 @@ from jax.interpreters import ad, batching, mlir
 
 from jax_cute import dispatch
 from jax_cute import layout as L
+from jax_cute.kernels.gemm_spec import dtype_refusal
 from jax_cute.primitives import fused, sharding
 from jax_cute.primitives.gemm_layouts import (GemmLayouts, batched_gemm, cotangent_a, cotangent_a_partials,
                                                cotangent_b, cotangent_b_partials, matmul_layouts)
-from jax_cute.kernels.gemm_spec import dtype_refusal
 from jax_cute.primitives.gemm_plan import flatten_gemm
 
 logger = logging.getLogger("jax_cute")
