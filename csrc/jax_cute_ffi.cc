@@ -2,7 +2,8 @@
 // the call's attributes, through NVIDIA's libcute_dsl_runtime.so, which we never ship or link but
 // dlopen from the path Python gives; the CUDA driver is dlopened too. Stages: instantiate checks
 // the attributes into a LaunchState; initialize loads the kernel for the device (host work that
-// CUDA graph replays skip); execute fills the descriptors (kernels/abi.py, PackedArgs) and runs.
+// CUDA graph replays skip); execute checks every buffer against its argument's descriptor, fills
+// the descriptors (kernels/abi.py, PackedArgs) and runs.
 
 #include <dlfcn.h>
 #include <elf.h>
@@ -160,6 +161,55 @@ bool ReadAt(ffi::Span<const uint8_t> obj, uint64_t off, T* out) {
   return true;
 }
 
+// SHA-256 (FIPS 180-4) as lowercase hex: the `key` attribute is the object's digest, and a call
+// whose key and object disagree is refused (its object is not the one its key names).
+std::string Sha256Hex(const uint8_t* data, size_t size) {
+  static constexpr uint32_t k[64] = {
+      0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1, 0x923f82a4, 0xab1c5ed5,
+      0xd807aa98, 0x12835b01, 0x243185be, 0x550c7dc3, 0x72be5d74, 0x80deb1fe, 0x9bdc06a7, 0xc19bf174,
+      0xe49b69c1, 0xefbe4786, 0x0fc19dc6, 0x240ca1cc, 0x2de92c6f, 0x4a7484aa, 0x5cb0a9dc, 0x76f988da,
+      0x983e5152, 0xa831c66d, 0xb00327c8, 0xbf597fc7, 0xc6e00bf3, 0xd5a79147, 0x06ca6351, 0x14292967,
+      0x27b70a85, 0x2e1b2138, 0x4d2c6dfc, 0x53380d13, 0x650a7354, 0x766a0abb, 0x81c2c92e, 0x92722c85,
+      0xa2bfe8a1, 0xa81a664b, 0xc24b8b70, 0xc76c51a3, 0xd192e819, 0xd6990624, 0xf40e3585, 0x106aa070,
+      0x19a4c116, 0x1e376c08, 0x2748774c, 0x34b0bcb5, 0x391c0cb3, 0x4ed8aa4a, 0x5b9cca4f, 0x682e6ff3,
+      0x748f82ee, 0x78a5636f, 0x84c87814, 0x8cc70208, 0x90befffa, 0xa4506ceb, 0xbef9a3f7, 0xc67178f2};
+  uint32_t h[8] = {0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a,
+                   0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19};
+  auto rotr = [](uint32_t x, int n) { return (x >> n) | (x << (32 - n)); };
+  auto block = [&](const uint8_t* p) {
+    uint32_t w[64];
+    for (int i = 0; i < 16; ++i)
+      w[i] = uint32_t{p[4 * i]} << 24 | uint32_t{p[4 * i + 1]} << 16 | uint32_t{p[4 * i + 2]} << 8 |
+             uint32_t{p[4 * i + 3]};
+    for (int i = 16; i < 64; ++i) {
+      uint32_t s0 = rotr(w[i - 15], 7) ^ rotr(w[i - 15], 18) ^ (w[i - 15] >> 3);
+      uint32_t s1 = rotr(w[i - 2], 17) ^ rotr(w[i - 2], 19) ^ (w[i - 2] >> 10);
+      w[i] = w[i - 16] + s0 + w[i - 7] + s1;
+    }
+    uint32_t a = h[0], b = h[1], c = h[2], d = h[3], e = h[4], f = h[5], g = h[6], hh = h[7];
+    for (int i = 0; i < 64; ++i) {
+      uint32_t t1 = hh + (rotr(e, 6) ^ rotr(e, 11) ^ rotr(e, 25)) + ((e & f) ^ (~e & g)) + k[i] + w[i];
+      uint32_t t2 = (rotr(a, 2) ^ rotr(a, 13) ^ rotr(a, 22)) + ((a & b) ^ (a & c) ^ (b & c));
+      hh = g; g = f; f = e; e = d + t1; d = c; c = b; b = a; a = t1 + t2;
+    }
+    h[0] += a; h[1] += b; h[2] += c; h[3] += d; h[4] += e; h[5] += f; h[6] += g; h[7] += hh;
+  };
+  size_t done = 0;
+  for (; size - done >= 64; done += 64) block(data + done);
+  uint8_t tail[128] = {};
+  const size_t rest = size - done;
+  if (rest > 0) std::memcpy(tail, data + done, rest);
+  tail[rest] = 0x80;
+  const size_t tail_size = rest < 56 ? 64 : 128;
+  const uint64_t bits = uint64_t{size} * 8;
+  for (int i = 0; i < 8; ++i) tail[tail_size - 1 - i] = uint8_t(bits >> (8 * i));
+  block(tail);
+  if (tail_size == 128) block(tail + 64);
+  std::string hex;
+  for (uint32_t v : h) hex += Format("%08x", v);
+  return hex;
+}
+
 // True when the ELF64 little-endian object defines the symbols `prefix`_function_name and
 // `prefix`_version that every dumped launcher has. CuteDSLRT_Module_Get_Function aborts the
 // process (an uncaught C++ exception) on a prefix the object lacks, so instantiate checks first.
@@ -221,6 +271,10 @@ struct LaunchState {
   std::vector<int64_t> offsets;  // kinds.size() + 1 offsets into words
   std::vector<int64_t> words;    // descriptor templates
   std::vector<int64_t> align;    // per argument: required byte alignment of the buffer (0: none)
+  std::vector<int64_t> dtypes;   // per buffer argument: its ffi::DataType code
+  std::vector<int64_t> ranks;    // per buffer argument: its rank
+  std::vector<int64_t> bytes;    // per buffer argument: the bytes its descriptor reaches
+  std::vector<std::string> names;  // per argument, for error messages
 };
 
 // The launcher of `s` on `device`, loaded once per process by whichever call comes first, after
@@ -282,11 +336,29 @@ ffi::Error GetFunction(const LaunchState& s, ffi::Dictionary& attrs, int32_t dev
 }
 
 // Attributes only; no device, stream or buffers yet. Runs on any XLA backend.
+// A tensor descriptor is the data pointer, then int32 shapes and int64 strides of at most this
+// many dynamic modes each.
+constexpr int64_t kMaxModes = 16;
+
+std::vector<std::string> SplitNames(std::string_view text) {
+  std::vector<std::string> out;
+  size_t start = 0;
+  for (size_t i = 0; i <= text.size(); ++i) {
+    if (i == text.size() || text[i] == ',') {
+      out.emplace_back(text.substr(start, i - start));
+      start = i + 1;
+    }
+  }
+  return out;
+}
+
 ffi::ErrorOr<std::unique_ptr<LaunchState>> Instantiate(
     std::string_view name, std::string_view key, std::string_view symbol,
     ffi::Span<const uint8_t> object, int64_t arch_major, int64_t arch_minor,
     ffi::Span<const int64_t> kinds, ffi::Span<const int64_t> offsets,
-    ffi::Span<const int64_t> words, ffi::Span<const int64_t> align) {
+    ffi::Span<const int64_t> words, ffi::Span<const int64_t> align,
+    ffi::Span<const int64_t> dtypes, ffi::Span<const int64_t> ranks,
+    ffi::Span<const int64_t> bytes, std::string_view arg_names) {
   auto error = [&](const std::string& why) {
     return ffi::Unexpected(Err(Code::kInvalidArgument, "kernel " + std::string(name) + ": " + why));
   };
@@ -296,6 +368,12 @@ ffi::ErrorOr<std::unique_ptr<LaunchState>> Instantiate(
     return bad(Format("arg_offsets has %zu entries, arg_kinds %zu", offsets.size(), n));
   if (align.size() != n)
     return bad(Format("arg_align has %zu entries, arg_kinds %zu", align.size(), n));
+  if (dtypes.size() != n || ranks.size() != n || bytes.size() != n)
+    return bad(Format("arg_dtypes, arg_ranks and arg_bytes have %zu, %zu and %zu entries, "
+                      "arg_kinds %zu", dtypes.size(), ranks.size(), bytes.size(), n));
+  std::vector<std::string> names = SplitNames(arg_names);
+  if (names.size() != n)
+    return bad(Format("arg_names names %zu arguments, arg_kinds %zu", names.size(), n));
   if (offsets[0] != 0) return bad("arg_offsets must start at 0");
   if (offsets[n] != static_cast<int64_t>(words.size()))
     return bad(Format("arg_offsets ends at %" PRId64 " but arg_words has %zu words", offsets[n],
@@ -306,11 +384,27 @@ ffi::ErrorOr<std::unique_ptr<LaunchState>> Instantiate(
     if (kinds[i] < -2) return bad(Format("argument %zu has unknown kind %" PRId64, i, kinds[i]));
     if (align[i] < 0 || (align[i] & (align[i] - 1)) != 0)
       return bad(Format("argument %zu: alignment %" PRId64 " is not a power of two", i, align[i]));
+    // A descriptor's length: one word for a stream or a scalar; a tensor's pointer, then its
+    // dynamic int32 shapes and int64 strides.
+    const int64_t length = offsets[i + 1] - offsets[i];
+    const char* arg = names[i].c_str();
+    if (kinds[i] < 0 && length != 1)
+      return bad(Format("argument %zu ('%s'): a %s takes one descriptor word, not %" PRId64, i, arg,
+                        kinds[i] == -1 ? "stream" : "scalar", length));
+    if (kinds[i] >= 0 && length > 1 + kMaxModes / 2 + kMaxModes)
+      return bad(Format("argument %zu ('%s'): a tensor descriptor of %" PRId64 " words holds more "
+                        "than %" PRId64 " dynamic modes", i, arg, length, kMaxModes));
+    if (kinds[i] >= 0 && (dtypes[i] <= 0 || dtypes[i] > 255 || ranks[i] < 0 || bytes[i] < 0))
+      return bad(Format("argument %zu ('%s'): dtype %" PRId64 ", rank %" PRId64 " or size %" PRId64
+                        " is not a buffer's", i, arg, dtypes[i], ranks[i], bytes[i]));
   }
   if (arch_major <= 0 || arch_major > 99 || arch_minor < 0 || arch_minor > 9)
     return bad(Format("arch %" PRId64 ".%" PRId64 " is not a compute capability", arch_major,
                       arch_minor));
   if (key.empty()) return bad("empty key");
+  if (std::string digest = Sha256Hex(object.begin(), object.size()); key != digest)
+    return error("its key " + std::string(key) + " is not the sha256 of its object (" + digest +
+                 "): the object is not the one the call names");
   const std::string prefix(symbol);
   if (!DefinesFunction(object, prefix))
     return error(Format("its object (%zu bytes) is not an ELF object defining function '%s'",
@@ -320,7 +414,8 @@ ffi::ErrorOr<std::unique_ptr<LaunchState>> Instantiate(
   return ffi::ErrorOr<std::unique_ptr<LaunchState>>(std::unique_ptr<LaunchState>(new LaunchState{
       std::string(name), prefix, int(arch_major), int(arch_minor), kernel,
       {kinds.begin(), kinds.end()}, {offsets.begin(), offsets.end()}, {words.begin(), words.end()},
-      {align.begin(), align.end()}}));
+      {align.begin(), align.end()}, {dtypes.begin(), dtypes.end()}, {ranks.begin(), ranks.end()},
+      {bytes.begin(), bytes.end()}, std::move(names)}));
 }
 
 // Device and stream known; runs before execution, not in graph replays.
@@ -338,18 +433,28 @@ ffi::Error Execute(cudaStream_t stream, int32_t device, LaunchState* state,
   if (ffi::Error e = GetFunction(s, attrs, device, stream, &fn); e.failure()) return e;
   // Per-thread scratch: a warm launch allocates nothing. Buffers are inputs, then outputs; each
   // argument points into `storage`: a stream, a scalar or a descriptor (word 0: data pointer).
-  thread_local std::vector<void*> buffers, argv;
+  struct Buffer {
+    void* data;
+    int64_t dtype, rank;
+    size_t bytes;
+  };
+  thread_local std::vector<Buffer> buffers;
+  thread_local std::vector<void*> argv;
   thread_local std::vector<int64_t> storage;
   buffers.clear();
+  auto add = [](const ffi::AnyBuffer& b) {
+    buffers.push_back({b.untyped_data(), static_cast<int64_t>(b.element_type()),
+                       static_cast<int64_t>(b.dimensions().size()), b.size_bytes()});
+  };
   for (size_t k = 0; k < args.size(); ++k) {
     auto buffer = args.get<ffi::AnyBuffer>(k);
     if (!buffer.has_value()) return buffer.error();
-    buffers.push_back(buffer->untyped_data());
+    add(*buffer);
   }
   for (size_t k = 0; k < rets.size(); ++k) {
     auto buffer = rets.get<ffi::AnyBuffer>(k);
     if (!buffer.has_value()) return buffer.error();
-    buffers.push_back((*buffer)->untyped_data());
+    add(**buffer);
   }
   const size_t n = s.kinds.size();
   argv.resize(n + 1);
@@ -359,16 +464,29 @@ ffi::Error Execute(cudaStream_t stream, int32_t device, LaunchState* state,
     argv[i] = storage.data() + s.offsets[i];
     if (k == -1) std::memcpy(argv[i], &stream, sizeof(stream));
     if (k < 0) continue;
+    const char* arg = s.names[i].c_str();
     if (static_cast<size_t>(k) >= buffers.size()) {
-      return Err(Code::kInvalidArgument, Format("kernel %s: argument %zu is buffer %" PRId64
-                 " of only %zu", s.name.c_str(), i, k, buffers.size()));
+      return Err(Code::kInvalidArgument, Format("kernel %s: argument %zu ('%s') is buffer %" PRId64
+                 " of only %zu", s.name.c_str(), i, arg, k, buffers.size()));
     }
-    if (s.align[i] > 0 && reinterpret_cast<uintptr_t>(buffers[k]) % s.align[i] != 0) {
-      return Err(Code::kInvalidArgument, Format("kernel %s: argument %zu (buffer %" PRId64 ") at "
-                 "%p is not aligned to %" PRId64 " bytes, as the kernel assumes", s.name.c_str(),
-                 i, k, buffers[k], s.align[i]));
+    const Buffer& b = buffers[k];
+    if (b.dtype != s.dtypes[i] || b.rank != s.ranks[i]) {
+      return Err(Code::kInvalidArgument, Format("kernel %s: argument %zu ('%s', buffer %" PRId64
+                 ") is a rank-%" PRId64 " buffer of dtype %" PRId64 "; its descriptor was packed for "
+                 "rank %" PRId64 ", dtype %" PRId64 " (XLA FFI DataType codes)", s.name.c_str(), i,
+                 arg, k, b.rank, b.dtype, s.ranks[i], s.dtypes[i]));
     }
-    std::memcpy(argv[i], &buffers[k], sizeof(void*));
+    if (b.bytes < static_cast<uint64_t>(s.bytes[i])) {
+      return Err(Code::kInvalidArgument, Format("kernel %s: argument %zu ('%s', buffer %" PRId64
+                 ") has %zu bytes; its descriptor reaches %" PRId64, s.name.c_str(), i, arg, k,
+                 b.bytes, s.bytes[i]));
+    }
+    if (s.align[i] > 0 && reinterpret_cast<uintptr_t>(b.data) % s.align[i] != 0) {
+      return Err(Code::kInvalidArgument, Format("kernel %s: argument %zu ('%s', buffer %" PRId64
+                 ") at %p is not aligned to %" PRId64 " bytes, as the kernel assumes",
+                 s.name.c_str(), i, arg, k, b.data, s.align[i]));
+    }
+    std::memcpy(argv[i], &b.data, sizeof(void*));
   }
   int32_t ret = 0;  // the launch's CUDA error, written by the launcher
   argv[n] = &ret;
@@ -397,7 +515,8 @@ auto InstantiateBinding() {
       .Attr<ffi::Span<const uint8_t>>("object")
       .Attr<int64_t>("arch_major").Attr<int64_t>("arch_minor")
       .Attr<Words>("arg_kinds").Attr<Words>("arg_offsets").Attr<Words>("arg_words")
-      .Attr<Words>("arg_align");
+      .Attr<Words>("arg_align").Attr<Words>("arg_dtypes").Attr<Words>("arg_ranks")
+      .Attr<Words>("arg_bytes").Attr<std::string_view>("arg_names");
 }
 
 // What Initialize and Execute both take: stream, device, state, buffers and attributes.

@@ -104,8 +104,12 @@ def _list() -> int:
     rows = list(CACHE.entries())
     print(f"cache: {CACHE.directory()} ({len(rows)} entries)")
     for r in rows:
-        when = datetime.datetime.fromtimestamp(r.get("created", 0)).strftime("%Y-%m-%d %H:%M")
-        print(f"{r['key'][:12]}  {r['arch']:8s} {r['bytes']:>9d} B  hits {r.get('hits', 0):>4d}  {when}  {r['name']}")
+        if "problem" in r:
+            print(f"{r['key'][:12]}  unreadable entry ({r['problem']}); it will be rebuilt")
+            continue
+        created = r.get("created")
+        when = datetime.datetime.fromtimestamp(created).strftime("%Y-%m-%d %H:%M") if created else "?"
+        print(f"{r['key'][:12]}  {r['arch']:8s} {r['bytes']:>9d} B  {when}  {r['name']}")
     total = sum(r["bytes"] for r in rows)
     print(f"total {total} bytes")
     return 0
@@ -116,8 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="group", metavar="{cache}", parser_class=_Parser)
     cache = sub.add_parser("cache", help="list, clear or fill the kernel cache").add_subparsers(
         dest="cmd", metavar="{list,clear,precompile}", parser_class=_Parser)
-    cache.add_parser("list", help="show entries, sizes and hits")
-    cache.add_parser("clear", help="delete every entry")
+    cache.add_parser("list", help="show entries and their sizes")
+    cache.add_parser("clear", help="delete every kernel entry (only files the cache itself named)")
     pre = cache.add_parser("precompile", help="compile the kernels listed problems need")
     pre.add_argument("--arch", action="append", required=True, choices=KNOWN_ARCHES,
                      help="target arch (repeatable)")

@@ -12,12 +12,11 @@ suite's rate on an H200 (2026-11-22): rankings below that size are unreliable.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
-import os
 import random
 import statistics
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -29,7 +28,8 @@ import numpy as np
 
 from jax_cute import arch as arch_info
 from jax_cute import config
-from jax_cute.cache import family_binary
+from jax_cute.cache import atomic_write, family_binary, untrusted_reason
+from jax_cute.cache_key import kernel_sources_digest
 from jax_cute.custom_call import kernel_call, workspace_outputs
 
 logger = logging.getLogger("jax_cute")
@@ -38,28 +38,64 @@ CHAIN_BELOW_FLOPS = 2e11
 CHAIN = 8
 
 
-def _table_path() -> Path:
-    return config.cache_dir() / "autotune.json"
+def _table_path() -> Path | None:
+    """``autotune.json`` in the cache directory, or None where the cache would not use it."""
+    root = config.cache_dir()
+    return None if untrusted_reason(root) else root / "autotune.json"
 
 
 def _load() -> dict:
-    try:
-        return json.loads(_table_path().read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def _store(table: dict) -> None:
+    """The table of winners; {} (with a warning, to be filled again) if it is unreadable or is
+    not a JSON object."""
     path = _table_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(table, f, indent=1, sort_keys=True)
-    os.replace(tmp, path)
+    if path is None:
+        return {}
+    try:
+        table = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        logger.warning("jax_cute autotune: ignoring %s (%s); problems will be tuned again", path, e)
+        return {}
+    if not isinstance(table, dict):
+        logger.warning("jax_cute autotune: ignoring %s (a JSON %s, not an object); problems will be tuned again",
+                       path, type(table).__name__)
+        return {}
+    return table
+
+
+def _known(table: dict, key: str, candidates: dict):
+    """The recorded winner for ``key`` among ``candidates``, or None (unknown, malformed: warned)."""
+    entry = table.get(key)
+    if entry is None:
+        return None
+    if not isinstance(entry, dict) or not isinstance(entry.get("config"), str):
+        logger.warning("jax_cute autotune: ignoring the malformed entry for %s (%r); tuning it again", key, entry)
+        return None
+    return candidates.get(entry["config"])
+
+
+def _record(key: str, entry: dict) -> None:
+    """Add ``entry`` under ``key``: read, update and replace the table atomically, under an fcntl
+    lock, so processes tuning at once keep each other's winners. A failure is only logged."""
+    path = _table_path()
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        with open(path.with_name("autotune.json.lock"), "a") as lock:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)  # released when closed
+            table = _load()
+            table[key] = entry
+            atomic_write(path, json.dumps(table, indent=1, sort_keys=True).encode())
+    except OSError as e:
+        logger.warning("jax_cute autotune: could not record the winner for %s in %s (%s)", key, path, e)
 
 
 def problem_key(fam, arch: str, spec, dims: tuple[int, ...]) -> str:
-    return f"{fam.FAMILY}/v{fam.VERSION}/{arch}/{spec.key()}/{'x'.join(map(str, dims))}"
+    """The table's key: the kernel sources' digest stands for the family's code."""
+    code = (kernel_sources_digest() or "unkeyed")[:16]
+    return f"{fam.FAMILY}/{code}/{arch}/{spec.key()}/{'x'.join(map(str, dims))}"
 
 
 def round_order(items: Sequence, r: int) -> list:
@@ -102,9 +138,9 @@ def tuned_gemm_config(fam, arch: str, spec, flat, dts, default):
     key = problem_key(fam, arch, spec, (flat.m, flat.n, flat.k, flat.l))
     candidates = {c.key(): c for c in fam.candidate_configs(spec)}
     with _lock:
-        known = _load().get(key)
-        if known and known["config"] in candidates:
-            return candidates[known["config"]]
+        known = _known(_load(), key, candidates)
+        if known is not None:
+            return known
         if arch_info.device_arch() != arch:
             return default  # nothing here to time on
         rng = np.random.default_rng(0)
@@ -144,7 +180,5 @@ def tuned_gemm_config(fam, arch: str, spec, flat, dts, default):
         best = min(results, key=results.get)
         logger.info("jax_cute autotune %s: %s", key, ", ".join(
             f"{n} {flops / t / 1e12:.0f} TFLOP/s" for n, t in sorted(results.items(), key=lambda kv: kv[1])))
-        table = _load()
-        table[key] = {"config": best, "seconds": results[best], "timed": len(results), "chain": chain}
-        _store(table)
+        _record(key, {"config": best, "seconds": results[best], "timed": len(results), "chain": chain})
         return candidates[best]

@@ -16,8 +16,9 @@
 |                       |                                   | (docs/sharding.md); off by default             |
 
 Python settings win over the environment; ``None`` means "ask the environment". Values are
-checked when set from Python and when read from the environment: a typo is an error, never a
-silently ignored switch.
+checked when set from Python, and every switch in the environment is checked whenever any is
+read and when a jax_cute function is traced (:func:`validate`), on every platform: a typo is an
+error, never a silently ignored switch. ``~`` in ``JAX_CUTE_CACHE_DIR`` is the home directory.
 """
 
 from __future__ import annotations
@@ -66,7 +67,29 @@ def _check_arch(value: object, where: str) -> str:
     return str(value)
 
 
+_checked_environment: tuple | None = None
+
+
+def validate() -> None:
+    """Check every switch set in the environment; ValueError naming the first bad one. Cheap
+    when the environment has not changed since the last check."""
+    global _checked_environment
+    seen = tuple(os.environ.get(var) for var in _ENV.values())
+    if seen == _checked_environment:
+        return
+    for name, var in _ENV.items():
+        raw = os.environ.get(var)
+        if not raw:
+            continue
+        if name == "target_arch":
+            _check_arch(raw, var)
+        elif name in _BOOL_DEFAULTS:
+            _parse_bool(name, raw, var)
+    _checked_environment = seen
+
+
 def _flag(name: str) -> bool:
+    validate()
     if _overrides.get(name) is not None:
         return bool(_overrides[name])
     raw = os.environ.get(_ENV[name])
@@ -77,6 +100,7 @@ def _flag(name: str) -> bool:
 
 def target_arch() -> str | None:
     """The explicitly requested arch (``sm_90a`` or ``sm_100a``), or None to use the device's."""
+    validate()
     if _overrides.get("target_arch"):
         return str(_overrides["target_arch"])
     raw = os.environ.get(_ENV["target_arch"])
@@ -114,11 +138,14 @@ def disk_cache() -> bool:
 
 
 def cache_dir() -> Path:
+    """Where kernels are cached: the switch (``~`` expanded), else this user's cache directory
+    (``$XDG_CACHE_HOME/jax_cute``, default ``~/.cache/jax_cute``)."""
+    validate()
     value = _overrides.get("cache_dir") or os.environ.get(_ENV["cache_dir"])
     if value:
-        return Path(str(value))
+        return Path(os.path.expanduser(str(value)))
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "jax_cute"
+    return Path(os.path.expanduser(base)) / "jax_cute"
 
 
 # collective_matmul: off, or the ring's direction ("1"/true means bidirectional).

@@ -47,7 +47,10 @@ def kernel_call(binary: KernelBinary, inputs: Mapping[str, tuple[jax.Array, Sequ
     prefilled = [n for n in out_names if n in zeroed or nan_fill]
     # A prefilled output is passed in as an extra input that XLA aliases to the output.
     buffers = in_names + out_names
-    packed = abi.pack_args(binary.signature, buffers, layouts, dict(scalars or {}))
+    physical = {n: (v[0].shape, np.dtype(v[0].dtype)) for n, v in {**inputs, **outputs}.items()}
+    types = {n: abi.BufferType(len(shape), dtype.name, int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
+             for n, (shape, dtype) in physical.items()}
+    packed = abi.pack_args(binary.signature, buffers, layouts, dict(scalars or {}), types)
     major, minor = capability_of(binary.arch)
     attrs = dict(name=binary.name, key=binary.digest, symbol=binary.symbol,
                  object=np.frombuffer(binary.obj, np.uint8), arch_major=np.int64(major),

@@ -33,6 +33,7 @@ from jax_cute.kernels import abi
 from jax_cute.kernels import epilogue as kernel_epilogue
 from jax_cute.kernels.build import KernelBinary, compile_launcher
 from jax_cute.kernels.gemm_spec import GemmSpec, GroupedSpec
+from jax_cute.launcher_code import launcher_digest
 from jax_cute.layout import Layout
 from jax_cute.primitives.gemm_layouts import GemmLayouts
 from jax_cute.primitives.gemm_plan import FlatGemm, FlatOperand, materialise, plan_gemm
@@ -54,6 +55,15 @@ def fallback(op: str, reason: str) -> None:
     if config.strict():
         raise FallbackError(op, reason)
     logger.warning("jax_cute.%s: falling back to XLA: %s", op, reason)
+
+
+def at_trace(op: str, no_kernel: str | None = None) -> None:
+    """What is checked when a call is traced, on every platform alike: the configuration is
+    valid, and a call that no kernel of any arch takes (``no_kernel``: why) is a fallback, so
+    strict mode raises on the CPU as it would when lowering for a GPU."""
+    config.validate()
+    if no_kernel:
+        fallback(op, no_kernel)
 
 
 def target_arch() -> tuple[str | None, str]:
@@ -121,6 +131,31 @@ def _trusted(op: str, binary: KernelBinary, impl: Callable, reference: Callable,
     return False
 
 
+# Kernels count extents and tiles in 32 bits: descriptor shapes are int32, tile counts and
+# indices Int32, and rounding an extent up to whole tiles adds up to a tile, hence the margin.
+MAX_EXTENT = 2**31 - 2**16
+MAX_TILES = 2**31 - 1
+RAGGED_EXTENT = 2**30   # a grouped launch's ragged mode (kernels/sm90_gemm.py's notes)
+_SMALLEST_TILE = 64
+
+
+def int32_refusal(m: int, n: int, k: int, l: int, g: int | None = None, ragged: str | None = None) -> str | None:
+    """Why a problem of these extents is past the kernels' 32-bit arithmetic, or None.
+    Grouped problems give ``g`` and their ragged mode (``"M"`` or ``"K"``)."""
+    named = {"M": m, "N": n, "K": k, "L": l, **({} if g is None else {"G": g})}
+    for name, v in named.items():
+        if v > MAX_EXTENT:
+            return f"{name}={v} is past the kernels' int32 extents (at most {MAX_EXTENT})"
+    if ragged is not None and named[ragged] > RAGGED_EXTENT:
+        return (f"{ragged}={named[ragged]} is past the grouped kernels' TMA extent for one group "
+                f"({RAGGED_EXTENT} rows)")
+    mt, nt = -(-m // _SMALLEST_TILE), -(-n // _SMALLEST_TILE)
+    tiles = mt * nt * l if g is None else ((mt + g) * nt * l if ragged == "M" else g * mt * nt * l)
+    if tiles > MAX_TILES:
+        return f"{tiles} output tiles of {_SMALLEST_TILE}x{_SMALLEST_TILE} are past the kernels' int32 tile count"
+    return None
+
+
 def _zeroed(workspaces) -> list[str]:
     return [w.name for w in workspaces if w.zeroed]
 
@@ -144,6 +179,10 @@ def gemm(a_aval, b_aval, *, layouts: GemmLayouts, out_dtype: str, acc_dtype: str
     flat, shapes = plan_gemm(layouts, given, dts)
     if isinstance(flat, str):
         fallback("matmul", f"{flat} ({what})")
+        return None
+    too_large = int32_refusal(flat.m, flat.n, flat.k, flat.l)
+    if too_large:
+        fallback("matmul", f"{too_large} ({what})")
         return None
     spec = GemmSpec(dts[0], dts[1], dts[2], flat.a.major, flat.b.major, flat.c.major, acc_dtype,
                     batch_modes=flat.batch_modes)
@@ -253,6 +292,10 @@ def _epilogue_plan(a_aval, b_aval, layouts: GemmLayouts, dts, what: str, **famil
     flat, shapes = plan_gemm(layouts, given, dts)
     if isinstance(flat, str):
         _epilogue_in_xla(flat, what)
+        return None
+    too_large = int32_refusal(flat.m, flat.n, flat.k, flat.l)
+    if too_large:
+        _epilogue_in_xla(too_large, what)  # (the plain GEMM then falls back, logged)
         return None
     return fam, flat, shapes, given
 
@@ -408,6 +451,10 @@ def grouped(a_aval, b_aval, gs_aval, *, layouts: RaggedLayouts, out_dtype: str, 
     if isinstance(flat, str):
         fallback("ragged_dot", f"{flat} ({what})")
         return None
+    too_large = _grouped_int32_refusal(flat, layouts.mode)
+    if too_large:
+        fallback("ragged_dot", f"{too_large} ({what})")
+        return None
     picked = _grouped_kernel(GroupedSpec(layouts.mode, *dts, flat.a.major, flat.b.major, flat.c.major, acc_dtype),
                              flat, what)
     if picked is None:
@@ -422,6 +469,10 @@ def grouped(a_aval, b_aval, gs_aval, *, layouts: RaggedLayouts, out_dtype: str, 
         return None
     logger.info("jax_cute.ragged_dot: %s on %s (%s)", binary.name, arch, what)
     return impl
+
+
+def _grouped_int32_refusal(flat: FlatGrouped, mode: str) -> str | None:
+    return int32_refusal(flat.m, flat.n, flat.k, flat.l, flat.g, "M" if mode == RAGGED_M else "K")
 
 
 def _grouped_kernel(spec: GroupedSpec, flat: FlatGrouped, what: str):
@@ -477,6 +528,10 @@ def grouped_fused(a_aval, b_aval, gs_aval, *bias_aval, layouts: RaggedLayouts, a
     flat = flatten_grouped(layouts, dts)
     if isinstance(flat, str):
         _epilogue_in_xla(flat, what, "ragged_dot")
+        return None
+    too_large = _grouped_int32_refusal(flat, layouts.mode)
+    if too_large:
+        _epilogue_in_xla(too_large, what, "ragged_dot")
         return None
     if layouts.mode != RAGGED_M:
         _epilogue_in_xla("kernels fuse the epilogue of a ragged_m product", what, "ragged_dot")
@@ -538,6 +593,13 @@ def user_kernel(name: str, identity: str, launcher: Callable, signature: abi.Sig
             raise RuntimeError(f"jax_cute.cute_call({name}): {why}")
         fallback("cute_call", f"{name}: {why}")
         return None
-    fields = {"family": "user", "identity": identity, "arch": arch, "signature": abi.signature_to_json(signature)}
-    return CACHE.get(fields, lambda: compile_launcher(launcher, signature, arch=arch, name=name))
-
+    # Keyed on the code the launcher compiles (its source and the kernels it calls). What cannot
+    # be keyed stays in memory only, unless the user vouched for it with key= ("#key=" identity).
+    code, why = launcher_digest(launcher)
+    on_disk = code is not None or "#key=" in identity
+    if not on_disk:
+        logger.warning("jax_cute.cute_call(%s): compiled kernels are kept in memory only, not on disk: %s "
+                       "(pass key='...' to cache it, changing the key whenever the kernel changes)", name, why)
+    fields = {"family": "user", "identity": identity, "code": code, "arch": arch,
+              "signature": abi.signature_to_json(signature)}
+    return CACHE.get(fields, lambda: compile_launcher(launcher, signature, arch=arch, name=name), disk=on_disk)

@@ -47,7 +47,7 @@ from jax.extend import linear_util as lu
 from jax.interpreters import partial_eval as pe
 
 from jax_cute import config
-from jax_cute.dispatch import FallbackError
+from jax_cute.dispatch import FallbackError, target_arch
 from jax_cute.epilogue_match import Epilogue, find_chains, find_epilogues
 from jax_cute.primitives.dot_general import chained_dot_general
 from jax_cute.primitives.matmul import _acc_dtype
@@ -106,6 +106,9 @@ class KernelizeReport:
     """Every product of one trace of a kernelized function, in program order."""
 
     products: list[Product] = dataclasses.field(default_factory=list)
+    # Why the jax_cute products run their reference path (plain lax ops), not kernels: there
+    # is no target to compile for (no CUDA device and no JAX_CUTE_TARGET_ARCH); else "".
+    reference_path: str = ""
 
     @property
     def kernelized(self) -> list[Product]:
@@ -116,7 +119,9 @@ class KernelizeReport:
         return [p for p in self.products if not p.kernelized]
 
     def __str__(self) -> str:
-        lines = [f"kernelize: {len(self.products)} products, {len(self.kernelized)} on jax_cute, "
+        where = f"as jax_cute primitives on their reference path ({self.reference_path})" if self.reference_path \
+            else "on jax_cute"
+        lines = [f"kernelize: {len(self.products)} products, {len(self.kernelized)} {where}, "
                  f"{len(self.left_to_xla)} left to XLA"]
         return "\n".join(lines + ["  " + p.describe() for p in self.products])
 
@@ -496,11 +501,13 @@ def kernelize(fn: Callable, *, report: bool = False, fuse_epilogues: bool = True
             a, k = jax.tree.unflatten(treedef, [next(it) if d else x for x, d in zip(leaves, dynamic)])
             return fn(*a, **k)
 
+        config.validate()
         closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*(x for x, d in zip(leaves, dynamic) if d))
         interp = _Interpreter(fuse_epilogues)
         inner, consts = _open(closed)
         outs = interp.eval(inner, consts, [x for x, d in zip(leaves, dynamic) if d])
-        kernelized.report = KernelizeReport(interp.products)
+        arch, why = target_arch()
+        kernelized.report = KernelizeReport(interp.products, "" if arch else why)
         if report:
             logger.warning("jax_cute.%s", kernelized.report)
         return jax.tree.unflatten(jax.tree.structure(out_shape), outs)

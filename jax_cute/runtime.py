@@ -10,7 +10,7 @@ kernels compiled elsewhere may have the DSL's runtime part alone.
 
 from __future__ import annotations
 
-import importlib.util
+import importlib.metadata
 import os
 import threading
 
@@ -22,7 +22,9 @@ TARGET_NAME = "jax_cute_launch"
 STREAM_TARGET_NAME = "jax_cute_launch_stream"
 STATE_TYPE_NAME = "jax_cute_launch_state"
 
-_LIBRARY = os.path.join("cu13", "lib", "libcute_dsl_runtime.so")  # the flavour we depend on
+# The flavour we depend on, as its wheel lists it (RECORD paths use "/").
+_RUNTIME_DISTRIBUTION = "nvidia-cutlass-dsl-libs-cu13"
+_LIBRARY = "nvidia_cutlass_dsl/cu13/lib/libcute_dsl_runtime.so"
 _INSTALL_HINT = ('pip install "nvidia-cutlass-dsl-libs-base==4.8.1" '
                  '"nvidia-cutlass-dsl-libs-cu13==4.8.1"')
 
@@ -31,14 +33,24 @@ _registered = False
 
 
 def dsl_runtime_library() -> str:
-    """The path of ``libcute_dsl_runtime.so`` in the installed nvidia-cutlass-dsl-libs-cu13."""
-    spec = importlib.util.find_spec("nvidia_cutlass_dsl")
-    tried = [os.path.join(root, _LIBRARY) for root in (spec and spec.submodule_search_locations or [])]
-    for path in tried:
-        if os.path.isfile(path):
-            return path
-    where = ", ".join(tried) or "no 'nvidia_cutlass_dsl' package on sys.path"
-    raise RuntimeError(f"jax_cute: cannot find the CuTe DSL runtime ({where}). Install it with: {_INSTALL_HINT}")
+    """The path of ``libcute_dsl_runtime.so`` as installed by nvidia-cutlass-dsl-libs-cu13.
+
+    Found through the distribution's own file list, never by importing a package: a folder
+    named ``nvidia_cutlass_dsl`` in the working directory must not decide which library is
+    loaded (with RTLD_GLOBAL) into the process.
+    """
+    try:
+        dist = importlib.metadata.distribution(_RUNTIME_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        raise RuntimeError(f"jax_cute: cannot find the CuTe DSL runtime ({_RUNTIME_DISTRIBUTION} is not "
+                           f"installed). Install it with: {_INSTALL_HINT}") from None
+    listed = [f for f in dist.files or () if f.as_posix() == _LIBRARY]
+    path = os.path.realpath(dist.locate_file(listed[0])) if listed else None
+    if path is None or not os.path.isfile(path):
+        raise RuntimeError(f"jax_cute: cannot find the CuTe DSL runtime: {_RUNTIME_DISTRIBUTION} "
+                           f"{dist.version} {'lists no' if path is None else 'lacks its'} {_LIBRARY}. "
+                           f"Reinstall it with: {_INSTALL_HINT}")
+    return path
 
 
 def extension():

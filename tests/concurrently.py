@@ -1,8 +1,12 @@
-"""Run test code from several threads at once."""
+"""Run test code from several threads, or several processes, at once."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
+from pathlib import Path
 from typing import Callable, Iterable
 
 
@@ -24,3 +28,16 @@ def run_concurrently(target: Callable, args_list: Iterable[tuple]) -> None:
         t.join()
     if errors:
         raise errors[0]
+
+
+def run_at_once(script: str, tmp_path: Path, n: int, *args: str) -> list[str]:
+    """stdout of ``n`` Python processes running ``script``, whose argv is ``*args``, then its
+    index, a barrier folder (each touches a file there and waits for all ``n``) and ``n``."""
+    ready = tmp_path / "ready"
+    ready.mkdir()
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    procs = [subprocess.Popen([sys.executable, "-c", script, *args, str(i), str(ready), str(n)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(n)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
+    return [out for out, _ in outs]

@@ -14,14 +14,13 @@ import json
 import os
 import subprocess
 
-import tempfile
-
 import pytest
 
-# The DSL writes kept PTX into the working directory unless told otherwise, and reads this when
+from jax_cute.kernels.dsl_env import prepare_dump_dir
+
+# The DSL writes kept PTX into the working directory unless told otherwise, and reads where when
 # it is first imported (some test modules import it before jax_cute does).
-os.environ.setdefault("CUTE_DSL_DUMP_DIR", os.path.join(tempfile.gettempdir(), "jax_cute_dsl_dump"))
-os.makedirs(os.environ["CUTE_DSL_DUMP_DIR"], exist_ok=True)
+prepare_dump_dir()
 
 try:  # JAX traces and compiles per example: no per-example deadline, fewer examples on 2 cores.
     from hypothesis import settings
@@ -36,9 +35,16 @@ _outcomes: list[dict] = []
 
 @pytest.fixture(autouse=True, scope="session")
 def _private_kernel_cache(tmp_path_factory):
-    """Tests compile into a cache of their own, never the user's (unless one is named)."""
+    """Tests compile into a cache of their own, never the user's (unless one is named). Under
+    pytest-xdist the workers share one (the run's directory, above each worker's own): the
+    cache's per-key lock makes a kernel compile once per test run, whichever worker needs it."""
     if "JAX_CUTE_CACHE_DIR" not in os.environ:
-        os.environ["JAX_CUTE_CACHE_DIR"] = str(tmp_path_factory.mktemp("jax_cute_cache"))
+        if os.environ.get("PYTEST_XDIST_WORKER"):
+            path = tmp_path_factory.getbasetemp().parent / "jax_cute_cache"
+            os.makedirs(path, mode=0o700, exist_ok=True)
+        else:
+            path = tmp_path_factory.mktemp("jax_cute_cache")
+        os.environ["JAX_CUTE_CACHE_DIR"] = str(path)
     yield
 
 

@@ -114,3 +114,142 @@ def test_compile_error_carries_the_dsl_message():
     f = jax_cute.cute_call(_broken_launcher, out_shape=jax.ShapeDtypeStruct((8,), jnp.float16))
     with pytest.raises(KernelCompileError, match="Type mismatch"):
         cuda_text(f, jnp.zeros((8,), jnp.float16))
+
+
+# -- the disk cache keys a launcher on the code it compiles -------------------------------------
+
+_USER_KERNELS = '''
+import cutlass
+import cutlass.cute as cute
+
+SCALE = {scale}
+
+
+@cute.kernel
+def body(x: cute.Tensor, y: cute.Tensor):
+    tidx, _, _ = cute.arch.thread_idx()
+    y[tidx] = x[tidx] * {expr}
+
+
+@cute.jit
+def launcher(stream, x: cute.Tensor, y: cute.Tensor):
+    body(x, y).launch(grid=(1, 1, 1), block=(8, 1, 1), stream=stream)
+'''
+
+
+def _load_user_module(tmp_path, expr: str, scale: int = 1):
+    """``user_kernels`` from a file, as a new process would import it after an edit."""
+    path = tmp_path / "user_kernels.py"
+    path.write_text(_USER_KERNELS.format(expr=expr, scale=scale))
+    spec = importlib.util.spec_from_file_location("user_kernels", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _compiles_in_a_new_process(launcher, cache_dir, monkeypatch) -> int:
+    """How many compiles a fresh in-memory cache needs to lower ``launcher`` (disk shared)."""
+    from jax_cute import cache, dispatch
+    from jax_cute.primitives.cute_call import _identity, _signature
+
+    fresh = cache.KernelCache()
+    monkeypatch.setattr(dispatch, "CACHE", fresh)
+    monkeypatch.setattr(dispatch, "compile_launcher", lambda launcher, sig, arch, name: _FakeBinary(name, sig))
+    sds = jax.core.ShapedArray((8,), jnp.float32)
+    with config.override(target_arch="sm_90a", cache_dir=str(cache_dir), disk_cache=True):
+        dispatch.user_kernel("k", _identity(launcher, None), launcher, _signature([sds], [sds], [None], [None]), True)
+    return fresh.stats.compiles
+
+
+def _FakeBinary(name, sig):
+    from jax_cute.kernels.build import KernelBinary
+    return KernelBinary(name=name, symbol="jc_k", arch="sm_90a", signature=sig, obj=b"\x7fELF" + name.encode())
+
+
+@pytest.mark.parametrize("edit", [dict(expr="cutlass.Float32(3.0) + cutlass.Float32(7.0)"),
+                                  dict(expr="cutlass.Float32(SCALE)", scale=2)])
+def test_an_edited_kernel_the_launcher_calls_is_compiled_again(tmp_path, monkeypatch, edit):
+    """The launcher's own source is unchanged; the @cute.kernel it calls (or a constant that
+    kernel reads) changed: the next process must not load the old object from disk."""
+    cache_dir = tmp_path / "cache"
+    v1 = _load_user_module(tmp_path, "cutlass.Float32(SCALE)")
+    assert _compiles_in_a_new_process(v1.launcher, cache_dir, monkeypatch) == 1
+    assert _compiles_in_a_new_process(v1.launcher, cache_dir, monkeypatch) == 0  # from disk
+    v2 = _load_user_module(tmp_path, **edit)
+    assert _compiles_in_a_new_process(v2.launcher, cache_dir, monkeypatch) == 1
+
+
+class _Opaque:
+    factor = 2.0
+
+
+_OPAQUE = _Opaque()
+
+
+@cute.jit
+def _opaque_launcher(stream, a: cute.Tensor, out: cute.Tensor):
+    out[0] = a[0] * _OPAQUE.factor
+
+
+def test_a_launcher_that_cannot_be_keyed_is_cached_in_memory_only(tmp_path, monkeypatch, caplog):
+    from jax_cute.launcher_code import launcher_digest
+
+    digest, why = launcher_digest(_opaque_launcher)
+    assert digest is None and "_OPAQUE" in why and "_Opaque object" in why
+    assert _compiles_in_a_new_process(_opaque_launcher, tmp_path, monkeypatch) == 1
+    assert _compiles_in_a_new_process(_opaque_launcher, tmp_path, monkeypatch) == 1
+    assert not list(tmp_path.iterdir())
+    assert any("kept in memory only" in r.getMessage() and "_OPAQUE" in r.getMessage() for r in caplog.records)
+
+
+_WALKED = '''
+import functools
+import math
+import helpers_mod as helpers
+
+TABLE = {{"tile": {tile}}}
+
+
+def scale(x, s):
+    return x * s
+
+
+SCALED = functools.partial(scale, s={s})
+
+
+def make(offset):
+    def launcher(stream, x, y):
+        return SCALED(x) + helpers.bump(y) + TABLE["tile"] + offset + math.pi
+    return launcher
+
+
+launcher = make({offset})
+'''
+
+
+@pytest.mark.parametrize("change", ["tile", "s", "offset", "bump"])
+def test_the_launcher_digest_covers_what_its_code_reaches(tmp_path, monkeypatch, change):
+    """Globals, closure cells, functools.partial arguments and functions of user modules the
+    code names are all keyed; a library (math) is not walked."""
+    import sys
+
+    from jax_cute.launcher_code import launcher_digest
+
+    def digest(version: str, **kw) -> str:
+        """The digest of module ``walked`` (and its ``helpers_mod``) as a new process would load it."""
+        values = dict(tile=128, s=2, offset=7, bump="y + 1") | kw
+        where = tmp_path / version
+        where.mkdir()
+        (where / "helpers_mod.py").write_text(f"def bump(y):\n    return {values.pop('bump')}\n")
+        (where / "walked.py").write_text(_WALKED.format(**values))
+        monkeypatch.syspath_prepend(str(where))
+        for name in ("walked", "helpers_mod"):
+            monkeypatch.delitem(sys.modules, name, raising=False)
+        got, why = launcher_digest(importlib.import_module("walked").launcher)
+        assert got is not None, why
+        return got
+
+    base = digest("a")
+    assert digest("same") == base
+    changed = {"tile": dict(tile=64), "s": dict(s=3), "offset": dict(offset=8), "bump": dict(bump="y + 2")}[change]
+    assert digest("changed", **changed) != base

@@ -17,6 +17,7 @@ import jax_cute
 from jax_cute import arch, autotune, config, dispatch, selfcheck
 from jax_cute.kernels import sm90_gemm, sm90_grouped
 from jax_cute.kernels.gemm_spec import GemmSpec
+from concurrently import run_at_once
 
 ARGS = [jax.ShapeDtypeStruct((256, 128), jnp.bfloat16), jax.ShapeDtypeStruct((128, 64), jnp.bfloat16)]
 
@@ -114,6 +115,42 @@ def test_autotune_reuses_a_remembered_winner(tmp_path, device):
         assert choice.key() not in lower()  # the heuristic's own choice
 
 
+@pytest.mark.parametrize("table", ['[1, 2]', '"x"', "{not json", '{"KEY": 5}', '{"KEY": {"config": 7}}',
+                                   '{"KEY": {"seconds": 1}}', '{"KEY": ["c"]}'])
+def test_a_wrong_shaped_autotune_table_is_ignored_with_a_warning(tmp_path, device, caplog, table):
+    device(8, 0)  # nothing to time on: the heuristic's config
+    spec = GemmSpec("bfloat16", "bfloat16", "bfloat16", "k", "n", "n")
+    key = autotune.problem_key(sm90_gemm, "sm_90a", spec, (256, 64, 128, 1))
+    (tmp_path / "autotune.json").write_text(table.replace("KEY", key))
+    with config.override(target_arch="sm_90a", autotune=True, cache_dir=str(tmp_path)), \
+            caplog.at_level(logging.WARNING, logger="jax_cute"):
+        assert "@jax_cute_launch" in lower()
+    assert any("jax_cute autotune: ignoring" in r.getMessage() for r in caplog.records)
+
+
+_RECORD_AT_ONCE = r"""
+import sys, time
+from pathlib import Path
+from jax_cute import autotune, config
+
+root, me, ready, n = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4])
+(ready / str(me)).touch()
+while len(list(ready.iterdir())) < n:  # every process is past its imports: write together
+    time.sleep(0.01)
+with config.override(cache_dir=root):
+    for i in range(100 * me, 100 * me + 15):
+        autotune._record(f"problem{i}", {"config": f"c{i}"})
+"""
+
+
+def test_autotune_records_from_several_processes_keep_every_winner(tmp_path):
+    """Writes are read-update-replace under a lock: concurrent processes lose nothing, and the
+    table is always whole JSON."""
+    run_at_once(_RECORD_AT_ONCE, tmp_path, 4, str(tmp_path))
+    table = json.loads((tmp_path / "autotune.json").read_text())
+    assert len(table) == 60 and table["problem314"] == {"config": "c314"}
+
+
 def test_autotune_samples_every_candidate_each_round_in_varying_order():
     """Autotune's timing loop: every candidate sampled once per round; each round starts with
     another candidate, and the rest follow in an order that varies (no fixed neighbour)."""
@@ -163,4 +200,22 @@ def test_config_refuses_bad_environment_values_when_read(monkeypatch):
     with pytest.raises(ValueError, match="JAX_CUTE_TARGET_ARCH='sm_89' has no jax_cute kernels"):
         config.target_arch()
     monkeypatch.setenv("JAX_CUTE_STRICT", "off")
+    with pytest.raises(ValueError, match="JAX_CUTE_TARGET_ARCH='sm_89'"):
+        config.strict()  # reading any switch checks them all
+    monkeypatch.delenv("JAX_CUTE_TARGET_ARCH")
     assert config.strict() is False
+
+
+@pytest.mark.parametrize("var,value,says", [("JAX_CUTE_STRICT", "maybe", "must be a boolean"),
+                                            ("JAX_CUTE_DISK_CACHE", "2", "must be a boolean"),
+                                            ("JAX_CUTE_TARGET_ARCH", "sm_80", "has no jax_cute kernels")])
+def test_bad_environment_values_fail_the_first_call_on_cpu(monkeypatch, var, value, says):
+    """Checked when a function is traced, whichever platform it will run on, not only when
+    lowering for a GPU."""
+    monkeypatch.setenv(var, value)
+    x = jnp.ones((8, 8), jnp.bfloat16)
+    for call in (lambda: jax_cute.matmul(x, x), lambda: jax.jit(jax_cute.matmul)(x, x),
+                 lambda: jax_cute.ragged_dot(x, x[None], jnp.array([8])),
+                 lambda: jax_cute.kernelize(lambda a: a @ a)(x)):
+        with pytest.raises(ValueError, match=f"{var}.*{says}"):
+            call()

@@ -227,3 +227,43 @@ def test_wrong_arch_is_an_error(binary):
     message = str(info.value)
     assert "compiled for sm_100" in message and "compute capability 9.0" in message
     assert binary.name in message
+
+
+def _raw_call(binary, x, n: int, out_shape, out_dtype):
+    """The affine kernel's custom call with descriptors packed for ``n`` float32 elements each,
+    whatever ``x`` and the output really are (as a hand-made or tampered module might)."""
+    packed = abi.pack_args(binary.signature, ["x", "y"], {"x": ((n,), (1,)), "y": ((n,), (1,))})
+    major, minor = _arch_numbers(binary.arch)
+    return jax.ffi.ffi_call(runtime.TARGET_NAME, jax.ShapeDtypeStruct(out_shape, out_dtype))(
+        x, name=binary.name, key=binary.digest, symbol=binary.symbol, object=np.frombuffer(binary.obj, np.uint8),
+        arch_major=major, arch_minor=minor, **packed.attributes())
+
+
+@pytest.mark.parametrize("case,says", [
+    ("short_input", "argument 0 ('x', buffer 0) has 2048 bytes; its descriptor reaches 4096"),
+    ("short_output", "argument 1 ('y', buffer 1) has 2048 bytes; its descriptor reaches 4096"),
+    ("int_input", "argument 0 ('x', buffer 0) is a rank-1 buffer of dtype 4"),
+    ("rank_2_input", "argument 0 ('x', buffer 0) is a rank-2 buffer of dtype 11"),
+])
+def test_buffers_unlike_their_descriptors_are_an_error(binary, case, says):
+    """The handler compares every buffer's size, dtype and rank with the descriptor it fills,
+    and names the argument, instead of letting the kernel read or write past a buffer."""
+    n = 1024
+    x = {"short_input": jnp.ones((n // 2,), jnp.float32), "int_input": jnp.ones((n,), jnp.int32),
+         "rank_2_input": jnp.ones((n // 2, 2), jnp.float32)}.get(case, jnp.ones((n,), jnp.float32))
+    out = (n // 2,) if case == "short_output" else (n,)
+    with pytest.raises(JaxRuntimeError) as info:
+        jax.block_until_ready(jax.jit(lambda x: _raw_call(binary, x, n, out, jnp.float32))(x))
+    assert says in str(info.value) and binary.name in str(info.value)
+
+
+def test_a_key_that_is_not_the_objects_digest_is_an_error(binary):
+    x = jnp.ones((256,), jnp.float32)
+    packed = abi.pack_args(binary.signature, ["x", "y"], {"x": ((256,), (1,)), "y": ((256,), (1,))})
+    major, minor = _arch_numbers(binary.arch)
+    call = jax.ffi.ffi_call(runtime.TARGET_NAME, jax.ShapeDtypeStruct((256,), jnp.float32))
+    f = jax.jit(lambda x: call(x, name=binary.name, key="0" * 64, symbol=binary.symbol,
+                               object=np.frombuffer(binary.obj, np.uint8), arch_major=major, arch_minor=minor,
+                               **packed.attributes()))
+    with pytest.raises(JaxRuntimeError, match="is not the sha256 of its object"):
+        jax.block_until_ready(f(x))

@@ -331,7 +331,9 @@ def test_products_no_kernel_takes_stay_xla_with_a_reason():
                                              "dot algorithm", "ragged dimension numbers"]):
         assert not done and words in why
     text = str(k.report)
-    assert text.startswith("kernelize: 6 products, 1 on jax_cute, 5 left to XLA")
+    assert text.startswith("kernelize: 6 products, 1 as jax_cute primitives on their reference path (no CUDA "
+                           "device is visible"), text
+    assert text.splitlines()[0].endswith(", 5 left to XLA")
     assert "jax_cute dot_general bfloat16[8, 16] x bfloat16[16, 16] -> bfloat16[8, 16]" in text
 
 
@@ -366,7 +368,23 @@ def test_report_logged_when_asked(caplog):
     k = jax_cute.kernelize(lambda x, w: x @ w, report=True)
     with caplog.at_level("WARNING", logger="jax_cute"):
         k(X, W)
+    assert "kernelize: 1 products, 1 as jax_cute primitives on their reference path" in caplog.text
+    with jax_cute.config.override(target_arch="sm_90a"), caplog.at_level("WARNING", logger="jax_cute"):
+        k(X, W)  # lowered for a GPU target, the products run the kernels
     assert "kernelize: 1 products, 1 on jax_cute, 0 left to XLA" in caplog.text
+
+
+def test_strict_mode_treats_a_product_alike_through_kernelize_and_matmul():
+    """On the CPU as on a GPU: a product no kernel takes raises in strict mode when traced,
+    whether kernelize or jax_cute.matmul meets it."""
+    a32 = X.astype(jnp.float32)
+    with jax_cute.config.override(strict=True):
+        for call in (lambda: jax_cute.kernelize(lambda a: a @ a.T)(a32), lambda: jax_cute.matmul(a32, a32.T),
+                     lambda: jax.jit(lambda a: jax_cute.dot_general(a, a, (((1,), (1,)), ((), ()))))(a32),
+                     lambda: jax_cute.ragged_dot(a32, a32.T[None], jnp.array([8]))):
+            with pytest.raises(jax_cute.FallbackError, match="float32"):
+                call()
+        jax_cute.matmul(X, W)  # a kernel takes it: nothing raised on the CPU
 
 
 def test_strict_mode_raises_on_a_product_left_to_xla():

@@ -197,3 +197,20 @@ def test_export_serialises_on_a_cpu_machine():
     blob = exp.serialize()
     again = export.deserialize(blob)
     assert "jax_cute_launch" in again.mlir_module()
+
+
+@pytest.mark.parametrize("shapes,says", [
+    ([(2**31, 64), (64, 64)], "M=2147483648 is past the kernels' int32 extents"),
+    ([(64, 2**31), (2**31, 64)], "K=2147483648 is past the kernels' int32 extents"),
+    ([(2**31 - 1, 64), (64, 64)], "M=2147483647 is past"),   # rounding up to tiles would overflow Int32
+    ([(2**22, 64), (64, 2**22)], "output tiles of 64x64 are past the kernels' int32 tile count"),
+])
+def test_extents_past_int32_fall_back_with_the_reason(caplog, shapes, says):
+    """Nothing is compiled or allocated: the shapes alone send the call to XLA (logged), or
+    raise in strict mode."""
+    with caplog.at_level(logging.WARNING, logger="jax_cute"):
+        text = lowered(lambda a, b: jax_cute.matmul(a, b), *shapes)
+    assert "@jax_cute_launch" not in text and "dot_general" in text
+    assert any("falling back to XLA" in r.getMessage() and says in r.getMessage() for r in caplog.records)
+    with config.override(strict=True), pytest.raises(jax_cute.FallbackError, match=says):
+        lowered(lambda a, b: jax_cute.matmul(a, b, preferred_element_type=jnp.float32), *shapes)

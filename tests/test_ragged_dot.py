@@ -107,6 +107,25 @@ def test_concrete_negative_sizes_are_refused():
                                jax.lax.ragged_dot(x, w, jnp.asarray(sizes, jnp.int32)), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("sizes,dtype", [([3, 2**32], np.int64), ([3, 4294967295], np.uint32), ([2**31], np.int64)])
+def test_concrete_sizes_past_int32_are_refused(sizes, dtype):
+    """Group sizes are counted in int32: a concrete size past it is an error at trace time,
+    never truncated (2**32 to 0, 4294967295 to -1)."""
+    x, w = _data(10, 4, len(sizes), 5)
+    with pytest.raises(ValueError, match=r"do not fit int32"):
+        ragged_dot(x, w, np.asarray(sizes, dtype))
+
+
+def test_traced_wide_sizes_mean_the_same_rows():
+    """Under jit an unsigned or 64-bit size past int32 is capped at M: the same rows as
+    lax.ragged_dot gives it, not a wrapped-around small or negative size."""
+    x, w = _data(10, 4, 2, 5)
+    sizes = jnp.asarray([3, 4294967295], jnp.uint32)
+    got = jax.jit(ragged_dot)(x, w, sizes)
+    want = jax.lax.ragged_dot(x, w, jnp.asarray([3, 7], jnp.int32))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
 def np_model_jnp(x, w, sizes):
     """The documented semantics with static sizes, in jnp (for gradients)."""
     ends = np.minimum(np.cumsum(np.maximum(np.asarray(sizes, np.int64), 0)), x.shape[0])

@@ -57,3 +57,14 @@ def test_lowers_to_grouped_kernels(name):
     assert text.count("jax_cute_launch") >= launches, text
     bad = [op for op in FORBIDDEN if op in text]
     assert not bad, f"{name}: {bad} in the lowered module"
+
+
+def test_a_group_past_the_tma_extent_falls_back_with_the_reason(caplog):
+    """The grouped kernels address a group in a TMA mode of 2**30 rows: a longer lhs (which one
+    group could fill) goes to XLA, logged, or raises in strict mode."""
+    big = jax.ShapeDtypeStruct((2**30 + 128, K), jnp.bfloat16)
+    with pytest.raises(jax_cute.FallbackError, match="past the grouped kernels' TMA extent"):
+        _lower(ragged_dot, big, W, GS)
+    with jax_cute.config.override(target_arch="sm_90a"), caplog.at_level("WARNING", logger="jax_cute"):
+        text = jax.jit(ragged_dot).trace(big, W, GS).lower(lowering_platforms=("cuda",)).as_text()
+    assert "@jax_cute_launch" not in text and "TMA extent" in caplog.text

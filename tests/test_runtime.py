@@ -141,7 +141,7 @@ def _compile_affine(name: str):
 # validation. It runs in a fresh CPU-only process: the handler's state type may be registered
 # with one XLA per process only, and here it goes to XLA:CPU instead of the CUDA plugin.
 _CPU_PROBE = r"""
-import json, sys
+import hashlib, json, sys
 import jax, numpy as np
 from jax_cute import runtime
 from jax_cute.kernels import abi
@@ -154,13 +154,14 @@ jax.ffi.register_ffi_target("jax_cute_probe", ext.registrations(), platform="cpu
 sig = (abi.TensorArg("x", "float32", (abi.DYN,), (1,)), abi.TensorArg("y", "float32", (abi.DYN,), (1,)),
        abi.StreamArg())
 packed = abi.pack_args(sig, ["x", "y"], {"x": ((8,), (1,)), "y": ((8,), (1,))})
-base = dict(name="test/affine", key="k", arch_major=9, arch_minor=0, **packed.attributes())
+base = dict(name="test/affine", arch_major=9, arch_minor=0, **packed.attributes())
 x = jax.numpy.zeros(8, jax.numpy.float32)
 call = jax.ffi.ffi_call("jax_cute_probe", jax.ShapeDtypeStruct(x.shape, x.dtype))
 out = {}
 for case, over in json.load(open(sys.argv[1])).items():
     attrs = {**base, **{k: np.array(v, np.int64) if isinstance(v, list) else v for k, v in over.items()}}
     attrs["object"] = np.fromfile(attrs["object"], np.uint8)
+    attrs.setdefault("key", hashlib.sha256(attrs["object"].tobytes()).hexdigest())
     try:
         jax.jit(lambda x: call(x, **attrs))(x).block_until_ready()
         out[case] = "ok"
@@ -209,6 +210,11 @@ def test_instantiate_validates_attributes_on_cpu(tmp_path):
         "align_not_pow2": {"arg_align": [3, 16, 0]},
         "unknown_kind": {"arg_kinds": [0, 1, -7]},
         "bad_arch": {"arch_major": 0},
+        "wrong_key": {"key": "ab" * 32},
+        "stream_words": {"arg_offsets": [0, 2, 4, 6], "arg_words": [0, 8, 0, 8, 0, 0]},
+        "names_count": {"arg_names": "x,y"},
+        "dtypes_count": {"arg_dtypes": [11, 11]},
+        "not_a_buffer": {"arg_ranks": [-1, 1, -1]},
         **{"symbol " + symbol: {"symbol": symbol} for symbol in wrong},
     }
     for over in cases.values():
@@ -225,6 +231,33 @@ def test_instantiate_validates_attributes_on_cpu(tmp_path):
     assert "not a power of two" in out["align_not_pow2"]
     assert "unknown kind -7" in out["unknown_kind"]
     assert "not a compute capability" in out["bad_arch"]
+    assert f"its key {'ab' * 32} is not the sha256 of its object" in out["wrong_key"]
+    assert "argument 2 ('stream'): a stream takes one descriptor word, not 2" in out["stream_words"]
+    assert "arg_names names 2 arguments, arg_kinds 3" in out["names_count"]
+    assert "arg_dtypes, arg_ranks and arg_bytes have 2, 3 and 3 entries" in out["dtypes_count"]
+    assert "argument 0 ('x'): dtype 11, rank -1 or size 32 is not a buffer's" in out["not_a_buffer"]
     for case, message in out.items():
         if case != "good":
             assert "kernel test/affine" in message, (case, message)
+
+
+def test_the_dsl_runtime_comes_from_the_installed_distribution_only(tmp_path):
+    """A folder named like the DSL's package in the working directory (first on sys.path) is
+    never where the runtime library is loaded from."""
+    fake = tmp_path / "nvidia_cutlass_dsl" / "cu13" / "lib"
+    fake.mkdir(parents=True)
+    (fake / "libcute_dsl_runtime.so").write_bytes(b"not a library")
+    probe = "import nvidia_cutlass_dsl; from jax_cute import runtime; print(runtime.dsl_runtime_library())"
+    out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert out.returncode == 0, out.stderr[-2000:]
+    path = out.stdout.strip().splitlines()[-1]
+    assert path == runtime.dsl_runtime_library() and not path.startswith(str(tmp_path))
+
+
+def test_compiles_see_only_the_program_name(monkeypatch):
+    """A user's flags (``--h`` is a prefix of the DSL's ``--help``) never reach the DSL's
+    argument parser, and sys.argv is whole again afterwards."""
+    monkeypatch.setattr(sys, "argv", ["train.py", "--h", "4096"])
+    binary = _compile_affine("test/argv")
+    assert binary.obj[:4] == b"\x7fELF" and sys.argv == ["train.py", "--h", "4096"]

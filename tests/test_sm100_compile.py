@@ -138,7 +138,7 @@ def test_unsupported_and_contract():
     assert sm100_gemm.candidate_configs(GemmSpec("float8_e4m3fn", "float8_e4m3fn", "bfloat16")) == []
     assert sm100_grouped.unsupported(GemmSpec("bfloat16", "bfloat16", "bfloat16"))
     for fam in (sm100_gemm, sm100_grouped):
-        assert fam.ARCH == "sm_100a" and isinstance(fam.VERSION, int)
+        assert fam.ARCH == "sm_100a"
     for spec in DENSE_SPECS:
         assert sm100_gemm.workspace(spec, _DENSE_CFGS[0], 128, 128, 64, 1) == []
         assert sm100_gemm.signature(spec, _DENSE_CFGS[0]) == spec.signature()

@@ -73,6 +73,30 @@ Signature = tuple[Arg, ...]
 
 _SCALAR_FORMATS = {"int32": "<i", "int64": "<q", "float32": "<f"}
 
+# XLA FFI's DataType codes (xla/ffi/api/c_api.h), which the handler compares a buffer's with.
+FFI_DTYPES = {"bool": 1, "int8": 2, "int16": 3, "int32": 4, "int64": 5, "uint8": 6, "uint16": 7, "uint32": 8,
+              "uint64": 9, "float16": 10, "float32": 11, "float64": 12, "complex64": 15, "bfloat16": 16,
+              "complex128": 18, "float8_e5m2": 19, "float8_e4m3fn": 20}
+ITEMSIZES = {"bool": 1, "int8": 1, "int16": 2, "int32": 4, "int64": 8, "uint8": 1, "uint16": 2, "uint32": 4,
+             "uint64": 8, "float16": 2, "float32": 4, "float64": 8, "complex64": 8, "bfloat16": 2,
+             "complex128": 16, "float8_e5m2": 1, "float8_e4m3fn": 1}
+
+
+@dataclasses.dataclass(frozen=True)
+class BufferType:
+    """What an XLA buffer is: its rank, dtype name and size in bytes."""
+
+    rank: int
+    dtype: str
+    nbytes: int
+
+
+def reach(shape: Sequence[int], stride: Sequence[int]) -> int:
+    """Elements of a buffer a (shape, stride) layout reaches: one past its largest offset."""
+    if any(int(e) == 0 for e in shape):
+        return 0
+    return 1 + sum((int(e) - 1) * abs(int(d)) for e, d in zip(shape, stride))
+
 
 def tensor_descriptor(arg: TensorArg, shape: Sequence[int], stride: Sequence[int]) -> np.ndarray:
     """The descriptor struct of ``arg`` for one concrete (shape, stride), as int64 words.
@@ -111,26 +135,37 @@ def scalar_words(arg: ScalarArg, value) -> np.ndarray:
 
 @dataclasses.dataclass(frozen=True)
 class PackedArgs:
-    """What the FFI handler needs to build ``void* args[]`` (see csrc/jax_cute_ffi.cc)."""
+    """What the FFI handler needs to build ``void* args[]`` (see csrc/jax_cute_ffi.cc), and to
+    check each buffer it binds against what the kernel was compiled for."""
 
     kinds: np.ndarray    # per argument: -1 stream, -2 scalar, k >= 0 buffer k (inputs then outputs)
     offsets: np.ndarray  # len(kinds) + 1 offsets into ``words``
     words: np.ndarray    # concatenated descriptor templates (int64)
     align: np.ndarray    # per argument: byte alignment the buffer pointer must have (0: none)
+    dtypes: np.ndarray   # per argument: the buffer's FFI DataType code (0: not a buffer)
+    ranks: np.ndarray    # per argument: the buffer's rank (-1: not a buffer)
+    nbytes: np.ndarray   # per argument: bytes of the buffer the descriptor reaches (0: none)
+    names: str           # the arguments' names, comma-separated (for the handler's errors)
 
-    def attributes(self) -> dict[str, np.ndarray]:
-        return {"arg_kinds": self.kinds, "arg_offsets": self.offsets, "arg_words": self.words, "arg_align": self.align}
+    def attributes(self) -> dict[str, object]:
+        return {"arg_kinds": self.kinds, "arg_offsets": self.offsets, "arg_words": self.words, "arg_align": self.align,
+                "arg_dtypes": self.dtypes, "arg_ranks": self.ranks, "arg_bytes": self.nbytes, "arg_names": self.names}
 
 
 def pack_args(signature: Signature, buffers: Sequence[str], layouts: dict[str, tuple[Sequence[int], Sequence[int]]],
-              scalars: dict[str, object] | None = None) -> PackedArgs:
+              scalars: dict[str, object] | None = None, buffer_types: dict[str, BufferType] | None = None
+              ) -> PackedArgs:
     """Pack a signature for launch.
 
     ``buffers`` names the custom call's buffers in order (inputs, then outputs); ``layouts`` maps
-    each tensor argument's name to the concrete (shape, stride) it has at this call site.
+    each tensor argument's name to the concrete (shape, stride) it has at this call site;
+    ``buffer_types`` gives each buffer's rank, dtype and size (default: a buffer laid out as its
+    layout, of the argument's dtype). A buffer of another dtype, or smaller than its layout
+    reaches, is a ValueError here; the handler checks the same at every launch.
     """
     scalars = scalars or {}
-    kinds, offsets, chunks, align = [], [0], [], []
+    buffer_types = buffer_types or {}
+    kinds, offsets, chunks, align, dtypes, ranks, nbytes = [], [0], [], [], [], [], []
     for arg in signature:
         if isinstance(arg, StreamArg):
             kinds.append(-1)
@@ -147,10 +182,25 @@ def pack_args(signature: Signature, buffers: Sequence[str], layouts: dict[str, t
             shape, stride = layouts[arg.name]
             words = tensor_descriptor(arg, shape, stride)
             align.append(arg.align)
+            need = reach(shape, stride) * ITEMSIZES[arg.dtype]
+            have = buffer_types.get(arg.name) or BufferType(len(shape), arg.dtype, need)
+            if have.dtype != arg.dtype:
+                raise ValueError(f"kernel argument {arg.name!r} takes {arg.dtype}, but its buffer is {have.dtype}")
+            if have.nbytes < need:
+                raise ValueError(f"kernel argument {arg.name!r}: its layout {tuple(shape)}:{tuple(stride)} reaches "
+                                 f"{need} bytes, past its buffer's {have.nbytes}")
+            dtypes.append(FFI_DTYPES[arg.dtype])
+            ranks.append(have.rank)
+            nbytes.append(need)
+        if not isinstance(arg, TensorArg):
+            dtypes.append(0)
+            ranks.append(-1)
+            nbytes.append(0)
         chunks.append(words)
         offsets.append(offsets[-1] + len(words))
-    return PackedArgs(np.asarray(kinds, np.int64), np.asarray(offsets, np.int64),
-                      np.concatenate(chunks) if chunks else np.zeros(0, np.int64), np.asarray(align, np.int64))
+    i64 = lambda xs: np.asarray(xs, np.int64)  # noqa: E731
+    return PackedArgs(i64(kinds), i64(offsets), np.concatenate(chunks) if chunks else np.zeros(0, np.int64),
+                      i64(align), i64(dtypes), i64(ranks), i64(nbytes), ",".join(a.name for a in signature))
 
 
 def fake_args(signature: Signature) -> list:

@@ -12,17 +12,11 @@ import dataclasses
 import hashlib
 import os
 import re
-import tempfile
 import threading
 from typing import Callable
 
 from jax_cute import runtime
-from jax_cute.kernels import abi
-
-# The DSL writes kept artifacts (PTX, cubin) to the working directory unless told otherwise,
-# and reads this once when it is imported: point it somewhere harmless first.
-os.environ.setdefault("CUTE_DSL_DUMP_DIR", os.path.join(tempfile.gettempdir(), "jax_cute_dsl_dump"))
-os.makedirs(os.environ["CUTE_DSL_DUMP_DIR"], exist_ok=True)  # kept PTX comes back empty without it
+from jax_cute.kernels import abi, dsl_env
 
 _runtime_lock = threading.Lock()
 _runtime_loaded = False
@@ -76,8 +70,9 @@ def compile_launcher(launcher: Callable, signature: abi.Signature, *, arch: str,
     options = f"--gpu-arch {arch}" + (" --keep-ptx" if keep_ptx else "")
     symbol = symbol_for(name)
     try:
-        compiled = dsl.cute.compile(launcher, *abi.fake_args(signature), options=options)
-        obj = compiled.dump_to_object(symbol)
+        with dsl_env.program_name_only():  # the DSL parses sys.argv on every compile
+            compiled = dsl.cute.compile(launcher, *abi.fake_args(signature), options=options)
+            obj = compiled.dump_to_object(symbol)
     except Exception as e:  # the DSL raises many types; keep its message whole
         raise KernelCompileError(f"jax_cute: compiling kernel {name} for {arch} failed:\n{e}") from e
     ptx = None

@@ -10,8 +10,13 @@ from __future__ import annotations
 
 import os
 
+from jax_cute.kernels import dsl_env
+
+# The DSL reads where to write kept artifacts when it is imported: a directory of this user's.
+dsl_env.prepare_dump_dir()
+
 # The DSL picks its target from CUTE_DSL_ARCH when the process starts compiling; without a GPU
-# it defaults to sm_100a. Callers that compile set it first (see jax_cute.kernels.compile).
+# it defaults to sm_100a. Compiles name their arch (kernels/build.py).
 import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
 import cutlass.pipeline as pipeline  # noqa: E402

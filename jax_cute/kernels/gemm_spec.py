@@ -15,6 +15,24 @@ import dataclasses
 
 from jax_cute.kernels.abi import DYN, Dyn, Signature, StreamArg, TensorArg
 
+# Dtypes some family of some arch takes: a product outside them has no kernel anywhere, which
+# is known when it is traced, on any platform.
+GEMM_INPUT_DTYPES = ("bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")
+GROUPED_INPUT_DTYPES = ("bfloat16", "float16")
+OUTPUT_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def dtype_refusal(grouped: bool, in_dtype: str, out_dtype: str) -> str | None:
+    """Why no kernel of any arch computes a (grouped) product of ``in_dtype`` operands into
+    ``out_dtype``, or None."""
+    inputs = GROUPED_INPUT_DTYPES if grouped else GEMM_INPUT_DTYPES
+    if in_dtype not in inputs:
+        return f"no {'grouped ' if grouped else ''}kernel takes {in_dtype} inputs (only {', '.join(inputs)})"
+    if out_dtype not in OUTPUT_DTYPES:
+        return f"no kernel writes {out_dtype} outputs (only {', '.join(OUTPUT_DTYPES)})"
+    return None
+
+
 ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1, "int32": 4}
 
 

@@ -23,7 +23,6 @@ from jax_cute.kernels import abi
 from jax_cute.kernels.gemm_spec import Workspace
 
 FAMILY = "sm100_gemm"
-VERSION = 1
 ARCH = "sm_100a"
 BATCH_MODES = (1, 3)    # dense GemmSpec.batch_modes taken (grouped specs: one)
 

@@ -25,7 +25,6 @@ from jax_cute.kernels.gemm_spec import GroupedSpec, Workspace
 from jax_cute.kernels.sm100_gemm import Config
 
 FAMILY = "sm100_grouped"
-VERSION = 1
 ARCH = sm100_gemm.ARCH
 
 _CANDIDATES = {

@@ -98,7 +98,6 @@ from jax_cute.kernels import epilogue as fused_epilogue
 from jax_cute.kernels.gemm_spec import GemmSpec, GroupedSpec, Workspace
 
 FAMILY = "sm90_gemm"
-VERSION = 6
 ARCH = "sm_90a"
 BATCH_MODES = (1, 3)    # dense GemmSpec.batch_modes taken (grouped specs: one)
 # fused epilogues (GemmSpec.bias, GemmSpec.activation; dense specs): C = act(A·B + bias[n]) in

@@ -26,7 +26,6 @@ from jax_cute.kernels.epilogue import GATED
 from jax_cute.kernels.gemm_spec import GroupedSpec, Workspace
 
 FAMILY = "sm90_grouped"
-VERSION = 6
 ARCH = "sm_90a"
 
 _IN_DTYPES = ("bfloat16", "float16")

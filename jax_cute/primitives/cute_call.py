@@ -180,6 +180,7 @@ def cute_call(launcher: Callable, *, out_shape: Any, in_layouts: Sequence[Sequen
     out_avals = tuple(jax.core.ShapedArray(tuple(o.shape), np.dtype(o.dtype)) for o in outs)
 
     def call(*inputs):
+        dispatch.at_trace("cute_call")
         if len(params) != 1 + len(inputs) + len(outs):
             raise TypeError(f"jax_cute.cute_call({label}): the launcher takes {len(params)} arguments "
                             f"(stream, inputs, outputs) but was given 1 stream + {len(inputs)} inputs + "

@@ -23,6 +23,7 @@ from jax.interpreters import ad, batching, mlir
 
 from jax_cute import dispatch
 from jax_cute import layout as L
+from jax_cute.kernels.gemm_spec import dtype_refusal
 from jax_cute.primitives import collective, fused, sharding
 from jax_cute.primitives.gemm_layouts import (GemmLayouts, batched_gemm, cotangent_a, cotangent_a_partials,
                                                cotangent_b, cotangent_b_partials, matmul_layouts)
@@ -194,6 +195,7 @@ def bind_gemm(op: str, a, b, layouts: GemmLayouts, preferred_element_type, preci
     if jnp.issubdtype(out, jnp.floating) and not jnp.issubdtype(acc, jnp.inexact):
         acc = np.dtype("float32")
     shape = tuple(layouts.c_shape) if out_shape is None else tuple(out_shape)
+    dispatch.at_trace(op, dtype_refusal(False, np.dtype(dtype).name, out.name))
     if bias is not None or activation is not None or preact or act_operand is not None:
         return fused.epilogue_call(op, matmul_p, a, b, layouts, shape, bias=bias, activation=activation,
                                    out_dtype=out, acc_dtype=acc, precision=precision, preact=preact,

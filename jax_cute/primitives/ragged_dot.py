@@ -22,6 +22,7 @@ import numpy as np
 from jax.interpreters import ad, batching, mlir
 
 from jax_cute import dispatch
+from jax_cute.kernels.gemm_spec import dtype_refusal
 from jax_cute.primitives import ragged_fused, sharding
 from jax_cute.primitives.matmul import _acc_dtype, _cotangent_dtype, operand_dtype_error
 from jax_cute.primitives.ragged_reference import reference
@@ -29,6 +30,7 @@ from jax_cute.primitives.ragged_layouts import (RAGGED_K, RAGGED_M, RaggedLayout
                                                 ragged_dot_layouts)
 
 logger = logging.getLogger("jax_cute")
+_INT32_MAX = 2**31 - 1
 
 ragged_m_p = sharding.Primitive("jax_cute_ragged_m")
 ragged_k_p = sharding.Primitive("jax_cute_ragged_k")
@@ -136,6 +138,11 @@ def ragged_dot(lhs, rhs, group_sizes, *, precision=None, preferred_element_type=
     if group_offset is not None:
         raise NotImplementedError("jax_cute.ragged_dot: group_offset is not supported (sharded ragged_dot); "
                                   "use jax.lax.ragged_dot for it")
+    if not isinstance(group_sizes, jax.core.Tracer):  # before jnp.asarray, which may wrap int64 to int32
+        sizes = np.asarray(group_sizes)
+        if sizes.dtype.kind in "iu" and (sizes > _INT32_MAX).any():
+            raise ValueError(f"jax_cute.ragged_dot: group sizes {sizes[sizes > _INT32_MAX].tolist()} do not fit "
+                             f"int32, in which group sizes are counted (at most {_INT32_MAX})")
     lhs, rhs, group_sizes = jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(group_sizes)
     desc = f"lhs {lhs.shape}:{lhs.dtype}, rhs {rhs.shape}:{rhs.dtype}, group_sizes {group_sizes.shape}:{group_sizes.dtype}"
     if lhs.ndim != 2 or rhs.ndim != 3 or group_sizes.ndim != 1:
@@ -160,7 +167,11 @@ def ragged_dot(lhs, rhs, group_sizes, *, precision=None, preferred_element_type=
     acc = _acc_dtype(np.dtype(dtype))
     if jnp.issubdtype(out_dtype, jnp.floating) and not jnp.issubdtype(acc, jnp.floating):
         acc = np.dtype("float32")
-    gs32 = group_sizes.astype(jnp.int32)
+    # A wider size (traced, so unchecked) is capped at M first: it means the same rows, and never
+    # wraps to a small or negative int32.
+    wide = np.iinfo(group_sizes.dtype).max > _INT32_MAX
+    gs32 = (jnp.minimum(group_sizes, m) if wide else group_sizes).astype(jnp.int32)
+    dispatch.at_trace("ragged_dot", dtype_refusal(True, np.dtype(dtype).name, out_dtype.name))
     layouts = ragged_dot_layouts(m, k, g, n)
     if bias is not None or activation is not None:
         out = ragged_fused.ragged_epilogue(ragged_m_p, lhs, rhs, gs32, layouts, bias=bias, activation=activation,
