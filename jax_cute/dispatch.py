@@ -397,8 +397,9 @@ def dact_gemm(a_aval, b_aval, z_aval, *, layouts: GemmLayouts, z_layout: Layout,
 # -- grouped GEMM (jax_cute_ragged_m / jax_cute_ragged_k) ----------------------------------------
 
 def grouped(a_aval, b_aval, gs_aval, *, layouts: RaggedLayouts, out_dtype: str, acc_dtype: str,
-            reference: Callable) -> Callable | None:
-    """The kernel implementation of a grouped GEMM primitive, or None for ``reference``."""
+            reference: Callable, precision=None) -> Callable | None:
+    """The kernel implementation of a grouped GEMM primitive, or None for ``reference``
+    (``precision`` only matters there, as for ``gemm``)."""
     dts = [np.dtype(a_aval.dtype).name, np.dtype(b_aval.dtype).name, np.dtype(out_dtype).name]
     e = layouts.extents()
     what = f"{layouts.mode} M={e['m']} N={e['n']} K={e['k']} G={e['g']} L={e['l']}, dtypes {'/'.join(dts)}"
