@@ -183,8 +183,8 @@ def test_transpose_flags_must_be_bool():
     for bad in ("yes", 1, None, jnp.bool_(True)):
         with pytest.raises(TypeError, match="transpose_b must be a bool"):
             jax_cute.matmul(rand((3, 2)), rand((3, 2)), transpose_b=bad)
-    np.testing.assert_allclose(jax_cute.matmul(rand((3, 2)), rand((3, 2)), transpose_a=np.bool_(True)),
-                               rand((3, 2)).T @ rand((3, 2)), rtol=1e-5)
+    a, b = rand((3, 2)), rand((3, 2))
+    np.testing.assert_allclose(jax_cute.matmul(a, b, transpose_a=np.bool_(True)), a.T @ b, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [jnp.complex64, jnp.bool_, jnp.int8, jnp.float64])
