@@ -137,8 +137,8 @@ def einsum(subscripts: str, *operands, precision=None, preferred_element_type=No
                               preferred_element_type=preferred_element_type, optimize=optimize)
     # jnp.einsum's own checks (subscripts, extents, dtypes, precision) and result
     out = jax.eval_shape(plain, *(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in arrays))
-    _, path = opt_einsum.contract_path(subscripts, *arrays, einsum_call=True, use_blas=True,
-                                       optimize=True if optimize is True else False if optimize is False else optimize)
+    how = "optimal" if optimize is True else _Unoptimized() if optimize is False else optimize
+    _, path = opt_einsum.contract_path(subscripts, *arrays, einsum_call=True, use_blas=True, optimize=how)
     pet = np.dtype(out.dtype)
     epilogue = bias is not None or activation is not None
     if epilogue and (not path or len(path[-1][0]) != 2):
@@ -147,6 +147,9 @@ def einsum(subscripts: str, *operands, precision=None, preferred_element_type=No
         ins, result = einstr.split("->")
         names = dict(zip(inds, ins.split(",")))
         picked = sorted(inds)
+        if len(picked) > 2:
+            raise NotImplementedError("jax_cute.einsum (as jax.numpy.einsum) does not support simultaneous "
+                                      "contraction of 3 or more operands; the optimize path names one")
         xs = [arrays[i] for i in picked]
         for i in reversed(picked):
             arrays.pop(i)
@@ -159,6 +162,13 @@ def einsum(subscripts: str, *operands, precision=None, preferred_element_type=No
     res = arrays[0]
     assert res.shape == out.shape, (res.shape, out.shape)
     return constrain(res if res.dtype == pet else res.astype(pet), out_sharding)
+
+
+class _Unoptimized(opt_einsum.paths.PathOptimizer):
+    """jnp.einsum's ``optimize=False``: contract the operands left to right."""
+
+    def __call__(self, inputs, *args, **kwargs):
+        return [(0, 1)] * (len(inputs) - 1)
 
 
 def _sum(x, axes: Sequence[int], pet: np.dtype):
