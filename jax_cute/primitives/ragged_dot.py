@@ -166,7 +166,7 @@ def ragged_dot(lhs, rhs, group_sizes, *, precision=None, preferred_element_type=
                                                             preferred_element_type=preferred_element_type),
                          jax.ShapeDtypeStruct(lhs.shape, lhs.dtype), jax.ShapeDtypeStruct(rhs.shape, rhs.dtype),
                          local_gs)
-    out_dtype = np.dtype(out.dtype)
+    out_dtype = np.dtype(jax.dtypes.canonicalize_dtype(out.dtype))  # lax.ragged_dot keeps float64 under x32
     da, db = operand_dtypes(lhs.dtype, rhs.dtype, out_dtype)
     lhs, rhs = lhs.astype(da), rhs.astype(db)
     acc = acc_dtype(da, db, out_dtype)
