@@ -247,6 +247,29 @@ def plan_gemm(g: GemmLayouts, shapes: Sequence[tuple[int, ...]], dtypes: Sequenc
     return best
 
 
+def canonical_output(g: GemmLayouts) -> GemmLayouts:
+    """The same product written into a fresh row-major (L, M, N) buffer, where M, N and L are each
+    one mode: for an output layout no kernel can write (its M and N sub-modes interleave, or
+    neither is contiguous). ``from_canonical`` then copies that buffer into the requested one:
+    the one logged copy of the output, as ``flatten_gemm`` makes one of an operand."""
+    ext = g.extents()
+
+    def compact(mode: Layout, start: int) -> Layout:
+        fm, strides, step = mode.flat_modes(), [], start
+        for s, _ in fm:
+            strides.append(step if s > 1 else 0)
+            step *= s
+        return Layout(tuple(s for s, _ in fm), tuple(strides))
+
+    c = make_layout(compact(g.c.mode(0), ext["n"]), compact(g.c.mode(1), 1), compact(g.c.mode(2), ext["m"] * ext["n"]))
+    return GemmLayouts(g.a, g.b, c, (ext["l"], ext["m"], ext["n"]))
+
+
+def from_canonical(c, canonical: GemmLayouts, g: GemmLayouts):
+    """The output buffer of ``g`` from the buffer ``c`` of ``canonical_output(g)``."""
+    return L.write(L.read(c, canonical.c), g.c, g.c_shape)
+
+
 def materialise(x, lay: Layout, op: FlatOperand):
     """Copy an operand into a (L, rows, cols) row-major buffer (L the product of its batch modes,
     the first fastest; rows padded to ``op``'s row stride), as ``op`` describes it: the one
