@@ -471,7 +471,8 @@ def _launch_grouped(a, b, gs, flat: FlatGrouped, binary: KernelBinary, workspace
 
 
 def grouped_fused(a_aval, b_aval, gs_aval, *bias_aval, layouts: RaggedLayouts, activation: str | None,
-                  preact: bool, out_dtype: str, acc_dtype: str, reference: Callable) -> Callable | None:
+                  preact: bool, out_dtype: str, acc_dtype: str, reference: Callable, precision=None
+                  ) -> Callable | None:
     """The kernel implementation of a ``jax_cute_ragged_fused`` (``ragged_dot`` with a per-group
     bias (G, N) and an activation in the grouped kernel's epilogue), or None: the caller then
     runs the grouped kernel with a float32 output and the epilogue in XLA (logged here, with the

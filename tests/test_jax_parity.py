@@ -28,6 +28,16 @@ def x64(request):
         yield request.param
 
 
+def x64_cases(narrow, wide, both=()):
+    """(case, x64) pairs: 32-bit cases with x64 off, 64-bit ones with it on, ``both`` both ways
+    (x64 changes what 64-bit types and requests canonicalize to, not 32-bit products)."""
+    return ([(c, False) for c in list(narrow) + list(both)] + [(c, True) for c in list(wide) + list(both)])
+
+
+def _name(c) -> str:
+    return "-".join(np.dtype(d).name if d is not None else "None" for d in (c if isinstance(c, tuple) else (c,)))
+
+
 def rand(shape, dtype, seed=0):
     """Small values (exact in every dtype's products), signed where the dtype is."""
     rng = np.random.default_rng(seed)
@@ -105,10 +115,14 @@ DOT_GENERAL = [
 ]
 
 
-@pytest.mark.parametrize("dtype", NARROW + WIDE, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("dtype,x64", x64_cases(NARROW[1:5] + NARROW[6:8], WIDE, [np.bool_, jnp.float16, np.complex64]),
+                         ids=lambda c: _name(c) if not isinstance(c, bool) else ("x64" if c else "x32"))
 def test_dot_general_every_dtype(dtype, x64):
-    if dtype in WIDE and not x64:
-        pytest.skip("64-bit dtypes need x64")
+    with jax.enable_x64(x64):
+        _dot_general_cases(dtype)
+
+
+def _dot_general_cases(dtype):
     check_all([(lambda x, y, dn=dn: jax_cute.dot_general(x, y, dn, precision="highest"),
                 lambda x, y, dn=dn: jax.lax.dot_general(x, y, dn, precision="highest"),
                 (rand(sa, dtype), rand(sb, dtype, 1))) for sa, sb, dn in DOT_GENERAL])
@@ -120,8 +134,14 @@ PREFERRED = [(np.int8, np.int32), (np.int8, np.float32), (np.int32, np.float32),
              (np.complex64, np.complex128), (np.int16, np.int64)]
 
 
-@pytest.mark.parametrize("dtype,pet", PREFERRED, ids=lambda d: np.dtype(d).name)
-def test_preferred_element_type_accumulates_there(dtype, pet, x64):
+@pytest.mark.parametrize("case,x64", x64_cases(PREFERRED[:7], [], PREFERRED[7:]),
+                         ids=lambda c: _name(c) if not isinstance(c, bool) else ("x64" if c else "x32"))
+def test_preferred_element_type_accumulates_there(case, x64):
+    with jax.enable_x64(x64):
+        _preferred_case(*case)
+
+
+def _preferred_case(dtype, pet):
     """lax accumulates in preferred_element_type: int32 -> int64 at K = 4096 is exact, f32 -> f64
     is float64 accuracy (with x64 off, the 64-bit type is canonicalized to 32 bits as lax does)."""
     k = 4096
@@ -275,17 +295,23 @@ def test_einsum_inf_nan_on_a_diagonal():
 
 
 @pytest.mark.parametrize("lhs", MIXED[:7], ids=lambda d: np.dtype(d).name)
-def test_einsum_mixed_precision(lhs, x64):
+def test_einsum_mixed_precision(lhs):
     check_all([(lambda x, y: jax_cute.einsum("a,a->a", x, y), lambda x, y: jnp.einsum("a,a->a", x, y),
                 (rand((10,), lhs), rand((10,), rhs, 1))) for rhs in MIXED[:7]])
 
 
 # -- lax.ragged_dot (lax_test.py: testRaggedDot) --------------------------------------------------
 
-@pytest.mark.parametrize("dtype,pet", [(np.float32, None), (jnp.bfloat16, None), (jnp.float16, np.float32),
-                                       (np.int8, np.int32), (np.int32, np.int64), (np.float32, np.float64),
-                                       (np.complex64, None)], ids=str)
-def test_ragged_dot_dtypes(dtype, pet, x64):
+@pytest.mark.parametrize("case,x64", x64_cases([(jnp.bfloat16, None), (jnp.float16, np.float32), (np.int8, np.int32),
+                                                (np.complex64, None)], [],
+                                               [(np.float32, None), (np.int32, np.int64), (np.float32, np.float64)]),
+                         ids=lambda c: _name(c) if not isinstance(c, bool) else ("x64" if c else "x32"))
+def test_ragged_dot_dtypes(case, x64):
+    with jax.enable_x64(x64):
+        _ragged_cases(*case)
+
+
+def _ragged_cases(dtype, pet):
     rng = np.random.default_rng(3)
     # lax.ragged_dot does not canonicalize a 64-bit preferred_element_type under x32 (it fails
     # to lower); ours gives the 32-bit type, as lax.dot_general does

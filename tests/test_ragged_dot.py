@@ -235,8 +235,11 @@ def test_precision_is_validated_and_reaches_xla():
     gs = jnp.array([3, 5], jnp.int32)
     with pytest.raises(ValueError, match="Precision"):
         jax.eval_shape(lambda a, b: ragged_dot(a, b, gs, precision="bogus"), x, w)
-    text = jax.jit(lambda a, b: ragged_dot(a, b, gs, precision="highest")).lower(x, w).as_text()
-    assert "HIGHEST" in text
+    for kw in ({}, {"activation": "gelu"}):   # the plain and the fused epilogue's product
+        text = jax.jit(lambda a, b: ragged_dot(a, b, gs, precision="highest", **kw)).lower(x, w).as_text()
+        assert "HIGHEST" in text, kw
+        grads = jax.jit(jax.grad(lambda a, b: ragged_dot(a, b, gs, precision="highest", **kw).sum(), (0, 1)))
+        assert grads.lower(x, w).as_text().count("HIGHEST") >= 3, kw
 
 
 def test_concrete_negative_sizes_closed_over_under_jit_are_refused():

@@ -176,7 +176,7 @@ def ragged_dot(lhs, rhs, group_sizes, *, precision=None, preferred_element_type=
     layouts = ragged_dot_layouts(m, k, g, n)
     if bias is not None or activation is not None:
         res = ragged_fused.ragged_epilogue(ragged_m_p, lhs, rhs, gs32, layouts, bias=bias, activation=activation,
-                                           out_dtype=out_dtype, acc_dtype=acc)
+                                           out_dtype=out_dtype, acc_dtype=acc, precision=precision)
     else:
         res = ragged_m_p.bind(lhs, rhs, gs32, layouts=layouts, out_dtype=out_dtype.name, acc_dtype=acc.name,
                               precision=precision)
