@@ -102,7 +102,8 @@ def cases(count: int = 60, seed: int = 0) -> list[Case]:
     return [rng.choice(makers)(rng, i, rng.choice(DTYPES)) for i in range(count)]
 
 
-def einsum_specs(count: int = 24, seed: int = 1, big: bool = False) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
+def einsum_specs(count: int = 24, seed: int = 1,
+                 big: bool = False) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
     """Random two-operand einsums: 0-2 batch, 1-2 free labels per operand and 1-2 contracted, each
     operand's and the output's labels in a random order; one label of each kind is large
     (64-256 with ``big``, else 16-32) so every product is a real GEMM."""

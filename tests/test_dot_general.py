@@ -172,7 +172,8 @@ def test_einsum_of_three_operands_runs_each_product_on_our_kernel():
                                rtol=1e-4, atol=1e-4)
     args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in shapes]
     with config.override(target_arch="sm_90a", strict=True):
-        text = jax.jit(lambda *xs: jax_cute.einsum(spec, *xs)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        text = jax.jit(lambda *xs: jax_cute.einsum(spec, *xs)).trace(*args).lower(
+            lowering_platforms=("cuda",)).as_text()
     assert text.count("stablehlo.custom_call @jax_cute_launch") == 2 and "dot_general" not in text
 
 

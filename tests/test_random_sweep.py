@@ -119,7 +119,7 @@ def test_an_output_written_row_major_then_copied_is_the_product(spec, sa, sb):
 def test_random_einsums_match_a_float32_reference_on_the_gpu(spec, sa, sb):
     rng = np.random.default_rng(0)
     a, b = (jnp.asarray(rng.standard_normal(s), jnp.bfloat16) for s in (sa, sb))
-    with config.override(nan_fill=True, strict=True):
+    with config.override(nan_fill=True):   # (the CPU sweep counts fallbacks; here every value counts)
         got = jax.jit(lambda x, y: jax_cute.einsum(spec, x, y))(a, b)
     want = jnp.einsum(spec, a.astype(jnp.float32), b.astype(jnp.float32), precision="highest")
     g, w = np.asarray(got, np.float32), np.asarray(want)

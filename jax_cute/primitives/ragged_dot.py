@@ -210,7 +210,8 @@ def _offset_sizes(sizes, group_offset, g: int, m: int):
     if not jnp.issubdtype(offset.dtype, jnp.integer):
         raise TypeError(f"jax_cute.ragged_dot: group_offset must be an integer, got {offset.dtype}")
     if offset.shape not in ((), (1,)):
-        raise ValueError(f"jax_cute.ragged_dot: group_offset must be a scalar (or shape (1,)), got shape {offset.shape}")
+        raise ValueError(f"jax_cute.ragged_dot: group_offset must be a scalar (or shape (1,)), got shape "
+                         f"{offset.shape}")
     if not isinstance(group_offset, jax.core.Tracer) and not isinstance(offset, jax.core.Tracer):
         o = int(np.asarray(offset).reshape(()))
         if not 0 <= o <= total - g:
