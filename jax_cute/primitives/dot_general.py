@@ -11,7 +11,6 @@ and the kernels' choice work exactly as for ``matmul``.
 from __future__ import annotations
 
 import functools
-import logging
 from typing import Sequence
 
 import jax
@@ -24,8 +23,6 @@ from jax_cute.primitives.fused import activated, check_bias_broadcasts, check_sw
 from jax_cute.primitives.gemm_layouts import GemmLayouts
 from jax_cute.primitives.matmul import bind_gemm, check_operand_dtypes, operand_dtype_error
 from jax_cute.primitives.sharding import constrain
-
-logger = logging.getLogger("jax_cute")
 
 DimensionNumbers = tuple[tuple[Sequence[int], Sequence[int]], tuple[Sequence[int], Sequence[int]]]
 
@@ -157,8 +154,8 @@ def einsum(subscripts: str, *operands, precision=None, preferred_element_type=No
             arrays.append(_one(xs[0], names[picked[0]], removed, result, pet))
         else:
             last = step == len(path) - 1
-            arrays.append(_pair(subscripts, xs[0], names[picked[0]], xs[1], names[picked[1]], removed, result,
-                                precision, pet, bias=bias if last else None, activation=activation if last else None))
+            arrays.append(_pair(xs[0], names[picked[0]], xs[1], names[picked[1]], removed, result, precision, pet,
+                                bias=bias if last else None, activation=activation if last else None))
     res = arrays[0]
     assert res.shape == out.shape, (res.shape, out.shape)
     return constrain(res if res.dtype == pet else res.astype(pet), out_sharding)
@@ -222,8 +219,7 @@ def _squeeze_broadcast(x, names: str, other_shape, other_names: str):
     return jnp.squeeze(x, tuple(drop)), "".join(c for i, c in enumerate(names) if i not in drop)
 
 
-def _pair(subscripts: str, a, lhs: str, b, rhs: str, removed, out: str, precision, pet: np.dtype, *, bias,
-          activation):
+def _pair(a, lhs: str, b, rhs: str, removed, out: str, precision, pet: np.dtype, *, bias, activation):
     """One product of two operands of the path, as one GEMM written in the order ``out``."""
     a, lhs = _squeeze_broadcast(a, lhs, b.shape, rhs)
     b, rhs = _squeeze_broadcast(b, rhs, a.shape, lhs)
