@@ -208,6 +208,17 @@ def test_bad_precision_is_a_trace_time_error(f):
         jax.eval_shape(f, rand((4, 8)), rand((8, 2)))
 
 
+@pytest.mark.parametrize("precision", [("highest", "default"), ["highest", "highest"], "float32",
+                                       jax.lax.DotAlgorithmPreset.F32_F32_F32])
+def test_every_precision_form_lax_takes(precision):
+    a, b, dn = rand((8, 16)), rand((16, 4), seed=1), (((1,), (0,)), ((), ()))
+    got = jax.jit(lambda x, y: jax_cute.dot_general(x, y, dn, precision=precision))(a, b)
+    np.testing.assert_allclose(got, jax.lax.dot_general(a, b, dn, precision=precision), rtol=1e-6, atol=1e-6)
+    got = jax_cute.ragged_dot(a, b[None], jnp.array([8]), precision=precision)
+    np.testing.assert_allclose(got, jax.lax.ragged_dot(a, b[None], jnp.array([8]), precision=precision),
+                               rtol=1e-6, atol=1e-6)
+
+
 def test_wide_preferred_element_type_accumulates_in_it():
     """int32 -> int64 at K = 4096 with values 2**20: exact only if summed in int64, as lax does."""
     with jax.enable_x64(True):

@@ -47,3 +47,9 @@ def acc_dtype(a, b, out) -> np.dtype:
     if wide:  # 64-bit integer operands, narrower integer result: the operands' type, cast once
         return np.dtype("uint64" if all(d.kind in "ub" for d in ds[:2]) else "int64")
     return np.dtype("uint32" if out == np.dtype("uint32") else "int32")
+
+
+def hashable_precision(precision):
+    """``precision`` as a primitive parameter: lax takes a list of two where a tuple is meant,
+    and parameters must hash (it is validated by lax's own rule before this)."""
+    return tuple(precision) if isinstance(precision, list) else precision

@@ -24,7 +24,7 @@ from jax.interpreters import ad, batching, mlir
 from jax_cute import dispatch
 from jax_cute import layout as L
 from jax_cute.primitives import fused, sharding
-from jax_cute.primitives.dot_dtypes import acc_dtype, operand_dtypes
+from jax_cute.primitives.dot_dtypes import acc_dtype, hashable_precision, operand_dtypes
 from jax_cute.primitives.gemm_layouts import (GemmLayouts, batched_gemm, cotangent_a, cotangent_a_partials,
                                                cotangent_b, cotangent_b_partials, matmul_layouts)
 from jax_cute.primitives.gemm_plan import flatten_gemm
@@ -184,6 +184,7 @@ def bind_gemm(op: str, a, b, layouts: GemmLayouts, out_dtype, precision, *,
     buffer shape). ``preact`` and ``act_operand``: kernelize's chained products
     (``fused.epilogue_call``)."""
     check_operand_dtypes(op, a, b)
+    precision = hashable_precision(precision)
     out = np.dtype(out_dtype)
     da, db = operand_dtypes(a.dtype, b.dtype, out)
     a, b = a.astype(da), b.astype(db)

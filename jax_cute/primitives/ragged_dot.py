@@ -23,7 +23,7 @@ from jax.interpreters import ad, batching, mlir
 
 from jax_cute import dispatch
 from jax_cute.primitives import ragged_fused, sharding
-from jax_cute.primitives.dot_dtypes import acc_dtype, operand_dtypes
+from jax_cute.primitives.dot_dtypes import acc_dtype, hashable_precision, operand_dtypes
 from jax_cute.primitives.matmul import _cotangent_dtype, operand_dtype_error
 from jax_cute.primitives.ragged_reference import clipped_sizes, group_ends, reference
 from jax_cute.primitives.ragged_layouts import (RAGGED_K, RAGGED_M, RaggedLayouts, batched, cotangent,
@@ -170,6 +170,7 @@ def ragged_dot(lhs, rhs, group_sizes, *, precision=None, preferred_element_type=
     da, db = operand_dtypes(lhs.dtype, rhs.dtype, out_dtype)
     lhs, rhs = lhs.astype(da), rhs.astype(db)
     acc = acc_dtype(da, db, out_dtype)
+    precision = hashable_precision(precision)
     gs32, first_row = group_sizes.astype(jnp.int32), None
     if group_offset is not None:
         gs32, first_row = _offset_sizes(gs32, group_offset, g, m)
