@@ -154,18 +154,17 @@ def ragged_dot(lhs, rhs, group_sizes, *, precision=None, preferred_element_type=
             raise TypeError(f"jax_cute.ragged_dot: unsupported operand dtype {x.dtype} ({desc})")
     if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
         raise TypeError(f"jax_cute.ragged_dot: group_sizes must be integers (int32 is used); got {desc}")
-    if lhs.ndim != 2 or rhs.ndim != 3 or group_sizes.ndim != 1:
-        raise ValueError(f"jax_cute.ragged_dot: expected lhs [M,K], rhs [G,K,N], group_sizes [G]; got {desc}")
-    (m, k), (g, k2, n) = lhs.shape, rhs.shape
-    if group_offset is None and group_sizes.shape[0] != g:
-        raise TypeError(f"jax_cute.ragged_dot: group_sizes has {group_sizes.shape[0]} entries for {g} groups "
-                        f"of rhs; got {desc}")
-    local_gs = jax.ShapeDtypeStruct((g,), group_sizes.dtype)
-    # lax.ragged_dot's own shape and dtype rules: its errors, precision checks and result type
+    struct = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
+    # with group_offset, lax's rules see the local groups' sizes
+    local_gs = struct(group_sizes) if group_offset is None or rhs.ndim < 1 else \
+        jax.ShapeDtypeStruct(rhs.shape[:1], group_sizes.dtype)
+    # lax.ragged_dot's own shape and dtype rules first: its errors, precision checks and result type
     out = jax.eval_shape(lambda x, y, s: jax.lax.ragged_dot(x, y, s, precision=precision,
                                                             preferred_element_type=preferred_element_type),
-                         jax.ShapeDtypeStruct(lhs.shape, lhs.dtype), jax.ShapeDtypeStruct(rhs.shape, rhs.dtype),
-                         local_gs)
+                         struct(lhs), struct(rhs), local_gs)
+    if lhs.ndim != 2 or rhs.ndim != 3 or group_sizes.ndim != 1:   # shapes lax takes and we do not
+        raise ValueError(f"jax_cute.ragged_dot: expected lhs [M,K], rhs [G,K,N], group_sizes [G]; got {desc}")
+    (m, k), (g, _, n) = lhs.shape, rhs.shape
     out_dtype = np.dtype(jax.dtypes.canonicalize_dtype(out.dtype))  # lax.ragged_dot keeps float64 under x32
     da, db = operand_dtypes(lhs.dtype, rhs.dtype, out_dtype)
     lhs, rhs = lhs.astype(da), rhs.astype(db)
