@@ -228,8 +228,8 @@ def matmul(a, b, *, transpose_a: bool = False, transpose_b: bool = False, precis
     "relu", "gelu" (``jax.nn.gelu``, tanh form), "gelu_exact", "silu" or "swiglu" (b's N columns
     are ``[gate | up]``; the result has N/2 columns, ``silu(gate) * up``).
     """
-    transpose_a, transpose_b = check_flag("matmul", "transpose_a", transpose_a), check_flag("matmul", "transpose_b",
-                                                                                              transpose_b)
+    transpose_a = check_flag("matmul", "transpose_a", transpose_a)
+    transpose_b = check_flag("matmul", "transpose_b", transpose_b)
     a, b = jnp.asarray(a), jnp.asarray(b)
     if (transpose_a and a.ndim < 2) or (transpose_b and b.ndim < 2):
         raise ValueError(f"jax_cute.matmul: transpose_a/transpose_b need a 2-D or higher operand, got shapes "
