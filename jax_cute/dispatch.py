@@ -152,7 +152,7 @@ def gemm(a_aval, b_aval, *, layouts: GemmLayouts, out_dtype: str, acc_dtype: str
         else:
             logger.warning("jax_cute.matmul: writing the output through one copy into its layout: %s (%s)", flat,
                            what)
-            flat, shapes = flat_c, shapes_c
+            flat, shapes, given = flat_c, shapes_c, given[:2] + [tuple(canonical.c_shape)]
     if isinstance(flat, str):
         fallback("matmul", f"{flat} ({what})")
         return None
