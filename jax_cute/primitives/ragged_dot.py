@@ -158,10 +158,12 @@ def ragged_dot(lhs, rhs, group_sizes, *, precision=None, preferred_element_type=
     # with group_offset, lax's rules see the local groups' sizes
     local_gs = struct(group_sizes) if group_offset is None or rhs.ndim < 1 else \
         jax.ShapeDtypeStruct(rhs.shape[:1], group_sizes.dtype)
-    # lax.ragged_dot's own shape and dtype rules first: its errors, precision checks and result type
-    out = jax.eval_shape(lambda x, y, s: jax.lax.ragged_dot(x, y, s, precision=precision,
-                                                            preferred_element_type=preferred_element_type),
-                         struct(lhs), struct(rhs), local_gs)
+    # lax.ragged_dot's own shape and dtype rules first: its errors, precision checks and result
+    # type. Off any mesh: it infers no sharding on Explicit axes (ours is sharding.py's rule).
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
+        out = jax.eval_shape(lambda x, y, s: jax.lax.ragged_dot(x, y, s, precision=precision,
+                                                                preferred_element_type=preferred_element_type),
+                             struct(lhs), struct(rhs), local_gs)
     if lhs.ndim != 2 or rhs.ndim != 3 or group_sizes.ndim != 1:   # shapes lax takes and we do not
         raise ValueError(f"jax_cute.ragged_dot: expected lhs [M,K], rhs [G,K,N], group_sizes [G]; got {desc}")
     (m, k), (g, _, n) = lhs.shape, rhs.shape
