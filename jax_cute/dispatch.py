@@ -35,8 +35,7 @@ from jax_cute.kernels.build import KernelBinary, compile_launcher
 from jax_cute.kernels.gemm_spec import GemmSpec, GroupedSpec
 from jax_cute.layout import Layout
 from jax_cute.primitives.gemm_layouts import GemmLayouts
-from jax_cute.primitives.gemm_plan import (FlatGemm, FlatOperand, canonical_output, from_canonical, materialise,
-                                           plan_gemm)
+from jax_cute.primitives.gemm_plan import FlatGemm, FlatOperand, materialise, plan_gemm, plan_with_copies
 from jax_cute.primitives.ragged_layouts import RAGGED_M, FlatGrouped, RaggedLayouts, flatten_grouped
 
 logger = logging.getLogger("jax_cute")
@@ -141,18 +140,12 @@ def gemm(a_aval, b_aval, *, layouts: GemmLayouts, out_dtype: str, acc_dtype: str
         return None  # nothing to launch: the reference path writes the zeros
     # Unaligned strides are met by padding buffers (XLA fuses such a pad, or the output's slice,
     # into the neighbouring op where it can): cheaper than a transposing copy or the fallback.
-    given = [tuple(a_aval.shape), tuple(b_aval.shape), tuple(layouts.c_shape)]
-    flat, shapes = plan_gemm(layouts, given, dts)
-    canonical = None   # an output no kernel writes: written row-major, then copied (logged)
-    if isinstance(flat, str) and flat.startswith("operand c"):
-        canonical = canonical_output(layouts)
-        flat_c, shapes_c = plan_gemm(canonical, given[:2] + [canonical.c_shape], dts)
-        if isinstance(flat_c, str):
-            canonical = None
-        else:
-            logger.warning("jax_cute.matmul: writing the output through one copy into its layout: %s (%s)", flat,
-                           what)
-            flat, shapes, given = flat_c, shapes_c, given[:2] + [tuple(canonical.c_shape)]
+    flat, shapes, given, rewrite = plan_with_copies(
+        layouts, [tuple(a_aval.shape), tuple(b_aval.shape), tuple(layouts.c_shape)], dts)
+    if rewrite is not None:
+        logger.warning("jax_cute.matmul: %swriting the output through one copy into its layout: %s (%s)",
+                       "copying operands a and b into row-major buffers and " if rewrite.copy_operands else "",
+                       rewrite.why, what)
     if isinstance(flat, str):
         fallback("matmul", f"{flat} ({what})")
         return None
@@ -170,11 +163,12 @@ def gemm(a_aval, b_aval, *, layouts: GemmLayouts, out_dtype: str, acc_dtype: str
     cfg = fam.heuristic(spec, flat.m, flat.n, flat.k, flat.l, arch_info.num_sms(arch))
     if config.autotune():
         cfg = autotune.tuned_gemm_config(fam, arch, spec, flat, dts, cfg)
-    binary, launch = _gemm_launcher(fam, arch, spec, cfg, flat, shapes, (canonical or layouts).c_shape)
+    binary, launch = _gemm_launcher(fam, arch, spec, cfg, flat, shapes, given[2])
 
     def impl(a, b):
-        c = launch(a, b)[0]
-        return c if canonical is None else from_canonical(c, canonical, layouts)
+        if rewrite is not None:
+            return rewrite.run(lambda x, y: launch(x, y)[0], a, b)
+        return launch(a, b)[0]
 
     if not _trusted("matmul", binary, impl, reference, (a_aval, b_aval)):
         return None

@@ -94,13 +94,25 @@ def test_random_einsums_run_our_kernel_with_at_most_one_copy_per_operand(caplog)
     assert len(off) <= 0.05 * 2 * len(EINSUMS), off
 
 
-@pytest.mark.parametrize("spec,sa,sb", EINSUMS[:8], ids=[s for s, _, _ in EINSUMS[:8]])
-def test_an_output_written_row_major_then_copied_is_the_product(spec, sa, sb):
-    """The copy of a row-major (L, M, N) output into the requested layout (what the kernel's
-    result goes through when the output's modes interleave), checked on the CPU with the
-    reference product in both layouts."""
+FOUR_BATCH = ("abcdmk,dcbakn->abcdmn", (2, 3, 4, 5, 64, 32), (5, 4, 3, 2, 32, 64))
+
+
+def test_four_batch_indices_in_different_orders_copy_each_operand_once(caplog):
+    """Batch modes that coalesce into more than the kernels' three: both operands are copied
+    into row-major (L, rows, K) buffers and the output written through one copy."""
+    spec, sa, sb = FOUR_BATCH
+    text, logs = _einsum_lowering(lambda x, y: jax_cute.einsum(spec, x, y), sa, sb, caplog)
+    assert text.count("stablehlo.custom_call @jax_cute_launch") == 1 and "dot_general" not in text
+    assert sum("copying operands a and b into row-major buffers" in m for m in logs) == 1, logs
+
+
+@pytest.mark.parametrize("spec,sa,sb", EINSUMS[:8] + [FOUR_BATCH], ids=[s for s, _, _ in EINSUMS[:8] + [FOUR_BATCH]])
+def test_a_rewritten_problem_is_the_product(spec, sa, sb):
+    """The copies a rewritten problem makes (operands into row-major buffers, the row-major output
+    into the requested layout), checked on the CPU with the reference product standing in for
+    the kernel."""
     from jax_cute.primitives.dot_general import contraction_layouts
-    from jax_cute.primitives.gemm_plan import canonical_output, from_canonical
+    from jax_cute.primitives.gemm_plan import Rewrite, canonical_output, canonical_problem
     from jax_cute.primitives.matmul import reference
 
     lhs, rest = spec.split(",")
@@ -113,14 +125,16 @@ def test_an_output_written_row_major_then_copied_is_the_product(spec, sa, sb):
     g, _ = contraction_layouts(sa, sb, ([lhs.index(c) for c in contract], [rhs.index(c) for c in contract]),
                                ([lhs.index(c) for c in batch], [rhs.index(c) for c in batch]),
                                [logical.index(c) for c in out])
-    canon = canonical_output(g)
+    want = jnp.einsum(spec, a, b, precision="highest")
     params = dict(out_dtype="float32", acc_dtype="float32", precision="highest")
-    got = from_canonical(reference(a, b, layouts=canon, **params), canon, g)
-    np.testing.assert_allclose(got, jnp.einsum(spec, a, b, precision="highest"), rtol=1e-4, atol=1e-4)
+    for copy_operands, canonical in ((False, canonical_output(g)), (True, canonical_problem(g))):
+        r = Rewrite(g, canonical, copy_operands, "")
+        got = r.run(lambda x, y: reference(x, y, layouts=canonical, **params), a, b)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("spec,sa,sb", einsum_specs(48, seed=2, big=True), ids=str)
+@pytest.mark.parametrize("spec,sa,sb", einsum_specs(48, seed=2, big=True) + [FOUR_BATCH], ids=str)
 def test_random_einsums_match_a_float32_reference_on_the_gpu(spec, sa, sb):
     rng = np.random.default_rng(0)
     a, b = (jnp.asarray(rng.standard_normal(s), jnp.bfloat16) for s in (sa, sb))
