@@ -306,14 +306,15 @@ def plan_with_copies(g: GemmLayouts, shapes: Sequence[tuple[int, ...]], dtypes: 
     if not isinstance(flat, str) or not (flat.startswith("operand c") or "batch modes that do not coalesce" in flat):
         return flat, padded, list(shapes), None
     e = g.extents()
-    copy_operands = not flat.startswith("operand c")
-    canonical = canonical_problem(g) if copy_operands else canonical_output(g)
-    given = ([(e["l"], e["m"], e["k"]), (e["l"], e["n"], e["k"])] if copy_operands else list(shapes[:2])) + \
-        [tuple(canonical.c_shape)]
-    new, new_padded = plan_gemm(canonical, given, dtypes)
-    if isinstance(new, str):
-        return flat, padded, list(shapes), None
-    return new, new_padded, given, Rewrite(g, canonical, copy_operands, flat)
+    # the output alone first (one copy), then everything (three)
+    for copy_operands in ([False] if flat.startswith("operand c") else []) + [True]:
+        canonical = canonical_problem(g) if copy_operands else canonical_output(g)
+        given = [(e["l"], e["m"], e["k"]), (e["l"], e["n"], e["k"])] if copy_operands else list(shapes[:2])
+        given.append(tuple(canonical.c_shape))
+        new, new_padded = plan_gemm(canonical, given, dtypes)
+        if not isinstance(new, str):
+            return new, new_padded, given, Rewrite(g, canonical, copy_operands, flat)
+    return flat, padded, list(shapes), None
 
 
 def materialise(x, lay: Layout, op: FlatOperand):
