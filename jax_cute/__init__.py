@@ -2,7 +2,7 @@
 
 Public API:
 - :func:`matmul` — ``jnp.matmul`` semantics with ``transpose_a``/``transpose_b``;
-- :func:`dot_general`, :func:`einsum` — ``lax.dot_general`` and two-operand ``jnp.einsum``;
+- :func:`dot_general`, :func:`einsum` — ``lax.dot_general`` and ``jnp.einsum`` (each product of two operands one GEMM);
 - :func:`ragged_dot` — ``jax.lax.ragged_dot`` semantics (grouped GEMM for MoE);
 - :func:`cute_call` — run your own ``@cute.jit`` launcher inside ``jax.jit``;
 - :mod:`config` — switches (target arch, strict mode, NaN fill, cache, unverified kernels);

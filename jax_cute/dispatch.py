@@ -36,7 +36,7 @@ from jax_cute.kernels.gemm_spec import GemmSpec, GroupedSpec
 from jax_cute.launcher_code import launcher_digest
 from jax_cute.layout import Layout
 from jax_cute.primitives.gemm_layouts import GemmLayouts
-from jax_cute.primitives.gemm_plan import FlatGemm, FlatOperand, materialise, plan_gemm
+from jax_cute.primitives.gemm_plan import FlatGemm, FlatOperand, materialise, plan_gemm, plan_with_copies
 from jax_cute.primitives.ragged_layouts import RAGGED_M, FlatGrouped, RaggedLayouts, flatten_grouped
 
 logger = logging.getLogger("jax_cute")
@@ -175,8 +175,12 @@ def gemm(a_aval, b_aval, *, layouts: GemmLayouts, out_dtype: str, acc_dtype: str
         return None  # nothing to launch: the reference path writes the zeros
     # Unaligned strides are met by padding buffers (XLA fuses such a pad, or the output's slice,
     # into the neighbouring op where it can): cheaper than a transposing copy or the fallback.
-    given = [tuple(a_aval.shape), tuple(b_aval.shape), tuple(layouts.c_shape)]
-    flat, shapes = plan_gemm(layouts, given, dts)
+    flat, shapes, given, rewrite = plan_with_copies(
+        layouts, [tuple(a_aval.shape), tuple(b_aval.shape), tuple(layouts.c_shape)], dts)
+    if rewrite is not None:
+        logger.warning("jax_cute.matmul: %swriting the output through one copy into its layout: %s (%s)",
+                       "copying operands a and b into row-major buffers and " if rewrite.copy_operands else "",
+                       rewrite.why, what)
     if isinstance(flat, str):
         fallback("matmul", f"{flat} ({what})")
         return None
@@ -198,9 +202,11 @@ def gemm(a_aval, b_aval, *, layouts: GemmLayouts, out_dtype: str, acc_dtype: str
     cfg = fam.heuristic(spec, flat.m, flat.n, flat.k, flat.l, arch_info.num_sms(arch))
     if config.autotune():
         cfg = autotune.tuned_gemm_config(fam, arch, spec, flat, dts, cfg)
-    binary, launch = _gemm_launcher(fam, arch, spec, cfg, flat, shapes, layouts.c_shape)
+    binary, launch = _gemm_launcher(fam, arch, spec, cfg, flat, shapes, given[2])
 
     def impl(a, b):
+        if rewrite is not None:
+            return rewrite.run(lambda x, y: launch(x, y)[0], a, b)
         return launch(a, b)[0]
 
     if not _trusted("matmul", binary, impl, reference, (a_aval, b_aval)):
@@ -440,8 +446,9 @@ def dact_gemm(a_aval, b_aval, z_aval, *, layouts: GemmLayouts, z_layout: Layout,
 # -- grouped GEMM (jax_cute_ragged_m / jax_cute_ragged_k) ----------------------------------------
 
 def grouped(a_aval, b_aval, gs_aval, *, layouts: RaggedLayouts, out_dtype: str, acc_dtype: str,
-            reference: Callable) -> Callable | None:
-    """The kernel implementation of a grouped GEMM primitive, or None for ``reference``."""
+            reference: Callable, precision=None) -> Callable | None:
+    """The kernel implementation of a grouped GEMM primitive, or None for ``reference``
+    (``precision`` only matters there, as for ``gemm``)."""
     dts = [np.dtype(a_aval.dtype).name, np.dtype(b_aval.dtype).name, np.dtype(out_dtype).name]
     e = layouts.extents()
     what = f"{layouts.mode} M={e['m']} N={e['n']} K={e['k']} G={e['g']} L={e['l']}, dtypes {'/'.join(dts)}"
@@ -509,7 +516,8 @@ def _launch_grouped(a, b, gs, flat: FlatGrouped, binary: KernelBinary, workspace
 
 
 def grouped_fused(a_aval, b_aval, gs_aval, *bias_aval, layouts: RaggedLayouts, activation: str | None,
-                  preact: bool, out_dtype: str, acc_dtype: str, reference: Callable) -> Callable | None:
+                  preact: bool, out_dtype: str, acc_dtype: str, reference: Callable, precision=None
+                  ) -> Callable | None:
     """The kernel implementation of a ``jax_cute_ragged_fused`` (``ragged_dot`` with a per-group
     bias (G, N) and an activation in the grouped kernel's epilogue), or None: the caller then
     runs the grouped kernel with a float32 output and the epilogue in XLA (logged here, with the

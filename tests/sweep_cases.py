@@ -100,3 +100,27 @@ def cases(count: int = 60, seed: int = 0) -> list[Case]:
     rng = random.Random(seed)
     makers = (_matmul_case, _matmul_case, _vmap_case, _grad_case, _einsum_case)
     return [rng.choice(makers)(rng, i, rng.choice(DTYPES)) for i in range(count)]
+
+
+def einsum_specs(count: int = 24, seed: int = 1,
+                 big: bool = False) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
+    """Random two-operand einsums: 0-2 batch, 1-2 free labels per operand and 1-2 contracted, each
+    operand's and the output's labels in a random order; one label of each kind is large
+    (64-256 with ``big``, else 16-32) so every product is a real GEMM."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        letters = list("abcdefghij")
+        rng.shuffle(letters)
+        nb, nm, nn, nk = rng.randint(0, 2), rng.randint(1, 2), rng.randint(1, 2), rng.randint(1, 2)
+        b, m = letters[:nb], letters[nb:nb + nm]
+        n, k = letters[nb + nm:nb + nm + nn], letters[nb + nm + nn:nb + nm + nn + nk]
+        ext = {c: rng.choice((2, 3, 4, 8)) for c in b + m + n + k}
+        for c in (m[0], n[0], k[0]):
+            ext[c] = rng.choice((64, 128, 256) if big else (16, 24, 32))
+        sa, sb, sc = b + m + k, b + k + n, b + m + n
+        for x in (sa, sb, sc):
+            rng.shuffle(x)
+        out.append((f"{''.join(sa)},{''.join(sb)}->{''.join(sc)}", tuple(ext[c] for c in sa),
+                    tuple(ext[c] for c in sb)))
+    return out

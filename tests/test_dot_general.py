@@ -92,22 +92,33 @@ def test_einsum_matches_jnp(spec, sa, sb):
         np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-4)
 
 
-def test_einsum_diagonal_runs_jnp_einsum(caplog):
-    a, b = rand((4, 4)), rand((4, 3), seed=1)
-    np.testing.assert_allclose(jax_cute.einsum("ii,ij->j", a, b), jnp.einsum("ii,ij->j", a, b), rtol=1e-5)
-    assert any("diagonal" in r.getMessage() for r in caplog.records)
+@pytest.mark.parametrize("spec,sa,sb", [("ii,ij->j", (4, 4), (4, 3)), ("ii,ij->ij", (4, 4), (4, 3)),
+                                         ("iji,jk->ik", (3, 2, 3), (2, 5))])
+def test_einsum_diagonal_is_masked_then_a_gemm(spec, sa, sb):
+    """A repeated index within an operand is a diagonal: masked and summed as jnp.einsum does,
+    and the product is still our GEMM (lowered for sm_90a: no XLA dot)."""
+    a, b = rand(sa), rand(sb, seed=1)
+    np.testing.assert_allclose(jax_cute.einsum(spec, a, b), jnp.einsum(spec, a, b), rtol=1e-5, atol=1e-5)
+    args = [jax.ShapeDtypeStruct(sa, jnp.bfloat16), jax.ShapeDtypeStruct(sb, jnp.bfloat16)]
+    with config.override(target_arch="sm_90a"):
+        text = jax.jit(lambda x, y: jax_cute.einsum(spec, x, y)).trace(*args).lower(
+            lowering_platforms=("cuda",)).as_text()
+    assert "jax_cute_launch" in text and "dot_general" not in text
 
 
-def test_einsum_bad_subscripts():
-    a, b = rand((3, 4)), rand((4, 5))
-    with pytest.raises(ValueError, match="two operands"):
-        jax_cute.einsum("ij,jk,kl->il", a, b)
-    with pytest.raises(ValueError, match="rank 2"):
-        jax_cute.einsum("ijk,jk->i", a, b)
-    with pytest.raises(ValueError, match="extents 4 and 5"):
-        jax_cute.einsum("ij,kj->ik", a, b)
-    with pytest.raises(ValueError, match="appears in no operand"):
-        jax_cute.einsum("ij,jk->iz", a, b)
+@pytest.mark.parametrize("spec,shapes,error", [
+    ("ij,jk,kl->il", [(3, 4), (4, 5)], ValueError),            # fewer operands than the subscripts name
+    ("ijk,jk->i", [(3, 4), (4, 5)], ValueError),               # rank
+    ("ij,kj->ik", [(3, 4), (4, 5)], ValueError),               # extents
+    ("ij,jk->iz", [(3, 4), (4, 5)], ValueError),               # output index in no operand
+])
+def test_einsum_bad_subscripts_raise_what_jnp_raises(spec, shapes, error):
+    args = [rand(s) for s in shapes]
+    with pytest.raises(error) as want:
+        jnp.einsum(spec, *args)
+    with pytest.raises(error) as got:
+        jax_cute.einsum(spec, *args)
+    assert str(got.value) == str(want.value)
 
 
 def test_attention_layouts_need_no_copy():
@@ -145,3 +156,77 @@ def test_a_mode_listed_slowest_first_still_coalesces():
         text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("stablehlo.custom_call @jax_cute_launch") == 3
     assert "stablehlo.transpose" not in text and "dot_general" not in text
+
+
+def test_einsum_broadcasts_an_extent_1_index_as_jnp():
+    a, b = rand((1, 2, 3)), rand((4, 3, 5), seed=1)
+    got, want = jax_cute.einsum("bij,bjk->bik", a, b), jnp.einsum("bij,bjk->bik", a, b, precision="highest")
+    assert got.shape == want.shape == (4, 2, 5)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_einsum_of_three_operands_runs_each_product_on_our_kernel():
+    spec, shapes = "ij,jk,kl->il", [(64, 32), (32, 48), (48, 16)]
+    ops = [rand(s, seed=i) for i, s in enumerate(shapes)]
+    np.testing.assert_allclose(jax_cute.einsum(spec, *ops), jnp.einsum(spec, *ops, precision="highest"),
+                               rtol=1e-4, atol=1e-4)
+    args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in shapes]
+    with config.override(target_arch="sm_90a", strict=True):
+        text = jax.jit(lambda *xs: jax_cute.einsum(spec, *xs)).trace(*args).lower(
+            lowering_platforms=("cuda",)).as_text()
+    assert text.count("stablehlo.custom_call @jax_cute_launch") == 2 and "dot_general" not in text
+
+
+def test_einsum_sums_an_unshared_index_in_the_operand_dtype():
+    """jnp.einsum sums 'a' (only in the first operand) with lax.reduce in the operand's dtype:
+    bool stays bool (a logical or), int8 wraps; jnp.sum would widen both to int32."""
+    for x, y, spec in ((jnp.ones((2, 1), bool), jnp.ones((2,), bool), "ba,b->"),
+                       (jnp.full((2, 20), 10, jnp.int8), jnp.ones((2,), jnp.int8), "ba,b->b")):
+        got, want = jax_cute.einsum(spec, x, y), jnp.einsum(spec, x, y)
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(got, want)
+
+
+def test_dot_general_uses_lax_s_dtype_rule_not_jnp_promotion():
+    dn = (((1,), (0,)), ((), ()))
+    a, b = jnp.ones((4, 8), jnp.float8_e4m3fn), jnp.ones((8, 2), jnp.float8_e5m2)
+    got, want = jax_cute.dot_general(a, b, dn), jax.lax.dot_general(a, b, dn)
+    assert got.dtype == want.dtype == jnp.float8_e5m2
+    np.testing.assert_array_equal(np.float32(got), np.float32(want))
+    with jax.numpy_dtype_promotion("strict"):
+        got = jax_cute.dot_general(rand((4, 8)), rand((8, 2), jnp.bfloat16), dn)
+    assert got.dtype == jax.lax.dot_general(rand((4, 8)), rand((8, 2), jnp.bfloat16), dn).dtype
+
+
+@pytest.mark.parametrize("f", [lambda x, y: jax_cute.dot_general(x, y, (((1,), (0,)), ((), ())), precision="bogus"),
+                               lambda x, y: jax_cute.einsum("ij,jk->ik", x, y, precision="bogus"),
+                               lambda x, y: jax_cute.dot_general(x, y, (((1,), (0,)), ((), ())),
+                                                                 preferred_element_type="bogus")],
+                         ids=["dot_general", "einsum", "preferred_element_type"])
+def test_bad_precision_is_a_trace_time_error(f):
+    with pytest.raises((ValueError, TypeError)):
+        jax.eval_shape(f, rand((4, 8)), rand((8, 2)))
+
+
+@pytest.mark.parametrize("precision", [("highest", "default"), ["highest", "highest"], "float32",
+                                       jax.lax.DotAlgorithmPreset.F32_F32_F32])
+def test_every_precision_form_lax_takes(precision):
+    a, b, dn = rand((8, 16)), rand((16, 4), seed=1), (((1,), (0,)), ((), ()))
+    got = jax.jit(lambda x, y: jax_cute.dot_general(x, y, dn, precision=precision))(a, b)
+    np.testing.assert_allclose(got, jax.lax.dot_general(a, b, dn, precision=precision), rtol=1e-6, atol=1e-6)
+    got = jax_cute.ragged_dot(a, b[None], jnp.array([8]), precision=precision)
+    np.testing.assert_allclose(got, jax.lax.ragged_dot(a, b[None], jnp.array([8]), precision=precision),
+                               rtol=1e-6, atol=1e-6)
+
+
+def test_wide_preferred_element_type_accumulates_in_it():
+    """int32 -> int64 at K = 4096 with values 2**20: exact only if summed in int64, as lax does."""
+    with jax.enable_x64(True):
+        a, b = jnp.full((2, 4096), 2**20, jnp.int32), jnp.full((4096, 3), 2**20, jnp.int32)
+        dn = (((1,), (0,)), ((), ()))
+        got = jax_cute.dot_general(a, b, dn, preferred_element_type=jnp.int64)
+        assert got.dtype == jnp.int64 and int(got[0, 0]) == 4096 * 2**40
+        x, y = rand((2, 4096)), rand((4096, 3), seed=1)
+        got = jax_cute.einsum("ik,kj->ij", x, y, preferred_element_type=jnp.float64)
+        want = np.asarray(x, np.float64) @ np.asarray(y, np.float64)
+        np.testing.assert_allclose(got, want, rtol=1e-12)

@@ -162,15 +162,29 @@ def test_fp8_inputs_and_their_bf16_gradients(dtype):
     np.testing.assert_array_equal(np.asarray(gw, np.float32), rounded(ct16.T @ xf))
 
 
-def test_bad_input_is_a_trace_time_error():
-    with pytest.raises(ValueError, match=r"contracting dimensions differ: a\(5, 4\).*b\(3, 2\)"):
-        jax_cute.matmul(rand((5, 4)), rand((3, 2)))
-    with pytest.raises(ValueError, match="at least 1-D"):
-        jax_cute.matmul(jnp.float32(1), rand((3,)))
-    with pytest.raises(ValueError, match="do not broadcast"):
-        jax_cute.matmul(rand((2, 5, 4)), rand((3, 4, 2)))
+@pytest.mark.parametrize("a,b,kw", [
+    ((5, 4), (3, 2), {}),                              # K differs: TypeError, as jnp.matmul's
+    ((), (3,), {}),                                    # a scalar: ValueError
+    ((2, 5, 4), (3, 4, 2), {}),                        # batches do not broadcast: ValueError
+    ((5, 4), (4, 2), {"precision": "bogus"}),          # lax's precision check, at trace time
+    ((5, 4), (4, 2), {"preferred_element_type": "not a dtype"}),
+])
+def test_bad_input_raises_what_jnp_matmul_raises(a, b, kw):
+    x, y = rand(a), rand(b)
+    with pytest.raises(Exception) as want:
+        jnp.matmul(x, y, **kw)
+    with pytest.raises(type(want.value)):
+        jax.eval_shape(lambda p, q: jax_cute.matmul(p, q, **kw), x, y)
+
+
+def test_transpose_flags_must_be_bool():
     with pytest.raises(ValueError, match="transpose_a"):
         jax_cute.matmul(rand((3,)), rand((3, 2)), transpose_a=True)
+    for bad in ("yes", 1, None, jnp.bool_(True)):
+        with pytest.raises(TypeError, match="transpose_b must be a bool"):
+            jax_cute.matmul(rand((3, 2)), rand((3, 2)), transpose_b=bad)
+    a, b = rand((3, 2)), rand((3, 2))
+    np.testing.assert_allclose(jax_cute.matmul(a, b, transpose_a=np.bool_(True)), a.T @ b, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [jnp.complex64, jnp.bool_, jnp.int8, jnp.float64])

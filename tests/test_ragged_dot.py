@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from jax.test_util import check_grads
 
+from jax_cute import config
 from jax_cute.primitives.ragged_dot import ragged_dot
 
 
@@ -221,17 +222,106 @@ def test_vmap_of_grad_and_nested():
 def test_bad_inputs():
     x, w = _data(8, 4, 2, 3)
     gs = jnp.array([4, 4], jnp.int32)
-    with pytest.raises(ValueError, match=r"2 entries for 3 groups"):
-        ragged_dot(x, jnp.ones((3, 4, 3)), gs)
-    with pytest.raises(TypeError, match="group_sizes must be integers"):
-        ragged_dot(x, w, gs.astype(jnp.float32))
-    with pytest.raises(ValueError, match=r"lhs K=4, rhs K=5"):
-        ragged_dot(x, jnp.ones((2, 5, 3)), gs)
-    with pytest.raises(ValueError, match=r"expected lhs \[M,K\]"):
-        ragged_dot(x[None], w, gs)
-    with pytest.raises(ValueError, match=r"expected lhs \[M,K\]"):
-        ragged_dot(x, w, gs[None])
-    with pytest.raises(NotImplementedError, match="group_offset"):
-        ragged_dot(x, w, gs, group_offset=jnp.array([0]))
+    # where lax.ragged_dot raises TypeError, so do we
+    for args in ((x, jnp.ones((3, 4, 3)), gs), (x, jnp.ones((2, 5, 3)), gs), (x, w, gs.astype(jnp.float32))):
+        with pytest.raises(TypeError):
+            jax.lax.ragged_dot(*args)
+        with pytest.raises(TypeError):
+            ragged_dot(*args)
+    for args in ((x[None], w, gs), (x, w, gs[None]), (x[:, :, None], w.reshape(2, 4, 3, 1), gs)):
+        try:   # lax's own error where it has one; ValueError for shapes lax takes and we do not
+            jax.eval_shape(jax.lax.ragged_dot, *args)
+            error, match = ValueError, r"expected lhs \[M,K\]"
+        except TypeError:
+            error, match = TypeError, ""
+        with pytest.raises(error, match=match):
+            ragged_dot(*args)
     # other integer dtypes are used as int32
     np.testing.assert_allclose(ragged_dot(x, w, gs.astype(jnp.int16)), ragged_dot(x, w, gs))
+
+
+@pytest.mark.parametrize("da,db,pet", [(jnp.bfloat16, jnp.float16, None), (jnp.float16, jnp.bfloat16, jnp.float32),
+                                       (jnp.int8, jnp.float32, None)])
+def test_result_dtype_and_conversions_are_lax_s(da, db, pet):
+    """bf16 x f16: lax.ragged_dot converts both to bf16 (its dtype rule) and returns bf16."""
+    x, w = _data(8, 4, 2, 3)
+    gs = jnp.array([3, 5], jnp.int32)
+    a, b = x.astype(da), w.astype(db)
+    want = jax.lax.ragged_dot(a, b, gs, preferred_element_type=pet)
+    got = ragged_dot(a, b, gs, preferred_element_type=pet)
+    assert got.dtype == want.dtype
+    np.testing.assert_allclose(np.float32(got), np.float32(want), rtol=1e-2, atol=1e-2)
+
+
+def test_precision_is_validated_and_reaches_xla():
+    x, w = _data(8, 4, 2, 3)
+    gs = jnp.array([3, 5], jnp.int32)
+    with pytest.raises(ValueError, match="Precision"):
+        jax.eval_shape(lambda a, b: ragged_dot(a, b, gs, precision="bogus"), x, w)
+    for kw in ({}, {"activation": "gelu"}):   # the plain and the fused epilogue's product
+        text = jax.jit(lambda a, b: ragged_dot(a, b, gs, precision="highest", **kw)).lower(x, w).as_text()
+        assert "HIGHEST" in text, kw
+        grads = jax.jit(jax.grad(lambda a, b: ragged_dot(a, b, gs, precision="highest", **kw).sum(), (0, 1)))
+        assert grads.lower(x, w).as_text().count("HIGHEST") >= 3, kw
+
+
+def test_concrete_negative_sizes_closed_over_under_jit_are_refused():
+    x, w = _data(10, 4, 3, 5)
+    with pytest.raises(ValueError, match=r"negative group sizes \[3, -2, 5\]"):
+        jax.jit(lambda a, b: ragged_dot(a, b, np.array([3, -2, 5], np.int32)))(x, w)
+    with pytest.raises(ValueError, match="negative group sizes"):
+        ragged_dot(x, w, [3, -2, 5])
+
+
+def offset_model(x, w, sizes, offset):
+    """group_offset's semantics in jnp: the rows of groups offset..offset+G-1 times rhs[0..G-1],
+    every other row zero (ends clipped at M)."""
+    ends = np.minimum(np.cumsum(np.maximum(np.asarray(sizes, np.int64), 0)), x.shape[0])
+    starts = np.concatenate([[0], ends[:-1]])
+    out = jnp.zeros((x.shape[0], w.shape[2]), x.dtype)
+    for j in range(w.shape[0]):
+        s, e = int(starts[offset + j]), int(ends[offset + j])
+        out = out.at[s:e].set(jnp.dot(x[s:e], w[j], precision="highest"))
+    return out
+
+
+@pytest.mark.parametrize("sizes,offset", [([3, 2, 4, 1], 0), ([3, 2, 4, 1], 1), ([3, 2, 4, 1], 2),
+                                          ([0, 5, 0, 9], 2), ([6, 6, 6, 6], 1)])
+def test_group_offset_computes_the_local_groups_only(sizes, offset):
+    """Expert parallelism: group_sizes counts every expert (4), rhs holds two of them."""
+    x, w = _data(12, 4, 2, 5)
+    gs = jnp.asarray(sizes, jnp.int32)
+    want = offset_model(x, w, sizes, offset)
+    f = jax.jit(lambda a, b, s, o: ragged_dot(a, b, s, group_offset=o))
+    for off in (jnp.int32(offset), jnp.array([offset], jnp.int32)):
+        np.testing.assert_allclose(f(x, w, gs, off), want, rtol=1e-5, atol=1e-5)
+    # the gradients see the same groups
+    ct = jnp.asarray(np.random.default_rng(1).standard_normal((12, 5)), jnp.float32)
+    got = jax.vjp(lambda a, b: ragged_dot(a, b, gs, group_offset=offset), x, w)[1](ct)
+    want = jax.vjp(lambda a, b: offset_model(a, b, sizes, offset), x, w)[1](ct)
+    for g, h in zip(got, want):
+        np.testing.assert_allclose(g, h, rtol=1e-5, atol=1e-5)
+
+
+def test_group_offset_bad_values():
+    x, w = _data(12, 4, 2, 5)
+    gs = jnp.array([3, 2, 4, 1], jnp.int32)
+    with pytest.raises(ValueError, match=r"outside \[0, 2\]"):
+        ragged_dot(x, w, gs, group_offset=3)
+    with pytest.raises(TypeError, match="integer"):
+        ragged_dot(x, w, gs, group_offset=1.0)
+    with pytest.raises(ValueError, match="at least G = 2"):
+        ragged_dot(x, w, gs[:1], group_offset=0)
+    # traced: clamped as lax.dynamic_slice clamps
+    got = jax.jit(lambda o: ragged_dot(x, w, gs, group_offset=o))(jnp.int32(7))
+    np.testing.assert_allclose(got, offset_model(x, w, [3, 2, 4, 1], 2), rtol=1e-5, atol=1e-5)
+
+
+def test_group_offset_reaches_the_grouped_kernel():
+    """Lowered for sm_90a: the grouped kernel runs the local groups; no XLA dot."""
+    args = [jax.ShapeDtypeStruct((256, 128), jnp.bfloat16), jax.ShapeDtypeStruct((2, 128, 64), jnp.bfloat16),
+            jax.ShapeDtypeStruct((8,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32)]
+    with config.override(target_arch="sm_90a", strict=True):
+        text = jax.jit(lambda a, b, s, o: ragged_dot(a, b, s, group_offset=o)).trace(*args).lower(
+            lowering_platforms=("cuda",)).as_text()
+    assert text.count("stablehlo.custom_call @jax_cute_launch") == 1 and "dot_general" not in text

@@ -147,3 +147,25 @@ def test_captured_in_a_cuda_graph(tmp_path):
                          env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "CAPTURED True" in out.stdout, out.stdout + out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("offset", [0, 3, 6])
+def test_group_offset_runs_the_local_groups_on_the_grouped_kernel(offset):
+    """Experts split across devices: 8 experts in group_sizes, 2 in rhs starting at ``offset``;
+    the other rows are zero (the kernel computes the rows before the offset's first and they
+    are zeroed)."""
+    rng = np.random.default_rng(offset)
+    m, k, n, total, g = 1024, 256, 128, 8, 2
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((g, k, n)), jnp.bfloat16)
+    sizes = jnp.asarray(_sizes("skewed", m, total, rng), jnp.int32)
+    f = jax.jit(lambda a, b, s, o: ragged_dot(a, b, s, group_offset=o, preferred_element_type=jnp.float32))
+    assert "jax_cute_launch" in f.lower(x, w, sizes, jnp.int32(offset)).as_text()
+    got = np.asarray(f(x, w, sizes, jnp.int32(offset)))
+    ends = np.minimum(np.cumsum(np.asarray(sizes)), m)
+    starts = np.concatenate([[0], ends[:-1]])
+    want = np.zeros((m, n), np.float32)
+    for j in range(g):
+        s, e = starts[offset + j], ends[offset + j]
+        want[s:e] = np.asarray(x[s:e], np.float32) @ np.asarray(w[j], np.float32)
+    np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * max(1.0, float(np.abs(want).max())))

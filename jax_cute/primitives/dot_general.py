@@ -1,4 +1,4 @@
-"""``jax_cute.dot_general`` and ``jax_cute.einsum``: any two-operand contraction as one GEMM.
+"""``jax_cute.dot_general`` and ``jax_cute.einsum``: each product of two operands as one GEMM.
 
 Dimension numbers map straight onto the GEMM's logical modes, each a hierarchical layout over
 the operand buffers as they lie: the lhs free dimensions become sub-modes of M, the rhs free
@@ -11,20 +11,18 @@ and the kernels' choice work exactly as for ``matmul``.
 from __future__ import annotations
 
 import functools
-import logging
-import string
 from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+import opt_einsum
 
 from jax_cute.layout import Layout, make_layout, row_major, stride_of
 from jax_cute.primitives.fused import activated, check_bias_broadcasts, check_swiglu, checked_options, epilogue_dtype
 from jax_cute.primitives.gemm_layouts import GemmLayouts
-from jax_cute.primitives.matmul import bind_gemm, check_operand_dtypes
+from jax_cute.primitives.matmul import bind_gemm, check_operand_dtypes, operand_dtype_error
 from jax_cute.primitives.sharding import constrain
-
-logger = logging.getLogger("jax_cute")
 
 DimensionNumbers = tuple[tuple[Sequence[int], Sequence[int]], tuple[Sequence[int], Sequence[int]]]
 
@@ -88,100 +86,163 @@ def chained_dot_general(lhs, rhs, dimension_numbers: DimensionNumbers, precision
     """``dot_general`` without the sharding constraint, for kernelize's chained products:
     ``preact`` and ``act_operand`` as ``fused.epilogue_call``'s."""
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
-    # lax's own shape rule: the same trace-time errors for bad dimension numbers and dtypes
-    out = jax.eval_shape(lambda x, y: jax.lax.dot_general(x, y, dimension_numbers, precision=precision,
-                                                          preferred_element_type=preferred_element_type),
-                         jax.ShapeDtypeStruct(lhs.shape, lhs.dtype), jax.ShapeDtypeStruct(rhs.shape, rhs.dtype))
+    check_operand_dtypes("dot_general", lhs, rhs)
+    out = _lax_result(lhs, rhs, dimension_numbers, precision, preferred_element_type)
     (lc, rc), (lb, rb) = dimension_numbers
     norm = lambda dims, nd: tuple(int(d) % nd if nd else int(d) for d in dims)  # noqa: E731
     contracting = (norm(lc, lhs.ndim), norm(rc, rhs.ndim))
     batch = (norm(lb, lhs.ndim), norm(rb, rhs.ndim))
     layouts, shape = contraction_layouts(lhs.shape, rhs.shape, contracting, batch)
     assert shape == out.shape, (shape, out.shape)
-    return bind_gemm("dot_general", lhs, rhs, layouts, preferred_element_type, precision, out_dtype=out.dtype,
-                     bias=bias, activation=activation, preact=preact, act_operand=act_operand)
+    return bind_gemm("dot_general", lhs, rhs, layouts, out.dtype, precision, bias=bias, activation=activation,
+                     preact=preact, act_operand=act_operand)
 
 
-def einsum(subscripts: str, a, b, *, precision=None, preferred_element_type=None, out_sharding=None, bias=None,
-           activation: str | None = None):
-    """Two-operand ``jnp.einsum``, written as one GEMM whose output layout is the requested order.
+def _lax_result(lhs, rhs, dimension_numbers, precision, preferred_element_type):
+    """lax.dot_general's result (shape and dtype), with its own trace-time errors for bad
+    dimension numbers, dtypes and precisions."""
+    return jax.eval_shape(lambda x, y: jax.lax.dot_general(x, y, dimension_numbers, precision=precision,
+                                                           preferred_element_type=preferred_element_type),
+                          jax.ShapeDtypeStruct(lhs.shape, lhs.dtype), jax.ShapeDtypeStruct(rhs.shape, rhs.dtype))
 
-    Indices in both operands and the output are batch modes, in both operands only contracted,
-    in one operand and the output free. An index that appears in one operand only and not in the
-    output is summed first. Repeated indices within one operand (diagonals) are not GEMMs: they
-    run as ``jnp.einsum`` (logged). ``out_sharding`` constrains the result's sharding.
 
-    ``bias`` and ``activation`` fuse ``act(product + bias)`` into the GEMM's epilogue, as for
-    ``jax_cute.matmul``: the bias broadcasts against the result by numpy's rules; swiglu halves
-    the result's last index, which must be the second operand's only free index.
+def einsum(subscripts: str, *operands, precision=None, preferred_element_type=None, optimize="auto",
+           out_sharding=None, bias=None, activation: str | None = None):
+    """``jnp.einsum``: the same contraction order, result dtype and errors, each product of two
+    operands one GEMM whose output layout is the order that step asks for.
+
+    The contraction path is ``opt_einsum``'s, as in ``jnp.einsum`` (``optimize`` as there). In
+    each product of two operands, an index of extent 1 facing a larger extent in the other
+    operand is dropped (broadcast, as jnp does); an index only one operand has and the result
+    does not is summed first (``lax.reduce``, keeping the dtype), repeated indices within one
+    operand (diagonals) are masked and summed; the rest is a GEMM: indices in both operands and
+    the result are batch modes, in both operands only contracted, in one operand and the
+    result free. ``out_sharding`` constrains the result's sharding.
+
+    ``bias`` and ``activation`` fuse ``act(product + bias)`` into the epilogue of the last
+    product, as for ``jax_cute.matmul``: the bias broadcasts against the result by numpy's
+    rules; swiglu halves the result's last index, which must be the second operand's only free
+    index.
     """
-    a, b = jnp.asarray(a), jnp.asarray(b)
-    lhs, rhs, out = _parse(subscripts, a.ndim, b.ndim)
-    if len(set(lhs)) != len(lhs) or len(set(rhs)) != len(rhs):
-        logger.warning("jax_cute.einsum: %r repeats an index within an operand (a diagonal): "
-                       "running jnp.einsum", subscripts)
-        plain = functools.partial(jnp.einsum, subscripts, precision=precision,
-                                  preferred_element_type=preferred_element_type)
-        if bias is None and activation is None:
-            return constrain(plain(a, b), out_sharding)
-        out_dtype = jax.eval_shape(plain, a, b).dtype
-        return constrain(_xla_epilogue("einsum", subscripts, a, b, out_dtype, bias, activation, precision), out_sharding)
-    for name, idx, x in (("first", lhs, a), ("second", rhs, b)):
-        lone = [i for i, c in enumerate(idx) if c not in out and c not in (rhs if x is a else lhs)]
-        if lone:  # summed over before the product: a reduction, as jnp.einsum does
-            x = jnp.sum(x, axis=tuple(lone))
-            idx = "".join(c for i, c in enumerate(idx) if i not in lone)
-            if name == "first":
-                a, lhs = x, idx
-            else:
-                b, rhs = x, idx
-    sizes: dict[str, int] = {}
-    for idx, x in ((lhs, a), (rhs, b)):
-        for c, n in zip(idx, x.shape):
-            if sizes.setdefault(c, n) != n:
-                raise ValueError(f"jax_cute.einsum: index {c!r} has extents {sizes[c]} and {n} in {subscripts!r}")
-    for c in out:
-        if c not in sizes:
-            raise ValueError(f"jax_cute.einsum: output index {c!r} appears in no operand of {subscripts!r}")
+    if not isinstance(subscripts, str):
+        raise TypeError(f"jax_cute.einsum: subscripts must be a string, got {type(subscripts).__name__}")
+    arrays = [jnp.asarray(x) for x in operands]
+    for i, x in enumerate(arrays):
+        if operand_dtype_error(x.dtype):
+            raise TypeError(f"jax_cute.einsum: operand {i} has unsupported dtype {x.dtype} in {subscripts!r}")
+    plain = functools.partial(jnp.einsum, subscripts, precision=precision,
+                              preferred_element_type=preferred_element_type, optimize=optimize)
+    # jnp.einsum's own checks (subscripts, extents, dtypes, precision) and result
+    out = jax.eval_shape(plain, *(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in arrays))
+    how = "optimal" if optimize is True else _Unoptimized() if optimize is False else optimize
+    _, path = opt_einsum.contract_path(subscripts, *arrays, einsum_call=True, use_blas=True, optimize=how)
+    pet = np.dtype(out.dtype)
+    epilogue = bias is not None or activation is not None
+    if epilogue and (not path or len(path[-1][0]) != 2):
+        return constrain(_xla_epilogue("einsum", plain, arrays, pet, bias, activation), out_sharding)
+    for step, (inds, removed, einstr, *_) in enumerate(path):
+        ins, result = einstr.split("->")
+        names = dict(zip(inds, ins.split(",")))
+        picked = sorted(inds)
+        if len(picked) > 2:
+            raise NotImplementedError("jax_cute.einsum (as jax.numpy.einsum) does not support simultaneous "
+                                      "contraction of 3 or more operands; the optimize path names one")
+        xs = [arrays[i] for i in picked]
+        for i in reversed(picked):
+            arrays.pop(i)
+        if len(picked) == 1:
+            arrays.append(_one(xs[0], names[picked[0]], removed, result, pet))
+        else:
+            last = step == len(path) - 1
+            arrays.append(_pair(xs[0], names[picked[0]], xs[1], names[picked[1]], removed, result, precision, pet,
+                                bias=bias if last else None, activation=activation if last else None))
+    res = arrays[0]
+    assert activation == "swiglu" or res.shape == out.shape, (res.shape, out.shape)   # swiglu halves N
+    return constrain(res if res.dtype == pet else res.astype(pet), out_sharding)
+
+
+class _Unoptimized(opt_einsum.paths.PathOptimizer):
+    """jnp.einsum's ``optimize=False``: contract the operands left to right."""
+
+    def __call__(self, inputs, *args, **kwargs):
+        return [(0, 1)] * (len(inputs) - 1)
+
+
+def _sum(x, axes: Sequence[int], pet: np.dtype):
+    """jnp.einsum's sum over ``axes``: in the operand's dtype unless the result type is wider
+    (so bool stays bool, summed as a logical or, and int8 wraps as jnp's does)."""
+    if not axes:
+        return x
+    if jnp.result_type(x.dtype, pet) != x.dtype:
+        x = x.astype(pet)
+    add = jax.lax.bitwise_or if x.dtype == np.dtype(bool) else jax.lax.add
+    return jax.lax.reduce(x, np.array(0, x.dtype), add, tuple(axes))
+
+
+def _drop(names: str, drop: Sequence[str]) -> str:
+    return "".join(c for c in names if c not in drop)
+
+
+def _reduce_unshared(x, names: str, removed, keep: str, pet: np.dtype):
+    """Sum the contracted indices only ``x`` has, then its diagonals (repeated indices), as
+    jnp.einsum does: an index in ``keep`` keeps one copy of its diagonal."""
+    counts = {c: names.count(c) for c in names}
+    uniques = [c for c in sorted(removed) if counts.get(c) == 1 and c not in keep]
+    x = _sum(x, [names.index(c) for c in uniques], pet)
+    names = _drop(names, uniques)
+    for c in dict.fromkeys(names):
+        axes = [i for i, n in enumerate(names) if n == c]
+        if len(axes) < 2:
+            continue
+        iotas = [jax.lax.broadcasted_iota(jnp.int32, x.shape, a) for a in axes]
+        eye = functools.reduce(jnp.logical_and, [iotas[0] == t for t in iotas[1:]])
+        x = jax.lax.select(eye, x, jnp.zeros_like(x))
+        summed = axes if c not in keep else axes[:-1]
+        x = _sum(x, summed, pet)
+        names = "".join(n for i, n in enumerate(names) if i not in summed)
+    return x, names
+
+
+def _one(x, names: str, removed, result: str, pet: np.dtype):
+    """A step of the path over one operand: sums, diagonals and a transpose, no product."""
+    x, names = _reduce_unshared(x, names, removed, result, pet)
+    return x if names == result else jnp.transpose(x, [names.index(c) for c in result])
+
+
+def _squeeze_broadcast(x, names: str, other_shape, other_names: str):
+    """Drop the extent-1 indices of ``x`` that the other operand has with a larger extent: they
+    broadcast (jnp.einsum's rule)."""
+    drop = [i for i, c in enumerate(names) if x.shape[i] == 1 and c in other_names
+            and other_shape[other_names.index(c)] != 1]
+    if not drop:
+        return x, names
+    return jnp.squeeze(x, tuple(drop)), "".join(c for i, c in enumerate(names) if i not in drop)
+
+
+def _pair(a, lhs: str, b, rhs: str, removed, out: str, precision, pet: np.dtype, *, bias, activation):
+    """One product of two operands of the path, as one GEMM written in the order ``out``."""
+    a, lhs = _squeeze_broadcast(a, lhs, b.shape, rhs)
+    b, rhs = _squeeze_broadcast(b, rhs, a.shape, lhs)
+    a, lhs = _reduce_unshared(a, lhs, [c for c in removed if c not in rhs], out + rhs, pet)
+    b, rhs = _reduce_unshared(b, rhs, [c for c in removed if c not in lhs], out + lhs, pet)
     batch = [c for c in out if c in lhs and c in rhs]
     contract = [c for c in lhs if c in rhs and c not in out]
     lf = [c for c in lhs if c not in rhs]
     rf = [c for c in rhs if c not in lhs]
     logical = batch + lf + rf
+    dn = (([lhs.index(c) for c in contract], [rhs.index(c) for c in contract]),
+          ([lhs.index(c) for c in batch], [rhs.index(c) for c in batch]))
     check_operand_dtypes("einsum", a, b)
-    layouts, _ = contraction_layouts(
-        a.shape, b.shape, ([lhs.index(c) for c in contract], [rhs.index(c) for c in contract]),
-        ([lhs.index(c) for c in batch], [rhs.index(c) for c in batch]), [logical.index(c) for c in out])
-    return constrain(bind_gemm("einsum", a, b, layouts, preferred_element_type, precision, bias=bias,
-                               activation=activation), out_sharding)
+    dtype = _lax_result(a, b, dn, precision, pet).dtype
+    layouts, _ = contraction_layouts(a.shape, b.shape, *dn, [logical.index(c) for c in out])
+    return bind_gemm("einsum", a, b, layouts, dtype, precision, bias=bias, activation=activation)
 
 
-def _parse(subscripts: str, lhs_ndim: int, rhs_ndim: int) -> tuple[str, str, str]:
-    """(lhs, rhs, output) index strings, with ellipses expanded and an implicit output made explicit."""
-    text = subscripts.replace(" ", "")
-    inputs, arrow, out = text.partition("->")
-    parts = inputs.split(",")
-    if len(parts) != 2:
-        raise ValueError(f"jax_cute.einsum takes two operands; {subscripts!r} names {len(parts)}")
-    spare = [c for c in string.ascii_letters if c not in text]
-    widths = [nd - (len(p) - 3) if "..." in p else 0 for p, nd in zip(parts, (lhs_ndim, rhs_ndim))]
-    ell = "".join(spare[:max(widths)])
-    # An ellipsis stands for an operand's leading dimensions, aligned to the right as in numpy.
-    expanded = [p.replace("...", ell[len(ell) - w:] if w else "") for p, w in zip(parts, widths)]
-    for idx, p, nd in zip(expanded, parts, (lhs_ndim, rhs_ndim)):
-        if len(idx) != nd or not all(c.isalpha() for c in idx):
-            raise ValueError(f"jax_cute.einsum: {p!r} does not index an operand of rank {nd} in {subscripts!r}")
-    if arrow:
-        return expanded[0], expanded[1], out.replace("...", ell)
-    both = expanded[0] + expanded[1]
-    return expanded[0], expanded[1], ell + "".join(sorted(c for c in set(both) if both.count(c) == 1 and c not in ell))
-
-
-def _xla_epilogue(op: str, subscripts: str, a, b, out_dtype, bias, activation, precision):
-    """``act(einsum + bias)`` in XLA, where no GEMM layout exists (diagonals), with the fused
-    path's checks and numerics: the product in float32 (or wider), rounded once."""
+def _xla_epilogue(op: str, product, arrays, out_dtype, bias, activation):
+    """``act(product + bias)`` in XLA, where no product of two operands ends the path, with the
+    fused path's checks and numerics: the product in float32 (or wider), rounded once."""
     bias = checked_options(op, out_dtype, bias, activation)
-    z = jnp.einsum(subscripts, a, b, precision=precision, preferred_element_type=epilogue_dtype(out_dtype))
+    z = product(*arrays, preferred_element_type=epilogue_dtype(out_dtype))
     if activation == "swiglu":
         check_swiglu(op, activation, z.shape[-1] if z.ndim else 1)
     if bias is not None:

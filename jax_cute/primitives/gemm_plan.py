@@ -247,6 +247,76 @@ def plan_gemm(g: GemmLayouts, shapes: Sequence[tuple[int, ...]], dtypes: Sequenc
     return best
 
 
+def canonical_output(g: GemmLayouts) -> GemmLayouts:
+    """The same product written into a fresh row-major (L, M, N) buffer, where M, N and L are each
+    one mode: for an output layout no kernel can write (its M and N sub-modes interleave, or
+    neither is contiguous)."""
+    ext = g.extents()
+
+    def compact(mode: Layout, start: int) -> Layout:
+        fm, strides, step = mode.flat_modes(), [], start
+        for s, _ in fm:
+            strides.append(step if s > 1 else 0)
+            step *= s
+        return Layout(tuple(s for s, _ in fm), tuple(strides))
+
+    c = make_layout(compact(g.c.mode(0), ext["n"]), compact(g.c.mode(1), 1), compact(g.c.mode(2), ext["m"] * ext["n"]))
+    return GemmLayouts(g.a, g.b, c, (ext["l"], ext["m"], ext["n"]))
+
+
+def canonical_problem(g: GemmLayouts) -> GemmLayouts:
+    """The same product over fresh row-major (L, M, K), (L, N, K) and (L, M, N) buffers: for batch
+    sub-modes that coalesce into more modes than the kernels take (four or more batch indices
+    in different orders)."""
+    e = g.extents()
+    m, n, k, l = e["m"], e["n"], e["k"], e["l"]
+
+    def operand(rows: int) -> Layout:
+        return make_layout(Layout((rows,), (k,)), Layout((k,), (1,)), Layout((l,), (rows * k,)))
+
+    c = make_layout(Layout((m,), (n,)), Layout((n,), (1,)), Layout((l,), (m * n,)))
+    return GemmLayouts(operand(m), operand(n), c, (l, m, n))
+
+
+@dataclasses.dataclass(frozen=True)
+class Rewrite:
+    """A problem the kernel runs in place of ``g``: one copy of the output (written row-major,
+    then moved into place), and with ``copy_operands`` one of each operand too."""
+
+    g: GemmLayouts
+    canonical: GemmLayouts
+    copy_operands: bool
+    why: str  # what no kernel takes in ``g``
+
+    def run(self, kernel, a, b):
+        """``kernel(a, b)`` (the canonical output buffer) on the original operands, the result in
+        ``g``'s output buffer."""
+        if self.copy_operands:   # read through their layouts into row-major (L, rows, K)
+            a = jnp.transpose(L.read(a, self.g.a), (2, 0, 1))
+            b = jnp.transpose(L.read(b, self.g.b), (2, 0, 1))
+        return L.write(L.read(kernel(a, b), self.canonical.c), self.g.c, self.g.c_shape)
+
+
+def plan_with_copies(g: GemmLayouts, shapes: Sequence[tuple[int, ...]], dtypes: Sequence[str]
+                     ) -> tuple[FlatGemm | str, list[tuple[int, ...]], list[tuple[int, ...]], Rewrite | None]:
+    """``plan_gemm``, and where it finds no kernel layout for the output, or more batch modes
+    than the kernels take, the plan of the rewritten problem (``Rewrite``). Returns (plan, buffer
+    shapes it needs, the shapes it was given, rewrite or None)."""
+    flat, padded = plan_gemm(g, shapes, dtypes)
+    if not isinstance(flat, str) or not (flat.startswith("operand c") or "batch modes that do not coalesce" in flat):
+        return flat, padded, list(shapes), None
+    e = g.extents()
+    # the output alone first (one copy), then everything (three)
+    for copy_operands in ([False] if flat.startswith("operand c") else []) + [True]:
+        canonical = canonical_problem(g) if copy_operands else canonical_output(g)
+        given = [(e["l"], e["m"], e["k"]), (e["l"], e["n"], e["k"])] if copy_operands else list(shapes[:2])
+        given.append(tuple(canonical.c_shape))
+        new, new_padded = plan_gemm(canonical, given, dtypes)
+        if not isinstance(new, str):
+            return new, new_padded, given, Rewrite(g, canonical, copy_operands, flat)
+    return flat, padded, list(shapes), None
+
+
 def materialise(x, lay: Layout, op: FlatOperand):
     """Copy an operand into a (L, rows, cols) row-major buffer (L the product of its batch modes,
     the first fastest; rows padded to ``op``'s row stride), as ``op`` describes it: the one

@@ -25,6 +25,7 @@ from jax_cute import dispatch
 from jax_cute import layout as L
 from jax_cute.kernels.gemm_spec import dtype_refusal
 from jax_cute.primitives import collective, fused, sharding
+from jax_cute.primitives.dot_dtypes import acc_dtype, hashable_precision, inputs_name, operand_dtypes
 from jax_cute.primitives.gemm_layouts import (GemmLayouts, batched_gemm, cotangent_a, cotangent_a_partials,
                                                cotangent_b, cotangent_b_partials, matmul_layouts)
 from jax_cute.primitives.gemm_plan import flatten_gemm
@@ -164,12 +165,8 @@ def operand_dtype_error(dtype) -> str | None:
 
 
 def _acc_dtype(dtype: np.dtype) -> np.dtype:
-    """Accumulation dtype of the reference path (kernels accumulate 16- and 8-bit floats in f32)."""
-    if jnp.issubdtype(dtype, jnp.complexfloating):
-        return dtype
-    if jnp.issubdtype(dtype, jnp.floating):
-        return np.dtype("float64") if dtype == np.dtype("float64") else np.dtype("float32")
-    return np.dtype("int64") if dtype == np.dtype("int64") else np.dtype("int32")
+    """Accumulation dtype of a product of two ``dtype`` operands with a ``dtype`` result."""
+    return acc_dtype(dtype, dtype, dtype)
 
 
 def check_operand_dtypes(op: str, a, b) -> None:
@@ -179,29 +176,35 @@ def check_operand_dtypes(op: str, a, b) -> None:
                             f"(shapes {a.shape}:{a.dtype}, {b.shape}:{b.dtype})")
 
 
-def bind_gemm(op: str, a, b, layouts: GemmLayouts, preferred_element_type, precision, out_dtype=None, *,
+def bind_gemm(op: str, a, b, layouts: GemmLayouts, out_dtype, precision, *,
               out_shape: tuple[int, ...] | None = None, bias=None, activation: str | None = None,
               preact: bool = False, act_operand=None):
     """The product as ``jax_cute_matmul`` (or, with ``bias``/``activation``, the fused epilogue
-    primitive), with numpy-style dtype promotion (both operands cast to their result type) and
-    the output dtype ``preferred_element_type`` or ``out_dtype`` or that type; the result has
-    ``out_shape`` (default: C's buffer shape). ``preact`` and ``act_operand``: kernelize's chained
-    products (``fused.epilogue_call``)."""
+    primitive) with the result dtype ``out_dtype`` (the JAX function's own), the operands
+    converted as lax converts them (``dot_dtypes``); the result has ``out_shape`` (default: C's
+    buffer shape). ``preact`` and ``act_operand``: kernelize's chained products
+    (``fused.epilogue_call``)."""
     check_operand_dtypes(op, a, b)
-    dtype = jnp.result_type(a, b)
-    a, b = a.astype(dtype), b.astype(dtype)
-    out = np.dtype(preferred_element_type or out_dtype or dtype)
-    acc = _acc_dtype(np.dtype(dtype))
-    if jnp.issubdtype(out, jnp.floating) and not jnp.issubdtype(acc, jnp.inexact):
-        acc = np.dtype("float32")
+    precision = hashable_precision(precision)
+    out = np.dtype(out_dtype)
+    da, db = operand_dtypes(a.dtype, b.dtype, out)
+    a, b = a.astype(da), b.astype(db)
+    acc = acc_dtype(da, db, out)
     shape = tuple(layouts.c_shape) if out_shape is None else tuple(out_shape)
-    dispatch.at_trace(op, dtype_refusal(False, np.dtype(dtype).name, out.name))
+    dispatch.at_trace(op, dtype_refusal(False, inputs_name(da, db), out.name))
     if bias is not None or activation is not None or preact or act_operand is not None:
         return fused.epilogue_call(op, matmul_p, a, b, layouts, shape, bias=bias, activation=activation,
                                    out_dtype=out, acc_dtype=acc, precision=precision, preact=preact,
                                    act_operand=act_operand)
     c = matmul_p.bind(a, b, layouts=layouts, out_dtype=out.name, acc_dtype=acc.name, precision=precision)
     return jnp.reshape(c, shape) if c.shape != shape else c
+
+
+def check_flag(op: str, name: str, value) -> bool:
+    """A boolean option as a bool; anything else (a string, an array) is a TypeError."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"jax_cute.{op}: {name} must be a bool, got {value!r} of type {type(value).__name__}")
+    return bool(value)
 
 
 def matmul(a, b, *, transpose_a: bool = False, transpose_b: bool = False, precision=None,
@@ -227,12 +230,19 @@ def matmul(a, b, *, transpose_a: bool = False, transpose_b: bool = False, precis
     "relu", "gelu" (``jax.nn.gelu``, tanh form), "gelu_exact", "silu" or "swiglu" (b's N columns
     are ``[gate | up]``; the result has N/2 columns, ``silu(gate) * up``).
     """
+    transpose_a = check_flag("matmul", "transpose_a", transpose_a)
+    transpose_b = check_flag("matmul", "transpose_b", transpose_b)
     a, b = jnp.asarray(a), jnp.asarray(b)
-    if a.ndim == 0 or b.ndim == 0:
-        raise ValueError(f"jax_cute.matmul: operands must be at least 1-D, got shapes {a.shape} and {b.shape}")
     if (transpose_a and a.ndim < 2) or (transpose_b and b.ndim < 2):
         raise ValueError(f"jax_cute.matmul: transpose_a/transpose_b need a 2-D or higher operand, got shapes "
                          f"{a.shape} and {b.shape}")
+    check_operand_dtypes("matmul", a, b)
+    # jnp.matmul's own shape and dtype rules: its errors, its precision checks, its result type
+    swap = lambda x, t: jnp.swapaxes(x, -1, -2) if t else x  # noqa: E731
+    out = jax.eval_shape(lambda x, y: jnp.matmul(swap(x, transpose_a), swap(y, transpose_b), precision=precision,
+                                                 preferred_element_type=preferred_element_type),
+                         jax.ShapeDtypeStruct(a.shape, a.dtype), jax.ShapeDtypeStruct(b.shape, b.dtype))
     layouts, out_shape = matmul_layouts(a.shape, b.shape, transpose_a, transpose_b)
-    return sharding.constrain(bind_gemm("matmul", a, b, layouts, preferred_element_type, precision,
-                                        out_shape=out_shape, bias=bias, activation=activation), out_sharding)
+    assert tuple(out_shape) == tuple(out.shape), (out_shape, out.shape)
+    return sharding.constrain(bind_gemm("matmul", a, b, layouts, out.dtype, precision, out_shape=out_shape,
+                                        bias=bias, activation=activation), out_sharding)

@@ -24,8 +24,9 @@ from jax.interpreters import ad, batching, mlir
 from jax_cute import dispatch
 from jax_cute.kernels.gemm_spec import dtype_refusal
 from jax_cute.primitives import ragged_fused, sharding
-from jax_cute.primitives.matmul import _acc_dtype, _cotangent_dtype, operand_dtype_error
-from jax_cute.primitives.ragged_reference import reference
+from jax_cute.primitives.dot_dtypes import acc_dtype, hashable_precision, inputs_name, operand_dtypes
+from jax_cute.primitives.matmul import _cotangent_dtype, operand_dtype_error
+from jax_cute.primitives.ragged_reference import clipped_sizes, group_ends, reference
 from jax_cute.primitives.ragged_layouts import (RAGGED_K, RAGGED_M, RaggedLayouts, batched, cotangent,
                                                 ragged_dot_layouts)
 
@@ -37,7 +38,7 @@ ragged_k_p = sharding.Primitive("jax_cute_ragged_k")
 _pITIVES = {RAGGED_M: ragged_m_p, RAGGED_K: ragged_k_p}
 
 
-def _abstract_eval(a, b, gs, *, layouts: RaggedLayouts, out_dtype, acc_dtype):
+def _abstract_eval(a, b, gs, *, layouts: RaggedLayouts, out_dtype, acc_dtype, precision=None):
     for name, x in (("a", a), ("b", b), ("gs", gs)):
         if int(np.prod(x.shape)) < layouts.layout(name).cosize():
             raise ValueError(f"jax_cute_{layouts.mode}: layout {name}={layouts.layout(name)} reaches past "
@@ -60,10 +61,10 @@ def _cuda_lowering(avals, params):
 
 # -- batching ---------------------------------------------------------------------------------
 
-def _batch_rule(prim, args, dims, *, layouts: RaggedLayouts, out_dtype, acc_dtype):
+def _batch_rule(prim, args, dims, *, layouts: RaggedLayouts, **params):
     size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
     new = batched(layouts, [x.shape for x in args], dims, size)
-    return prim.bind(*args, layouts=new, out_dtype=out_dtype, acc_dtype=acc_dtype), 0
+    return prim.bind(*args, layouts=new, **params), 0
 
 
 # -- autodiff ---------------------------------------------------------------------------------
@@ -80,7 +81,7 @@ def _jvp(prim, primals, tangents, **params):
     return out, terms[0] if len(terms) == 1 else terms[0] + terms[1]
 
 
-def _transpose(ct, a, b, gs, *, layouts: RaggedLayouts, out_dtype, acc_dtype):
+def _transpose(ct, a, b, gs, *, layouts: RaggedLayouts, out_dtype, acc_dtype, precision=None):
     if ad.is_undefined_primal(gs):
         raise ValueError("jax_cute ragged_dot: group sizes are not differentiable")
     wrt = "a" if ad.is_undefined_primal(a) else "b"
@@ -93,7 +94,8 @@ def _transpose(ct, a, b, gs, *, layouts: RaggedLayouts, out_dtype, acc_dtype):
     # Broadcast batches summed afterwards are accumulated in acc_dtype and rounded once.
     dt = np.dtype(acc_dtype if cot.extra else aval.dtype).name
     res = _pITIVES[cot.layouts.mode].bind(bufs[cot.operands[0]], bufs[cot.operands[1]], gs,
-                                            layouts=cot.layouts, out_dtype=dt, acc_dtype=acc_dtype)
+                                            layouts=cot.layouts, out_dtype=dt, acc_dtype=acc_dtype,
+                                            precision=precision)
     if cot.extra:
         res = jnp.sum(res, axis=tuple(range(cot.extra))).astype(aval.dtype)
     return [res, None, None] if wrt == "a" else [None, res, None]
@@ -116,15 +118,27 @@ def ragged_dot(lhs, rhs, group_sizes, *, precision=None, preferred_element_type=
     """A drop-in for ``jax.lax.ragged_dot``: ``out[m] = lhs[m] @ rhs[g]`` for the rows m of group g.
 
     ``lhs`` is [M, K], ``rhs`` [G, K, N], ``group_sizes`` [G] integer (used as int32); the result is
-    [M, N]. Groups are consecutive row ranges; rows past ``sum(group_sizes)`` are zero, and group
-    ends past M are clipped, as in ``lax.ragged_dot``. Negative sizes are refused: with concrete
-    ``group_sizes`` this raises ValueError. Under ``jit`` the sizes are only known on the device,
-    where the kernels count a negative size as zero (``lax.ragged_dot`` would instead let the
-    next groups start earlier and overlap; no kernel reads or writes out of bounds either way).
-    ``precision`` is accepted and ignored (kernels accumulate in float32, or the input dtype
-    when wider). With ``preferred_element_type=float32`` on 16-bit inputs the result is float32
-    and its cotangent is rounded once to the input dtype for the gradient GEMMs.
-    The cotangent of ``group_sizes`` is float0. ``group_offset`` is not supported.
+    [M, N], its dtype and the operands' conversions as ``lax.ragged_dot``'s (bf16 x f16 gives
+    bf16), and so are the errors. Groups are consecutive row ranges; rows past
+    ``sum(group_sizes)`` are zero, and group ends past M are clipped, as in ``lax.ragged_dot``.
+    Negative sizes are refused: with concrete ``group_sizes`` (a numpy array, even one closed
+    over under ``jit``) this raises ValueError. Under ``jit`` the sizes are only known on the
+    device, where the kernels count a negative size as zero (``lax.ragged_dot`` would instead let
+    the next groups start earlier and overlap; no kernel reads or writes out of bounds either
+    way). ``precision`` is lax's: validated when traced, and passed to XLA wherever XLA computes
+    (the kernels multiply 16- and 8-bit inputs exactly and accumulate in float32). With
+    ``preferred_element_type=float32`` on 16-bit inputs the result is float32 and its cotangent is
+    rounded once to the input dtype for the gradient GEMMs. The cotangent of ``group_sizes`` is
+    float0.
+
+    ``group_offset`` (an integer scalar, or shape (1,)) is for experts split across devices:
+    ``group_sizes`` then has one entry per expert of all devices (G_total >= G), ``rhs`` holds G
+    experts, ``offset`` to ``offset + G - 1``, and only their rows are computed: row m of group
+    ``offset + j`` is ``lhs[m] @ rhs[j]``, every other row is zero. A concrete offset must lie in
+    [0, G_total - G] (ValueError); a traced one is clamped there, as ``lax.dynamic_slice`` clamps.
+    The grouped kernel sees G groups, the first widened to start at row 0; the rows before the
+    offset's first row are computed and then zeroed.
+
     ``out_sharding`` constrains the result's sharding, as ``lax.ragged_dot``'s does. Under jit,
     sharded rows (tokens) stay local; sharded groups (experts) are gathered: expert
     parallelism is a ``shard_map`` with a token all-to-all (``jax_cute.primitives.sharding``).
@@ -134,48 +148,91 @@ def ragged_dot(lhs, rhs, group_sizes, *, precision=None, preferred_element_type=
     kernel runs the epilogue (``ragged_fused.py``), and under ``grad`` also writes the
     pre-activation its backward needs.
     """
-    del precision  # documented: accepted and ignored, as the kernels fix their own accumulation
-    if group_offset is not None:
-        raise NotImplementedError("jax_cute.ragged_dot: group_offset is not supported (sharded ragged_dot); "
-                                  "use jax.lax.ragged_dot for it")
     if not isinstance(group_sizes, jax.core.Tracer):  # before jnp.asarray, which may wrap int64 to int32
         sizes = np.asarray(group_sizes)
         if sizes.dtype.kind in "iu" and (sizes > _INT32_MAX).any():
             raise ValueError(f"jax_cute.ragged_dot: group sizes {sizes[sizes > _INT32_MAX].tolist()} do not fit "
                              f"int32, in which group sizes are counted (at most {_INT32_MAX})")
+    _refuse_concrete_negative(group_sizes)
     lhs, rhs, group_sizes = jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(group_sizes)
     desc = f"lhs {lhs.shape}:{lhs.dtype}, rhs {rhs.shape}:{rhs.dtype}, group_sizes {group_sizes.shape}:{group_sizes.dtype}"
-    if lhs.ndim != 2 or rhs.ndim != 3 or group_sizes.ndim != 1:
-        raise ValueError(f"jax_cute.ragged_dot: expected lhs [M,K], rhs [G,K,N], group_sizes [G]; got {desc}")
     for x in (lhs, rhs):
         if operand_dtype_error(x.dtype):
             raise TypeError(f"jax_cute.ragged_dot: unsupported operand dtype {x.dtype} ({desc})")
     if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
         raise TypeError(f"jax_cute.ragged_dot: group_sizes must be integers (int32 is used); got {desc}")
-    if not isinstance(group_sizes, jax.core.Tracer) and (np.asarray(group_sizes) < 0).any():
-        raise ValueError(f"jax_cute.ragged_dot: negative group sizes {np.asarray(group_sizes).tolist()} "
-                         "are not supported")
-    (m, k), (g, k2, n) = lhs.shape, rhs.shape
-    if k != k2:
-        raise ValueError(f"jax_cute.ragged_dot: contracting dimensions differ (lhs K={k}, rhs K={k2}); got {desc}")
-    if group_sizes.shape[0] != g:
-        raise ValueError(f"jax_cute.ragged_dot: group_sizes has {group_sizes.shape[0]} entries for {g} groups "
-                         f"of rhs; got {desc}")
-    dtype = jnp.result_type(lhs, rhs)
-    lhs, rhs = lhs.astype(dtype), rhs.astype(dtype)
-    out_dtype = np.dtype(preferred_element_type) if preferred_element_type is not None else np.dtype(dtype)
-    acc = _acc_dtype(np.dtype(dtype))
-    if jnp.issubdtype(out_dtype, jnp.floating) and not jnp.issubdtype(acc, jnp.floating):
-        acc = np.dtype("float32")
+    struct = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
+    # with group_offset, lax's rules see the local groups' sizes
+    local_gs = struct(group_sizes) if group_offset is None or rhs.ndim < 1 else \
+        jax.ShapeDtypeStruct(rhs.shape[:1], group_sizes.dtype)
+    # lax.ragged_dot's own shape and dtype rules first: its errors, precision checks and result
+    # type. Off any mesh: it infers no sharding on Explicit axes (ours is sharding.py's rule).
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
+        out = jax.eval_shape(lambda x, y, s: jax.lax.ragged_dot(x, y, s, precision=precision,
+                                                                preferred_element_type=preferred_element_type),
+                             struct(lhs), struct(rhs), local_gs)
+    if lhs.ndim != 2 or rhs.ndim != 3 or group_sizes.ndim != 1:   # shapes lax takes and we do not
+        raise ValueError(f"jax_cute.ragged_dot: expected lhs [M,K], rhs [G,K,N], group_sizes [G]; got {desc}")
+    (m, k), (g, _, n) = lhs.shape, rhs.shape
+    out_dtype = np.dtype(jax.dtypes.canonicalize_dtype(out.dtype))  # lax.ragged_dot keeps float64 under x32
+    da, db = operand_dtypes(lhs.dtype, rhs.dtype, out_dtype)
+    lhs, rhs = lhs.astype(da), rhs.astype(db)
+    acc = acc_dtype(da, db, out_dtype)
+    precision = hashable_precision(precision)
     # A wider size (traced, so unchecked) is capped at M first: it means the same rows, and never
     # wraps to a small or negative int32.
     wide = np.iinfo(group_sizes.dtype).max > _INT32_MAX
     gs32 = (jnp.minimum(group_sizes, m) if wide else group_sizes).astype(jnp.int32)
-    dispatch.at_trace("ragged_dot", dtype_refusal(True, np.dtype(dtype).name, out_dtype.name))
+    first_row = None
+    dispatch.at_trace("ragged_dot", dtype_refusal(True, inputs_name(da, db), out_dtype.name))
+    if group_offset is not None:
+        gs32, first_row = _offset_sizes(gs32, group_offset, g, m)
     layouts = ragged_dot_layouts(m, k, g, n)
     if bias is not None or activation is not None:
-        out = ragged_fused.ragged_epilogue(ragged_m_p, lhs, rhs, gs32, layouts, bias=bias, activation=activation,
-                                           out_dtype=out_dtype, acc_dtype=acc)
+        res = ragged_fused.ragged_epilogue(ragged_m_p, lhs, rhs, gs32, layouts, bias=bias, activation=activation,
+                                           out_dtype=out_dtype, acc_dtype=acc, precision=precision)
     else:
-        out = ragged_m_p.bind(lhs, rhs, gs32, layouts=layouts, out_dtype=out_dtype.name, acc_dtype=acc.name)
-    return sharding.constrain(out, out_sharding)
+        res = ragged_m_p.bind(lhs, rhs, gs32, layouts=layouts, out_dtype=out_dtype.name, acc_dtype=acc.name,
+                              precision=precision)
+    if first_row is not None:
+        res = jnp.where(jnp.arange(m, dtype=jnp.int32)[:, None] < first_row, jnp.zeros((), res.dtype), res)
+    return sharding.constrain(res, out_sharding)
+
+
+def _refuse_concrete_negative(group_sizes) -> None:
+    """ValueError for negative sizes known at trace time: a numpy array or list (closed over
+    under jit too), or a concrete jax array."""
+    if isinstance(group_sizes, jax.core.Tracer):
+        return
+    try:
+        sizes = np.asarray(group_sizes)
+    except Exception:  # noqa: BLE001 - not concrete after all: the device rules apply
+        return
+    if sizes.dtype.kind in "iu" and (sizes < 0).any():
+        raise ValueError(f"jax_cute.ragged_dot: negative group sizes {sizes.tolist()} are not supported")
+
+
+def _offset_sizes(sizes, group_offset, g: int, m: int):
+    """The G group sizes the grouped GEMM sees for ``group_offset``, and the first row of group
+    ``offset``: those of groups offset..offset+G-1 (ends clipped at M, negatives as 0, as
+    everywhere), the first widened to start at row 0 (its extra rows are zeroed afterwards)."""
+    total = sizes.shape[0]
+    if total < g:
+        raise ValueError(f"jax_cute.ragged_dot: with group_offset, group_sizes needs at least G = {g} entries "
+                         f"(one per expert of all devices), got {total}")
+    offset = jnp.asarray(group_offset)
+    if not jnp.issubdtype(offset.dtype, jnp.integer):
+        raise TypeError(f"jax_cute.ragged_dot: group_offset must be an integer, got {offset.dtype}")
+    if offset.shape not in ((), (1,)):
+        raise ValueError(f"jax_cute.ragged_dot: group_offset must be a scalar (or shape (1,)), got shape "
+                         f"{offset.shape}")
+    if not isinstance(group_offset, jax.core.Tracer) and not isinstance(offset, jax.core.Tracer):
+        o = int(np.asarray(offset).reshape(()))
+        if not 0 <= o <= total - g:
+            raise ValueError(f"jax_cute.ragged_dot: group_offset {o} is outside [0, {total - g}] for {g} local "
+                             f"groups of {total}")
+    offset = jnp.clip(jnp.reshape(offset, ()).astype(jnp.int32), 0, total - g)
+    ends = group_ends(sizes, m)
+    first_row = jnp.where(offset > 0, ends[jnp.maximum(offset - 1, 0)], 0)
+    local = jax.lax.dynamic_slice(clipped_sizes(ends), (offset,), (g,))
+    return local.at[0].add(first_row), first_row

@@ -44,8 +44,9 @@ ragged_fused_p = core.Primitive("jax_cute_ragged_fused")
 ragged_fused_p.multiple_results = True
 
 
-def _abstract_eval(a, b, gs, *bias, gemm, layouts: RaggedLayouts, activation, preact, out_dtype, acc_dtype):
-    del gemm, acc_dtype
+def _abstract_eval(a, b, gs, *bias, gemm, layouts: RaggedLayouts, activation, preact, out_dtype, acc_dtype,
+                   precision=None):
+    del gemm, acc_dtype, precision
     c_shape = tuple(layouts.c_shape)   # (M, N), with vmapped batch axes in front
     n = c_shape[-1]
     if bias and (bias[0].ndim != len(c_shape) or tuple(bias[0].shape[-2:]) != (layouts.extents()["g"], n)
@@ -94,16 +95,20 @@ def epilogue(acc, group_sizes, bias, *, layouts: RaggedLayouts, activation, prea
     return activated(z, activation=activation, preact=preact, out_dtype=out_dtype)
 
 
-def composed(a, b, gs, *bias, gemm, layouts: RaggedLayouts, activation, preact, out_dtype, acc_dtype) -> list:
+def composed(a, b, gs, *bias, gemm, layouts: RaggedLayouts, activation, preact, out_dtype, acc_dtype,
+             precision=None) -> list:
     """The grouped GEMM primitive with a float32 (epilogue dtype) output, then the epilogue in XLA."""
-    acc = gemm.bind(a, b, gs, layouts=layouts, out_dtype=epilogue_dtype(acc_dtype).name, acc_dtype=acc_dtype)
+    acc = gemm.bind(a, b, gs, layouts=layouts, out_dtype=epilogue_dtype(acc_dtype).name, acc_dtype=acc_dtype,
+                    precision=precision)
     return epilogue(acc, gs, bias[0] if bias else None, layouts=layouts, activation=activation, preact=preact,
                     out_dtype=out_dtype)
 
 
-def reference(a, b, gs, *bias, layouts: RaggedLayouts, activation, preact, out_dtype, acc_dtype) -> list:
+def reference(a, b, gs, *bias, layouts: RaggedLayouts, activation, preact, out_dtype, acc_dtype,
+              precision=None) -> list:
     """The fused grouped GEMM in plain lax ops (the first-use check of unverified kernels)."""
-    acc = gemm_reference(a, b, gs, layouts=layouts, out_dtype=epilogue_dtype(acc_dtype), acc_dtype=acc_dtype)
+    acc = gemm_reference(a, b, gs, layouts=layouts, out_dtype=epilogue_dtype(acc_dtype), acc_dtype=acc_dtype,
+                         precision=precision)
     return epilogue(acc, gs, bias[0] if bias else None, layouts=layouts, activation=activation, preact=preact,
                     out_dtype=out_dtype)
 
@@ -127,13 +132,15 @@ def _batch_rule(args, dims, *, layouts: RaggedLayouts, **params):
 batching.primitive_batchers[ragged_fused_p] = _batch_rule
 
 
-def _jvp(primals, tangents, *, gemm, layouts: RaggedLayouts, activation, preact, out_dtype, acc_dtype):
+def _jvp(primals, tangents, *, gemm, layouts: RaggedLayouts, activation, preact, out_dtype, acc_dtype,
+         precision=None):
     a, b, gs, *bias = primals
     da, db, _, *dbias = tangents   # group sizes are integers: no tangent
-    params = dict(gemm=gemm, layouts=layouts, activation=activation, out_dtype=out_dtype, acc_dtype=acc_dtype)
+    params = dict(gemm=gemm, layouts=layouts, activation=activation, out_dtype=out_dtype, acc_dtype=acc_dtype,
+                  precision=precision)
     outs = ragged_fused_p.bind(*primals, preact=activation is not None or preact, **params)
     epi = epilogue_dtype(acc_dtype)
-    gemm_params = dict(layouts=layouts, out_dtype=epi.name, acc_dtype=acc_dtype)
+    gemm_params = dict(layouts=layouts, out_dtype=epi.name, acc_dtype=acc_dtype, precision=precision)
     terms = []
     if type(da) is not ad.Zero:
         terms.append(gemm.bind(da, b, gs, **gemm_params))
@@ -158,11 +165,13 @@ def check_epilogue(rhs_shape: tuple[int, ...], out_dtype, bias, activation):
     return bias
 
 
-def ragged_epilogue(gemm, lhs, rhs, group_sizes, layouts: RaggedLayouts, *, bias, activation, out_dtype, acc_dtype):
+def ragged_epilogue(gemm, lhs, rhs, group_sizes, layouts: RaggedLayouts, *, bias, activation, out_dtype, acc_dtype,
+                    precision=None):
     """``act(lhs[m] @ rhs[g] + bias[g])`` for ``jax_cute.ragged_dot``: operands of one dtype,
     int32 ``group_sizes``, ``layouts`` from ``ragged_dot_layouts``, ``gemm`` its primitive."""
     bias = check_epilogue(rhs.shape, out_dtype, bias, activation)
     args = (lhs, rhs, group_sizes) + (() if bias is None else (bias,))
     y, = ragged_fused_p.bind(*args, gemm=gemm, layouts=layouts, activation=activation, preact=False,
-                             out_dtype=np.dtype(out_dtype).name, acc_dtype=np.dtype(acc_dtype).name)
+                             out_dtype=np.dtype(out_dtype).name, acc_dtype=np.dtype(acc_dtype).name,
+                             precision=precision)
     return y

@@ -22,7 +22,7 @@ def clipped_sizes(ends):
     return jnp.diff(ends, axis=0, prepend=jnp.zeros_like(ends[:1]))
 
 
-def reference(a, b, gs, *, layouts: RaggedLayouts, out_dtype, acc_dtype):
+def reference(a, b, gs, *, layouts: RaggedLayouts, out_dtype, acc_dtype, precision=None):
     """The grouped GEMM in plain lax ops (masks, as lax.ragged_dot's own decomposition),
     reading and writing through the layouts."""
     av, bv, sv = L.read(a, layouts.a), L.read(b, layouts.b), L.read(gs, layouts.gs)
@@ -34,10 +34,12 @@ def reference(a, b, gs, *, layouts: RaggedLayouts, out_dtype, acc_dtype):
     mask = (starts[:, None, :] <= r) & (r < ends[:, None, :])
     if layouts.mode == RAGGED_M:
         am = jnp.where(mask[:, :, None, :], av[None], 0)  # (G, M, K, L)
-        cv = jax.lax.dot_general(am, bv, (((0, 2), (2, 1)), ((3,), (3,))), preferred_element_type=acc)  # (L, M, N)
+        cv = jax.lax.dot_general(am, bv, (((0, 2), (2, 1)), ((3,), (3,))), precision=precision,
+                                 preferred_element_type=acc)  # (L, M, N)
         cv = jnp.transpose(cv, (1, 2, 0))
     else:
         am = jnp.where(mask[:, None, :, :], av[None], 0)  # (G, M, K, L)
-        cv = jax.lax.dot_general(am, bv, (((2,), (1,)), ((3,), (2,))), preferred_element_type=acc)  # (L, G, M, N)
+        cv = jax.lax.dot_general(am, bv, (((2,), (1,)), ((3,), (2,))), precision=precision,
+                                 preferred_element_type=acc)  # (L, G, M, N)
         cv = jnp.transpose(cv, (2, 3, 1, 0))
     return L.write(cv.astype(out_dtype), layouts.c, layouts.c_shape)
