@@ -5,8 +5,7 @@ code and signature) and everything else that shapes the object:
 
 - the source of every module that builds kernels: all of ``jax_cute/kernels/*.py`` (families,
   their mainloop, epilogue and scheduler parts, the ABI, the build step), read once per process;
-- the versions of the DSL's distributions (its compiler, bundled CUDA toolchain and runtime)
-  and of the CUDA Python bindings it compiles with;
+- the versions of the DSL's distributions (its compiler and the CUDA toolchain it bundles);
 - the DSL's environment settings that change objects (``kernels.dsl_env.compile_settings``).
 
 When the kernel sources cannot be read (a sourceless install), :func:`kernel_sources_digest`
@@ -26,9 +25,10 @@ from jax_cute.kernels import dsl_env
 FORMAT = 2  # the layout of entries on disk
 
 # Distributions whose files make the object: the DSL's Python compiler, its MLIR/NVVM/ptxas
-# libraries, the CUDA 13 runtime flavour, and the CUDA bindings the DSL drives.
-TOOLCHAIN = ("nvidia-cutlass-dsl-libs-base", "nvidia-cutlass-dsl-libs-core", "nvidia-cutlass-dsl-libs-cu13",
-             "cuda-bindings")
+# libraries and the CUDA 13 toolchain flavour. Not the CUDA Python bindings: they drive the
+# device at run time and build nothing, and the machine that precompiles need not have the GPU
+# machine's version.
+TOOLCHAIN = ("nvidia-cutlass-dsl-libs-base", "nvidia-cutlass-dsl-libs-core", "nvidia-cutlass-dsl-libs-cu13")
 
 KERNELS_DIR = Path(__file__).resolve().parent / "kernels"
 
