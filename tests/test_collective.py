@@ -18,6 +18,8 @@ import sys
 
 import pytest
 
+from test_sharding import spec_json  # tests/ is on sys.path: under pytest, and run as a script
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DEVICES = 8
 RINGS = (2, 4, DEVICES)
@@ -266,13 +268,6 @@ def test_rings_on_all_gpus_run_our_kernels_and_match_the_unsharded_mlp():
 
 # -- the worker -----------------------------------------------------------------------------------
 
-def _spec(spec) -> list:
-    parts = [list(x) if isinstance(x, tuple) else x for x in spec]
-    while parts and parts[-1] is None:
-        parts.pop()
-    return parts
-
-
 def _worker() -> dict:
     import re
 
@@ -304,7 +299,7 @@ def _worker() -> dict:
         with jax_cute.config.override(collective_matmul=mode):
             fwd = jax.jit(f, out_shardings=out_sh)
             got = fwd(*put)
-            res = {"fwd": colls(fwd.lower(*put).compile().as_text()), "out_spec": _spec(got.sharding.spec)}
+            res = {"fwd": colls(fwd.lower(*put).compile().as_text()), "out_spec": spec_json(got.sharding.spec)}
             if grad:
                 gf = jax.jit(jax.grad(loss(f, constrain), nums))
                 grads = gf(*put)

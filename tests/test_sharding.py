@@ -400,7 +400,7 @@ def test_gpu_sharded_layers_example_runs_the_kernels():
 
 # -- the worker -----------------------------------------------------------------------------------
 
-def _spec(spec) -> list:
+def spec_json(spec) -> list:
     """A PartitionSpec as JSON, trailing unsharded axes dropped (JAX versions print them apart)."""
     parts = [list(x) if isinstance(x, tuple) else x for x in spec]
     while parts and parts[-1] is None:
@@ -436,7 +436,7 @@ def _worker() -> dict:
     def case(f, ref, args, grad_of=None, **extra) -> dict:
         out, want = jax.jit(f)(*args), ref(*args)
         res = {"diff": mx(out - want), "scale": mx(want), "fwd": colls(f, *args),
-               "out_spec": _spec(out.sharding.spec), **extra}
+               "out_spec": spec_json(out.sharding.spec), **extra}
         if grad_of is not None:
             loss = lambda g: lambda *a: jnp.sum(g(*a) ** 2)  # noqa: E731
             nums = tuple(range(grad_of))
@@ -455,7 +455,7 @@ def _worker() -> dict:
     scat = jax.jit(mm, out_shardings=NamedSharding(mesh, P("model", None)))
     args = (put(x, None, "model"), put(w, "model", None))
     r["row_parallel_scatter"] = {"diff": mx(scat(*args) - x @ w), "scale": mx(x @ w),
-                                 "out_spec": _spec(scat(*args).sharding.spec),
+                                 "out_spec": spec_json(scat(*args).sharding.spec),
                                  "fwd": ex.collectives(scat.lower(*args).compile().as_text())}
     params = {"w1": put(w, None, "model"), "w2": put(w2, "model", None)}
     mlp = lambda xx, w1, w2_: ex.mlp({"w1": w1, "w2": w2_}, xx)  # noqa: E731
@@ -539,11 +539,11 @@ def _worker() -> dict:
     for name, (f, ref, args) in outs.items():
         out = jax.jit(f)(*args)
         r["out_sharding"][name] = {"diff": mx(out - ref(*args)), "scale": mx(ref(*args)),
-                                   "spec": _spec(out.sharding.spec), "want": _spec(want.spec)}
+                                   "spec": spec_json(out.sharding.spec), "want": spec_json(want.spec)}
     with (jax.set_mesh(mesh) if hasattr(jax, "set_mesh") else jax.sharding.use_mesh(mesh)):
         out = jax.jit(lambda a, b: jax_cute.matmul(a, b, out_sharding=P("data", "model")))(x, w)
-    r["out_sharding"]["matmul_pspec"] = {"diff": mx(out - x @ w), "scale": mx(x @ w), "spec": _spec(out.sharding.spec),
-                                         "want": _spec(want.spec)}
+    r["out_sharding"]["matmul_pspec"] = {"diff": mx(out - x @ w), "scale": mx(x @ w), "spec": spec_json(out.sharding.spec),
+                                         "want": spec_json(want.spec)}
 
     # A's rows read as (4, 2):(2K, K): its row axis cannot follow C's row sharding.
     k, n = 4, 6
@@ -598,12 +598,12 @@ def _typed_worker() -> dict:
                 got = jax.jit(f)(*args)
                 grads = jax.jit(jax.grad(loss(f), nums))(*args)
                 if want is None and mode == "explicit":
-                    want = _spec(jax.jit(ref)(*args).sharding.spec)
-            res[name] = {"diff": mx(got - want_out), "scale": mx(want_out), "spec": _spec(got.sharding.spec),
+                    want = spec_json(jax.jit(ref)(*args).sharding.spec)
+            res[name] = {"diff": mx(got - want_out), "scale": mx(want_out), "spec": spec_json(got.sharding.spec),
                          "want": want, "grad_diffs": [mx(a - b) for a, b in zip(grads, want_grads)],
                          "grad_scale": max(mx(b) for b in want_grads),
-                         "grad_specs": [_spec(g.sharding.spec) for g in grads],
-                         "arg_specs": [_spec(a.sharding.spec) for a in args]}
+                         "grad_specs": [spec_json(g.sharding.spec) for g in grads],
+                         "arg_specs": [spec_json(a.sharding.spec) for a in args]}
 
     out["contracting"] = {}
     x, w = rnd(32, 64), rnd(64, 16)
@@ -618,7 +618,7 @@ def _typed_worker() -> dict:
                 except Exception as e:  # noqa: BLE001 - compared with lax's
                     case[key] = f"{type(e).__name__}: {str(e).split(' Got ')[0]}"
             got = jax.jit(lambda a, b: jax_cute.matmul(a, b, out_sharding=P("x")))(*args)
-        case.update(diff=mx(got - x @ w), scale=mx(x @ w), out_sharding_spec=_spec(got.sharding.spec))
+        case.update(diff=mx(got - x @ w), scale=mx(x @ w), out_sharding_spec=spec_json(got.sharding.spec))
     return out
 
 
