@@ -160,7 +160,8 @@ def test_report_from_synthetic_json(tmp_path):
     md, plots = tmp_path / "BENCHMARKS.md", tmp_path / "plots"
     run.main(["--report", str(src), "--md", str(md), "--plots", str(plots)])
     text = md.read_text()
-    assert "Measured on SYNTHETIC-TEST-DEVICE, 2000-01-01 (jax 0.0-test, jax_cute at `abcdef0`)" in text
+    assert "Measured on SYNTHETIC-TEST-DEVICE, 2000-01-01 (jax 0.0-test); from `synthetic.json`" in text
+    assert "abcdef0" not in text  # the page names device, date and software, not commits
     assert "| 64x64x64 | 100.0 | 50.0 | failed | 2.00× | — |" in text   # ratio vs XLA; Pallas failed
     assert "7.00 (XLA fallback)" in text                                # never presented as our kernel
     assert "| step | 3.00 | 6.00 | 2.00× |" in text                     # time: ratio = theirs / ours
