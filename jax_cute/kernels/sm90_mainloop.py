@@ -88,24 +88,3 @@ def wgmma_mainloop_parts():
         return release
 
     return start, rest, finish
-
-
-@functools.lru_cache(maxsize=None)
-def wgmma_mainloop():
-    """The DSL function ``run(tiled_mma, acc, tCrA, tCrB, pipe, read, release, k_tiles)``.
-
-    It accumulates ``k_tiles`` stages of A x B into ``acc``, starting at pipeline state ``read``
-    (the stage to consume next) and ``release`` (the stage to hand back next), and returns both
-    states advanced past them: the DSL rebinds loop-carried values, so the caller must take the
-    returned states. The caller zeroes ``acc``, sets the MMA's ACCUMULATE field and fences
-    first, in its own scope (a field set inside a helper would not reach the caller's loop)."""
-    from jax_cute.kernels.dsl import cute
-
-    start, rest, _ = wgmma_mainloop_parts()
-
-    @cute.jit
-    def run(tiled_mma: cute.TiledMma, acc, tCrA, tCrB, pipe, read, release, k_tiles):
-        read = start(tiled_mma, acc, tCrA, tCrB, pipe, read, k_tiles, 1)
-        return rest(tiled_mma, acc, tCrA, tCrB, pipe, read, release, k_tiles, 1)
-
-    return run

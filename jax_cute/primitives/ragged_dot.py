@@ -35,7 +35,7 @@ _INT32_MAX = 2**31 - 1
 
 ragged_m_p = sharding.Primitive("jax_cute_ragged_m")
 ragged_k_p = sharding.Primitive("jax_cute_ragged_k")
-_pITIVES = {RAGGED_M: ragged_m_p, RAGGED_K: ragged_k_p}
+_PRIMITIVES = {RAGGED_M: ragged_m_p, RAGGED_K: ragged_k_p}
 
 
 def _abstract_eval(a, b, gs, *, layouts: RaggedLayouts, out_dtype, acc_dtype, precision=None):
@@ -93,7 +93,7 @@ def _transpose(ct, a, b, gs, *, layouts: RaggedLayouts, out_dtype, acc_dtype, pr
     bufs = {"a": a, "b": b, "c": ct}
     # Broadcast batches summed afterwards are accumulated in acc_dtype and rounded once.
     dt = np.dtype(acc_dtype if cot.extra else aval.dtype).name
-    res = _pITIVES[cot.layouts.mode].bind(bufs[cot.operands[0]], bufs[cot.operands[1]], gs,
+    res = _PRIMITIVES[cot.layouts.mode].bind(bufs[cot.operands[0]], bufs[cot.operands[1]], gs,
                                             layouts=cot.layouts, out_dtype=dt, acc_dtype=acc_dtype,
                                             precision=precision)
     if cot.extra:
@@ -101,7 +101,7 @@ def _transpose(ct, a, b, gs, *, layouts: RaggedLayouts, out_dtype, acc_dtype, pr
     return [res, None, None] if wrt == "a" else [None, res, None]
 
 
-for _p in _pITIVES.values():
+for _p in _PRIMITIVES.values():
     _p.def_abstract_eval(_abstract_eval)
     _p.def_impl(functools.partial(_eager, _p))
     mlir.register_lowering(_p, sharding.lowering(_p, sharding.reference_local(reference)))
