@@ -204,11 +204,8 @@ SUITE_NOTE = {
     "matmul": "XLA: `jnp.matmul` (cuBLAS, or XLA's Triton GEMM where XLA picks it). Pallas: the fastest of four "
               "configs of Pallas' Mosaic GPU Hopper matmul. Each call runs 8 independent products in one jit. "
               "The MLP step is the forward + backward + SGD update of `examples/mlp_training.py`; *XLA, bf16 "
-              "gradient GEMMs* rounds the f32 cotangent to bf16 as jax_cute does, the like-for-like baseline; "
-              "*kernelize(jnp step)* is the jnp step with its loss through `jax_cute.kernelize`, which fuses the "
-              "gelu and the cast after it into the first GEMM's epilogue. The step is timed in 250 ms windows "
-              "(the board at its power cap), 11 rounds. Not re-measured since fused GEMMs moved from the pingpong "
-              "128×128 tile (this run's pick for the *kernelize(jnp step)* GEMM) to the cooperative 128×256 tile.",
+              "gradient GEMMs* rounds the f32 cotangent to bf16 as jax_cute does, the like-for-like baseline. "
+              "The step is timed in 250 ms windows (the board at its power cap), 11 rounds.",
     "models": "The training step of `examples/gpt_training.py` (embeddings, pre-norm blocks of causal attention "
               "through `jnp.einsum` and a GELU MLP or a top-2 mixture of experts on `lax.ragged_dot`, layers "
               "under `lax.scan` + `jax.checkpoint`, tied LM head, AdamW; bf16 products, f32 master weights): "
