@@ -27,9 +27,10 @@ def path_taken(step: Callable, *args) -> str:
     if jax.default_backend() != "gpu":
         return "reference path on CPU (no GPU found)"
     dev = jax.devices()[0].device_kind
-    hlo = step.lower(*args).as_text()
+    lowered = step.lower(*args)
+    hlo = lowered.as_text()
     if "jax_cute_launch" not in hlo and "CustomSPMDPartitioning" in hlo:
-        hlo = step.lower(*args).compile().as_text()  # sharded products become kernels when partitioned
+        hlo = lowered.compile().as_text()  # sharded products become kernels when partitioned
     return f"jax_cute kernels on {dev}" if "jax_cute_launch" in hlo else f"XLA fallback on {dev} (see the jax_cute log)"
 
 
