@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import gpt_training as gpt  # noqa: E402
 from common import Impl, measure, suite_main  # noqa: E402
 
-PER_DEVICE_BATCH = 8
+PER_DEVICE_BATCH = 16  # sequences of 1024 tokens per GPU
 
 
 def device_counts(available: int) -> list[int]:

@@ -222,7 +222,7 @@ SUITE_NOTE = {
               "Group sizes are uniform or drawn from Dirichlet(0.3) (a few large groups, many small or empty "
               "ones). The MoE layer is `examples/moe_training.py`'s (router, top-2 of 8 experts, two grouped GEMMs).",
     "scaling": "The training step of `examples/gpt_training.py` at its `h200` size on a mesh of 1, 2 and 4 GPUs "
-               "of one host (`--mesh data=N`), 8 sequences of 1024 tokens per GPU: the dense model data parallel "
+               "of one host (`--mesh data=N`), 16 sequences of 1024 tokens per GPU: the dense model data parallel "
                "(the batch split, gradients summed), the MoE model expert parallel (its layer a `shard_map` "
                "with all-to-all token dispatch, 8 experts split over the GPUs). *jax_cute*: "
                "`value_and_grad(kernelize(loss))`; *XLA*: the same model and shardings as written. *Scaling*: "
