@@ -145,9 +145,19 @@ struct StreamContext {
   const Driver* pushed = nullptr;
   ~StreamContext() { CUcontext popped; if (pushed != nullptr) pushed->CtxPopCurrent(&popped); }
   ffi::Error Enter(const Driver& d, cudaStream_t stream) {
+    // cuStreamGetCtx costs about a microsecond a launch, so each thread remembers the last
+    // stream it found with its context current (XLA launches on a few long-lived streams).
+    thread_local cudaStream_t verified_stream = nullptr;
+    thread_local CUcontext verified_context = nullptr;
     CUcontext want = nullptr, have = nullptr;
+    if (stream == verified_stream && d.CtxGetCurrent(&have) == 0 && have == verified_context)
+      return ffi::Error::Success();
     CUresult r = d.StreamGetCtx(stream, &want);
-    if (r == 0 && d.CtxGetCurrent(&have) == 0 && have == want) return ffi::Error::Success();
+    if (r == 0 && d.CtxGetCurrent(&have) == 0 && have == want) {
+      verified_stream = stream;
+      verified_context = want;
+      return ffi::Error::Success();
+    }
     if (r == 0 && (r = d.CtxPushCurrent(want)) == 0) pushed = &d;
     if (r == 0) return ffi::Error::Success();
     return Err(Code::kInternal, "cannot make the stream's context current: " + d.Describe(r));
