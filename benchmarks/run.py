@@ -211,7 +211,9 @@ SUITE_NOTE = {
               "under `lax.scan` + `jax.checkpoint`, tied LM head, AdamW; bf16 products, f32 master weights): "
               "*jax_cute* is `jax.value_and_grad(jax_cute.kernelize(loss))` (the dense MLP's gelu in its first "
               "GEMM's epilogue, its derivative in the backward GEMM of the second; the experts' gelu in the grouped "
-              "kernel's epilogue), *XLA* the model as written; *gelu not fused*: "
+              "kernel's epilogue), *XLA* the model as written (its gradient products take the f32 cotangents), "
+              "*XLA, bf16 gradient GEMMs* the same with each product's cotangent rounded to bf16 as jax_cute "
+              "does (the like-for-like baseline); *gelu not fused*: "
               "`kernelize(loss, fuse_epilogues=False)`, the gelu and its derivative XLA passes.",
     "layouts": "XLA: the same `jnp.einsum` / `jnp.matmul` expression. Attention products read (B, T, H, D) "
                "activations and write their outputs in the einsum's order; the LM head has a 50257-word "

@@ -108,6 +108,12 @@ def mm(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
     return jnp.einsum(spec, a.astype(COMPUTE), b.astype(COMPUTE), preferred_element_type=F32)
 
 
+def grouped_mm(x: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
+    """A bf16 grouped product (rows of ``x`` in groups of ``sizes``, each by its ``w``) with an
+    f32 result."""
+    return lax.ragged_dot(x.astype(COMPUTE), w.astype(COMPUTE), sizes, preferred_element_type=F32)
+
+
 def attention(p: Params, x: jax.Array, cfg: Config) -> jax.Array:
     t = x.shape[1]
     qkv = mm("btd,dche->btche", x, p["wqkv"]).astype(COMPUTE)  # heads kept as an axis: shardable
@@ -129,8 +135,8 @@ def experts_ffn(w1: jax.Array, w2: jax.Array, tokens: jax.Array, expert: jax.Arr
     unsorted."""
     order = jnp.argsort(expert, stable=True)
     sizes = jnp.bincount(expert, length=groups + 1)[:groups].astype(jnp.int32)
-    h = lax.ragged_dot(tokens[order], w1.astype(COMPUTE), sizes, preferred_element_type=F32)
-    y = lax.ragged_dot(jax.nn.gelu(h).astype(COMPUTE), w2.astype(COMPUTE), sizes, preferred_element_type=F32)
+    h = grouped_mm(tokens[order], w1, sizes)
+    y = grouped_mm(jax.nn.gelu(h), w2, sizes)
     return jnp.zeros_like(y).at[order].set(y)
 
 
