@@ -19,6 +19,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import numpy as np
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 SUITES = {"models": "bench_models.py", "matmul": "bench_matmul.py", "layouts": "bench_layouts.py", "ragged": "bench_ragged.py",
@@ -317,6 +319,86 @@ def scaling_table(recs: list[dict]) -> list[str]:
     return out + [""]
 
 
+SUMMARY_RIVALS = ("xla", "xla_bf16_grads", "pallas")  # the rivals the README's summary names
+SUMMARY_TABLE = {"gemm": "single products", "gemm_loop": "small products in a loop",
+                 "gemm_sustained": "1 s windows", "e2e": "MLP training step"}
+SUMMARY_SKIP = ("collective_windowed",)  # a second process's table, beside the suite's own
+SUMMARY_OURS = {"collective": "the rings (`JAX_CUTE_COLLECTIVE_MATMUL=1`, off by default)"}
+README_START, README_END = "<!-- results:summary -->", "<!-- /results:summary -->"
+
+
+def _ratios(recs: list[dict], key: str, higher_better: bool, rival: str) -> list[float]:
+    """jax_cute against ``rival`` per case (> 1: jax_cute better), where both ran and jax_cute
+    ran its kernel."""
+    out = []
+    for by in _by_case(recs).values():
+        ours, other = by.get("jax_cute"), by.get(rival)
+        if not ours or not other or ours.get("error") or other.get("error") or ours.get("kernel") is False:
+            continue
+        a, b = ours.get(key), other.get(key)
+        if a and b:
+            out.append(a / b if higher_better else b / a)
+    return out
+
+
+def summary(files: list[str]) -> list[str]:
+    """Markdown bullets, one per table of each result file: jax_cute against each rival as the
+    geometric mean over the table's cases and their range, with the device and date; the
+    scaling table as tokens/s per GPU on the most GPUs against one. The README quotes these
+    lines, so its figures are BENCHMARKS.md's."""
+    out = []
+    for f in files:
+        if not f.endswith(".json"):
+            continue
+        data = json.loads(Path(f).read_text())
+        recs = data.get("records", [])
+        count = data.get("device_count") or 1
+        where = f"{f'{count} x ' if count > 1 else ''}{data.get('device', '?')}, {str(data.get('date', '?'))[:10]}"
+        suites = data.get("suites") or []
+        labels = SUITE_LABELS.get(suites[0]) if len(suites) == 1 else None
+        tables = [t for t in SECTIONS if any(r.get("table") == t[0] for r in recs)]
+        tables = [t for t in tables if t[0] not in SUMMARY_SKIP]
+        title = " + ".join(SUITE_TITLE.get(su, su).split(":")[0] for su in suites) or Path(f).stem
+        ours = next((SUMMARY_OURS[su] for su in suites if su in SUMMARY_OURS), "jax_cute")
+        for tbl, key, _, hb, sub, _ in tables:
+            rs = [r for r in recs if r.get("table") == tbl]
+            name = title if len(tables) == 1 else f"{title}, {SUMMARY_TABLE.get(tbl, tbl)}"
+            parts = []
+            for rival in SUMMARY_RIVALS:
+                ratios = _ratios(rs, key, hb, rival)
+                if ratios:
+                    geo = float(np.exp(np.mean(np.log(ratios))))
+                    spread = f"{min(ratios):.2f}-{max(ratios):.2f}x, " if len(ratios) > 1 else ""
+                    parts.append(f"{geo:.2f}x {_label(rival, labels)} ({spread}{len(ratios)} "
+                                 f"case{'s' if len(ratios) > 1 else ''})")
+            if tbl == "scaling":
+                parts += _scaling_summary(rs)
+            if parts:
+                out.append(f"- **{name}** ({where}): {ours} " + "; ".join(parts) + ".")
+    return out
+
+
+def _scaling_summary(recs: list[dict]) -> list[str]:
+    """Tokens/s per GPU on the most GPUs as a fraction of one GPU's, per model and implementation."""
+    most = max((r.get("devices", 1) for r in recs), default=1)
+    parts = []
+    for moe in (False, True):
+        one = {r["impl"]: r.get("tokens_per_s_per_device") for r in recs if r.get("devices") == 1 and r.get("moe") == moe}
+        top = {r["impl"]: r.get("tokens_per_s_per_device") for r in recs if r.get("devices") == most and r.get("moe") == moe}
+        eff = {i: top[i] / one[i] for i in top if top.get(i) and one.get(i)}
+        if "jax_cute" in eff and most > 1:
+            xla = f" (XLA {eff['xla']:.3f})" if "xla" in eff else ""
+            parts.append(f"{'MoE expert' if moe else 'dense data'} parallel on {most} GPUs at "
+                         f"{eff['jax_cute']:.3f} of one GPU's tokens/s per GPU{xla}")
+    return parts
+
+
+def readme_with_summary(readme: str, lines: list[str]) -> str:
+    """``readme`` with the text between its summary markers replaced by ``lines``."""
+    start, end = readme.index(README_START) + len(README_START), readme.index(README_END)
+    return readme[:start] + "\n" + "\n".join(lines) + "\n" + readme[end:]
+
+
 def report_order(files: list[str]) -> list[str]:
     """The result files among ``files`` (.json suites, .jsonl first-call records; other files are
     skipped): dense GEMM first, then grouped, launch, first call."""
@@ -384,7 +466,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--plots", default=str(HERE / "plots"))
     args = p.parse_args(argv)
     if args.report:
-        report(report_order(args.report), args.md, args.plots)
+        files = report_order(args.report)
+        report(files, args.md, args.plots)
+        readme = ROOT / "README.md"
+        if args.md == str(ROOT / "BENCHMARKS.md") and README_START in readme.read_text():
+            readme.write_text(readme_with_summary(readme.read_text(), summary(files)))
+            print(f"updated the results summary in {readme}")
     elif args.suite:
         suites = [s.strip() for s in args.suite.split(",") if s.strip()]
         unknown = [s for s in suites if s not in SUITES]

@@ -63,3 +63,30 @@ def test_scaling_table_divides_each_implementation_by_its_own_one_gpu_rate():
     assert lines[2] == "| case | jax_cute | XLA |"
     assert lines[4] == "| dense, 4 GPUs | 0.900 | 0.950 |"
     assert run.scaling_table([rec("jax_cute", 4, 180.0)]) == []  # no one-GPU rate: no table
+
+
+def test_summary_is_the_geometric_mean_over_cases_where_jax_cute_ran_its_kernel(tmp_path):
+    import json
+
+    import run
+
+    rec = lambda case, impl, tf, **kw: {"table": "gemm", "case": case, "impl": impl, "tflops": tf, **kw}  # noqa: E731
+    data = {"device": "GPU X", "date": "2026-01-02T03:04:05", "suites": ["matmul"], "records": [
+        rec("a", "jax_cute", 200.0), rec("a", "xla", 100.0),
+        rec("b", "jax_cute", 50.0), rec("b", "xla", 100.0),
+        rec("c", "jax_cute", 900.0, kernel=False), rec("c", "xla", 100.0),   # fell back: not ours
+        rec("d", "jax_cute", 100.0), rec("d", "xla", None, error="boom")]}  # the rival failed
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(data))
+    assert run.summary([str(path)]) == [
+        "- **Dense GEMM** (GPU X, 2026-01-02): jax_cute 1.00x XLA (0.50-2.00x, 2 cases)."]
+
+
+def test_the_readme_quotes_the_summary_of_the_committed_results():
+    import run
+
+    root = pathlib.Path(__file__).parents[1]
+    files = run.report_order([str(p) for p in (root / "benchmarks" / "results").iterdir()])
+    readme = (root / "README.md").read_text()
+    assert readme == run.readme_with_summary(readme, run.summary(files)), (
+        "README.md's results summary is stale: run python benchmarks/run.py --report benchmarks/results/*")
