@@ -26,11 +26,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_cute import arch as arch_info
+from jax_cute.activations import is_gated
 from jax_cute import autotune, config, kernels, selfcheck
 from jax_cute.cache import CACHE, family_binary
 from jax_cute.custom_call import kernel_call, workspace_outputs
 from jax_cute.kernels import abi
-from jax_cute.kernels import epilogue as kernel_epilogue
 from jax_cute.kernels.build import KernelBinary, compile_launcher
 from jax_cute.kernels.gemm_spec import GemmSpec, GroupedSpec
 from jax_cute.launcher_code import launcher_digest
@@ -363,7 +363,7 @@ def fused_gemm(a_aval, b_aval, *bias_aval, layouts: GemmLayouts, bias_layout, ac
         _epilogue_in_xla("a batch mode folds into N, so output columns no longer index the bias", what)
         return None
     glu_c = None
-    if activation in kernel_epilogue.GATED:
+    if is_gated(activation):
         glu_c = _gated_output(flat, shapes[2], layouts.c_shape, fam.GATED_COLUMNS)
         if isinstance(glu_c, str):
             _epilogue_in_xla(glu_c, what)
@@ -545,7 +545,7 @@ def grouped_fused(a_aval, b_aval, gs_aval, *bias_aval, layouts: RaggedLayouts, a
         _epilogue_in_xla("kernels fuse the epilogue of a ragged_m product", what, "ragged_dot")
         return None
     c_shape = tuple(layouts.c_shape)
-    if flat.l != 1 and activation in kernel_epilogue.GATED:
+    if flat.l != 1 and is_gated(activation):
         _epilogue_in_xla("a gated activation takes one batch of groups (the paired N spends three TMA "
                          "dimensions)", what, "ragged_dot")
         return None
@@ -558,7 +558,7 @@ def grouped_fused(a_aval, b_aval, gs_aval, *bias_aval, layouts: RaggedLayouts, a
                 return None
             bias_batches = flat.l
     outs = {"c": (c_shape, None)}
-    if activation in kernel_epilogue.GATED:
+    if is_gated(activation):
         glu_c = _gated_output(flat, c_shape, c_shape, fam.GATED_COLUMNS)
         if isinstance(glu_c, str):
             _epilogue_in_xla(glu_c, what, "ragged_dot")

@@ -19,7 +19,7 @@ from jax.interpreters import partial_eval as pe
 from jax.test_util import check_grads
 
 import jax_cute
-from jax_cute.primitives.activations import FUNCTIONS
+from jax_cute.activations import REGISTRY
 from jax_cute.primitives.dact import dact_p, operand_p
 from jax_cute.primitives.dot_general import chained_dot_general, contraction_layouts
 from jax_cute.primitives.matmul import matmul_p
@@ -39,7 +39,7 @@ def _close(got, want, tol=2e-5):
 
 
 def _deriv(act, z):
-    return jax.vmap(jax.grad(lambda v: FUNCTIONS[act](v)))(z.reshape(-1)).reshape(z.shape)
+    return jax.vmap(jax.grad(lambda v: REGISTRY[act].function(v)))(z.reshape(-1)).reshape(z.shape)
 
 
 def _layouts(m, k, n):
@@ -114,7 +114,7 @@ def test_operand_transposes_into_dact():
 
 def _mlp(x, w1, b1, w2, b2, act, dtype=BF16):
     h = jnp.einsum("btd,df->btf", x.astype(dtype), w1.astype(dtype), preferred_element_type=F32) + b1
-    h = FUNCTIONS[act](h).astype(dtype)
+    h = REGISTRY[act].function(h).astype(dtype)
     return x + jnp.einsum("btf,fd->btd", h, w2.astype(dtype), preferred_element_type=F32) + b2
 
 

@@ -39,7 +39,7 @@ from jax_cute import dispatch
 from jax_cute import layout as L
 from jax_cute.layout import Layout
 from jax_cute.primitives import sharding
-from jax_cute.primitives.activations import derivative_times, epilogue_dtype
+from jax_cute.activations import derivative_times, epilogue_dtype
 from jax_cute.primitives.gemm_layouts import GemmLayouts, batched_gemm, batched_layout, cotangent_a, cotangent_b
 
 dact_p = core.Primitive("jax_cute_matmul_dact")

@@ -49,8 +49,8 @@ from jax_cute import layout as L
 from jax_cute.layout import Layout
 from jax_cute.primitives import sharding
 from jax_cute.primitives.dact import align_batch, operand_p
-from jax_cute.primitives.activations import (ACTIVATIONS, GATED, apply_activation, check_activation, derivative_times,
-                                             epilogue_dtype)
+from jax_cute.activations import (apply_activation, check_activation, check_gated_columns, derivative_times, elementwise,
+                                  epilogue_dtype, is_gated, output_columns)
 from jax_cute.primitives.gemm_layouts import GemmLayouts, batched_gemm, batched_layout
 
 logger = logging.getLogger("jax_cute")
@@ -71,11 +71,6 @@ def checked_options(op: str, out_dtype, bias, activation):
     return bias
 
 
-def check_swiglu(op: str, activation, n: int) -> None:
-    if activation == "swiglu" and n % 2:
-        raise ValueError(f"jax_cute.{op}: swiglu needs an even N (b's N holds [gate | up] halves), got N={n}")
-
-
 # -- the primitive ------------------------------------------------------------------------------
 
 fused_p = core.Primitive("jax_cute_matmul_fused")
@@ -84,7 +79,7 @@ fused_p.multiple_results = True
 
 def _y_shape(layouts: GemmLayouts, activation) -> tuple[int, ...]:
     c = tuple(layouts.c_shape)
-    return c[:-1] + (c[-1] // 2,) if activation == "swiglu" else c
+    return c[:-1] + (output_columns(activation, c[-1]),)
 
 
 def _split_z(rest: tuple, act_operand) -> tuple[tuple, object]:
@@ -103,10 +98,10 @@ def _abstract_eval(a, b, *rest, gemm, layouts: GemmLayouts, bias_layout, activat
                          f"{a.shape} / {b.shape}")
     if bias and int(np.prod(bias[0].shape)) < bias_layout.cosize():
         raise ValueError(f"jax_cute_matmul_fused: bias layout {bias_layout} reaches past its buffer {bias[0].shape}")
-    if activation == "swiglu":
+    if is_gated(activation):
         n_mode = layouts.c.mode(1).coalesce().flat_modes()
         if n_mode != ((layouts.c_shape[-1], 1),):
-            raise ValueError(f"jax_cute_matmul_fused: swiglu needs N as C's last buffer axis ({layouts.c})")
+            raise ValueError(f"jax_cute_matmul_fused: {activation} needs N as C's last buffer axis ({layouts.c})")
     out = [jax.core.ShapedArray(_y_shape(layouts, activation), np.dtype(out_dtype))]
     if preact:
         out.append(jax.core.ShapedArray(tuple(layouts.c_shape), np.dtype(out_dtype)))
@@ -334,13 +329,13 @@ def epilogue_call(op: str, gemm, a, b, layouts: GemmLayouts, out_shape: tuple[in
     out_dtype = np.dtype(out_dtype)
     bias = checked_options(op, out_dtype, bias, activation)
     out_shape = tuple(out_shape)
-    if activation == "swiglu":
+    if is_gated(activation):
         n_mode = layouts.c.mode(1).coalesce().flat_modes()
         if not out_shape or n_mode not in (((out_shape[-1], 1),), ((1, 0),)) or layouts.c_shape[-1] != out_shape[-1]:
-            raise ValueError(f"jax_cute.{op}: swiglu needs the product's last axis to be its only N (rhs free) "
+            raise ValueError(f"jax_cute.{op}: {activation} needs the product's last axis to be its only N (rhs free) "
                              f"axis, holding [gate | up]; the product's shape is {out_shape}")
-        check_swiglu(op, activation, out_shape[-1])
-    if preact and (activation not in ACTIVATIONS or activation in GATED):
+        check_gated_columns(op, activation, out_shape[-1])
+    if preact and not elementwise(activation):
         raise ValueError(f"jax_cute.{op}: the pre-activation output takes an elementwise activation, not {activation}")
     bias_layout, args = None, [a, b]
     if bias is not None:
@@ -353,6 +348,6 @@ def epilogue_call(op: str, gemm, a, b, layouts: GemmLayouts, out_shape: tuple[in
     outs = fused_p.bind(*args, gemm=gemm, layouts=layouts, bias_layout=bias_layout, activation=activation,
                         preact=preact, out_dtype=out_dtype.name, acc_dtype=np.dtype(acc_dtype).name,
                         precision=precision, act_operand=act_operand)
-    shape = out_shape[:-1] + (out_shape[-1] // 2,) if activation == "swiglu" else out_shape
+    shape = out_shape[:-1] + (output_columns(activation, out_shape[-1]),) if out_shape else out_shape
     outs = [jnp.reshape(x, shape) if x.shape != shape else x for x in outs]
     return tuple(outs) if preact else outs[0]

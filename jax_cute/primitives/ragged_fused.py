@@ -34,8 +34,8 @@ from jax.interpreters import ad, batching, mlir
 
 from jax_cute import dispatch
 from jax_cute import layout as L
-from jax_cute.primitives.fused import (activated, check_swiglu, checked_options, epilogue_dtype, epilogue_tangents,
-                                       kernel_or_composed)
+from jax_cute.activations import check_gated_columns, epilogue_dtype, output_columns
+from jax_cute.primitives.fused import activated, checked_options, epilogue_tangents, kernel_or_composed
 from jax_cute.primitives.ragged_layouts import RaggedLayouts, batched
 from jax_cute.primitives.ragged_reference import group_ends
 from jax_cute.primitives.ragged_reference import reference as gemm_reference
@@ -52,7 +52,7 @@ def _abstract_eval(a, b, gs, *bias, gemm, layouts: RaggedLayouts, activation, pr
     if bias and (bias[0].ndim != len(c_shape) or tuple(bias[0].shape[-2:]) != (layouts.extents()["g"], n)
                  or any(x not in (1, y) for x, y in zip(bias[0].shape[:-2], c_shape[:-2]))):
         raise ValueError(f"jax_cute_ragged_fused: bias {bias[0].shape} is not (..., G, N) for an output {c_shape}")
-    out = [jax.core.ShapedArray(c_shape[:-1] + (n // 2 if activation == "swiglu" else n,), np.dtype(out_dtype))]
+    out = [jax.core.ShapedArray(c_shape[:-1] + (output_columns(activation, n),), np.dtype(out_dtype))]
     if preact:
         out.append(jax.core.ShapedArray(c_shape, np.dtype(out_dtype)))
     return out
@@ -159,7 +159,7 @@ def check_epilogue(rhs_shape: tuple[int, ...], out_dtype, bias, activation):
     the activation."""
     bias = checked_options("ragged_dot", out_dtype, bias, activation)
     g, _, n = rhs_shape
-    check_swiglu("ragged_dot", activation, n)
+    check_gated_columns("ragged_dot", activation, n)
     if bias is not None and tuple(bias.shape) != (g, n):
         raise ValueError(f"jax_cute.ragged_dot: bias must have shape (G, N) = ({g}, {n}), got {tuple(bias.shape)}")
     return bias
