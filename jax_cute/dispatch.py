@@ -35,9 +35,9 @@ from jax_cute.kernels.build import KernelBinary, compile_launcher
 from jax_cute.kernels.gemm_spec import GemmSpec, GroupedSpec
 from jax_cute.launcher_code import launcher_digest
 from jax_cute.layout import Layout
-from jax_cute.primitives.gemm_layouts import GemmLayouts
-from jax_cute.primitives.gemm_plan import FlatGemm, FlatOperand, materialise, plan_gemm, plan_with_copies
-from jax_cute.primitives.ragged_layouts import RAGGED_M, FlatGrouped, RaggedLayouts, flatten_grouped
+from jax_cute.problem.gemm_layouts import GemmLayouts
+from jax_cute.problem.gemm_plan import FlatGemm, FlatOperand, materialise, plan_gemm, plan_with_copies
+from jax_cute.problem.ragged_layouts import RAGGED_M, FlatGrouped, RaggedLayouts, flatten_grouped
 
 logger = logging.getLogger("jax_cute")
 

@@ -40,7 +40,7 @@ from jax_cute import layout as L
 from jax_cute.layout import Layout
 from jax_cute.primitives import sharding
 from jax_cute.activations import derivative_times, epilogue_dtype
-from jax_cute.primitives.gemm_layouts import GemmLayouts, batched_gemm, batched_layout, cotangent_a, cotangent_b
+from jax_cute.problem.gemm_layouts import GemmLayouts, batched_gemm, batched_layout, cotangent_a, cotangent_b
 
 dact_p = core.Primitive("jax_cute_matmul_dact")
 operand_p = core.Primitive("jax_cute_matmul_dact_operand")
@@ -82,7 +82,7 @@ def _dact_cuda(ctx, a, b, z, *, gemm, **params):
     """On one shard, the GEMM kernel with the derivative in its epilogue where dispatch picks one;
     otherwise (a partitioned call too: the GEMM primitive partitions itself) ``dact_composed``."""
     composed = functools.partial(dact_composed, gemm=gemm, **params)
-    if sharding._one_shard(ctx.module_context.axis_context):
+    if sharding.one_shard(ctx.module_context.axis_context):
         impl = dispatch.dact_gemm(*ctx.avals_in, reference=composed, **params)
         if impl is not None:
             return mlir.lower_fun(impl, multiple_results=False)(ctx, a, b, z)

@@ -21,7 +21,7 @@ import opt_einsum
 from jax_cute.layout import Layout, make_layout, row_major, stride_of
 from jax_cute.activations import check_gated_columns, epilogue_dtype, is_gated
 from jax_cute.primitives.fused import activated, check_bias_broadcasts, checked_options
-from jax_cute.primitives.gemm_layouts import GemmLayouts
+from jax_cute.problem.gemm_layouts import GemmLayouts
 from jax_cute.primitives.matmul import bind_gemm, check_operand_dtypes, operand_dtype_error
 from jax_cute.primitives.sharding import constrain
 

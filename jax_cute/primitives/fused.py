@@ -51,7 +51,7 @@ from jax_cute.primitives import sharding
 from jax_cute.primitives.dact import align_batch, operand_p
 from jax_cute.activations import (apply_activation, check_activation, check_gated_columns, derivative_times, elementwise,
                                   epilogue_dtype, is_gated, output_columns)
-from jax_cute.primitives.gemm_layouts import GemmLayouts, batched_gemm, batched_layout
+from jax_cute.problem.gemm_layouts import GemmLayouts, batched_gemm, batched_layout
 
 logger = logging.getLogger("jax_cute")
 
@@ -181,7 +181,7 @@ def kernel_or_composed(kernel: Callable, reference: Callable, composed: Callable
     otherwise ``composed``. A partitioned call runs the GEMM primitive (which partitions itself)
     and the epilogue in XLA, which XLA partitions."""
     def rule(ctx, *args, gemm, **params):
-        if sharding._one_shard(ctx.module_context.axis_context):
+        if sharding.one_shard(ctx.module_context.axis_context):
             impl = kernel(*ctx.avals_in, reference=functools.partial(reference, **params), **params)
             if impl is not None:
                 return mlir.lower_fun(impl, multiple_results=True)(ctx, *args)

@@ -25,10 +25,10 @@ from jax_cute import dispatch
 from jax_cute import layout as L
 from jax_cute.kernels.gemm_spec import dtype_refusal
 from jax_cute.primitives import collective, fused, sharding
-from jax_cute.primitives.dot_dtypes import acc_dtype, hashable_precision, inputs_name, operand_dtypes
-from jax_cute.primitives.gemm_layouts import (GemmLayouts, batched_gemm, cotangent_a, cotangent_a_partials,
+from jax_cute.primitives.dot_dtypes import acc_dtype, cotangent_dtype, hashable_precision, inputs_name, operand_dtypes
+from jax_cute.problem.gemm_layouts import (GemmLayouts, batched_gemm, cotangent_a, cotangent_a_partials,
                                                cotangent_b, cotangent_b_partials, matmul_layouts)
-from jax_cute.primitives.gemm_plan import flatten_gemm
+from jax_cute.problem.gemm_plan import flatten_gemm
 
 logger = logging.getLogger("jax_cute")
 
@@ -95,12 +95,6 @@ batching.primitive_batchers[matmul_p] = _batch_rule
 
 # -- autodiff ---------------------------------------------------------------------------------
 
-def _cotangent_dtype(ct, operand_dtype):
-    # Mixed precision: an f32 cotangent of a 16-bit GEMM is rounded once to the operand dtype,
-    # so the gradient GEMMs run on the 16-bit kernels as training frameworks do.
-    return ct.astype(operand_dtype) if ct.dtype != operand_dtype else ct
-
-
 def _gradient_dtype(operand_dtype: np.dtype) -> np.dtype:
     """Dtype the gradient GEMMs of an operand run in: the operand's own for 16-bit floats;
     bfloat16 for 8-bit floats, whose 2-3 mantissa bits would ruin a cotangent (fp8 -> bf16 is
@@ -133,7 +127,7 @@ def _cotangent_rule(which: str):
             return ad.Zero(undefined.aval)
         shape, dtype = undefined.aval.shape, np.dtype(undefined.aval.dtype)
         gdt = _gradient_dtype(dtype)
-        ct = _cotangent_dtype(ct, gdt)
+        ct = cotangent_dtype(ct, gdt)
         if gdt != dtype:
             other = other.astype(gdt)  # both operands share the fp8 dtype; bf16 holds it exactly
         folded = layouts_for(layouts, shape)
@@ -162,11 +156,6 @@ def operand_dtype_error(dtype) -> str | None:
     if jnp.issubdtype(dtype, jnp.number) or dtype == np.dtype(bool):
         return None
     return f"unsupported dtype {dtype}"
-
-
-def _acc_dtype(dtype: np.dtype) -> np.dtype:
-    """Accumulation dtype of a product of two ``dtype`` operands with a ``dtype`` result."""
-    return acc_dtype(dtype, dtype, dtype)
 
 
 def check_operand_dtypes(op: str, a, b) -> None:

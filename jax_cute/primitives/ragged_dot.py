@@ -24,10 +24,10 @@ from jax.interpreters import ad, batching, mlir
 from jax_cute import dispatch
 from jax_cute.kernels.gemm_spec import dtype_refusal
 from jax_cute.primitives import ragged_fused, sharding
-from jax_cute.primitives.dot_dtypes import acc_dtype, hashable_precision, inputs_name, operand_dtypes
-from jax_cute.primitives.matmul import _cotangent_dtype, operand_dtype_error
+from jax_cute.primitives.dot_dtypes import acc_dtype, cotangent_dtype, hashable_precision, inputs_name, operand_dtypes
+from jax_cute.primitives.matmul import operand_dtype_error
 from jax_cute.primitives.ragged_reference import clipped_sizes, group_ends, reference
-from jax_cute.primitives.ragged_layouts import (RAGGED_K, RAGGED_M, RaggedLayouts, batched, cotangent,
+from jax_cute.problem.ragged_layouts import (RAGGED_K, RAGGED_M, RaggedLayouts, batched, cotangent,
                                                 ragged_dot_layouts)
 
 logger = logging.getLogger("jax_cute")
@@ -88,7 +88,7 @@ def _transpose(ct, a, b, gs, *, layouts: RaggedLayouts, out_dtype, acc_dtype, pr
     aval = (a if wrt == "a" else b).aval
     if type(ct) is ad.Zero:
         return [ad.Zero(aval), None, None] if wrt == "a" else [None, ad.Zero(aval), None]
-    ct = _cotangent_dtype(ct, aval.dtype)
+    ct = cotangent_dtype(ct, aval.dtype)
     cot = cotangent(layouts, wrt, aval.shape)
     bufs = {"a": a, "b": b, "c": ct}
     # Broadcast batches summed afterwards are accumulated in acc_dtype and rounded once.

@@ -36,7 +36,7 @@ from jax_cute import dispatch
 from jax_cute import layout as L
 from jax_cute.activations import check_gated_columns, epilogue_dtype, output_columns
 from jax_cute.primitives.fused import activated, checked_options, epilogue_tangents, kernel_or_composed
-from jax_cute.primitives.ragged_layouts import RaggedLayouts, batched
+from jax_cute.problem.ragged_layouts import RaggedLayouts, batched
 from jax_cute.primitives.ragged_reference import group_ends
 from jax_cute.primitives.ragged_reference import reference as gemm_reference
 
