@@ -113,7 +113,7 @@ def test_a_rewritten_problem_is_the_product(spec, sa, sb):
     the kernel."""
     from jax_cute.primitives.dot_general import contraction_layouts
     from jax_cute.problem.gemm_plan import Rewrite, canonical_output, canonical_problem
-    from jax_cute.primitives.matmul import reference
+    from jax_cute.primitives.gemm import reference
 
     lhs, rest = spec.split(",")
     rhs, out = rest.split("->")

@@ -421,7 +421,7 @@ def _worker() -> dict:
 
     from jax_cute.layout import Layout, make_layout
     from jax_cute.problem.gemm_layouts import GemmLayouts
-    from jax_cute.primitives.matmul import matmul_p
+    from jax_cute.primitives.gemm import matmul_p
 
     assert len(jax.devices()) == DEVICES
     mesh = ex.auto_mesh((2, 4), ("data", "model"))
