@@ -13,7 +13,7 @@ reads it back with ``z`` to multiply; here that GEMM multiplies in its epilogue 
 - ``jax_cute_matmul_dact`` (``dact_p``): ``act'(Z) ⊙ (A · B)``, ``Z`` read through a layout of
   its own at C's (M, N, L) coordinates, in float32 on the accumulator and rounded once. It is
   ``operand_p``'s transpose with respect to ``X``: on CUDA the GEMM kernel's epilogue reads
-  ``Z`` (``dispatch.dact_gemm``); elsewhere the GEMM with a float32 output, then the multiply
+  ``Z`` (``dispatch.gemm``); elsewhere the GEMM with a float32 output, then the multiply
   in XLA.
 
 Both are linear in the GEMM's operands; their JVP in ``Z`` is that of the XLA form. Batching
@@ -33,13 +33,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.interpreters import ad, mlir
 
-from jax_cute import dispatch
+from jax_cute.dispatch import GemmRequest
 from jax_cute import layout as L
 from jax_cute.activations import derivative_times, epilogue_dtype
 from jax_cute.layout import Layout
-from jax_cute.primitives import sharding
 from jax_cute.primitives.gemm import matmul_p
-from jax_cute.primitives.rules import batch_rule, gemm_primitive
+from jax_cute.primitives.rules import batch_rule, epilogue_lowering, gemm_primitive
 from jax_cute.problem.gemm_layouts import GemmLayouts, batched_layout, cotangent_a, cotangent_b
 
 def _z_in_c(z, z_layout: Layout, layouts: GemmLayouts, dtype):
@@ -73,19 +72,16 @@ def dact_composed(a, b, z, *, layouts: GemmLayouts, z_layout: Layout, activation
     return derivative_times(activation, _z_in_c(z, z_layout, layouts, epi), acc, epi).astype(out_dtype)
 
 
-def _dact_cuda(ctx, a, b, z, **params):
-    """On one shard, the GEMM kernel with the derivative in its epilogue where dispatch picks one;
-    otherwise (a partitioned call too: the GEMM primitive partitions itself) ``dact_composed``."""
-    composed = functools.partial(dact_composed, **params)
-    if sharding.one_shard(ctx.module_context.axis_context):
-        impl = dispatch.dact_gemm(*ctx.avals_in, reference=composed, **params)
-        if impl is not None:
-            return mlir.lower_fun(impl, multiple_results=False)(ctx, a, b, z)
-    return mlir.lower_fun(composed, multiple_results=False)(ctx, a, b, z)
+def _request(avals: tuple, params: dict) -> GemmRequest:
+    return GemmRequest(avals, params["layouts"], params["out_dtype"], params["acc_dtype"], epilogue=True,
+                       dact=params["activation"], z_layout=params["z_layout"])
 
 
 mlir.register_lowering(dact_p, mlir.lower_fun(dact_composed, multiple_results=False))
-mlir.register_lowering(dact_p, _dact_cuda, platform="cuda")
+# On one shard, the GEMM kernel with the derivative in its epilogue where dispatch picks one;
+# otherwise (a partitioned call too: the GEMM primitive partitions itself) ``dact_composed``.
+mlir.register_lowering(dact_p, epilogue_lowering(_request, dact_composed, dact_composed, multiple_results=False),
+                       platform="cuda")
 
 
 def align_batch(x, dim: int | None, size: int, target: int):

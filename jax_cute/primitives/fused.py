@@ -10,7 +10,7 @@ One place for each rule, as in ``matmul.py``:
 - abstract evaluation: ``y`` (and, with ``preact``, the pre-activation ``z``);
 - lowering (CPU, and wherever no fused kernel runs): the GEMM primitive with a float32 output,
   then the epilogue in XLA (``composed``), which XLA fuses into one elementwise pass;
-- CUDA: ``dispatch.fused_gemm``'s kernel on one device, whose epilogue adds the bias and
+- CUDA: ``dispatch.gemm``'s kernel on one device, whose epilogue adds the bias and
   applies the activation (swiglu: each tile holds gate columns and the up columns they pair
   with) and, with ``preact``, also writes ``z``; otherwise ``composed``, logged at INFO;
 - batching: ``rules.batch_rule``, a vmapped axis an L sub-mode of every operand, the bias
@@ -32,7 +32,6 @@ The GEMM primitive is ``gemm.matmul_p``; the public ``matmul`` (``matmul.py``) b
 from __future__ import annotations
 
 import functools
-import logging
 from typing import Callable
 
 import jax
@@ -41,18 +40,16 @@ import numpy as np
 from jax.interpreters import ad, mlir
 from jax.interpreters import partial_eval as pe
 
-from jax_cute import dispatch
 from jax_cute import layout as L
-from jax_cute.layout import Layout
-from jax_cute.primitives import sharding
-from jax_cute.primitives.dact import align_batch, operand_p
-from jax_cute.primitives.gemm import matmul_p
-from jax_cute.primitives.rules import batch_rule, gemm_primitive
 from jax_cute.activations import (apply_activation, check_activation, check_gated_columns, derivative_times, elementwise,
                                   epilogue_dtype, is_gated, output_columns)
+from jax_cute.dispatch import GemmRequest
+from jax_cute.layout import Layout
+from jax_cute.primitives.dact import align_batch, operand_p
+from jax_cute.primitives.gemm import matmul_p
+from jax_cute.primitives.rules import batch_rule, epilogue_lowering, gemm_primitive
 from jax_cute.problem.gemm_layouts import GemmLayouts, batched_layout
 
-logger = logging.getLogger("jax_cute")
 
 def check_float(op: str, out_dtype, bias) -> None:
     if not jnp.issubdtype(out_dtype, jnp.floating):
@@ -159,23 +156,15 @@ def _without_z(rule: Callable) -> Callable:
 mlir.register_lowering(fused_p, _without_z(mlir.lower_fun(composed, multiple_results=True)))
 
 
-def kernel_or_composed(kernel: Callable, reference: Callable, composed: Callable, op: str) -> Callable:
-    """The CUDA lowering rule of a fused primitive: on one shard, the fused kernel ``kernel``
-    (a dispatch function, given the avals, ``reference`` and the params) where it picks one;
-    otherwise ``composed``. A partitioned call runs the GEMM primitive (which partitions itself)
-    and the epilogue in XLA, which XLA partitions."""
-    def rule(ctx, *args, **params):
-        if sharding.one_shard(ctx.module_context.axis_context):
-            impl = kernel(*ctx.avals_in, reference=functools.partial(reference, **params), **params)
-            if impl is not None:
-                return mlir.lower_fun(impl, multiple_results=True)(ctx, *args)
-        else:
-            logger.info("jax_cute.%s: a partitioned fused call runs the GEMM kernel and the epilogue in XLA", op)
-        return mlir.lower_fun(functools.partial(composed, **params), multiple_results=True)(ctx, *args)
-    return rule
+def _request(avals: tuple, params: dict) -> GemmRequest:
+    return GemmRequest(avals, params["layouts"], params["out_dtype"], params["acc_dtype"], epilogue=True,
+                       bias=len(avals) > 2, bias_layout=params["bias_layout"], activation=params["activation"],
+                       preact=params["preact"])
 
 
-mlir.register_lowering(fused_p, _without_z(kernel_or_composed(dispatch.fused_gemm, reference, composed, "matmul")),
+PARTITIONED_LOG = "jax_cute.%s: a partitioned fused call runs the GEMM kernel and the epilogue in XLA"
+mlir.register_lowering(fused_p, _without_z(epilogue_lowering(_request, reference, composed, multiple_results=True,
+                                                             partitioned_log=PARTITIONED_LOG % "matmul")),
                        platform="cuda")
 
 

@@ -8,7 +8,7 @@ One place for each rule, as in ``jax/_src/lax``:
 - abstract evaluation: the output buffer's shape and dtype;
 - reference lowering (CPU, and the fallback everywhere): reads the buffers *through the
   layouts* with reshape/transpose/broadcast and contracts with ``dot_general``;
-- CUDA lowering: the kernel ``jax_cute.dispatch.gemm`` picks (else the reference);
+- CUDA lowering: the kernel ``jax_cute.dispatch.gemm`` picks for the ``GemmRequest`` (else the reference);
 - batching: ``rules.batch_rule``, a vmapped axis an L sub-mode (stride 0 on an unbatched
   operand), no data moved;
 - autodiff: bilinear; each cotangent is another ``jax_cute_matmul`` over the same buffers with
@@ -17,18 +17,16 @@ One place for each rule, as in ``jax/_src/lax``:
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.interpreters import ad, mlir
 
-from jax_cute import dispatch
+from jax_cute.dispatch import GemmRequest
 from jax_cute import layout as L
 from jax_cute.primitives import collective, sharding
 from jax_cute.primitives.dot_dtypes import cotangent_dtype
-from jax_cute.primitives.rules import batch_rule, gemm_primitive
+from jax_cute.primitives.rules import batch_rule, gemm_primitive, kernel_local
 from jax_cute.problem.gemm_layouts import (GemmLayouts, cotangent_a, cotangent_a_partials, cotangent_b,
                                            cotangent_b_partials)
 from jax_cute.problem.gemm_plan import flatten_gemm
@@ -63,12 +61,12 @@ def reference(a, b, *, layouts: GemmLayouts, out_dtype, acc_dtype, precision=Non
 mlir.register_lowering(matmul_p, sharding.lowering(matmul_p, sharding.reference_local(reference), collective.planner))
 
 
-def _cuda_lowering(avals, params):
-    ref = functools.partial(reference, **params)
-    return dispatch.gemm(*avals, reference=ref, **params) or ref
+def _request(avals: tuple, params: dict) -> GemmRequest:
+    return GemmRequest(avals, params["layouts"], params["out_dtype"], params["acc_dtype"])
 
 
-mlir.register_lowering(matmul_p, sharding.lowering(matmul_p, _cuda_lowering, collective.planner), platform="cuda")
+mlir.register_lowering(matmul_p, sharding.lowering(matmul_p, kernel_local(_request, reference), collective.planner),
+                       platform="cuda")
 
 
 batch_rule(matmul_p)

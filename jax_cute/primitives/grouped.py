@@ -6,7 +6,7 @@ One place for each rule, as in ``gemm.py``:
 - reference lowering (CPU, and the fallback everywhere): reads the buffers through the layouts,
   clips the group sizes as documented, and contracts masked rows with ``dot_general``
   (``ragged_reference.py``);
-- CUDA lowering: the grouped kernel ``jax_cute.dispatch.grouped`` picks (else the reference);
+- CUDA lowering: the grouped kernel ``jax_cute.dispatch.gemm`` picks (else the reference);
 - batching: ``rules.batch_rule``, a vmapped axis an L sub-mode of every operand (stride 0
   where unbatched, group sizes included), no data moved;
 - autodiff: linear in a and b (group sizes get no tangent); each transpose is one of the two
@@ -25,11 +25,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.interpreters import ad, mlir
 
-from jax_cute import dispatch
+from jax_cute.dispatch import GemmRequest
 from jax_cute.primitives import sharding
 from jax_cute.primitives.dot_dtypes import cotangent_dtype
 from jax_cute.primitives.ragged_reference import reference
-from jax_cute.primitives.rules import batch_rule, gemm_primitive
+from jax_cute.primitives.rules import batch_rule, gemm_primitive, kernel_local
 from jax_cute.problem.ragged_layouts import RAGGED_K, RAGGED_M, RaggedLayouts, cotangent
 
 
@@ -43,10 +43,8 @@ def _abstract_eval(a, b, gs, *, layouts: RaggedLayouts, out_dtype, acc_dtype, pr
     return sharding.result_aval(f"jax_cute_{layouts.mode}", layouts, (a, b, gs), np.dtype(out_dtype))
 
 
-def _cuda_lowering(avals, params):
-    # The computation of one shard (primitives/sharding.py partitions the call).
-    ref = functools.partial(reference, **params)
-    return dispatch.grouped(*avals, reference=ref, **params) or ref
+def _request(avals: tuple, params: dict) -> GemmRequest:
+    return GemmRequest(avals, params["layouts"], params["out_dtype"], params["acc_dtype"])
 
 
 # -- autodiff ---------------------------------------------------------------------------------
@@ -89,7 +87,7 @@ PRIMITIVES = {RAGGED_M: ragged_m_p, RAGGED_K: ragged_k_p}
 
 for _p in PRIMITIVES.values():
     mlir.register_lowering(_p, sharding.lowering(_p, sharding.reference_local(reference)))
-    mlir.register_lowering(_p, sharding.lowering(_p, _cuda_lowering), platform="cuda")
+    mlir.register_lowering(_p, sharding.lowering(_p, kernel_local(_request, reference)), platform="cuda")
     batch_rule(_p)
     ad.primitive_jvps[_p] = functools.partial(_jvp, _p)
     ad.primitive_transposes[_p] = _transpose

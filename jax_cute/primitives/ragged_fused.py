@@ -9,7 +9,7 @@ activation maps their zeros to zero. One place for each rule, as in ``fused.py``
   pre-activation ``z`` (M, N);
 - lowering (CPU, and wherever no fused kernel runs): the grouped GEMM primitive with a float32
   output, then the epilogue in XLA (``composed``);
-- CUDA: ``dispatch.grouped_fused``'s kernel on one shard (bias row per tile's group, activation,
+- CUDA: ``dispatch.gemm``'s kernel on one shard (bias row per tile's group, activation,
   ``z`` stored clipped at group ends like y); otherwise ``composed``, logged at INFO;
 - batching: ``rules.batch_rule``, a vmapped axis an L sub-mode of the operands and a leading
   axis of the bias (..., G, N), extent 1 where the bias is shared; the fused kernel runs the
@@ -29,12 +29,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.interpreters import ad, mlir
 
-from jax_cute import dispatch
+from jax_cute.dispatch import GemmRequest
 from jax_cute import layout as L
 from jax_cute.activations import check_gated_columns, epilogue_dtype, output_columns
-from jax_cute.primitives.fused import activated, checked_options, epilogue_tangents, kernel_or_composed
+from jax_cute.primitives.fused import PARTITIONED_LOG, activated, checked_options, epilogue_tangents
 from jax_cute.primitives.grouped import ragged_m_p
-from jax_cute.primitives.rules import batch_rule, gemm_primitive
+from jax_cute.primitives.rules import batch_rule, epilogue_lowering, gemm_primitive
 from jax_cute.problem.ragged_layouts import RaggedLayouts
 from jax_cute.primitives.ragged_reference import group_ends
 from jax_cute.primitives.ragged_reference import reference as gemm_reference
@@ -101,7 +101,13 @@ def reference(a, b, gs, *bias, layouts: RaggedLayouts, activation, preact, out_d
 
 
 mlir.register_lowering(ragged_fused_p, mlir.lower_fun(composed, multiple_results=True))
-mlir.register_lowering(ragged_fused_p, kernel_or_composed(dispatch.grouped_fused, reference, composed, "ragged_dot"),
+def _request(avals: tuple, params: dict) -> GemmRequest:
+    return GemmRequest(avals, params["layouts"], params["out_dtype"], params["acc_dtype"], epilogue=True,
+                       bias=len(avals) > 3, activation=params["activation"], preact=params["preact"])
+
+
+mlir.register_lowering(ragged_fused_p, epilogue_lowering(_request, reference, composed, multiple_results=True,
+                                                         partitioned_log=PARTITIONED_LOG % "ragged_dot"),
                        platform="cuda")
 
 
