@@ -38,7 +38,6 @@ from jax_cute.kernels.gemm_spec import GemmSpec, GroupedSpec, gated_output, int3
 from jax_cute.launcher_code import launcher_digest
 from jax_cute.layout import Layout
 from jax_cute.problem.gemm_layouts import GemmLayouts
-from jax_cute.problem.gemm_plan import FlatOperand
 from jax_cute.problem.plan import Plan, plan, prepare
 from jax_cute.problem.ragged_layouts import RAGGED_M, FlatGrouped, RaggedLayouts
 
@@ -91,29 +90,40 @@ def arch_allowed(arch: str) -> str | None:
     return None
 
 
-def _family(op: str, kind: str, spec, what: str):
-    """(arch, family) whose kernels take ``spec``, or None after the fallback was logged."""
+@dataclasses.dataclass(frozen=True)
+class _Target:
+    """The arch a call lowers for and its family of ``kind`` (looked up once per call)."""
+
+    kind: str
+    arch: str | None
+    why: str                          # how the arch was chosen, or why there is none
+    family: object | None = None      # the family module, where one was imported
+    import_error: ImportError | None = None
+
+    def refusal(self) -> str | None:
+        """Why no family of this target may run a kernel, or None."""
+        if self.arch is None:
+            return self.why
+        refusal = arch_allowed(self.arch)
+        if refusal:
+            return refusal
+        if self.import_error is not None:
+            return f"the {self.kind} kernels for {self.arch} cannot be imported ({self.import_error})"
+        if self.family is None:
+            return f"no {self.kind} kernel family for {self.arch}"
+        return None
+
+
+def _target(kind: str, epilogue: bool) -> _Target:
+    """The target of a call of ``kind``; its family is imported only where the arch may be
+    used, or where an epilogue asks what the family fuses."""
     arch, why = target_arch()
-    if arch is None:
-        fallback(op, why)
-        return None
-    refusal = arch_allowed(arch)
-    if refusal:
-        fallback(op, refusal)
-        return None
+    if arch is None or (arch_allowed(arch) and not epilogue):
+        return _Target(kind, arch, why)
     try:
-        fam = kernels.family(kind, arch)
+        return _Target(kind, arch, why, kernels.family(kind, arch))
     except ImportError as e:
-        fallback(op, f"the {kind} kernels for {arch} cannot be imported ({e})")
-        return None
-    if fam is None:
-        fallback(op, f"no {kind} kernel family for {arch}")
-        return None
-    why = fam.unsupported(spec)
-    if why:
-        fallback(op, f"{why} ({what})")
-        return None
-    return arch, fam
+        return _Target(kind, arch, why, None, e)
 
 
 def launch_mode(cfg):
@@ -232,9 +242,10 @@ def gemm(request: GemmRequest, reference: Callable) -> Callable | None:
         logger.warning("jax_cute.matmul: %swriting the output through one copy into its layout: %s (%s)",
                        "copying operands a and b into row-major buffers and " if rw.copy_operands else "",
                        rw.why, what)
+    target = _target("grouped" if req.grouped else "gemm", req.epilogue)
     why = _request_refusal(req, e)
     if why is None and req.epilogue:
-        why = _epilogue_refusal(req)
+        why = _epilogue_refusal(req, target.family)
     if why is None and isinstance(planned, str):
         why = planned
     if why is None:
@@ -245,20 +256,25 @@ def gemm(request: GemmRequest, reference: Callable) -> Callable | None:
         why = _plan_refusal(req, planned, e)
     c_out = None
     if why is None and is_gated(req.activation):
-        c_out = _gated_layout(req, planned)
+        c = planned.flat.c
+        c_out = gated_output(c.shape, c.stride, c.major, planned.padded_c, planned.flat.n,
+                             target.family.GATED_COLUMNS)
         why = c_out if isinstance(c_out, str) else None
     if why is not None:
         req.refuse(why, what)
         return None
     spec = _spec(req, planned)
-    picked = _family(req.op, "grouped" if req.grouped else "gemm", spec, what)
-    if picked is None:
+    why = target.refusal()
+    if why is None:
+        why = target.family.unsupported(spec)
+        why = why and f"{why} ({what})"
+    if why:
+        fallback(req.op, why)
         return None
-    arch, fam = picked
+    arch, fam, flat = target.arch, target.family, planned.flat
     if not req.grouped and spec.batch_modes not in getattr(fam, "BATCH_MODES", (1,)):
         req.refuse(f"the batch modes do not coalesce into one, and the {fam.FAMILY} kernels take one", what)
         return None
-    flat = planned.flat
     if req.grouped:
         cfg = fam.heuristic(spec, flat.m, flat.n, flat.k, flat.g, flat.l, arch_info.num_sms(arch))
         workspaces = fam.workspace(spec, cfg, flat.m, flat.n, flat.k, flat.g, flat.l)
@@ -289,14 +305,9 @@ def _request_refusal(req: GemmRequest, e: dict) -> str | None:
     return None
 
 
-def _epilogue_refusal(req: GemmRequest) -> str | None:
-    """Why the target's family fuses no such epilogue (its ``EPILOGUES``; "dact": the
-    activation's derivative), or None."""
-    arch, _ = target_arch()
-    try:
-        fam = kernels.family("grouped" if req.grouped else "gemm", arch) if arch else None
-    except ImportError:
-        fam = None
+def _epilogue_refusal(req: GemmRequest, fam) -> str | None:
+    """Why the target's family ``fam`` (None: none) fuses no such epilogue (its ``EPILOGUES``;
+    "dact": the activation's derivative), or None."""
     fusable = getattr(fam, "EPILOGUES", ())
     bias, act, two, dact = req.bias, req.activation, req.two_outputs, bool(req.dact)
     if fam is None or (act and act not in fusable) or (bias and "bias" not in fusable) \
@@ -341,15 +352,6 @@ def _bias_batches(req: GemmRequest, flat: FlatGrouped) -> int | None:
     return flat.l
 
 
-def _gated_layout(req: GemmRequest, p: Plan) -> FlatOperand | str:
-    """A gated activation's output as the family writes it (``gemm_spec.gated_output``)."""
-    arch, _ = target_arch()
-    fam = kernels.family("grouped" if req.grouped else "gemm", arch)
-    c = p.flat.c
-    out = gated_output(c.shape, c.stride, c.major, p.padded_c, p.flat.n, fam.GATED_COLUMNS)
-    return out if isinstance(out, str) else FlatOperand(*out, "n")
-
-
 def _spec(req: GemmRequest, p: Plan) -> GemmSpec | GroupedSpec:
     flat, dts = p.flat, req.dtypes
     fused = dict(bias=req.bias, activation=req.activation or "", preact=req.two_outputs)
@@ -371,7 +373,7 @@ def _log_copies(p: Plan) -> None:
         logger.warning("jax_cute.matmul: copying operand %s into a kernel layout: %s", operand, reason)
 
 
-def _implementation(req: GemmRequest, p: Plan, binary: KernelBinary, workspaces, c_out: FlatOperand | None,
+def _implementation(req: GemmRequest, p: Plan, binary: KernelBinary, workspaces, c_out: tuple | None,
                     e: dict) -> Callable:
     """The function of the primitive's operands that launches ``binary`` as ``p`` plans: the
     operands readied (``problem.prepare``), the extra inputs (bias, Z), the outputs (c, and the
@@ -384,7 +386,7 @@ def _implementation(req: GemmRequest, p: Plan, binary: KernelBinary, workspaces,
         b_desc, c_desc = flat.b4 or b_desc, flat.c4 or c_desc
     outs = {"c": (out_buffer, c_desc)}
     if c_out is not None:
-        outs["c"] = (tuple(out_buffer[:-1]) + (out_buffer[-1] // 2,), (c_out.shape, c_out.stride))
+        outs["c"] = (tuple(out_buffer[:-1]) + (out_buffer[-1] // 2,), c_out)
     if req.two_outputs:
         outs["d"] = (out_buffer, c_desc)
     bias_batches = _bias_batches(req, flat) if req.grouped and req.bias else 1

@@ -27,10 +27,7 @@ class Plan:
     given: tuple[Shape, Shape, Shape]     # a, b, c as the call has them (a rewrite's own for c)
     rewrite: Rewrite | None
     batch_modes: int                      # the kernel's batch modes (C's)
-
-    @property
-    def padded_c(self) -> bool:
-        return self.buffers[2] != self.given[2]
+    padded_c: bool                        # C's buffer is padded: the output is sliced back
 
 
 def plan(layouts: GemmLayouts | RaggedLayouts, shapes: Sequence[Shape], dtypes: Sequence[str], *,
@@ -42,7 +39,7 @@ def plan(layouts: GemmLayouts | RaggedLayouts, shapes: Sequence[Shape], dtypes: 
     given = [tuple(shapes[0]), tuple(shapes[1]), c_shape]
     if isinstance(layouts, RaggedLayouts):
         flat = flatten_grouped(layouts, dtypes)
-        return flat if isinstance(flat, str) else Plan(flat, tuple(given), tuple(given), None, 1)
+        return flat if isinstance(flat, str) else Plan(flat, tuple(given), tuple(given), None, 1, False)
     rewrite = None
     if copies:
         flat, buffers, given, rewrite = plan_with_copies(layouts, given, dtypes)
@@ -50,7 +47,8 @@ def plan(layouts: GemmLayouts | RaggedLayouts, shapes: Sequence[Shape], dtypes: 
         flat, buffers = plan_gemm(layouts, given, dtypes)
     if isinstance(flat, str):
         return flat
-    return Plan(flat, tuple(map(tuple, buffers)), tuple(map(tuple, given)), rewrite, flat.batch_modes)
+    buffers, given = tuple(map(tuple, buffers)), tuple(map(tuple, given))
+    return Plan(flat, buffers, given, rewrite, flat.batch_modes, buffers[2] != given[2])
 
 
 def prepare(p: Plan, a, b) -> tuple:
