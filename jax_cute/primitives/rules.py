@@ -29,7 +29,6 @@ from jax_cute.primitives import sharding
 from jax_cute.problem.gemm_layouts import GemmLayouts, batched_gemm
 from jax_cute.problem.ragged_layouts import RaggedLayouts, batched
 
-
 logger = logging.getLogger("jax_cute")
 
 
