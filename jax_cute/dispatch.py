@@ -9,9 +9,11 @@
 3. A refused call lowers to the primitive's reference path and logs why; in strict mode
    (``JAX_CUTE_STRICT=1``) it raises :class:`FallbackError` instead.
 
-Each entry point returns an implementation (a function of the primitive's operands that emits
-our custom call, see ``custom_call.kernel_call``) or None for the reference path. What only the
-device knows (its real arch, pointer alignment) is checked by the FFI handler.
+Every GEMM primitive asks through one entry, ``gemm``, with one request type (``GemmRequest``:
+dense or grouped, plain, fused or derivative are its fields); ``user_kernel`` serves
+``cute_call``. Each returns an implementation (a function of the primitive's operands that
+emits our custom call, see ``custom_call.kernel_call``) or None for the reference path. What
+only the device knows (its real arch, pointer alignment) is checked by the FFI handler.
 """
 
 from __future__ import annotations
@@ -27,17 +29,17 @@ import numpy as np
 
 from jax_cute import arch as arch_info
 from jax_cute import autotune, config, kernels, selfcheck
+from jax_cute.activations import is_gated
 from jax_cute.cache import CACHE, family_binary
 from jax_cute.custom_call import kernel_call, workspace_outputs
 from jax_cute.kernels import abi
-from jax_cute.kernels import epilogue as kernel_epilogue
 from jax_cute.kernels.build import KernelBinary, compile_launcher
-from jax_cute.kernels.gemm_spec import GemmSpec, GroupedSpec
+from jax_cute.kernels.gemm_spec import GemmSpec, GroupedSpec, gated_output, int32_refusal
 from jax_cute.launcher_code import launcher_digest
 from jax_cute.layout import Layout
-from jax_cute.primitives.gemm_layouts import GemmLayouts
-from jax_cute.primitives.gemm_plan import FlatGemm, FlatOperand, materialise, plan_gemm, plan_with_copies
-from jax_cute.primitives.ragged_layouts import RAGGED_M, FlatGrouped, RaggedLayouts, flatten_grouped
+from jax_cute.problem.gemm_layouts import GemmLayouts
+from jax_cute.problem.plan import Plan, plan, prepare
+from jax_cute.problem.ragged_layouts import RAGGED_M, FlatGrouped, RaggedLayouts
 
 logger = logging.getLogger("jax_cute")
 
@@ -88,29 +90,40 @@ def arch_allowed(arch: str) -> str | None:
     return None
 
 
-def _family(op: str, kind: str, spec, what: str):
-    """(arch, family) whose kernels take ``spec``, or None after the fallback was logged."""
+@dataclasses.dataclass(frozen=True)
+class _Target:
+    """The arch a call lowers for and its family of ``kind`` (looked up once per call)."""
+
+    kind: str
+    arch: str | None
+    why: str                          # how the arch was chosen, or why there is none
+    family: object | None = None      # the family module, where one was imported
+    import_error: ImportError | None = None
+
+    def refusal(self) -> str | None:
+        """Why no family of this target may run a kernel, or None."""
+        if self.arch is None:
+            return self.why
+        refusal = arch_allowed(self.arch)
+        if refusal:
+            return refusal
+        if self.import_error is not None:
+            return f"the {self.kind} kernels for {self.arch} cannot be imported ({self.import_error})"
+        if self.family is None:
+            return f"no {self.kind} kernel family for {self.arch}"
+        return None
+
+
+def _target(kind: str, epilogue: bool) -> _Target:
+    """The target of a call of ``kind``; its family is imported only where the arch may be
+    used, or where an epilogue asks what the family fuses."""
     arch, why = target_arch()
-    if arch is None:
-        fallback(op, why)
-        return None
-    refusal = arch_allowed(arch)
-    if refusal:
-        fallback(op, refusal)
-        return None
+    if arch is None or (arch_allowed(arch) and not epilogue):
+        return _Target(kind, arch, why)
     try:
-        fam = kernels.family(kind, arch)
+        return _Target(kind, arch, why, kernels.family(kind, arch))
     except ImportError as e:
-        fallback(op, f"the {kind} kernels for {arch} cannot be imported ({e})")
-        return None
-    if fam is None:
-        fallback(op, f"no {kind} kernel family for {arch}")
-        return None
-    why = fam.unsupported(spec)
-    if why:
-        fallback(op, f"{why} ({what})")
-        return None
-    return arch, fam
+        return _Target(kind, arch, why, None, e)
 
 
 def launch_mode(cfg):
@@ -131,366 +144,294 @@ def _trusted(op: str, binary: KernelBinary, impl: Callable, reference: Callable,
     return False
 
 
-# Kernels count extents and tiles in 32 bits: descriptor shapes are int32, tile counts and
-# indices Int32, and rounding an extent up to whole tiles adds up to a tile, hence the margin.
-MAX_EXTENT = 2**31 - 2**16
-MAX_TILES = 2**31 - 1
-RAGGED_EXTENT = 2**30   # a grouped launch's ragged mode (kernels/sm90_gemm.py's notes)
-_SMALLEST_TILE = 64
-
-
-def int32_refusal(m: int, n: int, k: int, l: int, g: int | None = None, ragged: str | None = None) -> str | None:
-    """Why a problem of these extents is past the kernels' 32-bit arithmetic, or None.
-    Grouped problems give ``g`` and their ragged mode (``"M"`` or ``"K"``)."""
-    named = {"M": m, "N": n, "K": k, "L": l, **({} if g is None else {"G": g})}
-    for name, v in named.items():
-        if v > MAX_EXTENT:
-            return f"{name}={v} is past the kernels' int32 extents (at most {MAX_EXTENT})"
-    if ragged is not None and named[ragged] > RAGGED_EXTENT:
-        return (f"{ragged}={named[ragged]} is past the grouped kernels' TMA extent for one group "
-                f"({RAGGED_EXTENT} rows)")
-    mt, nt = -(-m // _SMALLEST_TILE), -(-n // _SMALLEST_TILE)
-    tiles = mt * nt * l if g is None else ((mt + g) * nt * l if ragged == "M" else g * mt * nt * l)
-    if tiles > MAX_TILES:
-        return f"{tiles} output tiles of {_SMALLEST_TILE}x{_SMALLEST_TILE} are past the kernels' int32 tile count"
-    return None
-
-
 def _zeroed(workspaces) -> list[str]:
     return [w.name for w in workspaces if w.zeroed]
 
 
-# -- dense GEMM (jax_cute_matmul) ---------------------------------------------------------------
+# -- the GEMM request and its one path ------------------------------------------------------------
 
-def gemm(a_aval, b_aval, *, layouts: GemmLayouts, out_dtype: str, acc_dtype: str, reference: Callable,
-         precision=None) -> Callable | None:
-    """The kernel implementation of a ``jax_cute_matmul``, or None for ``reference``.
+@dataclasses.dataclass(frozen=True)
+class GemmRequest:
+    """One GEMM a primitive asks a kernel for, when lowered: its operands (avals, in the
+    primitive's order: a, b, then the group sizes of a grouped GEMM, then a bias or Z), their
+    layouts (dense ``GemmLayouts`` or grouped ``RaggedLayouts``), the output and accumulator
+    dtypes, and the epilogue. Dense, grouped, fused and derivative are fields, not paths.
 
-    ``precision`` only matters where XLA computes: the kernels take 16- and 8-bit inputs, whose
-    products are exact, and accumulate in float32."""
-    dts = [np.dtype(a_aval.dtype).name, np.dtype(b_aval.dtype).name, np.dtype(out_dtype).name]
-    ext = layouts.extents()
-    what = f"M={ext['m']} N={ext['n']} K={ext['k']} L={ext['l']}, dtypes {'/'.join(dts)}"
-    if 0 in ext.values():
+    ``epilogue``: the call is an epilogue primitive's, which falls back to the GEMM kernel with
+    the epilogue in XLA (logged at INFO) where no fused kernel takes it, rather than to the
+    reference. With it: ``bias`` (the last operand; dense: read through ``bias_layout`` at C's
+    coordinates, grouped: (..., G, N)), ``activation``, ``preact`` (the pre-activation output
+    too: two outputs with an activation, the one output twice without), or ``dact`` (an
+    activation whose derivative at Z, the last operand read through ``z_layout``, scales the
+    product)."""
+
+    avals: tuple
+    layouts: GemmLayouts | RaggedLayouts
+    out_dtype: str
+    acc_dtype: str
+    epilogue: bool = False
+    bias: bool = False
+    bias_layout: Layout | None = None
+    activation: str | None = None
+    preact: bool = False
+    dact: str | None = None
+    z_layout: Layout | None = None
+
+    @property
+    def grouped(self) -> bool:
+        return isinstance(self.layouts, RaggedLayouts)
+
+    @property
+    def op(self) -> str:
+        return "ragged_dot" if self.grouped else "matmul"
+
+    @property
+    def dtypes(self) -> tuple[str, str, str]:
+        return np.dtype(self.avals[0].dtype).name, np.dtype(self.avals[1].dtype).name, np.dtype(self.out_dtype).name
+
+    @property
+    def two_outputs(self) -> bool:
+        # without an activation the pre-activation is the output itself
+        return self.preact and bool(self.activation)
+
+    @property
+    def multiple_results(self) -> bool:
+        return self.epilogue and not self.dact
+
+    def describe(self, e: dict) -> str:
+        """What the logs say of the call, given its extents ``e``."""
+        dims = f"M={e['m']} N={e['n']} K={e['k']} L={e['l']}"
+        if self.grouped:
+            dims = f"{self.layouts.mode} M={e['m']} N={e['n']} K={e['k']} G={e['g']} L={e['l']}"
+        what = f"{dims}, dtypes {'/'.join(self.dtypes)}"
+        if self.dact:
+            return f"{what}, {self.dact} derivative"
+        if self.epilogue:
+            return f"{what}, bias {'yes' if self.bias else 'no'}, activation {self.activation}"
+        return what
+
+    def refuse(self, why: str, what: str) -> None:
+        """Log why no kernel runs the call as asked: a fallback to the reference (strict mode
+        raises), or for an epilogue, the GEMM kernel with the epilogue in XLA."""
+        if self.epilogue:
+            logger.info("jax_cute.%s: the GEMM kernel runs with its epilogue in XLA: %s (%s)", self.op, why, what)
+        else:
+            fallback(self.op, f"{why} ({what})")
+
+
+def gemm(request: GemmRequest, reference: Callable) -> Callable | None:
+    """The kernel implementation of ``request`` (a function of the primitive's operands, one
+    result or, for an epilogue with outputs, a list), or None: the caller lowers ``reference``,
+    or for an epilogue, the GEMM with a float32 output and the epilogue in XLA.
+
+    The walk: the problem model plans the flat problem (``problem.plan``); the kernel side
+    says what it takes (32-bit extents, a gated output's layout, the family and its config);
+    the cache gives the compiled kernel; at launch the plan readies the operands and
+    ``custom_call.kernel_call`` emits the call. Refusals are reported in a fixed order: the
+    request's own (bias, Z), the family's epilogues, the plan, 32-bit extents, the layout the
+    epilogue needs, the family."""
+    req = request
+    e = req.layouts.extents()
+    if 0 in e.values():
         return None  # nothing to launch: the reference path writes the zeros
-    # Unaligned strides are met by padding buffers (XLA fuses such a pad, or the output's slice,
-    # into the neighbouring op where it can): cheaper than a transposing copy or the fallback.
-    flat, shapes, given, rewrite = plan_with_copies(
-        layouts, [tuple(a_aval.shape), tuple(b_aval.shape), tuple(layouts.c_shape)], dts)
-    if rewrite is not None:
+    what = req.describe(e)
+    planned = plan(req.layouts, [av.shape for av in req.avals[:2]], req.dtypes,
+                   copies=not req.epilogue and not req.grouped)
+    if not isinstance(planned, str) and planned.rewrite is not None:
+        rw = planned.rewrite
         logger.warning("jax_cute.matmul: %swriting the output through one copy into its layout: %s (%s)",
-                       "copying operands a and b into row-major buffers and " if rewrite.copy_operands else "",
-                       rewrite.why, what)
-    if isinstance(flat, str):
-        fallback("matmul", f"{flat} ({what})")
+                       "copying operands a and b into row-major buffers and " if rw.copy_operands else "",
+                       rw.why, what)
+    target = _target("grouped" if req.grouped else "gemm", req.epilogue)
+    why = _request_refusal(req, e)
+    if why is None and req.epilogue:
+        why = _epilogue_refusal(req, target.family)
+    if why is None and isinstance(planned, str):
+        why = planned
+    if why is None:
+        flat = planned.flat
+        why = int32_refusal(flat.m, flat.n, flat.k, flat.l, *((flat.g, "M" if req.layouts.mode == RAGGED_M else "K")
+                                                             if req.grouped else ()))
+    if why is None:
+        why = _plan_refusal(req, planned, e)
+    c_out = None
+    if why is None and is_gated(req.activation):
+        c = planned.flat.c
+        c_out = gated_output(c.shape, c.stride, c.major, planned.padded_c, planned.flat.n,
+                             target.family.GATED_COLUMNS)
+        why = c_out if isinstance(c_out, str) else None
+    if why is not None:
+        req.refuse(why, what)
         return None
-    too_large = int32_refusal(flat.m, flat.n, flat.k, flat.l)
-    if too_large:
-        fallback("matmul", f"{too_large} ({what})")
+    spec = _spec(req, planned)
+    why = target.refusal()
+    if why is None:
+        why = target.family.unsupported(spec)
+        why = why and f"{why} ({what})"
+    if why:
+        fallback(req.op, why)
         return None
-    spec = GemmSpec(dts[0], dts[1], dts[2], flat.a.major, flat.b.major, flat.c.major, acc_dtype,
-                    batch_modes=flat.batch_modes)
-    picked = _family("matmul", "gemm", spec, what)
-    if picked is None:
+    arch, fam, flat = target.arch, target.family, planned.flat
+    if not req.grouped and spec.batch_modes not in getattr(fam, "BATCH_MODES", (1,)):
+        req.refuse(f"the batch modes do not coalesce into one, and the {fam.FAMILY} kernels take one", what)
         return None
-    arch, fam = picked
-    if spec.batch_modes not in getattr(fam, "BATCH_MODES", (1,)):
-        fallback("matmul", f"the batch modes do not coalesce into one, and the {fam.FAMILY} kernels take "
-                           f"one ({what})")
+    if req.grouped:
+        cfg = fam.heuristic(spec, flat.m, flat.n, flat.k, flat.g, flat.l, arch_info.num_sms(arch))
+        workspaces = fam.workspace(spec, cfg, flat.m, flat.n, flat.k, flat.g, flat.l)
+    else:
+        _log_copies(planned)
+        cfg = fam.heuristic(spec, flat.m, flat.n, flat.k, flat.l, arch_info.num_sms(arch))
+        if config.autotune() and not req.epilogue:
+            cfg = autotune.tuned_gemm_config(fam, arch, spec, flat, list(req.dtypes), cfg)
+        workspaces = fam.workspace(spec, cfg, flat.m, flat.n, flat.k, flat.l)
+    binary = family_binary(fam, arch, spec, launch_mode(cfg))
+    impl = _implementation(req, planned, binary, workspaces, c_out, e)
+    sizes = _group_split(e["m"] if req.layouts.mode == RAGGED_M else e["k"]) if req.grouped else None
+    if not _trusted(req.op, binary, impl, reference, req.avals, sizes):
         return None
-    _log_copies(flat, given, shapes)
-    cfg = fam.heuristic(spec, flat.m, flat.n, flat.k, flat.l, arch_info.num_sms(arch))
-    if config.autotune():
-        cfg = autotune.tuned_gemm_config(fam, arch, spec, flat, dts, cfg)
-    binary, launch = _gemm_launcher(fam, arch, spec, cfg, flat, shapes, given[2])
-
-    def impl(a, b):
-        if rewrite is not None:
-            return rewrite.run(lambda x, y: launch(x, y)[0], a, b)
-        return launch(a, b)[0]
-
-    if not _trusted("matmul", binary, impl, reference, (a_aval, b_aval)):
-        return None
-    logger.info("jax_cute.matmul: %s on %s (%s)", binary.name, arch, what)
+    logger.info("jax_cute.%s: %s on %s (%s)", req.op, binary.name, arch, what)
     return impl
 
 
-def _log_copies(flat: FlatGemm, given, shapes) -> None:
+def _request_refusal(req: GemmRequest, e: dict) -> str | None:
+    """Why the kernels cannot read the request's extra operand (a dense bias, or Z) as given."""
+    if req.dact:
+        z = req.avals[-1]
+        if np.dtype(z.dtype) != np.dtype(req.out_dtype) or tuple(z.shape) != tuple(req.layouts.c_shape) \
+                or not _same_layout(req.z_layout, req.layouts.c):
+            return "kernels read the pre-activation laid out as the output, in its dtype"
+    elif req.bias and not req.grouped and not _bias_per_column(req.avals[-1], req.bias_layout, e["n"]):
+        return "kernels read a bias of shape (N,) broadcast over rows and batches"
+    return None
+
+
+def _epilogue_refusal(req: GemmRequest, fam) -> str | None:
+    """Why the target's family ``fam`` (None: none) fuses no such epilogue (its ``EPILOGUES``;
+    "dact": the activation's derivative), or None."""
+    fusable = getattr(fam, "EPILOGUES", ())
+    bias, act, two, dact = req.bias, req.activation, req.two_outputs, bool(req.dact)
+    if fam is None or (act and act not in fusable) or (bias and "bias" not in fusable) \
+            or (two and "preact" not in fusable) or (dact and "dact" not in fusable):
+        return (f"{getattr(fam, 'FAMILY', 'no kernel family')} does not fuse {'bias and ' if bias else ''}"
+                f"{act or 'no activation'}{' with the pre-activation output' if two else ''}"
+                f"{' derivative' if dact else ''}")
+    return None
+
+
+def _plan_refusal(req: GemmRequest, p: Plan, e: dict) -> str | None:
+    """Why the planned problem cannot take the request's epilogue, or None."""
+    if not req.epilogue:
+        return None
+    flat = p.flat
+    if req.dact:
+        if p.padded_c or p.batch_modes != 1:
+            return "the output needs padding or more than one batch mode"
+        return None
+    if not req.grouped:
+        if flat.n != e["n"]:
+            return "a batch mode folds into N, so output columns no longer index the bias"
+        return None
+    if req.layouts.mode != RAGGED_M:
+        return "kernels fuse the epilogue of a ragged_m product"
+    if flat.l != 1 and is_gated(req.activation):
+        return "a gated activation takes one batch of groups (the paired N spends three TMA dimensions)"
+    if req.bias and _bias_batches(req, flat) is None:
+        return "a bias shared by some vmapped axes but not all"
+    return None
+
+
+def _bias_batches(req: GemmRequest, flat: FlatGrouped) -> int | None:
+    """How many biases a grouped kernel reads (N, G, L or 1): one per batch, or one for all;
+    None when the bias is shared by some vmapped axes but not all."""
+    c_shape = tuple(req.layouts.c_shape)
+    lead = tuple(req.avals[-1].shape[:-2])
+    if all(x == 1 for x in lead):
+        return 1
+    if lead != c_shape[:-2] or math.prod(lead) != flat.l:
+        return None
+    return flat.l
+
+
+def _spec(req: GemmRequest, p: Plan) -> GemmSpec | GroupedSpec:
+    flat, dts = p.flat, req.dtypes
+    fused = dict(bias=req.bias, activation=req.activation or "", preact=req.two_outputs)
+    if req.grouped:
+        return GroupedSpec(req.layouts.mode, *dts, flat.a.major, flat.b.major, flat.c.major, req.acc_dtype,
+                           **(fused if req.epilogue else {}))
+    if req.dact:
+        return GemmSpec(*dts, flat.a.major, flat.b.major, flat.c.major, req.acc_dtype, dact=req.dact)
+    return GemmSpec(*dts, flat.a.major, flat.b.major, flat.c.major, req.acc_dtype, batch_modes=p.batch_modes,
+                    **(fused if req.epilogue else {}))
+
+
+def _log_copies(p: Plan) -> None:
     """Log what a plan moves besides the kernel's own reads: padded buffers and copied operands."""
-    for name, old, new in zip("abc", given, shapes):
+    for name, old, new in zip("abc", p.given, p.buffers):
         if old != new:
             logger.warning("jax_cute.matmul: padding %s from %s to %s (16-byte TMA strides)", name, old, new)
-    for operand, reason in flat.copies:
+    for operand, reason in p.flat.copies:
         logger.warning("jax_cute.matmul: copying operand %s into a kernel layout: %s", operand, reason)
 
 
-def _pad_to(x, shape):
-    return x if x.shape == tuple(shape) else jnp.pad(x, [(0, n - m) for m, n in zip(x.shape, shape)])
+def _implementation(req: GemmRequest, p: Plan, binary: KernelBinary, workspaces, c_out: tuple | None,
+                    e: dict) -> Callable:
+    """The function of the primitive's operands that launches ``binary`` as ``p`` plans: the
+    operands readied (``problem.prepare``), the extra inputs (bias, Z), the outputs (c, and the
+    pre-activation d) laid out like c (a gated c as ``c_out``), padded ones sliced back."""
+    flat, c_shape = p.flat, p.given[2]
+    out_buffer = p.buffers[2]
+    c_desc = (flat.c.shape, flat.c.stride)
+    b_desc = (flat.b.shape, flat.b.stride)
+    if req.grouped:
+        b_desc, c_desc = flat.b4 or b_desc, flat.c4 or c_desc
+    outs = {"c": (out_buffer, c_desc)}
+    if c_out is not None:
+        outs["c"] = (tuple(out_buffer[:-1]) + (out_buffer[-1] // 2,), c_out)
+    if req.two_outputs:
+        outs["d"] = (out_buffer, c_desc)
+    bias_batches = _bias_batches(req, flat) if req.grouped and req.bias else 1
 
-
-def _gemm_launcher(fam, arch: str, spec, cfg, flat: FlatGemm, shapes, c_shape,
-                   outs: tuple[str, ...] = ("c",), glu_c: FlatOperand | None = None
-                   ) -> tuple[KernelBinary, Callable]:
-    """(binary, ``launch(a, b, extra=None) -> [c, ...]``): the compiled kernel for ``cfg`` launched
-    on the plan's (padded, or copied) operands, with ``extra`` inputs (name -> (array, shape,
-    stride)), and its outputs ``outs`` (each laid out like c) sliced back to ``c_shape`` where the
-    plan padded them. ``glu_c``: c is a gated activation's output instead, laid out so (half of
-    N's columns, c's buffer with its last axis halved; never padded)."""
-    binary = family_binary(fam, arch, spec, launch_mode(cfg))
-    workspaces = fam.workspace(spec, cfg, flat.m, flat.n, flat.k, flat.l)
-    padded_c = tuple(shapes[2]) != tuple(c_shape)
-    layout_of = {name: (tuple(shapes[2]), flat.c) for name in outs}
-    if glu_c is not None:
-        layout_of["c"] = (tuple(shapes[2][:-1]) + (shapes[2][-1] // 2,), glu_c)
-
-    def launch(a, b, extra=None):
-        a, b = _pad_to(a, shapes[0]), _pad_to(b, shapes[1])
-        if flat.a_src is not None:
-            a = materialise(a, flat.a_src, flat.a)
-        if flat.b_src is not None:
-            b = materialise(b, flat.b_src, flat.b)
-        outputs = {name: (jax.ShapeDtypeStruct(shape, np.dtype(spec.c_dtype)), op.shape, op.stride)
-                   for name, (shape, op) in layout_of.items()}
+    def launch(a, b, *rest):
+        a, b = prepare(p, a, b)
+        inputs = {"a": (a, flat.a.shape, flat.a.stride), "b": (b, *b_desc)}
+        if req.grouped:
+            inputs["group_sizes"] = (rest[0], *flat.gs)
+            rest = rest[1:]
+        if req.bias and req.grouped:
+            # bias (..., G, N) row-major, read as (N, G, L or 1)
+            inputs["bias"] = (rest[0].astype(jnp.float32), (e["n"], e["g"], bias_batches),
+                              (1, e["n"], e["g"] * e["n"]))
+        elif req.bias:
+            inputs["bias"] = (jnp.reshape(rest[0], (-1,)).astype(jnp.float32), (e["n"],), (1,))
+        elif req.dact:
+            inputs["z"] = (rest[0], flat.c.shape, flat.c.stride)
+        outputs = {name: (jax.ShapeDtypeStruct(shape, np.dtype(req.dtypes[2])), *desc)
+                   for name, (shape, desc) in outs.items()}
         outputs.update(workspace_outputs(binary, workspaces))
-        inputs = {"a": (a, flat.a.shape, flat.a.stride), "b": (b, flat.b.shape, flat.b.stride), **(extra or {})}
         got = kernel_call(binary, inputs, outputs, zeroed=_zeroed(workspaces))
-        return [got[name][tuple(slice(0, n) for n in c_shape)] if padded_c else got[name] for name in outs]
+        sliced = tuple(slice(0, n) for n in c_shape)
+        return [got[name][sliced] if p.padded_c else got[name] for name in outs]
 
-    return binary, launch
+    def impl(a, b, *rest):
+        if p.rewrite is not None:
+            return p.rewrite.run(lambda x, y: launch(x, y)[0], a, b)
+        got = launch(a, b, *rest)
+        if not req.multiple_results:
+            return got[0]
+        return got * 2 if req.preact and not req.two_outputs else got
 
-
-# -- dense GEMM with a fused epilogue (jax_cute_matmul_fused) ---------------------------------------
-
-def _epilogue_in_xla(reason: str, what: str, op: str = "matmul") -> None:
-    logger.info("jax_cute.%s: the GEMM kernel runs with its epilogue in XLA: %s (%s)", op, reason, what)
-
-
-def _epilogue_what(dims: str, dts, bias: bool, activation) -> str:
-    return f"{dims}, dtypes {'/'.join(dts)}, bias {'yes' if bias else 'no'}, activation {activation}"
-
-
-def _epilogue_family(kind: str, bias: bool, activation: str | None, two_outputs: bool, dact: bool = False):
-    """The target's ``kind`` family if it fuses this epilogue (its ``EPILOGUES``; ``dact``: the
-    activation's derivative), else why not."""
-    arch, _ = target_arch()
-    try:
-        fam = kernels.family(kind, arch) if arch else None
-    except ImportError:
-        fam = None
-    fusable = getattr(fam, "EPILOGUES", ())
-    if fam is None or (activation and activation not in fusable) or (bias and "bias" not in fusable) \
-            or (two_outputs and "preact" not in fusable) or (dact and "dact" not in fusable):
-        return (f"{getattr(fam, 'FAMILY', 'no kernel family')} does not fuse {'bias and ' if bias else ''}"
-                f"{activation or 'no activation'}{' with the pre-activation output' if two_outputs else ''}"
-                f"{' derivative' if dact else ''}")
-    return fam
-
-
-def _epilogue_plan(a_aval, b_aval, layouts: GemmLayouts, dts, what: str, **family):
-    """(family, flat problem, buffer shapes, given shapes) of a dense GEMM with a fused epilogue, or None
-    after logging why the epilogue runs in XLA: the family fuses no such epilogue
-    (``_epilogue_family``'s ``family`` arguments), or no kernel layout exists."""
-    fam = _epilogue_family("gemm", **family)
-    if isinstance(fam, str):
-        _epilogue_in_xla(fam, what)
-        return None
-    given = [tuple(a_aval.shape), tuple(b_aval.shape), tuple(layouts.c_shape)]
-    flat, shapes = plan_gemm(layouts, given, dts)
-    if isinstance(flat, str):
-        _epilogue_in_xla(flat, what)
-        return None
-    too_large = int32_refusal(flat.m, flat.n, flat.k, flat.l)
-    if too_large:
-        _epilogue_in_xla(too_large, what)  # (the plain GEMM then falls back, logged)
-        return None
-    return fam, flat, shapes, given
-
-
-def _bias_per_column(bias_aval, bias_layout, n: int) -> bool:
-    """Whether the bias is one (N,) row broadcast over M and every batch: what kernels read."""
-    if bias_aval is None:
-        return True
-    rows, cols, batch = bias_layout.modes()
-    return (int(np.prod(bias_aval.shape)) == n and cols.coalesce().flat_modes() in (((n, 1),), ((1, 0),))
-            and all(d == 0 for _, d in rows.flat_modes() + batch.flat_modes()))
-
-
-def _gated_output(flat: FlatGemm | FlatGrouped, c_buffer, c_shape, columns: int) -> FlatOperand | str:
-    """A gated activation's output as the kernel writes it (N/2 columns of an N-major C whose
-    every other stride counts whole rows of N), or why the kernel cannot write it."""
-    c = flat.c
-    if c.major != "n" or tuple(c_buffer) != tuple(c_shape):
-        return "a gated output needs an unpadded C contiguous along N"
-    if c.batch_modes > 1:
-        return "a gated output takes one batch mode (the paired N spends three TMA dimensions)"
-    if (flat.n // 2) % columns:
-        return f"kernels pair gate and up columns in blocks of {columns}: N/2 = {flat.n // 2} is not a multiple"
-    if any(s % flat.n for i, (e, s) in enumerate(zip(c.shape, c.stride)) if i != 1 and e > 1):
-        return "C's row strides are not whole multiples of N"
-    # (an extent-1 mode's stride is never used; N/2 keeps it aligned)
-    stride = tuple(1 if i == 1 else (s // 2 if s % flat.n == 0 else flat.n // 2) for i, s in enumerate(c.stride))
-    return FlatOperand((c.shape[0], flat.n // 2, *c.shape[2:]), stride, "n")
-
-
-def fused_gemm(a_aval, b_aval, *bias_aval, layouts: GemmLayouts, bias_layout, activation: str | None,
-               preact: bool, out_dtype: str, acc_dtype: str, reference: Callable, precision=None
-               ) -> Callable | None:
-    """The kernel implementation of a ``jax_cute_matmul_fused`` (bias and activation in the
-    kernel's epilogue), or None: the caller then runs the GEMM kernel with a float32 output and
-    the epilogue in XLA (logged at INFO here, with the reason).
-
-    A family fuses what its ``EPILOGUES`` names ("bias", activation names, and "preact": a
-    differentiated forward's second output, the pre-activation). Kernels read a bias of one row
-    (N,) in float32; a gated activation (swiglu) writes N/2 columns (``_gated_output``). The
-    heuristic config is used (autotune times plain GEMMs only)."""
-    dts = [np.dtype(a_aval.dtype).name, np.dtype(b_aval.dtype).name, np.dtype(out_dtype).name]
-    ext = layouts.extents()
-    what = _epilogue_what(f"M={ext['m']} N={ext['n']} K={ext['k']} L={ext['l']}", dts, bool(bias_aval), activation)
-    if 0 in ext.values():
-        return None
-    bias = bias_aval[0] if bias_aval else None
-    if not _bias_per_column(bias, bias_layout, ext["n"]):
-        _epilogue_in_xla("kernels read a bias of shape (N,) broadcast over rows and batches", what)
-        return None
-    # without an activation the pre-activation is the output itself
-    two_outputs = preact and bool(activation)
-    planned = _epilogue_plan(a_aval, b_aval, layouts, dts, what, bias=bias is not None, activation=activation,
-                             two_outputs=two_outputs)
-    if planned is None:
-        return None
-    fam, flat, shapes, given = planned
-    if flat.n != ext["n"]:
-        _epilogue_in_xla("a batch mode folds into N, so output columns no longer index the bias", what)
-        return None
-    glu_c = None
-    if activation in kernel_epilogue.GATED:
-        glu_c = _gated_output(flat, shapes[2], layouts.c_shape, fam.GATED_COLUMNS)
-        if isinstance(glu_c, str):
-            _epilogue_in_xla(glu_c, what)
-            return None
-    spec = GemmSpec(dts[0], dts[1], dts[2], flat.a.major, flat.b.major, flat.c.major, acc_dtype,
-                    batch_modes=flat.batch_modes, bias=bias is not None, activation=activation or "",
-                    preact=two_outputs)
-    picked = _family("matmul", "gemm", spec, what)
-    if picked is None:
-        return None
-    arch, fam = picked
-    if spec.batch_modes not in getattr(fam, "BATCH_MODES", (1,)):
-        _epilogue_in_xla(f"the batch modes do not coalesce into one, and the {fam.FAMILY} kernels take one", what)
-        return None
-    _log_copies(flat, given, shapes)
-    cfg = fam.heuristic(spec, flat.m, flat.n, flat.k, flat.l, arch_info.num_sms(arch))
-    binary, launch = _gemm_launcher(fam, arch, spec, cfg, flat, shapes, layouts.c_shape,
-                                    ("c", "d") if two_outputs else ("c",), glu_c)
-
-    def impl(a, b, *bias_buf):
-        extra = {"bias": (jnp.reshape(bias_buf[0], (-1,)).astype(jnp.float32), (ext["n"],), (1,))} if bias_buf else None
-        outs = launch(a, b, extra)
-        return outs * 2 if preact and not two_outputs else outs
-
-    if not _trusted("matmul", binary, impl, reference, (a_aval, b_aval, *bias_aval)):
-        return None
-    logger.info("jax_cute.matmul: %s on %s (%s)", binary.name, arch, what)
     return impl
 
-
-# -- dense GEMM times an activation's derivative (jax_cute_matmul_dact) -----------------------------
 
 def _same_layout(x: Layout, y: Layout) -> bool:
     return all(x.mode(i).coalesce().flat_modes() == y.mode(i).coalesce().flat_modes() for i in range(3))
 
 
-def dact_gemm(a_aval, b_aval, z_aval, *, layouts: GemmLayouts, z_layout: Layout, activation: str, out_dtype: str,
-              acc_dtype: str, reference: Callable, precision=None) -> Callable | None:
-    """The kernel implementation of a ``jax_cute_matmul_dact`` (``act'(Z) * (A·B)``, Z read by the
-    epilogue), or None: the caller then runs the GEMM kernel with a float32 output and the
-    multiply in XLA (logged at INFO here, with the reason).
-
-    The kernel reads Z exactly as it writes C: Z must be a buffer of C's shape and dtype, laid
-    out like C, and C must need no padding."""
-    dts = [np.dtype(a_aval.dtype).name, np.dtype(b_aval.dtype).name, np.dtype(out_dtype).name]
-    ext = layouts.extents()
-    what = f"M={ext['m']} N={ext['n']} K={ext['k']} L={ext['l']}, dtypes {'/'.join(dts)}, {activation} derivative"
-    if 0 in ext.values():
-        return None
-    if np.dtype(z_aval.dtype) != np.dtype(out_dtype) or tuple(z_aval.shape) != tuple(layouts.c_shape) \
-            or not _same_layout(z_layout, layouts.c):
-        _epilogue_in_xla("kernels read the pre-activation laid out as the output, in its dtype", what)
-        return None
-    planned = _epilogue_plan(a_aval, b_aval, layouts, dts, what, bias=False, activation=None, two_outputs=False,
-                             dact=True)
-    if planned is None:
-        return None
-    _, flat, shapes, given = planned
-    if tuple(shapes[2]) != tuple(layouts.c_shape) or flat.batch_modes != 1:
-        _epilogue_in_xla("the output needs padding or more than one batch mode", what)
-        return None
-    spec = GemmSpec(dts[0], dts[1], dts[2], flat.a.major, flat.b.major, flat.c.major, acc_dtype, dact=activation)
-    picked = _family("matmul", "gemm", spec, what)
-    if picked is None:
-        return None
-    arch, fam = picked
-    _log_copies(flat, given, shapes)
-    cfg = fam.heuristic(spec, flat.m, flat.n, flat.k, flat.l, arch_info.num_sms(arch))
-    binary, launch = _gemm_launcher(fam, arch, spec, cfg, flat, shapes, layouts.c_shape)
-
-    def impl(a, b, z):
-        return launch(a, b, {"z": (z, flat.c.shape, flat.c.stride)})[0]
-
-    if not _trusted("matmul", binary, impl, reference, (a_aval, b_aval, z_aval)):
-        return None
-    logger.info("jax_cute.matmul: %s on %s (%s)", binary.name, arch, what)
-    return impl
-
-
-# -- grouped GEMM (jax_cute_ragged_m / jax_cute_ragged_k) ----------------------------------------
-
-def grouped(a_aval, b_aval, gs_aval, *, layouts: RaggedLayouts, out_dtype: str, acc_dtype: str,
-            reference: Callable, precision=None) -> Callable | None:
-    """The kernel implementation of a grouped GEMM primitive, or None for ``reference``
-    (``precision`` only matters there, as for ``gemm``)."""
-    dts = [np.dtype(a_aval.dtype).name, np.dtype(b_aval.dtype).name, np.dtype(out_dtype).name]
-    e = layouts.extents()
-    what = f"{layouts.mode} M={e['m']} N={e['n']} K={e['k']} G={e['g']} L={e['l']}, dtypes {'/'.join(dts)}"
-    if 0 in e.values():
-        return None  # nothing to launch: the reference writes the zeros
-    flat = flatten_grouped(layouts, dts)
-    if isinstance(flat, str):
-        fallback("ragged_dot", f"{flat} ({what})")
-        return None
-    too_large = _grouped_int32_refusal(flat, layouts.mode)
-    if too_large:
-        fallback("ragged_dot", f"{too_large} ({what})")
-        return None
-    picked = _grouped_kernel(GroupedSpec(layouts.mode, *dts, flat.a.major, flat.b.major, flat.c.major, acc_dtype),
-                             flat, what)
-    if picked is None:
-        return None
-    arch, binary, workspaces = picked
-
-    def impl(a, b, gs):
-        return _launch_grouped(a, b, gs, flat, binary, workspaces, {"c": (layouts.c_shape, None)}, dts[2])[0]
-
-    sizes = _group_split(e["m"] if layouts.mode == RAGGED_M else e["k"])
-    if not _trusted("ragged_dot", binary, impl, reference, (a_aval, b_aval, gs_aval), sizes):
-        return None
-    logger.info("jax_cute.ragged_dot: %s on %s (%s)", binary.name, arch, what)
-    return impl
-
-
-def _grouped_int32_refusal(flat: FlatGrouped, mode: str) -> str | None:
-    return int32_refusal(flat.m, flat.n, flat.k, flat.l, flat.g, "M" if mode == RAGGED_M else "K")
-
-
-def _grouped_kernel(spec: GroupedSpec, flat: FlatGrouped, what: str):
-    """(arch, binary, workspaces) of the grouped family's heuristic kernel for ``spec``, or None
-    (the family refused it, logged)."""
-    picked = _family("ragged_dot", "grouped", spec, what)
-    if picked is None:
-        return None
-    arch, fam = picked
-    cfg = fam.heuristic(spec, flat.m, flat.n, flat.k, flat.g, flat.l, arch_info.num_sms(arch))
-    return arch, family_binary(fam, arch, spec, cfg), fam.workspace(spec, cfg, flat.m, flat.n, flat.k, flat.g, flat.l)
+def _bias_per_column(bias_aval, bias_layout, n: int) -> bool:
+    """Whether the bias is one (N,) row broadcast over M and every batch: what kernels read."""
+    rows, cols, batch = bias_layout.modes()
+    return (int(np.prod(bias_aval.shape)) == n and cols.coalesce().flat_modes() in (((n, 1),), ((1, 0),))
+            and all(d == 0 for _, d in rows.flat_modes() + batch.flat_modes()))
 
 
 def _group_split(extent: int) -> Callable:
@@ -499,92 +440,6 @@ def _group_split(extent: int) -> Callable:
         cuts = np.sort(rng.integers(0, extent + 1, shape), axis=0)
         return np.diff(cuts, axis=0, prepend=0)
     return sizes
-
-
-def _launch_grouped(a, b, gs, flat: FlatGrouped, binary: KernelBinary, workspaces, outs, out_dtype: str,
-                    extra=None) -> list:
-    """The grouped kernel's outputs ``outs`` (name -> (buffer shape, FlatOperand, or None for
-    c's own layout)), with ``extra`` inputs (name -> (array, shape, stride))."""
-    b_desc = flat.b4 or (flat.b.shape, flat.b.stride)
-    c_desc = flat.c4 or (flat.c.shape, flat.c.stride)
-    outputs = {name: (jax.ShapeDtypeStruct(shape, np.dtype(out_dtype)),
-                      *(c_desc if op is None else (op.shape, op.stride))) for name, (shape, op) in outs.items()}
-    outputs.update(workspace_outputs(binary, workspaces))
-    inputs = {"a": (a, flat.a.shape, flat.a.stride), "b": (b, *b_desc), "group_sizes": (gs, *flat.gs), **(extra or {})}
-    got = kernel_call(binary, inputs, outputs, zeroed=_zeroed(workspaces))
-    return [got[name] for name in outs]
-
-
-def grouped_fused(a_aval, b_aval, gs_aval, *bias_aval, layouts: RaggedLayouts, activation: str | None,
-                  preact: bool, out_dtype: str, acc_dtype: str, reference: Callable, precision=None
-                  ) -> Callable | None:
-    """The kernel implementation of a ``jax_cute_ragged_fused`` (``ragged_dot`` with a per-group
-    bias (G, N) and an activation in the grouped kernel's epilogue), or None: the caller then
-    runs the grouped kernel with a float32 output and the epilogue in XLA (logged here, with the
-    reason)."""
-    dts = [np.dtype(a_aval.dtype).name, np.dtype(b_aval.dtype).name, np.dtype(out_dtype).name]
-    e = layouts.extents()
-    if 0 in e.values():
-        return None
-    what = _epilogue_what(f"{layouts.mode} M={e['m']} N={e['n']} K={e['k']} G={e['g']} L={e['l']}", dts,
-                          bool(bias_aval), activation)
-    two_outputs = preact and bool(activation)
-    fam = _epilogue_family("grouped", bool(bias_aval), activation, two_outputs)
-    if isinstance(fam, str):
-        _epilogue_in_xla(fam, what, "ragged_dot")
-        return None
-    flat = flatten_grouped(layouts, dts)
-    if isinstance(flat, str):
-        _epilogue_in_xla(flat, what, "ragged_dot")
-        return None
-    too_large = _grouped_int32_refusal(flat, layouts.mode)
-    if too_large:
-        _epilogue_in_xla(too_large, what, "ragged_dot")
-        return None
-    if layouts.mode != RAGGED_M:
-        _epilogue_in_xla("kernels fuse the epilogue of a ragged_m product", what, "ragged_dot")
-        return None
-    c_shape = tuple(layouts.c_shape)
-    if flat.l != 1 and activation in kernel_epilogue.GATED:
-        _epilogue_in_xla("a gated activation takes one batch of groups (the paired N spends three TMA "
-                         "dimensions)", what, "ragged_dot")
-        return None
-    bias_batches = 1   # the kernel's bias (N, G, L or 1): one per batch, or one for all
-    if bias_aval:
-        lead = tuple(bias_aval[0].shape[:-2])
-        if any(x != 1 for x in lead):
-            if lead != c_shape[:-2] or math.prod(lead) != flat.l:
-                _epilogue_in_xla("a bias shared by some vmapped axes but not all", what, "ragged_dot")
-                return None
-            bias_batches = flat.l
-    outs = {"c": (c_shape, None)}
-    if activation in kernel_epilogue.GATED:
-        glu_c = _gated_output(flat, c_shape, c_shape, fam.GATED_COLUMNS)
-        if isinstance(glu_c, str):
-            _epilogue_in_xla(glu_c, what, "ragged_dot")
-            return None
-        outs = {"c": (c_shape[:-1] + (c_shape[-1] // 2,), glu_c)}
-    if two_outputs:
-        outs["d"] = (c_shape, None)
-    spec = GroupedSpec(layouts.mode, *dts, flat.a.major, flat.b.major, flat.c.major, acc_dtype,
-                       bias=bool(bias_aval), activation=activation or "", preact=two_outputs)
-    picked = _grouped_kernel(spec, flat, what)
-    if picked is None:
-        return None
-    arch, binary, workspaces = picked
-
-    def impl(a, b, gs, *bias_buf):
-        # bias (..., G, N) row-major, read as (N, G, L or 1)
-        extra = {"bias": (bias_buf[0].astype(jnp.float32), (e["n"], e["g"], bias_batches),
-                          (1, e["n"], e["g"] * e["n"]))} if bias_buf else None
-        got = _launch_grouped(a, b, gs, flat, binary, workspaces, outs, dts[2], extra)
-        return got * 2 if preact and not two_outputs else got
-
-    if not _trusted("ragged_dot", binary, impl, reference, (a_aval, b_aval, gs_aval, *bias_aval),
-                    _group_split(e["m"])):
-        return None
-    logger.info("jax_cute.ragged_dot: %s on %s (%s)", binary.name, arch, what)
-    return impl
 
 
 # -- user kernels (jax_cute_call) ----------------------------------------------------------------

@@ -34,12 +34,12 @@ import jax.extend as jex
 import jax.numpy as jnp
 import numpy as np
 
-from jax_cute.primitives.activations import FUNCTIONS, GATED
+from jax_cute.activations import REGISTRY, names
 
 Literal = jex.core.Literal
 
 # jax_cute's elementwise activation names and the jax.nn functions whose traces are matched
-ACTIVATION_FUNCTIONS: dict[str, Callable] = {k: f for k, f in FUNCTIONS.items() if k not in GATED}
+ACTIVATION_FUNCTIONS: dict[str, Callable] = {k: REGISTRY[k].function for k in names(matched=True)}
 _OUTPUT_DTYPES = {np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32)}
 
 

@@ -49,10 +49,11 @@ from jax.interpreters import partial_eval as pe
 from jax_cute import config
 from jax_cute.dispatch import FallbackError, target_arch
 from jax_cute.epilogue_match import Epilogue, find_chains, find_epilogues
+from jax_cute.primitives.dot_dtypes import acc_dtype
 from jax_cute.primitives.dot_general import chained_dot_general
-from jax_cute.primitives.matmul import _acc_dtype
-from jax_cute.primitives.ragged_dot import ragged_dot, ragged_k_p, ragged_m_p
-from jax_cute.primitives.ragged_layouts import RAGGED_K, RAGGED_M, cotangent, ragged_dot_layouts
+from jax_cute.primitives.grouped import PRIMITIVES as _GROUPED
+from jax_cute.primitives.ragged_dot import ragged_dot
+from jax_cute.problem.ragged_layouts import cotangent, ragged_dot_layouts
 
 logger = logging.getLogger("jax_cute")
 
@@ -67,7 +68,6 @@ ENTERED = frozenset({"jit", "pjit", "closed_call", "core_call", "call", "eval_ja
 _KERNEL_INPUTS = {np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float8_e4m3fn),
                   np.dtype(jnp.float8_e5m2)}
 _KERNEL_OUTPUTS = {np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32)}
-_GROUPED = {RAGGED_M: ragged_m_p, RAGGED_K: ragged_k_p}
 _RAGGED_DOT = ((((1,), (1,)), ((), ())), (0,), (0,))      # lax.ragged_dot: lhs [M,K], rhs [G,K,N]
 _RAGGED_DOT_DLHS = ((((1,), (2,)), ((), ())), (0,), (0,))  # its lhs gradient: dC [M,N], rhs [G,K,N]
 _RAGGED_DOT_DRHS = ((((0,), (0,)), ((), ())), (0,), ())    # its rhs gradient: lhs [M,K], dC [M,N]
@@ -187,7 +187,7 @@ def _ragged(lhs, rhs, group_sizes, *, ragged_dot_dimension_numbers, preferred_el
         (m, k), (_, n), g = lhs.shape, rhs.shape, group_sizes.shape[0]
         cot, bufs = cotangent(ragged_dot_layouts(m, k, g, n), "b", (g, k, n)), {"a": lhs, "c": rhs}
     assert not cot.extra and cot.layouts.c_shape == tuple(out_aval.shape), (cot, out_aval)
-    acc = _acc_dtype(np.dtype(lhs.dtype))
+    acc = acc_dtype(*(np.dtype(lhs.dtype),) * 3)
     return _GROUPED[cot.layouts.mode].bind(
         bufs[cot.operands[0]], bufs[cot.operands[1]], group_sizes.astype(jnp.int32), layouts=cot.layouts,
         out_dtype=np.dtype(out_aval.dtype).name, acc_dtype=np.dtype(acc).name)

@@ -31,7 +31,7 @@ TOL = 1e-4  # float32: max abs difference over every element, relative to the la
 
 def _choose(a_shape, b_shape, specs, result, *, transpose_a=False, transpose_b=False, mesh=None, mode="bidirectional"):
     from jax_cute.primitives.collective import choose
-    from jax_cute.primitives.gemm_layouts import matmul_layouts
+    from jax_cute.problem.gemm_layouts import matmul_layouts
     from jax_cute.primitives.sharding import problem
 
     layouts, _ = matmul_layouts(a_shape, b_shape, transpose_a, transpose_b)

@@ -19,10 +19,9 @@ from jax.interpreters import partial_eval as pe
 from jax.test_util import check_grads
 
 import jax_cute
-from jax_cute.primitives.activations import FUNCTIONS
+from jax_cute.activations import REGISTRY
 from jax_cute.primitives.dact import dact_p, operand_p
 from jax_cute.primitives.dot_general import chained_dot_general, contraction_layouts
-from jax_cute.primitives.matmul import matmul_p
 
 ACTS = ("relu", "gelu", "gelu_exact", "silu")
 DN = (((1,), (0,)), ((), ()))
@@ -39,7 +38,7 @@ def _close(got, want, tol=2e-5):
 
 
 def _deriv(act, z):
-    return jax.vmap(jax.grad(lambda v: FUNCTIONS[act](v)))(z.reshape(-1)).reshape(z.shape)
+    return jax.vmap(jax.grad(lambda v: REGISTRY[act].function(v)))(z.reshape(-1)).reshape(z.shape)
 
 
 def _layouts(m, k, n):
@@ -49,12 +48,12 @@ def _layouts(m, k, n):
 
 def _dact(a, b, z, act, out_dtype=F32):
     lay = _layouts(a.shape[0], a.shape[1], b.shape[1])
-    return dact_p.bind(a, b, z, gemm=matmul_p, layouts=lay, z_layout=lay.c, activation=act,
+    return dact_p.bind(a, b, z, layouts=lay, z_layout=lay.c, activation=act,
                        out_dtype=np.dtype(out_dtype).name, acc_dtype="float32", precision=None)
 
 
 def _operand(x, w, z, act):
-    return operand_p.bind(x, w, z, gemm=matmul_p, which="a", layouts=_layouts(x.shape[0], x.shape[1], w.shape[1]),
+    return operand_p.bind(x, w, z, which="a", layouts=_layouts(x.shape[0], x.shape[1], w.shape[1]),
                           activation=act, out_dtype="float32", acc_dtype="float32", precision=None)
 
 
@@ -114,7 +113,7 @@ def test_operand_transposes_into_dact():
 
 def _mlp(x, w1, b1, w2, b2, act, dtype=BF16):
     h = jnp.einsum("btd,df->btf", x.astype(dtype), w1.astype(dtype), preferred_element_type=F32) + b1
-    h = FUNCTIONS[act](h).astype(dtype)
+    h = REGISTRY[act].function(h).astype(dtype)
     return x + jnp.einsum("btf,fd->btd", h, w2.astype(dtype), preferred_element_type=F32) + b2
 
 

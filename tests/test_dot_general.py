@@ -12,7 +12,7 @@ from jax.test_util import check_grads
 import jax_cute
 from jax_cute import config
 from jax_cute.primitives.dot_general import contraction_layouts
-from jax_cute.primitives.gemm_plan import flatten_gemm
+from jax_cute.problem.gemm_plan import flatten_gemm
 
 
 def rand(shape, dtype=np.float32, seed=0):

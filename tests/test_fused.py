@@ -18,7 +18,7 @@ from jax.test_util import check_grads
 
 import jax_cute
 from jax_cute import config
-from jax_cute.primitives.fused import ACTIVATIONS, apply_activation
+from jax_cute.activations import ACTIVATIONS, apply_activation
 
 ACTS = (None,) + ACTIVATIONS
 BIASES = ("none", "row", "full")

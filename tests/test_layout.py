@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from jax_cute import layout as L
 from jax_cute.layout import Layout, insert_axis, make_layout, read, row_major, write
-from jax_cute.primitives.gemm_layouts import refine
+from jax_cute.problem.gemm_layouts import refine
 
 small_shapes = st.lists(st.integers(1, 4), min_size=1, max_size=4).map(tuple)
 

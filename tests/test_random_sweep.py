@@ -112,8 +112,8 @@ def test_a_rewritten_problem_is_the_product(spec, sa, sb):
     into the requested layout), checked on the CPU with the reference product standing in for
     the kernel."""
     from jax_cute.primitives.dot_general import contraction_layouts
-    from jax_cute.primitives.gemm_plan import Rewrite, canonical_output, canonical_problem
-    from jax_cute.primitives.matmul import reference
+    from jax_cute.problem.gemm_plan import Rewrite, canonical_output, canonical_problem
+    from jax_cute.primitives.gemm import reference
 
     lhs, rest = spec.split(",")
     rhs, out = rest.split("->")

@@ -65,7 +65,7 @@ def test_localize_axis_split_into_sub_modes():
 
 
 def test_factors_of_a_gemm_and_the_shardy_rule():
-    from jax_cute.primitives.gemm_layouts import matmul_layouts
+    from jax_cute.problem.gemm_layouts import matmul_layouts
     from jax_cute.primitives.sharding import problem, sharding_rule
 
     layouts, _ = matmul_layouts((16, 32), (32, 64), False, False)
@@ -80,7 +80,7 @@ def test_an_axis_split_across_modes_that_cannot_follow_a_sharding_is_replicated(
     """A's rows read as M = (4, 2):(2K, K) (row 2*i0 + i1), the output's rows row-major: the slow
     part of A's axis is M's fast sub-mode, so no block sharding of A's rows is a block of C's."""
     from jax_cute.layout import Layout, make_layout
-    from jax_cute.primitives.gemm_layouts import GemmLayouts
+    from jax_cute.problem.gemm_layouts import GemmLayouts
     from jax_cute.primitives.sharding import plan, problem, sharding_rule
 
     k, n = 4, 6
@@ -96,7 +96,7 @@ def test_an_axis_split_across_modes_that_cannot_follow_a_sharding_is_replicated(
 
 
 def test_ragged_rows_shard_by_their_slowest_factor_and_groups_stay_replicated():
-    from jax_cute.primitives.ragged_layouts import ragged_dot_layouts
+    from jax_cute.problem.ragged_layouts import ragged_dot_layouts
     from jax_cute.primitives.sharding import problem, sharding_rule
 
     p = problem(ragged_dot_layouts(64, 32, 8, 16), [(64, 32), (8, 32, 16), (8,)])
@@ -420,8 +420,8 @@ def _worker() -> dict:
     import sharded_layers as ex
 
     from jax_cute.layout import Layout, make_layout
-    from jax_cute.primitives.gemm_layouts import GemmLayouts
-    from jax_cute.primitives.matmul import matmul_p
+    from jax_cute.problem.gemm_layouts import GemmLayouts
+    from jax_cute.primitives.gemm import matmul_p
 
     assert len(jax.devices()) == DEVICES
     mesh = ex.auto_mesh((2, 4), ("data", "model"))

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import math
 
-ACTIVATIONS = ("relu", "gelu", "gelu_exact", "silu")
-# gated activations: the product's N holds [gate | up] halves and the output has N/2 columns
-GATED = ("swiglu",)
+# the names to emit, from the registry: elementwise ones, and gated ones (the product's N holds
+# [gate | up] halves and the output has N/2 columns)
+from jax_cute.activations import KERNEL_ELEMENTWISE as ACTIVATIONS, KERNEL_GATED as GATED
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _SQRT_HALF = math.sqrt(0.5)

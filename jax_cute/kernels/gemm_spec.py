@@ -46,6 +46,51 @@ def _operand(name: str, dtype: str, rank: int, major: int) -> TensorArg:
     return TensorArg(name, dtype, (DYN,) * rank, stride, align=16)
 
 
+# Kernels count extents and tiles in 32 bits: descriptor shapes are int32, tile counts and
+# indices Int32, and rounding an extent up to whole tiles adds up to a tile, hence the margin.
+MAX_EXTENT = 2**31 - 2**16
+MAX_TILES = 2**31 - 1
+RAGGED_EXTENT = 2**30   # a grouped launch's ragged mode (kernels/sm90_gemm.py's notes)
+_SMALLEST_TILE = 64
+
+
+def int32_refusal(m: int, n: int, k: int, l: int, g: int | None = None, ragged: str | None = None) -> str | None:
+    """Why a problem of these extents is past the kernels' 32-bit arithmetic, or None.
+    Grouped problems give ``g`` and their ragged mode (``"M"`` or ``"K"``)."""
+    named = {"M": m, "N": n, "K": k, "L": l, **({} if g is None else {"G": g})}
+    for name, v in named.items():
+        if v > MAX_EXTENT:
+            return f"{name}={v} is past the kernels' int32 extents (at most {MAX_EXTENT})"
+    if ragged is not None and named[ragged] > RAGGED_EXTENT:
+        return (f"{ragged}={named[ragged]} is past the grouped kernels' TMA extent for one group "
+                f"({RAGGED_EXTENT} rows)")
+    mt, nt = -(-m // _SMALLEST_TILE), -(-n // _SMALLEST_TILE)
+    tiles = mt * nt * l if g is None else ((mt + g) * nt * l if ragged == "M" else g * mt * nt * l)
+    if tiles > MAX_TILES:
+        return f"{tiles} output tiles of {_SMALLEST_TILE}x{_SMALLEST_TILE} are past the kernels' int32 tile count"
+    return None
+
+
+def gated_output(shape: tuple[int, ...], stride: tuple[int, ...], major: str, padded: bool, n: int,
+                 columns: int) -> tuple[tuple[int, ...], tuple[int, ...]] | str:
+    """A gated activation's output as a kernel writes it, given C's flat (M, N, *batch) ``shape``
+    and ``stride`` for the product's ``n`` columns: (shape, stride) of N/2 columns of an N-major
+    C whose every other stride counts whole rows of N, or why the kernel cannot write it.
+    ``columns``: the family's block of paired gate and up columns (its ``GATED_COLUMNS``);
+    ``padded``: C's buffer was padded for alignment."""
+    if major != "n" or padded:
+        return "a gated output needs an unpadded C contiguous along N"
+    if len(shape) > 3:
+        return "a gated output takes one batch mode (the paired N spends three TMA dimensions)"
+    if (n // 2) % columns:
+        return f"kernels pair gate and up columns in blocks of {columns}: N/2 = {n // 2} is not a multiple"
+    if any(s % n for i, (e, s) in enumerate(zip(shape, stride)) if i != 1 and e > 1):
+        return "C's row strides are not whole multiples of N"
+    # (an extent-1 mode's stride is never used; N/2 keeps it aligned)
+    return ((shape[0], n // 2, *shape[2:]),
+            tuple(1 if i == 1 else (s // 2 if s % n == 0 else n // 2) for i, s in enumerate(stride)))
+
+
 @dataclasses.dataclass(frozen=True)
 class GemmSpec:
     """Static part of a dense GEMM: dtypes and which mode of each operand is contiguous.

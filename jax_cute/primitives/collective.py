@@ -235,15 +235,15 @@ def _body(ring: Ring, call, ms: Mapping[str, int]) -> Callable:
     def gemm(dtype: np.dtype, **ops):
         args = [ops[name] for name in names]
         chunk_params = {**params, "layouts": chunk_layouts, "out_dtype": dtype.name}
-        return call.local(sharding._avals(args), chunk_params)(*args)
+        return call.local(sharding.plain_avals(args), chunk_params)(*args)
 
     def block(x, axis: int, extent: int, j):
         return jax.lax.dynamic_slice_in_dim(x, j * extent, extent, axis)
 
-    @sharding._traced_unmeshed
+    @sharding.traced_unmeshed
     def lower_fn(*args):
         ops = dict(zip(names, args))
-        idx = sharding._shard_index(ring.axes, ms)
+        idx = sharding.shard_index(ring.axes, ms)
         at = lambda offset: jax.lax.rem(idx + offset % n, n)  # noqa: E731 - ring position idx + offset
         if ring.kind == SCATTER:
             out = _scatter_steps(ring, ops, gemm, block, at, chunk_shapes[names.index(ring.operand)], out_dtype)

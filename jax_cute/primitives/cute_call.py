@@ -25,6 +25,7 @@ from jax_cute import dispatch
 from jax_cute.custom_call import kernel_call
 from jax_cute.kernels import abi
 from jax_cute.layout import row_major
+from jax_cute.primitives.rules import eager
 
 cute_call_p = core.Primitive("jax_cute_call")
 cute_call_p.multiple_results = True
@@ -83,11 +84,7 @@ def _abstract_eval(*avals, out_avals, **_):
 cute_call_p.def_abstract_eval(_abstract_eval)
 
 
-def _eager(*args, **params):
-    return jax.jit(functools.partial(cute_call_p.bind, **params))(*args)
-
-
-cute_call_p.def_impl(_eager)
+cute_call_p.def_impl(functools.partial(eager, cute_call_p))
 
 
 def _reference_lowering(ctx, *args, kernel: UserKernel, name, **_):

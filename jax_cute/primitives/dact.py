@@ -13,7 +13,7 @@ reads it back with ``z`` to multiply; here that GEMM multiplies in its epilogue 
 - ``jax_cute_matmul_dact`` (``dact_p``): ``act'(Z) ⊙ (A · B)``, ``Z`` read through a layout of
   its own at C's (M, N, L) coordinates, in float32 on the accumulator and rounded once. It is
   ``operand_p``'s transpose with respect to ``X``: on CUDA the GEMM kernel's epilogue reads
-  ``Z`` (``dispatch.dact_gemm``); elsewhere the GEMM with a float32 output, then the multiply
+  ``Z`` (``dispatch.gemm``); elsewhere the GEMM with a float32 output, then the multiply
   in XLA.
 
 Both are linear in the GEMM's operands; their JVP in ``Z`` is that of the XLA form. Batching
@@ -21,7 +21,7 @@ composes layouts as ``jax_cute_matmul``'s does, ``Z`` kept aligned with what it 
 transposes into the other where the GEMM's transpose is a plain permutation of modes, and
 otherwise into the GEMM's own transpose and an XLA multiply. The derivative is ``jax.jvp`` of
 the ``jax.nn`` activation (``activations.derivative_times``), as XLA computes it unfused. The
-GEMM primitive is a parameter (``gemm``), as in ``fused.py``.
+GEMM primitive is ``gemm.matmul_p``.
 """
 
 from __future__ import annotations
@@ -31,20 +31,15 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src import dispatch as jax_dispatch  # no public API marks a primitive as needing devices
-from jax.extend import core
-from jax.interpreters import ad, batching, mlir
+from jax.interpreters import ad, mlir
 
-from jax_cute import dispatch
+from jax_cute.dispatch import GemmRequest
 from jax_cute import layout as L
+from jax_cute.activations import derivative_times, epilogue_dtype
 from jax_cute.layout import Layout
-from jax_cute.primitives import sharding
-from jax_cute.primitives.activations import derivative_times, epilogue_dtype
-from jax_cute.primitives.gemm_layouts import GemmLayouts, batched_gemm, batched_layout, cotangent_a, cotangent_b
-
-dact_p = core.Primitive("jax_cute_matmul_dact")
-operand_p = core.Primitive("jax_cute_matmul_dact_operand")
-
+from jax_cute.primitives.gemm import matmul_p
+from jax_cute.primitives.rules import batch_rule, epilogue_lowering, gemm_primitive
+from jax_cute.problem.gemm_layouts import GemmLayouts, batched_layout, cotangent_a, cotangent_b
 
 def _z_in_c(z, z_layout: Layout, layouts: GemmLayouts, dtype):
     """Z as a buffer shaped like C (broadcast where its layout has stride 0)."""
@@ -57,45 +52,36 @@ def _zero_like(aval):
 
 # -- dact_p: act'(Z) ⊙ (A · B) --------------------------------------------------------------------
 
-def _dact_abstract_eval(a, b, z, *, gemm, layouts: GemmLayouts, z_layout: Layout, activation, out_dtype,
+def _dact_abstract_eval(a, b, z, *, layouts: GemmLayouts, z_layout: Layout, activation, out_dtype,
                         acc_dtype, precision=None):
-    del gemm, activation, acc_dtype, precision
+    del activation, acc_dtype, precision
     for name, x, lay in (("a", a, layouts.a), ("b", b, layouts.b), ("z", z, z_layout)):
         if int(np.prod(x.shape)) < lay.cosize():
             raise ValueError(f"jax_cute_matmul_dact: layout {lay} of {name} reaches past its buffer {x.shape}")
     return jax.core.ShapedArray(tuple(layouts.c_shape), np.dtype(out_dtype))
 
 
-dact_p.def_abstract_eval(_dact_abstract_eval)
-dact_p.def_impl(lambda *args, **params: jax.jit(functools.partial(dact_p.bind, **params))(*args))
+dact_p = gemm_primitive("jax_cute_matmul_dact", _dact_abstract_eval)
 
 
-def dact_composed(a, b, z, *, gemm, layouts: GemmLayouts, z_layout: Layout, activation, out_dtype, acc_dtype,
+def dact_composed(a, b, z, *, layouts: GemmLayouts, z_layout: Layout, activation, out_dtype, acc_dtype,
                   precision=None):
     """The GEMM primitive with a float32 (epilogue dtype) output, then the multiply in XLA."""
     epi = epilogue_dtype(acc_dtype)
-    acc = gemm.bind(a, b, layouts=layouts, out_dtype=epi.name, acc_dtype=acc_dtype, precision=precision)
+    acc = matmul_p.bind(a, b, layouts=layouts, out_dtype=epi.name, acc_dtype=acc_dtype, precision=precision)
     return derivative_times(activation, _z_in_c(z, z_layout, layouts, epi), acc, epi).astype(out_dtype)
 
 
-def _dact_cuda(ctx, a, b, z, *, gemm, **params):
-    """On one shard, the GEMM kernel with the derivative in its epilogue where dispatch picks one;
-    otherwise (a partitioned call too: the GEMM primitive partitions itself) ``dact_composed``."""
-    composed = functools.partial(dact_composed, gemm=gemm, **params)
-    if sharding._one_shard(ctx.module_context.axis_context):
-        impl = dispatch.dact_gemm(*ctx.avals_in, reference=composed, **params)
-        if impl is not None:
-            return mlir.lower_fun(impl, multiple_results=False)(ctx, a, b, z)
-    return mlir.lower_fun(composed, multiple_results=False)(ctx, a, b, z)
+def _request(avals: tuple, params: dict) -> GemmRequest:
+    return GemmRequest(avals, params["layouts"], params["out_dtype"], params["acc_dtype"], epilogue=True,
+                       dact=params["activation"], z_layout=params["z_layout"])
 
 
-jax_dispatch.prim_requires_devices_during_lowering.add(dact_p)
 mlir.register_lowering(dact_p, mlir.lower_fun(dact_composed, multiple_results=False))
-mlir.register_lowering(dact_p, _dact_cuda, platform="cuda")
-
-
-def _size(args, dims) -> int:
-    return next(x.shape[d] for x, d in zip(args, dims) if d is not None)
+# On one shard, the GEMM kernel with the derivative in its epilogue where dispatch picks one;
+# otherwise (a partitioned call too: the GEMM primitive partitions itself) ``dact_composed``.
+mlir.register_lowering(dact_p, epilogue_lowering(_request, dact_composed, dact_composed, multiple_results=False),
+                       platform="cuda")
 
 
 def align_batch(x, dim: int | None, size: int, target: int):
@@ -105,15 +91,12 @@ def align_batch(x, dim: int | None, size: int, target: int):
     return jnp.moveaxis(x, dim, target)
 
 
-def _dact_batch(args, dims, *, layouts: GemmLayouts, z_layout: Layout, **params):
-    a, b, z = args
-    size = _size(args, dims)
-    new = batched_gemm(layouts, a.shape, b.shape, dims[0], dims[1], size)
-    return dact_p.bind(a, b, z, layouts=new, z_layout=batched_layout(z_layout, z.shape, dims[2], size, 2),
-                       **params), 0
+def _batch_z_layout(args: list, dims: list, size: int, params: dict) -> tuple[list, list, dict]:
+    params["z_layout"] = batched_layout(params["z_layout"], args[2].shape, dims[2], size, 2)
+    return args, dims, params
 
 
-batching.primitive_batchers[dact_p] = _dact_batch
+batch_rule(dact_p, _batch_z_layout)
 
 
 def _bilinear_jvp(prim, composed):
@@ -139,7 +122,7 @@ def _bilinear_jvp(prim, composed):
 ad.primitive_jvps[dact_p] = _bilinear_jvp(dact_p, dact_composed)
 
 
-def _dact_transpose(ct, a, b, z, *, gemm, layouts: GemmLayouts, z_layout: Layout, activation, out_dtype,
+def _dact_transpose(ct, a, b, z, *, layouts: GemmLayouts, z_layout: Layout, activation, out_dtype,
                     acc_dtype, precision=None):
     """The cotangent scaled by act'(Z) in XLA, then the GEMM's own transpose (a
     second-order derivative's path: the backward pass never transposes this primitive)."""
@@ -149,7 +132,7 @@ def _dact_transpose(ct, a, b, z, *, gemm, layouts: GemmLayouts, z_layout: Layout
         return [None if not ad.is_undefined_primal(x) else ad.Zero(x.aval) for x in (a, b)] + [None]
     epi = epilogue_dtype(acc_dtype)
     s = derivative_times(activation, _z_in_c(z, z_layout, layouts, epi), ct, epi).astype(ct.dtype)
-    cts = ad.get_primitive_transpose(gemm)(s, a, b, layouts=layouts, out_dtype=out_dtype, acc_dtype=acc_dtype,
+    cts = ad.get_primitive_transpose(matmul_p)(s, a, b, layouts=layouts, out_dtype=out_dtype, acc_dtype=acc_dtype,
                                            precision=precision)
     return list(cts) + [None]
 
@@ -163,50 +146,48 @@ def _operands(x, w, which: str) -> tuple:
     return (x, w) if which == "a" else (w, x)
 
 
-def _operand_abstract_eval(x, w, z, *, gemm, which, layouts: GemmLayouts, activation, out_dtype, acc_dtype,
+def _operand_abstract_eval(x, w, z, *, which, layouts: GemmLayouts, activation, out_dtype, acc_dtype,
                            precision=None):
     del activation
     if tuple(z.shape) != tuple(x.shape):
         raise ValueError(f"jax_cute_matmul_dact_operand: Z {z.shape} is not shaped like its operand {x.shape}")
-    return gemm.abstract_eval(*_operands(x, w, which), layouts=layouts, out_dtype=out_dtype, acc_dtype=acc_dtype,
+    return matmul_p.abstract_eval(*_operands(x, w, which), layouts=layouts, out_dtype=out_dtype, acc_dtype=acc_dtype,
                               precision=precision)[0]
 
 
-operand_p.def_abstract_eval(_operand_abstract_eval)
-operand_p.def_impl(lambda *args, **params: jax.jit(functools.partial(operand_p.bind, **params))(*args))
+operand_p = gemm_primitive("jax_cute_matmul_dact_operand", _operand_abstract_eval)
 
 
 def _scaled_operand(x, z, activation: str, acc_dtype):
     return derivative_times(activation, z, x, epilogue_dtype(acc_dtype)).astype(x.dtype)
 
 
-def operand_composed(x, w, z, *, gemm, which, layouts: GemmLayouts, activation, out_dtype, acc_dtype,
+def operand_composed(x, w, z, *, which, layouts: GemmLayouts, activation, out_dtype, acc_dtype,
                      precision=None):
     """act'(Z) ⊙ X in XLA (rounded to X's dtype), then the GEMM primitive."""
     s = _scaled_operand(x, z, activation, acc_dtype)
-    return gemm.bind(*_operands(s, w, which), layouts=layouts, out_dtype=out_dtype, acc_dtype=acc_dtype,
-                     precision=precision)
+    return matmul_p.bind(*_operands(s, w, which), layouts=layouts, out_dtype=out_dtype, acc_dtype=acc_dtype,
+                         precision=precision)
 
 
-jax_dispatch.prim_requires_devices_during_lowering.add(operand_p)
 mlir.register_lowering(operand_p, mlir.lower_fun(operand_composed, multiple_results=False))
 
 
-def _operand_batch(args, dims, *, which, layouts: GemmLayouts, **params):
-    x, w, z = args
-    dx, dw, dz = dims
-    size = _size(args, dims)
-    if dz != dx:   # Z is read through X's layout: give it X's batch axis
+def _batch_z(args: list, dims: list, size: int, params: dict) -> tuple[list, list, dict]:
+    """Z is read through X's layout: give it X's batch axis."""
+    (x, w, z), (dx, dw, dz) = args, dims
+    if dz != dx:
         if dx is None:
             x, dx = align_batch(x, None, size, 0), 0
         z = align_batch(z, dz, size, dx)
-    a, b = _operands(x, w, which)
-    (da, db), (sa, sb) = _operands(dx, dw, which), (a.shape, b.shape)
-    new = batched_gemm(layouts, sa, sb, da, db, size)
-    return operand_p.bind(x, w, z, which=which, layouts=new, **params), 0
+    return [x, w, z], [dx, dw, dx], params
 
 
-batching.primitive_batchers[operand_p] = _operand_batch
+def _layout_operands(args: list, dims: list, params: dict) -> tuple[list, list]:
+    return list(_operands(args[0], args[1], params["which"])), list(_operands(dims[0], dims[1], params["which"]))
+
+
+batch_rule(operand_p, _batch_z, _layout_operands)
 
 
 ad.primitive_jvps[operand_p] = _bilinear_jvp(operand_p, operand_composed)
@@ -219,7 +200,7 @@ def _plain_permutation(layouts: GemmLayouts, which: str) -> bool:
     return not any(d == 0 and s > 1 for s, d in lay.mode(2).flat_modes())
 
 
-def _operand_transpose(ct, x, w, z, *, gemm, which, layouts: GemmLayouts, activation, out_dtype, acc_dtype,
+def _operand_transpose(ct, x, w, z, *, which, layouts: GemmLayouts, activation, out_dtype, acc_dtype,
                        precision=None):
     """With respect to X: ``act'(Z) ⊙ (ct · Wᵀ)`` as one ``jax_cute_matmul_dact`` (the derivative
     in the gradient GEMM's epilogue, Z read exactly as that GEMM writes X's buffer) where X is a
@@ -230,7 +211,7 @@ def _operand_transpose(ct, x, w, z, *, gemm, which, layouts: GemmLayouts, activa
     gemm_params = dict(layouts=layouts, out_dtype=out_dtype, acc_dtype=acc_dtype, precision=precision)
     if type(ct) is ad.Zero:
         return [ad.Zero(v.aval) if ad.is_undefined_primal(v) else None for v in (x, w)] + [None]
-    transpose = ad.get_primitive_transpose(gemm)
+    transpose = ad.get_primitive_transpose(matmul_p)
     if ad.is_undefined_primal(w):
         s = _scaled_operand(x, z, activation, acc_dtype)
         cts = transpose(ct, *_operands(s, w, which), **gemm_params)
@@ -239,7 +220,7 @@ def _operand_transpose(ct, x, w, z, *, gemm, which, layouts: GemmLayouts, activa
     if dtype.itemsize == 2 and jnp.issubdtype(dtype, jnp.floating) and _plain_permutation(layouts, which):
         folded = (cotangent_a if which == "a" else cotangent_b)(layouts, x.aval.shape)
         # (Z has X's buffer and layout, which the gradient GEMM writes through folded.c)
-        return [dact_p.bind(ct.astype(dtype), w, z, gemm=gemm, layouts=folded, z_layout=folded.c,
+        return [dact_p.bind(ct.astype(dtype), w, z, layouts=folded, z_layout=folded.c,
                             activation=activation, out_dtype=dtype.name, acc_dtype=acc_dtype,
                             precision=precision), None, None]
     cts = transpose(ct, *_operands(x, w, which), **gemm_params)

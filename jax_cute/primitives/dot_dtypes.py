@@ -59,3 +59,10 @@ def inputs_name(da, db) -> str:
     """The operands' dtype as the kernels' dtype tables name it ("a x b" when they differ)."""
     da, db = np.dtype(da).name, np.dtype(db).name
     return da if da == db else f"{da} x {db}"
+
+
+def cotangent_dtype(ct, operand_dtype):
+    """``ct`` in ``operand_dtype``. Mixed precision: an f32 cotangent of a 16-bit GEMM is rounded
+    once to the operand dtype, so the gradient GEMMs run on the 16-bit kernels as training
+    frameworks do."""
+    return ct.astype(operand_dtype) if ct.dtype != operand_dtype else ct

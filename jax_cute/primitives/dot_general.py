@@ -19,8 +19,9 @@ import numpy as np
 import opt_einsum
 
 from jax_cute.layout import Layout, make_layout, row_major, stride_of
-from jax_cute.primitives.fused import activated, check_bias_broadcasts, check_swiglu, checked_options, epilogue_dtype
-from jax_cute.primitives.gemm_layouts import GemmLayouts
+from jax_cute.activations import check_gated_columns, epilogue_dtype, is_gated
+from jax_cute.primitives.fused import activated, check_bias_broadcasts, checked_options
+from jax_cute.problem.gemm_layouts import GemmLayouts
 from jax_cute.primitives.matmul import bind_gemm, check_operand_dtypes, operand_dtype_error
 from jax_cute.primitives.sharding import constrain
 
@@ -157,7 +158,7 @@ def einsum(subscripts: str, *operands, precision=None, preferred_element_type=No
             arrays.append(_pair(xs[0], names[picked[0]], xs[1], names[picked[1]], removed, result, precision, pet,
                                 bias=bias if last else None, activation=activation if last else None))
     res = arrays[0]
-    assert activation == "swiglu" or res.shape == out.shape, (res.shape, out.shape)   # swiglu halves N
+    assert is_gated(activation) or res.shape == out.shape, (res.shape, out.shape)   # a gated one halves N
     return constrain(res if res.dtype == pet else res.astype(pet), out_sharding)
 
 
@@ -243,8 +244,8 @@ def _xla_epilogue(op: str, product, arrays, out_dtype, bias, activation):
     fused path's checks and numerics: the product in float32 (or wider), rounded once."""
     bias = checked_options(op, out_dtype, bias, activation)
     z = product(*arrays, preferred_element_type=epilogue_dtype(out_dtype))
-    if activation == "swiglu":
-        check_swiglu(op, activation, z.shape[-1] if z.ndim else 1)
+    if is_gated(activation):
+        check_gated_columns(op, activation, z.shape[-1] if z.ndim else 1)
     if bias is not None:
         check_bias_broadcasts(op, bias.shape, z.shape)
         z = z + bias.astype(z.dtype)

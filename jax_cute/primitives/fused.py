@@ -10,11 +10,11 @@ One place for each rule, as in ``matmul.py``:
 - abstract evaluation: ``y`` (and, with ``preact``, the pre-activation ``z``);
 - lowering (CPU, and wherever no fused kernel runs): the GEMM primitive with a float32 output,
   then the epilogue in XLA (``composed``), which XLA fuses into one elementwise pass;
-- CUDA: ``dispatch.fused_gemm``'s kernel on one device, whose epilogue adds the bias and
+- CUDA: ``dispatch.gemm``'s kernel on one device, whose epilogue adds the bias and
   applies the activation (swiglu: each tile holds gate columns and the up columns they pair
   with) and, with ``preact``, also writes ``z``; otherwise ``composed``, logged at INFO;
-- batching: a vmapped axis becomes an L sub-mode of every operand, the bias included (stride 0
-  where it is unbatched), layouts re-targeted by composition;
+- batching: ``rules.batch_rule``, a vmapped axis an L sub-mode of every operand, the bias
+  included (stride 0 where it is unbatched);
 - autodiff: the JVP binds the primitive with ``preact=True``, so the forward also writes the
   pre-activation ``z`` (rounded to the output dtype, by the same kernel) as the residual; the tangent is
   ``act'(z) * (dA·B + A·dB + dbias)``. Reverse mode transposes that: the cotangent times
@@ -24,8 +24,7 @@ One place for each rule, as in ``matmul.py``:
   ``jax.checkpoint`` around the call (the backward then reruns the forward GEMM):
   benchmarks/bench_fused.py measures both.
 
-The GEMM primitive is a parameter (``gemm``, ``jax_cute_matmul``'s), not an import: the public
-``matmul`` routes here, so this module cannot import it back.
+The GEMM primitive is ``gemm.matmul_p``; the public ``matmul`` (``matmul.py``) binds this one.
 
 ``ragged_dot``'s options are the same epilogue on the grouped GEMM: ``ragged_fused.py``.
 """
@@ -33,27 +32,24 @@ The GEMM primitive is a parameter (``gemm``, ``jax_cute_matmul``'s), not an impo
 from __future__ import annotations
 
 import functools
-import logging
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src import dispatch as jax_dispatch  # no public API marks a primitive as needing devices
-from jax.extend import core
-from jax.interpreters import ad, batching, mlir
+from jax.interpreters import ad, mlir
 from jax.interpreters import partial_eval as pe
 
-from jax_cute import dispatch
 from jax_cute import layout as L
+from jax_cute.activations import (apply_activation, check_activation, check_gated_columns, derivative_times, elementwise,
+                                  epilogue_dtype, is_gated, output_columns)
+from jax_cute.dispatch import GemmRequest
 from jax_cute.layout import Layout
-from jax_cute.primitives import sharding
 from jax_cute.primitives.dact import align_batch, operand_p
-from jax_cute.primitives.activations import (ACTIVATIONS, GATED, apply_activation, check_activation, derivative_times,
-                                             epilogue_dtype)
-from jax_cute.primitives.gemm_layouts import GemmLayouts, batched_gemm, batched_layout
+from jax_cute.primitives.gemm import matmul_p
+from jax_cute.primitives.rules import batch_rule, epilogue_lowering, gemm_primitive
+from jax_cute.problem.gemm_layouts import GemmLayouts, batched_layout
 
-logger = logging.getLogger("jax_cute")
 
 def check_float(op: str, out_dtype, bias) -> None:
     if not jnp.issubdtype(out_dtype, jnp.floating):
@@ -71,20 +67,11 @@ def checked_options(op: str, out_dtype, bias, activation):
     return bias
 
 
-def check_swiglu(op: str, activation, n: int) -> None:
-    if activation == "swiglu" and n % 2:
-        raise ValueError(f"jax_cute.{op}: swiglu needs an even N (b's N holds [gate | up] halves), got N={n}")
-
-
 # -- the primitive ------------------------------------------------------------------------------
-
-fused_p = core.Primitive("jax_cute_matmul_fused")
-fused_p.multiple_results = True
-
 
 def _y_shape(layouts: GemmLayouts, activation) -> tuple[int, ...]:
     c = tuple(layouts.c_shape)
-    return c[:-1] + (c[-1] // 2,) if activation == "swiglu" else c
+    return c[:-1] + (output_columns(activation, c[-1]),)
 
 
 def _split_z(rest: tuple, act_operand) -> tuple[tuple, object]:
@@ -92,9 +79,9 @@ def _split_z(rest: tuple, act_operand) -> tuple[tuple, object]:
     return (rest[:-1], rest[-1]) if act_operand is not None else (rest, None)
 
 
-def _abstract_eval(a, b, *rest, gemm, layouts: GemmLayouts, bias_layout, activation, preact, out_dtype,
+def _abstract_eval(a, b, *rest, layouts: GemmLayouts, bias_layout, activation, preact, out_dtype,
                    acc_dtype, precision=None, act_operand=None):
-    del gemm, acc_dtype, precision
+    del acc_dtype, precision
     bias, z = _split_z(rest, act_operand)
     if z is not None and tuple(z.shape) != tuple((a if act_operand[0] == "a" else b).shape):
         raise ValueError(f"jax_cute_matmul_fused: Z {z.shape} is not shaped like operand {act_operand[0]}")
@@ -103,25 +90,17 @@ def _abstract_eval(a, b, *rest, gemm, layouts: GemmLayouts, bias_layout, activat
                          f"{a.shape} / {b.shape}")
     if bias and int(np.prod(bias[0].shape)) < bias_layout.cosize():
         raise ValueError(f"jax_cute_matmul_fused: bias layout {bias_layout} reaches past its buffer {bias[0].shape}")
-    if activation == "swiglu":
+    if is_gated(activation):
         n_mode = layouts.c.mode(1).coalesce().flat_modes()
         if n_mode != ((layouts.c_shape[-1], 1),):
-            raise ValueError(f"jax_cute_matmul_fused: swiglu needs N as C's last buffer axis ({layouts.c})")
+            raise ValueError(f"jax_cute_matmul_fused: {activation} needs N as C's last buffer axis ({layouts.c})")
     out = [jax.core.ShapedArray(_y_shape(layouts, activation), np.dtype(out_dtype))]
     if preact:
         out.append(jax.core.ShapedArray(tuple(layouts.c_shape), np.dtype(out_dtype)))
     return out
 
 
-fused_p.def_abstract_eval(_abstract_eval)
-
-
-def _eager(*args, **params):
-    # Outside jit, run the primitive as a one-op jitted computation (like jax's own primitives).
-    return jax.jit(functools.partial(fused_p.bind, **params))(*args)
-
-
-fused_p.def_impl(_eager)
+fused_p = gemm_primitive("jax_cute_matmul_fused", _abstract_eval, multiple_results=True)
 
 
 def _bias_in_c(bias, bias_layout: Layout, layouts: GemmLayouts, dtype):
@@ -144,10 +123,10 @@ def activated(z, *, activation, preact, out_dtype) -> list:
     return out
 
 
-def composed(a, b, *bias, gemm, layouts: GemmLayouts, bias_layout, activation, preact, out_dtype, acc_dtype,
+def composed(a, b, *bias, layouts: GemmLayouts, bias_layout, activation, preact, out_dtype, acc_dtype,
              precision=None) -> list:
     """The GEMM primitive with a float32 (epilogue dtype) output, then the epilogue in XLA."""
-    acc = gemm.bind(a, b, layouts=layouts, out_dtype=epilogue_dtype(acc_dtype).name, acc_dtype=acc_dtype,
+    acc = matmul_p.bind(a, b, layouts=layouts, out_dtype=epilogue_dtype(acc_dtype).name, acc_dtype=acc_dtype,
                     precision=precision)
     return epilogue(acc, bias[0] if bias else None, layouts=layouts, bias_layout=bias_layout,
                     activation=activation, preact=preact, out_dtype=out_dtype)
@@ -165,8 +144,6 @@ def reference(a, b, *bias, layouts: GemmLayouts, bias_layout, activation, preact
                     activation=activation, preact=preact, out_dtype=out_dtype)
 
 
-# The fused call holds the GEMM primitive's lowering, which partitions through
-# custom_partitioning: that needs the device assignment while lowering.
 def _without_z(rule: Callable) -> Callable:
     """A lowering rule of the call without Z: the product never reads it, only its JVP does."""
     def lowered(ctx, *args, act_operand=None, **params):
@@ -176,60 +153,51 @@ def _without_z(rule: Callable) -> Callable:
     return lowered
 
 
-jax_dispatch.prim_requires_devices_during_lowering.add(fused_p)
 mlir.register_lowering(fused_p, _without_z(mlir.lower_fun(composed, multiple_results=True)))
 
 
-def kernel_or_composed(kernel: Callable, reference: Callable, composed: Callable, op: str) -> Callable:
-    """The CUDA lowering rule of a fused primitive: on one shard, the fused kernel ``kernel``
-    (a dispatch function, given the avals, ``reference`` and the params) where it picks one;
-    otherwise ``composed``. A partitioned call runs the GEMM primitive (which partitions itself)
-    and the epilogue in XLA, which XLA partitions."""
-    def rule(ctx, *args, gemm, **params):
-        if sharding._one_shard(ctx.module_context.axis_context):
-            impl = kernel(*ctx.avals_in, reference=functools.partial(reference, **params), **params)
-            if impl is not None:
-                return mlir.lower_fun(impl, multiple_results=True)(ctx, *args)
-        else:
-            logger.info("jax_cute.%s: a partitioned fused call runs the GEMM kernel and the epilogue in XLA", op)
-        return mlir.lower_fun(functools.partial(composed, gemm=gemm, **params), multiple_results=True)(ctx, *args)
-    return rule
+def _request(avals: tuple, params: dict) -> GemmRequest:
+    return GemmRequest(avals, params["layouts"], params["out_dtype"], params["acc_dtype"], epilogue=True,
+                       bias=len(avals) > 2, bias_layout=params["bias_layout"], activation=params["activation"],
+                       preact=params["preact"])
 
 
-mlir.register_lowering(fused_p, _without_z(kernel_or_composed(dispatch.fused_gemm, reference, composed, "matmul")),
+PARTITIONED_LOG = "jax_cute.%s: a partitioned fused call runs the GEMM kernel and the epilogue in XLA"
+mlir.register_lowering(fused_p, _without_z(epilogue_lowering(_request, reference, composed, multiple_results=True,
+                                                             partitioned_log=PARTITIONED_LOG % "matmul")),
                        platform="cuda")
 
 
 # -- batching -----------------------------------------------------------------------------------
 
-def _batch_rule(args, dims, *, layouts: GemmLayouts, bias_layout, act_operand=None, **params):
-    size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
+def _batch_operands(args: list, dims: list, size: int, params: dict) -> tuple[list, list, dict]:
+    """The bias's layout batched as the operands', and Z given its operand's batch axis (it is
+    read as that operand is; an unbatched operand of a batched Z cannot be act(Z): the chain is
+    dropped, the product stays as it is)."""
+    act_operand = params.get("act_operand")
     (a, b, *bias), z = _split_z(tuple(args), act_operand)
     if act_operand is not None:
-        # Z is read as its operand is: give it the operand's batch axis (an unbatched operand of a
-        # batched Z cannot be act(Z): the chain is dropped, the product stays as it is)
         (_, dz), d_op = _split_z(tuple(dims), act_operand), dims[0 if act_operand[0] == "a" else 1]
         if d_op is None and dz is not None:
-            act_operand, z = None, None
+            params["act_operand"], z = None, None
+            args, dims = args[:-1], dims[:-1]
         elif dz != d_op:
-            z = align_batch(z, dz, size, d_op)
-    new = batched_gemm(layouts, a.shape, b.shape, dims[0], dims[1], size)
-    new_bias = batched_layout(bias_layout, bias[0].shape, dims[2], size, 2) if bias else None
-    outs = fused_p.bind(a, b, *bias, *([] if z is None else [z]), layouts=new, bias_layout=new_bias,
-                        act_operand=act_operand, **params)
-    return outs, [0] * len(outs)
+            args[-1], dims[-1] = align_batch(z, dz, size, d_op), d_op
+    if bias:
+        params["bias_layout"] = batched_layout(params["bias_layout"], bias[0].shape, dims[2], size, 2)
+    return args, dims, params
 
 
-batching.primitive_batchers[fused_p] = _batch_rule
+batch_rule(fused_p, _batch_operands)
 
 
 # -- autodiff -----------------------------------------------------------------------------------
 
-def _jvp(primals, tangents, *, gemm, layouts: GemmLayouts, bias_layout, activation, preact, out_dtype,
+def _jvp(primals, tangents, *, layouts: GemmLayouts, bias_layout, activation, preact, out_dtype,
          acc_dtype, precision=None, act_operand=None):
     (a, b, *bias), z = _split_z(tuple(primals), act_operand)
     (da, db, *dbias), dz_op = _split_z(tuple(tangents), act_operand)
-    params = dict(gemm=gemm, layouts=layouts, bias_layout=bias_layout, activation=activation,
+    params = dict(layouts=layouts, bias_layout=bias_layout, activation=activation,
                   out_dtype=out_dtype, acc_dtype=acc_dtype, precision=precision)
     outs = fused_p.bind(a, b, *bias, preact=activation is not None or preact, **params)
     epi = epilogue_dtype(acc_dtype)
@@ -243,10 +211,10 @@ def _jvp(primals, tangents, *, gemm, layouts: GemmLayouts, bias_layout, activati
         x, w = (a, b) if which == "a" else (b, a)
         if act_operand is not None and act_operand[0] == which:
             if type(dz_op) is not ad.Zero:
-                terms.append(operand_p.bind(dz_op, w, z, gemm=gemm, which=which, activation=act_operand[1],
+                terms.append(operand_p.bind(dz_op, w, z, which=which, activation=act_operand[1],
                                             **gemm_params))
         elif type(d_op) is not ad.Zero:
-            terms.append(gemm.bind(*((d_op, w) if which == "a" else (w, d_op)), **gemm_params))
+            terms.append(matmul_p.bind(*((d_op, w) if which == "a" else (w, d_op)), **gemm_params))
     if bias and type(dbias[0]) is not ad.Zero:
         terms.append(_bias_in_c(dbias[0], bias_layout, layouts, epi))
     return epilogue_tangents(outs, terms, activation=activation, preact=preact, out_dtype=out_dtype, epi=epi)
@@ -318,11 +286,11 @@ def broadcast_bias_layout(op: str, bias_shape: tuple[int, ...], out_shape: tuple
     return lay
 
 
-def epilogue_call(op: str, gemm, a, b, layouts: GemmLayouts, out_shape: tuple[int, ...], *, bias, activation,
+def epilogue_call(op: str, a, b, layouts: GemmLayouts, out_shape: tuple[int, ...], *, bias, activation,
                   out_dtype, acc_dtype, precision=None, preact: bool = False, act_operand=None):
     """``act(a' @ b' + bias)`` for ``jax_cute.{op}``: ``a``, ``b`` already of one dtype, ``layouts``
     the product's and ``out_shape`` its result's shape (with swiglu: the pre-activation's, whose
-    last axis, N, holds [gate | up]), ``gemm`` the GEMM primitive.
+    last axis, N, holds [gate | up]).
 
     ``bias`` broadcasts against ``out_shape`` by numpy's rules: (N,) (one bias per column, what
     the kernels read), the full shape, or anything between.
@@ -334,13 +302,13 @@ def epilogue_call(op: str, gemm, a, b, layouts: GemmLayouts, out_shape: tuple[in
     out_dtype = np.dtype(out_dtype)
     bias = checked_options(op, out_dtype, bias, activation)
     out_shape = tuple(out_shape)
-    if activation == "swiglu":
+    if is_gated(activation):
         n_mode = layouts.c.mode(1).coalesce().flat_modes()
         if not out_shape or n_mode not in (((out_shape[-1], 1),), ((1, 0),)) or layouts.c_shape[-1] != out_shape[-1]:
-            raise ValueError(f"jax_cute.{op}: swiglu needs the product's last axis to be its only N (rhs free) "
+            raise ValueError(f"jax_cute.{op}: {activation} needs the product's last axis to be its only N (rhs free) "
                              f"axis, holding [gate | up]; the product's shape is {out_shape}")
-        check_swiglu(op, activation, out_shape[-1])
-    if preact and (activation not in ACTIVATIONS or activation in GATED):
+        check_gated_columns(op, activation, out_shape[-1])
+    if preact and not elementwise(activation):
         raise ValueError(f"jax_cute.{op}: the pre-activation output takes an elementwise activation, not {activation}")
     bias_layout, args = None, [a, b]
     if bias is not None:
@@ -350,9 +318,9 @@ def epilogue_call(op: str, gemm, a, b, layouts: GemmLayouts, out_shape: tuple[in
         which, act, z = act_operand
         args.append(jnp.reshape(z, (a if which == "a" else b).shape))
         act_operand = (which, act)
-    outs = fused_p.bind(*args, gemm=gemm, layouts=layouts, bias_layout=bias_layout, activation=activation,
+    outs = fused_p.bind(*args, layouts=layouts, bias_layout=bias_layout, activation=activation,
                         preact=preact, out_dtype=out_dtype.name, acc_dtype=np.dtype(acc_dtype).name,
                         precision=precision, act_operand=act_operand)
-    shape = out_shape[:-1] + (out_shape[-1] // 2,) if activation == "swiglu" else out_shape
+    shape = out_shape[:-1] + (output_columns(activation, out_shape[-1]),) if out_shape else out_shape
     outs = [jnp.reshape(x, shape) if x.shape != shape else x for x in outs]
     return tuple(outs) if preact else outs[0]

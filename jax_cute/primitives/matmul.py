@@ -1,172 +1,29 @@
-"""The ``jax_cute_matmul`` primitive: a GEMM whose operands are read through layouts.
+"""``jax_cute.matmul``: ``jnp.matmul``'s shapes, dtypes and errors, as one ``jax_cute_matmul``.
 
-One place for each rule, as in ``jax/_src/lax``:
-- abstract evaluation: the output buffer's shape and dtype;
-- reference lowering (CPU, and the fallback everywhere): reads the buffers *through the
-  layouts* with reshape/transpose/broadcast and contracts with ``dot_general``;
-- CUDA lowering: the kernel ``jax_cute.dispatch.gemm`` picks (else the reference);
-- batching: a vmapped axis becomes an L sub-mode (stride 0 on an unbatched operand), the
-  layouts re-targeted at the batched buffers by composition, no data moved;
-- autodiff: bilinear; each cotangent is another ``jax_cute_matmul`` over the same buffers with
-  permuted modes (``gemm_layouts.cotangent_a``/``cotangent_b``).
+``bind_gemm`` is where every dense product enters (``matmul``, ``dot_general``, ``einsum``,
+``kernelize``'s products): operands converted as lax converts them, the trace-time check, and
+the GEMM primitive (``gemm.py``) or, with an epilogue, the fused one (``fused.py``).
 """
 
 from __future__ import annotations
 
-import functools
-import logging
-
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.interpreters import ad, batching, mlir
 
 from jax_cute import dispatch
-from jax_cute import layout as L
 from jax_cute.kernels.gemm_spec import dtype_refusal
-from jax_cute.primitives import collective, fused, sharding
+from jax_cute.primitives import fused, sharding
 from jax_cute.primitives.dot_dtypes import acc_dtype, hashable_precision, inputs_name, operand_dtypes
-from jax_cute.primitives.gemm_layouts import (GemmLayouts, batched_gemm, cotangent_a, cotangent_a_partials,
-                                               cotangent_b, cotangent_b_partials, matmul_layouts)
-from jax_cute.primitives.gemm_plan import flatten_gemm
+from jax_cute.primitives.gemm import matmul_p
+from jax_cute.problem.gemm_layouts import GemmLayouts, matmul_layouts
 
-logger = logging.getLogger("jax_cute")
-
-matmul_p = sharding.Primitive("jax_cute_matmul")
-
-
-def _abstract_eval(a, b, *, layouts: GemmLayouts, out_dtype, acc_dtype, precision=None):
-    if int(np.prod(a.shape)) < layouts.a.cosize() or int(np.prod(b.shape)) < layouts.b.cosize():
-        raise ValueError(f"jax_cute_matmul: layouts {layouts.a} / {layouts.b} reach past buffers "
-                         f"{a.shape} / {b.shape}")
-    return sharding.result_aval(matmul_p.name, layouts, (a, b), np.dtype(out_dtype))
-
-
-matmul_p.def_abstract_eval(_abstract_eval)
-
-
-def _eager(*args, **params):
-    # Outside jit, run the primitive as a one-op jitted computation (like jax's own primitives).
-    return jax.jit(functools.partial(matmul_p.bind, **params))(*args)
-
-
-matmul_p.def_impl(_eager)
-
-
-def reference(a, b, *, layouts: GemmLayouts, out_dtype, acc_dtype, precision=None):
-    """The GEMM in plain lax ops, reading and writing through the layouts."""
-    av = L.read(a, layouts.a)  # (M, K, L)
-    bv = L.read(b, layouts.b)  # (N, K, L)
-    acc = np.dtype(acc_dtype)
-    # Widening first is exact (products of 16-bit floats are exact in f32) and every backend's
-    # dot supports it; XLA:CPU has no bf16 x bf16 -> f32 batched dot.
-    av, bv = av.astype(acc), bv.astype(acc)
-    cv = jax.lax.dot_general(av, bv, (((1,), (1,)), ((2,), (2,))), precision=precision,
-                             preferred_element_type=acc)  # (L, M, N)
-    cv = jnp.transpose(cv, (1, 2, 0)).astype(out_dtype)
-    return L.write(cv, layouts.c, layouts.c_shape)
-
-
-# Both lowerings go through the partitioning rules (primitives/sharding.py); ``avals`` and
-# ``params`` are then those of one shard.
-mlir.register_lowering(matmul_p, sharding.lowering(matmul_p, sharding.reference_local(reference), collective.planner))
-
-
-def _cuda_lowering(avals, params):
-    ref = functools.partial(reference, **params)
-    return dispatch.gemm(*avals, reference=ref, **params) or ref
-
-
-mlir.register_lowering(matmul_p, sharding.lowering(matmul_p, _cuda_lowering, collective.planner), platform="cuda")
-
-
-# -- batching ---------------------------------------------------------------------------------
-
-def _batch_rule(args, dims, *, layouts: GemmLayouts, out_dtype, acc_dtype, precision=None):
-    a, b = args
-    da, db = dims
-    size = a.shape[da] if da is not None else b.shape[db]
-    new = batched_gemm(layouts, a.shape, b.shape, da, db, size)
-    return matmul_p.bind(a, b, layouts=new, out_dtype=out_dtype, acc_dtype=acc_dtype, precision=precision), 0
-
-
-batching.primitive_batchers[matmul_p] = _batch_rule
-
-
-# -- autodiff ---------------------------------------------------------------------------------
-
-def _cotangent_dtype(ct, operand_dtype):
-    # Mixed precision: an f32 cotangent of a 16-bit GEMM is rounded once to the operand dtype,
-    # so the gradient GEMMs run on the 16-bit kernels as training frameworks do.
-    return ct.astype(operand_dtype) if ct.dtype != operand_dtype else ct
-
-
-def _gradient_dtype(operand_dtype: np.dtype) -> np.dtype:
-    """Dtype the gradient GEMMs of an operand run in: the operand's own for 16-bit floats;
-    bfloat16 for 8-bit floats, whose 2-3 mantissa bits would ruin a cotangent (fp8 -> bf16 is
-    exact, so only the cotangent is rounded, as for 16-bit inputs)."""
-    if operand_dtype.itemsize == 1 and jnp.issubdtype(operand_dtype, jnp.floating):
-        return np.dtype(jnp.bfloat16)
-    return operand_dtype
-
-
-def _kernel_needs_copies(g: GemmLayouts, dtypes) -> bool:
-    flat = flatten_gemm(g, dtypes)
-    return isinstance(flat, str) or bool(flat.copies)
-
-
-def _cotangent_rule(which: str):
-    """Transpose rule for operand ``which``: another matmul over the cotangent and the other
-    operand, its layouts from ``gemm_layouts.cotangent_a``/``cotangent_b``.
-
-    A batch the operand was broadcast over is summed by joining the reduction K. Where that
-    batch does not continue K in memory, a kernel would need copies; for 16-bit operands the
-    sum is then taken over per-batch f32 partial products instead (one more reduction, no
-    copy), rounded once to the operand dtype.
-    """
-    layouts_for = cotangent_a if which == "a" else cotangent_b
-    partials_for = cotangent_a_partials if which == "a" else cotangent_b_partials
-
-    def rule(ct, a, b, *, layouts: GemmLayouts, out_dtype, acc_dtype, precision=None):
-        undefined, other = (a, b) if which == "a" else (b, a)
-        if type(ct) is ad.Zero:
-            return ad.Zero(undefined.aval)
-        shape, dtype = undefined.aval.shape, np.dtype(undefined.aval.dtype)
-        gdt = _gradient_dtype(dtype)
-        ct = _cotangent_dtype(ct, gdt)
-        if gdt != dtype:
-            other = other.astype(gdt)  # both operands share the fp8 dtype; bf16 holds it exactly
-        folded = layouts_for(layouts, shape)
-        dts = [gdt.name, np.dtype(other.dtype).name, gdt.name]
-        if gdt.itemsize == 2 and _kernel_needs_copies(folded, dts):
-            partial = partials_for(layouts, shape)
-            if partial is not None and not _kernel_needs_copies(partial[0], dts[:2] + ["float32"]):
-                g, lead = partial
-                out = matmul_p.bind(ct, other, layouts=g, out_dtype="float32", acc_dtype=acc_dtype,
-                                    precision=precision)
-                return jnp.sum(out, axis=tuple(range(lead))).astype(dtype)
-        out = matmul_p.bind(ct, other, layouts=folded, out_dtype=gdt.name, acc_dtype=acc_dtype, precision=precision)
-        return out.astype(dtype)  # a no-op unless the gradient GEMM ran in bf16 for fp8
-
-    return rule
-
-
-_transpose_a, _transpose_b = _cotangent_rule("a"), _cotangent_rule("b")
-ad.defbilinear(matmul_p, _transpose_a, _transpose_b)
-
-
-# -- public API -------------------------------------------------------------------------------
 
 def operand_dtype_error(dtype) -> str | None:
     """Why ``dtype`` cannot be a GEMM operand at all (as for ``jnp.matmul``), or None."""
     if jnp.issubdtype(dtype, jnp.number) or dtype == np.dtype(bool):
         return None
     return f"unsupported dtype {dtype}"
-
-
-def _acc_dtype(dtype: np.dtype) -> np.dtype:
-    """Accumulation dtype of a product of two ``dtype`` operands with a ``dtype`` result."""
-    return acc_dtype(dtype, dtype, dtype)
 
 
 def check_operand_dtypes(op: str, a, b) -> None:
@@ -193,7 +50,7 @@ def bind_gemm(op: str, a, b, layouts: GemmLayouts, out_dtype, precision, *,
     shape = tuple(layouts.c_shape) if out_shape is None else tuple(out_shape)
     dispatch.at_trace(op, dtype_refusal(False, inputs_name(da, db), out.name))
     if bias is not None or activation is not None or preact or act_operand is not None:
-        return fused.epilogue_call(op, matmul_p, a, b, layouts, shape, bias=bias, activation=activation,
+        return fused.epilogue_call(op, a, b, layouts, shape, bias=bias, activation=activation,
                                    out_dtype=out, acc_dtype=acc, precision=precision, preact=preact,
                                    act_operand=act_operand)
     c = matmul_p.bind(a, b, layouts=layouts, out_dtype=out.name, acc_dtype=acc.name, precision=precision)

@@ -1,117 +1,24 @@
-"""``jax_cute.ragged_dot`` and its primitives ``jax_cute_ragged_m`` / ``jax_cute_ragged_k``.
-
-The same rules as ``matmul.py``, one place each:
-- abstract evaluation: the output buffer's shape and dtype;
-- reference lowering (CPU, and the fallback everywhere): reads the buffers through the layouts,
-  clips the group sizes as documented, and contracts masked rows with ``dot_general``;
-- CUDA lowering: the grouped kernel ``jax_cute.dispatch.grouped`` picks (else the reference);
-- batching: a vmapped axis becomes an L sub-mode of every operand (stride 0 where unbatched,
-  group sizes included), layouts re-targeted by composition, no data moved;
-- autodiff: linear in a and b (group sizes get no tangent); each transpose is one of the two
-  primitives over the same buffers with permuted modes (``ragged_layouts.cotangent``).
+"""``jax_cute.ragged_dot``: ``lax.ragged_dot``'s shapes, dtypes and errors, as one grouped GEMM
+(``grouped.py``'s ``jax_cute_ragged_m``), or with an epilogue ``ragged_fused.py``'s primitive.
 """
 
 from __future__ import annotations
 
-import functools
-import logging
-
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.interpreters import ad, batching, mlir
 
 from jax_cute import dispatch
 from jax_cute.kernels.gemm_spec import dtype_refusal
 from jax_cute.primitives import ragged_fused, sharding
 from jax_cute.primitives.dot_dtypes import acc_dtype, hashable_precision, inputs_name, operand_dtypes
-from jax_cute.primitives.matmul import _cotangent_dtype, operand_dtype_error
-from jax_cute.primitives.ragged_reference import clipped_sizes, group_ends, reference
-from jax_cute.primitives.ragged_layouts import (RAGGED_K, RAGGED_M, RaggedLayouts, batched, cotangent,
-                                                ragged_dot_layouts)
+from jax_cute.primitives.grouped import ragged_m_p
+from jax_cute.primitives.matmul import operand_dtype_error
+from jax_cute.primitives.ragged_reference import clipped_sizes, group_ends
+from jax_cute.problem.ragged_layouts import ragged_dot_layouts
 
-logger = logging.getLogger("jax_cute")
 _INT32_MAX = 2**31 - 1
 
-ragged_m_p = sharding.Primitive("jax_cute_ragged_m")
-ragged_k_p = sharding.Primitive("jax_cute_ragged_k")
-_PRIMITIVES = {RAGGED_M: ragged_m_p, RAGGED_K: ragged_k_p}
-
-
-def _abstract_eval(a, b, gs, *, layouts: RaggedLayouts, out_dtype, acc_dtype, precision=None):
-    for name, x in (("a", a), ("b", b), ("gs", gs)):
-        if int(np.prod(x.shape)) < layouts.layout(name).cosize():
-            raise ValueError(f"jax_cute_{layouts.mode}: layout {name}={layouts.layout(name)} reaches past "
-                             f"its buffer {x.shape}")
-    if gs.dtype != np.dtype("int32"):
-        raise TypeError(f"jax_cute_{layouts.mode}: group sizes must be int32, got {gs.dtype}")
-    return sharding.result_aval(f"jax_cute_{layouts.mode}", layouts, (a, b, gs), np.dtype(out_dtype))
-
-
-def _eager(prim, *args, **params):
-    # Outside jit, run the primitive as a one-op jitted computation (like jax's own primitives).
-    return jax.jit(functools.partial(prim.bind, **params))(*args)
-
-
-def _cuda_lowering(avals, params):
-    # The computation of one shard (primitives/sharding.py partitions the call).
-    ref = functools.partial(reference, **params)
-    return dispatch.grouped(*avals, reference=ref, **params) or ref
-
-
-# -- batching ---------------------------------------------------------------------------------
-
-def _batch_rule(prim, args, dims, *, layouts: RaggedLayouts, **params):
-    size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
-    new = batched(layouts, [x.shape for x in args], dims, size)
-    return prim.bind(*args, layouts=new, **params), 0
-
-
-# -- autodiff ---------------------------------------------------------------------------------
-
-def _jvp(prim, primals, tangents, **params):
-    a, b, gs = primals
-    da, db, _ = tangents  # group sizes are integers: no tangent
-    out = prim.bind(a, b, gs, **params)
-    terms = [prim.bind(da, b, gs, **params)] if type(da) is not ad.Zero else []
-    if type(db) is not ad.Zero:
-        terms.append(prim.bind(a, db, gs, **params))
-    if not terms:
-        return out, ad.Zero(jax.typeof(out).to_tangent_aval())
-    return out, terms[0] if len(terms) == 1 else terms[0] + terms[1]
-
-
-def _transpose(ct, a, b, gs, *, layouts: RaggedLayouts, out_dtype, acc_dtype, precision=None):
-    if ad.is_undefined_primal(gs):
-        raise ValueError("jax_cute ragged_dot: group sizes are not differentiable")
-    wrt = "a" if ad.is_undefined_primal(a) else "b"
-    aval = (a if wrt == "a" else b).aval
-    if type(ct) is ad.Zero:
-        return [ad.Zero(aval), None, None] if wrt == "a" else [None, ad.Zero(aval), None]
-    ct = _cotangent_dtype(ct, aval.dtype)
-    cot = cotangent(layouts, wrt, aval.shape)
-    bufs = {"a": a, "b": b, "c": ct}
-    # Broadcast batches summed afterwards are accumulated in acc_dtype and rounded once.
-    dt = np.dtype(acc_dtype if cot.extra else aval.dtype).name
-    res = _PRIMITIVES[cot.layouts.mode].bind(bufs[cot.operands[0]], bufs[cot.operands[1]], gs,
-                                            layouts=cot.layouts, out_dtype=dt, acc_dtype=acc_dtype,
-                                            precision=precision)
-    if cot.extra:
-        res = jnp.sum(res, axis=tuple(range(cot.extra))).astype(aval.dtype)
-    return [res, None, None] if wrt == "a" else [None, res, None]
-
-
-for _p in _PRIMITIVES.values():
-    _p.def_abstract_eval(_abstract_eval)
-    _p.def_impl(functools.partial(_eager, _p))
-    mlir.register_lowering(_p, sharding.lowering(_p, sharding.reference_local(reference)))
-    mlir.register_lowering(_p, sharding.lowering(_p, _cuda_lowering), platform="cuda")
-    batching.primitive_batchers[_p] = functools.partial(_batch_rule, _p)
-    ad.primitive_jvps[_p] = functools.partial(_jvp, _p)
-    ad.primitive_transposes[_p] = _transpose
-
-
-# -- public API -------------------------------------------------------------------------------
 
 def ragged_dot(lhs, rhs, group_sizes, *, precision=None, preferred_element_type=None, group_offset=None,
                out_sharding=None, bias=None, activation: str | None = None):
@@ -189,7 +96,7 @@ def ragged_dot(lhs, rhs, group_sizes, *, precision=None, preferred_element_type=
         gs32, first_row = _offset_sizes(gs32, group_offset, g, m)
     layouts = ragged_dot_layouts(m, k, g, n)
     if bias is not None or activation is not None:
-        res = ragged_fused.ragged_epilogue(ragged_m_p, lhs, rhs, gs32, layouts, bias=bias, activation=activation,
+        res = ragged_fused.ragged_epilogue(lhs, rhs, gs32, layouts, bias=bias, activation=activation,
                                            out_dtype=out_dtype, acc_dtype=acc, precision=precision)
     else:
         res = ragged_m_p.bind(lhs, rhs, gs32, layouts=layouts, out_dtype=out_dtype.name, acc_dtype=acc.name,

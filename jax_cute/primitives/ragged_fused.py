@@ -9,64 +9,51 @@ activation maps their zeros to zero. One place for each rule, as in ``fused.py``
   pre-activation ``z`` (M, N);
 - lowering (CPU, and wherever no fused kernel runs): the grouped GEMM primitive with a float32
   output, then the epilogue in XLA (``composed``);
-- CUDA: ``dispatch.grouped_fused``'s kernel on one shard (bias row per tile's group, activation,
+- CUDA: ``dispatch.gemm``'s kernel on one shard (bias row per tile's group, activation,
   ``z`` stored clipped at group ends like y); otherwise ``composed``, logged at INFO;
-- batching: a vmapped axis becomes an L sub-mode of the operands (the grouped GEMM's layouts,
-  composed as its own rule does) and a leading axis of the bias (..., G, N), extent 1 where the
-  bias is shared; the fused kernel runs the whole batch (a gated activation: one batch only);
+- batching: ``rules.batch_rule``, a vmapped axis an L sub-mode of the operands and a leading
+  axis of the bias (..., G, N), extent 1 where the bias is shared; the fused kernel runs the
+  whole batch (a gated activation: one batch only);
 - autodiff: the JVP binds the primitive with ``preact=True``, so the forward kernel also writes
   ``z`` as the residual; the tangent is ``act'(z) * (dA·B + A·dB + dbias[g])`` (the grouped GEMM
   primitive's transposes give the gradient GEMMs, the bias rows' transpose a per-group sum).
 
-The grouped GEMM primitive is a parameter (``gemm``), not an import: ``ragged_dot`` routes here.
+The grouped GEMM primitive is ``grouped.ragged_m_p``; ``ragged_dot`` binds this one.
 """
 
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src import dispatch as jax_dispatch  # no public API marks a primitive as needing devices
-from jax.extend import core
-from jax.interpreters import ad, batching, mlir
+from jax.interpreters import ad, mlir
 
-from jax_cute import dispatch
+from jax_cute.dispatch import GemmRequest
 from jax_cute import layout as L
-from jax_cute.primitives.fused import (activated, check_swiglu, checked_options, epilogue_dtype, epilogue_tangents,
-                                       kernel_or_composed)
-from jax_cute.primitives.ragged_layouts import RaggedLayouts, batched
+from jax_cute.activations import check_gated_columns, epilogue_dtype, output_columns
+from jax_cute.primitives.fused import PARTITIONED_LOG, activated, checked_options, epilogue_tangents
+from jax_cute.primitives.grouped import ragged_m_p
+from jax_cute.primitives.rules import batch_rule, epilogue_lowering, gemm_primitive
+from jax_cute.problem.ragged_layouts import RaggedLayouts
 from jax_cute.primitives.ragged_reference import group_ends
 from jax_cute.primitives.ragged_reference import reference as gemm_reference
 
-ragged_fused_p = core.Primitive("jax_cute_ragged_fused")
-ragged_fused_p.multiple_results = True
-
-
-def _abstract_eval(a, b, gs, *bias, gemm, layouts: RaggedLayouts, activation, preact, out_dtype, acc_dtype,
+def _abstract_eval(a, b, gs, *bias, layouts: RaggedLayouts, activation, preact, out_dtype, acc_dtype,
                    precision=None):
-    del gemm, acc_dtype, precision
+    del acc_dtype, precision
     c_shape = tuple(layouts.c_shape)   # (M, N), with vmapped batch axes in front
     n = c_shape[-1]
     if bias and (bias[0].ndim != len(c_shape) or tuple(bias[0].shape[-2:]) != (layouts.extents()["g"], n)
                  or any(x not in (1, y) for x, y in zip(bias[0].shape[:-2], c_shape[:-2]))):
         raise ValueError(f"jax_cute_ragged_fused: bias {bias[0].shape} is not (..., G, N) for an output {c_shape}")
-    out = [jax.core.ShapedArray(c_shape[:-1] + (n // 2 if activation == "swiglu" else n,), np.dtype(out_dtype))]
+    out = [jax.core.ShapedArray(c_shape[:-1] + (output_columns(activation, n),), np.dtype(out_dtype))]
     if preact:
         out.append(jax.core.ShapedArray(c_shape, np.dtype(out_dtype)))
     return out
 
 
-ragged_fused_p.def_abstract_eval(_abstract_eval)
-
-
-def _eager(*args, **params):
-    # Outside jit, run the primitive as a one-op jitted computation (like jax's own primitives).
-    return jax.jit(functools.partial(ragged_fused_p.bind, **params))(*args)
-
-
-ragged_fused_p.def_impl(_eager)
+ragged_fused_p = gemm_primitive("jax_cute_ragged_fused", _abstract_eval, multiple_results=True)
 
 
 def bias_rows(bias, group_sizes, m: int, dtype):
@@ -95,10 +82,10 @@ def epilogue(acc, group_sizes, bias, *, layouts: RaggedLayouts, activation, prea
     return activated(z, activation=activation, preact=preact, out_dtype=out_dtype)
 
 
-def composed(a, b, gs, *bias, gemm, layouts: RaggedLayouts, activation, preact, out_dtype, acc_dtype,
+def composed(a, b, gs, *bias, layouts: RaggedLayouts, activation, preact, out_dtype, acc_dtype,
              precision=None) -> list:
     """The grouped GEMM primitive with a float32 (epilogue dtype) output, then the epilogue in XLA."""
-    acc = gemm.bind(a, b, gs, layouts=layouts, out_dtype=epilogue_dtype(acc_dtype).name, acc_dtype=acc_dtype,
+    acc = ragged_m_p.bind(a, b, gs, layouts=layouts, out_dtype=epilogue_dtype(acc_dtype).name, acc_dtype=acc_dtype,
                     precision=precision)
     return epilogue(acc, gs, bias[0] if bias else None, layouts=layouts, activation=activation, preact=preact,
                     out_dtype=out_dtype)
@@ -113,39 +100,41 @@ def reference(a, b, gs, *bias, layouts: RaggedLayouts, activation, preact, out_d
                     out_dtype=out_dtype)
 
 
-jax_dispatch.prim_requires_devices_during_lowering.add(ragged_fused_p)
 mlir.register_lowering(ragged_fused_p, mlir.lower_fun(composed, multiple_results=True))
-mlir.register_lowering(ragged_fused_p, kernel_or_composed(dispatch.grouped_fused, reference, composed, "ragged_dot"),
+def _request(avals: tuple, params: dict) -> GemmRequest:
+    return GemmRequest(avals, params["layouts"], params["out_dtype"], params["acc_dtype"], epilogue=True,
+                       bias=len(avals) > 3, activation=params["activation"], preact=params["preact"])
+
+
+mlir.register_lowering(ragged_fused_p, epilogue_lowering(_request, reference, composed, multiple_results=True,
+                                                         partitioned_log=PARTITIONED_LOG % "ragged_dot"),
                        platform="cuda")
 
 
-def _batch_rule(args, dims, *, layouts: RaggedLayouts, **params):
-    size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
-    new = batched(layouts, [x.shape for x in args[:3]], dims[:3], size)
-    a, b, gs, *bias = args
-    if bias:   # the bias's batch axis in front, as the output's (extent 1: shared)
-        bias = [jnp.expand_dims(bias[0], 0) if dims[3] is None else jnp.moveaxis(bias[0], dims[3], 0)]
-    outs = ragged_fused_p.bind(a, b, gs, *bias, layouts=new, **params)
-    return outs, [0] * len(outs)
+def _batch_bias(args: list, dims: list, size: int, params: dict) -> tuple[list, list, dict]:
+    """The bias's batch axis in front, as the output's (extent 1: shared)."""
+    if len(args) > 3:
+        args[3], dims[3] = jnp.expand_dims(args[3], 0) if dims[3] is None else jnp.moveaxis(args[3], dims[3], 0), 0
+    return args, dims, params
 
 
-batching.primitive_batchers[ragged_fused_p] = _batch_rule
+batch_rule(ragged_fused_p, _batch_bias)
 
 
-def _jvp(primals, tangents, *, gemm, layouts: RaggedLayouts, activation, preact, out_dtype, acc_dtype,
+def _jvp(primals, tangents, *, layouts: RaggedLayouts, activation, preact, out_dtype, acc_dtype,
          precision=None):
     a, b, gs, *bias = primals
     da, db, _, *dbias = tangents   # group sizes are integers: no tangent
-    params = dict(gemm=gemm, layouts=layouts, activation=activation, out_dtype=out_dtype, acc_dtype=acc_dtype,
+    params = dict(layouts=layouts, activation=activation, out_dtype=out_dtype, acc_dtype=acc_dtype,
                   precision=precision)
     outs = ragged_fused_p.bind(*primals, preact=activation is not None or preact, **params)
     epi = epilogue_dtype(acc_dtype)
     gemm_params = dict(layouts=layouts, out_dtype=epi.name, acc_dtype=acc_dtype, precision=precision)
     terms = []
     if type(da) is not ad.Zero:
-        terms.append(gemm.bind(da, b, gs, **gemm_params))
+        terms.append(ragged_m_p.bind(da, b, gs, **gemm_params))
     if type(db) is not ad.Zero:
-        terms.append(gemm.bind(a, db, gs, **gemm_params))
+        terms.append(ragged_m_p.bind(a, db, gs, **gemm_params))
     if bias and type(dbias[0]) is not ad.Zero:
         terms.append(bias_in_c(dbias[0], gs, layouts, epi))
     return epilogue_tangents(outs, terms, activation=activation, preact=preact, out_dtype=out_dtype, epi=epi)
@@ -159,19 +148,19 @@ def check_epilogue(rhs_shape: tuple[int, ...], out_dtype, bias, activation):
     the activation."""
     bias = checked_options("ragged_dot", out_dtype, bias, activation)
     g, _, n = rhs_shape
-    check_swiglu("ragged_dot", activation, n)
+    check_gated_columns("ragged_dot", activation, n)
     if bias is not None and tuple(bias.shape) != (g, n):
         raise ValueError(f"jax_cute.ragged_dot: bias must have shape (G, N) = ({g}, {n}), got {tuple(bias.shape)}")
     return bias
 
 
-def ragged_epilogue(gemm, lhs, rhs, group_sizes, layouts: RaggedLayouts, *, bias, activation, out_dtype, acc_dtype,
+def ragged_epilogue(lhs, rhs, group_sizes, layouts: RaggedLayouts, *, bias, activation, out_dtype, acc_dtype,
                     precision=None):
     """``act(lhs[m] @ rhs[g] + bias[g])`` for ``jax_cute.ragged_dot``: operands of one dtype,
-    int32 ``group_sizes``, ``layouts`` from ``ragged_dot_layouts``, ``gemm`` its primitive."""
+    int32 ``group_sizes``, ``layouts`` from ``ragged_dot_layouts``."""
     bias = check_epilogue(rhs.shape, out_dtype, bias, activation)
     args = (lhs, rhs, group_sizes) + (() if bias is None else (bias,))
-    y, = ragged_fused_p.bind(*args, gemm=gemm, layouts=layouts, activation=activation, preact=False,
+    y, = ragged_fused_p.bind(*args, layouts=layouts, activation=activation, preact=False,
                              out_dtype=np.dtype(out_dtype).name, acc_dtype=np.dtype(acc_dtype).name,
                              precision=precision)
     return y

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_cute import layout as L
-from jax_cute.primitives.ragged_layouts import RAGGED_M, RaggedLayouts
+from jax_cute.problem.ragged_layouts import RAGGED_M, RaggedLayouts
 
 
 def group_ends(sizes, extent: int):

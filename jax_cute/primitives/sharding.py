@@ -62,8 +62,8 @@ from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec
 
 from jax_cute import layout as L
 from jax_cute.layout import Layout, make_layout
-from jax_cute.primitives.gemm_layouts import GemmLayouts, refine
-from jax_cute.primitives.ragged_layouts import RAGGED_K, RAGGED_M, RaggedLayouts
+from jax_cute.problem.gemm_layouts import GemmLayouts, refine
+from jax_cute.problem.ragged_layouts import RAGGED_K, RAGGED_M, RaggedLayouts
 from jax_cute.primitives.ragged_reference import clipped_sizes, group_ends
 
 # Logical modes of each operand's layout, in mode order; the last name is the result.
@@ -469,7 +469,7 @@ class _Call:
         return dict(self.params)
 
 
-def _avals(xs) -> tuple:
+def plain_avals(xs) -> tuple:
     return tuple(jax.core.ShapedArray(x.shape, x.dtype) for x in xs)
 
 
@@ -481,7 +481,7 @@ def _input_specs(p: Problem, arg_shapes) -> list[Spec | None]:
     return [spec_of(s.sharding, len(s.shape)) for s in arg_shapes]
 
 
-def _shard_index(axes: Sequence[str], mesh_shape: Mapping[str, int]):
+def shard_index(axes: Sequence[str], mesh_shape: Mapping[str, int]):
     idx = jnp.int32(0)
     for a in axes:  # the first mesh axis is the slowest, as in a PartitionSpec
         idx = idx * mesh_shape[a] + jax.lax.axis_index(a)
@@ -496,7 +496,7 @@ def _local_group_sizes(gs, gs_layout: Layout, gs_shape, extent: int, local_exten
     return L.write((clip(ends) - clip(starts)).astype(gs.dtype), gs_layout, gs_shape)
 
 
-def _traced_unmeshed(fn: Callable) -> Callable:
+def traced_unmeshed(fn: Callable) -> Callable:
     @functools.wraps(fn)
     def wrapped(*args):
         with _unmeshed():
@@ -520,7 +520,7 @@ def _partition(call: _Call, mesh, arg_shapes, result_shape):
     local, shapes = local_layouts(p, pl, ms, layouts)
     local_params = {**params, "layouts": local}
 
-    @_traced_unmeshed
+    @traced_unmeshed
     def lower_fn(*args):
         args = list(args)
         if p.ragged in pl.assignment:
@@ -528,8 +528,8 @@ def _partition(call: _Call, mesh, arg_shapes, result_shape):
             gs_i = [o.name for o in p.operands].index("gs")
             ext, lext = layouts.ragged_extent(), local.ragged_extent()
             args[gs_i] = _local_group_sizes(args[gs_i], local.gs, shapes[gs_i], ext, lext,
-                                            _shard_index(axes, ms) * lext)
-        out = call.local(_avals(args), local_params)(*args)
+                                            shard_index(axes, ms) * lext)
+        out = call.local(plain_avals(args), local_params)(*args)
         if pl.scatter:
             rest = tuple(a for a in pl.reduce if a not in pl.scatter[1])
             if rest:
@@ -570,7 +570,7 @@ def _body(call: _Call, *args):
     # Inside a jit of its own, array constants (gather offsets, empty outputs) stay in the inner
     # computation: custom_partitioning refuses a body that closes over constants.
     with _unmeshed():
-        return jax.jit(call.local(_avals(args), call.kwargs))(*args)
+        return jax.jit(call.local(plain_avals(args), call.kwargs))(*args)
 
 
 _partitioned = custom_partitioning(_body, static_argnums=(0,))
@@ -592,8 +592,8 @@ def lowering(primitive, local: Local, rings: Callable[[], Callable | None] | Non
     def rule(ctx, *args, **params):
         # The computation is typed without a mesh: the rules, not the types, partition the call.
         with _unmeshed():
-            plain = ctx.replace(avals_in=_avals(ctx.avals_in), avals_out=_avals(ctx.avals_out))
-            if _one_shard(ctx.module_context.axis_context):  # nothing to partition: the computation itself
+            plain = ctx.replace(avals_in=plain_avals(ctx.avals_in), avals_out=plain_avals(ctx.avals_out))
+            if one_shard(ctx.module_context.axis_context):  # nothing to partition: the computation itself
                 fn = local(plain.avals_in, params)
             else:
                 fn = functools.partial(_partitioned, _Call(tuple(sorted(params.items())), local,
@@ -612,7 +612,7 @@ def _unmeshed():
     return jax.sharding.use_abstract_mesh(AbstractMesh((), ()))
 
 
-def _one_shard(axis_context) -> bool:
+def one_shard(axis_context) -> bool:
     """Whether the computation being lowered runs as one shard: on one device, or inside a
     shard_map body whose mesh axes are all manual."""
     devices = getattr(axis_context, "num_devices", None)

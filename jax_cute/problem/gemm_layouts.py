@@ -102,14 +102,14 @@ def refined(g: GemmLayouts) -> GemmLayouts:
     return GemmLayouts(make_layout(am, ak, al), make_layout(bn, bk, bl), make_layout(cm, cn, cl), g.c_shape)
 
 
-def _sub(lay: Layout, idx: Sequence[int]) -> Layout:
+def sub_modes(lay: Layout, idx: Sequence[int]) -> Layout:
     fm = lay.flat_modes()
     if not idx:
         return Layout((1,), (0,))
     return Layout(tuple(fm[i][0] for i in idx), tuple(fm[i][1] for i in idx))
 
 
-def _cat(*modes: Layout) -> Layout:
+def cat_modes(*modes: Layout) -> Layout:
     shape = tuple(s for m in modes for s in flatten(m.shape))
     stride = tuple(d for m in modes for d in flatten(m.stride))
     return Layout(shape, stride)
@@ -125,9 +125,9 @@ def cotangent_a(g: GemmLayouts, a_shape: Sequence[int]) -> GemmLayouts:
     fa = al.flat_modes()
     bcast = [i for i, (s, d) in enumerate(fa) if d == 0 and s > 1]
     keep = [i for i, (s, d) in enumerate(fa) if not (d == 0 and s > 1)]
-    new_a = make_layout(g.c.mode(0), _cat(g.c.mode(1), _sub(cl, bcast)), _sub(cl, keep))
-    new_b = make_layout(g.b.mode(1), _cat(g.b.mode(0), _sub(bl, bcast)), _sub(bl, keep))
-    new_c = make_layout(g.a.mode(0), g.a.mode(1), _sub(al, keep))
+    new_a = make_layout(g.c.mode(0), cat_modes(g.c.mode(1), sub_modes(cl, bcast)), sub_modes(cl, keep))
+    new_b = make_layout(g.b.mode(1), cat_modes(g.b.mode(0), sub_modes(bl, bcast)), sub_modes(bl, keep))
+    new_c = make_layout(g.a.mode(0), g.a.mode(1), sub_modes(al, keep))
     return GemmLayouts(new_a, new_b, new_c, tuple(a_shape))
 
 

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from jax_cute import layout as L
 from jax_cute.layout import Layout, make_layout, product, restride
-from jax_cute.primitives.gemm_layouts import GemmLayouts, refined
+from jax_cute.problem.gemm_layouts import GemmLayouts, refined
 
 
 def itemsize(dtype: str) -> int:
@@ -76,7 +76,7 @@ def _coalesce_l(g: GemmLayouts) -> list[tuple[int, int, int, int]]:
     return [tuple(x) for x in out]  # type: ignore[misc]
 
 
-def _single(mode: Layout) -> tuple[int, int] | None:
+def single_mode(mode: Layout) -> tuple[int, int] | None:
     c = mode.coalesce()
     fm = c.flat_modes()
     return fm[0] if len(fm) == 1 else None
@@ -92,12 +92,12 @@ def _joint_order(x: Layout, y: Layout) -> tuple[Layout, Layout]:
         order = list(range(len(fx))) if key is None else sorted(range(len(fx)), key=key)
         nx = Layout(tuple(fx[i][0] for i in order), tuple(fx[i][1] for i in order))
         ny = Layout(tuple(fy[i][0] for i in order), tuple(fy[i][1] for i in order))
-        if _single(nx) is not None and _single(ny) is not None:
+        if single_mode(nx) is not None and single_mode(ny) is not None:
             return nx, ny
     return x, y
 
 
-def _operand(name: str, rows: Layout, cols: Layout, l_ext: int, l_stride: int, dtype: str,
+def flat_operand(name: str, rows: Layout, cols: Layout, l_ext: int, l_stride: int, dtype: str,
              names: tuple[str, str]) -> FlatOperand | str:
     """An operand with one batch mode (the grouped kernels take one)."""
     return _operand_modes(name, rows, cols, [(l_ext, l_stride)], dtype, names)
@@ -108,7 +108,7 @@ def _operand_modes(name: str, rows: Layout, cols: Layout, batch: Sequence[tuple[
     """The flat operand over matrix modes ``rows``, ``cols`` and batch modes (extent, stride),
     or why TMA cannot address it. A broadcast batch mode (stride 0) becomes extent 1: the
     kernels read index 0 of it for every batch."""
-    r, c = _single(rows), _single(cols)
+    r, c = single_mode(rows), single_mode(cols)
     if r is None or c is None:
         return f"operand {name}: a matrix mode does not coalesce ({rows}, {cols})"
     (rs, rd), (cs, cd) = r, c
@@ -157,7 +157,7 @@ def flatten_gemm(g: GemmLayouts, dtypes: Sequence[str]) -> FlatGemm | str:
 
     # Fold batch sub-modes into M (B broadcast) or N (A broadcast) while the strides continue.
     def fold(x: Layout, y: Layout, s: int, dx: int, dy: int) -> tuple[Layout, Layout] | None:
-        sx, sy = _single(x), _single(y)
+        sx, sy = single_mode(x), single_mode(y)
         if sx is None or sy is None:
             return None
         if sx[0] == 1 and sy[0] == 1:  # an extent-1 matrix mode takes the batch mode as it is

@@ -19,8 +19,8 @@ import dataclasses
 from typing import Sequence
 
 from jax_cute.layout import Layout, make_layout, product, stride_of
-from jax_cute.primitives.gemm_layouts import _cat, _sub, batched_layout, refine
-from jax_cute.primitives.gemm_plan import FlatOperand, _operand, _single, itemsize
+from jax_cute.problem.gemm_layouts import batched_layout, cat_modes, refine, sub_modes
+from jax_cute.problem.gemm_plan import FlatOperand, flat_operand, itemsize, single_mode
 
 RAGGED_M, RAGGED_K = "ragged_m", "ragged_k"
 # Index of the L mode in (a, b, c, gs) for each mode.
@@ -128,15 +128,15 @@ def cotangent(r: RaggedLayouts, wrt: str, shape: Sequence[int]) -> Cotangent:
     for i in extra:
         ext_strides.append(stride_of(lo[i][0], acc))
         acc *= lo[i][0]
-    out_l = _cat(_sub(ls[wrt], keep), Layout(tuple(lo[i][0] for i in extra), tuple(ext_strides))) if extra \
-        else _sub(ls[wrt], keep)
-    new_l = lambda n: _cat(_sub(ls[n], keep), _sub(ls[n], extra)) if extra else _sub(ls[n], keep)  # noqa: E731
+    out_l = cat_modes(sub_modes(ls[wrt], keep), Layout(tuple(lo[i][0] for i in extra), tuple(ext_strides))) if extra \
+        else sub_modes(ls[wrt], keep)
+    new_l = lambda n: cat_modes(sub_modes(ls[n], keep), sub_modes(ls[n], extra)) if extra else sub_modes(ls[n], keep)  # noqa: E731
 
     def operand(src: str, modes: tuple[int, ...]) -> Layout:
         lay = r.layout(src)
         ms = [lay.mode(i) for i in modes]
         if join:
-            ms[1] = _cat(ms[1], _sub(ls[src], join))  # K' of a new ragged_m is mode 1 of both
+            ms[1] = cat_modes(ms[1], sub_modes(ls[src], join))  # K' of a new ragged_m is mode 1 of both
         return make_layout(*ms, new_l(src))
 
     out = r.layout(wrt)
@@ -201,24 +201,24 @@ def flatten_grouped(r: RaggedLayouts, dtypes: Sequence[str]) -> FlatGrouped | st
     l_ext, (la, lb, lc, lgs) = (lmodes[0][0], lmodes[0][1:]) if lmodes else (1, (0, 0, 0, 0))
     if l_ext > 1 and lc == 0:
         return "output broadcast over a batch mode"
-    g_mode = _single(r.gs.mode(0))
+    g_mode = single_mode(r.gs.mode(0))
     if g_mode is None or (g_mode[0] > 1 and g_mode[1] != 1):
         return f"group sizes are not contiguous along G ({r.gs})"
     gs = ((e["g"], l_ext if lgs else 1), (1, lgs if lgs else e["g"]))
     ragged_m = r.mode == RAGGED_M
-    a = _operand("a", r.a.mode(0), r.a.mode(1), l_ext, la, a_dt, ("m", "k"))
+    a = flat_operand("a", r.a.mode(0), r.a.mode(1), l_ext, la, a_dt, ("m", "k"))
     if isinstance(a, str):
         return a
-    b = _operand("b", r.b.mode(0), r.b.mode(1), l_ext, lb, b_dt, ("n", "k"))
+    b = flat_operand("b", r.b.mode(0), r.b.mode(1), l_ext, lb, b_dt, ("n", "k"))
     if isinstance(b, str):
         return b
-    c = _operand("c", r.c.mode(0), r.c.mode(1), l_ext, lc, c_dt, ("m", "n"))
+    c = flat_operand("c", r.c.mode(0), r.c.mode(1), l_ext, lc, c_dt, ("m", "n"))
     if isinstance(c, str):
         return c
     # The group mode of b (ragged_m) or c (ragged_k) sits between the matrix modes and L.
     grouped, dt = (b, b_dt) if ragged_m else (c, c_dt)
     lay = r.b if ragged_m else r.c
-    gm = _single(lay.mode(2))
+    gm = single_mode(lay.mode(2))
     if gm is None:
         return f"the group mode of {'b' if ragged_m else 'c'} does not coalesce ({lay.mode(2)})"
     if gm[0] > 1 and gm[1] == 0:

@@ -1,0 +1,118 @@
+"""What every GEMM primitive shares: one factory, and one batching rule.
+
+As ``jax/_src/lax``'s ``standard_primitive`` bundles a primitive's rules, ``gemm_primitive``
+makes each of ours (``jax_cute_matmul``, the grouped pair, the fused and derivative epilogues):
+its abstract evaluation, its eager implementation (a one-op jit, as JAX's own primitives run
+outside jit) and the device assignment its lowering needs (the partitioned lowering and the
+fused ones lower through ``custom_partitioning``). As lax's one ``_dot_batch_rule`` serves
+``dot_general`` and ``ragged_dot``, ``batch_rule`` serves them all: a vmapped axis becomes an
+L sub-mode of every operand the ``layouts`` parameter reads (stride 0 where unbatched), the
+layouts re-targeted at the batched buffers by composition, no data moved. A primitive with
+operands the layouts do not cover (a bias, a pre-activation Z) rewrites them in a hook.
+``kernel_local`` and ``epilogue_lowering`` are their CUDA lowerings: the ``GemmRequest`` a call
+makes of ``dispatch.gemm``, its kernel where one is picked, else the primitive's other path.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Callable, Sequence
+
+import jax
+from jax._src import dispatch as jax_dispatch  # no public API marks a primitive as needing devices
+from jax.extend import core
+from jax.interpreters import batching, mlir
+
+from jax_cute.dispatch import GemmRequest, gemm
+from jax_cute.primitives import sharding
+from jax_cute.problem.gemm_layouts import GemmLayouts, batched_gemm
+from jax_cute.problem.ragged_layouts import RaggedLayouts, batched
+
+logger = logging.getLogger("jax_cute")
+
+
+def gemm_primitive(name: str, abstract_eval: Callable, *, partitioned: bool = False,
+                   multiple_results: bool = False) -> core.Primitive:
+    """A GEMM primitive with its abstract evaluation and eager implementation. ``partitioned``:
+    its lowering goes through ``sharding.lowering`` (and binding matches the operands' manual
+    axes, ``sharding.Primitive``)."""
+    prim = sharding.Primitive(name) if partitioned else core.Primitive(name)
+    prim.multiple_results = multiple_results
+    prim.def_abstract_eval(abstract_eval)
+    prim.def_impl(functools.partial(eager, prim))
+    # custom_partitioning needs the device assignment while lowering, which jit passes only to
+    # computations holding a primitive that asks for it (the fused ones hold the GEMM's lowering)
+    jax_dispatch.prim_requires_devices_during_lowering.add(prim)
+    return prim
+
+
+def eager(prim: core.Primitive, *args, **params):
+    """Outside jit, ``prim`` runs as a one-op jitted computation (like jax's own primitives)."""
+    return jax.jit(functools.partial(prim.bind, **params))(*args)
+
+
+def batch_size(args, dims) -> int:
+    return next(x.shape[d] for x, d in zip(args, dims) if d is not None)
+
+
+def batched_layouts(layouts: GemmLayouts | RaggedLayouts, shapes: Sequence[Sequence[int]],
+                    dims: Sequence[int | None], size: int) -> GemmLayouts | RaggedLayouts:
+    """``layouts`` over the operands of ``shapes`` batched at ``dims`` (a, b, and for a grouped
+    GEMM the group sizes)."""
+    if isinstance(layouts, GemmLayouts):
+        return batched_gemm(layouts, shapes[0], shapes[1], dims[0], dims[1], size)
+    return batched(layouts, shapes[:3], dims[:3], size)
+
+
+# (args, dims, size, params) -> (args, dims, params): the operands past the layouts' own, batched
+Hook = Callable[[list, list, int, dict], tuple[list, list, dict]]
+# (args, dims, params) -> the (args, dims) the layouts read, in the layouts' operand order
+Read = Callable[[list, list, dict], tuple[list, list]]
+
+
+def batch_rule(prim: core.Primitive, hook: Hook | None = None, read: Read | None = None) -> None:
+    """Register the batching rule of ``prim``, whose params hold ``layouts``. ``hook`` batches the
+    operands the layouts do not read; ``read`` orders the operands as the layouts do (default:
+    the call's order)."""
+    def rule(args, dims, **params):
+        size = batch_size(args, dims)
+        args, dims = list(args), list(dims)
+        if hook is not None:
+            args, dims, params = hook(args, dims, size, dict(params))
+        xs, ds = read(args, dims, params) if read is not None else (args, dims)
+        params["layouts"] = batched_layouts(params["layouts"], [x.shape for x in xs], ds, size)
+        out = prim.bind(*args, **params)
+        return out, ([0] * len(out) if prim.multiple_results else 0)
+
+    batching.primitive_batchers[prim] = rule
+
+
+# (input avals, params) -> what the call asks of dispatch
+Request = Callable[[tuple, dict], GemmRequest]
+
+
+def kernel_local(request: Request, reference: Callable) -> sharding.Local:
+    """The per-shard computation of a partitioned GEMM primitive (``sharding.lowering``): the
+    kernel ``dispatch.gemm`` picks for ``request(avals, params)``, else ``reference``."""
+    def local(avals, params) -> Callable:
+        ref = functools.partial(reference, **params)
+        return gemm(request(tuple(avals), params), ref) or ref
+    return local
+
+
+def epilogue_lowering(request: Request, reference: Callable, composed: Callable, *, multiple_results: bool,
+                      partitioned_log: str | None = None) -> Callable:
+    """The CUDA lowering rule of an epilogue primitive: on one shard, the kernel ``dispatch.gemm``
+    picks for ``request(avals, params)`` (checked against ``reference``); otherwise ``composed``
+    (the GEMM primitive, which partitions itself, and the epilogue in XLA, which XLA partitions),
+    logging ``partitioned_log`` at INFO for a partitioned call."""
+    def rule(ctx, *args, **params):
+        if sharding.one_shard(ctx.module_context.axis_context):
+            impl = gemm(request(tuple(ctx.avals_in), params), functools.partial(reference, **params))
+            if impl is not None:
+                return mlir.lower_fun(impl, multiple_results=multiple_results)(ctx, *args)
+        elif partitioned_log:
+            logger.info(partitioned_log)
+        return mlir.lower_fun(functools.partial(composed, **params), multiple_results=multiple_results)(ctx, *args)
+    return rule
