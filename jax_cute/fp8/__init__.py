@@ -11,6 +11,8 @@ See docs/fp8.md for the numerics and what the Hopper kernel will implement.
 
 from jax_cute.fp8.quantize import BLOCK, BlockScaled, dequantize, quantize, quantize_grouped
 from jax_cute.fp8.ops import ragged_k_dot, scaled_dot_general, scaled_matmul, scaled_ragged_dot
+from jax_cute.fp8.linear import Blockwise, grouped_linear, linear
 
-__all__ = ["BLOCK", "BlockScaled", "dequantize", "quantize", "quantize_grouped", "ragged_k_dot",
+__all__ = ["BLOCK", "BlockScaled", "Blockwise", "dequantize", "grouped_linear", "linear", "quantize",
+           "quantize_grouped", "ragged_k_dot",
            "scaled_dot_general", "scaled_matmul", "scaled_ragged_dot"]
