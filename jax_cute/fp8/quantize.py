@@ -161,7 +161,9 @@ def _scale_of(amax, dtype: np.dtype, pow2: bool):
         s = jnp.where(amax / s > fmax, s * 2, s)
         s = jnp.maximum(s, _TINY)
     else:
-        s = jnp.maximum(amax / fmax, _TINY)
+        # times the float32 reciprocal (XLA would turn a division by the constant into it anyway):
+        # one definition on every backend
+        s = jnp.maximum(amax * np.float32(1 / fmax), _TINY)
     # an all-zero (or empty) block: any scale holds it; 1 keeps dequantisation trivial
     return jnp.where(amax > 0, s, jnp.float32(1)).astype(jnp.float32)
 
