@@ -309,9 +309,9 @@ def shard_train_state(params: Params, opt_state, tx, cfg: Config, mesh: Mesh, fs
 
 def fp8_recipe(cfg: Config) -> jax_cute.fp8.Blockwise:
     """Block-scaled fp8 for the weight products, except the tied LM head and the router (by their
-    weight's shape), which DeepSeek-V3 keeps in 16 bit."""
-    kept = {(cfg.vocab, cfg.d_model), (cfg.d_model, cfg.experts)}
-    return jax_cute.fp8.Blockwise(exclude=lambda lhs, rhs: tuple(rhs.shape) in kept)
+    weight's shape and their result's width), which DeepSeek-V3 keeps in 16 bit."""
+    kept = {((cfg.vocab, cfg.d_model), cfg.vocab), ((cfg.d_model, cfg.experts), cfg.experts)}
+    return jax_cute.fp8.Blockwise(exclude=lambda lhs, rhs, out: (tuple(rhs.shape), out.shape[-1]) in kept)
 
 
 def make_step(cfg: Config, tx: optax.GradientTransformation, kernelized: bool, fuse_epilogues: bool = True,

@@ -324,7 +324,7 @@ def test_kernelize_fp8_trains_weight_products_in_fp8():
     assert abs(float(val) - float(bf16_val)) < 0.05 * abs(float(bf16_val))
     assert all(rel(grads[n], bf16[n]) < 0.1 for n in p)
     # exclude keeps a product in 16 bit
-    keep = jax_cute.kernelize(_mlp_loss, fp8=Blockwise(exclude=lambda lhs, rhs: rhs.shape == (384, 256)))
+    keep = jax_cute.kernelize(_mlp_loss, fp8=Blockwise(exclude=lambda lhs, rhs, out: rhs.shape == (384, 256)))
     keep(p, x)
     assert [q.fp8 for q in keep.report.products] == [True, False, False]
 
@@ -396,3 +396,30 @@ def test_errors():
         linear(x.values, jnp.ones((256, 4)))
     with pytest.raises(ValueError, match="share K"):
         linear(jnp.ones((4, 8)), jnp.ones((9, 4)))
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_gpt_example_fp8_products(moe):
+    """kernelize(fp8=...) of the GPT example's loss (traced only): the weight products, dense and
+    grouped, are fp8; attention's batched products, the tied LM head and the router are not."""
+    pytest.importorskip("optax")
+    import pathlib
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+    import gpt_training as gpt
+
+    cfg = gpt.dataclasses.replace(gpt.SIZES["tiny"], moe=moe)
+    params = gpt.init_params(jax.random.key(0), cfg)
+    tokens = gpt.batches(jax.random.key(1), cfg)[0]
+    f = jax_cute.kernelize(lambda p, t: gpt.loss_fn(p, t, cfg), fp8=gpt.fp8_recipe(cfg))
+    jax.eval_shape(jax.value_and_grad(f), params, tokens)
+    fp8 = {(q.primitive, q.shapes[1]) for q in f.report.products if q.fp8}
+    kept = {(q.primitive, q.shapes[1]) for q in f.report.products if not q.fp8}
+    d, e = cfg.d_model, cfg.experts
+    want = {("dot_general", (d, 3, cfg.heads, cfg.head_dim)), ("dot_general", (cfg.heads, cfg.head_dim, d))}
+    want |= {("ragged_dot_general", (e, d, cfg.d_ff)), ("ragged_dot_general", (e, cfg.d_ff, d))} if moe else \
+        {("dot_general", (d, cfg.d_ff)), ("dot_general", (cfg.d_ff, d))}
+    assert fp8 == want, f.report
+    assert ("dot_general", (cfg.vocab, d)) in kept and all(len(s) == 4 for p, s in kept if p == "dot_general"
+                                                           and s[0] != cfg.vocab and s != (d, e))

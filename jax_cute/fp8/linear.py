@@ -36,14 +36,14 @@ class Blockwise:
     ``dtype``: the fp8 type of activations and weights; ``grad_dtype``: that of the output
     gradients (DeepSeek uses e4m3 for both, the fine-grained scales taking the place of e5m2's
     range). ``pow2_scales``: scales rounded up to powers of two (DeepGEMM's ue8m0).
-    ``exclude(lhs_aval, rhs_aval)``: for ``kernelize``, products (by operand types) to keep in
-    16 bit, e.g. an LM head or a router.
+    ``exclude(lhs_aval, rhs_aval, out_aval)``: for ``kernelize``, products (by their operand and
+    result types) to keep in 16 bit, e.g. an LM head or a router.
     """
 
     dtype: np.dtype = E4M3
     grad_dtype: np.dtype = E4M3
     pow2_scales: bool = False
-    exclude: object = None  # Callable[[ShapedArray, ShapedArray], bool] | None (hashable: a function)
+    exclude: object = None  # Callable[[ShapedArray, ShapedArray, ShapedArray], bool] | None
 
     def __post_init__(self):
         for name in ("dtype", "grad_dtype"):

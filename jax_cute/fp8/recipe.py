@@ -77,7 +77,7 @@ def take(eqn, weights: set, recipe: Blockwise) -> Callable | None:
         return None
     if eqn.params.get("out_sharding") is not None:
         return None
-    if recipe.exclude is not None and recipe.exclude(la, ra):
+    if recipe.exclude is not None and recipe.exclude(la, ra, out):
         return None
     out_dtype = np.dtype(out.dtype)
     if name == "ragged_dot_general":

@@ -80,8 +80,12 @@ scaled_ragged_k_p = _Primitive("jax_cute_scaled_ragged_k")
 
 
 def _result(shape, dtype, avals) -> jax.core.ShapedArray:
+    """The result type: inside shard_map it varies over the operands' manual axes. Sharding in
+    types (Explicit mesh axes) is not followed: the result's type is unsharded on the mesh."""
+    meshes = {a.sharding.mesh for a in avals if not a.sharding.mesh.empty}
+    mesh = meshes.pop() if len(meshes) == 1 else jax.sharding.get_abstract_mesh()
     varying = frozenset().union(*(a.mat.varying for a in avals))
-    return jax.core.ShapedArray(tuple(shape), np.dtype(dtype),
+    return jax.core.ShapedArray(tuple(shape), np.dtype(dtype), sharding=NamedSharding(mesh, PartitionSpec()),
                                 manual_axis_type=jax_core.ManualAxisType(varying=varying))
 
 
@@ -401,7 +405,7 @@ def _sdy_rule(call: _Call, mesh, operand_types, result_types) -> SdyShardingRule
         of the block count and the in-block factor), else two unrelated factors (replicated)."""
         if block == 1:
             return name, name
-        if extent % block == 0:
+        if extent % block == 0 and extent > block:  # (Shardy: no size-1 factor in a compound)
             sizes[f"{name}i"] = block
             return CompoundFactor(f"{name}b", f"{name}i"), f"{name}b"
         separate.extend([name, f"{name}s"])
@@ -417,9 +421,12 @@ def _sdy_rule(call: _Call, mesh, operand_types, result_types) -> SdyShardingRule
     out = ArrayMapping("l", mv, "ng" if gated else nv)
     if gated:
         separate.append("ng")
-    reduction = ("kb",) if k % BLOCK == 0 else ()
+    # Shardy numbers factors in order of first appearance and wants the special ones in that order
+    order = [f for mp in (*maps, out) for d in mp for f in ((d,) if isinstance(d, str) else tuple(d))]
+    rank = {f: i for i, f in reversed(list(enumerate(order)))}
+    reduction = ("kb",) if k % BLOCK == 0 and k > BLOCK else ()
     return SdyShardingRule(tuple(maps), (out,), reduction_factors=reduction,
-                           need_replication_factors=tuple(separate), **sizes)
+                           need_replication_factors=tuple(sorted(set(separate), key=rank.__getitem__)), **sizes)
 
 
 def _gemm_body(call: _Call, *args):
