@@ -390,6 +390,9 @@ def test_errors():
         ragged_k_dot(quantize(data((8, 256), "normal")), quantize(data((8, 256), "normal")), jnp.ones((2,), jnp.int32))
     with pytest.raises(ValueError, match="group_offset"):
         jax_cute.ragged_dot(x, quantize(data((2, 256, 128), "normal"), "128x128"), jnp.asarray([4, 4]), group_offset=0)
+    with pytest.raises(TypeError, match="not differentiated"):
+        jax.grad(lambda s: jnp.sum(jax_cute.matmul(BlockScaled(x.values, s, x.block), w,
+                                                   preferred_element_type=jnp.float32)))(x.scales)
     with pytest.raises(ValueError, match="fp8 must be"):
         jax_cute.kernelize(_mlp_loss, fp8="tensorwise")
     with pytest.raises(TypeError, match="16- or 32-bit"):

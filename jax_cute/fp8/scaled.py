@@ -38,7 +38,7 @@ from jax._src import core as jax_core
 from jax._src import dispatch as jax_dispatch
 from jax.experimental.custom_partitioning import ArrayMapping, CompoundFactor, SdyShardingRule, custom_partitioning
 from jax.extend import core as extend_core
-from jax.interpreters import batching, mlir
+from jax.interpreters import ad, batching, mlir
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 
 from jax_cute import dispatch
@@ -471,6 +471,18 @@ def _grouped_batch(prim, args, dims, **params):
     size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
     return _map_batch(prim, args, dims, size, params), 0
 
+
+def _no_jvp(prim, primals, tangents, **params):
+    if all(type(t) is ad.Zero for t in tangents):
+        out = prim.bind(*primals, **params)
+        return out, ad.Zero(jax.typeof(out).to_tangent_aval())
+    raise TypeError(f"{prim.name}: block-scaled products are not differentiated through their fp8 operands "
+                    "(rounding to fp8 has no useful derivative); train with jax_cute.fp8.linear / grouped_linear "
+                    "or jax_cute.kernelize(fn, fp8='blockwise'), whose gradients are fp8 products of their own")
+
+
+for _p in (scaled_gemm_p, scaled_ragged_m_p, scaled_ragged_k_p):
+    ad.primitive_jvps[_p] = functools.partial(_no_jvp, _p)
 
 batching.primitive_batchers[scaled_gemm_p] = _gemm_batch
 batching.primitive_batchers[scaled_ragged_m_p] = functools.partial(_grouped_batch, scaled_ragged_m_p)
