@@ -65,6 +65,16 @@ def _worker() -> dict:
                      "collectives": counts(f.lower(a, b).compile().as_text()),
                      "replicated_log": [s for s in messages if "replicated" in s]}
 
+    # swiglu pairs column j with j + N/2: N stays whole even when the weight is sharded along it
+    x, w = rng.standard_normal((256, 256)).astype(np.float32), rng.standard_normal((256, 1024)).astype(np.float32)
+    xq, wq = jax_cute.quantize(x), jax_cute.quantize(w, "128x128")
+    sw = jax.jit(lambda a, b: jax_cute.matmul(a, b, activation="swiglu", preferred_element_type=jnp.float32))
+    ref = np.asarray(sw(xq, wq))
+    del messages[:]
+    res = np.asarray(sw(put(xq, P("data", None)), put(wq, P(None, "model"))))
+    out["swiglu"] = {"err": float(np.max(np.abs(res - ref)) / np.max(np.abs(ref))),
+                     "replicated_log": [s for s in messages if "replicated" in s]}
+
     # a training step: fp8 MLP (tensor parallel over model, batch over data) and fp8 MoE (data)
     d, ff, g = 256, 512, 4
     params = {"w1": jnp.asarray(rng.standard_normal((d, ff)) * 0.05, jnp.float32),
@@ -121,6 +131,12 @@ def test_dimension_without_whole_blocks_is_replicated_with_a_message(results):
     r = results["n_not_whole_blocks"]
     assert r["err"] < 1e-6
     assert r["replicated_log"] and "N=1000" in r["replicated_log"][0] and "128" in r["replicated_log"][0]
+
+
+def test_gated_activation_keeps_n_whole(results):
+    r = results["swiglu"]
+    assert r["err"] < 1e-6
+    assert any("gated activation" in s for s in r["replicated_log"]), r
 
 
 def test_sharded_fp8_training_step(results):

@@ -322,10 +322,11 @@ def _fits(extent: int, block: int, axes, mesh_shape) -> bool:
 
 
 def gemm_plan(shapes: Sequence[tuple[int, ...]], specs, mesh_shape, a_block: int, b_block: int,
-              warn: bool = True) -> dict[str, tuple[str, ...]]:
+              warn: bool = True, gated: bool = False) -> dict[str, tuple[str, ...]]:
     """Mesh axes of the dense call's L, M, N and K from its operands' specs (a's for L, M, K;
-    b's for N, and for K where a's K is not sharded), each kept only where shards hold whole
-    blocks and no mesh axis is used twice."""
+    b's for N; K where both shard it alike), each kept only where shards hold whole blocks and
+    no mesh axis is used twice. A gated activation (swiglu pairs column j with j + N/2) keeps
+    N whole."""
     (l, m, k), n = shapes[0], shapes[2][1]
     sa, sb = specs[0] or ((),) * 3, specs[2] or ((),) * 3
     want = {"l": sa[0] or sb[0], "m": sa[1], "n": sb[1], "k": sa[2] if sa[2] == sb[2] else ()}
@@ -338,6 +339,8 @@ def gemm_plan(shapes: Sequence[tuple[int, ...]], specs, mesh_shape, a_block: int
         why = None
         if axes and used & set(axes):
             why = f"its mesh axes {axes} already shard another dimension"
+        elif axes and f == "n" and gated:
+            why = "a gated activation pairs columns of both halves of N"
         elif axes and not _fits(e, blk, axes, mesh_shape):
             why = (f"{f.upper()}={e} does not split into {_count(axes, mesh_shape)} shards of whole "
                    f"{blk}-element scale blocks")
@@ -351,14 +354,14 @@ def gemm_plan(shapes: Sequence[tuple[int, ...]], specs, mesh_shape, a_block: int
     return out
 
 
-def _p(*parts) -> PartitionSpec:
+def _pspec(*parts) -> PartitionSpec:
     return PartitionSpec(*(None if not a else a[0] if len(a) == 1 else a for a in parts))
 
 
 def _gemm_shardings(mesh, plan, has_bias: bool):
     l, m, n, k = plan["l"], plan["m"], plan["n"], plan["k"]
-    args = [_p(l, m, k), _p(l, m, k), _p(l, n, k), _p(l, n, k)] + ([_p(n)] if has_bias else [])
-    return tuple(NamedSharding(mesh, s) for s in args), NamedSharding(mesh, _p(l, m, n))
+    args = [_pspec(l, m, k), _pspec(l, m, k), _pspec(l, n, k), _pspec(l, n, k)] + ([_pspec(n)] if has_bias else [])
+    return tuple(NamedSharding(mesh, s) for s in args), NamedSharding(mesh, _pspec(l, m, n))
 
 
 def _plan_for(call: _Call, mesh, arg_shapes, warn: bool):
@@ -366,7 +369,7 @@ def _plan_for(call: _Call, mesh, arg_shapes, warn: bool):
     specs = [_spec(s.sharding, len(s.shape)) for s in arg_shapes]
     specs = [specs[0], specs[1], specs[2], specs[3]]
     return gemm_plan([tuple(s.shape) for s in arg_shapes], specs, dict(mesh.shape), kw["a_block"], kw["b_block"],
-                     warn)
+                     warn, kw["activation"] in GATED)
 
 
 def _partition(call: _Call, mesh, arg_shapes, result_shape):
@@ -481,8 +484,8 @@ def _no_jvp(prim, primals, tangents, **params):
                     "or jax_cute.kernelize(fn, fp8='blockwise'), whose gradients are fp8 products of their own")
 
 
-for _p in (scaled_gemm_p, scaled_ragged_m_p, scaled_ragged_k_p):
-    ad.primitive_jvps[_p] = functools.partial(_no_jvp, _p)
+for _prim in (scaled_gemm_p, scaled_ragged_m_p, scaled_ragged_k_p):
+    ad.primitive_jvps[_prim] = functools.partial(_no_jvp, _prim)
 
 batching.primitive_batchers[scaled_gemm_p] = _gemm_batch
 batching.primitive_batchers[scaled_ragged_m_p] = functools.partial(_grouped_batch, scaled_ragged_m_p)
