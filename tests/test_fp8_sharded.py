@@ -75,6 +75,23 @@ def _worker() -> dict:
     out["swiglu"] = {"err": float(np.max(np.abs(res - ref)) / np.max(np.abs(ref))),
                      "replicated_log": [s for s in messages if "replicated" in s]}
 
+    # grouped over M: tokens over data (each shard its groups clipped to its rows), N over model;
+    # then K over model (summed), with a bias and an activation after the sum
+    x, w = rng.standard_normal((256, 512)).astype(np.float32), rng.standard_normal((4, 512, 512)).astype(np.float32)
+    bias = jnp.asarray(rng.standard_normal((4, 512)), jnp.float32)
+    sizes = jnp.asarray([70, 0, 100, 50], jnp.int32)  # 36 rows past the last group
+    xq, wq = jax_cute.quantize(x), jax_cute.quantize(w, "128x128")
+    rd = jax.jit(lambda a, b, s, c: jax_cute.ragged_dot(a, b, s, bias=c, activation="gelu",
+                                                        preferred_element_type=jnp.float32))
+    ref = np.asarray(rd(xq, wq, sizes, bias))
+    for name, xs, ws in [("ragged_dp_tp", P("data", None), P(None, None, "model")),
+                         ("ragged_k_sharded", P("data", "model"), P(None, "model", None))]:
+        a, b = put(xq, xs), put(wq, ws)
+        res = rd(a, b, sizes, bias)
+        out[name] = {"err": float(np.max(np.abs(np.asarray(res) - ref)) / np.max(np.abs(ref))),
+                     "spec": [None if s is None else str(s) for s in res.sharding.spec],
+                     "collectives": counts(rd.lower(a, b, sizes, bias).compile().as_text())}
+
     # a training step: fp8 MLP (tensor parallel over model, batch over data) and fp8 MoE (data)
     d, ff, g = 256, 512, 4
     params = {"w1": jnp.asarray(rng.standard_normal((d, ff)) * 0.05, jnp.float32),
@@ -131,6 +148,14 @@ def test_dimension_without_whole_blocks_is_replicated_with_a_message(results):
     r = results["n_not_whole_blocks"]
     assert r["err"] < 1e-6
     assert r["replicated_log"] and "N=1000" in r["replicated_log"][0] and "128" in r["replicated_log"][0]
+
+
+def test_grouped_product_sharded_over_tokens_and_n(results):
+    r = results["ragged_dp_tp"]
+    assert r["err"] < 1e-6 and r["spec"] == ["data", "model"]
+    assert not any(r["collectives"].values()), r
+    r = results["ragged_k_sharded"]
+    assert r["err"] < 1e-5 and r["collectives"]["all-reduce"] >= 1, r
 
 
 def test_gated_activation_keeps_n_whole(results):

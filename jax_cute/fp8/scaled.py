@@ -282,9 +282,10 @@ def _lowering(prim, cuda: bool):
             avals_in = tuple(jax.core.ShapedArray(a.shape, a.dtype) for a in ctx.avals_in)
             avals_out = tuple(jax.core.ShapedArray(a.shape, a.dtype) for a in ctx.avals_out)
             plain = ctx.replace(avals_in=avals_in, avals_out=avals_out)
-            if prim is scaled_gemm_p and not _one_shard(ctx.module_context.axis_context):
-                fn = functools.partial(_partitioned_gemm, _Call(tuple(sorted({**params, "cuda": cuda}.items()))))
-            else:  # grouped calls: XLA partitions the reference's ops (see partition docs in docs/fp8.md)
+            partitioned = _PARTITIONED.get(prim.name)
+            if partitioned is not None and not _one_shard(ctx.module_context.axis_context):
+                fn = functools.partial(partitioned, _Call(tuple(sorted({**params, "cuda": cuda}.items()))))
+            else:  # one shard, or the ragged-K call: XLA partitions the reference's ops (docs/fp8.md)
                 fn = _local(prim.name, avals_in, params, cuda)
             return mlir.lower_fun(fn, multiple_results=False)(plain, *args)
 
@@ -442,6 +443,126 @@ def _gemm_body(call: _Call, *args):
 
 _partitioned_gemm = custom_partitioning(_gemm_body, static_argnums=(0,))
 _partitioned_gemm.def_partition(partition=_partition, infer_sharding_from_operands=_infer, sharding_rule=_sdy_rule)
+
+
+# -- partitioning rules of the call grouped over M ----------------------------------------------------
+#
+# M (tokens) splits into row blocks: each shard derives its group sizes from the global ones
+# (the groups clipped to its rows; sizes stay replicated). N and K as in the dense call; G
+# (experts) is replicated: expert parallelism is a shard_map with a token all-to-all.
+
+def _ragged_plan(call: _Call, mesh, arg_shapes, warn: bool) -> dict[str, tuple[str, ...]]:
+    kw = call.kwargs
+    shapes = [tuple(s.shape) for s in arg_shapes]
+    specs = [_spec(s.sharding, len(s.shape)) or ((),) * len(s.shape) for s in arg_shapes]
+    (m, k), n = shapes[0], shapes[2][1]
+    # as the dense plan over (L=1, M, K) x (L=1, N, K): a's M and K, b's N and K
+    fake = [(1, m, k), None, (1, n, k)]
+    dense = gemm_plan(fake, [((),) + tuple(specs[0]), None, ((),) + tuple(specs[2][1:]), None], dict(mesh.shape),
+                      1, kw["b_block"], warn, kw["activation"] in GATED)
+    return {"m": dense["m"], "n": dense["n"], "k": dense["k"]}
+
+
+def _ragged_shardings(mesh, plan, has_bias: bool):
+    m, n, k = plan["m"], plan["n"], plan["k"]
+    args = [_pspec(m, k), _pspec(m, k), _pspec((), n, k), _pspec((), n, k), _pspec(())]
+    args += [_pspec((), n)] if has_bias else []
+    return tuple(NamedSharding(mesh, s) for s in args), NamedSharding(mesh, _pspec(m, n))
+
+
+def _shard_offset(axes: Sequence[str], mesh_shape, local: int):
+    idx = jnp.int32(0)
+    for a in axes:  # the first mesh axis is the slowest, as in a PartitionSpec
+        idx = idx * mesh_shape[a] + jax.lax.axis_index(a)
+    return idx * local
+
+
+def _ragged_partition(call: _Call, mesh, arg_shapes, result_shape):
+    kw = call.kwargs
+    cuda = kw.pop("cuda")
+    plan = _ragged_plan(call, mesh, arg_shapes, warn=True)
+    has_bias = len(arg_shapes) == 6
+    arg_sh, out_sh = _ragged_shardings(mesh, plan, has_bias)
+    m = arg_shapes[0].shape[0]
+    ms = dict(mesh.shape)
+
+    def lower_fn(*args):
+        with _unmeshed():
+            args = list(args)
+            lm = args[0].shape[0]
+            if plan["m"]:  # this shard's rows [offset, offset + lm): the groups clipped to them
+                ends = group_ends(args[4], m)
+                starts = ends - jnp.diff(ends, prepend=jnp.zeros((1,), ends.dtype))
+                off = _shard_offset(plan["m"], ms, lm)
+                clip = lambda x: jnp.clip(x - off, 0, lm)  # noqa: E731
+                args[4] = (clip(ends) - clip(starts)).astype(jnp.int32)
+            avals = tuple(jax.core.ShapedArray(x.shape, x.dtype) for x in args)
+            if not plan["k"]:
+                return _local("jax_cute_scaled_ragged_m", avals, kw, cuda)(*args)
+            part = _local("jax_cute_scaled_ragged_m", avals[:5], {**kw, "out_dtype": "float32", "activation": None},
+                          cuda)(*args[:5])
+            acc = jax.lax.psum(part, plan["k"])
+            if has_bias or kw["activation"]:
+                # rows past the last group stay zero: the epilogue only on rows inside a group
+                ends = group_ends(args[4], lm)
+                grp = jnp.searchsorted(ends, jnp.arange(lm, dtype=jnp.int32), side="right")
+                inside = (grp < ends.shape[0])[:, None]
+                bias = jnp.where(inside, args[5][jnp.minimum(grp, ends.shape[0] - 1)].astype(jnp.float32), 0) \
+                    if has_bias else None
+                return jnp.where(inside, _epilogue(acc, bias, kw["activation"], jnp.float32), 0).astype(kw["out_dtype"])
+            return acc.astype(kw["out_dtype"])
+
+    return mesh, lower_fn, out_sh, arg_sh
+
+
+def _ragged_infer(call: _Call, mesh, arg_shapes, result_shape):
+    return _ragged_shardings(mesh, _ragged_plan(call, mesh, arg_shapes, warn=False), len(arg_shapes) == 6)[1]
+
+
+def _ragged_sdy_rule(call: _Call, mesh, operand_types, result_types) -> SdyShardingRule:
+    kw = call.kwargs
+    (m, k), n = operand_types[0].shape, operand_types[2].shape[1]
+    sizes: dict[str, int] = {}
+    separate: list[str] = ["g"]
+
+    def blocked(name: str, extent: int, block: int):
+        if block == 1:
+            return name, name
+        if extent % block == 0 and extent > block:
+            sizes[f"{name}i"] = block
+            return CompoundFactor(f"{name}b", f"{name}i"), f"{name}b"
+        separate.extend([name, f"{name}s"])
+        return name, f"{name}s"
+
+    nv, ns = blocked("n", n, kw["b_block"])
+    kv, ks = blocked("k", k, BLOCK)
+    maps = [ArrayMapping("m", kv), ArrayMapping("m", ks), ArrayMapping("g", nv, kv), ArrayMapping("g", ns, ks),
+            ArrayMapping("g")]
+    if len(operand_types) == 6:
+        maps.append(ArrayMapping("g", nv))
+    gated = kw["activation"] in GATED
+    out = ArrayMapping("m", "ng" if gated else nv)
+    if gated:
+        separate.append("ng")
+    order = [f for mp in (*maps, out) for d in mp for f in ((d,) if isinstance(d, str) else tuple(d))]
+    rank = {f: i for i, f in reversed(list(enumerate(order)))}
+    reduction = ("kb",) if k % BLOCK == 0 and k > BLOCK else ()
+    return SdyShardingRule(tuple(maps), (out,), reduction_factors=reduction,
+                           need_replication_factors=tuple(sorted(set(separate), key=rank.__getitem__)), **sizes)
+
+
+def _ragged_body(call: _Call, *args):
+    kw = call.kwargs
+    cuda = kw.pop("cuda")
+    with _unmeshed():
+        avals = tuple(jax.core.ShapedArray(x.shape, x.dtype) for x in args)
+        return jax.jit(_local("jax_cute_scaled_ragged_m", avals, kw, cuda))(*args)
+
+
+_partitioned_ragged_m = custom_partitioning(_ragged_body, static_argnums=(0,))
+_partitioned_ragged_m.def_partition(partition=_ragged_partition, infer_sharding_from_operands=_ragged_infer,
+                                    sharding_rule=_ragged_sdy_rule)
+_PARTITIONED = {"jax_cute_scaled_gemm": _partitioned_gemm, "jax_cute_scaled_ragged_m": _partitioned_ragged_m}
 
 
 # -- batching ----------------------------------------------------------------------------------------
