@@ -426,3 +426,20 @@ def test_gpt_example_fp8_products(moe):
     assert fp8 == want, f.report
     assert ("dot_general", (cfg.vocab, d)) in kept and all(len(s) == 4 for p, s in kept if p == "dot_general"
                                                            and s[0] != cfg.vocab and s != (d, e))
+
+
+def test_lowers_for_cuda_as_xla_ops():
+    """Lowered for a GPU (no device needed): the fp8 training step is XLA ops, no jax_cute custom
+    call (no kernel yet), its per-block products bf16 x bf16 -> f32 (exact for fp8 values)."""
+    x, w = jnp.ones((256, 256), jnp.bfloat16), jnp.ones((256, 384), jnp.float32)
+    we, gs = jnp.ones((2, 256, 128), jnp.float32), jnp.asarray([100, 156], jnp.int32)
+
+    def loss(x, w, we):
+        y = linear(x, w, out_dtype=jnp.float32)
+        return jnp.sum(y) + jnp.sum(grouped_linear(x, we, gs, out_dtype=jnp.float32))
+
+    with config.override(target_arch="sm_90a"):
+        text = jax.jit(jax.grad(loss, (0, 1, 2))).trace(x, w, we).lower(lowering_platforms=("cuda",)).as_text()
+    assert "jax_cute_launch" not in text and "f8E4M3FN" in text
+    dots = [ln for ln in text.splitlines() if "stablehlo.dot_general" in ln]
+    assert dots and all("bf16" in ln and "-> tensor<" in ln and ln.rstrip().endswith("xf32>") for ln in dots), dots[:3]
