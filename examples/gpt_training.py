@@ -402,7 +402,8 @@ def main(argv: list[str] | None = None) -> dict:
         data = [place(d, shardings[2]) for d in data]
     ffn = f"MoE FFN (top-{cfg.top_k} of {cfg.experts} experts, width {cfg.d_ff})" if cfg.moe else f"MLP width {cfg.d_ff}"
     say(f"GPT: d_model {cfg.d_model}, {cfg.heads} heads, {cfg.layers} layers, {ffn}, vocab {cfg.vocab}, "
-        f"batch {cfg.batch} x {cfg.seq} tokens; bf16 products{' (kernelized run: fp8 weight products)' if args.fp8 else ''}, "
+        f"batch {cfg.batch} x {cfg.seq} tokens; bf16 products"
+        f"{' (kernelized run: fp8 weight products)' if args.fp8 else ''}, "
         f"f32 master weights, AdamW (lr {cfg.lr}), "
         f"{args.steps} steps")
     devices = mesh.size if mesh is not None else 1

@@ -41,7 +41,6 @@ from jax.extend import core as extend_core
 from jax.interpreters import ad, batching, mlir
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 
-from jax_cute import dispatch
 from jax_cute.fp8.quantize import BLOCK, FP8_DTYPES, group_blocks, group_ends
 from jax_cute.primitives.activations import GATED, apply_activation
 
@@ -400,7 +399,7 @@ def _infer(call: _Call, mesh, arg_shapes, result_shape):
 
 def _sdy_rule(call: _Call, mesh, operand_types, result_types) -> SdyShardingRule:
     kw = call.kwargs
-    (l, m, k), n = operand_types[0].shape, operand_types[2].shape[1]
+    (_, m, k), n = operand_types[0].shape, operand_types[2].shape[1]
     sizes: dict[str, int] = {}
     separate: list[str] = []
 
@@ -521,7 +520,7 @@ def _ragged_infer(call: _Call, mesh, arg_shapes, result_shape):
 
 def _ragged_sdy_rule(call: _Call, mesh, operand_types, result_types) -> SdyShardingRule:
     kw = call.kwargs
-    (m, k), n = operand_types[0].shape, operand_types[2].shape[1]
+    (_, k), n = operand_types[0].shape, operand_types[2].shape[1]
     sizes: dict[str, int] = {}
     separate: list[str] = ["g"]
 

@@ -82,8 +82,8 @@ def dot_general(lhs, rhs, dimension_numbers: DimensionNumbers, precision=None, p
     (``jax_cute.fp8.scaled_dot_general``).
     """
     if fp8_ops.is_scaled(lhs, rhs):
-        return constrain(fp8_ops.scaled_dot_general(lhs, rhs, dimension_numbers, preferred_element_type=preferred_element_type,
-                                                    bias=bias, activation=activation), out_sharding)
+        return constrain(fp8_ops.scaled_dot_general(lhs, rhs, dimension_numbers, bias=bias, activation=activation,
+                                                    preferred_element_type=preferred_element_type), out_sharding)
     return constrain(chained_dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type, bias=bias,
                                          activation=activation), out_sharding)
 

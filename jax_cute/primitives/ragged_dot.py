@@ -155,8 +155,9 @@ def ragged_dot(lhs, rhs, group_sizes, *, precision=None, preferred_element_type=
     if fp8_ops.is_scaled(lhs, rhs):
         if group_offset is not None:
             raise ValueError("jax_cute.ragged_dot: group_offset is not supported with block-scaled operands")
-        return sharding.constrain(fp8_ops.scaled_ragged_dot(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type,
-                                                            bias=bias, activation=activation), out_sharding)
+        return sharding.constrain(fp8_ops.scaled_ragged_dot(lhs, rhs, group_sizes, bias=bias, activation=activation,
+                                                            preferred_element_type=preferred_element_type),
+                                  out_sharding)
     if not isinstance(group_sizes, jax.core.Tracer):  # before jnp.asarray, which may wrap int64 to int32
         sizes = np.asarray(group_sizes)
         if sizes.dtype.kind in "iu" and (sizes > _INT32_MAX).any():
