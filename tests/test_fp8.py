@@ -443,3 +443,22 @@ def test_lowers_for_cuda_as_xla_ops():
     assert "jax_cute_launch" not in text and "f8E4M3FN" in text
     dots = [ln for ln in text.splitlines() if "stablehlo.dot_general" in ln]
     assert dots and all("bf16" in ln and "-> tensor<" in ln and ln.rstrip().endswith("xf32>") for ln in dots), dots[:3]
+
+
+def test_kernelize_fp8_takes_a_weight_on_the_left():
+    """``w @ x`` (Equinox's Linear under vmap) is the swapped product, transposed back."""
+    rng = np.random.default_rng(27)
+    w = jnp.asarray(rng.standard_normal((130, 256)) * 0.05, jnp.float32)
+    x = jnp.asarray(rng.standard_normal((40, 256)), jnp.float32)
+
+    def loss(w, x):
+        h = jnp.tanh(x)  # an activation: computed, not an input (two inputs: the second is the weight)
+        y = jax.vmap(lambda v: w.astype(jnp.bfloat16) @ v.astype(jnp.bfloat16))(h)
+        return jnp.sum(y.astype(jnp.float32) ** 2)
+
+    f = jax_cute.kernelize(loss, fp8="blockwise")
+    g = jax.jit(jax.grad(f))(w, x)
+    assert [q.fp8 for q in f.report.products] == [True], f.report
+    want = jax.jit(jax.grad(lambda w, x: jnp.sum(linear(jnp.tanh(x).astype(jnp.bfloat16), w.T.astype(jnp.bfloat16))
+                                                 .astype(jnp.float32) ** 2)))(w, x)
+    assert rel(g, want) < 1e-5

@@ -3,11 +3,14 @@
 A product is taken when it has a *weight operand*:
 
 - a ``dot_general`` with no batch dimensions whose second operand (``x @ w``, ``einsum("btd,df->btf",
-  x, w)``, Flax/Equinox Dense) is a weight: a value that reaches the product from an input of
+  x, w)``, Flax's Dense) is a weight: a value that reaches the product from an input of
   the function, or of the ``scan``/``checkpoint``/``jit`` body it lies in, through casts and
   layout ops only (so stacked layer weights sliced by ``scan`` count), not a value computed
   from activations; both operands 16-bit floats. It becomes :func:`linear` over the
-  operands flattened to (M, K) @ (K, N) (several contracting dimensions are one K).
+  operands flattened to (M, K) @ (K, N) (several contracting dimensions are one K). A weight
+  as the first operand with a computed second one (``w @ x``, Equinox's Linear under ``vmap``)
+  is taken too, as the product with the operands swapped and its result transposed back. Where
+  both operands reach from inputs, the second is the weight.
 - a ``lax.ragged_dot`` (tokens (M, K) against experts (G, K, N)) whose experts are a weight in
   the same sense: :func:`grouped_linear`.
 
@@ -68,7 +71,9 @@ def take(eqn, weights: set, recipe: Blockwise) -> Callable | None:
     if name not in ("dot_general", "ragged_dot_general") or len(eqn.invars) < 2:
         return None
     lhs, rhs = eqn.invars[0], eqn.invars[1]
-    if not isinstance(rhs, jex.core.Var) or rhs not in weights:
+    is_weight = lambda v: isinstance(v, jex.core.Var) and v in weights  # noqa: E731
+    swap = name == "dot_general" and not is_weight(rhs) and is_weight(lhs)
+    if not (is_weight(rhs) or swap):
         return None
     la, ra, out = lhs.aval, rhs.aval, eqn.outvars[0].aval
     if np.dtype(la.dtype) not in _SIXTEEN_BIT or np.dtype(ra.dtype) not in _SIXTEEN_BIT:
@@ -89,10 +94,18 @@ def take(eqn, weights: set, recipe: Blockwise) -> Callable | None:
     (lc, rc), (lb, rb) = _normal(eqn.params["dimension_numbers"])
     if lb or rb or not lc:
         return None
+    if swap:  # w @ x = (x @ w)ᵀ: the product of the swapped operands, its free axes swapped back
+        (lc, rc), (la, ra) = (rc, lc), (ra, la)
     lf = tuple(i for i in range(la.ndim) if i not in lc)
     rf = tuple(i for i in range(ra.ndim) if i not in rc)
 
     def run(x, w):
+        if swap:
+            y = run_ordered(w, x)
+            return jnp.transpose(y, tuple(range(len(lf), y.ndim)) + tuple(range(len(lf))))
+        return run_ordered(x, w)
+
+    def run_ordered(x, w):
         # x to (lhs free..., K) and w to (K, rhs free...), K the contracting dims in matching order
         xk = jnp.transpose(x, lf + lc)
         wk = jnp.transpose(w, rc + rf)
