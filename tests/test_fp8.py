@@ -462,3 +462,18 @@ def test_kernelize_fp8_takes_a_weight_on_the_left():
     want = jax.jit(jax.grad(lambda w, x: jnp.sum(linear(jnp.tanh(x).astype(jnp.bfloat16), w.T.astype(jnp.bfloat16))
                                                  .astype(jnp.float32) ** 2)))(w, x)
     assert rel(g, want) < 1e-5
+
+
+def test_vmap_of_the_fp8_gradients():
+    rng = np.random.default_rng(28)
+    x = jnp.asarray(rng.standard_normal((2, 64, 256)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((2, 256, 130)), jnp.float32)
+    gs = jnp.asarray([20, 44], jnp.int32)
+    we = jnp.asarray(rng.standard_normal((2, 2, 256, 130)), jnp.float32)
+    for fn, ws in ((lambda x, w: jnp.sum(linear(x, w) ** 2), w),
+                   (lambda x, w: jnp.sum(grouped_linear(x, w, gs) ** 2), we)):
+        grad = jax.jit(jax.grad(fn, (0, 1)))
+        batched = jax.jit(jax.vmap(jax.grad(fn, (0, 1))))(x, ws)
+        for i in range(2):
+            for got, want in zip(batched, grad(x[i], ws[i])):
+                np.testing.assert_array_equal(np.asarray(got[i]), np.asarray(want))
