@@ -5,7 +5,9 @@ multi-head attention (``jnp.einsum``) and a GELU MLP, layers stacked under ``lax
 ``jax.checkpoint``, a tied LM head. Parameters are f32 master weights; every product runs in
 bf16 and returns f32 (``preferred_element_type``), as mixed-precision training does. AdamW.
 ``--moe`` replaces each MLP by a mixture of experts (top-2 of 8, tokens sorted by expert, two
-``lax.ragged_dot``s).
+``lax.ragged_dot``s). ``--fp8`` trains the kernelized run with block-scaled fp8 weight products
+(``kernelize(loss, fp8=...)``: DeepSeek-V3's recipe, forward and both gradients; attention's
+score and value products, the tied LM head and the router stay bf16), against the plain bf16 run.
 
 ``--mesh data=N[,model=M]`` trains on N x M devices: the batch is split over ``data`` (data
 parallel; ``--fsdp`` also shards every weight over it, gathered per layer), the attention heads
@@ -311,11 +313,18 @@ def shard_train_state(params: Params, opt_state, tx, cfg: Config, mesh: Mesh, fs
     return params, opt_state, (p_sh, o_sh, batch)
 
 
+def fp8_recipe(cfg: Config) -> jax_cute.fp8.Blockwise:
+    """Block-scaled fp8 for the weight products, except the tied LM head and the router (by their
+    weight's shape and their result's width), which DeepSeek-V3 keeps in 16 bit."""
+    kept = {((cfg.vocab, cfg.d_model), cfg.vocab), ((cfg.d_model, cfg.experts), cfg.experts)}
+    return jax_cute.fp8.Blockwise(exclude=lambda lhs, rhs, out: (tuple(rhs.shape), out.shape[-1]) in kept)
+
+
 def make_step(cfg: Config, tx: optax.GradientTransformation, kernelized: bool, fuse_epilogues: bool = True,
-              mesh: Mesh | None = None, shardings: tuple | None = None) -> Callable:
+              mesh: Mesh | None = None, shardings: tuple | None = None, fp8: bool = False) -> Callable:
     loss = lambda params, tokens: loss_fn(params, tokens, cfg, mesh)  # noqa: E731
     if kernelized:
-        loss = jax_cute.kernelize(loss, fuse_epilogues=fuse_epilogues)
+        loss = jax_cute.kernelize(loss, fuse_epilogues=fuse_epilogues, fp8=fp8_recipe(cfg) if fp8 else None)
 
     def step(params, opt_state, tokens):
         value, grads = jax.value_and_grad(loss)(params, tokens)
@@ -372,6 +381,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--lr", type=float)
     p.add_argument("--batch", type=int, help="global batch (sequences per step); default: the size's")
     p.add_argument("--moe", action="store_true", help="top-2 of 8 experts instead of the dense MLP")
+    p.add_argument("--fp8", action="store_true", help="kernelized run: block-scaled fp8 weight products")
     p.add_argument("--mesh", help="train on a device mesh: data=N[,model=M] (N x M devices)")
     p.add_argument("--fsdp", action="store_true", help="with --mesh: also shard every weight over data")
     p.add_argument("--distributed", metavar="auto|HOST:PORT,PROCESSES,PROCESS_ID",
@@ -398,20 +408,22 @@ def main(argv: list[str] | None = None) -> dict:
         data = [place(d, shardings[2]) for d in data]
     ffn = f"MoE FFN (top-{cfg.top_k} of {cfg.experts} experts, width {cfg.d_ff})" if cfg.moe else f"MLP width {cfg.d_ff}"
     say(f"GPT: d_model {cfg.d_model}, {cfg.heads} heads, {cfg.layers} layers, {ffn}, vocab {cfg.vocab}, "
-        f"batch {cfg.batch} x {cfg.seq} tokens; bf16 products, f32 master weights, AdamW (lr {cfg.lr}), "
+        f"batch {cfg.batch} x {cfg.seq} tokens; bf16 products"
+        f"{' (kernelized run: fp8 weight products)' if args.fp8 else ''}, "
+        f"f32 master weights, AdamW (lr {cfg.lr}), "
         f"{args.steps} steps")
     devices = mesh.size if mesh is not None else 1
     if mesh is not None:
         say(f"mesh {dict(mesh.shape)}{' with fully sharded weights' if args.fsdp else ''} over {devices} devices"
             f"{f' in {jax.process_count()} processes' if jax.process_count() > 1 else ''}")
-    kstep = make_step(cfg, tx, kernelized=True, mesh=mesh, shardings=shardings)
+    kstep = make_step(cfg, tx, kernelized=True, mesh=mesh, shardings=shardings, fp8=args.fp8)
     path = path_taken(kstep, params, opt_state, data[0])
     say(f"path: {path}")
     losses, times = train(kstep, params, opt_state, data, args.steps, "kernelized", lead and not args.quiet)
     ms = statistics.median(times[1:] or times)
     tokens_per_s = cfg.batch * cfg.seq / ms * 1e3
     out = {"path": path, "devices": devices, "processes": jax.process_count(),
-           "mesh": dict(mesh.shape) if mesh is not None else {}, "fsdp": args.fsdp, "moe": cfg.moe,
+           "mesh": dict(mesh.shape) if mesh is not None else {}, "fsdp": args.fsdp, "moe": cfg.moe, "fp8": args.fp8,
            "batch": cfg.batch, "seq": cfg.seq, "losses": losses, "ms": ms,
            "tokens_per_s_per_device": tokens_per_s / devices}
     if not args.no_compare:

@@ -5,6 +5,7 @@ Public API:
 - :func:`dot_general`, :func:`einsum` — ``lax.dot_general`` and ``jnp.einsum`` (each product of two operands one GEMM);
 - :func:`ragged_dot` — ``jax.lax.ragged_dot`` semantics (grouped GEMM for MoE);
 - :func:`cute_call` — run your own ``@cute.jit`` launcher inside ``jax.jit``;
+- :func:`quantize`, :class:`BlockScaled`, :mod:`fp8` — block-scaled fp8 operands and training (docs/fp8.md);
 - :mod:`config` — switches (target arch, strict mode, NaN fill, cache, unverified kernels);
 - :mod:`layout` — the CuTe-style layouts the primitives carry.
 """
@@ -13,8 +14,9 @@ import logging
 
 from jax import export
 
-from jax_cute import config, layout
+from jax_cute import config, fp8, layout
 from jax_cute.dispatch import FallbackError
+from jax_cute.fp8 import BlockScaled, dequantize, quantize
 from jax_cute.kernelize import kernelize
 from jax_cute.primitives.cute_call import cute_call
 from jax_cute.primitives.dot_general import dot_general, einsum
@@ -41,4 +43,4 @@ def export_disabled_checks() -> list:
 
 
 __all__ = ["matmul", "dot_general", "einsum", "ragged_dot", "kernelize", "cute_call", "config", "layout", "FallbackError", "export_disabled_checks",
-           "register_ffi", "__version__"]
+           "register_ffi", "__version__", "fp8", "quantize", "dequantize", "BlockScaled"]

@@ -49,6 +49,7 @@ from jax.interpreters import partial_eval as pe
 from jax_cute import config
 from jax_cute.dispatch import FallbackError, target_arch
 from jax_cute.epilogue_match import Epilogue, find_chains, find_epilogues
+from jax_cute.fp8 import recipe as fp8_recipe
 from jax_cute.primitives.dot_dtypes import acc_dtype
 from jax_cute.primitives.dot_general import chained_dot_general
 from jax_cute.primitives.grouped import PRIMITIVES as _GROUPED
@@ -89,11 +90,13 @@ class Product:
     where: str = ""                       # enclosing primitives, outermost first ("scan/remat2")
     epilogue: str = ""                    # what was fused into its epilogue ("bias + gelu")
     chained: str = ""                     # an operand that is the activated product before it ("lhs gelu")
+    fp8: bool = False                     # run block-scaled fp8 (kernelize's fp8 recipe)
 
     def describe(self) -> str:
         ops = " x ".join(f"{d}{list(s)}" for s, d in zip(self.shapes, self.dtypes))
         head = f"{'jax_cute' if self.kernelized else 'XLA':<8} {self.primitive} {ops} -> {self.out_dtype}{list(self.out_shape)}"
         head += f" with {self.epilogue} fused" if self.epilogue else ""
+        head += " in block-scaled fp8" if self.fp8 else ""
         if self.chained:
             operand, act = self.chained.split()
             head += f", its {operand}'s {act} derivative in its backward GEMM"
@@ -273,18 +276,20 @@ def _context(eqn):
 
 
 class _Interpreter:
-    def __init__(self, fuse: bool) -> None:
+    def __init__(self, fuse: bool, fp8: fp8_recipe.Blockwise | None = None) -> None:
         self.products: list[Product] = []
         self.where: list[str] = []
         self.fuse = fuse
+        self.fp8 = fp8
 
     # bookkeeping
     def _record(self, eqn, kernelized: bool, reason: str | None = None, epilogue: Epilogue | None = None,
-                chained: str = "") -> None:
+                chained: str = "", fp8: bool = False) -> None:
         avals, out = [v.aval for v in eqn.invars], (epilogue.out if epilogue else eqn.outvars[0]).aval
         product = Product(eqn.primitive.name, tuple(tuple(a.shape) for a in avals),
                           tuple(np.dtype(a.dtype).name for a in avals), tuple(out.shape), np.dtype(out.dtype).name,
-                          kernelized, reason, "/".join(self.where), epilogue.describe() if epilogue else "", chained)
+                          kernelized, reason, "/".join(self.where), epilogue.describe() if epilogue else "", chained,
+                          fp8)
         if not kernelized:
             if config.strict():
                 raise FallbackError("kernelize", product.describe())
@@ -308,8 +313,9 @@ class _Interpreter:
             env[var] = val
         for var, val in zip(jaxpr.invars, args, strict=True):
             env[var] = val
-        fused = self._epilogues(jaxpr)
-        chains = self._chains(jaxpr, fused)
+        taken = self._fp8_products(jaxpr)
+        fused = self._epilogues(jaxpr, taken)
+        chains = self._chains(jaxpr, fused, taken)
         feeds = {p for p, _ in chains.values()}
         preacts: dict = {}   # a chained fused product's result var -> its pre-activation
         skipped = {i for p, ep in fused.items() for i in (p, *ep.eqns)}
@@ -344,6 +350,11 @@ class _Interpreter:
                         env[ep.out] = out
                 continue
             invals = [read(v) for v in eqn.invars]
+            if i in taken:   # the fp8 recipe's product (custom_vjp: its gradients in fp8 too)
+                with _context(eqn):
+                    self._record(eqn, True, fp8=True)
+                    env[eqn.outvars[0]] = taken[i](*invals)
+                continue
             if chain is not None:   # a plain product with a chained operand
                 with _context(eqn):
                     self._record(eqn, True, chained=_chained(chain))
@@ -356,13 +367,21 @@ class _Interpreter:
                 env[var] = val
         return [read(v) for v in jaxpr.outvars]
 
-    def _epilogues(self, jaxpr) -> dict[int, Epilogue]:
+    def _fp8_products(self, jaxpr) -> dict:
+        """The products of ``jaxpr`` (by equation index) the fp8 recipe takes, with their rule."""
+        if self.fp8 is None:
+            return {}
+        weights = fp8_recipe.weight_vars(jaxpr)
+        rules = {i: fp8_recipe.take(e, weights, self.fp8) for i, e in enumerate(jaxpr.eqns)}
+        return {i: r for i, r in rules.items() if r is not None}
+
+    def _epilogues(self, jaxpr, skip=frozenset()) -> dict[int, Epilogue]:
         """The products of ``jaxpr`` (by equation index) to fuse with the epilogue after them."""
         if not self.fuse:
             return {}
         products, grouped = {}, set()
         for i, e in enumerate(jaxpr.eqns):
-            if e.primitive.name not in ("dot_general", "ragged_dot_general") or _refusal(e) is not None:
+            if e.primitive.name not in ("dot_general", "ragged_dot_general") or _refusal(e) is not None or i in skip:
                 continue
             if e.primitive.name == "ragged_dot_general":
                 if _ragged_form(e.params["ragged_dot_dimension_numbers"]) != _RAGGED_DOT:
@@ -372,11 +391,12 @@ class _Interpreter:
         return find_epilogues(jaxpr, products, frozenset(grouped), functools.partial(_swappable, jaxpr)) \
             if products else {}
 
-    def _chains(self, jaxpr, fused: dict[int, Epilogue]) -> dict[int, tuple[int, int]]:
+    def _chains(self, jaxpr, fused: dict[int, Epilogue], skip=frozenset()) -> dict[int, tuple[int, int]]:
         """Products taking a fused product's activated result as an operand (``find_chains``)."""
         if not fused:
             return {}
-        consumers = {i for i, e in enumerate(jaxpr.eqns) if e.primitive.name == "dot_general" and _refusal(e) is None}
+        consumers = {i for i, e in enumerate(jaxpr.eqns)
+                     if e.primitive.name == "dot_general" and _refusal(e) is None and i not in skip}
         return find_chains(jaxpr, fused, consumers)
 
     def _eqn(self, eqn, invals: list):
@@ -469,7 +489,7 @@ def _is_array(x) -> bool:
     return isinstance(x, (jax.Array, np.ndarray, np.generic))
 
 
-def kernelize(fn: Callable, *, report: bool = False, fuse_epilogues: bool = True) -> Callable:
+def kernelize(fn: Callable, *, report: bool = False, fuse_epilogues: bool = True, fp8=None) -> Callable:
     """``fn`` with its matrix products run as jax_cute primitives (see the module docstring).
 
     The returned function takes ``fn``'s arguments. Array leaves of the arguments are traced;
@@ -489,7 +509,13 @@ def kernelize(fn: Callable, *, report: bool = False, fuse_epilogues: bool = True
     activation runs in float32 on the accumulator and is rounded once (``epilogue_match`` says
     exactly what is matched). Under ``grad(kernelize(f))`` the backward pass then takes the
     activation's derivative from the saved pre-activation, rounded to the output dtype.
+
+    ``fp8="blockwise"`` (or a :class:`jax_cute.fp8.Blockwise` recipe) runs the products that have a
+    weight operand in block-scaled fp8, forward and both gradients (DeepSeek-V3's recipe, see
+    ``jax_cute.fp8.recipe`` for exactly which products; attention's batched products stay 16-bit):
+    put it inside ``grad``. Those products are not fused with an epilogue.
     """
+    recipe = fp8_recipe.resolve(fp8)
 
     @functools.wraps(fn)
     def kernelized(*args, **kwargs):
@@ -503,7 +529,7 @@ def kernelize(fn: Callable, *, report: bool = False, fuse_epilogues: bool = True
 
         config.validate()
         closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*(x for x, d in zip(leaves, dynamic) if d))
-        interp = _Interpreter(fuse_epilogues)
+        interp = _Interpreter(fuse_epilogues, recipe)
         inner, consts = _open(closed)
         outs = interp.eval(inner, consts, [x for x, d in zip(leaves, dynamic) if d])
         arch, why = target_arch()

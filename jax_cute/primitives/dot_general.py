@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import opt_einsum
 
+from jax_cute.fp8 import ops as fp8_ops
 from jax_cute.layout import Layout, make_layout, row_major, stride_of
 from jax_cute.activations import check_gated_columns, epilogue_dtype, is_gated
 from jax_cute.primitives.fused import activated, check_bias_broadcasts, checked_options
@@ -77,7 +78,13 @@ def dot_general(lhs, rhs, dimension_numbers: DimensionNumbers, precision=None, p
     ``jax_cute.matmul``: the bias broadcasts against the product by numpy's rules (shaped like
     the rhs free dimensions, it is one bias per output column, what the kernels read); swiglu
     needs one rhs free dimension, holding [gate | up], and halves it.
+
+    With ``jax_cute.fp8.BlockScaled`` operands this is the block-scaled product
+    (``jax_cute.fp8.scaled_dot_general``).
     """
+    if fp8_ops.is_scaled(lhs, rhs):
+        return constrain(fp8_ops.scaled_dot_general(lhs, rhs, dimension_numbers, bias=bias, activation=activation,
+                                                    preferred_element_type=preferred_element_type), out_sharding)
     return constrain(chained_dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type, bias=bias,
                                          activation=activation), out_sharding)
 

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_cute import dispatch
+from jax_cute.fp8 import ops as fp8_ops
 from jax_cute.kernels.gemm_spec import dtype_refusal
 from jax_cute.primitives import fused, sharding
 from jax_cute.primitives.dot_dtypes import acc_dtype, hashable_precision, inputs_name, operand_dtypes
@@ -89,6 +90,10 @@ def matmul(a, b, *, transpose_a: bool = False, transpose_b: bool = False, precis
     """
     transpose_a = check_flag("matmul", "transpose_a", transpose_a)
     transpose_b = check_flag("matmul", "transpose_b", transpose_b)
+    if fp8_ops.is_scaled(a, b):  # jax_cute.fp8.BlockScaled operands: the block-scaled product
+        return sharding.constrain(fp8_ops.scaled_matmul(a, b, transpose_a=transpose_a, transpose_b=transpose_b,
+                                                        preferred_element_type=preferred_element_type, bias=bias,
+                                                        activation=activation), out_sharding)
     a, b = jnp.asarray(a), jnp.asarray(b)
     if (transpose_a and a.ndim < 2) or (transpose_b and b.ndim < 2):
         raise ValueError(f"jax_cute.matmul: transpose_a/transpose_b need a 2-D or higher operand, got shapes "

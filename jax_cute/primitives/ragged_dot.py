@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_cute import dispatch
+from jax_cute.fp8 import ops as fp8_ops
 from jax_cute.kernels.gemm_spec import dtype_refusal
 from jax_cute.primitives import ragged_fused, sharding
 from jax_cute.primitives.dot_dtypes import acc_dtype, hashable_precision, inputs_name, operand_dtypes
@@ -54,7 +55,16 @@ def ragged_dot(lhs, rhs, group_sizes, *, precision=None, preferred_element_type=
     bias[g])``, in float32 and rounded once; rows past the last group stay zero. The grouped
     kernel runs the epilogue (``ragged_fused.py``), and under ``grad`` also writes the
     pre-activation its backward needs.
+
+    With ``jax_cute.fp8.BlockScaled`` operands this is the block-scaled grouped product
+    (``jax_cute.fp8.scaled_ragged_dot``; no ``group_offset``).
     """
+    if fp8_ops.is_scaled(lhs, rhs):
+        if group_offset is not None:
+            raise ValueError("jax_cute.ragged_dot: group_offset is not supported with block-scaled operands")
+        return sharding.constrain(fp8_ops.scaled_ragged_dot(lhs, rhs, group_sizes, bias=bias, activation=activation,
+                                                            preferred_element_type=preferred_element_type),
+                                  out_sharding)
     if not isinstance(group_sizes, jax.core.Tracer):  # before jnp.asarray, which may wrap int64 to int32
         sizes = np.asarray(group_sizes)
         if sizes.dtype.kind in "iu" and (sizes > _INT32_MAX).any():

@@ -1,0 +1,148 @@
+"""fp8 training products: a linear layer and a grouped (MoE) one whose three GEMMs are block-scaled.
+
+DeepSeek-V3's recipe (arXiv 2412.19437, section 3.3): the forward product ``y = x @ w`` and both
+gradient products run in fp8 with float32 promotion per 128-K block:
+
+- forward: x in 1 x 128 blocks along K, w in 128 x 128 blocks;
+- dgrad ``dx = dy @ w.T``: dy in 1 x 128 blocks along N, w's 128 x 128 blocks read transposed
+  (a square block transposes into itself; only the values move, so K is contiguous for WGMMA);
+- wgrad ``dw = x.T @ dy``: both quantized in 1 x 128 blocks along the tokens (the contracting
+  axis of this product); the forward pass stores x so quantized (fp8: half of bf16's memory) as
+  its residual. For the grouped layer the token blocks restart at each group
+  (``quantize_grouped``), and ``dw`` is the ragged-K product.
+
+The master weights stay as they are (f32 or bf16): ``w`` is quantized on the fly, and its
+gradient is returned in ``w``'s dtype, ``dx`` in ``x``'s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_cute.fp8.ops import ragged_k_dot, scaled_dot_general, scaled_ragged_dot
+from jax_cute.fp8.quantize import E4M3, FP8_DTYPES, quantize, quantize_grouped
+
+
+@dataclasses.dataclass(frozen=True)
+class Blockwise:
+    """The block-scaled fp8 recipe (DeepSeek-V3 / DeepGEMM): e4m3 values, 1 x 128 activation and
+    128 x 128 weight scales, float32 promotion per 128-K block.
+
+    ``dtype``: the fp8 type of activations and weights; ``grad_dtype``: that of the output
+    gradients (DeepSeek uses e4m3 for both, the fine-grained scales taking the place of e5m2's
+    range). ``pow2_scales``: scales rounded up to powers of two (DeepGEMM's ue8m0).
+    ``exclude(lhs_aval, rhs_aval, out_aval)``: for ``kernelize``, products (by their operand and
+    result types) to keep in 16 bit, e.g. an LM head or a router.
+    """
+
+    dtype: np.dtype = E4M3
+    grad_dtype: np.dtype = E4M3
+    pow2_scales: bool = False
+    exclude: object = None  # Callable[[ShapedArray, ShapedArray, ShapedArray], bool] | None
+
+    def __post_init__(self):
+        for name in ("dtype", "grad_dtype"):
+            dt = np.dtype(getattr(self, name))
+            if dt not in FP8_DTYPES:
+                raise TypeError(f"jax_cute.fp8.Blockwise: {name} must be float8_e4m3fn or float8_e5m2, got {dt}")
+            object.__setattr__(self, name, dt)
+        if self.exclude is not None and not callable(self.exclude):
+            raise TypeError(f"jax_cute.fp8.Blockwise: exclude must be callable, got {self.exclude!r}")
+
+    def q(self, x, block, grad: bool = False):
+        return quantize(x, block, pow2_scales=self.pow2_scales, dtype=self.grad_dtype if grad else self.dtype)
+
+    def q_grouped(self, x, sizes, grad: bool = False):
+        return quantize_grouped(x, sizes, pow2_scales=self.pow2_scales,
+                                dtype=self.grad_dtype if grad else self.dtype)
+
+
+def _check_float(op: str, **xs) -> None:
+    for name, x in xs.items():
+        if not jnp.issubdtype(x.dtype, jnp.floating) or np.dtype(x.dtype) in FP8_DTYPES:
+            raise TypeError(f"jax_cute.fp8.{op}: {name} must be a 16- or 32-bit float array (it is quantized "
+                            f"here), got {x.dtype}")
+
+
+def linear(x: jax.Array, w: jax.Array, *, out_dtype=None, recipe: Blockwise = Blockwise()) -> jax.Array:
+    """``x @ w`` for x (..., K) and w (K, ...), its forward and both gradient GEMMs block-scaled
+    fp8 (the module docstring). The result is (..., *w.shape[1:]) in ``out_dtype`` (default:
+    x's dtype; bfloat16, float16 or float32). Differentiable in x and w (``custom_vjp``)."""
+    x, w = jnp.asarray(x), jnp.asarray(w)
+    _check_float("linear", x=x, w=w)
+    if x.ndim < 1 or w.ndim < 1 or x.shape[-1] != w.shape[0]:
+        raise ValueError(f"jax_cute.fp8.linear: x (..., K) and w (K, ...) must share K, got {x.shape} and {w.shape}")
+    out = np.dtype(x.dtype if out_dtype is None else out_dtype)
+    k = x.shape[-1]
+    y = _linear(x.reshape(-1, k), w.reshape(k, -1), (out.name, np.dtype(x.dtype).name, np.dtype(w.dtype).name), recipe)
+    return y.reshape(*x.shape[:-1], *w.shape[1:])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _linear(x, w, dtypes: tuple[str, str, str], recipe: Blockwise):
+    return _linear_fwd(x, w, dtypes, recipe)[0]
+
+
+def _linear_fwd(x, w, dtypes, recipe):
+    out_dtype = dtypes[0]
+    wq = recipe.q(w, "128x128")
+    y = scaled_dot_general(recipe.q(x, "1x128"), wq, (((1,), (0,)), ((), ())), preferred_element_type=out_dtype)
+    # wgrad contracts the tokens: x quantized along them, stored K-major (x.T) as the kernel reads it
+    return y, (recipe.q(x.T, "1x128"), wq)
+
+
+def _linear_bwd(dtypes, recipe, res, g):
+    (_, x_dtype, w_dtype), (xq_t, wq) = dtypes, res
+    gq = recipe.q(g, "1x128", grad=True)  # (M, N) in blocks along N, dgrad's K
+    dx = scaled_dot_general(gq, wq, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    gq_t = recipe.q(g.T, "1x128", grad=True)  # (N, M) in blocks along the tokens, wgrad's K
+    dw = scaled_dot_general(xq_t, gq_t, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return dx.astype(x_dtype), dw.astype(w_dtype)
+
+
+_linear.defvjp(_linear_fwd, _linear_bwd)
+
+
+def grouped_linear(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, out_dtype=None,
+                   recipe: Blockwise = Blockwise()) -> jax.Array:
+    """``lax.ragged_dot(x, w, group_sizes)`` (x (M, K), w (G, K, N)) with its forward, dgrad and
+    wgrad GEMMs block-scaled fp8: forward and dgrad grouped over M, wgrad over K (the tokens,
+    in blocks that restart at each group). Rows past the last group are zero and get a zero
+    gradient. Differentiable in x and w."""
+    x, w, group_sizes = jnp.asarray(x), jnp.asarray(w), jnp.asarray(group_sizes)
+    _check_float("grouped_linear", x=x, w=w)
+    if x.ndim != 2 or w.ndim != 3 or group_sizes.shape != (w.shape[0],) or x.shape[1] != w.shape[1]:
+        raise ValueError(f"jax_cute.fp8.grouped_linear: expected x (M, K), w (G, K, N), group_sizes (G,); got "
+                         f"{x.shape}, {w.shape}, {group_sizes.shape}")
+    if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        raise TypeError(f"jax_cute.fp8.grouped_linear: group_sizes must be integers, got {group_sizes.dtype}")
+    out = np.dtype(x.dtype if out_dtype is None else out_dtype)
+    return _grouped(x, w, group_sizes.astype(jnp.int32), (out.name, np.dtype(x.dtype).name, np.dtype(w.dtype).name),
+                    recipe)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _grouped(x, w, sizes, dtypes: tuple[str, str, str], recipe: Blockwise):
+    return _grouped_fwd(x, w, sizes, dtypes, recipe)[0]
+
+
+def _grouped_fwd(x, w, sizes, dtypes, recipe):
+    out_dtype = dtypes[0]
+    wq = recipe.q(w, "128x128")  # (G, K, N): 128 x 128 blocks of each expert
+    y = scaled_ragged_dot(recipe.q(x, "1x128"), wq, sizes, preferred_element_type=out_dtype)
+    return y, (recipe.q_grouped(x.T, sizes), wq, sizes)
+
+
+def _grouped_bwd(dtypes, recipe, res, g):
+    (_, x_dtype, w_dtype), (xq_t, wq, sizes) = dtypes, res
+    dx = scaled_ragged_dot(recipe.q(g, "1x128", grad=True), wq.T, sizes, preferred_element_type=jnp.float32)
+    dw = ragged_k_dot(xq_t, recipe.q_grouped(g.T, sizes, grad=True), sizes)
+    return dx.astype(x_dtype), dw.astype(w_dtype), None
+
+
+_grouped.defvjp(_grouped_fwd, _grouped_bwd)

@@ -1,0 +1,618 @@
+"""Block-scaled fp8 GEMM primitives: dense, grouped over M, grouped over K.
+
+Each primitive takes its operands in the layout the Hopper kernel will read (DeepGEMM's "NT"
+layout: both fp8 operands contiguous along K, which fp8 WGMMA requires) with their float32
+block scales:
+
+- ``jax_cute_scaled_gemm``: a (L, M, K), sa (L, ceil(M/bm), Kb), b (L, N, K), sb (L, ceil(N/bn), Kb)
+  [, bias (N,)] -> (L, M, N); bm, bn (``a_block``/``b_block``) are 1 or 128 rows per scale,
+  Kb = ceil(K/128).
+- ``jax_cute_scaled_ragged_m``: a (M, K), sa (M, Kb), b (G, N, K), sb (G, ceil(N/bn), Kb),
+  group_sizes (G,) [, bias (G, N)] -> (M, N): rows of consecutive groups against their group's b.
+- ``jax_cute_scaled_ragged_k``: a (P, T), sa (P, Tb), b (Q, T), sb (Q, Tb), group_sizes (G,)
+  -> (G, P, Q): T split into consecutive groups, blocks of 128 that restart at each group
+  (``quantize_grouped``); out[g] contracts group g's part of T (a grouped weight gradient).
+
+Numerics (the reference lowering, and what the kernel computes): per 128-K block, the product
+of the fp8 values accumulated in float32 (exact products), multiplied by ``sa[row] * sb[col]``
+of that block and added to a float32 accumulator; then ``act(acc + bias)`` in float32, rounded
+once to the output dtype. A partial last K block is zero-padded.
+
+Dispatch: no block-scaled kernel exists yet, so every call is reported as a fallback when it is
+traced (``dispatch.at_trace``: a log line, or :class:`jax_cute.FallbackError` in strict mode)
+and lowers to the reference, on the GPU too. The kernel plugs in at :func:`kernel_refusal` (why
+no kernel takes a call) and :func:`_cuda_kernel` (the custom call for one shard).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax._src import core as jax_core
+from jax._src import dispatch as jax_dispatch
+from jax.experimental.custom_partitioning import ArrayMapping, CompoundFactor, SdyShardingRule, custom_partitioning
+from jax.extend import core as extend_core
+from jax.interpreters import ad, batching, mlir
+from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
+
+from jax_cute.fp8.quantize import BLOCK, FP8_DTYPES, group_blocks, group_ends
+from jax_cute.primitives.activations import GATED, apply_activation
+
+logger = logging.getLogger("jax_cute")
+
+OUT_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32))
+NO_KERNEL = ("no block-scaled fp8 GEMM kernel yet (the Hopper WGMMA kernel with per-128-K f32 promotion "
+             "is to come, issue #44); the scaled product runs as XLA ops with the same two-level accumulation")
+
+
+def kernel_refusal(op: str, **spec) -> str | None:
+    """Why no kernel takes this scaled call, or None. The one switch for the kernel to come:
+    it will return None for the specs its family accepts (dtypes, blocks, alignment)."""
+    del op, spec
+    return NO_KERNEL
+
+
+def _cuda_kernel(name: str, avals, params) -> Callable | None:
+    """The kernel for one shard's call (a function of its operands emitting the custom call),
+    or None for the reference. A kernel will be picked here as ``dispatch.gemm`` picks one."""
+    del name, avals, params
+    return None
+
+
+class _Primitive(extend_core.Primitive):
+    """Binding first makes the operands vary over the same manual mesh axes (inside shard_map),
+    as lax's binary ops do."""
+
+    def bind(self, *args, **params):
+        return super().bind(*jax_core.auto_insert_reshard(*args), **params)
+
+
+scaled_gemm_p = _Primitive("jax_cute_scaled_gemm")
+scaled_ragged_m_p = _Primitive("jax_cute_scaled_ragged_m")
+scaled_ragged_k_p = _Primitive("jax_cute_scaled_ragged_k")
+
+
+def _result(shape, dtype, avals) -> jax.core.ShapedArray:
+    """The result type: inside shard_map it varies over the operands' manual axes. Sharding in
+    types (Explicit mesh axes) is not followed: the result's type is unsharded on the mesh."""
+    meshes = {a.sharding.mesh for a in avals if not a.sharding.mesh.empty}
+    mesh = meshes.pop() if len(meshes) == 1 else jax.sharding.get_abstract_mesh()
+    varying = frozenset().union(*(a.mat.varying for a in avals))
+    return jax.core.ShapedArray(tuple(shape), np.dtype(dtype), sharding=NamedSharding(mesh, PartitionSpec()),
+                                manual_axis_type=jax_core.ManualAxisType(varying=varying))
+
+
+def _blocks(n: int, block: int) -> int:
+    return -(-n // block)
+
+
+# -- abstract evaluation ------------------------------------------------------------------------
+
+def _check(name: str, ok: bool, what: str) -> None:
+    if not ok:
+        raise ValueError(f"{name}: {what}")
+
+
+def _gemm_abstract(a, sa, b, sb, *bias, a_block, b_block, out_dtype, activation, compute):
+    n = "jax_cute_scaled_gemm"
+    (l, m, k), (lb, nn, kb) = a.shape, b.shape
+    _check(n, (l, k) == (lb, kb), f"a {a.shape} and b {b.shape} must share L and K")
+    kbl = _blocks(k, BLOCK)
+    _check(n, sa.shape == (l, _blocks(m, a_block), kbl), f"sa {sa.shape} for a {a.shape} in blocks of {a_block}")
+    _check(n, sb.shape == (l, _blocks(nn, b_block), kbl), f"sb {sb.shape} for b {b.shape} in blocks of {b_block}")
+    _check(n, not bias or bias[0].shape == (nn,), f"bias {bias[0].shape if bias else None} for N={nn}")
+    out_n = nn // 2 if activation in GATED else nn
+    return _result((l, m, out_n), out_dtype, (a, sa, b, sb, *bias))
+
+
+def _ragged_m_abstract(a, sa, b, sb, gs, *bias, b_block, out_dtype, activation, compute):
+    n = "jax_cute_scaled_ragged_m"
+    (m, k), (g, nn, kb) = a.shape, b.shape
+    kbl = _blocks(k, BLOCK)
+    _check(n, k == kb and gs.shape == (g,), f"a {a.shape}, b {b.shape}, group sizes {gs.shape}")
+    _check(n, sa.shape == (m, kbl) and sb.shape == (g, _blocks(nn, b_block), kbl),
+           f"scales {sa.shape} / {sb.shape} for a {a.shape} / b {b.shape}")
+    _check(n, not bias or bias[0].shape == (g, nn), f"bias {bias[0].shape if bias else None} for (G, N)=({g}, {nn})")
+    out_n = nn // 2 if activation in GATED else nn
+    return _result((m, out_n), out_dtype, (a, sa, b, sb, gs, *bias))
+
+
+def _ragged_k_abstract(a, sa, b, sb, gs, *, out_dtype, compute):
+    n = "jax_cute_scaled_ragged_k"
+    (p, t), (q, tb), g = a.shape, b.shape, gs.shape[0]
+    _check(n, t == tb and sa.shape[0] == p and sb.shape[0] == q and sa.shape[1] == sb.shape[1],
+           f"a {a.shape}, sa {sa.shape}, b {b.shape}, sb {sb.shape}")
+    return _result((g, p, q), out_dtype, (a, sa, b, sb, gs))
+
+
+scaled_gemm_p.def_abstract_eval(_gemm_abstract)
+scaled_ragged_m_p.def_abstract_eval(_ragged_m_abstract)
+scaled_ragged_k_p.def_abstract_eval(_ragged_k_abstract)
+
+
+# -- reference: two-level accumulation in lax ------------------------------------------------------
+
+def _pad_k(x, axis: int):
+    k = x.shape[axis]
+    pad = _blocks(k, BLOCK) * BLOCK - k
+    if pad == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, pad)
+    return jnp.pad(x, widths)
+
+
+def _row_scales(s, block: int, rows: int, axis: int):
+    """Per-row scales along ``axis`` from per-block ones."""
+    return s if block == 1 else jax.lax.slice_in_dim(jnp.repeat(s, block, axis=axis), 0, rows, axis=axis)
+
+
+def _epilogue(acc, bias, activation, out_dtype):
+    if bias is not None:
+        acc = acc + bias.astype(jnp.float32)
+    return apply_activation(activation, acc).astype(out_dtype)
+
+
+def gemm_reference(a, sa, b, sb, bias=None, *, a_block, b_block, out_dtype, activation=None, compute="float32"):
+    """The dense scaled GEMM: per K block an f32 product of the fp8 values, scaled, summed in f32."""
+    (l, m, k), n = a.shape, b.shape[1]
+    cd = np.dtype(compute)
+    nk = _blocks(k, BLOCK)
+    a4 = _pad_k(a.astype(cd), 2).reshape(l, m, nk, BLOCK)
+    b4 = _pad_k(b.astype(cd), 2).reshape(l, n, nk, BLOCK)
+    sa_r, sb_r = _row_scales(sa, a_block, m, 1), _row_scales(sb, b_block, n, 1)  # (L, M, nk), (L, N, nk)
+
+    def step(acc, xs):
+        aj, bj, saj, sbj = xs
+        part = jax.lax.dot_general(aj, bj, (((2,), (2,)), ((0,), (0,))), preferred_element_type=jnp.float32)
+        return acc + part * (saj[:, :, None] * sbj[:, None, :]), None
+
+    xs = (jnp.moveaxis(a4, 2, 0), jnp.moveaxis(b4, 2, 0), jnp.moveaxis(sa_r, 2, 0), jnp.moveaxis(sb_r, 2, 0))
+    acc, _ = jax.lax.scan(step, jnp.zeros((l, m, n), jnp.float32), xs)
+    return _epilogue(acc, bias, activation, out_dtype)
+
+
+def _group_of_rows(gs, m: int):
+    ends = group_ends(gs, m)
+    grp = jnp.searchsorted(ends, jnp.arange(m, dtype=jnp.int32), side="right").astype(jnp.int32)
+    return ends, grp
+
+
+def ragged_m_reference(a, sa, b, sb, gs, bias=None, *, b_block, out_dtype, activation=None, compute="float32"):
+    """Rows of consecutive groups against their group's b, two-level accumulation per K block."""
+    (m, k), (g, n, _) = a.shape, b.shape
+    cd = np.dtype(compute)
+    nk = _blocks(k, BLOCK)
+    ends, grp = _group_of_rows(gs, m)
+    sizes = jnp.diff(ends, prepend=jnp.zeros((1,), ends.dtype))
+    inside = grp < g
+    gi = jnp.minimum(grp, g - 1)
+    a3 = _pad_k(a.astype(cd), 1).reshape(m, nk, BLOCK)
+    b4 = _pad_k(b.astype(cd), 2).reshape(g, n, nk, BLOCK)
+    sb_r = _row_scales(sb, b_block, n, 1)  # (G, N, nk)
+
+    def step(acc, xs):
+        aj, bj, saj, sbj = xs  # (M, 128), (G, N, 128), (M,), (G, N)
+        part = jax.lax.ragged_dot(aj, jnp.swapaxes(bj, 1, 2), sizes, preferred_element_type=jnp.float32)
+        return acc + part * (saj[:, None] * sbj[gi]), None
+
+    xs = (jnp.moveaxis(a3, 1, 0), jnp.moveaxis(b4, 2, 0), jnp.moveaxis(sa, 1, 0), jnp.moveaxis(sb_r, 2, 0))
+    acc, _ = jax.lax.scan(step, jnp.zeros((m, n), jnp.float32), xs)
+    if bias is not None:
+        acc = acc + jnp.where(inside[:, None], bias.astype(jnp.float32)[gi], 0)
+    out = apply_activation(activation, acc)
+    return jnp.where(inside[:, None], out, 0).astype(out_dtype)  # rows past the last group stay zero
+
+
+def ragged_k_reference(a, sa, b, sb, gs, *, out_dtype, compute="float32"):
+    """out[g] = sum over group g's blocks of (a_blk @ b_blk^T) * sa[:, blk] * sb[:, blk] in f32."""
+    (p, t), q, g = a.shape, b.shape[0], gs.shape[0]
+    cd = np.dtype(compute)
+    _, bstart, blen, bgroup = group_blocks(gs, t)
+    nb = sa.shape[1]
+    # pad so that a 128-wide slice at any block start stays in bounds (dynamic_slice would clamp)
+    ap = jnp.pad(a.astype(cd), ((0, 0), (0, BLOCK)))
+    bp = jnp.pad(b.astype(cd), ((0, 0), (0, BLOCK)))
+    lanes = jnp.arange(BLOCK, dtype=jnp.int32)
+
+    def step(acc, j):
+        keep = lanes < blen[j]
+        aj = jnp.where(keep, jax.lax.dynamic_slice_in_dim(ap, bstart[j], BLOCK, axis=1), 0)
+        bj = jnp.where(keep, jax.lax.dynamic_slice_in_dim(bp, bstart[j], BLOCK, axis=1), 0)
+        part = jax.lax.dot_general(aj, bj, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        part = part * (sa[:, j][:, None] * sb[:, j][None, :])
+        gj = bgroup[j]
+        upd = jnp.where(gj >= 0, part, 0)[None]
+        return jax.lax.dynamic_update_index_in_dim(acc, acc[jnp.maximum(gj, 0)] + upd[0], jnp.maximum(gj, 0), 0), None
+
+    acc, _ = jax.lax.scan(step, jnp.zeros((g, p, q), jnp.float32), jnp.arange(nb, dtype=jnp.int32))
+    return acc.astype(out_dtype)
+
+
+# -- lowering: partitioned, then per shard the kernel or the reference ----------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    params: tuple[tuple[str, object], ...]
+
+    @property
+    def kwargs(self) -> dict:
+        return dict(self.params)
+
+
+def _unmeshed():
+    return jax.sharding.use_abstract_mesh(AbstractMesh((), ()))
+
+
+def _one_shard(axis_context) -> bool:
+    devices = getattr(axis_context, "num_devices", None)
+    if devices is not None:
+        return devices == 1
+    mesh = getattr(axis_context, "mesh", None)
+    return mesh is not None and set(mesh.axis_names) <= set(getattr(axis_context, "manual_axes", ()))
+
+
+_REFERENCES = {"jax_cute_scaled_gemm": gemm_reference, "jax_cute_scaled_ragged_m": ragged_m_reference,
+               "jax_cute_scaled_ragged_k": ragged_k_reference}
+
+
+def _local(name: str, avals, params, cuda: bool) -> Callable:
+    """One shard's computation: the kernel where one takes it, else the reference (bf16 operands
+    on the GPU, whose bf16 x bf16 -> f32 dot is exact for fp8 values; f32 elsewhere)."""
+    impl = _cuda_kernel(name, avals, params) if cuda else None
+    if impl is not None:
+        return impl
+    ref = _REFERENCES[name]
+    compute = "bfloat16" if cuda else "float32"
+    return lambda *args: ref(*args, **{**params, "compute": compute})
+
+
+def _lowering(prim, cuda: bool):
+    jax_dispatch.prim_requires_devices_during_lowering.add(prim)
+
+    def rule(ctx, *args, **params):
+        with _unmeshed():
+            avals_in = tuple(jax.core.ShapedArray(a.shape, a.dtype) for a in ctx.avals_in)
+            avals_out = tuple(jax.core.ShapedArray(a.shape, a.dtype) for a in ctx.avals_out)
+            plain = ctx.replace(avals_in=avals_in, avals_out=avals_out)
+            partitioned = _PARTITIONED.get(prim.name)
+            if partitioned is not None and not _one_shard(ctx.module_context.axis_context):
+                fn = functools.partial(partitioned, _Call(tuple(sorted({**params, "cuda": cuda}.items()))))
+            else:  # one shard, or the ragged-K call: XLA partitions the reference's ops (docs/fp8.md)
+                fn = _local(prim.name, avals_in, params, cuda)
+            return mlir.lower_fun(fn, multiple_results=False)(plain, *args)
+
+    return rule
+
+
+for _p in (scaled_gemm_p, scaled_ragged_m_p, scaled_ragged_k_p):
+    _p.def_impl(lambda *args, _prim=_p, **params: jax.jit(functools.partial(_prim.bind, **params))(*args))
+    mlir.register_lowering(_p, _lowering(_p, cuda=False))
+    mlir.register_lowering(_p, _lowering(_p, cuda=True), platform="cuda")
+
+
+# -- partitioning rules of the dense call --------------------------------------------------------------
+#
+# Scales shard with their blocks: a sharded axis of a (M or K) shards sa's block axis over the
+# same mesh axes, likewise b's N and K with sb, and the bias with N. An axis is kept sharded only
+# when every shard holds whole blocks (its extent divides into shards of a multiple of the block);
+# otherwise it is replicated, with a log line saying why. A sharded K is summed (psum) in f32
+# before the epilogue.
+
+def _spec(sharding, ndim: int) -> tuple[tuple[str, ...], ...] | None:
+    if not isinstance(sharding, NamedSharding):
+        return None
+    parts = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
+    return tuple(() if x is None else (x,) if isinstance(x, str) else tuple(x) for x in parts[:ndim])
+
+
+def _count(axes: Sequence[str], mesh_shape) -> int:
+    return int(np.prod([mesh_shape[x] for x in axes])) if axes else 1
+
+
+def _fits(extent: int, block: int, axes, mesh_shape) -> bool:
+    n = _count(axes, mesh_shape)
+    return extent % n == 0 and (extent // n) % block == 0 if n > 1 else True
+
+
+def gemm_plan(shapes: Sequence[tuple[int, ...]], specs, mesh_shape, a_block: int, b_block: int,
+              warn: bool = True, gated: bool = False) -> dict[str, tuple[str, ...]]:
+    """Mesh axes of the dense call's L, M, N and K from its operands' specs (a's for L, M, K;
+    b's for N; K where both shard it alike), each kept only where shards hold whole blocks and
+    no mesh axis is used twice. A gated activation (swiglu pairs column j with j + N/2) keeps
+    N whole."""
+    (l, m, k), n = shapes[0], shapes[2][1]
+    sa, sb = specs[0] or ((),) * 3, specs[2] or ((),) * 3
+    want = {"l": sa[0] or sb[0], "m": sa[1], "n": sb[1], "k": sa[2] if sa[2] == sb[2] else ()}
+    extent = {"l": (l, 1), "m": (m, a_block), "n": (n, b_block), "k": (k, BLOCK)}
+    used: set[str] = set()
+    out: dict[str, tuple[str, ...]] = {}
+    for f in "lmnk":
+        axes = want[f]
+        e, blk = extent[f]
+        why = None
+        if axes and used & set(axes):
+            why = f"its mesh axes {axes} already shard another dimension"
+        elif axes and f == "n" and gated:
+            why = "a gated activation pairs columns of both halves of N"
+        elif axes and not _fits(e, blk, axes, mesh_shape):
+            why = (f"{f.upper()}={e} does not split into {_count(axes, mesh_shape)} shards of whole "
+                   f"{blk}-element scale blocks")
+        if why:
+            if warn:
+                logger.warning("jax_cute.fp8: scaled GEMM dimension %s is replicated, not sharded over %s: %s",
+                               f.upper(), axes, why)
+            axes = ()
+        used |= set(axes)
+        out[f] = tuple(axes)
+    return out
+
+
+def _pspec(*parts) -> PartitionSpec:
+    return PartitionSpec(*(None if not a else a[0] if len(a) == 1 else a for a in parts))
+
+
+def _gemm_shardings(mesh, plan, has_bias: bool):
+    l, m, n, k = plan["l"], plan["m"], plan["n"], plan["k"]
+    args = [_pspec(l, m, k), _pspec(l, m, k), _pspec(l, n, k), _pspec(l, n, k)] + ([_pspec(n)] if has_bias else [])
+    return tuple(NamedSharding(mesh, s) for s in args), NamedSharding(mesh, _pspec(l, m, n))
+
+
+def _plan_for(call: _Call, mesh, arg_shapes, warn: bool):
+    kw = call.kwargs
+    specs = [_spec(s.sharding, len(s.shape)) for s in arg_shapes]
+    specs = [specs[0], specs[1], specs[2], specs[3]]
+    return gemm_plan([tuple(s.shape) for s in arg_shapes], specs, dict(mesh.shape), kw["a_block"], kw["b_block"],
+                     warn, kw["activation"] in GATED)
+
+
+def _partition(call: _Call, mesh, arg_shapes, result_shape):
+    kw = call.kwargs
+    cuda = kw.pop("cuda")
+    plan = _plan_for(call, mesh, arg_shapes, warn=True)
+    arg_sh, out_sh = _gemm_shardings(mesh, plan, len(arg_shapes) == 5)
+    reduce = plan["k"]
+
+    def lower_fn(*args):
+        with _unmeshed():
+            avals = tuple(jax.core.ShapedArray(x.shape, x.dtype) for x in args)
+            if not reduce:
+                return _local("jax_cute_scaled_gemm", avals, kw, cuda)(*args)
+            # K sharded: each shard's f32 partial sum, summed, then the epilogue once
+            part = _local("jax_cute_scaled_gemm", avals[:4], {**kw, "out_dtype": "float32", "activation": None},
+                          cuda)(*args[:4])
+            acc = jax.lax.psum(part, reduce)
+            return _epilogue(acc, args[4] if len(args) == 5 else None, kw["activation"], kw["out_dtype"])
+
+    return mesh, lower_fn, out_sh, arg_sh
+
+
+def _infer(call: _Call, mesh, arg_shapes, result_shape):
+    return _gemm_shardings(mesh, _plan_for(call, mesh, arg_shapes, warn=False), len(arg_shapes) == 5)[1]
+
+
+def _sdy_rule(call: _Call, mesh, operand_types, result_types) -> SdyShardingRule:
+    kw = call.kwargs
+    (_, m, k), n = operand_types[0].shape, operand_types[2].shape[1]
+    sizes: dict[str, int] = {}
+    separate: list[str] = []
+
+    def blocked(name: str, extent: int, block: int):
+        """(values' axis, scales' axis): one factor where blocks divide the extent (a compound
+        of the block count and the in-block factor), else two unrelated factors (replicated)."""
+        if block == 1:
+            return name, name
+        if extent % block == 0 and extent > block:  # (Shardy: no size-1 factor in a compound)
+            sizes[f"{name}i"] = block
+            return CompoundFactor(f"{name}b", f"{name}i"), f"{name}b"
+        separate.extend([name, f"{name}s"])
+        return name, f"{name}s"
+
+    mv, ms = blocked("m", m, kw["a_block"])
+    nv, ns = blocked("n", n, kw["b_block"])
+    kv, ks = blocked("k", k, BLOCK)
+    maps = [ArrayMapping("l", mv, kv), ArrayMapping("l", ms, ks), ArrayMapping("l", nv, kv), ArrayMapping("l", ns, ks)]
+    if len(operand_types) == 5:
+        maps.append(ArrayMapping(nv))
+    gated = kw["activation"] in GATED
+    out = ArrayMapping("l", mv, "ng" if gated else nv)
+    if gated:
+        separate.append("ng")
+    # Shardy numbers factors in order of first appearance and wants the special ones in that order
+    order = [f for mp in (*maps, out) for d in mp for f in ((d,) if isinstance(d, str) else tuple(d))]
+    rank = {f: i for i, f in reversed(list(enumerate(order)))}
+    reduction = ("kb",) if k % BLOCK == 0 and k > BLOCK else ()
+    return SdyShardingRule(tuple(maps), (out,), reduction_factors=reduction,
+                           need_replication_factors=tuple(sorted(set(separate), key=rank.__getitem__)), **sizes)
+
+
+def _gemm_body(call: _Call, *args):
+    kw = call.kwargs
+    cuda = kw.pop("cuda")
+    with _unmeshed():
+        avals = tuple(jax.core.ShapedArray(x.shape, x.dtype) for x in args)
+        return jax.jit(_local("jax_cute_scaled_gemm", avals, kw, cuda))(*args)
+
+
+_partitioned_gemm = custom_partitioning(_gemm_body, static_argnums=(0,))
+_partitioned_gemm.def_partition(partition=_partition, infer_sharding_from_operands=_infer, sharding_rule=_sdy_rule)
+
+
+# -- partitioning rules of the call grouped over M ----------------------------------------------------
+#
+# M (tokens) splits into row blocks: each shard derives its group sizes from the global ones
+# (the groups clipped to its rows; sizes stay replicated). N and K as in the dense call; G
+# (experts) is replicated: expert parallelism is a shard_map with a token all-to-all.
+
+def _ragged_plan(call: _Call, mesh, arg_shapes, warn: bool) -> dict[str, tuple[str, ...]]:
+    kw = call.kwargs
+    shapes = [tuple(s.shape) for s in arg_shapes]
+    specs = [_spec(s.sharding, len(s.shape)) or ((),) * len(s.shape) for s in arg_shapes]
+    (m, k), n = shapes[0], shapes[2][1]
+    # as the dense plan over (L=1, M, K) x (L=1, N, K): a's M and K, b's N and K
+    fake = [(1, m, k), None, (1, n, k)]
+    dense = gemm_plan(fake, [((),) + tuple(specs[0]), None, ((),) + tuple(specs[2][1:]), None], dict(mesh.shape),
+                      1, kw["b_block"], warn, kw["activation"] in GATED)
+    return {"m": dense["m"], "n": dense["n"], "k": dense["k"]}
+
+
+def _ragged_shardings(mesh, plan, has_bias: bool):
+    m, n, k = plan["m"], plan["n"], plan["k"]
+    args = [_pspec(m, k), _pspec(m, k), _pspec((), n, k), _pspec((), n, k), _pspec(())]
+    args += [_pspec((), n)] if has_bias else []
+    return tuple(NamedSharding(mesh, s) for s in args), NamedSharding(mesh, _pspec(m, n))
+
+
+def _shard_offset(axes: Sequence[str], mesh_shape, local: int):
+    idx = jnp.int32(0)
+    for a in axes:  # the first mesh axis is the slowest, as in a PartitionSpec
+        idx = idx * mesh_shape[a] + jax.lax.axis_index(a)
+    return idx * local
+
+
+def _ragged_partition(call: _Call, mesh, arg_shapes, result_shape):
+    kw = call.kwargs
+    cuda = kw.pop("cuda")
+    plan = _ragged_plan(call, mesh, arg_shapes, warn=True)
+    has_bias = len(arg_shapes) == 6
+    arg_sh, out_sh = _ragged_shardings(mesh, plan, has_bias)
+    m = arg_shapes[0].shape[0]
+    ms = dict(mesh.shape)
+
+    def lower_fn(*args):
+        with _unmeshed():
+            args = list(args)
+            lm = args[0].shape[0]
+            if plan["m"]:  # this shard's rows [offset, offset + lm): the groups clipped to them
+                ends = group_ends(args[4], m)
+                starts = ends - jnp.diff(ends, prepend=jnp.zeros((1,), ends.dtype))
+                off = _shard_offset(plan["m"], ms, lm)
+                clip = lambda x: jnp.clip(x - off, 0, lm)  # noqa: E731
+                args[4] = (clip(ends) - clip(starts)).astype(jnp.int32)
+            avals = tuple(jax.core.ShapedArray(x.shape, x.dtype) for x in args)
+            if not plan["k"]:
+                return _local("jax_cute_scaled_ragged_m", avals, kw, cuda)(*args)
+            part = _local("jax_cute_scaled_ragged_m", avals[:5], {**kw, "out_dtype": "float32", "activation": None},
+                          cuda)(*args[:5])
+            acc = jax.lax.psum(part, plan["k"])
+            if has_bias or kw["activation"]:
+                # rows past the last group stay zero: the epilogue only on rows inside a group
+                ends = group_ends(args[4], lm)
+                grp = jnp.searchsorted(ends, jnp.arange(lm, dtype=jnp.int32), side="right")
+                inside = (grp < ends.shape[0])[:, None]
+                bias = jnp.where(inside, args[5][jnp.minimum(grp, ends.shape[0] - 1)].astype(jnp.float32), 0) \
+                    if has_bias else None
+                return jnp.where(inside, _epilogue(acc, bias, kw["activation"], jnp.float32), 0).astype(kw["out_dtype"])
+            return acc.astype(kw["out_dtype"])
+
+    return mesh, lower_fn, out_sh, arg_sh
+
+
+def _ragged_infer(call: _Call, mesh, arg_shapes, result_shape):
+    return _ragged_shardings(mesh, _ragged_plan(call, mesh, arg_shapes, warn=False), len(arg_shapes) == 6)[1]
+
+
+def _ragged_sdy_rule(call: _Call, mesh, operand_types, result_types) -> SdyShardingRule:
+    kw = call.kwargs
+    (_, k), n = operand_types[0].shape, operand_types[2].shape[1]
+    sizes: dict[str, int] = {}
+    separate: list[str] = ["g"]
+
+    def blocked(name: str, extent: int, block: int):
+        if block == 1:
+            return name, name
+        if extent % block == 0 and extent > block:
+            sizes[f"{name}i"] = block
+            return CompoundFactor(f"{name}b", f"{name}i"), f"{name}b"
+        separate.extend([name, f"{name}s"])
+        return name, f"{name}s"
+
+    nv, ns = blocked("n", n, kw["b_block"])
+    kv, ks = blocked("k", k, BLOCK)
+    maps = [ArrayMapping("m", kv), ArrayMapping("m", ks), ArrayMapping("g", nv, kv), ArrayMapping("g", ns, ks),
+            ArrayMapping("g")]
+    if len(operand_types) == 6:
+        maps.append(ArrayMapping("g", nv))
+    gated = kw["activation"] in GATED
+    out = ArrayMapping("m", "ng" if gated else nv)
+    if gated:
+        separate.append("ng")
+    order = [f for mp in (*maps, out) for d in mp for f in ((d,) if isinstance(d, str) else tuple(d))]
+    rank = {f: i for i, f in reversed(list(enumerate(order)))}
+    reduction = ("kb",) if k % BLOCK == 0 and k > BLOCK else ()
+    return SdyShardingRule(tuple(maps), (out,), reduction_factors=reduction,
+                           need_replication_factors=tuple(sorted(set(separate), key=rank.__getitem__)), **sizes)
+
+
+def _ragged_body(call: _Call, *args):
+    kw = call.kwargs
+    cuda = kw.pop("cuda")
+    with _unmeshed():
+        avals = tuple(jax.core.ShapedArray(x.shape, x.dtype) for x in args)
+        return jax.jit(_local("jax_cute_scaled_ragged_m", avals, kw, cuda))(*args)
+
+
+_partitioned_ragged_m = custom_partitioning(_ragged_body, static_argnums=(0,))
+_partitioned_ragged_m.def_partition(partition=_ragged_partition, infer_sharding_from_operands=_ragged_infer,
+                                    sharding_rule=_ragged_sdy_rule)
+_PARTITIONED = {"jax_cute_scaled_gemm": _partitioned_gemm, "jax_cute_scaled_ragged_m": _partitioned_ragged_m}
+
+
+# -- batching ----------------------------------------------------------------------------------------
+
+def _gemm_batch(args, dims, **params):
+    """A vmapped axis joins L (an unbatched operand is broadcast along it); a batched bias runs
+    the call once per batch element."""
+    size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
+    if len(args) == 5 and dims[4] is not None:
+        return _map_batch(scaled_gemm_p, args, dims, size, params), 0
+    moved = []
+    for x, d in zip(args[:4], dims[:4]):
+        x = jnp.broadcast_to(x[None], (size, *x.shape)) if d is None else jnp.moveaxis(x, d, 0)
+        moved.append(x.reshape(size * x.shape[1], *x.shape[2:]))
+    out = scaled_gemm_p.bind(*moved, *args[4:], **params)
+    return out.reshape(size, -1, *out.shape[1:]), 0
+
+
+def _map_batch(prim, args, dims, size: int, params):
+    moved = [None if d is None else jnp.moveaxis(x, d, 0) for x, d in zip(args, dims)]
+
+    def one(xs):
+        it = iter(xs)
+        return prim.bind(*[next(it) if m is not None else x for x, m in zip(args, moved)], **params)
+
+    return jax.lax.map(one, [m for m in moved if m is not None])
+
+
+def _grouped_batch(prim, args, dims, **params):
+    size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
+    return _map_batch(prim, args, dims, size, params), 0
+
+
+def _no_jvp(prim, primals, tangents, **params):
+    if all(type(t) is ad.Zero for t in tangents):
+        out = prim.bind(*primals, **params)
+        return out, ad.Zero(jax.typeof(out).to_tangent_aval())
+    raise TypeError(f"{prim.name}: block-scaled products are not differentiated through their fp8 operands "
+                    "(rounding to fp8 has no useful derivative); train with jax_cute.fp8.linear / grouped_linear "
+                    "or jax_cute.kernelize(fn, fp8='blockwise'), whose gradients are fp8 products of their own")
+
+
+for _prim in (scaled_gemm_p, scaled_ragged_m_p, scaled_ragged_k_p):
+    ad.primitive_jvps[_prim] = functools.partial(_no_jvp, _prim)
+
+batching.primitive_batchers[scaled_gemm_p] = _gemm_batch
+batching.primitive_batchers[scaled_ragged_m_p] = functools.partial(_grouped_batch, scaled_ragged_m_p)
+batching.primitive_batchers[scaled_ragged_k_p] = functools.partial(_grouped_batch, scaled_ragged_k_p)
+
+
+def check_fp8(op: str, *dtypes) -> None:
+    for dt in dtypes:
+        if np.dtype(dt) not in FP8_DTYPES:
+            raise TypeError(f"jax_cute.{op}: scaled operands must be float8_e4m3fn or float8_e5m2, got {dt}")

@@ -1,0 +1,476 @@
+"""Block-scaled fp8 (jax_cute.fp8): quantization against a numpy reference, every scaled product
+against a float64 product of the dequantised values, the fp8 training products' gradients
+against the same recipe computed in float64, kernelize(fp8=...), vmap/jit, and errors.
+
+Data in DeepGEMM's test style: normal values, and heavy-tailed ones (each row times a random
+power of two, plus a few large outliers), on sizes that are not multiples of 128.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import jax_cute
+from jax_cute import config
+from jax_cute.fp8 import (BlockScaled, Blockwise, dequantize, grouped_linear, linear, quantize, quantize_grouped,
+                          ragged_k_dot)
+
+E4M3 = np.dtype(jnp.float8_e4m3fn)
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    # every scaled call logs its fallback to XLA (no kernel yet); keep the test log readable
+    logging.getLogger("jax_cute").setLevel(logging.ERROR)
+    yield
+    logging.getLogger("jax_cute").setLevel(logging.NOTSET)
+
+
+def data(shape, kind: str, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(shape).astype(np.float32)
+    if kind == "heavy":
+        rows = int(np.prod(shape[:-1]))
+        x = x * np.exp2(rng.integers(-12, 12, size=(rows, 1))).reshape(*shape[:-1], 1).astype(np.float32)
+        flat = x.reshape(-1)
+        idx = rng.choice(flat.size, size=max(1, flat.size // 500), replace=False)
+        flat[idx] *= 1000.0
+        x = flat.reshape(shape)
+    return x
+
+
+# -- numpy references -------------------------------------------------------------------------
+
+def np_quantize(x: np.ndarray, block: tuple[int, ...], pow2: bool = False):
+    """Values and scales by the definition: per block amax / 448 (or the power of two above)."""
+    block = (1,) * (x.ndim - len(block)) + tuple(block)
+    nb = tuple(-(-n // b) for n, b in zip(x.shape, block))
+    scales = np.ones(nb, np.float32)
+    for idx in np.ndindex(*nb):
+        sl = tuple(slice(i * b, (i + 1) * b) for i, b in zip(idx, block))
+        amax = np.float32(np.max(np.abs(x[sl]))) if x[sl].size else np.float32(0)
+        if amax > 0:
+            s = np.float32(amax * np.float32(1 / 448))
+            if pow2:
+                s = np.float32(2.0 ** np.ceil(np.log2(np.float64(amax) / 448.0)))
+            scales[idx] = s
+    full = scales
+    for ax, b in enumerate(block):
+        full = np.repeat(full, b, axis=ax)
+    full = full[tuple(slice(0, n) for n in x.shape)]
+    values = np.clip(x / full, -448, 448).astype(ml_dtypes.float8_e4m3fn)
+    return values, scales, full
+
+
+_dequantize = jax.jit(dequantize)
+
+
+def deq(q: BlockScaled) -> np.ndarray:
+    return np.asarray(_dequantize(q), np.float64)
+
+
+def rel(out, ref) -> float:
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-300))
+
+
+def calc_diff(out, ref) -> float:
+    """DeepGEMM's similarity measure: 1 - 2<x,y> / (|x|^2 + |y|^2)."""
+    x, y = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    return float(1 - 2 * np.sum(x * y) / np.sum(x * x + y * y))
+
+
+# -- quantize ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape,block,kind,pow2", [
+    ((300, 200), (1, 128), "normal", False), ((300, 200), (1, 128), "heavy", True),
+    ((3, 130, 257), (1, 128), "heavy", False), ((256, 384), (128, 128), "normal", True),
+    ((200, 130), (128, 128), "heavy", False), ((200, 130), (128, 128), "heavy", True),
+    ((257, 96), (128, 1), "heavy", False), ((1, 5), (1, 128), "normal", True)])
+def test_quantize_matches_definition(shape, block, kind, pow2):
+    x = data(shape, kind)
+    q = jax.jit(lambda x: quantize(x, block, pow2_scales=pow2))(x)
+    values, scales, full = np_quantize(x, block, pow2)
+    assert q.values.dtype == E4M3 and q.scales.dtype == np.float32 and q.blocks[-len(block):] == block
+    np.testing.assert_array_equal(np.asarray(q.scales), scales)
+    np.testing.assert_array_equal(np.asarray(q.values).view(np.uint8), values.view(np.uint8))
+    # round trip: within half an e4m3 step of each value (relative 2^-4), or of the subnormal step
+    err = np.abs(deq(q) - x)
+    assert np.all(err <= np.maximum(np.abs(x) * 2.0 ** -4, full * 2.0 ** -10) * (1 + 1e-6))
+    assert np.max(np.abs(np.asarray(q.values, np.float32))) <= 448
+    if pow2:
+        m, _ = np.frexp(np.asarray(q.scales))
+        assert np.all(m == 0.5)
+
+
+def test_quantize_zero_blocks_and_bf16_input():
+    x = np.zeros((4, 256), np.float32)
+    x[1, 130] = -3.0
+    q = quantize(jnp.asarray(x, jnp.bfloat16))
+    s = np.float32(3) * np.float32(1 / 448)
+    np.testing.assert_array_equal(np.asarray(q.scales), np.asarray([[1, 1], [1, s], [1, 1], [1, 1]], np.float32))
+    np.testing.assert_allclose(deq(q), x, rtol=1e-6)
+
+
+@pytest.mark.parametrize("sizes", [[100, 0, 150, 30], [0, 0, 0, 0], [128, 128, 44, 0], [500, 7, 0, 0]])
+def test_quantize_grouped_blocks_restart_at_groups(sizes):
+    t = 300
+    x = data((5, t), "heavy", 1)
+    q = jax.jit(quantize_grouped)(x, np.asarray(sizes, np.int32))
+    ends = np.minimum(np.cumsum(np.clip(sizes, 0, None)), t)
+    starts = np.concatenate([[0], ends[:-1]])
+    want = np.zeros_like(x)
+    j = 0
+    for s, e in zip(starts, ends):  # every group quantized on its own, blocks from its start
+        for b in range(s, e, 128):
+            v, sc, _ = np_quantize(x[:, b:min(b + 128, e)], (1, 128))
+            np.testing.assert_array_equal(np.asarray(q.scales[:, j]), sc[:, 0])
+            want[:, b:min(b + 128, e)] = v.astype(np.float32) * sc
+            j += 1
+    assert q.scales.shape == (5, (t + 127 * 4) // 128)
+    np.testing.assert_array_equal(np.asarray(q.scales[:, j:]), 1)
+    np.testing.assert_array_equal(deq(q), want)  # elements past the last group are zero
+
+
+def test_block_scaled_is_a_pytree_and_transposes():
+    q = quantize(data((256, 384), "normal"), "128x128")
+    leaves, tree = jax.tree.flatten(q)
+    assert len(leaves) == 2 and jax.tree.unflatten(tree, leaves).block == q.block
+    t = q.T
+    np.testing.assert_array_equal(deq(t), deq(q).T)
+    assert t.scales.shape == (3, 2)
+
+
+# -- scaled products -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind,m,k,n", [("normal", 200, 300, 160), ("heavy", 64, 128, 256), ("heavy", 3, 300, 130)])
+def test_scaled_matmul_forward(kind, m, k, n):
+    x, w = data((m, k), kind, 2), data((k, n), kind, 3)
+    xq, wq = quantize(x), quantize(w, "128x128")
+    ref = deq(xq) @ deq(wq)
+    out = jax.jit(lambda a, b: jax_cute.matmul(a, b, preferred_element_type=jnp.float32))(xq, wq)
+    assert out.dtype == np.float32 and rel(out, ref) <= 1e-3 and rel(out, ref) < 1e-5
+    # the weight stored (N, K), as many checkpoints are: transpose_b
+    wt = quantize(w.T, "128x128")
+    out_t = jax_cute.matmul(xq, wt, transpose_b=True, preferred_element_type=jnp.float32)
+    assert rel(out_t, ref) < 1e-5
+    bf = jax_cute.matmul(xq, wq)  # bfloat16 by default
+    assert bf.dtype == jnp.bfloat16
+    assert calc_diff(bf, ref) < 1e-3
+    np.testing.assert_allclose(np.asarray(bf, np.float32), np.asarray(jnp.asarray(ref, jnp.bfloat16), np.float32),
+                               rtol=2 ** -7, atol=1e-30)
+
+
+def test_scaled_products_of_every_block_form():
+    """1x128 x 1x128 (a weight gradient), 128x128 x 1x128, batch dims, several free dims."""
+    a, b = data((256, 300), "heavy", 4), data((130, 300), "heavy", 5)
+    for ba, bb in [((1, 128), (1, 128)), ((128, 128), (1, 128)), ((1, 128), (128, 128))]:
+        qa, qb = quantize(a, ba), quantize(b, bb)
+        out = jax_cute.dot_general(qa, qb, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        assert rel(out, deq(qa) @ deq(qb).T) < 1e-5, (ba, bb)
+    x, y = data((2, 3, 40, 256), "normal", 6), data((2, 256, 3, 24), "normal", 7)
+    qx, qy = quantize(x), quantize(np.moveaxis(y, 1, -1))  # blocks along the contracting axis
+    qy = BlockScaled(jnp.moveaxis(qy.values, -1, 1), jnp.moveaxis(qy.scales, -1, 1), (1, 128, 1, 1))
+    out = jax_cute.dot_general(qx, qy, (((3,), (1,)), ((0,), (0,))), preferred_element_type=jnp.float32)
+    ref = np.einsum("bhtk,bkje->bhtje", deq(qx), deq(qy))
+    assert out.shape == ref.shape and rel(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize("activation", [None, "relu", "gelu", "silu", "swiglu"])
+def test_scaled_epilogue(activation):
+    x, w, bias = data((100, 256), "normal", 8), data((256, 256), "normal", 9), data((256,), "normal", 10)
+    xq, wq = quantize(x), quantize(w, "128x128")
+    z = deq(xq) @ deq(wq) + bias
+    ref = np.asarray(jax_cute.primitives.activations.apply_activation(activation, jnp.asarray(z, jnp.float32)))
+    out = jax_cute.matmul(xq, wq, bias=bias, activation=activation, preferred_element_type=jnp.float32)
+    assert out.shape == ref.shape and rel(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize("kind,sizes", [("heavy", [100, 0, 150, 30]), ("normal", [0, 300, 0, 0]),
+                                        ("heavy", [90, 90, 90, 90])])
+def test_scaled_ragged_dot(kind, sizes):
+    m, k, n = 300, 260, 136
+    x, w = data((m, k), kind, 11), data((4, k, n), kind, 12)
+    gs = np.asarray(sizes, np.int32)
+    xq, wq = quantize(x), quantize(w, "128x128")
+    ends = np.minimum(np.cumsum(gs), m)
+    starts = np.concatenate([[0], ends[:-1]])
+    ref = np.zeros((m, n))
+    for g, (s, e) in enumerate(zip(starts, ends)):
+        ref[s:e] = deq(xq)[s:e] @ deq(wq)[g]
+    out = jax.jit(lambda a, b, s: jax_cute.ragged_dot(a, b, s, preferred_element_type=jnp.float32))(xq, wq, gs)
+    assert rel(out, ref) < 1e-5
+    bias = data((4, n), "normal", 13)
+    out = jax_cute.ragged_dot(xq, wq, gs, bias=bias, activation="relu", preferred_element_type=jnp.float32)
+    inside = (np.arange(m) < ends[-1])[:, None]
+    group = np.minimum(np.searchsorted(ends, np.arange(m), side="right"), 3)
+    assert rel(out, np.where(inside, np.maximum(ref + bias[group], 0), 0)) < 1e-5
+
+
+@pytest.mark.parametrize("sizes", [[100, 0, 150, 30], [300, 0, 0, 0], [1, 2, 3, 4]])
+def test_ragged_k_dot(sizes):
+    t, p, q = 300, 136, 72
+    a, b = data((p, t), "heavy", 14), data((q, t), "heavy", 15)
+    gs = np.asarray(sizes, np.int32)
+    qa, qb = quantize_grouped(a, gs), quantize_grouped(b, gs)
+    ends = np.minimum(np.cumsum(gs), t)
+    starts = np.concatenate([[0], ends[:-1]])
+    da, db = deq(qa), deq(qb)
+    ref = np.stack([da[:, s:e] @ db[:, s:e].T for s, e in zip(starts, ends)])
+    out = jax.jit(ragged_k_dot)(qa, qb, gs)
+    assert out.dtype == np.float32 and out.shape == (4, p, q)
+    assert rel(out, ref) < 1e-5
+
+
+def test_vmap_of_scaled_products():
+    x, w = data((3, 50, 256), "normal", 16), data((3, 256, 130), "normal", 17)
+    qx = quantize(x)
+    qw = quantize(w, "128x128")
+    out = jax.jit(jax.vmap(lambda a, b: jax_cute.matmul(a, b, preferred_element_type=jnp.float32)))(qx, qw)
+    ref = np.einsum("bmk,bkn->bmn", deq(qx), deq(qw))
+    assert rel(out, ref) < 1e-5
+    # one weight for every batch element (in_axes None), and vmap of quantize itself
+    w0 = quantize(w[0], "128x128")
+    out = jax.vmap(lambda a: jax_cute.matmul(quantize(a), w0, preferred_element_type=jnp.float32))(x)
+    assert rel(out, np.einsum("bmk,kn->bmn", deq(qx), deq(w0))) < 1e-5
+    gs = np.asarray([20, 30], np.int32)
+    wg = quantize(data((2, 256, 64), "normal", 18), "128x128")
+    out = jax.vmap(lambda a: jax_cute.ragged_dot(a, wg, gs, preferred_element_type=jnp.float32))(qx)
+    ref = np.stack([np.concatenate([deq(qx)[i, :20] @ deq(wg)[0], deq(qx)[i, 20:] @ deq(wg)[1]]) for i in range(3)])
+    assert rel(out, ref) < 1e-5
+
+
+# -- training products --------------------------------------------------------------------
+
+def test_linear_gradients_are_the_fp8_recipe():
+    """Forward and both gradients against the same quantised operands multiplied in float64."""
+    m, k, n = 200, 300, 136
+    x, w, c = data((2, m // 2, k), "heavy", 19), data((k, n), "normal", 20), data((m, n), "normal", 21)
+    xb = jnp.asarray(x, jnp.bfloat16)
+    loss = lambda x, w: jnp.sum(linear(x, w, out_dtype=jnp.float32).reshape(m, n) * c)  # noqa: E731
+    val, (dx, dw) = jax.jit(jax.value_and_grad(loss, (0, 1)))(xb, w)
+    assert dx.dtype == jnp.bfloat16 and dw.dtype == np.float32 and dw.shape == (k, n)
+    x2 = np.asarray(xb, np.float32).reshape(m, k)
+    wq = quantize(w, "128x128")
+    y = deq(quantize(x2)) @ deq(wq)
+    assert abs(float(val) - np.sum(y * c)) <= 1e-5 * np.sum(np.abs(y * c))
+    dx_ref = deq(quantize(c)) @ deq(wq).T
+    dw_ref = deq(quantize(x2.T)) @ deq(quantize(c.T)).T
+    assert rel(np.asarray(dx, np.float32).reshape(m, k), dx_ref) < 4e-3  # dx rounded to bf16
+    assert rel(dw, dw_ref) < 1e-5
+    # and the recipe is a fair approximation of the exact gradient (fp8: a few percent)
+    assert rel(dw, x2.T @ c) < 0.1
+
+
+def test_grouped_linear_gradients_are_the_fp8_recipe():
+    m, k, n, sizes = 250, 260, 136, np.asarray([100, 0, 120, 20], np.int32)
+    x, w, c = data((m, k), "heavy", 22), data((4, k, n), "normal", 23), data((m, n), "normal", 24)
+    loss = lambda x, w: jnp.sum(grouped_linear(x, w, sizes, out_dtype=jnp.float32) * c)  # noqa: E731
+    dx, dw = jax.jit(jax.grad(loss, (0, 1)))(x, w)
+    ends = np.minimum(np.cumsum(sizes), m)
+    starts = np.concatenate([[0], ends[:-1]])
+    wq, cq = quantize(w, "128x128"), deq(quantize(c))
+    xg, cg = deq(quantize_grouped(x.T, sizes)), deq(quantize_grouped(c.T, sizes))
+    dx_ref = np.zeros((m, k))
+    dw_ref = np.zeros((4, k, n))
+    for g, (s, e) in enumerate(zip(starts, ends)):
+        dx_ref[s:e] = cq[s:e] @ deq(wq)[g].T
+        dw_ref[g] = xg[:, s:e] @ cg[:, s:e].T
+    assert rel(dx, dx_ref) < 1e-5 and rel(dw, dw_ref) < 1e-5
+    np.testing.assert_array_equal(np.asarray(dx)[ends[-1]:], 0)
+
+
+def _mlp_loss(p, x):
+    """A small transformer-ish block: two weight products and an attention-like batched product."""
+    h = jnp.einsum("btd,df->btf", x.astype(jnp.bfloat16), p["w1"].astype(jnp.bfloat16),
+                   preferred_element_type=jnp.float32)
+    h = jax.nn.gelu(h).astype(jnp.bfloat16)
+    s = jnp.einsum("btf,bsf->bts", h, h, preferred_element_type=jnp.float32)
+    y = jnp.einsum("btf,fd->btd", h, p["w2"].astype(jnp.bfloat16), preferred_element_type=jnp.float32)
+    return jnp.mean(y ** 2) + 1e-3 * jnp.mean(s)
+
+
+def _mlp_loss_fp8(p, x):
+    """The same block written with jax_cute.fp8.linear by hand."""
+    h = linear(x.astype(jnp.bfloat16), p["w1"].astype(jnp.bfloat16), out_dtype=jnp.float32)
+    h = jax.nn.gelu(h).astype(jnp.bfloat16)
+    s = jnp.einsum("btf,bsf->bts", h, h, preferred_element_type=jnp.float32)
+    y = linear(h, p["w2"].astype(jnp.bfloat16), out_dtype=jnp.float32)
+    return jnp.mean(y ** 2) + 1e-3 * jnp.mean(s)
+
+
+def test_kernelize_fp8_trains_weight_products_in_fp8():
+    rng = np.random.default_rng(25)
+    p = {"w1": jnp.asarray(rng.standard_normal((256, 384)) * 0.06, jnp.float32),
+         "w2": jnp.asarray(rng.standard_normal((384, 256)) * 0.05, jnp.float32)}
+    x = jnp.asarray(rng.standard_normal((2, 64, 256)), jnp.float32)
+    f = jax_cute.kernelize(_mlp_loss, fp8="blockwise")
+    val, grads = jax.jit(jax.value_and_grad(f))(p, x)
+    fp8 = [q.fp8 for q in f.report.products]
+    assert fp8 == [True, False, True], f.report  # the attention-like batched product stays 16-bit
+    # the hand-written model, its attention-like product on jax_cute's bf16 path as kernelize puts it
+    want_val, want = jax.jit(jax.value_and_grad(jax_cute.kernelize(_mlp_loss_fp8)))(p, x)
+    assert abs(float(val) - float(want_val)) <= 1e-6 * abs(float(want_val))
+    for name in p:
+        assert grads[name].dtype == np.float32
+        assert rel(grads[name], want[name]) < 1e-5, name
+    bf16_val, bf16 = jax.jit(jax.value_and_grad(_mlp_loss))(p, x)
+    assert abs(float(val) - float(bf16_val)) < 0.05 * abs(float(bf16_val))
+    assert all(rel(grads[n], bf16[n]) < 0.1 for n in p)
+    # exclude keeps a product in 16 bit
+    keep = jax_cute.kernelize(_mlp_loss, fp8=Blockwise(exclude=lambda lhs, rhs, out: rhs.shape == (384, 256)))
+    keep(p, x)
+    assert [q.fp8 for q in keep.report.products] == [True, False, False]
+
+
+def test_kernelize_fp8_ragged_dot():
+    rng = np.random.default_rng(26)
+    sizes = jnp.asarray([40, 0, 70, 18], jnp.int32)
+    w = jnp.asarray(rng.standard_normal((4, 256, 130)) * 0.05, jnp.float32)
+    x = jnp.asarray(rng.standard_normal((128, 256)), jnp.bfloat16)
+
+    def loss(w, x):
+        y = jax.lax.ragged_dot(x, w.astype(jnp.bfloat16), sizes, preferred_element_type=jnp.float32)
+        return jnp.sum(y ** 2)
+
+    f = jax_cute.kernelize(loss, fp8="blockwise")
+    g = jax.jit(jax.grad(f))(w, x)
+    assert [q.fp8 for q in f.report.products] == [True]
+    want = jax.jit(jax.grad(lambda w, x: jnp.sum(grouped_linear(x, w.astype(jnp.bfloat16), sizes,
+                                                                out_dtype=jnp.float32) ** 2)))(w, x)
+    assert rel(g, want) < 1e-5
+
+
+# -- dispatch and errors ----------------------------------------------------------------------
+
+def test_fallback_is_logged_and_strict_mode_raises(caplog):
+    xq, wq = quantize(data((8, 128), "normal")), quantize(data((128, 128), "normal"), "128x128")
+    logging.getLogger("jax_cute").setLevel(logging.WARNING)
+    with caplog.at_level(logging.WARNING, logger="jax_cute"):
+        jax_cute.matmul(xq, wq)
+    assert "no block-scaled fp8 GEMM kernel yet" in caplog.text
+    with config.override(strict=True), pytest.raises(jax_cute.FallbackError, match="block-scaled"):
+        jax_cute.matmul(xq, wq)
+
+
+def test_errors():
+    x, w = quantize(data((8, 256), "normal")), quantize(data((256, 128), "normal"), "128x128")
+    with pytest.raises(TypeError, match="quantize it"):
+        jax_cute.matmul(x, jnp.ones((256, 128), jnp.bfloat16))
+    with pytest.raises(ValueError, match="contracting extents differ|share K"):
+        jax_cute.matmul(x, quantize(data((128, 128), "normal"), "128x128"))
+    with pytest.raises(ValueError, match="blocks of 128"):
+        jax_cute.matmul(x, quantize(data((256, 128), "normal"), (1, 128)))  # K in blocks of 1
+    with pytest.raises(ValueError, match="need scales of shape"):
+        jax_cute.matmul(BlockScaled(x.values, x.scales[:, :1], x.block), w)
+    with pytest.raises(TypeError, match="float8"):
+        jax_cute.matmul(BlockScaled(x.values.astype(jnp.bfloat16), x.scales, x.block), w)
+    with pytest.raises(TypeError, match="bfloat16, float16 or float32"):
+        jax_cute.matmul(x, w, preferred_element_type=jnp.float8_e4m3fn)
+    with pytest.raises(ValueError, match="exactly one dimension"):
+        q3 = quantize(data((4, 2, 128), "normal"))
+        jax_cute.dot_general(q3, q3, (((1, 2), (1, 2)), ((), ())))
+    with pytest.raises(ValueError, match="free axes"):
+        jax_cute.matmul(quantize(data((2, 256, 256), "normal"), "128x128"), w)
+    with pytest.raises(ValueError, match="bias"):
+        jax_cute.matmul(x, w, bias=jnp.ones((3,)))
+    with pytest.raises(ValueError, match="block"):
+        quantize(jnp.ones((4, 4)), "1x128x128")
+    with pytest.raises(TypeError, match="floating"):
+        quantize(jnp.ones((4, 4), jnp.int32))
+    with pytest.raises(TypeError, match="dtype"):
+        quantize(jnp.ones((4, 4)), dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="group-aligned"):
+        ragged_k_dot(quantize(data((8, 256), "normal")), quantize(data((8, 256), "normal")), jnp.ones((2,), jnp.int32))
+    with pytest.raises(ValueError, match="group_offset"):
+        jax_cute.ragged_dot(x, quantize(data((2, 256, 128), "normal"), "128x128"), jnp.asarray([4, 4]), group_offset=0)
+    with pytest.raises(TypeError, match="not differentiated"):
+        jax.grad(lambda s: jnp.sum(jax_cute.matmul(BlockScaled(x.values, s, x.block), w,
+                                                   preferred_element_type=jnp.float32)))(x.scales)
+    with pytest.raises(ValueError, match="fp8 must be"):
+        jax_cute.kernelize(_mlp_loss, fp8="tensorwise")
+    with pytest.raises(TypeError, match="16- or 32-bit"):
+        linear(x.values, jnp.ones((256, 4)))
+    with pytest.raises(ValueError, match="share K"):
+        linear(jnp.ones((4, 8)), jnp.ones((9, 4)))
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_gpt_example_fp8_products(moe):
+    """kernelize(fp8=...) of the GPT example's loss (traced only): the weight products, dense and
+    grouped, are fp8; attention's batched products, the tied LM head and the router are not."""
+    pytest.importorskip("optax")
+    import pathlib
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+    import gpt_training as gpt
+
+    cfg = gpt.dataclasses.replace(gpt.SIZES["tiny"], moe=moe)
+    params = gpt.init_params(jax.random.key(0), cfg)
+    tokens = gpt.batches(jax.random.key(1), cfg)[0]
+    f = jax_cute.kernelize(lambda p, t: gpt.loss_fn(p, t, cfg), fp8=gpt.fp8_recipe(cfg))
+    jax.eval_shape(jax.value_and_grad(f), params, tokens)
+    fp8 = {(q.primitive, q.shapes[1]) for q in f.report.products if q.fp8}
+    kept = {(q.primitive, q.shapes[1]) for q in f.report.products if not q.fp8}
+    d, e = cfg.d_model, cfg.experts
+    want = {("dot_general", (d, 3, cfg.heads, cfg.head_dim)), ("dot_general", (cfg.heads, cfg.head_dim, d))}
+    want |= {("ragged_dot_general", (e, d, cfg.d_ff)), ("ragged_dot_general", (e, cfg.d_ff, d))} if moe else \
+        {("dot_general", (d, cfg.d_ff)), ("dot_general", (cfg.d_ff, d))}
+    assert fp8 == want, f.report
+    assert ("dot_general", (cfg.vocab, d)) in kept and all(len(s) == 4 for p, s in kept if p == "dot_general"
+                                                           and s[0] != cfg.vocab and s != (d, e))
+
+
+def test_lowers_for_cuda_as_xla_ops():
+    """Lowered for a GPU (no device needed): the fp8 training step is XLA ops, no jax_cute custom
+    call (no kernel yet), its per-block products bf16 x bf16 -> f32 (exact for fp8 values)."""
+    x, w = jnp.ones((256, 256), jnp.bfloat16), jnp.ones((256, 384), jnp.float32)
+    we, gs = jnp.ones((2, 256, 128), jnp.float32), jnp.asarray([100, 156], jnp.int32)
+
+    def loss(x, w, we):
+        y = linear(x, w, out_dtype=jnp.float32)
+        return jnp.sum(y) + jnp.sum(grouped_linear(x, we, gs, out_dtype=jnp.float32))
+
+    with config.override(target_arch="sm_90a"):
+        text = jax.jit(jax.grad(loss, (0, 1, 2))).trace(x, w, we).lower(lowering_platforms=("cuda",)).as_text()
+    assert "jax_cute_launch" not in text and "f8E4M3FN" in text
+    dots = [ln for ln in text.splitlines() if "stablehlo.dot_general" in ln]
+    assert dots and all("bf16" in ln and "-> tensor<" in ln and ln.rstrip().endswith("xf32>") for ln in dots), dots[:3]
+
+
+def test_kernelize_fp8_takes_a_weight_on_the_left():
+    """``w @ x`` (Equinox's Linear under vmap) is the swapped product, transposed back."""
+    rng = np.random.default_rng(27)
+    w = jnp.asarray(rng.standard_normal((130, 256)) * 0.05, jnp.float32)
+    x = jnp.asarray(rng.standard_normal((40, 256)), jnp.float32)
+
+    def loss(w, x):
+        h = jnp.tanh(x)  # an activation: computed, not an input (two inputs: the second is the weight)
+        y = jax.vmap(lambda v: w.astype(jnp.bfloat16) @ v.astype(jnp.bfloat16))(h)
+        return jnp.sum(y.astype(jnp.float32) ** 2)
+
+    f = jax_cute.kernelize(loss, fp8="blockwise")
+    g = jax.jit(jax.grad(f))(w, x)
+    assert [q.fp8 for q in f.report.products] == [True], f.report
+    want = jax.jit(jax.grad(lambda w, x: jnp.sum(linear(jnp.tanh(x).astype(jnp.bfloat16), w.T.astype(jnp.bfloat16))
+                                                 .astype(jnp.float32) ** 2)))(w, x)
+    assert rel(g, want) < 1e-5
+
+
+def test_vmap_of_the_fp8_gradients():
+    rng = np.random.default_rng(28)
+    x = jnp.asarray(rng.standard_normal((2, 64, 256)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((2, 256, 130)), jnp.float32)
+    fn = lambda x, w: jnp.sum(linear(x, w) ** 2)  # noqa: E731 (grouped: its primitives' vmap is tested above)
+    grad = jax.jit(jax.grad(fn, (0, 1)))
+    batched = jax.jit(jax.vmap(jax.grad(fn, (0, 1))))(x, w)
+    for i in range(2):
+        for got, want in zip(batched, grad(x[i], w[i])):
+            np.testing.assert_array_equal(np.asarray(got[i]), np.asarray(want))

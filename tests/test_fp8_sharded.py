@@ -1,0 +1,174 @@
+"""Block-scaled fp8 products on a mesh of 8 CPU devices: the dense product's partitioning rules
+(scales sharded with their blocks: data-parallel M, model-parallel N, a sharded K summed), a
+dimension that does not split into whole blocks replicated with a log line, and a training step
+of an fp8 MLP and an fp8 MoE layer sharded against the same step on one device.
+
+The devices must be set before JAX starts, so this file runs itself in a subprocess
+(``python tests/test_fp8_sharded.py``) that prints its results as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all")
+
+
+def _worker() -> dict:
+    import logging
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    import jax_cute
+    from jax_cute.fp8 import BlockScaled, grouped_linear, linear
+
+    messages: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            messages.append(record.getMessage())
+
+    logging.getLogger("jax_cute").addHandler(Keep())
+    logging.getLogger("jax_cute").propagate = False
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    rng = np.random.default_rng(0)
+    out: dict = {}
+
+    def put(q: BlockScaled, spec):
+        return jax.tree.map(lambda v: jax.device_put(v, NamedSharding(mesh, spec)), q)
+
+    def counts(text: str) -> dict:
+        return {c: text.count(f"{c}(") + text.count(f"{c}-start(") for c in COLLECTIVES}
+
+    f = jax.jit(lambda a, b: jax_cute.matmul(a, b, preferred_element_type=jnp.float32))
+    for name, (m, k, n), xs, ws in [("dp_tp", (256, 512, 1024), P("data", None), P(None, "model")),
+                                    ("k_sharded", (256, 512, 1024), P(None, "model"), P("model", None)),
+                                    ("n_not_whole_blocks", (256, 512, 1000), P("data", None), P(None, "model"))]:
+        x, w = rng.standard_normal((m, k)).astype(np.float32), rng.standard_normal((k, n)).astype(np.float32)
+        xq, wq = jax_cute.quantize(x), jax_cute.quantize(w, "128x128")
+        ref = np.asarray(f(xq, wq))
+        del messages[:]
+        a, b = put(xq, xs), put(wq, ws)
+        res = f(a, b)
+        out[name] = {"err": float(np.max(np.abs(np.asarray(res) - ref)) / np.max(np.abs(ref))),
+                     "spec": [None if s is None else str(s) for s in res.sharding.spec],
+                     "collectives": counts(f.lower(a, b).compile().as_text()),
+                     "replicated_log": [s for s in messages if "replicated" in s]}
+
+    # swiglu pairs column j with j + N/2: N stays whole even when the weight is sharded along it
+    x, w = rng.standard_normal((256, 256)).astype(np.float32), rng.standard_normal((256, 1024)).astype(np.float32)
+    xq, wq = jax_cute.quantize(x), jax_cute.quantize(w, "128x128")
+    sw = jax.jit(lambda a, b: jax_cute.matmul(a, b, activation="swiglu", preferred_element_type=jnp.float32))
+    ref = np.asarray(sw(xq, wq))
+    del messages[:]
+    res = np.asarray(sw(put(xq, P("data", None)), put(wq, P(None, "model"))))
+    out["swiglu"] = {"err": float(np.max(np.abs(res - ref)) / np.max(np.abs(ref))),
+                     "replicated_log": [s for s in messages if "replicated" in s]}
+
+    # grouped over M: tokens over data (each shard its groups clipped to its rows), N over model;
+    # then K over model (summed), with a bias and an activation after the sum
+    x, w = rng.standard_normal((256, 512)).astype(np.float32), rng.standard_normal((4, 512, 512)).astype(np.float32)
+    bias = jnp.asarray(rng.standard_normal((4, 512)), jnp.float32)
+    sizes = jnp.asarray([70, 0, 100, 50], jnp.int32)  # 36 rows past the last group
+    xq, wq = jax_cute.quantize(x), jax_cute.quantize(w, "128x128")
+    rd = jax.jit(lambda a, b, s, c: jax_cute.ragged_dot(a, b, s, bias=c, activation="gelu",
+                                                        preferred_element_type=jnp.float32))
+    ref = np.asarray(rd(xq, wq, sizes, bias))
+    for name, xs, ws in [("ragged_dp_tp", P("data", None), P(None, None, "model")),
+                         ("ragged_k_sharded", P("data", "model"), P(None, "model", None))]:
+        a, b = put(xq, xs), put(wq, ws)
+        res = rd(a, b, sizes, bias)
+        out[name] = {"err": float(np.max(np.abs(np.asarray(res) - ref)) / np.max(np.abs(ref))),
+                     "spec": [None if s is None else str(s) for s in res.sharding.spec],
+                     "collectives": counts(rd.lower(a, b, sizes, bias).compile().as_text())}
+
+    # a training step: fp8 MLP (tensor parallel over model, batch over data) and fp8 MoE (data)
+    d, ff, g = 256, 512, 4
+    params = {"w1": jnp.asarray(rng.standard_normal((d, ff)) * 0.05, jnp.float32),
+              "w2": jnp.asarray(rng.standard_normal((ff, d)) * 0.05, jnp.float32),
+              "e1": jnp.asarray(rng.standard_normal((g, d, 256)) * 0.05, jnp.float32)}
+    tokens = jnp.asarray(rng.standard_normal((256, d)), jnp.float32)
+    sizes = jnp.asarray([100, 20, 0, 136], jnp.int32)
+
+    def loss(p, x):
+        h = jax.nn.gelu(linear(x.astype(jnp.bfloat16), p["w1"].astype(jnp.bfloat16), out_dtype=jnp.float32))
+        y = linear(h.astype(jnp.bfloat16), p["w2"].astype(jnp.bfloat16), out_dtype=jnp.float32)
+        e = grouped_linear(y.astype(jnp.bfloat16), p["e1"].astype(jnp.bfloat16), sizes, out_dtype=jnp.float32)
+        return jnp.mean(y ** 2) + jnp.mean(e ** 2)
+
+    step = jax.jit(jax.value_and_grad(loss))
+    want_val, want = step(params, tokens)
+    specs = {"w1": P(None, "model"), "w2": P("model", None), "e1": P()}
+    sp = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in params.items()}
+    st = jax.device_put(tokens, NamedSharding(mesh, P("data", None)))
+    val, grads = step(sp, st)
+    out["train"] = {"loss_err": abs(float(val) - float(want_val)) / abs(float(want_val)),
+                    # norm-relative: a partial sum summed in another order may move a value across an
+                    # fp8 rounding boundary downstream (one e4m3 step, 6 %), so no elementwise bound
+                    "grad_err": {k: float(jnp.linalg.norm(grads[k] - want[k]) / jnp.linalg.norm(want[k]))
+                                 for k in params},
+                    "w1_grad_spec": [None if s is None else str(s) for s in grads["w1"].sharding.spec]}
+    return out
+
+
+@pytest.fixture(scope="module")
+def results() -> dict:
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, cwd=ROOT,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_data_and_model_parallel_dense_product(results):
+    r = results["dp_tp"]
+    assert r["err"] < 1e-6
+    assert r["spec"] == ["data", "model"]
+    assert not any(r["collectives"].values()), r  # every shard holds its blocks and their scales
+    assert not r["replicated_log"]
+
+
+def test_sharded_k_is_summed(results):
+    r = results["k_sharded"]
+    assert r["err"] < 1e-5
+    assert r["collectives"]["all-reduce"] + r["collectives"]["reduce-scatter"] >= 1, r
+
+
+def test_dimension_without_whole_blocks_is_replicated_with_a_message(results):
+    r = results["n_not_whole_blocks"]
+    assert r["err"] < 1e-6
+    assert r["replicated_log"] and "N=1000" in r["replicated_log"][0] and "128" in r["replicated_log"][0]
+
+
+def test_grouped_product_sharded_over_tokens_and_n(results):
+    r = results["ragged_dp_tp"]
+    assert r["err"] < 1e-6 and r["spec"] == ["data", "model"]
+    assert not any(r["collectives"].values()), r
+    r = results["ragged_k_sharded"]
+    assert r["err"] < 1e-5 and r["collectives"]["all-reduce"] >= 1, r
+
+
+def test_gated_activation_keeps_n_whole(results):
+    r = results["swiglu"]
+    assert r["err"] < 1e-6
+    assert any("gated activation" in s for s in r["replicated_log"]), r
+
+
+def test_sharded_fp8_training_step(results):
+    r = results["train"]
+    assert r["loss_err"] < 1e-5 and max(r["grad_err"].values()) < 2e-3, r
+    assert r["w1_grad_spec"] == [None, "model"]
+
+
+if __name__ == "__main__":
+    print(json.dumps(_worker()))
