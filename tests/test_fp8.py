@@ -187,7 +187,7 @@ def test_scaled_epilogue(activation):
     x, w, bias = data((100, 256), "normal", 8), data((256, 256), "normal", 9), data((256,), "normal", 10)
     xq, wq = quantize(x), quantize(w, "128x128")
     z = deq(xq) @ deq(wq) + bias
-    ref = np.asarray(jax_cute.primitives.activations.apply_activation(activation, jnp.asarray(z, jnp.float32)))
+    ref = np.asarray(jax_cute.activations.apply_activation(activation, jnp.asarray(z, jnp.float32)))
     out = jax_cute.matmul(xq, wq, bias=bias, activation=activation, preferred_element_type=jnp.float32)
     assert out.shape == ref.shape and rel(out, ref) < 1e-5
 

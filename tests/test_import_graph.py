@@ -1,7 +1,8 @@
 """jax_cute's modules import one way, down through layers (``LAYERS``), top to bottom:
 
   front      the facade, the command line, kernelize and its matcher
-  primitives primitives/: the JAX rules of every primitive
+  primitives primitives/ and fp8/: the JAX rules of every primitive (fp8/: the block-scaled ones,
+             their quantization and training layers)
   dispatch   dispatch (kernel or XLA), autotune and the first-use check it runs
   problem / cache / compile
              problem/ (layouts -> the flat problem), the kernel cache and its keys, and the
@@ -36,7 +37,7 @@ EXTENSIONS = ("jax_cute._ffi",)
 # Top to bottom: (layer, the modules in it: a name, or a package and everything under it)
 LAYERS = (
     ("front", ("jax_cute", "jax_cute.__main__", "jax_cute.kernelize", "jax_cute.epilogue_match")),
-    ("primitives", ("jax_cute.primitives",)),
+    ("primitives", ("jax_cute.primitives", "jax_cute.fp8")),
     ("dispatch", ("jax_cute.dispatch", "jax_cute.autotune", "jax_cute.selfcheck")),
     ("problem / cache / compile", ("jax_cute.problem", "jax_cute.cache", "jax_cute.cache_key",
                                    "jax_cute.launcher_code", "jax_cute.custom_call")),

@@ -17,7 +17,7 @@ import numpy as np
 from jax_cute import dispatch
 from jax_cute.fp8.quantize import BLOCK, BlockScaled, check_block_scaled, grouped_blocks
 from jax_cute.fp8.scaled import (OUT_DTYPES, kernel_refusal, scaled_gemm_p, scaled_ragged_k_p, scaled_ragged_m_p)
-from jax_cute.primitives.activations import GATED, check_activation
+from jax_cute.activations import check_activation, is_gated
 
 
 def _out_dtype(op: str, preferred_element_type) -> np.dtype:
@@ -113,13 +113,13 @@ def scaled_dot_general(lhs: BlockScaled, rhs: BlockScaled, dimension_numbers, *,
         if not jnp.issubdtype(bias.dtype, jnp.floating):
             raise TypeError(f"jax_cute.{op}: bias must be floating point, got {bias.dtype}")
         args.append(jnp.broadcast_to(bias, (n,)))
-    if activation in GATED and (len(rf) != 1 or n % 2):
+    if is_gated(activation) and (len(rf) != 1 or n % 2):
         raise ValueError(f"jax_cute.{op}: {activation} needs one rhs free dimension of even extent, got {rhs.shape}")
     dispatch.at_trace(op, kernel_refusal(op, a=a.dtype, b=b.dtype, out=out, a_block=a_block, b_block=b_block))
     res = scaled_gemm_p.bind(*args, a_block=a_block, b_block=b_block, out_dtype=out.name, activation=activation,
                              compute="float32")
     last = [rhs.shape[i] for i in rf]
-    if activation in GATED:
+    if is_gated(activation):
         last[-1] //= 2
     return res.reshape(*(lhs.shape[i] for i in lb), *(lhs.shape[i] for i in lf), *last)
 
@@ -178,7 +178,7 @@ def scaled_ragged_dot(lhs: BlockScaled, rhs: BlockScaled, group_sizes, *, prefer
         if bias.shape != (g, n):
             raise ValueError(f"jax_cute.ragged_dot: bias must have shape (G, N) = {(g, n)}, got {bias.shape}")
         args.append(bias)
-    if activation in GATED and n % 2:
+    if is_gated(activation) and n % 2:
         raise ValueError(f"jax_cute.ragged_dot: {activation} needs an even N, got {n}")
     dispatch.at_trace(op, kernel_refusal(op, grouped="M", a=lhs.dtype, b=rhs.dtype, out=out))
     return scaled_ragged_m_p.bind(*args, b_block=rhs.blocks[2], out_dtype=out.name, activation=activation,

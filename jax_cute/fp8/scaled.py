@@ -39,10 +39,11 @@ from jax._src import dispatch as jax_dispatch
 from jax.experimental.custom_partitioning import ArrayMapping, CompoundFactor, SdyShardingRule, custom_partitioning
 from jax.extend import core as extend_core
 from jax.interpreters import ad, batching, mlir
-from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jax_cute.fp8.quantize import BLOCK, FP8_DTYPES, group_blocks, group_ends
-from jax_cute.primitives.activations import GATED, apply_activation
+from jax_cute.activations import apply_activation, is_gated
+from jax_cute.primitives import sharding
 
 logger = logging.getLogger("jax_cute")
 
@@ -107,7 +108,7 @@ def _gemm_abstract(a, sa, b, sb, *bias, a_block, b_block, out_dtype, activation,
     _check(n, sa.shape == (l, _blocks(m, a_block), kbl), f"sa {sa.shape} for a {a.shape} in blocks of {a_block}")
     _check(n, sb.shape == (l, _blocks(nn, b_block), kbl), f"sb {sb.shape} for b {b.shape} in blocks of {b_block}")
     _check(n, not bias or bias[0].shape == (nn,), f"bias {bias[0].shape if bias else None} for N={nn}")
-    out_n = nn // 2 if activation in GATED else nn
+    out_n = nn // 2 if is_gated(activation) else nn
     return _result((l, m, out_n), out_dtype, (a, sa, b, sb, *bias))
 
 
@@ -119,7 +120,7 @@ def _ragged_m_abstract(a, sa, b, sb, gs, *bias, b_block, out_dtype, activation, 
     _check(n, sa.shape == (m, kbl) and sb.shape == (g, _blocks(nn, b_block), kbl),
            f"scales {sa.shape} / {sb.shape} for a {a.shape} / b {b.shape}")
     _check(n, not bias or bias[0].shape == (g, nn), f"bias {bias[0].shape if bias else None} for (G, N)=({g}, {nn})")
-    out_n = nn // 2 if activation in GATED else nn
+    out_n = nn // 2 if is_gated(activation) else nn
     return _result((m, out_n), out_dtype, (a, sa, b, sb, gs, *bias))
 
 
@@ -246,18 +247,6 @@ class _Call:
         return dict(self.params)
 
 
-def _unmeshed():
-    return jax.sharding.use_abstract_mesh(AbstractMesh((), ()))
-
-
-def _one_shard(axis_context) -> bool:
-    devices = getattr(axis_context, "num_devices", None)
-    if devices is not None:
-        return devices == 1
-    mesh = getattr(axis_context, "mesh", None)
-    return mesh is not None and set(mesh.axis_names) <= set(getattr(axis_context, "manual_axes", ()))
-
-
 _REFERENCES = {"jax_cute_scaled_gemm": gemm_reference, "jax_cute_scaled_ragged_m": ragged_m_reference,
                "jax_cute_scaled_ragged_k": ragged_k_reference}
 
@@ -277,12 +266,12 @@ def _lowering(prim, cuda: bool):
     jax_dispatch.prim_requires_devices_during_lowering.add(prim)
 
     def rule(ctx, *args, **params):
-        with _unmeshed():
+        with sharding.unmeshed():
             avals_in = tuple(jax.core.ShapedArray(a.shape, a.dtype) for a in ctx.avals_in)
             avals_out = tuple(jax.core.ShapedArray(a.shape, a.dtype) for a in ctx.avals_out)
             plain = ctx.replace(avals_in=avals_in, avals_out=avals_out)
             partitioned = _PARTITIONED.get(prim.name)
-            if partitioned is not None and not _one_shard(ctx.module_context.axis_context):
+            if partitioned is not None and not sharding.one_shard(ctx.module_context.axis_context):
                 fn = functools.partial(partitioned, _Call(tuple(sorted({**params, "cuda": cuda}.items()))))
             else:  # one shard, or the ragged-K call: XLA partitions the reference's ops (docs/fp8.md)
                 fn = _local(prim.name, avals_in, params, cuda)
@@ -369,7 +358,7 @@ def _plan_for(call: _Call, mesh, arg_shapes, warn: bool):
     specs = [_spec(s.sharding, len(s.shape)) for s in arg_shapes]
     specs = [specs[0], specs[1], specs[2], specs[3]]
     return gemm_plan([tuple(s.shape) for s in arg_shapes], specs, dict(mesh.shape), kw["a_block"], kw["b_block"],
-                     warn, kw["activation"] in GATED)
+                     warn, is_gated(kw["activation"]))
 
 
 def _partition(call: _Call, mesh, arg_shapes, result_shape):
@@ -380,7 +369,7 @@ def _partition(call: _Call, mesh, arg_shapes, result_shape):
     reduce = plan["k"]
 
     def lower_fn(*args):
-        with _unmeshed():
+        with sharding.unmeshed():
             avals = tuple(jax.core.ShapedArray(x.shape, x.dtype) for x in args)
             if not reduce:
                 return _local("jax_cute_scaled_gemm", avals, kw, cuda)(*args)
@@ -420,7 +409,7 @@ def _sdy_rule(call: _Call, mesh, operand_types, result_types) -> SdyShardingRule
     maps = [ArrayMapping("l", mv, kv), ArrayMapping("l", ms, ks), ArrayMapping("l", nv, kv), ArrayMapping("l", ns, ks)]
     if len(operand_types) == 5:
         maps.append(ArrayMapping(nv))
-    gated = kw["activation"] in GATED
+    gated = is_gated(kw["activation"])
     out = ArrayMapping("l", mv, "ng" if gated else nv)
     if gated:
         separate.append("ng")
@@ -435,7 +424,7 @@ def _sdy_rule(call: _Call, mesh, operand_types, result_types) -> SdyShardingRule
 def _gemm_body(call: _Call, *args):
     kw = call.kwargs
     cuda = kw.pop("cuda")
-    with _unmeshed():
+    with sharding.unmeshed():
         avals = tuple(jax.core.ShapedArray(x.shape, x.dtype) for x in args)
         return jax.jit(_local("jax_cute_scaled_gemm", avals, kw, cuda))(*args)
 
@@ -458,7 +447,7 @@ def _ragged_plan(call: _Call, mesh, arg_shapes, warn: bool) -> dict[str, tuple[s
     # as the dense plan over (L=1, M, K) x (L=1, N, K): a's M and K, b's N and K
     fake = [(1, m, k), None, (1, n, k)]
     dense = gemm_plan(fake, [((),) + tuple(specs[0]), None, ((),) + tuple(specs[2][1:]), None], dict(mesh.shape),
-                      1, kw["b_block"], warn, kw["activation"] in GATED)
+                      1, kw["b_block"], warn, is_gated(kw["activation"]))
     return {"m": dense["m"], "n": dense["n"], "k": dense["k"]}
 
 
@@ -486,7 +475,7 @@ def _ragged_partition(call: _Call, mesh, arg_shapes, result_shape):
     ms = dict(mesh.shape)
 
     def lower_fn(*args):
-        with _unmeshed():
+        with sharding.unmeshed():
             args = list(args)
             lm = args[0].shape[0]
             if plan["m"]:  # this shard's rows [offset, offset + lm): the groups clipped to them
@@ -539,7 +528,7 @@ def _ragged_sdy_rule(call: _Call, mesh, operand_types, result_types) -> SdyShard
             ArrayMapping("g")]
     if len(operand_types) == 6:
         maps.append(ArrayMapping("g", nv))
-    gated = kw["activation"] in GATED
+    gated = is_gated(kw["activation"])
     out = ArrayMapping("m", "ng" if gated else nv)
     if gated:
         separate.append("ng")
@@ -553,7 +542,7 @@ def _ragged_sdy_rule(call: _Call, mesh, operand_types, result_types) -> SdyShard
 def _ragged_body(call: _Call, *args):
     kw = call.kwargs
     cuda = kw.pop("cuda")
-    with _unmeshed():
+    with sharding.unmeshed():
         avals = tuple(jax.core.ShapedArray(x.shape, x.dtype) for x in args)
         return jax.jit(_local("jax_cute_scaled_ragged_m", avals, kw, cuda))(*args)
 

@@ -499,7 +499,7 @@ def _local_group_sizes(gs, gs_layout: Layout, gs_shape, extent: int, local_exten
 def traced_unmeshed(fn: Callable) -> Callable:
     @functools.wraps(fn)
     def wrapped(*args):
-        with _unmeshed():
+        with unmeshed():
             return fn(*args)
     return wrapped
 
@@ -569,7 +569,7 @@ def _rule(call: _Call, mesh, operand_types, result_types) -> SdyShardingRule:
 def _body(call: _Call, *args):
     # Inside a jit of its own, array constants (gather offsets, empty outputs) stay in the inner
     # computation: custom_partitioning refuses a body that closes over constants.
-    with _unmeshed():
+    with unmeshed():
         return jax.jit(call.local(plain_avals(args), call.kwargs))(*args)
 
 
@@ -591,7 +591,7 @@ def lowering(primitive, local: Local, rings: Callable[[], Callable | None] | Non
 
     def rule(ctx, *args, **params):
         # The computation is typed without a mesh: the rules, not the types, partition the call.
-        with _unmeshed():
+        with unmeshed():
             plain = ctx.replace(avals_in=plain_avals(ctx.avals_in), avals_out=plain_avals(ctx.avals_out))
             if one_shard(ctx.module_context.axis_context):  # nothing to partition: the computation itself
                 fn = local(plain.avals_in, params)
@@ -605,7 +605,7 @@ def lowering(primitive, local: Local, rings: Callable[[], Callable | None] | Non
     return rule
 
 
-def _unmeshed():
+def unmeshed():
     """Trace a local computation without the caller's mesh: traced under Explicit mesh axes,
     its ops would be typed (and lowered) with shardings of that mesh, whose constraints inside a
     partitioned body no partitioner removes (XLA then finds no `Sharding` custom call)."""
