@@ -34,7 +34,7 @@ from jax_cute.cache import CACHE, family_binary
 from jax_cute.custom_call import kernel_call, workspace_outputs
 from jax_cute.kernels import abi
 from jax_cute.kernels.build import KernelBinary, compile_launcher
-from jax_cute.kernels.gemm_spec import GemmSpec, GroupedSpec, gated_output, int32_refusal
+from jax_cute.kernels.gemm_spec import GemmSpec, GroupedSpec, algorithm_refusal, gated_output, int32_refusal
 from jax_cute.launcher_code import launcher_digest
 from jax_cute.layout import Layout
 from jax_cute.problem.gemm_layouts import GemmLayouts
@@ -163,7 +163,7 @@ class GemmRequest:
     coordinates, grouped: (..., G, N)), ``activation``, ``preact`` (the pre-activation output
     too: two outputs with an activation, the one output twice without), or ``dact`` (an
     activation whose derivative at Z, the last operand read through ``z_layout``, scales the
-    product)."""
+    product). ``precision``: a dot algorithm the kernels do not compute is refused."""
 
     avals: tuple
     layouts: GemmLayouts | RaggedLayouts
@@ -176,6 +176,7 @@ class GemmRequest:
     preact: bool = False
     dact: str | None = None
     z_layout: Layout | None = None
+    precision: object = None   # lax's precision or dot algorithm, as the primitive carries it
 
     @property
     def grouped(self) -> bool:
@@ -294,7 +295,11 @@ def gemm(request: GemmRequest, reference: Callable) -> Callable | None:
 
 
 def _request_refusal(req: GemmRequest, e: dict) -> str | None:
-    """Why the kernels cannot read the request's extra operand (a dense bias, or Z) as given."""
+    """Why the kernels cannot compute the request's dot algorithm or read its extra operand (a
+    dense bias, or Z) as given."""
+    why = algorithm_refusal(req.precision, str(np.dtype(req.avals[0].dtype)))
+    if why:
+        return why
     if req.dact:
         z = req.avals[-1]
         if np.dtype(z.dtype) != np.dtype(req.out_dtype) or tuple(z.shape) != tuple(req.layouts.c_shape) \

@@ -50,6 +50,7 @@ from jax_cute import config
 from jax_cute.dispatch import FallbackError, target_arch
 from jax_cute.epilogue_match import Epilogue, find_chains, find_epilogues
 from jax_cute.fp8 import recipe as fp8_recipe
+from jax_cute.kernels.gemm_spec import algorithm_refusal
 from jax_cute.primitives.dot_dtypes import acc_dtype
 from jax_cute.primitives.dot_general import chained_dot_general
 from jax_cute.primitives.grouped import PRIMITIVES as _GROUPED
@@ -147,12 +148,6 @@ def _dtype_refusal(lhs, rhs, out) -> str | None:
     return None
 
 
-def _precision_refusal(precision) -> str | None:
-    ok = precision is None or (isinstance(precision, tuple)
-                               and all(p is None or isinstance(p, jax.lax.Precision) for p in precision))
-    return None if ok else f"dot algorithm {precision}: only XLA implements it"
-
-
 def _normal(dims) -> tuple:
     """Dimension numbers as nested tuples of ints (jaxprs hold lists or tuples)."""
     if isinstance(dims, (tuple, list)):
@@ -220,7 +215,8 @@ def _refusal(eqn) -> str | None:
     p, avals = eqn.params, [v.aval for v in eqn.invars]
     if p.get("out_sharding") is not None:
         return f"explicit out_sharding {p['out_sharding']} (XLA's sharded dot is kept)"
-    why = _precision_refusal(p.get("precision")) or _dtype_refusal(avals[0], avals[1], eqn.outvars[0].aval)
+    why = algorithm_refusal(p.get("precision"), np.dtype(avals[0].dtype).name) \
+        or _dtype_refusal(avals[0], avals[1], eqn.outvars[0].aval)
     if why is not None or eqn.primitive.name == "dot_general":
         return why
     # ragged_dot_general

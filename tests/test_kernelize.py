@@ -319,7 +319,7 @@ def test_products_no_kernel_takes_stay_xla_with_a_reason():
                 a32 @ w.astype(jnp.float32),                                    # f32 operands
                 lax.dot(ai, ai.T, preferred_element_type=jnp.int32),            # integers
                 lax.dot_general(x, w.astype(jnp.float32), (((1,), (0,)), ((), ()))),  # mixed dtypes
-                lax.dot(x, w, precision=lax.DotAlgorithmPreset.BF16_BF16_F32),  # an algorithm
+                lax.dot(x, w, precision=lax.DotAlgorithmPreset.F32_F32_F32),  # an algorithm kernels lack
                 lax.ragged_dot_general(x, x, jnp.array([4, 12], jnp.int32), rd))  # ragged contraction
 
     k = jax_cute.kernelize(f)
@@ -335,6 +335,14 @@ def test_products_no_kernel_takes_stay_xla_with_a_reason():
                            "device is visible"), text
     assert text.splitlines()[0].endswith(", 5 left to XLA")
     assert "jax_cute dot_general bfloat16[8, 16] x bfloat16[16, 16] -> bfloat16[8, 16]" in text
+
+
+@pytest.mark.parametrize("preset", ["DEFAULT", "BF16_BF16_F32"])
+def test_dot_algorithms_the_kernels_compute_are_kernelized(preset):
+    f = lambda x, w: lax.dot(x, w, precision=getattr(lax.DotAlgorithmPreset, preset))  # noqa: E731
+    k = jax_cute.kernelize(f)
+    np.testing.assert_allclose(np.float32(k(X, W)), np.float32(f(X, W)), rtol=2e-2, atol=1e-2)
+    assert [p.kernelized for p in k.report.products] == [True]
 
 
 def test_out_sharding_stays_xla():

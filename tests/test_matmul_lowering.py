@@ -214,3 +214,20 @@ def test_extents_past_int32_fall_back_with_the_reason(caplog, shapes, says):
     assert any("falling back to XLA" in r.getMessage() and says in r.getMessage() for r in caplog.records)
     with config.override(strict=True), pytest.raises(jax_cute.FallbackError, match=says):
         lowered(lambda a, b: jax_cute.matmul(a, b, preferred_element_type=jnp.float32), *shapes)
+
+
+@pytest.mark.parametrize("preset,kernel", [("DEFAULT", True), ("BF16_BF16_F32", True), ("F32_F32_F32", False),
+                                            ("BF16_BF16_BF16", False), ("F16_F16_F32", False)])
+def test_a_dot_algorithm_runs_on_the_kernel_only_where_it_computes_it(preset, kernel, caplog):
+    """bf16 operands: the kernels multiply them as given into a float32 accumulator, which is
+    BF16_BF16_F32; an algorithm asking for other operand or accumulator types is XLA's."""
+    p = getattr(jax.lax.DotAlgorithmPreset, preset)
+    f = lambda a, b: jax_cute.matmul(a, b, precision=p, preferred_element_type=jnp.float32)  # noqa: E731
+    with caplog.at_level(logging.WARNING, logger="jax_cute"):
+        text = lowered(f, (256, 128), (128, 64))
+    assert ("stablehlo.custom_call @jax_cute_launch" in text) == kernel
+    assert any(f"dot algorithm {p}" in r.getMessage() for r in caplog.records) == (not kernel)
+    if not kernel:
+        g = lambda a, b: jax_cute.matmul(a, b, precision=p)  # noqa: E731 (not f: its lowering is cached)
+        with config.override(strict=True), pytest.raises(jax_cute.FallbackError, match="dot algorithm"):
+            lowered(g, (256, 128), (128, 64))

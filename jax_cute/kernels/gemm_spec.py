@@ -33,6 +33,24 @@ def dtype_refusal(grouped: bool, in_dtype: str, out_dtype: str) -> str | None:
     return None
 
 
+# The dot algorithm presets the kernels compute exactly (operands as given, a float32
+# accumulator); fp8 partial sums are not promoted per k-tile, cuBLAS's fast accumulation.
+_KERNEL_ALGORITHMS = {"DEFAULT": None, "BF16_BF16_F32": ("bfloat16",), "F16_F16_F32": ("float16",),
+                      "ANY_F8_ANY_F8_F32_FAST_ACCUM": ("float8_e4m3fn", "float8_e5m2")}
+
+
+def algorithm_refusal(precision, in_dtype: str) -> str | None:
+    """Why the kernels do not compute a product of ``in_dtype`` operands as ``precision`` (a
+    ``lax.Precision`` pair, a ``DotAlgorithmPreset`` or a ``DotAlgorithm``) asks, or None.
+    Precision hints only choose among f32 algorithms, which no kernel takes."""
+    if precision is None or (isinstance(precision, tuple) and not hasattr(precision, "_fields")):
+        return None
+    name = getattr(precision, "name", None)
+    if name in _KERNEL_ALGORITHMS and (_KERNEL_ALGORITHMS[name] is None or in_dtype in _KERNEL_ALGORITHMS[name]):
+        return None
+    return f"dot algorithm {precision} on {in_dtype} operands: only XLA implements it"
+
+
 ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1, "int32": 4}
 
 

@@ -74,7 +74,8 @@ def dact_composed(a, b, z, *, layouts: GemmLayouts, z_layout: Layout, activation
 
 def _request(avals: tuple, params: dict) -> GemmRequest:
     return GemmRequest(avals, params["layouts"], params["out_dtype"], params["acc_dtype"], epilogue=True,
-                       dact=params["activation"], z_layout=params["z_layout"])
+                       dact=params["activation"], z_layout=params["z_layout"],
+                       precision=params.get("precision"))
 
 
 mlir.register_lowering(dact_p, mlir.lower_fun(dact_composed, multiple_results=False))

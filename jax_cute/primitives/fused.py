@@ -159,7 +159,7 @@ mlir.register_lowering(fused_p, _without_z(mlir.lower_fun(composed, multiple_res
 def _request(avals: tuple, params: dict) -> GemmRequest:
     return GemmRequest(avals, params["layouts"], params["out_dtype"], params["acc_dtype"], epilogue=True,
                        bias=len(avals) > 2, bias_layout=params["bias_layout"], activation=params["activation"],
-                       preact=params["preact"])
+                       preact=params["preact"], precision=params.get("precision"))
 
 
 PARTITIONED_LOG = "jax_cute.%s: a partitioned fused call runs the GEMM kernel and the epilogue in XLA"

@@ -62,7 +62,8 @@ mlir.register_lowering(matmul_p, sharding.lowering(matmul_p, sharding.reference_
 
 
 def _request(avals: tuple, params: dict) -> GemmRequest:
-    return GemmRequest(avals, params["layouts"], params["out_dtype"], params["acc_dtype"])
+    return GemmRequest(avals, params["layouts"], params["out_dtype"], params["acc_dtype"],
+                       precision=params.get("precision"))
 
 
 mlir.register_lowering(matmul_p, sharding.lowering(matmul_p, kernel_local(_request, reference), collective.planner),

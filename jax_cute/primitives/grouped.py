@@ -44,7 +44,8 @@ def _abstract_eval(a, b, gs, *, layouts: RaggedLayouts, out_dtype, acc_dtype, pr
 
 
 def _request(avals: tuple, params: dict) -> GemmRequest:
-    return GemmRequest(avals, params["layouts"], params["out_dtype"], params["acc_dtype"])
+    return GemmRequest(avals, params["layouts"], params["out_dtype"], params["acc_dtype"],
+                       precision=params.get("precision"))
 
 
 # -- autodiff ---------------------------------------------------------------------------------

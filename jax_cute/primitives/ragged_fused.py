@@ -103,7 +103,8 @@ def reference(a, b, gs, *bias, layouts: RaggedLayouts, activation, preact, out_d
 mlir.register_lowering(ragged_fused_p, mlir.lower_fun(composed, multiple_results=True))
 def _request(avals: tuple, params: dict) -> GemmRequest:
     return GemmRequest(avals, params["layouts"], params["out_dtype"], params["acc_dtype"], epilogue=True,
-                       bias=len(avals) > 3, activation=params["activation"], preact=params["preact"])
+                       bias=len(avals) > 3, activation=params["activation"], preact=params["preact"],
+                       precision=params.get("precision"))
 
 
 mlir.register_lowering(ragged_fused_p, epilogue_lowering(_request, reference, composed, multiple_results=True,
