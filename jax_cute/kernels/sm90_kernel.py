@@ -12,46 +12,23 @@ from jax_cute.kernels.dsl import memory, LayoutEnum
 from jax_cute.kernels.dsl import Int32, Int64, Float32, cuda_driver
 from jax_cute.kernels.gemm_spec import GemmSpec, GroupedSpec
 from jax_cute.kernels.sm90_config import NUM_SMS, Config, is_gated, stage_plan, tile_k, wg_rows
+from jax_cute.kernels.sm90_epilogue import Sm90Epilogue, paired_halves
 from jax_cute.kernels.sm90_mainloop import mainloop_finish, mainloop_rest, mainloop_start
+from jax_cute.kernels.sm90_schedulers import ragged_tensor, scheduler_for
 
 const_expr = cutlass.const_expr
 range_constexpr = cutlass.range_constexpr
 
 _ITEM_OF = {16: 2, 32: 4}   # output element width in bits -> bytes
-_DACT_CHUNK = 8             # fragment elements a dact epilogue takes the derivative of at once
-_BIG = 2**30                # extent of a grouped launch's ragged mode (see sm90_gemm's notes)
-_MAXI = 2**31 - 1           # extent of the two wrap-around modes beside it
 
 
-def ragged_tensor(t, dim: int):
-    """Rank-3 tensor -> its rank-5 ragged-TMA view along ``dim`` (see the module notes)."""
-    s = t.stride[dim]
-    shape = tuple(_BIG if i == dim else t.shape[i] for i in range(3)) + (_MAXI, _MAXI)
-    stride = tuple(t.stride) + (Int64(2**34) - s, s)
-    return cute.make_tensor(t.iterator, cute.make_layout(shape, stride=stride))
-
-def ragged_view(t, dim: int, start, length):
-    """Rank-3 view of a rank-5 ragged TMA tensor whose index 0 is row ``start`` and whose
-    rows from ``length`` on are out of bounds (zero-filled loads, dropped stores)."""
-    sub = t[(None, None, None, _BIG, start + length)]
-    return cute.domain_offset(tuple(_BIG - length if i == dim else None for i in range(3)), sub)
-
-def paired_halves(t, dim: int, h: int):
-    """``t`` with its N mode ``dim`` (extent N: [gate | up] halves) read as (h, 2, N / 2h):
-    each bn = 2h columns of the result are h gate columns followed by the h up columns that
-    pair with them (a gated epilogue; N / 2 is a multiple of h)."""
-    n, s = t.shape[dim], t.stride[dim]
-    half = n // 2
-    shape = tuple((h, 2, half // h) if i == dim else t.shape[i] for i in range(cute.rank(t)))
-    stride = tuple((s, s * half, s * h) if i == dim else t.stride[i] for i in range(cute.rank(t)))
-    return cute.make_tensor(t.iterator, cute.make_layout(shape, stride=stride))
-
-class Sm90Gemm:
+class Sm90Gemm(Sm90Epilogue):
     def __init__(self, spec: GemmSpec | GroupedSpec, config: Config, sms: int):
         # the tile scheduler: the dense raster, or a GroupedSpec's ragged_m / ragged_k walk
         self.mode = spec.mode if isinstance(spec, GroupedSpec) else "dense"
         self.nb = 1 if isinstance(spec, GroupedSpec) else spec.batch_modes
         self.sms = sms          # grouped grid size (the dense grid is sized from its units)
+        self.sched = scheduler_for(spec, config)
         self.cfg = config
         self.bm, self.bn, self.bk = config.tile_m, config.tile_n, tile_k(spec.a_dtype)
         self.cm, self.cn = config.cluster_m, config.cluster_n
@@ -160,7 +137,7 @@ class Sm90Gemm:
             tiles_m = (c.shape[0] + self.bm - 1) // self.bm
             tiles_n = (c.shape[1] + self.cbn - 1) // self.cbn
             units = ((tiles_m + self.cm - 1) // self.cm) * ((tiles_n + self.cn - 1) // self.cn) \
-                * self.batch_count(c) * self.split
+                * self.sched.batch_count(c) * self.split
             slots = NUM_SMS // (self.cm * self.cn)
             n_clusters = cutlass.max(cutlass.min(units, slots), 1)
         else:
@@ -176,188 +153,10 @@ class Sm90Gemm:
             sC: cute.struct.Align[cute.struct.MemRange[c_t, cute.cosize(sc)], 1024]
 
         self.storage = Storage
-        self.kernel(tma_a, tA, tma_b, tB, tma_c, tC, c, ws, flags, tiled_mma, wg_mma, sa, sb, sc, bias,
-                    tma_d, tD, d, z).launch(
+        self.kernel(tma_a, tA, tma_b, tB, tma_c, tC, c, ws, flags, (tiled_mma, wg_mma), (sa, sb, sc),
+                    (bias, tma_d, tD, d, z)).launch(
             grid=[self.cm, self.cn, n_clusters], block=[self.threads, 1, 1],
             cluster=[self.cm, self.cn, 1], min_blocks_per_mp=1, stream=stream, use_pdl=self.cfg.pdl)
-
-    # --------------------------------------------------------------------- device side
-    def work(self, w, cl_m, cl_n, batches, cc):
-        """Unit w -> (tile_m, tile_n, l, split) of this CTA (cc: its coord in the cluster).
-
-        Splits are the slowest index, then batches; inside a batch the clusters go in bands
-        of `group` along the raster dimension (fastest), then across the band.
-        """
-        per_batch = cl_m * cl_n
-        z = w // per_batch
-        r = w - z * per_batch
-        s = z // batches
-        l = z - s * batches
-        g = self.cfg.group
-        fast, slow = (cl_m, cl_n) if const_expr(self.cfg.raster == "m") else (cl_n, cl_m)
-        band = r // (g * slow)
-        rr = r - band * (g * slow)
-        width = cutlass.min(fast - band * g, g)
-        i_slow = rr // width
-        i_fast = band * g + (rr - i_slow * width)
-        if const_expr(self.cfg.raster == "m"):
-            ci_m, ci_n = i_fast, i_slow
-        else:
-            ci_m, ci_n = i_slow, i_fast
-        return ci_m * self.cm + cc[0], ci_n * self.cn + cc[1], l, s
-
-    def batch_count(self, t):
-        """Batches of C (all of its batch modes)."""
-        return t.shape[2] if const_expr(self.nb == 1) else cute.size(t, mode=[2])
-
-    def c_batch(self, l, ext):
-        """C's batch coordinate of linear batch l: l itself, or with three modes l split
-        colexicographically over C's batch extents ``ext`` (L0 fastest)."""
-        if const_expr(self.nb == 1):
-            return l
-        q = l // ext[0]
-        return l - q * ext[0], q % ext[1], q // ext[1]
-
-    def ab_batch(self, l, ext, bound):
-        """An input's batch coordinate of linear batch l. One mode: min(l, bound), bound its
-        last batch. Three: C's coordinate, 0 in each mode where the input's extent (bound) is 1
-        (a select on i < extent: holding extent - 1 as well spilled the producer's registers)."""
-        if const_expr(self.nb == 1):
-            return cutlass.min(l, bound)
-        return tuple(cutlass.select_(i < e, i, 0) for i, e in zip(self.c_batch(l, ext), bound))
-
-    def k_range(self, s, k_tiles):
-        """Contiguous k-tiles [k0, k0 + count) of split s."""
-        if const_expr(self.split == 1):
-            return Int32(0), k_tiles
-        k0 = (s * k_tiles) // self.split
-        return k0, ((s + 1) * k_tiles) // self.split - k0
-
-    # Grouped scheduling: every warp that needs the schedule walks the same linear tile
-    # index over (batch, group, tile) itself, scanning the group sizes 32 groups (one per
-    # lane) at a time and keeping the current chunk's scan in registers.
-    @cute.jit
-    def load_chunk(self, gs, ext, cl, cg0, rows0, tiles0):
-        """Scan 32 groups of batch ``cl`` from group ``cg0`` on: per lane its clipped row range
-        [start, end) and the global inclusive prefix of tiles."""
-        M, N, K, G, L, lg_n = ext
-        lane = cute.arch.lane_idx()
-        R = M if const_expr(self.mode == "ragged_m") else K
-        g = cg0 + lane
-        sz = Int32(0)
-        if cl < L:
-            if g < G:
-                sz = gs[(g, cutlass.min(cl, lg_n - 1))]
-            if const_expr(self.mode == "ragged_m"):
-                if g == G:
-                    sz = R             # rows past the last group: the zero-store pseudo-group
-        sz = cutlass.min(cutlass.max(sz, 0), R)
-        # inclusive scan of rows, saturating at R without overflow
-        x = sz
-        for d in range_constexpr(5):
-            y = cute.arch.shuffle_sync_up(x, 1 << d)
-            if lane >= (1 << d):
-                x = y + cutlass.min(x, R - y)
-        xe = cute.arch.shuffle_sync_up(x, 1)
-        if lane == 0:
-            xe = Int32(0)
-        start = rows0 + cutlass.min(xe, R - rows0)
-        end = rows0 + cutlass.min(x, R - rows0)
-        nt = (N + self.cbn - 1) // self.cbn   # (N: C's columns)
-        t = Int32(0)
-        if const_expr(self.mode == "ragged_m"):
-            t = (end - start + self.bm - 1) // self.bm * nt
-        else:
-            if g < G:
-                t = (M + self.bm - 1) // self.bm * nt
-        if cl >= L:
-            t = Int32(0)
-        for d in range_constexpr(5):
-            y = cute.arch.shuffle_sync_up(t, 1 << d)
-            if lane >= (1 << d):
-                t = t + y
-        incl = tiles0 + t
-        return start, end, incl
-
-    @cute.jit
-    def find(self, gs, ext, w, cl, cg0, rows0, tiles0, start, end, incl):
-        """Advance the walker (chunks only move forward) until tile ``w`` lies in the current
-        chunk or the batches run out; returns the new state, whether ``w`` is a tile, its
-        group, the group's row range [t0, t1) and the tile's (m, n) index in the group."""
-        M, N, K, G, L, lg_n = ext
-        E = G + 1 if const_expr(self.mode == "ragged_m") else G
-        last = cute.arch.shuffle_sync(incl, 31)
-        while w >= last and cl < L:
-            rows0 = cute.arch.shuffle_sync(end, 31)
-            tiles0 = last
-            cg0 = cg0 + 32
-            if cg0 >= E:
-                cg0 = Int32(0)
-                rows0 = Int32(0)
-                cl = cl + 1
-            start, end, incl = self.load_chunk(gs, ext, cl, cg0, rows0, tiles0)
-            last = cute.arch.shuffle_sync(incl, 31)
-        sel = cute.arch.popc(cute.arch.vote_ballot_sync(incl <= w))
-        sel = cutlass.min(sel, 31)
-        g = cg0 + sel
-        t0 = cute.arch.shuffle_sync(start, sel)
-        t1 = cute.arch.shuffle_sync(end, sel)
-        excl = cute.arch.shuffle_sync(incl, sel - 1)
-        if sel == 0:
-            excl = tiles0
-        local = w - excl
-        nt = (N + self.cbn - 1) // self.cbn
-        mt = (M + self.bm - 1) // self.bm
-        if const_expr(self.mode == "ragged_m"):
-            mt = (t1 - t0 + self.bm - 1) // self.bm
-        # raster: panels of `group` m-tiles, n-tiles walked inside a panel
-        panel_h = self.cfg.group
-        panel = local // (panel_h * nt)
-        rem = local - panel * (panel_h * nt)
-        h = cutlass.max(cutlass.min(mt - panel * panel_h, panel_h), 1)
-        n_t = rem // h
-        m_t = panel * panel_h + rem - n_t * h
-        return cl, cg0, rows0, tiles0, start, end, incl, cl < L, g, t0, t1, m_t, n_t
-
-    @cute.jit
-    def group_k_tiles(self, ext, g, t0, t1):
-        """k-tiles of a grouped tile: none for ragged_m's zero tail, none for an empty group."""
-        M, N, K, G, L, lg_n = ext
-        k_tiles = Int32(0)
-        if const_expr(self.mode == "ragged_m"):
-            if g < G:
-                k_tiles = (K + self.bk - 1) // self.bk
-        else:
-            k_tiles = (t1 - t0 + self.bk - 1) // self.bk
-        return k_tiles
-
-    @cute.jit
-    def group_ab(self, mA, mB, cl, g, t0, t1, m_t, n_t, la_last, lb_last):
-        """A and B k-slices of a grouped tile, (bm | bn, bk, k): ragged_m starts A at the
-        tile's first row (inside its group), ragged_k clips K at the group's end."""
-        la, lb = cutlass.min(cl, la_last), cutlass.min(cl, lb_last)
-        if const_expr(self.mode == "ragged_m"):
-            row0 = t0 + m_t * self.bm
-            gA = cute.local_tile(cute.domain_offset((row0, None), mA[(None, None, la)]),
-                                 (self.bm, self.bk), (0, None))
-            gB_g = mB[(None, None, g)] if const_expr(self.glu) else mB[(None, None, g, lb)]
-            gB = cute.local_tile(gB_g, (self.bn, self.bk), (n_t, None))
-        else:
-            gA = cute.local_tile(ragged_view(mA, 1, t0, t1 - t0)[(None, None, la)], (self.bm, self.bk),
-                                 (m_t, None))
-            gB = cute.local_tile(ragged_view(mB, 1, t0, t1 - t0)[(None, None, lb)], (self.bn, self.bk),
-                                 (n_t, None))
-        return gA, gB
-
-    @cute.jit
-    def group_c(self, mC, cl, g, t0, t1, m_t, n_t, width: cutlass.Constexpr):
-        """The output tile (``width`` columns) of a grouped tile; ragged_m's TMA stores stop
-        at the group's end."""
-        if const_expr(self.mode == "ragged_m"):
-            row0 = t0 + m_t * self.bm
-            return cute.local_tile(ragged_view(mC, 0, row0, t1 - row0)[(None, None, cl)],
-                                   (self.bm, width), (0, n_t))
-        return cute.local_tile(mC[(None, None, g, cl)], (self.bm, width), (m_t, n_t))
 
     @cute.jit
     def load(self, ab_pipe, prod, tma_a, tAgA_t, tAsA, a_mask, tma_b, tBgB_t, tBsB, b_mask, k0, kc):
@@ -372,13 +171,12 @@ class Sm90Gemm:
             ab_pipe.producer_commit(prod)
             prod.advance()
         return prod
-
     @cute.kernel
     def kernel(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
-               tma_c: cute.CopyAtom, mC: cute.Tensor, gmem_c: cute.Tensor, ws, flags,
-               tiled_mma: cute.TiledMma, wg_mma: cute.TiledMma,
-               sa_layout: cute.ComposedLayout, sb_layout: cute.ComposedLayout,
-               sc_layout: cute.ComposedLayout, bias, tma_d, mD, gmem_d, mZ):
+               tma_c: cute.CopyAtom, mC: cute.Tensor, gmem_c: cute.Tensor, ws, flags, mmas, smem_layouts, fused):
+        tiled_mma, wg_mma = mmas
+        sa_layout, sb_layout, sc_layout = smem_layouts
+        bias, tma_d, mD, gmem_d, mZ = fused
         tidx, _, _ = cute.arch.thread_idx()
         warp_id = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg = cute.arch.make_warp_uniform(tidx // 128)
@@ -430,7 +228,7 @@ class Sm90Gemm:
             k_tiles = cute.size(gA, mode=[3])
             cl_m = (cute.size(gC, mode=[2]) + self.cm - 1) // self.cm
             cl_n = (cute.size(gC, mode=[3]) + self.cn - 1) // self.cn
-            batches = self.batch_count(mC)
+            batches = self.sched.batch_count(mC)
             total = cl_m * cl_n * batches * self.split
             c_ext = None   # C's batch extents, to split a linear batch index (three modes)
             if const_expr(self.nb == 1):
@@ -467,28 +265,28 @@ class Sm90Gemm:
                 w = first
                 if const_expr(self.mode == "dense"):
                     while w < total:
-                        tm, tn, l, s = self.work(w, cl_m, cl_n, batches, cc)
-                        k0, kc = self.k_range(s, k_tiles)
-                        tAgA_t = tAgA[(None, tm, None, self.ab_batch(l, c_ext, la_last))]
-                        tBgB_t = tBgB[(None, tn, None, self.ab_batch(l, c_ext, lb_last))]
+                        tm, tn, l, s = self.sched.work(w, cl_m, cl_n, batches, cc)
+                        k0, kc = self.sched.k_range(s, k_tiles)
+                        tAgA_t = tAgA[(None, tm, None, self.sched.ab_batch(l, c_ext, la_last))]
+                        tBgB_t = tBgB[(None, tn, None, self.sched.ab_batch(l, c_ext, lb_last))]
                         prod = self.load(ab_pipe, prod, tma_a, tAgA_t, tAsA, a_mask, tma_b, tBgB_t, tBsB, b_mask,
                                          k0, kc)
                         w += stride
                 else:
                     cl, cg0, rows0, tiles0 = Int32(0), Int32(0), Int32(0), Int32(0)
-                    start, end, incl = self.load_chunk(gs, ext, cl, cg0, rows0, tiles0)
-                    cl, cg0, rows0, tiles0, start, end, incl, valid, g, t0, t1, m_t, n_t = self.find(
+                    start, end, incl = self.sched.load_chunk(gs, ext, cl, cg0, rows0, tiles0)
+                    cl, cg0, rows0, tiles0, start, end, incl, valid, g, t0, t1, m_t, n_t = self.sched.find(
                         gs, ext, w, cl, cg0, rows0, tiles0, start, end, incl)
                     while valid:
-                        g_a, g_b = self.group_ab(mA, mB, cl, g, t0, t1, m_t, n_t, la_last, lb_last)
+                        g_a, g_b = self.sched.group_ab(mA, mB, cl, g, t0, t1, m_t, n_t, la_last, lb_last)
                         s_a, k_a = cpasync.tma_partition(tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2),
                                                          cute.group_modes(g_a, 0, 2))
                         s_b, k_b = cpasync.tma_partition(tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2),
                                                          cute.group_modes(g_b, 0, 2))
                         prod = self.load(ab_pipe, prod, tma_a, k_a, s_a, a_mask, tma_b, k_b, s_b, b_mask,
-                                         Int32(0), self.group_k_tiles(ext, g, t0, t1))
+                                         Int32(0), self.sched.group_k_tiles(ext, g, t0, t1))
                         w += stride
-                        cl, cg0, rows0, tiles0, start, end, incl, valid, g, t0, t1, m_t, n_t = self.find(
+                        cl, cg0, rows0, tiles0, start, end, incl, valid, g, t0, t1, m_t, n_t = self.sched.find(
                             gs, ext, w, cl, cg0, rows0, tiles0, start, end, incl)
                 # keep this CTA (its smem and barriers) alive until peers stop signalling it
                 ab_pipe.producer_tail(prod)
@@ -582,11 +380,11 @@ class Sm90Gemm:
             if const_expr(self.mode != "dense"):
                 # ---- grouped: the walker, one tile per step (cooperative, unsplit)
                 cl, cg0, rows0, tiles0 = Int32(0), Int32(0), Int32(0), Int32(0)
-                start, end, incl = self.load_chunk(gs, ext, cl, cg0, rows0, tiles0)
-                cl, cg0, rows0, tiles0, start, end, incl, valid, g, t0, t1, m_t, n_t = self.find(
+                start, end, incl = self.sched.load_chunk(gs, ext, cl, cg0, rows0, tiles0)
+                cl, cg0, rows0, tiles0, start, end, incl, valid, g, t0, t1, m_t, n_t = self.sched.find(
                     gs, ext, w, cl, cg0, rows0, tiles0, start, end, incl)
                 while valid:
-                    n_k = self.group_k_tiles(ext, g, t0, t1)
+                    n_k = self.sched.group_k_tiles(ext, g, t0, t1)
                     acc.fill(0.0)      # empty groups and ragged_m's tail store these zeros
                     tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
                     warpgroup.fence()
@@ -595,35 +393,35 @@ class Sm90Gemm:
                     pre, g_bias = None, None
                     if const_expr(self.preact):
                         pre = (tma_d, self.d_tiles(
-                            self.group_c(mD, cl, g, t0, t1, m_t, n_t, self.cbn),
-                            self.group_c(mD, cl, g, t0, t1, m_t, n_t + self.half_tiles(mD), self.cbn)), gmem_d)
+                            self.sched.group_c(mD, cl, g, t0, t1, m_t, n_t, self.cbn),
+                            self.sched.group_c(mD, cl, g, t0, t1, m_t, n_t + self.half_tiles(mD), self.cbn)), gmem_d)
                     if const_expr(self.fuse_bias):
                         # the bias row of the group and batch (extent 1: shared by every
                         # batch); the zero tail (g == G) adds none
                         g_bias = (bias[(None, cutlass.min(g, ext[3] - 1), cutlass.min(cl, bias.shape[2] - 1))],
                                   cutlass.select_(g < ext[3], Float32(1.0), Float32(0.0)))
-                    self.epilogue(tma_c, self.group_c(mC, cl, g, t0, t1, m_t, n_t, self.cbn), sC, acc, r2s,
+                    self.epilogue(tma_c, self.sched.group_c(mC, cl, g, t0, t1, m_t, n_t, self.cbn), sC, acc, r2s,
                                   tRS_acc, tRS_r32, tRS_rC, tRS_sC, n_rd, n_epi, row_blk, epi_bar, warp_id,
                                   gmem_c, m_t, n_t, cl, ragged, etid, store_warp, buf0,
                                   coords=epi_coords, bias=g_bias, pre=pre, tRS_u32=tRS_u32)
                     w += stride
-                    cl, cg0, rows0, tiles0, start, end, incl, valid, g, t0, t1, m_t, n_t = self.find(
+                    cl, cg0, rows0, tiles0, start, end, incl, valid, g, t0, t1, m_t, n_t = self.sched.find(
                         gs, ext, w, cl, cg0, rows0, tiles0, start, end, incl)
             elif const_expr(self.cfg.defer):
                 # ---- deferred epilogue: each tile is stored under the next one's first
                 # WGMMAs, from a copy of its accumulators already in the output dtype
                 acc_c = cute.make_rmem_tensor_like(acc, self.c_t)
                 tRS_accc = r2s.retile(acc_c)
-                p_tm, p_tn, p_l = self.work(w, cl_m, cl_n, batches, cc)[:3]
+                p_tm, p_tn, p_l = self.sched.work(w, cl_m, cl_n, batches, cc)[:3]
                 have_prev = Int32(0)
                 while w < total:
-                    tm, tn, l, _ = self.work(w, cl_m, cl_n, batches, cc)
+                    tm, tn, l, _ = self.sched.work(w, cl_m, cl_n, batches, cc)
                     acc.fill(0.0)
                     tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
                     warpgroup.fence()
                     read = mainloop_start(tiled_mma, acc, tCrA, tCrB, ab_pipe, read, k_tiles, self.cfg.defer)
                     if have_prev != 0:
-                        p_lc = self.c_batch(p_l, c_ext)
+                        p_lc = self.sched.c_batch(p_l, c_ext)
                         self.epilogue(tma_c, gC[(None, None, p_tm, p_tn, p_lc)], sC, acc_c, r2s, tRS_accc, tRS_r32,
                                       tRS_rC, tRS_sC, n_rd, n_epi, row_blk, epi_bar, warp_id,
                                       gmem_c, p_tm, p_tn, p_lc, ragged, etid, store_warp, buf0, True)
@@ -634,16 +432,16 @@ class Sm90Gemm:
                     have_prev = Int32(1)
                     w += step
                 # every CTA has at least one unit (the grid never exceeds them): store the last
-                p_lc = self.c_batch(p_l, c_ext)
+                p_lc = self.sched.c_batch(p_l, c_ext)
                 self.epilogue(tma_c, gC[(None, None, p_tm, p_tn, p_lc)], sC, acc_c, r2s, tRS_accc, tRS_r32,
                               tRS_rC, tRS_sC, n_rd, n_epi, row_blk, epi_bar, warp_id,
                               gmem_c, p_tm, p_tn, p_lc, ragged, etid, store_warp, buf0, True)
             else:
                 # each unit's coordinates are worked out one unit ahead, while the previous
                 # unit's first WGMMAs run: between tiles, work()'s divisions took ~0.4k cycles
-                tm, tn, l, s = self.work(w, cl_m, cl_n, batches, cc)
+                tm, tn, l, s = self.sched.work(w, cl_m, cl_n, batches, cc)
                 while w < total:
-                    k0, kc = self.k_range(s, k_tiles)
+                    k0, kc = self.sched.k_range(s, k_tiles)
 
                     if const_expr(self.pp):
                         # mainloops take turns: the ring's barriers only tell apart adjacent
@@ -658,7 +456,7 @@ class Sm90Gemm:
                     warpgroup.fence()
                     read = mainloop_start(tiled_mma, acc, tCrA, tCrB, ab_pipe, read, kc, 1)
                     # (past the last unit these are never used)
-                    n_tm, n_tn, n_l, n_s = self.work(w + step, cl_m, cl_n, batches, cc)
+                    n_tm, n_tn, n_l, n_s = self.sched.work(w + step, cl_m, cl_n, batches, cc)
                     read, release = mainloop_rest(tiled_mma, acc, tCrA, tCrB, ab_pipe, read, release, kc, 1,
                                                   not self.pp)
                     if const_expr(self.pp):
@@ -669,7 +467,7 @@ class Sm90Gemm:
                             turn_other.arrive()
                         release = mainloop_finish(ab_pipe, release, kc, 1)
 
-                    lc = self.c_batch(l, c_ext)   # (split-K's tile counters take the linear l)
+                    lc = self.sched.c_batch(l, c_ext)   # (split-K's tile counters take the linear l)
                     gC_t = gC[(None, None, tm, tn, lc)]
                     if const_expr(self.split == 1):
                         pre, zt = None, None
@@ -722,7 +520,7 @@ class Sm90Gemm:
                             if const_expr(self.nb > 1):
                                 # split l only now: three coordinates held live across the
                                 # partial's publication spilled
-                                lc_s = self.c_batch(l, c_ext)
+                                lc_s = self.sched.c_batch(l, c_ext)
                                 gC_s = gC[(None, None, tm, tn, lc_s)]
                             self.epilogue(tma_c, gC_s, sC, acc, r2s, tRS_acc, tRS_r32, tRS_rC, tRS_sC,
                                           n_rd, n_epi, row_blk, epi_bar, warp_id,
@@ -736,230 +534,6 @@ class Sm90Gemm:
                     tm, tn, l, s = n_tm, n_tn, n_l, n_s
             if warp_id == store_warp:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)   # smem outlives its stores
-
-    @cute.jit
-    def epilogue(self, tma_c, gC_t, sC, acc, r2s, tRS_acc, tRS_r32, tRS_rC, tRS_sC, n_rd: cutlass.Constexpr,
-                 n_epi: cutlass.Constexpr, row_blk, epi_bar, warp_id,
-                 gmem_c, tm, tn, l, ragged, etid, store_warp, buf0, converted: cutlass.Constexpr = False,
-                 coords=None, bias=None, pre=None, tRS_u32=None, z=None):
-        """One warpgroup's rows of the tile: acc -> output dtype -> smem ring -> TMA store,
-        one 64 x epi_n subtile at a time, one named barrier per subtile.
-
-        whole_c: the ring has a slot per subtile. After one wait for the previous tile's
-        stores (issued a mainloop ago), each subtile's store is issued as soon as it is
-        written, and nobody waits on them until the next tile's epilogue. (Issuing them all
-        after the last subtile takes the same epilogue time, and the next mainloop runs ~2%
-        slower per k-tile at K = 1024 on an H200.)
-
-        Otherwise the ring (depth d) is used round-robin across tiles (n_epi is a multiple of
-        d). After committing subtile e the store warp waits until at most d - 2 stores still
-        read smem, so by the next barrier the buffer that subtile e + 2 refills is free; a
-        1-deep ring needs a second barrier instead.
-
-        A subtile that crosses C's contiguous edge while that edge is not 16-byte aligned
-        (`ragged`) is written by all the warpgroup's threads with predicated stores instead.
-        ``converted``: ``tRS_acc`` already holds the output dtype (the deferred epilogue's copy).
-        ``l``: the tile's batch coordinate in ``gmem_c`` (a tuple with three batch modes).
-        ``pre``: (TMA atom, tile, tensor) of the pre-activation output D (GemmSpec.preact):
-        a first pass over the subtiles stores D's values (ring positions e, then n_epi + e).
-        ``tRS_u32``: a gated activation's fragment of up values (the gate's is ``tRS_r32``).
-        ``z``: a dact epilogue's reads of the pre-activation input Z (unsplit dense tiles; see
-        z_tile).
-        """
-        bSG_sC, bSG_gC = cpasync.tma_partition(
-            tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2),
-            cute.zipped_divide(gC_t, self.epi_tile))
-        bSG_gD = None   # per D tile (d_tiles)
-        if const_expr(self.preact):
-            bSG_gD = tuple(cpasync.tma_partition(pre[0], 0, cute.make_layout(1), cute.group_modes(sC, 0, 2),
-                                                 cute.zipped_divide(t, self.epi_tile))[1] for t in pre[1])
-        em = self.epi_tile[0]
-        per_row = self.bn // self.epi_tile[1]
-        if const_expr(self.cfg.whole_c):
-            # one slot per subtile: the previous tile's stores left them a mainloop ago
-            if warp_id == store_warp:
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
-            epi_bar.arrive_and_wait()
-        passes = 2 if const_expr(self.preact) else 1
-        tRS_z = cute.make_rmem_tensor(tRS_r32.shape, self.c_t) if const_expr(self.dact) else None
-        # Both passes start from A·B + bias, added in place into the accumulators: before the
-        # passes (pingpong) or by the first pass (cooperative). ptxas keeps every register of
-        # these tiles busy, and each tile compiles without spills only in its own order.
-        bias_first = self.preact and self.pp
-        if const_expr(bias_first):
-            if const_expr(self.fuse_bias):
-                for e in range_constexpr(n_epi):
-                    for v in range_constexpr(n_rd):
-                        i = e * n_rd + v
-                        tRS_acc[i] = tRS_acc[i] + self.bias_of(bias, coords, i, tn, gmem_c)
-        for p in range_constexpr(passes):
-            last = p == passes - 1   # (static) the pass that writes C
-            if const_expr(p == 1):
-                if const_expr(self.cfg.whole_c):
-                    # the first pass's stores must have read the slots the second one refills
-                    if warp_id == store_warp:
-                        cute.arch.cp_async_bulk_wait_group(0, read=True)
-                    epi_bar.arrive_and_wait()
-            # a gated activation's C pass pairs each gate subtile (first half of a row block's
-            # columns) with the up subtile half a row block to its right: half the subtiles
-            gate = self.glu and last
-            per_out = per_row // 2 if const_expr(gate) else per_row
-            for e in range_constexpr(n_epi // 2 if const_expr(gate) else n_epi):
-                blk, e_n = row_blk + self.blk_step * (e // per_out), e % per_out
-                src = (e // per_out) * per_row + e_n   # the accumulator subtile (gate's)
-                m0 = tm * self.bm + blk * em
-                n0 = tn * (self.cbn if const_expr(last) else self.bn) + e_n * self.epi_tile[1]
-                if const_expr(converted):
-                    for v in range_constexpr(n_rd):
-                        tRS_rC[v] = tRS_acc[src * n_rd + v]
-                else:
-                    add_bias = self.fuse_bias and p == 0 and not bias_first
-                    for v in range_constexpr(n_rd):
-                        tRS_r32[v] = tRS_acc[src * n_rd + v]
-                    if const_expr(add_bias):
-                        for v in range_constexpr(n_rd):
-                            tRS_r32[v] = tRS_r32[v] + self.bias_of(bias, coords, src * n_rd + v, tn, gmem_c)
-                        if const_expr(not last):
-                            for v in range_constexpr(n_rd):
-                                tRS_acc[src * n_rd + v] = tRS_r32[v]
-                    if const_expr(gate):
-                        up = (src + per_row // 2) * n_rd
-                        for v in range_constexpr(n_rd):
-                            tRS_u32[v] = tRS_acc[up + v]
-                        if const_expr(add_bias):
-                            for v in range_constexpr(n_rd):
-                                tRS_u32[v] = tRS_u32[v] + self.bias_of(bias, coords, up + v, tn, gmem_c)
-                        tRS_r32.store(fused_epilogue.gated(self.act, tRS_r32.load(), tRS_u32.load(),
-                                                           fast=self.c_t.width == 16))
-                    elif const_expr(last):   # (nested: the DSL's rewritten `and` takes no str like self.act)
-                        if const_expr(self.act):
-                            tRS_r32.store(fused_epilogue.activation(self.act, tRS_r32.load(),
-                                                                    fast=self.c_t.width == 16))
-                        if const_expr(self.dact):
-                            self.scale_by_dact(z, tRS_z, tRS_r32, src, n_rd)
-                    tRS_rC.store(tRS_r32.load().to(self.c_t))
-                if const_expr(last):
-                    self.store_subtile(tma_c, bSG_sC, bSG_gC, gmem_c, sC, r2s, tRS_rC, tRS_sC, p * n_epi + e,
-                                       blk, e_n, m0, n0, l, ragged, etid, store_warp, buf0, epi_bar, warp_id)
-                else:
-                    # (gated: the gate and up halves of the row block go to their own D tiles)
-                    half = per_row // 2 if const_expr(self.glu) else per_row
-                    self.store_subtile(pre[0], bSG_sC, bSG_gD[e_n // half], pre[2], sC, r2s, tRS_rC, tRS_sC, e,
-                                       blk, e_n % half, m0, n0, l, ragged, etid, store_warp, buf0, epi_bar,
-                                       warp_id)
-
-    def half_tiles(self, mD):
-        """Gated: D's tiles (bn / 2 wide) from a gate tile to the up tile paired with it."""
-        return (mD.shape[1] // 2) // self.cbn if const_expr(self.glu) else 0
-
-    def d_tiles(self, gate, up):
-        """The pre-activation's output tiles of a product tile: one, or (gated) the gate
-        tile and the up tile its second half of columns goes to."""
-        return (gate, up) if const_expr(self.glu) else (gate,)
-
-    def bias_of(self, bias, coords, i: int, tn, gmem_c):
-        """The float32 bias of fragment element ``i``'s product column in tile column ``tn``;
-        columns past N read the last bias (they are never stored). Gated: the bias is paired
-        like B, whose N the tiles divide. Grouped: ``bias`` is (the group's row, its weight:
-        1, or 0 for the zero tail)."""
-        col = tn * self.bn + coords[i][1]
-        if const_expr(not self.glu):
-            col = cutlass.min(col, gmem_c.shape[1] - 1)
-        if const_expr(self.mode != "dense"):
-            row, keep = bias
-            return row[col] * keep
-        return bias[col]
-
-    @cute.jit
-    def z_tile(self, tZ, mZ, at, off, tm, tn):
-        """What scale_by_dact reads tile (tm, tn)'s Z with: this thread's elements ``tZ``
-        (ordered like tRS_acc), a view with Z's strides at the first of them, their static
-        offsets ``off`` from it (``at``: its tile coordinates), the rows and columns Z has
-        left from it, and whether the tile lies inside Z."""
-        near = cute.make_tensor(tZ.iterator, cute.make_layout((self.bm, self.bn),
-                                                              stride=(mZ.stride[0], mZ.stride[1])))
-        inside = (tm + 1) * self.bm <= mZ.shape[0] and (tn + 1) * self.bn <= mZ.shape[1]
-        return (tZ, near, off, mZ.shape[0] - tm * self.bm - at[0], mZ.shape[1] - tn * self.bn - at[1],
-                inside)
-
-    @cute.jit
-    def scale_by_dact(self, z, tRS_z, tRS_r32, src: cutlass.Constexpr, n_rd: cutlass.Constexpr):
-        """``tRS_r32`` times act'(Z) at the elements of accumulator subtile ``src`` (``z``: see
-        z_tile), with Z read into ``tRS_z``.
-
-        Inside Z every load of the subtile is issued before the derivative (a 16-bit Z
-        contiguous along N is read in pairs, 32 bits a load). On Z's edge the coordinates are
-        clamped to its extents (elements past them are never stored) and the subtile goes in
-        halves, each under a branch that skips a half lying wholly past the edge: loads are not
-        hoisted out of a branch, so half of them are in flight (all 32 clamped 16-bit loads of
-        a 128x256 tile's subtile, next to its 128 accumulators, spilled)."""
-        tZ, near, off, m_left, n_left, inside = z
-        fast = self.c_t.width == 16
-        if inside:
-            for v in range_constexpr(n_rd):
-                tRS_z[v] = tZ[src * n_rd + v]
-            self.scale_chunks(tRS_z, tRS_r32, 0, n_rd, fast)
-        else:
-            half = n_rd // 2
-            for h in range_constexpr(0, n_rd, half):
-                els = [src * n_rd + v for v in range(h, h + half)]
-                if min(off[i][0] for i in els) < m_left and min(off[i][1] for i in els) < n_left:
-                    for v in range_constexpr(h, h + half):
-                        i = src * n_rd + v
-                        r, c = cutlass.min(off[i][0], m_left - 1), cutlass.min(off[i][1], n_left - 1)
-                        tRS_z[v] = near[(r, c)]
-                    self.scale_chunks(tRS_z, tRS_r32, h, half, fast)
-
-    @cute.jit
-    def scale_chunks(self, tRS_z, tRS_r32, first: cutlass.Constexpr, count: cutlass.Constexpr,
-                     fast: cutlass.Constexpr):
-        """Elements [first, first + count) of ``tRS_r32`` times act'(``tRS_z``), _DACT_CHUNK at a
-        time: over a whole subtile the derivative's temporaries, next to the tile's
-        accumulators, spilled."""
-        for h in range_constexpr(first, first + count, _DACT_CHUNK):
-            zs = cute.make_tensor(tRS_z.iterator + h, cute.make_layout(_DACT_CHUNK))
-            gs = cute.make_tensor(tRS_r32.iterator + h, cute.make_layout(_DACT_CHUNK))
-            gs.store(fused_epilogue.scaled_by_derivative(self.dact, zs.load().to(Float32), gs.load(), fast=fast))
-
-    @cute.jit
-    def store_subtile(self, tma, bSG_sC, bSG_g, gmem, sC, r2s, tRS_rC, tRS_sC, pos: cutlass.Constexpr,
-                      blk, e_n, m0, n0, l, ragged, etid, store_warp, buf0, epi_bar, warp_id):
-        """Registers ``tRS_rC`` -> ring slot of position ``pos`` -> subtile (blk, e_n) of the
-        output ``gmem`` (TMA atom ``tma``, tile partition ``bSG_g``); see epilogue()."""
-        em, en = self.epi_tile
-        depth = self.epi_stages
-        c_n = self.c_lay.is_n_major_c()
-        m_ext, n_ext = gmem.shape[0], gmem.shape[1]
-        buf = buf0 + pos % depth
-        cute.copy(r2s, tRS_rC, tRS_sC[(None, None, None, buf)])
-        # generic-proxy smem writes must be visible to the TMA (async proxy) store
-        cute.arch.fence_proxy("async.shared", space="cta")
-        epi_bar.arrive_and_wait()
-        edge = ragged and ((n0 + en > n_ext) if const_expr(c_n) else (m0 + em > m_ext))
-        if const_expr(self.mode == "dense"):   # (grouped: never ragged, C may be rank 4)
-            if edge:
-                if const_expr(self.nb > 1):
-                    gmem_t = gmem[(None, None, l)]   # one batch offset held live, not three
-                # consecutive threads walk the contiguous mode (coalesced, conflict-light)
-                for it in range_constexpr((em * en) // self.epi_threads):
-                    idx = etid + it * self.epi_threads
-                    if const_expr(c_n):
-                        r, q = idx // en, idx % en
-                    else:
-                        r, q = idx % em, idx // em
-                    if m0 + r < m_ext and n0 + q < n_ext:
-                        if const_expr(self.nb == 1):
-                            gmem[(m0 + r, n0 + q, l)] = sC[(r, q, buf)]
-                        else:
-                            gmem_t[(m0 + r, n0 + q)] = sC[(r, q, buf)]
-        if warp_id == store_warp:
-            if not edge:
-                cute.copy(tma, bSG_sC[(None, buf)], bSG_g[(None, (blk, e_n))])
-            cute.arch.cp_async_bulk_commit_group()
-            if const_expr(not self.cfg.whole_c):
-                cute.arch.cp_async_bulk_wait_group(max(depth - 2, 0), read=True)
-        if const_expr(depth == 1):
-            epi_bar.arrive_and_wait()
 
 
 def make_launcher(spec: GemmSpec | GroupedSpec, config: Config, sms: int):
