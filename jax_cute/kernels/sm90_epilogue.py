@@ -5,7 +5,11 @@ mixins the kernel class composes:
 - :class:`BiasEpilogue`: the float32 bias of each output column (grouped: of the tile's group);
 - :class:`GatedEpilogue`: B's N mode read as paired [gate | up] halves, C half as wide;
 - :class:`PreactEpilogue`: the pre-activation A·B + bias as a second output D;
-- :class:`DActEpilogue`: the product scaled by an activation's derivative at an input Z.
+- :class:`DActEpilogue`: the product scaled by an activation's derivative at an input Z;
+- :class:`ActivationEpilogue`: an elementwise activation of the float32 fragment.
+
+:class:`Sm90Epilogue` runs the subtile loop and calls each variant's hook where its math goes;
+a hook whose variant the spec does not ask for emits nothing.
 
 The activations themselves (and their derivatives) are kernels/epilogue.py's table, which any
 arch's epilogue applies to float32 fragments.
@@ -13,7 +17,9 @@ arch's epilogue applies to float32 fragments.
 
 from __future__ import annotations
 
+
 from jax_cute.kernels import epilogue as fused_epilogue
+from jax_cute.kernels.bundle import Bundle
 from jax_cute.kernels.dsl import cute, cutlass, cpasync, Float32
 
 const_expr = cutlass.const_expr
@@ -33,8 +39,34 @@ def paired_halves(t, dim: int, h: int):
     return cute.make_tensor(t.iterator, cute.make_layout(shape, stride=stride))
 
 
+class WarpgroupEpilogue(Bundle):
+    """What one consumer warpgroup's epilogue uses for every tile, built once per kernel: its
+    smem ring and register fragments, its barrier, store warp and ring slots."""
+
+    __slots__ = (
+        "sC",  # the smem ring (both warpgroups' halves)
+        "r2s",  # registers -> smem tiled copy
+        "tRS_r32",  # one subtile in float32
+        "tRS_rC",  # one subtile in the output dtype
+        "tRS_sC",  # this thread's view of the ring
+        "n_rd",  # fragment elements per subtile
+        "n_epi",  # subtiles per warpgroup and tile
+        "row_blk",  # the warpgroup's first 64-row block of a tile
+        "epi_bar",  # its named barrier
+        "warp_id",
+        "etid",  # thread index inside the warpgroup
+        "store_warp",  # the warp that issues its TMA stores
+        "buf0",  # its first ring slot
+        "gmem_c",  # C as laid out in global memory
+        "ragged",  # C's contiguous extent is not a multiple of 16 bytes (dense)
+        "coords",  # bias: each fragment element's (row, column) in the tile
+        "tRS_u32",  # gated: the up values' fragment (the gate's is tRS_r32)
+    )
+
+
 class BiasEpilogue:
-    """A float32 bias per output column, added to the accumulators before anything else."""
+    """A float32 bias per output column (grouped: the tile's group's row), added to the
+    accumulators before anything else."""
 
     def bias_of(self, bias, coords, i: int, tn, gmem_c):
         """The float32 bias of fragment element ``i``'s product column in tile column ``tn``;
@@ -49,22 +81,52 @@ class BiasEpilogue:
             return row[col] * keep
         return bias[col]
 
-    @cute.jit
-    def z_tile(self, tZ, mZ, at, off, tm, tn):
-        """What scale_by_dact reads tile (tm, tn)'s Z with: this thread's elements ``tZ``
-        (ordered like tRS_acc), a view with Z's strides at the first of them, their static
-        offsets ``off`` from it (``at``: its tile coordinates), the rows and columns Z has
-        left from it, and whether the tile lies inside Z."""
-        near = cute.make_tensor(tZ.iterator, cute.make_layout((self.bm, self.bn),
-                                                              stride=(mZ.stride[0], mZ.stride[1])))
-        inside = (tm + 1) * self.bm <= mZ.shape[0] and (tn + 1) * self.bn <= mZ.shape[1]
-        return (tZ, near, off, mZ.shape[0] - tm * self.bm - at[0], mZ.shape[1] - tn * self.bn - at[1],
-                inside)
+    def add_bias_first(self, wge: WarpgroupEpilogue, tRS_acc, bias, tn) -> None:
+        """The bias added into all of a tile's accumulators before the passes (pingpong with a
+        pre-activation output: each tile compiles without spills only in its own order)."""
+        n_rd, coords, gmem_c = wge.n_rd, wge.coords, wge.gmem_c
+        if const_expr(self.fuse_bias):
+            for e in range(wge.n_epi):
+                for v in range(n_rd):
+                    i = e * n_rd + v
+                    tRS_acc[i] = tRS_acc[i] + self.bias_of(bias, coords, i, tn, gmem_c)
+
+    def add_bias(self, wge: WarpgroupEpilogue, tRS_acc, src: int, last: bool, bias, tn) -> None:
+        """Subtile ``src``'s bias, added to its float32 values (and, before a second pass,
+        stored back into the accumulators)."""
+        tRS_r32, n_rd, coords, gmem_c = wge.tRS_r32, wge.n_rd, wge.coords, wge.gmem_c
+        for v in range(n_rd):
+            tRS_r32[v] = tRS_r32[v] + self.bias_of(bias, coords, src * n_rd + v, tn, gmem_c)
+        if const_expr(not last):
+            for v in range(n_rd):
+                tRS_acc[src * n_rd + v] = tRS_r32[v]
+
+
+class ActivationEpilogue:
+    """An elementwise activation (kernels/epilogue.py's table) of a float32 fragment."""
+
+    def activate(self, tRS_r32) -> None:
+        if const_expr(self.act):
+            tRS_r32.store(fused_epilogue.activation(self.act, tRS_r32.load(), fast=self.c_t.width == 16))
 
 
 class GatedEpilogue:
     """A gated activation (GemmSpec.activation in GATED): B's N holds [gate | up] halves, read
     paired (:func:`paired_halves`) so one fragment holds both; C's tiles are half as wide."""
+
+    def gate(self, wge: WarpgroupEpilogue, tRS_acc, src: int, add_bias: bool, bias, tn) -> None:
+        """The gated activation of gate subtile ``src`` (in ``tRS_r32``) and the up subtile half
+        a row block to its right."""
+        tRS_r32, tRS_u32, n_rd, coords, gmem_c = wge.tRS_r32, wge.tRS_u32, wge.n_rd, wge.coords, wge.gmem_c
+        per_row = self.bn // self.epi_tile[1]
+        up = (src + per_row // 2) * n_rd
+        for v in range(n_rd):
+            tRS_u32[v] = tRS_acc[up + v]
+        if const_expr(add_bias):
+            for v in range(n_rd):
+                tRS_u32[v] = tRS_u32[v] + self.bias_of(bias, coords, up + v, tn, gmem_c)
+        tRS_r32.store(fused_epilogue.gated(self.act, tRS_r32.load(), tRS_u32.load(),
+                                           fast=self.c_t.width == 16))
 
 
 class PreactEpilogue:
@@ -80,23 +142,12 @@ class PreactEpilogue:
         tile and the up tile its second half of columns goes to."""
         return (gate, up) if const_expr(self.glu) else (gate,)
 
-    def d_tiles(self, gate, up):
-        """The pre-activation's output tiles of a product tile: one, or (gated) the gate
-        tile and the up tile its second half of columns goes to."""
-        return (gate, up) if const_expr(self.glu) else (gate,)
-
-    def bias_of(self, bias, coords, i: int, tn, gmem_c):
-        """The float32 bias of fragment element ``i``'s product column in tile column ``tn``;
-        columns past N read the last bias (they are never stored). Gated: the bias is paired
-        like B, whose N the tiles divide. Grouped: ``bias`` is (the group's row, its weight:
-        1, or 0 for the zero tail)."""
-        col = tn * self.bn + coords[i][1]
-        if const_expr(not self.glu):
-            col = cutlass.min(col, gmem_c.shape[1] - 1)
-        if const_expr(self.mode != "dense"):
-            row, keep = bias
-            return row[col] * keep
-        return bias[col]
+    def d_partitions(self, pre, sC) -> tuple | None:
+        """The TMA partitions of each D tile (d_tiles) of ``pre`` = (atom, tiles, tensor)."""
+        if const_expr(self.preact):
+            return tuple(cpasync.tma_partition(pre[0], 0, cute.make_layout(1), cute.group_modes(sC, 0, 2),
+                                               cute.zipped_divide(t, self.epi_tile))[1] for t in pre[1])
+        return None
 
 
 class DActEpilogue:
@@ -155,14 +206,12 @@ class DActEpilogue:
             gs.store(fused_epilogue.scaled_by_derivative(self.dact, zs.load().to(Float32), gs.load(), fast=fast))
 
 
-class Sm90Epilogue(DActEpilogue, PreactEpilogue, GatedEpilogue, BiasEpilogue):
-    """Each consumer warpgroup's store of its rows of a tile, with the fused variants."""
+class Sm90Epilogue(DActEpilogue, PreactEpilogue, GatedEpilogue, ActivationEpilogue, BiasEpilogue):
+    """Each consumer warpgroup's store of its rows of a tile, with the fused variants' hooks."""
 
     @cute.jit
-    def epilogue(self, tma_c, gC_t, sC, acc, r2s, tRS_acc, tRS_r32, tRS_rC, tRS_sC, n_rd: cutlass.Constexpr,
-                 n_epi: cutlass.Constexpr, row_blk, epi_bar, warp_id,
-                 gmem_c, tm, tn, l, ragged, etid, store_warp, buf0, converted: cutlass.Constexpr = False,
-                 coords=None, bias=None, pre=None, tRS_u32=None, z=None):
+    def epilogue(self, wge: WarpgroupEpilogue, tma_c, gC_t, tRS_acc, tm, tn, l, converted: cutlass.Constexpr = False,
+                 bias=None, pre=None, z=None):
         """One warpgroup's rows of the tile: acc -> output dtype -> smem ring -> TMA store,
         one 64 x epi_n subtile at a time, one named barrier per subtile.
 
@@ -183,17 +232,15 @@ class Sm90Epilogue(DActEpilogue, PreactEpilogue, GatedEpilogue, BiasEpilogue):
         ``l``: the tile's batch coordinate in ``gmem_c`` (a tuple with three batch modes).
         ``pre``: (TMA atom, tile, tensor) of the pre-activation output D (GemmSpec.preact):
         a first pass over the subtiles stores D's values (ring positions e, then n_epi + e).
-        ``tRS_u32``: a gated activation's fragment of up values (the gate's is ``tRS_r32``).
         ``z``: a dact epilogue's reads of the pre-activation input Z (unsplit dense tiles; see
         z_tile).
         """
+        sC, tRS_r32, tRS_rC, n_rd, n_epi = wge.sC, wge.tRS_r32, wge.tRS_rC, wge.n_rd, wge.n_epi
+        row_blk, epi_bar, warp_id, store_warp = wge.row_blk, wge.epi_bar, wge.warp_id, wge.store_warp
         bSG_sC, bSG_gC = cpasync.tma_partition(
             tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2),
             cute.zipped_divide(gC_t, self.epi_tile))
-        bSG_gD = None   # per D tile (d_tiles)
-        if const_expr(self.preact):
-            bSG_gD = tuple(cpasync.tma_partition(pre[0], 0, cute.make_layout(1), cute.group_modes(sC, 0, 2),
-                                                 cute.zipped_divide(t, self.epi_tile))[1] for t in pre[1])
+        bSG_gD = self.d_partitions(pre, sC)   # per D tile (d_tiles)
         em = self.epi_tile[0]
         per_row = self.bn // self.epi_tile[1]
         if const_expr(self.cfg.whole_c):
@@ -208,11 +255,7 @@ class Sm90Epilogue(DActEpilogue, PreactEpilogue, GatedEpilogue, BiasEpilogue):
         # these tiles busy, and each tile compiles without spills only in its own order.
         bias_first = self.preact and self.pp
         if const_expr(bias_first):
-            if const_expr(self.fuse_bias):
-                for e in range_constexpr(n_epi):
-                    for v in range_constexpr(n_rd):
-                        i = e * n_rd + v
-                        tRS_acc[i] = tRS_acc[i] + self.bias_of(bias, coords, i, tn, gmem_c)
+            self.add_bias_first(wge, tRS_acc, bias, tn)
         for p in range_constexpr(passes):
             last = p == passes - 1   # (static) the pass that writes C
             if const_expr(p == 1):
@@ -235,45 +278,38 @@ class Sm90Epilogue(DActEpilogue, PreactEpilogue, GatedEpilogue, BiasEpilogue):
                         tRS_rC[v] = tRS_acc[src * n_rd + v]
                 else:
                     add_bias = self.fuse_bias and p == 0 and not bias_first
-                    for v in range_constexpr(n_rd):
-                        tRS_r32[v] = tRS_acc[src * n_rd + v]
-                    if const_expr(add_bias):
-                        for v in range_constexpr(n_rd):
-                            tRS_r32[v] = tRS_r32[v] + self.bias_of(bias, coords, src * n_rd + v, tn, gmem_c)
-                        if const_expr(not last):
-                            for v in range_constexpr(n_rd):
-                                tRS_acc[src * n_rd + v] = tRS_r32[v]
-                    if const_expr(gate):
-                        up = (src + per_row // 2) * n_rd
-                        for v in range_constexpr(n_rd):
-                            tRS_u32[v] = tRS_acc[up + v]
-                        if const_expr(add_bias):
-                            for v in range_constexpr(n_rd):
-                                tRS_u32[v] = tRS_u32[v] + self.bias_of(bias, coords, up + v, tn, gmem_c)
-                        tRS_r32.store(fused_epilogue.gated(self.act, tRS_r32.load(), tRS_u32.load(),
-                                                           fast=self.c_t.width == 16))
-                    elif const_expr(last):   # (nested: the DSL's rewritten `and` takes no str like self.act)
-                        if const_expr(self.act):
-                            tRS_r32.store(fused_epilogue.activation(self.act, tRS_r32.load(),
-                                                                    fast=self.c_t.width == 16))
-                        if const_expr(self.dact):
-                            self.scale_by_dact(z, tRS_z, tRS_r32, src, n_rd)
-                    tRS_rC.store(tRS_r32.load().to(self.c_t))
+                    self.visit_subtile(wge, tRS_acc, src, last, add_bias, bias, tn, z, tRS_z)
                 if const_expr(last):
-                    self.store_subtile(tma_c, bSG_sC, bSG_gC, gmem_c, sC, r2s, tRS_rC, tRS_sC, p * n_epi + e,
-                                       blk, e_n, m0, n0, l, ragged, etid, store_warp, buf0, epi_bar, warp_id)
+                    self.store_subtile(wge, tma_c, bSG_sC, bSG_gC, wge.gmem_c, p * n_epi + e, blk, e_n, m0, n0, l)
                 else:
                     # (gated: the gate and up halves of the row block go to their own D tiles)
                     half = per_row // 2 if const_expr(self.glu) else per_row
-                    self.store_subtile(pre[0], bSG_sC, bSG_gD[e_n // half], pre[2], sC, r2s, tRS_rC, tRS_sC, e,
-                                       blk, e_n % half, m0, n0, l, ragged, etid, store_warp, buf0, epi_bar,
-                                       warp_id)
+                    self.store_subtile(wge, pre[0], bSG_sC, bSG_gD[e_n // half], pre[2], e, blk, e_n % half, m0, n0, l)
+
+    def visit_subtile(self, wge: WarpgroupEpilogue, tRS_acc, src: int, last: bool, add_bias: bool, bias, tn, z,
+                      tRS_z) -> None:
+        """Accumulator subtile ``src`` -> float32 -> each fused variant's hook -> ``wge.tRS_rC``
+        in the output dtype. ``last``: the pass that writes C (a first pass writes D)."""
+        tRS_r32, n_rd = wge.tRS_r32, wge.n_rd
+        for v in range(n_rd):
+            tRS_r32[v] = tRS_acc[src * n_rd + v]
+        if const_expr(add_bias):
+            self.add_bias(wge, tRS_acc, src, last, bias, tn)
+        if const_expr(self.glu and last):
+            self.gate(wge, tRS_acc, src, add_bias, bias, tn)
+        elif const_expr(last):   # (nested: the DSL's rewritten `and` takes no str like self.act)
+            self.activate(tRS_r32)
+            if const_expr(self.dact):
+                self.scale_by_dact(z, tRS_z, tRS_r32, src, n_rd)
+        wge.tRS_rC.store(tRS_r32.load().to(self.c_t))
 
     @cute.jit
-    def store_subtile(self, tma, bSG_sC, bSG_g, gmem, sC, r2s, tRS_rC, tRS_sC, pos: cutlass.Constexpr,
-                      blk, e_n, m0, n0, l, ragged, etid, store_warp, buf0, epi_bar, warp_id):
-        """Registers ``tRS_rC`` -> ring slot of position ``pos`` -> subtile (blk, e_n) of the
+    def store_subtile(self, wge: WarpgroupEpilogue, tma, bSG_sC, bSG_g, gmem, pos: cutlass.Constexpr, blk, e_n,
+                      m0, n0, l):
+        """Registers ``wge.tRS_rC`` -> ring slot of position ``pos`` -> subtile (blk, e_n) of the
         output ``gmem`` (TMA atom ``tma``, tile partition ``bSG_g``); see epilogue()."""
+        sC, r2s, tRS_rC, tRS_sC, ragged, etid = wge.sC, wge.r2s, wge.tRS_rC, wge.tRS_sC, wge.ragged, wge.etid
+        store_warp, buf0, epi_bar, warp_id = wge.store_warp, wge.buf0, wge.epi_bar, wge.warp_id
         em, en = self.epi_tile
         depth = self.epi_stages
         c_n = self.c_lay.is_n_major_c()
