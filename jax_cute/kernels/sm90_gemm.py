@@ -414,4 +414,4 @@ def make_launcher(spec: GemmSpec | GroupedSpec, config: Config, sms: int = NUM_S
     # imported here: the kernel module imports the DSL's compiler, which routing must not need
     from jax_cute.kernels import sm90_kernel
 
-    return sm90_kernel.make_launcher(spec, config, sms)
+    return sm90_kernel.make_launcher(spec, config, sms, spec.signature() if grouped else signature(spec, config))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 
 from jax_cute.kernels import epilogue as fused_epilogue
+from jax_cute.kernels import abi
 from jax_cute.kernels.bundle import Bundle
 from jax_cute.kernels.dsl import cute, cutlass, pipeline, sm90_utils, cpasync, warpgroup, warp
 from jax_cute.kernels.dsl import memory, LayoutEnum
@@ -15,8 +16,9 @@ from jax_cute.kernels.dsl import Int32, Int64, Float32, cuda_driver
 from jax_cute.kernels.gemm_spec import GemmSpec, GroupedSpec
 from jax_cute.kernels.sm90_config import NUM_SMS, Config, is_gated, stage_plan, tile_k, wg_rows
 from jax_cute.kernels.sm90_epilogue import Sm90Epilogue, WarpgroupEpilogue, paired_halves
+from jax_cute.kernels.launch import launcher_for
 from jax_cute.kernels.sm90_mainloop import mainloop_finish, mainloop_rest, mainloop_start
-from jax_cute.kernels.sm90_schedulers import ragged_tensor, scheduler_for
+from jax_cute.kernels.sm90_schedulers import DenseRaster, ragged_tensor, scheduler_for
 
 const_expr = cutlass.const_expr
 range_constexpr = cutlass.range_constexpr
@@ -145,6 +147,15 @@ class Sm90Gemm(Sm90Epilogue):
         self.epi_threads = 128
 
     # ----------------------------------------------------------------------- host side
+    def launch(self, a, b, c, stream, group_sizes=None, bias=None, d=None, z=None, splitk_partials=None,
+               splitk_flags=None) -> None:
+        """The launcher's body (kernels/launch.py), its arguments named as the ABI signature
+        names them (sm90_gemm.signature, GroupedSpec.signature)."""
+        if isinstance(self.sched, DenseRaster):
+            self.run(a, b, c, splitk_partials, splitk_flags, stream, bias, d, z)
+        else:
+            self.run(a, b, c, group_sizes, None, stream, bias, d)
+
     @cute.jit
     def run(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, ws, flags, stream, bias=None, d=None,
             z=None):
@@ -696,61 +707,8 @@ class Sm90Gemm(Sm90Epilogue):
                 gC_s = gC[(None, None, tm, tn, lc_s)]
             self.epilogue(wge, tma_c, gC_s, tRS_acc, tm, tn, lc_s, bias=bias)
 
-def make_launcher(spec: GemmSpec | GroupedSpec, config: Config, sms: int):
-    """The @cute.jit launcher (see sm90_gemm.make_launcher, which checks the config first)."""
-    grouped = isinstance(spec, GroupedSpec)
-    gemm = Sm90Gemm(spec, config, sms)
 
-    if grouped and spec.preact and spec.bias:
-        @cute.jit
-        def launch(a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, group_sizes: cute.Tensor, bias: cute.Tensor,
-                   d: cute.Tensor, stream: cuda_driver.CUstream):
-            gemm.run(a, b, c, group_sizes, None, stream, bias, d)
-    elif grouped and spec.preact:
-        @cute.jit
-        def launch(a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, group_sizes: cute.Tensor, d: cute.Tensor,
-                   stream: cuda_driver.CUstream):
-            gemm.run(a, b, c, group_sizes, None, stream, None, d)
-    elif grouped and spec.bias:
-        @cute.jit
-        def launch(a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, group_sizes: cute.Tensor, bias: cute.Tensor,
-                   stream: cuda_driver.CUstream):
-            gemm.run(a, b, c, group_sizes, None, stream, bias)
-    elif grouped:
-        @cute.jit
-        def launch(a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, group_sizes: cute.Tensor,
-                   stream: cuda_driver.CUstream):
-            gemm.run(a, b, c, group_sizes, None, stream)
-    elif spec.dact:
-        @cute.jit
-        def launch(a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, z: cute.Tensor, stream: cuda_driver.CUstream):
-            gemm.run(a, b, c, None, None, stream, z=z)
-    elif spec.preact and spec.bias:
-        @cute.jit
-        def launch(a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, bias: cute.Tensor, d: cute.Tensor,
-                   stream: cuda_driver.CUstream):
-            gemm.run(a, b, c, None, None, stream, bias, d)
-    elif spec.preact:
-        @cute.jit
-        def launch(a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, d: cute.Tensor, stream: cuda_driver.CUstream):
-            gemm.run(a, b, c, None, None, stream, None, d)
-    elif config.split_k == 1 and spec.bias:
-        @cute.jit
-        def launch(a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, bias: cute.Tensor, stream: cuda_driver.CUstream):
-            gemm.run(a, b, c, None, None, stream, bias)
-    elif spec.bias:
-        @cute.jit
-        def launch(a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, bias: cute.Tensor, partials: cute.Tensor,
-                   flags: cute.Tensor, stream: cuda_driver.CUstream):
-            gemm.run(a, b, c, partials, flags, stream, bias)
-    elif config.split_k == 1:
-        @cute.jit
-        def launch(a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, stream: cuda_driver.CUstream):
-            gemm.run(a, b, c, None, None, stream)
-    else:
-        @cute.jit
-        def launch(a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, partials: cute.Tensor,
-                   flags: cute.Tensor, stream: cuda_driver.CUstream):
-            gemm.run(a, b, c, partials, flags, stream)
-    return launch
-
+def make_launcher(spec: GemmSpec | GroupedSpec, config: Config, sms: int, signature: abi.Signature):
+    """The @cute.jit launcher of ``signature`` (see sm90_gemm.make_launcher, which checks the
+    config first)."""
+    return launcher_for(signature, Sm90Gemm(spec, config, sms).launch)
