@@ -31,7 +31,6 @@ import hashlib
 import os
 import re
 import sys
-from dataclasses import replace
 from typing import Iterator
 
 from jax_cute.kernels import sm90_gemm, sm90_grouped, sm100_gemm, sm100_grouped
@@ -41,8 +40,8 @@ BF, F16, F32 = "bfloat16", "float16", "float32"
 E4M3, E5M2 = "float8_e4m3fn", "float8_e5m2"
 ACTIVATIONS = ("relu", "gelu", "gelu_exact", "silu")   # kernels/epilogue.py's on the day this list was made
 
-_DECLARED = re.compile(r"^\s*(?:\.visible\s+|\.weak\s+|\.extern\s+)*\.(?:entry|func)\s+(?:\([^)]*\)\s*)?([A-Za-z_$][\w$]*)",
-                       re.MULTILINE)
+_DECLARED = re.compile(
+    r"^\s*(?:\.visible\s+|\.weak\s+|\.extern\s+)*\.(?:entry|func)\s+(?:\([^)]*\)\s*)?([A-Za-z_$][\w$]*)", re.MULTILINE)
 
 
 def normalise(ptx: str) -> str:

@@ -20,7 +20,7 @@ import math
 
 from jax_cute.kernels import abi
 from jax_cute.kernels.gemm_spec import GroupedSpec, Workspace
-from jax_cute.kernels.sm100_config import NUM_SMS, SMEM_BYTES, TMEM_COLS, Config, ab_stages  # noqa: F401
+from jax_cute.kernels.sm100_config import NUM_SMS, Config
 
 FAMILY = "sm100_gemm"
 ARCH = "sm_100a"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from jax_cute.kernels import abi, dsl
 from jax_cute.kernels.dsl import cute, cutlass, pipeline, tcgen05, cpasync
+from jax_cute.kernels.bundle import Bundle
 from jax_cute.kernels.launch import launcher_for
 from jax_cute.kernels.sm100_config import NUM_SMS, TMEM_COLS, THREADS, Config, ab_stages
 
@@ -21,6 +22,26 @@ def as_mn(t):
     lay = cute.make_layout(((s[0][0], s[1]), (s[0][1], s[2]), *s[3:]),
                            stride=((d[0][0], d[1]), (d[0][1], d[2]), *d[3:]))
     return cute.make_tensor(t.iterator, lay)
+
+class Sm100Cta(Bundle):
+    """What every warp of the CTA sees: the kernel's arguments (see Sm100Gemm.kernel), its
+    pipelines, TMEM allocator and smem tensors, and where the thread sits."""
+
+    __slots__ = (
+        "tiled_mma", "tma_a", "mA", "tma_b", "mB", "tma_c", "mC_tma", "mC", "gs", "cluster_vmnk", "epi_tile",
+        "warp", "tidx", "bidz", "grid_z", "is_leader", "crd", "v_idx", "ab_pipe", "acc_pipe", "tmem", "epi_bar",
+        "sA", "sB", "sC", "a_mask", "b_mask", "thr_mma", "acc_layout", "tCrA", "tCrB", "a_cta_layout",
+        "b_cta_layout", "mM", "nN", "kK", "n_work",
+    )
+
+
+class EpilogueRegs(Bundle):
+    """One epilogue warp's TMEM -> register -> smem copies and store path, the same for every
+    tile."""
+
+    __slots__ = ("t2r", "tTR_tAcc", "tTR_rAcc", "thr_t2r", "tTR_rC", "r2s", "tRS_rC", "tRS_sC", "n_sub", "epi_tile",
+                 "sC", "tma_c", "mC_tma", "mC", "c_pipe", "epi_bar", "tidx")
+
 
 class Sm100Gemm:
     EPI_WARPS = 4
@@ -96,8 +117,8 @@ class Sm100Gemm:
         max_clusters = max(1, NUM_SMS // (cfg.cluster_m * cfg.cluster_n))
         # never launch an empty grid (M, N or L may be 0): idle clusters just exit
         grid_z = cutlass.max(cutlass.min(n_work, Int32(max_clusters)), Int32(1))
-        self.kernel(tiled_mma, tma_a, tA, tma_b, tB, tma_c, tC, c, gs, cluster_vmnk,
-                    a_smem, b_smem, c_smem, epi_tile).launch(
+        self.kernel((tiled_mma, cluster_vmnk), tma_a, tA, tma_b, tB, tma_c, tC, c, gs,
+                    (a_smem, b_smem, c_smem), epi_tile).launch(
             grid=(cfg.cluster_m, cfg.cluster_n, grid_z), block=[THREADS, 1, 1],
             cluster=(cfg.cluster_m, cfg.cluster_n, 1), stream=stream)
 
@@ -198,10 +219,13 @@ class Sm100Gemm:
 
     # ---- the kernel -----------------------------------------------------------------------
     @cute.kernel
-    def kernel(self, tiled_mma: cute.TiledMma, tma_a: cute.CopyAtom, mA: cute.Tensor,
-               tma_b: cute.CopyAtom, mB: cute.Tensor, tma_c: cute.CopyAtom, mC_tma: cute.Tensor,
-               mC: cute.Tensor, gs, cluster_vmnk: cute.Layout, a_smem: cute.ComposedLayout,
-               b_smem: cute.ComposedLayout, c_smem, epi_tile: cute.Tile):
+    def kernel(self, mma, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
+               tma_c: cute.CopyAtom, mC_tma: cute.Tensor, mC: cute.Tensor, gs, smem_layouts, epi_tile: cute.Tile):
+        """One persistent CTA: barriers, smem and TMEM, then the TMA warp, the MMA warp and the
+        epilogue warps each run their role. ``mma``: (the tiled MMA, the cluster's (v, m, n, k)
+        layout); ``smem_layouts``: A's, B's and C's staged smem layouts."""
+        tiled_mma, cluster_vmnk = mma
+        a_smem, b_smem, c_smem = smem_layouts
         cfg = self.cfg
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
@@ -276,138 +300,168 @@ class Sm100Gemm:
         kK = mA.shape[1]
         n_work = self.num_work(mC, gs)
         pipeline.pipeline_init_wait(cluster_shape_mn=cluster_vmnk)
+        cta = Sm100Cta(tiled_mma, tma_a, mA, tma_b, mB, tma_c, mC_tma, mC, gs, cluster_vmnk, epi_tile, warp, tidx,
+                       bidz, grid_z, is_leader, crd, v_idx, ab_pipe, acc_pipe, tmem, epi_bar, sA, sB, sC, a_mask,
+                       b_mask, thr_mma, acc_layout, tCrA, tCrB, a_cta_layout, b_cta_layout, mM, nN, kK, n_work)
 
-        # ================= TMA producer warp =================
         if warp == self.TMA_WARP:
-            prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
-            w = bidz
-            while w < n_work:
-                valid, do_mma, row0, col0, l, g, k0, k_len, row_end = self.tile(w, mM, nN, kK, gs)
-                if do_mma:
-                    mma_row = row0 + crd[1] * cfg.tile_m
-                    col = col0 + crd[2] * cfg.tile_n
-                    la = self.ab_batch(l, mC, mA)   # L extent 1 = broadcast
-                    gA = cute.local_tile(cute.domain_offset((mma_row, k0), mA[None, None, la]),
-                                         (cfg.tile_m, self.bk), (0, None))
-                    if const_expr(self.mode == "ragged_m"):
-                        lb = cutlass.min(l, mB.shape[3] - 1)
-                        mB2 = mB[None, None, g, lb]
-                    else:
-                        lb = self.ab_batch(l, mC, mB)
-                        mB2 = mB[None, None, lb]
-                    gB = cute.local_tile(cute.domain_offset((col, k0), mB2), (cfg.tile_n, self.bk), (0, None))
-                    tAsA, tAgA = cpasync.tma_partition(tma_a, crd[2], a_cta_layout, cute.group_modes(sA, 0, 3),
-                                                       cute.group_modes(thr_mma.partition_A(gA), 0, 3))
-                    tBsB, tBgB = cpasync.tma_partition(tma_b, crd[1], b_cta_layout, cute.group_modes(sB, 0, 3),
-                                                       cute.group_modes(thr_mma.partition_B(gB), 0, 3))
-                    k_tiles = (k_len + self.bk - 1) // self.bk
-                    for kt in cutlass.range(k_tiles, unroll=1):
-                        ab_pipe.producer_acquire(prod)
-                        bar = ab_pipe.producer_get_barrier(prod)
-                        cute.copy(tma_a, tAgA[(None, kt)], tAsA[(None, prod.index)], tma_bar_ptr=bar, mcast_mask=a_mask)
-                        cute.copy(tma_b, tBgB[(None, kt)], tBsB[(None, prod.index)], tma_bar_ptr=bar, mcast_mask=b_mask)
-                        ab_pipe.producer_commit(prod)
-                        prod.advance()
-                w += grid_z
-            # do not exit while peers may still release (arrive on) our empty barriers
-            ab_pipe.producer_tail(prod)
-
-        # ================= MMA warp =================
+            self.tma_warp(cta)
         if warp == self.MMA_WARP:
-            tmem.wait_for_alloc()
-            tAcc_all = cute.make_tensor(tmem.retrieve_ptr(self.acc_dtype), acc_layout)
-            cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
-            accp = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.acc_stages)
-            n_kblocks = cute.size(tCrA, mode=[2])
-            w = bidz
-            while w < n_work:
-                valid, do_mma, row0, col0, l, g, k0, k_len, row_end = self.tile(w, mM, nN, kK, gs)
-                # only the pair's leader issues MMAs (cta_group::2 reads both CTAs' smem)
-                if do_mma & is_leader:
-                    acc_pipe.producer_acquire(accp)
-                    tAcc = tAcc_all[(None, None, None, accp.index)]
-                    tiled_mma.set(tcgen05.Field.ACCUMULATE, False)
-                    k_tiles = (k_len + self.bk - 1) // self.bk
-                    for kt in cutlass.range(k_tiles, unroll=1):
-                        ab_pipe.consumer_wait(cons)
-                        if const_expr(self.mode == "ragged_k"):
-                            # the last k-tile of a group overlaps the next group: zero it
-                            self.zero_k_tail(thr_mma, sA, sB, cons.index, k_len - kt * self.bk)
-                        for kb in cutlass.range_constexpr(n_kblocks):
-                            cute.gemm(tiled_mma, tAcc, tCrA[(None, None, kb, cons.index)],
-                                      tCrB[(None, None, kb, cons.index)], tAcc)
-                            tiled_mma.set(tcgen05.Field.ACCUMULATE, True)
-                        ab_pipe.consumer_release(cons)   # tcgen05.commit -> empty barrier(s)
-                        cons.advance()
-                    acc_pipe.producer_commit(accp)       # tcgen05.commit -> acc full (both CTAs)
-                if do_mma:
-                    accp.advance()
-                w += grid_z
-            acc_pipe.producer_tail(accp)
-
-        # ================= epilogue warps =================
+            self.mma_warp(cta)
         if warp < self.MMA_WARP:
-            tmem.allocate(self.tmem_cols)
-            # one allocation per CTA for the kernel's life: let a co-resident CTA allocate
-            tmem.relinquish_alloc_permit()
-            tmem.wait_for_alloc()
-            tmem_ptr = tmem.retrieve_ptr(self.acc_dtype)
-            tAcc_all = as_mn(cute.make_tensor(tmem_ptr, acc_layout))   # (cta_m, tile_n, STAGE)
-            accc = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.acc_stages)
-            c_pipe = pipeline.PipelineTmaStore.create(
-                num_stages=self.c_stages,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32 * self.EPI_WARPS))
+            self.epilogue_warps(cta)
 
-            t2r_atom = sm100.get_tmem_load_op(self.cta_tile, self.c_layout, self.c_dtype, self.acc_dtype,
-                                              epi_tile, cfg.two_cta)
-            tAcc_epi = cute.flat_divide(tAcc_all, epi_tile)       # (EM, EN, nM, nN, STAGE)
-            t2r = tcgen05.make_tmem_copy(t2r_atom, tAcc_epi[(None, None, 0, 0, 0)])
-            thr_t2r = t2r.get_slice(tidx)
-            tTR_tAcc = cute.group_modes(thr_t2r.partition_S(tAcc_epi), 3, 5)   # (T2R, M, N, SUB, STAGE)
-            frag = thr_t2r.partition_D(cute.flat_divide(cute.make_identity_tensor((self.cta_m, cfg.tile_n)),
-                                                        epi_tile))
-            tTR_rAcc = cute.make_rmem_tensor(frag[(None, None, None, 0, 0)].shape, self.acc_dtype)
-            tTR_rC = cute.make_rmem_tensor(frag[(None, None, None, 0, 0)].shape, self.c_dtype)
-            r2s = cute.make_tiled_copy_D(
-                sm100.get_smem_store_op(self.c_layout, self.c_dtype, self.acc_dtype, t2r), t2r)
-            thr_r2s = r2s.get_slice(tidx)
-            tRS_sC = thr_r2s.partition_D(sC)
-            tRS_rC = r2s.retile(tTR_rC)
-            n_sub = cute.size(tTR_tAcc, mode=[3])
+    @cute.jit
+    def tma_warp(self, cta: Sm100Cta):
+        """Warp 5: TMA loads of every tile's A and B k-tiles into the smem ring."""
+        cfg = self.cfg
+        tma_a, mA, tma_b, mB, mC, gs = cta.tma_a, cta.mA, cta.tma_b, cta.mB, cta.mC, cta.gs
+        bidz, grid_z, crd, ab_pipe, sA, sB = cta.bidz, cta.grid_z, cta.crd, cta.ab_pipe, cta.sA, cta.sB
+        a_mask, b_mask, thr_mma, a_cta_layout = cta.a_mask, cta.b_mask, cta.thr_mma, cta.a_cta_layout
+        b_cta_layout, mM = cta.b_cta_layout, cta.mM
+        nN, kK, n_work = cta.nN, cta.kK, cta.n_work
+        prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
+        w = bidz
+        while w < n_work:
+            valid, do_mma, row0, col0, l, g, k0, k_len, row_end = self.tile(w, mM, nN, kK, gs)
+            if do_mma:
+                mma_row = row0 + crd[1] * cfg.tile_m
+                col = col0 + crd[2] * cfg.tile_n
+                la = self.ab_batch(l, mC, mA)   # L extent 1 = broadcast
+                gA = cute.local_tile(cute.domain_offset((mma_row, k0), mA[None, None, la]),
+                                     (cfg.tile_m, self.bk), (0, None))
+                if const_expr(self.mode == "ragged_m"):
+                    lb = cutlass.min(l, mB.shape[3] - 1)
+                    mB2 = mB[None, None, g, lb]
+                else:
+                    lb = self.ab_batch(l, mC, mB)
+                    mB2 = mB[None, None, lb]
+                gB = cute.local_tile(cute.domain_offset((col, k0), mB2), (cfg.tile_n, self.bk), (0, None))
+                tAsA, tAgA = cpasync.tma_partition(tma_a, crd[2], a_cta_layout, cute.group_modes(sA, 0, 3),
+                                                   cute.group_modes(thr_mma.partition_A(gA), 0, 3))
+                tBsB, tBgB = cpasync.tma_partition(tma_b, crd[1], b_cta_layout, cute.group_modes(sB, 0, 3),
+                                                   cute.group_modes(thr_mma.partition_B(gB), 0, 3))
+                k_tiles = (k_len + self.bk - 1) // self.bk
+                for kt in cutlass.range(k_tiles, unroll=1):
+                    ab_pipe.producer_acquire(prod)
+                    bar = ab_pipe.producer_get_barrier(prod)
+                    cute.copy(tma_a, tAgA[(None, kt)], tAsA[(None, prod.index)], tma_bar_ptr=bar, mcast_mask=a_mask)
+                    cute.copy(tma_b, tBgB[(None, kt)], tBsB[(None, prod.index)], tma_bar_ptr=bar, mcast_mask=b_mask)
+                    ab_pipe.producer_commit(prod)
+                    prod.advance()
+            w += grid_z
+        # do not exit while peers may still release (arrive on) our empty barriers
+        ab_pipe.producer_tail(prod)
 
-            stored = Int32(0)   # subtiles stored so far: picks the smem staging buffer
-            w = bidz
-            while w < n_work:
-                valid, do_mma, row0, col0, l, g, k0, k_len, row_end = self.tile(w, mM, nN, kK, gs)
-                if valid:
-                    cta_row = row0 + (crd[1] * self.v + v_idx) * self.cta_m
-                    col = col0 + crd[2] * cfg.tile_n
-                    if do_mma:
-                        acc_pipe.consumer_wait(accc)
-                    args = (t2r, tTR_tAcc, tTR_rAcc, accc.index, do_mma, epi_tile, cta_row, col,
-                            self.c_batch(l, mC), n_sub)
-                    if const_expr(self.mode == "ragged_m"):
-                        # TMA store clips only at M: a tile that crosses into the next group
-                        # is stored row-predicated from registers instead
-                        if (row_end < mM) & (cta_row + self.cta_m > row_end):
-                            self.store_predicated(*args, thr_t2r, tTR_rC, mC, row_end, nN)
-                        else:
-                            stored = self.store_tma(*args, g, r2s, tRS_rC, tRS_sC, sC, tma_c, mC_tma,
-                                                    c_pipe, epi_bar, tidx, stored)
+    @cute.jit
+    def mma_warp(self, cta: Sm100Cta):
+        """Warp 4: the pair leader's tcgen05 MMAs into the double-buffered TMEM accumulator."""
+        tiled_mma, gs, bidz, grid_z = cta.tiled_mma, cta.gs, cta.bidz, cta.grid_z
+        is_leader, ab_pipe = cta.is_leader, cta.ab_pipe
+        acc_pipe, tmem, sA, sB = cta.acc_pipe, cta.tmem, cta.sA, cta.sB
+        thr_mma, acc_layout = cta.thr_mma, cta.acc_layout
+        tCrA, tCrB, mM, nN, kK, n_work = cta.tCrA, cta.tCrB, cta.mM, cta.nN, cta.kK, cta.n_work
+        tmem.wait_for_alloc()
+        tAcc_all = cute.make_tensor(tmem.retrieve_ptr(self.acc_dtype), acc_layout)
+        cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
+        accp = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.acc_stages)
+        n_kblocks = cute.size(tCrA, mode=[2])
+        w = bidz
+        while w < n_work:
+            valid, do_mma, row0, col0, l, g, k0, k_len, row_end = self.tile(w, mM, nN, kK, gs)
+            # only the pair's leader issues MMAs (cta_group::2 reads both CTAs' smem)
+            if do_mma & is_leader:
+                acc_pipe.producer_acquire(accp)
+                tAcc = tAcc_all[(None, None, None, accp.index)]
+                tiled_mma.set(tcgen05.Field.ACCUMULATE, False)
+                k_tiles = (k_len + self.bk - 1) // self.bk
+                for kt in cutlass.range(k_tiles, unroll=1):
+                    ab_pipe.consumer_wait(cons)
+                    if const_expr(self.mode == "ragged_k"):
+                        # the last k-tile of a group overlaps the next group: zero it
+                        self.zero_k_tail(thr_mma, sA, sB, cons.index, k_len - kt * self.bk)
+                    for kb in cutlass.range_constexpr(n_kblocks):
+                        cute.gemm(tiled_mma, tAcc, tCrA[(None, None, kb, cons.index)],
+                                  tCrB[(None, None, kb, cons.index)], tAcc)
+                        tiled_mma.set(tcgen05.Field.ACCUMULATE, True)
+                    ab_pipe.consumer_release(cons)   # tcgen05.commit -> empty barrier(s)
+                    cons.advance()
+                acc_pipe.producer_commit(accp)       # tcgen05.commit -> acc full (both CTAs)
+            if do_mma:
+                accp.advance()
+            w += grid_z
+        acc_pipe.producer_tail(accp)
+
+    @cute.jit
+    def epilogue_warps(self, cta: Sm100Cta):
+        """Warps 0-3: allocate TMEM, then per tile TMEM -> registers -> smem -> TMA store (or
+        row-predicated global stores), and free TMEM at the end."""
+        cfg = self.cfg
+        tma_c, mC_tma, mC, gs, epi_tile = cta.tma_c, cta.mC_tma, cta.mC, cta.gs, cta.epi_tile
+        tidx, bidz, grid_z, crd = cta.tidx, cta.bidz, cta.grid_z, cta.crd
+        v_idx, acc_pipe = cta.v_idx, cta.acc_pipe
+        tmem, epi_bar, sC, acc_layout, mM, nN = cta.tmem, cta.epi_bar, cta.sC, cta.acc_layout, cta.mM, cta.nN
+        kK, n_work = cta.kK, cta.n_work
+        tmem.allocate(self.tmem_cols)
+        # one allocation per CTA for the kernel's life: let a co-resident CTA allocate
+        tmem.relinquish_alloc_permit()
+        tmem.wait_for_alloc()
+        tmem_ptr = tmem.retrieve_ptr(self.acc_dtype)
+        tAcc_all = as_mn(cute.make_tensor(tmem_ptr, acc_layout))   # (cta_m, tile_n, STAGE)
+        accc = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.acc_stages)
+        c_pipe = pipeline.PipelineTmaStore.create(
+            num_stages=self.c_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32 * self.EPI_WARPS))
+
+        t2r_atom = sm100.get_tmem_load_op(self.cta_tile, self.c_layout, self.c_dtype, self.acc_dtype,
+                                          epi_tile, cfg.two_cta)
+        tAcc_epi = cute.flat_divide(tAcc_all, epi_tile)       # (EM, EN, nM, nN, STAGE)
+        t2r = tcgen05.make_tmem_copy(t2r_atom, tAcc_epi[(None, None, 0, 0, 0)])
+        thr_t2r = t2r.get_slice(tidx)
+        tTR_tAcc = cute.group_modes(thr_t2r.partition_S(tAcc_epi), 3, 5)   # (T2R, M, N, SUB, STAGE)
+        frag = thr_t2r.partition_D(cute.flat_divide(cute.make_identity_tensor((self.cta_m, cfg.tile_n)),
+                                                    epi_tile))
+        tTR_rAcc = cute.make_rmem_tensor(frag[(None, None, None, 0, 0)].shape, self.acc_dtype)
+        tTR_rC = cute.make_rmem_tensor(frag[(None, None, None, 0, 0)].shape, self.c_dtype)
+        r2s = cute.make_tiled_copy_D(
+            sm100.get_smem_store_op(self.c_layout, self.c_dtype, self.acc_dtype, t2r), t2r)
+        thr_r2s = r2s.get_slice(tidx)
+        tRS_sC = thr_r2s.partition_D(sC)
+        tRS_rC = r2s.retile(tTR_rC)
+        n_sub = cute.size(tTR_tAcc, mode=[3])
+
+        ep = EpilogueRegs(t2r, tTR_tAcc, tTR_rAcc, thr_t2r, tTR_rC, r2s, tRS_rC, tRS_sC, n_sub, epi_tile, sC, tma_c,
+                          mC_tma, mC, c_pipe, epi_bar, tidx)
+        stored = Int32(0)   # subtiles stored so far: picks the smem staging buffer
+        w = bidz
+        while w < n_work:
+            valid, do_mma, row0, col0, l, g, k0, k_len, row_end = self.tile(w, mM, nN, kK, gs)
+            if valid:
+                cta_row = row0 + (crd[1] * self.v + v_idx) * self.cta_m
+                col = col0 + crd[2] * cfg.tile_n
+                if do_mma:
+                    acc_pipe.consumer_wait(accc)
+                lc = self.c_batch(l, mC)
+                if const_expr(self.mode == "ragged_m"):
+                    # TMA store clips only at M: a tile that crosses into the next group
+                    # is stored row-predicated from registers instead
+                    if (row_end < mM) & (cta_row + self.cta_m > row_end):
+                        self.store_predicated(ep, accc.index, do_mma, cta_row, col, lc, row_end, nN)
                     else:
-                        stored = self.store_tma(*args, g, r2s, tRS_rC, tRS_sC, sC, tma_c, mC_tma,
-                                                c_pipe, epi_bar, tidx, stored)
-                    if do_mma:
-                        # TMEM reads done (values already in smem/gmem): hand the stage back
-                        cute.arch.fence_view_async_tmem_load()
-                        with cute.arch.elect_one():
-                            acc_pipe.consumer_release(accc)
-                        accc.advance()
-                w += grid_z
-            c_pipe.producer_tail()
-            # every epilogue warp has finished its tcgen05.ld before warp 0 frees TMEM
-            epi_bar.arrive_and_wait()
-            tmem.free(tmem_ptr)
+                        stored = self.store_tma(ep, accc.index, do_mma, cta_row, col, lc, g, stored)
+                else:
+                    stored = self.store_tma(ep, accc.index, do_mma, cta_row, col, lc, g, stored)
+                if do_mma:
+                    # TMEM reads done (values already in smem/gmem): hand the stage back
+                    cute.arch.fence_view_async_tmem_load()
+                    with cute.arch.elect_one():
+                        acc_pipe.consumer_release(accc)
+                    accc.advance()
+            w += grid_z
+        c_pipe.producer_tail()
+        # every epilogue warp has finished its tcgen05.ld before warp 0 frees TMEM
+        epi_bar.arrive_and_wait()
+        tmem.free(tmem_ptr)
 
     @cute.jit
     def load_acc(self, t2r, tTR_tAcc, tTR_rAcc, s: cutlass.Constexpr, acc_idx, do_mma):
@@ -418,9 +472,11 @@ class Sm100Gemm:
             tTR_rAcc.fill(0.0)
 
     @cute.jit
-    def store_tma(self, t2r, tTR_tAcc, tTR_rAcc, acc_idx, do_mma, epi_tile, cta_row, col, l, n_sub, g,
-                  r2s, tRS_rC, tRS_sC, sC, tma_c, mC_tma, c_pipe, epi_bar, tidx, stored):
+    def store_tma(self, ep: EpilogueRegs, acc_idx, do_mma, cta_row, col, l, g, stored):
         """Registers -> smem (c_stages ring) -> TMA store; returns the subtile count."""
+        t2r, tTR_tAcc, tTR_rAcc, epi_tile, n_sub, r2s = ep.t2r, ep.tTR_tAcc, ep.tTR_rAcc, ep.epi_tile, ep.n_sub, ep.r2s
+        tRS_rC, tRS_sC, sC, tma_c, mC_tma, c_pipe = ep.tRS_rC, ep.tRS_sC, ep.sC, ep.tma_c, ep.mC_tma, ep.c_pipe
+        epi_bar, tidx = ep.epi_bar, ep.tidx
         if const_expr(self.mode == "ragged_k"):
             mC2 = mC_tma[None, None, g, l]
         else:
@@ -447,9 +503,10 @@ class Sm100Gemm:
         return stored
 
     @cute.jit
-    def store_predicated(self, t2r, tTR_tAcc, tTR_rAcc, acc_idx, do_mma, epi_tile, cta_row, col, l, n_sub,
-                         thr_t2r, tTR_rC, mC, row_end, nN):
+    def store_predicated(self, ep: EpilogueRegs, acc_idx, do_mma, cta_row, col, l, row_end, nN):
         """TMEM -> registers -> global with a per-element (row < row_end, col < N) guard."""
+        t2r, tTR_tAcc, tTR_rAcc, epi_tile, n_sub = ep.t2r, ep.tTR_tAcc, ep.tTR_rAcc, ep.epi_tile, ep.n_sub
+        thr_t2r, tTR_rC, mC = ep.thr_t2r, ep.tTR_rC, ep.mC
         off = (cta_row, col)
         gC = cute.local_tile(cute.domain_offset(off, mC[None, None, l]), (self.cta_m, self.cfg.tile_n), (0, 0))
         cC = cute.local_tile(cute.domain_offset(off, cute.make_identity_tensor((mC.shape[0], nN))),

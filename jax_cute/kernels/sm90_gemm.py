@@ -96,8 +96,12 @@ import dataclasses
 from jax_cute.kernels import abi
 from jax_cute.kernels import epilogue as fused_epilogue
 from jax_cute.kernels.gemm_spec import GemmSpec, GroupedSpec, Workspace
-from jax_cute.kernels.sm90_config import (ITEM, NUM_SMS, ROW_BYTES, SMEM_BYTES, Config, is_gated, stage_plan,  # noqa: F401
-                                           tile_k, wg_rows)
+# (Config, SMEM_BYTES and tile_k are part of the family's interface: tests and tools read them here)
+from jax_cute.kernels.sm90_config import ITEM, NUM_SMS, SMEM_BYTES, Config, is_gated, stage_plan, tile_k, wg_rows
+
+__all__ = ["FAMILY", "ARCH", "BATCH_MODES", "EPILOGUES", "GATED_COLUMNS", "NUM_SMS", "SMEM_BYTES", "Config",
+           "unsupported", "candidate_configs", "heuristic", "signature", "workspace", "launcher", "make_launcher",
+           "epilogue_for", "tile_k", "tiles_per_cta", "stage_plan", "DEFER"]
 
 FAMILY = "sm90_gemm"
 ARCH = "sm_90a"

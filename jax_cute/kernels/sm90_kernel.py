@@ -12,7 +12,7 @@ from jax_cute.kernels import abi
 from jax_cute.kernels.bundle import Bundle
 from jax_cute.kernels.dsl import cute, cutlass, pipeline, sm90_utils, cpasync, warpgroup, warp
 from jax_cute.kernels.dsl import memory, LayoutEnum
-from jax_cute.kernels.dsl import Int32, Int64, Float32, cuda_driver
+from jax_cute.kernels.dsl import Int32, Int64, Float32
 from jax_cute.kernels.gemm_spec import GemmSpec, GroupedSpec
 from jax_cute.kernels.sm90_config import NUM_SMS, Config, is_gated, stage_plan, tile_k, wg_rows
 from jax_cute.kernels.sm90_epilogue import Sm90Epilogue, WarpgroupEpilogue, paired_halves
