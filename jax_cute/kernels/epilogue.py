@@ -12,7 +12,8 @@ rounding; silu then takes the tanh form of the sigmoid); float32 outputs take th
 The DSL side is a table keyed by activation name: one small function per activation
 (``_ACTIVATION``), per derivative (``_DERIVATIVE``) and per gated activation (``_GATED``). A new
 activation adds its entries there (and its name to the registry); the kernels look names up
-through :func:`activation`, :func:`derivative`, :func:`scaled_by_derivative` and :func:`gated`.
+through :func:`activation`, :func:`derivative`, :func:`scaled_by_derivative` and :func:`gated`,
+and a kernel class's epilogue through the :class:`ActivationEpilogue` mixin.
 
 The DSL is imported when a function runs (while a kernel is traced), never when this module
 is: routing code that only reads ``ACTIVATIONS`` must not need the compiler.
@@ -195,3 +196,20 @@ def gated(name: str, gate: Fragment, up: Fragment, fast: bool) -> Fragment:
 def table_names() -> dict[str, tuple[str, ...]]:
     """The names each DSL table holds (checked against ACTIVATIONS and GATED by the tests)."""
     return {"activation": tuple(_ACTIVATION), "derivative": tuple(_DERIVATIVE), "gated": tuple(_GATED)}
+
+
+# --- arch-neutral epilogue pieces ------------------------------------------------------------------
+
+class ActivationEpilogue:
+    """Mixin of a kernel class whose epilogue applies ``self.act`` (an ACTIVATIONS name, or ""
+    for none) to a register fragment of float32 values, before the rounding to the output
+    dtype ``self.c_t``: the same on every arch (a Hopper or Blackwell epilogue mixes it in)."""
+
+    act: str
+    c_t: Any
+
+    def activate(self, frag: Any) -> None:
+        """``frag`` (a float32 register tensor) replaced by its activation, in place."""
+        if self.act:
+            frag.store(activation(self.act, frag.load(), fast=self.c_t.width == 16))
+

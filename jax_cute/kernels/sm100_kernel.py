@@ -44,6 +44,10 @@ class EpilogueRegs(Bundle):
 
 
 class Sm100Gemm:
+    """The persistent tcgen05 Blackwell GEMM of one mode and config (see sm100_gemm's notes):
+    ``host`` builds the TMA atoms and launches ``kernel``, whose TMA, MMA and epilogue warps
+    each take their tiles from ``tile`` (dense, ragged_m or ragged_k)."""
+
     EPI_WARPS = 4
     MMA_WARP = 4
     TMA_WARP = 5

@@ -6,7 +6,8 @@ mixins the kernel class composes:
 - :class:`GatedEpilogue`: B's N mode read as paired [gate | up] halves, C half as wide;
 - :class:`PreactEpilogue`: the pre-activation A·B + bias as a second output D;
 - :class:`DActEpilogue`: the product scaled by an activation's derivative at an input Z;
-- :class:`ActivationEpilogue`: an elementwise activation of the float32 fragment.
+- :class:`~jax_cute.kernels.epilogue.ActivationEpilogue` (arch-neutral, in kernels/epilogue.py):
+  an elementwise activation of the float32 fragment.
 
 :class:`Sm90Epilogue` runs the subtile loop and calls each variant's hook where its math goes;
 a hook whose variant the spec does not ask for emits nothing.
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 
 from jax_cute.kernels import epilogue as fused_epilogue
+from jax_cute.kernels.epilogue import ActivationEpilogue
 from jax_cute.kernels.bundle import Bundle
 from jax_cute.kernels.dsl import cute, cutlass, cpasync, Float32
 
@@ -100,14 +102,6 @@ class BiasEpilogue:
         if const_expr(not last):
             for v in range(n_rd):
                 tRS_acc[src * n_rd + v] = tRS_r32[v]
-
-
-class ActivationEpilogue:
-    """An elementwise activation (kernels/epilogue.py's table) of a float32 fragment."""
-
-    def activate(self, tRS_r32) -> None:
-        if const_expr(self.act):
-            tRS_r32.store(fused_epilogue.activation(self.act, tRS_r32.load(), fast=self.c_t.width == 16))
 
 
 class GatedEpilogue:

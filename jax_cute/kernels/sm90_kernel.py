@@ -113,6 +113,11 @@ class Consumer(Bundle):
 
 
 class Sm90Gemm(Sm90Epilogue):
+    """The persistent warp-specialised Hopper GEMM of one spec and config (see sm90_gemm's notes):
+    ``run`` (host) builds the TMA atoms and launches ``kernel``, whose producer and consumer
+    parts take their tiles from ``self.sched`` (sm90_schedulers), run the mainloop
+    (sm90_mainloop) and store through the epilogue and its variants' hooks (sm90_epilogue)."""
+
     def __init__(self, spec: GemmSpec | GroupedSpec, config: Config, sms: int):
         # the tile scheduler: the dense raster, or a GroupedSpec's ragged_m / ragged_k walk
         self.mode = spec.mode if isinstance(spec, GroupedSpec) else "dense"
