@@ -394,3 +394,22 @@ def test_three_batch_modes_configs():
                 # except an fp32 128x256 tile split 4 ways, which spills with three batch modes
                 assert got == want or (out == F32 and (want.tile_n, want.split_k) == (256, 4)
                                        and (got.tile_n, got.split_k) != (256, 4) and got in cands)
+
+
+def test_launcher_takes_the_signature_in_order():
+    """The launcher is derived from the ABI signature: one parameter per argument, named and
+    typed after it, in the order the handler fills them."""
+    import inspect
+
+    pytest.importorskip("cutlass")
+    from jax_cute.kernels import abi, launch
+
+    for spec, cfg in ((GemmSpec(BF, BF, BF, bias=True, activation="gelu", preact=True), sm90_gemm.Config()),
+                      (GemmSpec(BF, BF, F32, bias=True), sm90_gemm.Config(split_k=2)),
+                      (GemmSpec(BF, BF, BF, dact="silu"), sm90_gemm.Config())):
+        sig = sm90_gemm.signature(spec, cfg)
+        params = inspect.signature(launch.launcher_for(sig, lambda **kw: None)).parameters
+        assert list(params) == [a.name for a in sig]
+        assert [p.annotation for p in params.values()] == [launch.annotation(a) for a in sig]
+    with pytest.raises(ValueError, match="distinct"):
+        launch.launcher_for((abi.StreamArg(), abi.StreamArg()), lambda **kw: None)
