@@ -54,6 +54,17 @@ def test_family_declares_its_epilogues():
         GemmSpec(BF, BF, BF, bias=True, preact=True)
 
 
+def test_epilogue_tables_cover_the_registry():
+    """Every activation the kernels declare has its DSL function and derivative, and no table
+    holds a name the registry lacks (a new activation adds entries to both)."""
+    tables = epilogue.table_names()
+    assert set(tables["activation"]) == set(epilogue.ACTIVATIONS)
+    assert set(tables["derivative"]) == set(epilogue.ACTIVATIONS)
+    assert set(tables["gated"]) == set(epilogue.GATED)
+    with pytest.raises(ValueError, match="no kernel epilogue"):
+        epilogue.activation("geglu", None, fast=True)
+
+
 def test_fused_signature_and_configs():
     spec = GemmSpec(BF, BF, BF, bias=True, activation="relu")
     names = [a.name for a in sm90_gemm.signature(spec, sm90_gemm.Config(split_k=2)) if hasattr(a, "dtype")]

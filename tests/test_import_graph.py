@@ -29,7 +29,9 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "jax_cute"
 # jax_cute modules that may be imported inside a function, and why
 LAZY = {
     "jax_cute.kernels.dsl": "imports the DSL's compiler",
-    "jax_cute.kernels.sm90_mainloop": "builds DSL code when imported",
+    "jax_cute.kernels.sm90_kernel": "the Hopper kernel: imports the DSL's compiler (sm90_gemm builds launchers with it)",
+    "jax_cute.kernels.sm100_kernel": "the Blackwell kernel: imports the DSL's compiler (sm100_gemm builds launchers "
+                                     "with it)",
     "jax_cute._ffi": "the native extension, which may not be built",
 }
 EXTENSIONS = ("jax_cute._ffi",)

@@ -218,7 +218,7 @@ def test_compile_whole_share_epilogue(in_dt, out_dt, majors, cfg):
     assert plain.count("cp.async.bulk.wait_group.read") == subtiles + 1
     assert ptx.count("cp.async.bulk.commit_group") == plain.count("cp.async.bulk.commit_group") == subtiles
     assert ptx.count("stmatrix") == plain.count("stmatrix")
-    assert sm90_gemm._stage_plan(cfg.tile_n, out_dt, 0, cfg.pingpong, cfg.epi_n, cfg.tile_m, True)[1] == subtiles
+    assert sm90_gemm.stage_plan(cfg.tile_n, out_dt, 0, cfg.pingpong, cfg.epi_n, cfg.tile_m, True)[1] == subtiles
 
 
 def test_pingpong_hands_over_before_drain():
@@ -313,26 +313,26 @@ def test_epilogue_ring_divides_the_subtiles_and_everything_fits():
             for epi_n in (32, 64):
                 if tn % epi_n:
                     continue
-                ab, depth = sm90_gemm._stage_plan(tn, c_dt, 0, pp, epi_n, tm)
+                ab, depth = sm90_gemm.stage_plan(tn, c_dt, 0, pp, epi_n, tm)
                 item = 4 if c_dt == F32 else 2
                 # each consumer warpgroup's ring holds 64 x epi_n subtiles of its own rows
                 subtiles = ((tm if pp else tm // 2) // 64) * (tn // epi_n)
                 assert subtiles % depth == 0 and ab >= 4, (tm, tn, pp, c_dt, epi_n, ab, depth)
                 assert ab * (tm + tn) * 128 + 2 * depth * 64 * epi_n * item + 1024 <= sm90_gemm.SMEM_BYTES
     # cooperative 16-bit 128x256: 4-deep ring of 64x32 or 2-deep of 64x64 subtiles per warpgroup
-    assert sm90_gemm._stage_plan(256, BF, 0, False, 32) == (4, 4)
-    assert sm90_gemm._stage_plan(256, BF, 0, False, 64) == (4, 2)
+    assert sm90_gemm.stage_plan(256, BF, 0, False, 32) == (4, 4)
+    assert sm90_gemm.stage_plan(256, BF, 0, False, 64) == (4, 2)
     # whole share: a slot per subtile of the warpgroup's 64 x 256 share (32 KB each), 3 stages;
     # 128x128: 6 stages either way; pingpong 128x160: its whole 128 x 160 tile per warpgroup
-    assert sm90_gemm._stage_plan(256, BF, 0, False, 64, 128, True) == (3, 4)
-    assert sm90_gemm._stage_plan(128, BF, 0, False, 64, 128, True) == (6, 2)
-    assert sm90_gemm._stage_plan(160, BF, 0, True, 32, 128, True) == (4, 10)
+    assert sm90_gemm.stage_plan(256, BF, 0, False, 64, 128, True) == (3, 4)
+    assert sm90_gemm.stage_plan(128, BF, 0, False, 64, 128, True) == (6, 2)
+    assert sm90_gemm.stage_plan(160, BF, 0, True, 32, 128, True) == (4, 10)
     # 256x128 (two 64 x 128 row blocks per warpgroup): 4 stages beside a 2-deep ring of 64x64
     # subtiles, 3 beside a whole 128 x 128 share
-    assert sm90_gemm._stage_plan(128, BF, 0, False, 64, 256) == (4, 2)
-    assert sm90_gemm._stage_plan(128, BF, 0, False, 64, 256, True) == (3, 4)
+    assert sm90_gemm.stage_plan(128, BF, 0, False, 64, 256) == (4, 2)
+    assert sm90_gemm.stage_plan(128, BF, 0, False, 64, 256, True) == (3, 4)
     # a whole fp32 128x256 share leaves 2 stages: refused
-    assert sm90_gemm._stage_plan(256, F32, 0, False, 32, 128, True)[0] == 2
+    assert sm90_gemm.stage_plan(256, F32, 0, False, 32, 128, True)[0] == 2
     with pytest.raises(ValueError, match="3 needed"):
         sm90_gemm.launcher(GemmSpec(BF, BF, F32), sm90_gemm.Config(whole_c=True))
 
@@ -394,3 +394,22 @@ def test_three_batch_modes_configs():
                 # except an fp32 128x256 tile split 4 ways, which spills with three batch modes
                 assert got == want or (out == F32 and (want.tile_n, want.split_k) == (256, 4)
                                        and (got.tile_n, got.split_k) != (256, 4) and got in cands)
+
+
+def test_launcher_takes_the_signature_in_order():
+    """The launcher is derived from the ABI signature: one parameter per argument, named and
+    typed after it, in the order the handler fills them."""
+    import inspect
+
+    pytest.importorskip("cutlass")
+    from jax_cute.kernels import abi, launch
+
+    for spec, cfg in ((GemmSpec(BF, BF, BF, bias=True, activation="gelu", preact=True), sm90_gemm.Config()),
+                      (GemmSpec(BF, BF, F32, bias=True), sm90_gemm.Config(split_k=2)),
+                      (GemmSpec(BF, BF, BF, dact="silu"), sm90_gemm.Config())):
+        sig = sm90_gemm.signature(spec, cfg)
+        params = inspect.signature(launch.launcher_for(sig, lambda **kw: None)).parameters
+        assert list(params) == [a.name for a in sig]
+        assert [p.annotation for p in params.values()] == [launch.annotation(a) for a in sig]
+    with pytest.raises(ValueError, match="distinct"):
+        launch.launcher_for((abi.StreamArg(), abi.StreamArg()), lambda **kw: None)

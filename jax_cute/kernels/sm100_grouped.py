@@ -79,4 +79,4 @@ def launcher(spec, config):
         raise ValueError(why)
     if spec.mode == "ragged_k" and config.two_cta:
         raise ValueError("sm100_grouped: ragged_k runs with cta_group::1 only")
-    return sm100_gemm.make_launcher(spec.mode, config)
+    return sm100_gemm.make_launcher(spec, config)

@@ -1,0 +1,92 @@
+"""The Hopper GEMM's configuration and shared-memory plan: what both the family module
+(sm90_gemm, routing) and the kernel (sm90_kernel, DSL) need. Imports no DSL.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jax_cute.kernels import epilogue as fused_epilogue
+
+NUM_SMS = 132            # H100 SXM / H200; compiled into the persistent grid bound
+SMEM_BYTES = 232448      # opt-in dynamic shared memory per block on sm_90 (227 KiB)
+ROW_BYTES = 128          # a k-tile row is one 128-byte swizzle atom: 64 16-bit or 128 8-bit elements
+ITEM = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1}
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    tile_m: int = 128
+    tile_n: int = 256
+    cluster_m: int = 2     # CTAs along M sharing (multicasting) each B slice
+    cluster_n: int = 1     # CTAs along N sharing each A slice
+    raster: str = "m"      # which cluster index moves fastest inside a group band
+    group: int = 8         # band width of the grouped raster, in clusters
+    split_k: int = 1
+    stages: int = 0        # A/B ring depth; 0 fills shared memory
+    # pingpong: each consumer warpgroup owns whole 64 x tile_n tiles (alternate tiles of the
+    # CTA's sequence), so one warpgroup's epilogue overlaps the other's mainloop
+    pingpong: bool = False
+    # programmatic dependent launch (see sm90_gemm's notes), set by the dispatch for stream
+    # launches (dispatch.launch_mode): on an H200 it leaves kernel time unchanged (ncu); inside
+    # graphs it makes back-to-back products 3-8% slower, on the stream 2-3% faster on short
+    # products (docs/performance.md)
+    pdl: bool = False
+    # width of the epilogue's subtiles (64 rows x epi_n columns per consumer warpgroup): 64 halves
+    # the number of store rounds per tile and gives a 16-bit N-major C 128-byte swizzle atoms
+    epi_n: int = 32
+    # deferred epilogue (see sm90_gemm's notes): k-tiles of the next tile issued before the
+    # previous tile's stores; 0 stores each tile right after its mainloop
+    defer: int = 0
+    # whole-share epilogue: a ring slot for every subtile of a warpgroup's share of the tile
+    # (3 A/B stages instead of 4 for 128x256), so each store is issued as its subtile is
+    # written and none waits for another's smem read inside a tile
+    whole_c: bool = False
+
+    def key(self) -> str:
+        return (f"t{self.tile_m}x{self.tile_n}.c{self.cluster_m}x{self.cluster_n}."
+                f"r{self.raster}{self.group}.sk{self.split_k}.st{self.stages}" + (".pp" if self.pingpong else "")
+                + (".pdl" if self.pdl else "") + (f".e{self.epi_n}" if self.epi_n != 32 else "")
+                + (f".df{self.defer}" if self.defer else "") + (".wc" if self.whole_c else ""))
+
+
+def is_gated(spec) -> bool:
+    return spec.activation in fused_epilogue.GATED
+
+
+def tile_k(in_dtype: str) -> int:
+    """K extent of one k-tile: a 128-byte row of the input dtype."""
+    return ROW_BYTES // ITEM[in_dtype]
+
+
+def wg_rows(tile_m: int, pingpong: bool) -> int:
+    """Rows of each tile one consumer warpgroup computes and stores, in 64-row blocks: pingpong its
+    whole tile, cooperative half of it."""
+    return tile_m if pingpong else tile_m // 2
+
+
+def stage_plan(tile_n: int, c_dtype: str, stages: int, pingpong: bool = False,
+                epi_n: int = 32, tile_m: int = 128, whole_c: bool = False, gated: bool = False
+                ) -> tuple[int, int]:
+    """(A/B stages, epilogue ring depth) for a tile_m x tile_n x tile_k tile.
+
+    Each consumer warpgroup stores its own rows of output (cooperative: its half of the tile, in
+    64-row blocks; pingpong: its whole tile) through its own ring of 64 x epi_n subtiles. The ring is
+    reused round-robin across tiles, so its depth divides a warpgroup's subtiles per tile.
+    Cooperative: as deep as fits in 16 KB per warpgroup (the A/B ring keeps the rest); pingpong:
+    2 deep (its A/B stages matter more). whole_c: one slot per subtile of the warpgroup's share.
+    gated: the C pass stores half the subtiles, and the depth divides that count too."""
+    sub_bytes = 64 * epi_n * ITEM[c_dtype]
+    subtiles = (wg_rows(tile_m, pingpong) // 64) * (tile_n // epi_n)
+    stored = subtiles // 2 if gated else subtiles
+    if pingpong:
+        epi_stages = 2 if stored % 2 == 0 else 1
+        ab_bytes = (tile_m + tile_n) * ROW_BYTES
+    else:
+        epi_stages = max(d for d in range(1, stored + 1) if stored % d == 0 and (d == 1 or d * sub_bytes <= 16384))
+        ab_bytes = (tile_m + tile_n) * ROW_BYTES
+    if whole_c:
+        epi_stages = subtiles
+    epi_bytes = 2 * sub_bytes * epi_stages
+    fit = (SMEM_BYTES - 1024 - epi_bytes) // ab_bytes
+    return (min(stages, fit) if stages else fit), epi_stages
