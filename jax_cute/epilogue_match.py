@@ -177,17 +177,19 @@ def find_epilogues(jaxpr, products: dict[int, Any], unbiased: frozenset[int] = f
                     and all(x in (1, y) for x, y in zip(shape[::-1], shape_now[::-1]))):
                 group.append(add[0])
                 bias, cur = other, e.outvars[0]
-        act = None
         if not any(i >= 0 for i in uses.get(cur, ())):
             continue   # nothing reads it: no activation to match (and no reference traced for its shape)
+        # the longest match wins: an activation whose trace begins with another's (relu2 = the
+        # square of relu) is not taken for the shorter one
+        best = None
         for name in ACTIVATION_FUNCTIONS:
             ref = _reference(name, shape_now, np.dtype(cur.aval.dtype).name)
             hit = None if ref is None else _match(ref, cur, jaxpr, uses, taken | set(group))
-            if hit is not None:
-                act, (y, eqns) = name, hit
-                break
-        if act is None:
+            if hit is not None and (best is None or len(hit[1]) > len(best[1][1])):
+                best = (name, hit)
+        if best is None:
             continue
+        act, (y, eqns) = best
         group += eqns
         inside = set(group)
         internal = [out] + [v for i in group for v in jaxpr.eqns[i].outvars if v is not y]
