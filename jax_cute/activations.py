@@ -38,6 +38,11 @@ class Activation:
     matched: bool = True
 
 
+def _relu2(z):
+    """Squared ReLU (So et al., Primer): relu(z)**2."""
+    return jax.numpy.square(jax.nn.relu(z))
+
+
 def _swiglu(z):
     half = z.shape[-1] // 2
     return jax.nn.silu(z[..., :half]) * z[..., half:]
@@ -48,6 +53,7 @@ REGISTRY: dict[str, Activation] = {a.name: a for a in (
     Activation("gelu", functools.partial(jax.nn.gelu, approximate=True)),
     Activation("gelu_exact", functools.partial(jax.nn.gelu, approximate=False)),
     Activation("silu", jax.nn.silu),
+    Activation("relu2", _relu2),
     # gated: not matched in a jaxpr (a model writes it as a slice, silu and a product)
     Activation("swiglu", _swiglu, gated=True, kernel_derivative=False, matched=False),
 )}

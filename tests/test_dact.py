@@ -23,7 +23,7 @@ from jax_cute.activations import REGISTRY
 from jax_cute.primitives.dact import dact_p, operand_p
 from jax_cute.primitives.dot_general import chained_dot_general, contraction_layouts
 
-ACTS = ("relu", "gelu", "gelu_exact", "silu")
+ACTS = ("relu", "gelu", "gelu_exact", "silu", "relu2")
 DN = (((1,), (0,)), ((), ()))
 F32, BF16 = jnp.float32, jnp.bfloat16
 

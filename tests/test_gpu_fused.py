@@ -24,7 +24,7 @@ from jax_cute.primitives import fused, ragged_fused
 
 pytestmark = pytest.mark.gpu
 
-ACTS = (None, "relu", "gelu", "gelu_exact", "silu", "swiglu")
+ACTS = (None, "relu", "gelu", "gelu_exact", "silu", "relu2", "swiglu")
 # (M, K, N): odd extents (rows, an unaligned K and N that the plan pads, a 1-row product)
 SIZES = [(257, 136, 392), (300, 100, 1002), (1, 64, 130)]
 
@@ -163,7 +163,7 @@ def test_gradients(activation, with_bias):
 
 # -- einsum and kernelize: the same kernels through other entry points ---------------------------
 
-@pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_exact", "silu"])
+@pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_exact", "silu", "relu2"])
 def test_einsum_epilogue_in_kernel(activation):
     """A projection into heads, ``btd,dhk->bthk``, with a per-(head, column) bias: N is two
     free dims of the weight; one launch, epilogue inside, every element against float64."""

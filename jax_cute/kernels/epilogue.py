@@ -70,8 +70,14 @@ def _silu(x: Fragment, fast: bool) -> Fragment:
     return cute.math.div(x, 1.0 + cute.math.exp(-x), fastmath=True)
 
 
+def _relu2(x: Fragment, fast: bool) -> Fragment:
+    r = _relu(x, fast)
+    return r * r
+
+
 _ACTIVATION: dict[str, Callable[[Fragment, bool], Fragment]] = {
     "relu": _relu,
+    "relu2": _relu2,
     "gelu": _gelu,
     "gelu_exact": _gelu_exact,
     "silu": _silu,
@@ -121,8 +127,13 @@ def _silu_derivative(z: Fragment, fast: bool) -> Fragment:
     return s * (1.0 + z * rest)
 
 
+def _relu2_derivative(z: Fragment, fast: bool) -> Fragment:
+    return 2.0 * _relu(z, fast)
+
+
 _DERIVATIVE: dict[str, Callable[[Fragment, bool], Fragment]] = {
     "relu": _relu_derivative,
+    "relu2": _relu2_derivative,
     "gelu": _gelu_derivative,
     "gelu_exact": _gelu_exact_derivative,
     "silu": _silu_derivative,
@@ -137,8 +148,15 @@ def _relu_scaled(z: Fragment, g: Fragment, fast: bool) -> Fragment:
 
 
 # the backward of act(z) for a cotangent g where it is not derivative(z) * g
+def _relu2_scaled(z: Fragment, g: Fragment, fast: bool) -> Fragment:
+    """2 relu(z) times g selected as relu's JVP selects it (0 where z <= 0, even for a NaN or
+    infinite g; NaN where z is)."""
+    return _relu2_derivative(z, fast) * _relu_scaled(z, g, fast)
+
+
 _SCALED_DERIVATIVE: dict[str, Callable[[Fragment, Fragment, bool], Fragment]] = {
     "relu": _relu_scaled,
+    "relu2": _relu2_scaled,
 }
 
 
