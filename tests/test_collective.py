@@ -20,6 +20,9 @@ import pytest
 
 from test_sharding import spec_json  # tests/ is on sys.path: under pytest, and run as a script
 
+# Its tests share one expensive module fixture: pytest-xdist keeps them on one worker (--dist loadgroup)
+pytestmark = pytest.mark.xdist_group("test_collective")
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DEVICES = 8
 RINGS = (2, 4, DEVICES)

@@ -20,6 +20,9 @@ import sys
 
 import pytest
 
+# Its tests share one expensive module fixture: pytest-xdist keeps them on one worker (--dist loadgroup)
+pytestmark = pytest.mark.xdist_group("test_training_sharded")
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DEVICES = 8
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
