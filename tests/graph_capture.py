@@ -15,6 +15,12 @@ def graph_flags(dump_dir: str) -> str:
             f"--xla_dump_to={dump_dir} --xla_dump_hlo_as_text")
 
 
+def child_env(dump_dir: str, **extra: str) -> dict:
+    """The environment of a capture probe run as a child of a GPU test process: graph flags,
+    and no preallocation (the parent already holds most of the GPU's memory)."""
+    return dict(os.environ, XLA_FLAGS=graph_flags(dump_dir), XLA_PYTHON_CLIENT_PREALLOCATE="false", **extra)
+
+
 def report(dump_dir: str, call, runs: int = 5) -> None:
     """Print ``CAPTURED True|False`` and the evidence, after the caller checked correct results
     with new inputs.

@@ -344,7 +344,7 @@ _GRAPH_PROBE = textwrap.dedent("""
 
 def test_captured_in_a_cuda_graph(tmp_path):
     """XLA command buffers (CUDA graphs) capture our custom call, and replays see new inputs."""
-    env = dict(os.environ, JAX_CUTE_STRICT="1", XLA_FLAGS=graph_capture.graph_flags(str(tmp_path)))
+    env = graph_capture.child_env(str(tmp_path), JAX_CUTE_STRICT="1")
     out = subprocess.run([sys.executable, "-c", _GRAPH_PROBE, str(tmp_path), str(pathlib.Path(__file__).parent)],
                          env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -135,14 +135,13 @@ sys.path.insert(0, sys.argv[2]); import graph_capture; graph_capture.report(sys.
 
 def test_captured_in_a_cuda_graph(tmp_path):
     """XLA command buffers capture the grouped kernel; replays with new group sizes are right."""
-    import os
     import pathlib
     import subprocess
     import sys
 
     import graph_capture
 
-    env = dict(os.environ, XLA_FLAGS=graph_capture.graph_flags(str(tmp_path)))
+    env = graph_capture.child_env(str(tmp_path))
     out = subprocess.run([sys.executable, "-c", _GRAPH_PROBE, str(tmp_path), str(pathlib.Path(__file__).parent)],
                          env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]

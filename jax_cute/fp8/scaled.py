@@ -49,7 +49,7 @@ logger = logging.getLogger("jax_cute")
 
 OUT_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32))
 NO_KERNEL = ("no block-scaled fp8 GEMM kernel yet (the Hopper WGMMA kernel with per-128-K f32 promotion "
-             "is to come, issue #44); the scaled product runs as XLA ops with the same two-level accumulation")
+             "is to come); the scaled product runs as XLA ops with the same two-level accumulation")
 
 
 def kernel_refusal(op: str, **spec) -> str | None:
