@@ -38,7 +38,7 @@ def _model(act):
     return mlp
 
 
-@pytest.mark.parametrize("act", ["relu", "gelu", "gelu_exact", "silu"])
+@pytest.mark.parametrize("act", ["relu", "gelu", "gelu_exact", "silu", "relu2"])
 @pytest.mark.parametrize("m,d,f", SIZES)
 def test_kernelized_mlp_backward_fuses_the_derivative(act, m, d, f):
     rng = np.random.default_rng(zlib.crc32(repr(("dact", act, m, d, f)).encode()))

@@ -597,7 +597,7 @@ _DACT_TOL = {"bfloat16": 1e-2, "float16": 1e-2, "float32": 1e-4}
 
 
 @pytest.mark.parametrize("which", ["pick", "coop", "ring", "pingpong"])
-@pytest.mark.parametrize("dact", ["relu", "gelu", "gelu_exact", "silu"])
+@pytest.mark.parametrize("dact", ["relu", "gelu", "gelu_exact", "silu", "relu2"])
 def test_dact_epilogue(dact, which):
     """Every activation's derivative in the tiles a dact product takes: the heuristic's pick,
     the cooperative 128x256 tile with its whole-share epilogue and with the ring, pingpong
@@ -613,7 +613,7 @@ def test_dact_epilogue(dact, which):
 @pytest.mark.parametrize("a_dtype, c_dtype, c_major", [("bfloat16", "bfloat16", "m"), ("float16", "float16", "n"),
                                                        ("bfloat16", "float32", "n"), ("float16", "float32", "m"),
                                                        ("float8_e4m3fn", "bfloat16", "n")])
-@pytest.mark.parametrize("dact", ["relu", "gelu", "gelu_exact", "silu"])
+@pytest.mark.parametrize("dact", ["relu", "gelu", "gelu_exact", "silu", "relu2"])
 def test_dact_dtypes_and_layouts(dact, a_dtype, c_dtype, c_major, which):
     """fp16, fp32 (the accurate forms) and 8-bit-input products, C and Z contiguous along M."""
     spec = GemmSpec(a_dtype, a_dtype, c_dtype, "k", "k", c_major, dact=dact)
