@@ -67,6 +67,7 @@ _UNIFIED_JAXPR = ClosedJaxpr is Jaxpr
 ENTERED = frozenset({"jit", "pjit", "closed_call", "core_call", "call", "eval_jaxpr", "remat2", "checkpoint",
                      "scan", "while", "cond", "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
 
+_FP8 = {np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2)}
 _KERNEL_INPUTS = {np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float8_e4m3fn),
                   np.dtype(jnp.float8_e5m2)}
 _KERNEL_OUTPUTS = {np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32)}
@@ -137,8 +138,8 @@ def _dtype_refusal(lhs, rhs, out) -> str | None:
     a, b, c = np.dtype(lhs.dtype), np.dtype(rhs.dtype), np.dtype(out.dtype)
     if jnp.issubdtype(a, jnp.integer) or jnp.issubdtype(b, jnp.integer) or a == bool or b == bool:
         return f"integer product ({a.name} x {b.name}): XLA's exact integer dot is kept (no jax_cute integer kernel)"
-    if a != b:
-        return f"operand dtypes differ ({a.name} x {b.name}); the kernels take one input dtype"
+    if a != b and not {a, b} <= _FP8:
+        return f"operand dtypes differ ({a.name} x {b.name}); the kernels take one input dtype (or fp8 x fp8)"
     if a not in _KERNEL_INPUTS:
         return f"{a.name} operands: the kernels take bfloat16, float16 or float8 inputs"
     if c not in _KERNEL_OUTPUTS:

@@ -349,3 +349,13 @@ def test_captured_in_a_cuda_graph(tmp_path):
                          env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "CAPTURED True" in out.stdout, out.stdout + out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("da,db", [(jnp.float8_e4m3fn, jnp.float8_e5m2), (jnp.float8_e5m2, jnp.float8_e4m3fn)])
+def test_mixed_fp8_inputs(da, db):
+    """e4m3 x e5m2 (lax.dot_general's rule: no promotion) on one WGMMA, against f32 products of
+    the same values."""
+    x, w = rand((1000, 784), da), rand((1032, 784), db)
+    f = lambda a, b: jax_cute.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.bfloat16)  # noqa: E731
+    assert_ours(f, x, w, calls=1)
+    check(jax.jit(f)(x, w), ref_mm(x, w, tb=True), jnp.bfloat16)

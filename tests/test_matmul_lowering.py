@@ -160,6 +160,16 @@ def test_fp8_inputs_run_the_kernel_when_both_are_k_major(dtype):
     assert "float8" in text and "sm90_gemm.float8" in text
 
 
+def test_e4m3_by_e5m2_runs_one_kernel():
+    """lax.dot_general keeps e4m3fn x e5m2 as it is (no promotion): one WGMMA kernel takes both."""
+    args = [jax.ShapeDtypeStruct((256, 128), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((64, 128), jnp.float8_e5m2)]
+    f = lambda x, w: jax_cute.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=BF16)  # noqa: E731
+    with config.override(target_arch="sm_90a"):
+        text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert_copy_free(text, 1)
+    assert "sm90_gemm.float8_e4m3fn.float8_e5m2" in text
+
+
 def test_fp8_gradients_run_on_the_bf16_kernel():
     def loss(x, w):
         return jax_cute.matmul(x, w, transpose_b=True, preferred_element_type=jnp.float32).sum()

@@ -255,6 +255,16 @@ def test_compile_fp8(in_dt, out_dt, cfg):
     assert "cp.async.bulk.tensor" in binary.ptx
 
 
+@pytest.mark.parametrize("a_dt,b_dt", [("float8_e4m3fn", "float8_e5m2"), ("float8_e5m2", "float8_e4m3fn")])
+def test_compile_mixed_fp8(a_dt, b_dt):
+    # WGMMA multiplies e4m3 by e5m2 in one instruction: each operand keeps its own type
+    spec = GemmSpec(a_dt, b_dt, BF, "k", "k", "n")
+    assert sm90_gemm.unsupported(spec) is None
+    cfg = sm90_gemm.heuristic(spec, 1000, 1032, 784, 1)
+    kinds = [d.split("_")[1][:4] for d in (a_dt, b_dt)]
+    assert f"k32.f32.{kinds[0]}.{kinds[1]}" in _compile(spec, cfg).ptx
+
+
 def test_fp8_heuristic_takes_pingpong_where_waves_waste():
     # 8-bit k-tiles run twice as fast, so a cooperative tile's exposed epilogue weighs twice as
     # much: 128x160 pingpong ran fp8 4096x14336x4096 at 1323 against 1252 TFLOP/s for the

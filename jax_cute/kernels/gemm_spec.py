@@ -17,7 +17,9 @@ from jax_cute.kernels.abi import DYN, Dyn, Signature, StreamArg, TensorArg
 
 # Dtypes some family of some arch takes: a product outside them has no kernel anywhere, which
 # is known when it is traced, on any platform.
-GEMM_INPUT_DTYPES = ("bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")
+# one dtype for both operands, as ``inputs_name`` names it; fp8 may mix e4m3 and e5m2
+GEMM_INPUT_DTYPES = ("bfloat16", "float16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fn x float8_e5m2",
+                     "float8_e5m2 x float8_e4m3fn")
 GROUPED_INPUT_DTYPES = ("bfloat16", "float16")
 OUTPUT_DTYPES = ("bfloat16", "float16", "float32")
 

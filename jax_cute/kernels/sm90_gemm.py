@@ -126,8 +126,8 @@ def unsupported(spec) -> str | None:
         return f"{FAMILY} runs dense GEMMs only, not {type(spec).__name__}"
     if spec.a_dtype not in _IN_DTYPES:
         return f"{FAMILY}: input dtype {spec.a_dtype} not supported ({', '.join(_IN_DTYPES)})"
-    if spec.b_dtype != spec.a_dtype:
-        return f"{FAMILY}: A and B must share a dtype ({spec.a_dtype} vs {spec.b_dtype})"
+    if spec.b_dtype != spec.a_dtype and not (spec.a_dtype in _FP8 and spec.b_dtype in _FP8):
+        return f"{FAMILY}: A and B must share a dtype, or both be fp8 ({spec.a_dtype} vs {spec.b_dtype})"
     if spec.a_dtype in _FP8 and (spec.a_major, spec.b_major) != ("k", "k"):
         # WGMMA takes 8-bit operands from shared memory only K-major (contiguous along K)
         return (f"{FAMILY}: fp8 inputs need A and B contiguous along K (A {spec.a_major}-major, "

@@ -183,14 +183,15 @@ class Sm90Gemm(Sm90Epilogue):
             a, b, c = cute.group_modes(a, 2, 5), cute.group_modes(b, 2, 5), cute.group_modes(c, 2, 5)
             if const_expr(self.preact):
                 d = cute.group_modes(d, 2, 5)
-        ab_t, c_t = a.element_type, c.element_type
-        self.ab_t, self.c_t = ab_t, c_t
+        # A and B share a dtype, except fp8, where WGMMA multiplies e4m3 by e5m2 as well
+        a_t, b_t, c_t = a.element_type, b.element_type, c.element_type
+        self.a_t, self.b_t, self.c_t = a_t, b_t, c_t
         a_lay, b_lay = LayoutEnum.from_tensor(a), LayoutEnum.from_tensor(b)
         c_lay = LayoutEnum.from_tensor(c)
         self.c_lay = c_lay
         def warpgroups_mma(along_m):
             return sm90_utils.make_trivial_tiled_mma(
-                ab_t, ab_t, a_lay.sm90_mma_major_mode(), b_lay.sm90_mma_major_mode(), Float32,
+                a_t, b_t, a_lay.sm90_mma_major_mode(), b_lay.sm90_mma_major_mode(), Float32,
                 (along_m, 1, 1), tiler_mn=(64, self.bn))
         tiled_mma = warpgroups_mma(1 if self.pp else 2)
         # one warpgroup's 64 x bn share of the tile: the epilogue's register layout
@@ -200,11 +201,11 @@ class Sm90Gemm(Sm90Epilogue):
         # Swizzled smem layouts WGMMA reads directly (128B atoms along the major mode).
         sa = cute.tile_to_shape(
             warpgroup.make_smem_layout_atom(
-                sm90_utils.get_smem_layout_atom(a_lay, ab_t, self.bk if a_k else self.bm), ab_t),
+                sm90_utils.get_smem_layout_atom(a_lay, a_t, self.bk if a_k else self.bm), a_t),
             (self.bm, self.bk, self.ab_stages), order=(0, 1, 2) if a_k else (1, 0, 2))
         sb = cute.tile_to_shape(
             warpgroup.make_smem_layout_atom(
-                sm90_utils.get_smem_layout_atom(b_lay, ab_t, self.bk if b_k else self.bn), ab_t),
+                sm90_utils.get_smem_layout_atom(b_lay, b_t, self.bk if b_k else self.bn), b_t),
             (self.bn, self.bk, self.ab_stages), order=(0, 1, 2) if b_k else (1, 0, 2))
         c_n = c_lay.is_n_major_c()
         sc = cute.tile_to_shape(
@@ -252,8 +253,8 @@ class Sm90Gemm(Sm90Epilogue):
         class Storage:
             bars: cute.struct.MemRange[cutlass.Int64, self.ab_stages * 2]
             last: cute.struct.MemRange[cutlass.Int32, 4]
-            sA: cute.struct.Align[cute.struct.MemRange[ab_t, cute.cosize(sa)], 1024]
-            sB: cute.struct.Align[cute.struct.MemRange[ab_t, cute.cosize(sb)], 1024]
+            sA: cute.struct.Align[cute.struct.MemRange[a_t, cute.cosize(sa)], 1024]
+            sB: cute.struct.Align[cute.struct.MemRange[b_t, cute.cosize(sb)], 1024]
             sC: cute.struct.Align[cute.struct.MemRange[c_t, cute.cosize(sc)], 1024]
 
         self.storage = Storage
@@ -304,8 +305,8 @@ class Sm90Gemm(Sm90Epilogue):
 
         smem = memory.SmemAllocator()
         st = smem.allocate(self.storage)
-        stage_bytes = cute.size_in_bytes(self.ab_t, cute.slice_(sa_layout, (None, None, 0))) + \
-            cute.size_in_bytes(self.ab_t, cute.slice_(sb_layout, (None, None, 0)))
+        stage_bytes = cute.size_in_bytes(self.a_t, cute.slice_(sa_layout, (None, None, 0))) + \
+            cute.size_in_bytes(self.b_t, cute.slice_(sb_layout, (None, None, 0)))
         # Every consumer warp releases a stage to each CTA that multicasts into it.
         mcast = self.cm + self.cn - 1
         ab_pipe = pipeline.PipelineTmaAsync.create(
