@@ -50,9 +50,11 @@ def test_unsupported_reasons():
     assert sm90_gemm.unsupported(GemmSpec(BF, BF, BF)) is None
     assert sm90_gemm.unsupported(GemmSpec(F16, F16, F32, "m", "n", "m")) is None
     assert sm90_gemm.unsupported(GemmSpec("float8_e4m3fn", "float8_e4m3fn", BF, "k", "k", "n")) is None
+    assert sm90_gemm.unsupported(GemmSpec("float8_e4m3fn", "float8_e5m2", BF, "k", "k", "n")) is None
     for bad in (GemmSpec("float8_e4m3fn", "float8_e4m3fn", BF, "k", "n", "n"),
                 GemmSpec("float8_e5m2", "float8_e5m2", F32, "m", "k", "n"),
-                GemmSpec("float8_e4m3fn", "float8_e5m2", BF), GemmSpec(BF, F16, BF), GemmSpec(BF, BF, "int32"),
+                GemmSpec("float8_e4m3fn", "float8_e5m2", BF, "k", "n", "n"), GemmSpec(BF, F16, BF),
+                GemmSpec(BF, "float8_e4m3fn", BF, "k", "k", "n"), GemmSpec(BF, BF, "int32"),
                 GemmSpec(F32, F32, F32), GemmSpec(BF, BF, BF, acc_dtype=F16), GroupedSpec("ragged_m", BF, BF, BF)):
         reason = sm90_gemm.unsupported(bad)
         assert isinstance(reason, str) and reason, bad

@@ -386,31 +386,25 @@ def _infer(call: _Call, mesh, arg_shapes, result_shape):
     return _gemm_shardings(mesh, _plan_for(call, mesh, arg_shapes, warn=False), len(arg_shapes) == 5)[1]
 
 
-def _sdy_rule(call: _Call, mesh, operand_types, result_types) -> SdyShardingRule:
-    kw = call.kwargs
-    (_, m, k), n = operand_types[0].shape, operand_types[2].shape[1]
-    sizes: dict[str, int] = {}
-    separate: list[str] = []
+def _blocked(name: str, extent: int, block: int, *, sizes: dict, separate: list):
+    """(values' axis, scales' axis) of a Shardy rule: one factor where blocks divide the extent
+    (a compound of the block count and the in-block factor, recorded in ``sizes``), else two
+    unrelated factors, replicated (added to ``separate``)."""
+    if block == 1:
+        return name, name
+    if extent % block == 0 and extent > block:  # (Shardy: no size-1 factor in a compound)
+        sizes[f"{name}i"] = block
+        return CompoundFactor(f"{name}b", f"{name}i"), f"{name}b"
+    separate.extend([name, f"{name}s"])
+    return name, f"{name}s"
 
-    def blocked(name: str, extent: int, block: int):
-        """(values' axis, scales' axis): one factor where blocks divide the extent (a compound
-        of the block count and the in-block factor), else two unrelated factors (replicated)."""
-        if block == 1:
-            return name, name
-        if extent % block == 0 and extent > block:  # (Shardy: no size-1 factor in a compound)
-            sizes[f"{name}i"] = block
-            return CompoundFactor(f"{name}b", f"{name}i"), f"{name}b"
-        separate.extend([name, f"{name}s"])
-        return name, f"{name}s"
 
-    mv, ms = blocked("m", m, kw["a_block"])
-    nv, ns = blocked("n", n, kw["b_block"])
-    kv, ks = blocked("k", k, BLOCK)
-    maps = [ArrayMapping("l", mv, kv), ArrayMapping("l", ms, ks), ArrayMapping("l", nv, kv), ArrayMapping("l", ns, ks)]
-    if len(operand_types) == 5:
-        maps.append(ArrayMapping(nv))
-    gated = is_gated(kw["activation"])
-    out = ArrayMapping("l", mv, "ng" if gated else nv)
+def _sdy_rule_with_output(maps: list, out_lead: tuple, nv, activation, separate: list, k: int,
+                          sizes: dict) -> SdyShardingRule:
+    """The Shardy rule of operand mappings ``maps`` and an output of leading factors ``out_lead``
+    then N (its own factor for a gated activation, which keeps N whole)."""
+    gated = is_gated(activation)
+    out = ArrayMapping(*out_lead, "ng" if gated else nv)
     if gated:
         separate.append("ng")
     # Shardy numbers factors in order of first appearance and wants the special ones in that order
@@ -421,12 +415,36 @@ def _sdy_rule(call: _Call, mesh, operand_types, result_types) -> SdyShardingRule
                            need_replication_factors=tuple(sorted(set(separate), key=rank.__getitem__)), **sizes)
 
 
-def _gemm_body(call: _Call, *args):
+def _body(name: str) -> Callable:
+    """The body custom_partitioning runs per shard for the primitive ``name``: its local kernel or
+    reference, traced without the caller's mesh."""
+    def body(call: _Call, *args):
+        kw = call.kwargs
+        cuda = kw.pop("cuda")
+        with sharding.unmeshed():
+            avals = tuple(jax.core.ShapedArray(x.shape, x.dtype) for x in args)
+            return jax.jit(_local(name, avals, kw, cuda))(*args)
+    return body
+
+
+def _sdy_rule(call: _Call, mesh, operand_types, result_types) -> SdyShardingRule:
     kw = call.kwargs
-    cuda = kw.pop("cuda")
-    with sharding.unmeshed():
-        avals = tuple(jax.core.ShapedArray(x.shape, x.dtype) for x in args)
-        return jax.jit(_local("jax_cute_scaled_gemm", avals, kw, cuda))(*args)
+    (_, m, k), n = operand_types[0].shape, operand_types[2].shape[1]
+    sizes: dict[str, int] = {}
+    separate: list[str] = []
+
+    blocked = functools.partial(_blocked, sizes=sizes, separate=separate)
+
+    mv, ms = blocked("m", m, kw["a_block"])
+    nv, ns = blocked("n", n, kw["b_block"])
+    kv, ks = blocked("k", k, BLOCK)
+    maps = [ArrayMapping("l", mv, kv), ArrayMapping("l", ms, ks), ArrayMapping("l", nv, kv), ArrayMapping("l", ns, ks)]
+    if len(operand_types) == 5:
+        maps.append(ArrayMapping(nv))
+    return _sdy_rule_with_output(maps, ("l", mv), nv, kw["activation"], separate, k, sizes)
+
+
+_gemm_body = _body("jax_cute_scaled_gemm")
 
 
 _partitioned_gemm = custom_partitioning(_gemm_body, static_argnums=(0,))
@@ -513,14 +531,7 @@ def _ragged_sdy_rule(call: _Call, mesh, operand_types, result_types) -> SdyShard
     sizes: dict[str, int] = {}
     separate: list[str] = ["g"]
 
-    def blocked(name: str, extent: int, block: int):
-        if block == 1:
-            return name, name
-        if extent % block == 0 and extent > block:
-            sizes[f"{name}i"] = block
-            return CompoundFactor(f"{name}b", f"{name}i"), f"{name}b"
-        separate.extend([name, f"{name}s"])
-        return name, f"{name}s"
+    blocked = functools.partial(_blocked, sizes=sizes, separate=separate)
 
     nv, ns = blocked("n", n, kw["b_block"])
     kv, ks = blocked("k", k, BLOCK)
@@ -528,23 +539,10 @@ def _ragged_sdy_rule(call: _Call, mesh, operand_types, result_types) -> SdyShard
             ArrayMapping("g")]
     if len(operand_types) == 6:
         maps.append(ArrayMapping("g", nv))
-    gated = is_gated(kw["activation"])
-    out = ArrayMapping("m", "ng" if gated else nv)
-    if gated:
-        separate.append("ng")
-    order = [f for mp in (*maps, out) for d in mp for f in ((d,) if isinstance(d, str) else tuple(d))]
-    rank = {f: i for i, f in reversed(list(enumerate(order)))}
-    reduction = ("kb",) if k % BLOCK == 0 and k > BLOCK else ()
-    return SdyShardingRule(tuple(maps), (out,), reduction_factors=reduction,
-                           need_replication_factors=tuple(sorted(set(separate), key=rank.__getitem__)), **sizes)
+    return _sdy_rule_with_output(maps, ("m",), nv, kw["activation"], separate, k, sizes)
 
 
-def _ragged_body(call: _Call, *args):
-    kw = call.kwargs
-    cuda = kw.pop("cuda")
-    with sharding.unmeshed():
-        avals = tuple(jax.core.ShapedArray(x.shape, x.dtype) for x in args)
-        return jax.jit(_local("jax_cute_scaled_ragged_m", avals, kw, cuda))(*args)
+_ragged_body = _body("jax_cute_scaled_ragged_m")
 
 
 _partitioned_ragged_m = custom_partitioning(_ragged_body, static_argnums=(0,))
