@@ -42,6 +42,8 @@ def _private_kernel_cache(tmp_path_factory):
         if os.environ.get("PYTEST_XDIST_WORKER"):
             path = tmp_path_factory.getbasetemp().parent / "jax_cute_cache"
             os.makedirs(path, mode=0o700, exist_ok=True)
+            # and the subprocess fixtures' results (tests/shared_result.py)
+            os.environ["JAX_CUTE_TEST_SHARED"] = str(tmp_path_factory.getbasetemp().parent / "shared_results")
         else:
             path = tmp_path_factory.mktemp("jax_cute_cache")
         os.environ["JAX_CUTE_CACHE_DIR"] = str(path)

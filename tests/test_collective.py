@@ -17,11 +17,9 @@ import subprocess
 import sys
 
 import pytest
+import shared_result  # tests/ is on sys.path: under pytest, and run as a script
 
 from test_sharding import spec_json  # tests/ is on sys.path: under pytest, and run as a script
-
-# Its tests share one expensive module fixture: pytest-xdist keeps them on one worker (--dist loadgroup)
-pytestmark = pytest.mark.xdist_group("test_collective")
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DEVICES = 8
@@ -111,14 +109,18 @@ def test_config_switch_values(monkeypatch):
 
 # -- multi-device checks (subprocess) -----------------------------------------------------------
 
-@functools.lru_cache(maxsize=None)
-def _results(shardy: bool) -> dict:
+def _run(shardy: bool) -> dict:
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={DEVICES}", "JAX_PLATFORMS": "cpu",
            "JAX_USE_SHARDY_PARTITIONER": "1" if shardy else "0"}
     env.pop("JAX_CUTE_COLLECTIVE_MATMUL", None)
     proc = subprocess.run([sys.executable, __file__], env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@functools.lru_cache(maxsize=None)
+def _results(shardy: bool) -> dict:
+    return shared_result.once(f"test_collective-{'shardy' if shardy else 'gspmd'}", lambda: _run(shardy))
 
 
 @pytest.fixture(scope="module", params=[True, False], ids=["shardy", "gspmd"])

@@ -16,9 +16,7 @@ import subprocess
 import sys
 
 import pytest
-
-# Its tests share one expensive module fixture: pytest-xdist keeps them on one worker (--dist loadgroup)
-pytestmark = pytest.mark.xdist_group("test_fp8_sharded")
+import shared_result  # tests/ is on sys.path: under pytest, and run as a script
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all")
@@ -124,13 +122,17 @@ def _worker() -> dict:
     return out
 
 
-@pytest.fixture(scope="module")
-def results() -> dict:
+def _run() -> dict:
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, cwd=ROOT,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def results() -> dict:
+    return shared_result.once("test_fp8_sharded", _run)
 
 
 def test_data_and_model_parallel_dense_product(results):

@@ -16,9 +16,7 @@ import subprocess
 import sys
 
 import pytest
-
-# Its tests share one expensive module fixture: pytest-xdist keeps them on one worker (--dist loadgroup)
-pytestmark = pytest.mark.xdist_group("test_sharding")
+import shared_result  # tests/ is on sys.path: under pytest, and run as a script
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DEVICES = 8
@@ -132,7 +130,8 @@ def _run_worker(devices: int, *argv: str, shardy: bool = True) -> dict:
 
 @functools.lru_cache(maxsize=None)
 def _results(shardy: bool) -> dict:
-    return _run_worker(DEVICES, shardy=shardy)
+    return shared_result.once(f"test_sharding-{'shardy' if shardy else 'gspmd'}",
+                              lambda: _run_worker(DEVICES, shardy=shardy))
 
 
 @pytest.fixture(scope="module", params=[True, False], ids=["shardy", "gspmd"])
@@ -247,7 +246,7 @@ def test_layout_that_cannot_follow_a_sharding_runs_replicated(results):
 
 @pytest.fixture(scope="module", params=[1, 2, DEVICES], ids=lambda n: f"{n}dev")
 def typed(request):
-    return _run_worker(request.param, "types")
+    return shared_result.once(f"test_sharding-types-{request.param}", lambda: _run_worker(request.param, "types"))
 
 
 @pytest.mark.parametrize("mode", ["explicit", "auto"])

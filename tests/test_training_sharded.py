@@ -19,9 +19,7 @@ import subprocess
 import sys
 
 import pytest
-
-# Its tests share one expensive module fixture: pytest-xdist keeps them on one worker (--dist loadgroup)
-pytestmark = pytest.mark.xdist_group("test_training_sharded")
+import shared_result  # tests/ is on sys.path: under pytest, and run as a script
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DEVICES = 8
@@ -171,13 +169,17 @@ def _worker() -> dict:
 
 # -- the tests ------------------------------------------------------------------------------------
 
-@functools.lru_cache(maxsize=None)
-def _results() -> dict:
+def _run() -> dict:
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={DEVICES}", "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run([sys.executable, __file__], env=env, cwd=ROOT, capture_output=True, text=True,
                           timeout=1200)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@functools.lru_cache(maxsize=None)
+def _results() -> dict:
+    return shared_result.once("test_training_sharded", _run)
 
 
 @pytest.fixture(scope="module")
