@@ -1,4 +1,5 @@
-"""A test result computed once per test run and shared by pytest-xdist's workers.
+"""Test results computed once per test run and shared by pytest-xdist's workers: the subprocess
+fixtures' results, and kernels the compile tests build with their PTX.
 
 The subprocess fixtures (8 CPU devices) take minutes; under pytest-xdist each worker that runs
 one of their tests would compute them again. ``once`` lets the first worker compute a result
@@ -8,10 +9,13 @@ names in ``JAX_CUTE_TEST_SHARED`` for its workers.
 
 from __future__ import annotations
 
+import base64
 import fcntl
+import hashlib
 import json
 import os
 import pathlib
+import pickle
 from typing import Callable
 
 
@@ -29,3 +33,21 @@ def once(key: str, compute: Callable[[], dict]) -> dict:
         result = compute()
         path.write_text(json.dumps(result))
         return result
+
+
+_compiled: dict = {}
+
+
+def compiled(family, spec, cfg, name: str):
+    """``family``'s kernel for (``spec``, ``cfg``) compiled with its PTX kept: compiled once per
+    test run (per process without pytest-xdist), whichever compile test asks first."""
+    from jax_cute.kernels import build
+
+    key = hashlib.sha256(f"{family.FAMILY}|{family.ARCH}|{spec!r}|{cfg!r}".encode()).hexdigest()[:32]
+    if key not in _compiled:
+        def compile_it():
+            binary = build.compile_launcher(family.launcher(spec, cfg), family.signature(spec, cfg),
+                                            arch=family.ARCH, name=name, keep_ptx=True)
+            return base64.b64encode(pickle.dumps(binary)).decode()
+        _compiled[key] = pickle.loads(base64.b64decode(once(f"kernel-{key}", lambda: {"pickle": compile_it()})["pickle"]))
+    return _compiled[key]

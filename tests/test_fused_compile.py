@@ -13,6 +13,7 @@ import logging
 import jax
 import jax.numpy as jnp
 import pytest
+import shared_result  # tests/ is on sys.path under pytest
 
 import jax_cute
 from jax_cute import config
@@ -26,10 +27,7 @@ SHAPES = [(8192, 14336, 4096, 1), (8192, 4096, 14336, 1), (4096, 4096, 4096, 1),
 
 def _compile(spec: GemmSpec, cfg: sm90_gemm.Config):
     pytest.importorskip("cutlass")
-    from jax_cute.kernels import build
-
-    binary = build.compile_launcher(sm90_gemm.launcher(spec, cfg), sm90_gemm.signature(spec, cfg),
-                                    arch="sm_90a", name=f"test_{spec.key()}_{cfg.key()}", keep_ptx=True)
+    binary = shared_result.compiled(sm90_gemm, spec, cfg, f"test_{spec.key()}_{cfg.key()}")
     ptx = binary.ptx or ""
     assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
     res = cubin_info.resources(binary.obj)

@@ -6,10 +6,11 @@ run on hardware (see docs/blackwell.md).
 """
 
 import pytest
+import shared_result  # tests/ is on sys.path under pytest
 
 pytest.importorskip("cutlass")
 
-from jax_cute.kernels import build, sm100_gemm, sm100_grouped  # noqa: E402
+from jax_cute.kernels import sm100_gemm, sm100_grouped  # noqa: E402
 from jax_cute.kernels.gemm_spec import GemmSpec, GroupedSpec  # noqa: E402
 
 COMMON = ("tcgen05.mma", "tcgen05.alloc", "tcgen05.dealloc", "tcgen05.ld", "tcgen05.commit",
@@ -22,8 +23,7 @@ def _ptx(binary) -> str:
 
 def _compile(family, spec, cfg):
     name = f"{family.FAMILY}_{spec.key()}_{cfg.key()}"
-    binary = build.compile_launcher(family.launcher(spec, cfg), family.signature(spec, cfg),
-                                    arch=family.ARCH, name=name, keep_ptx=True)
+    binary = shared_result.compiled(family, spec, cfg, name)
     assert binary.obj[:4] == b"\x7fELF"
     return _ptx(binary)
 

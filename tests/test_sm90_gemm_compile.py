@@ -5,6 +5,7 @@ import re
 import warnings
 
 import pytest
+import shared_result  # tests/ is on sys.path under pytest
 
 from jax_cute.kernels import cubin_info, sm90_gemm
 from jax_cute.kernels.gemm_spec import GemmSpec, GroupedSpec
@@ -19,12 +20,10 @@ ODD = [(1, 1, 1, 1), (64, 4096, 16384, 1), (256, 4096, 8192, 1), (1000, 1032, 77
 def _compile(spec, cfg):
     pytest.importorskip("cutlass")
     import os
-    from jax_cute.kernels import build
     # the DSL writes the kept PTX there and reads it back: it must exist
     os.makedirs(os.environ.get("CUTE_DSL_DUMP_DIR") or ".", exist_ok=True)
     name = f"test_{spec.key()}_{cfg.key()}"
-    binary = build.compile_launcher(sm90_gemm.launcher(spec, cfg), sm90_gemm.signature(spec, cfg),
-                                    arch="sm_90a", name=name, keep_ptx=True)
+    binary = shared_result.compiled(sm90_gemm, spec, cfg, name)
     ptx = binary.ptx or ""
     assert binary.obj, "empty object"
     assert "wgmma.mma_async" in ptx
