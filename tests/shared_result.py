@@ -9,29 +9,30 @@ names in ``JAX_CUTE_TEST_SHARED`` for its workers.
 
 from __future__ import annotations
 
-import base64
 import fcntl
 import hashlib
 import json
 import os
 import pathlib
 import pickle
-from typing import Callable
+from typing import Any, Callable
 
 
-def once(key: str, compute: Callable[[], dict]) -> dict:
-    """``compute()``, or the result a worker of this test run already computed for ``key``."""
+def once(key: str, compute: Callable[[], Any], *, dumps: Callable[[Any], bytes] = lambda r: json.dumps(r).encode(),
+         loads: Callable[[bytes], Any] = json.loads) -> Any:
+    """``compute()``, or the result a worker of this test run already computed for ``key``
+    (stored as ``dumps`` writes it: JSON unless told otherwise)."""
     shared = os.environ.get("JAX_CUTE_TEST_SHARED")
     if not shared:
         return compute()
-    path = pathlib.Path(shared) / f"{key}.json"
+    path = pathlib.Path(shared) / f"{key}.result"
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         if path.exists():
-            return json.loads(path.read_text())
+            return loads(path.read_bytes())
         result = compute()
-        path.write_text(json.dumps(result))
+        path.write_bytes(dumps(result))
         return result
 
 
@@ -45,9 +46,7 @@ def compiled(family, spec, cfg, name: str):
 
     key = hashlib.sha256(f"{family.FAMILY}|{family.ARCH}|{spec!r}|{cfg!r}".encode()).hexdigest()[:32]
     if key not in _compiled:
-        def compile_it():
-            binary = build.compile_launcher(family.launcher(spec, cfg), family.signature(spec, cfg),
-                                            arch=family.ARCH, name=name, keep_ptx=True)
-            return base64.b64encode(pickle.dumps(binary)).decode()
-        _compiled[key] = pickle.loads(base64.b64decode(once(f"kernel-{key}", lambda: {"pickle": compile_it()})["pickle"]))
+        _compiled[key] = once(f"kernel-{key}", lambda: build.compile_launcher(
+            family.launcher(spec, cfg), family.signature(spec, cfg), arch=family.ARCH, name=name, keep_ptx=True),
+            dumps=pickle.dumps, loads=pickle.loads)
     return _compiled[key]
