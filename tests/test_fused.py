@@ -423,3 +423,17 @@ def test_cuda_lowering_of_gradients():
     text = lowered(jax.grad(f, argnums=(0, 1, 2)), (256, 128), (128, 256), (256,))
     assert text.count("stablehlo.custom_call @jax_cute_launch") == 3
     assert "dot_general" not in text
+
+
+@pytest.mark.parametrize("name", jax_cute.activations.names(gated=False))
+def test_the_gpu_tests_float64_reference_knows_every_activation(name):
+    """The GPU tests check the kernels against their own float64 activations: a new registry
+    entry without one there fails them all on the GPU only, so it is caught here."""
+    from test_gpu_fused import _act64
+
+    z = np.linspace(-3, 3, 61)
+    y, dy = _act64(name, z)
+    want_y = apply_activation(name, jnp.asarray(z, jnp.float32))
+    want_dy = jax.vmap(jax.grad(lambda t: apply_activation(name, t)))(jnp.asarray(z, jnp.float32))
+    np.testing.assert_allclose(y, want_y, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(dy, want_dy, rtol=1e-5, atol=1e-6)

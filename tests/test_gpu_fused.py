@@ -63,6 +63,8 @@ def _act64(name, z):
     if name == "silu":
         s = 1 / (1 + np.exp(-z))
         return z * s, s * (1 + z * (1 - s))
+    if name == "relu2":
+        return np.maximum(z, 0) ** 2, 2 * np.maximum(z, 0)
     raise ValueError(name)
 
 
