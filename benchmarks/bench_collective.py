@@ -1,27 +1,42 @@
 """Collective suite: tensor-parallel products with their all-gather / reduce-scatter, on all visible devices.
 
 Rows, interleaved in one process on fresh random data (common.measure):
-- jax_cute: the ring of ``JAX_CUTE_COLLECTIVE_MATMUL=bidirectional`` (primitives/collective.py);
-  jax_cute_unidirectional: the one-way ring;
+- jax_cute: the ring of ``JAX_CUTE_COLLECTIVE_MATMUL=bidirectional`` (primitives/collective.py),
+  its chunk GEMMs leaving ``JAX_CUTE_RING_SMS`` SMs free (the switch's value in this process);
+  jax_cute_sms<R>: the same ring leaving R SMs free, for each R in ``BENCH_COLLECTIVE_RING_SMS``
+  (default 0: GEMMs on every SM); jax_cute_unidirectional: the one-way ring;
 - jax_cute_no_ring: the switch off: XLA's all-gather then our GEMM, or our GEMM then XLA's
   reduce-scatter;
 - xla: ``jnp.dot`` with the same shardings (XLA's default: NCCL collective, then cuBLAS);
 - pallas: Pallas' Mosaic GPU ``all_gather_lhs_matmul`` (all-gather cases, Hopper only);
 - local_gemm: the same per-device GEMMs on inputs already where they are needed (no
   communication): the floor the rings aim at (issue 45: within 1.10x at 2 GPUs).
-XLA's windowed einsum needs process-wide flags (--xla_gpu_multi_streamed_windowed_einsum=true
---xla_gpu_threshold_for_windowed_einsum_mib=0), so this script runs itself once more in a
-subprocess with them, timing xla_windowed interleaved with jax_cute and local_gemm there (table
-``collective_windowed``: compare those rows with each other, not across tables).
+
+XLA's flags hold for a whole process, so each flag set of ``BENCH_COLLECTIVE_FLAG_SETS`` (default
+``windowed``; names in FLAG_SETS) runs in a subprocess of its own, started before this process
+takes the GPUs, its flags added to this process's XLA_FLAGS, its rows in the table
+``collective_<name>`` (compare rows within a table, not across tables):
+- windowed: XLA's windowed einsum (xla_windowed) against the ring and the floor;
+- lhs: XLA's latency-hiding scheduler on, which alone moves async collectives away from
+  their consumers to overlap compute (every row but Pallas');
+- memcpy_p2p: collective-permutes between local GPUs as peer copies on copy engines, no NCCL
+  kernels (``--xla_gpu_use_memcpy_local_p2p=true``); lhs_memcpy_p2p: both;
+- lhs_overlap2: the scheduler allowed two collectives in flight (both directions of a ring; XLA
+  may still keep two permutes over the same devices apart);
+- lhs_windowed: the windowed einsum with the scheduler on.
+Every record holds the process's XLA_FLAGS (``xla_flags``) and ring_sms.
 
     python benchmarks/bench_collective.py --records out.json     (or: run.py --suite collective)
     BENCH_COLLECTIVE_CASES=doc python benchmarks/bench_collective.py ...   (cases whose name has a word)
+    BENCH_COLLECTIVE_RING_SMS=0,8,32 BENCH_COLLECTIVE_FLAG_SETS=windowed,memcpy_p2p python ...
+    BENCH_COLLECTIVE_FLAG_SETS= python ...                       (this process only, its own XLA_FLAGS)
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import fnmatch
 import functools
 import json
 import os
@@ -39,16 +54,58 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jax_cute  # noqa: E402
 from common import Impl, best_of, measure, suite_main  # noqa: E402
 
-WINDOWED_FLAGS = "--xla_gpu_multi_streamed_windowed_einsum=true --xla_gpu_threshold_for_windowed_einsum_mib=0"
 AXIS = "x"
+
+
+@dataclasses.dataclass(frozen=True)
+class FlagSet:
+    """XLA flags for a subprocess, and the rows it times (``rename``: a row's name there)."""
+
+    flags: str
+    rows: tuple[str, ...]
+    rename: tuple[tuple[str, str], ...] = ()
+
+
+WINDOWED = "--xla_gpu_multi_streamed_windowed_einsum=true --xla_gpu_threshold_for_windowed_einsum_mib=0"
+# XLA's GPU scheduler overlaps async collectives with compute only when the latency-hiding
+# scheduler runs (off by default; gpu_hlo_schedule.cc's IsLHSEnabled)
+LHS = "--xla_gpu_enable_latency_hiding_scheduler=true"
+MEMCPY = "--xla_gpu_use_memcpy_local_p2p=true"   # local collective-permutes as peer copies
+OVERLAP2 = "--xla_gpu_experimental_parallel_collective_overlap_limit=2"   # both ring directions in flight
+RING_ROWS = ("jax_cute", "jax_cute_sms*", "jax_cute_unidirectional")
+ALL_BUT_PALLAS = (*RING_ROWS, "jax_cute_no_ring", "xla", "local_gemm")
+_WINDOWED_ROWS = ("jax_cute", "local_gemm", "xla")
+FLAG_SETS = {
+    "windowed": FlagSet(WINDOWED, _WINDOWED_ROWS, (("xla", "xla_windowed"),)),
+    "lhs": FlagSet(LHS, ALL_BUT_PALLAS),
+    "memcpy_p2p": FlagSet(MEMCPY, ALL_BUT_PALLAS),
+    "lhs_memcpy_p2p": FlagSet(f"{LHS} {MEMCPY}", ALL_BUT_PALLAS),
+    "lhs_overlap2": FlagSet(f"{LHS} {OVERLAP2}", ALL_BUT_PALLAS),
+    "lhs_windowed": FlagSet(f"{LHS} {WINDOWED}", _WINDOWED_ROWS, (("xla", "xla_windowed"),)),
+}
 
 
 def _mesh() -> jax.sharding.Mesh:
     return jax.make_mesh((jax.device_count(),), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,))
 
 
-def _ring(mode) -> Callable:
-    return lambda: jax_cute.config.override(collective_matmul=mode)
+def _ring(mode, free_sms: int | None = None) -> Callable:
+    """The context a row lowers in: the ring switch, and the SMs its GEMMs leave free (None: the
+    ring_sms switch as this process has it)."""
+    return lambda: jax_cute.config.override(collective_matmul=mode, ring_sms=free_sms)
+
+
+def _budgets() -> list[int]:
+    """``BENCH_COLLECTIVE_RING_SMS``: the SM budgets timed as rows of their own (jax_cute_sms<R>)."""
+    raw = os.environ.get("BENCH_COLLECTIVE_RING_SMS", "0")
+    return [int(w) for w in raw.split(",") if w.strip()]
+
+
+def _ring_rows(fn: Callable) -> list[Impl]:
+    """The ring's rows for a case computed by ``fn``: the switch's budget, each timed budget, one-way."""
+    return [Impl("jax_cute", fn, context=_ring("bidirectional")),
+            *(Impl(f"jax_cute_sms{r}", fn, context=_ring("bidirectional", r)) for r in _budgets()),
+            Impl("jax_cute_unidirectional", fn, context=_ring("unidirectional"))]
 
 
 def _normal(mesh, shapes_specs, dtype, replicated_copy: bool) -> Callable[[int], tuple]:
@@ -121,8 +178,7 @@ def all_gather_case(mesh, m_shard: int, k: int, n_shard: int, dtype, pallas: boo
     out = _on(mesh, None, AXIS)
     ring = lambda a, b, a_rep: jax_cute.matmul(a, b)  # noqa: E731
     impls = [
-        Impl("jax_cute", ring, context=_ring("bidirectional")),
-        Impl("jax_cute_unidirectional", lambda a, b, a_rep: jax_cute.matmul(a, b), context=_ring("unidirectional")),
+        *_ring_rows(ring),
         Impl("jax_cute_no_ring", lambda a, b, a_rep: jax_cute.matmul(_constrain(mesh, a, None, None), b),
              context=_ring(False)),
         Impl("xla", lambda a, b, a_rep: jnp.dot(a, b)),
@@ -142,8 +198,7 @@ def reduce_scatter_case(mesh, m: int, k_shard: int, n_out: int, dtype):
     local = jax.shard_map(jax_cute.matmul, mesh=mesh, in_specs=(P(None, AXIS), P(AXIS, None)), out_specs=P(),
                           check_vma=False)
     impls = [
-        Impl("jax_cute", lambda a, b: jax_cute.matmul(a, b), context=_ring("bidirectional")),
-        Impl("jax_cute_unidirectional", lambda a, b: jax_cute.matmul(a, b), context=_ring("unidirectional")),
+        *_ring_rows(lambda a, b: jax_cute.matmul(a, b)),
         Impl("jax_cute_no_ring", lambda a, b: jax_cute.matmul(a, b), context=_ring(False)),
         Impl("xla", lambda a, b: jnp.dot(a, b)),
         Impl("local_gemm", local, context=_ring(False)),
@@ -174,8 +229,7 @@ def mlp_case(mesh, tokens: int, d: int, hidden: int, dtype, grad: bool):
         return lambda *a: jax.grad(loss, argnums=(0, 1, 2, 3))(*a)
 
     impls = [
-        Impl("jax_cute", step(jax_cute.matmul), context=_ring("bidirectional")),
-        Impl("jax_cute_unidirectional", step(jax_cute.matmul), context=_ring("unidirectional")),
+        *_ring_rows(step(jax_cute.matmul)),
         Impl("jax_cute_no_ring", step(jax_cute.matmul, gather_first=True), context=_ring(False)),
         Impl("xla", step(jnp.dot)),
     ]
@@ -223,18 +277,27 @@ def _cases(args: argparse.Namespace, mesh, on_gpu: bool) -> list[tuple[str, Case
     ]
 
 
-def _run_cases(args: argparse.Namespace, windowed: bool) -> list[dict]:
+def _rows(impls: list[Impl], flag_set: str | None) -> list[Impl]:
+    """The rows a process times: all of them, or a flag set's (renamed as it says)."""
+    if flag_set is None:
+        return impls
+    fs = FLAG_SETS[flag_set]
+    rename = dict(fs.rename)
+    return [dataclasses.replace(im, name=rename.get(im.name, im.name)) for im in impls
+            if any(fnmatch.fnmatchcase(im.name, row) for row in fs.rows)]
+
+
+def _run_cases(args: argparse.Namespace, flag_set: str | None) -> list[dict]:
     mesh = _mesh()
     on_gpu = jax.default_backend() == "gpu"
     rounds = 2 if args.smoke else args.rounds
+    table = "collective" if flag_set is None else f"collective_{flag_set}"
+    meta = {"devices": mesh.size, "xla_flags": os.environ.get("XLA_FLAGS", ""), "ring_sms": jax_cute.config.ring_sms()}
     recs: list[dict] = []
     if mesh.size < 2:
         print("collective suite: one device visible; the products have nothing to communicate", file=sys.stderr)
-    for name, case in cases(args, mesh, on_gpu and not windowed):
-        impls = case.impls
-        if windowed:  # XLA's windowed einsum (this process's flags) against the ring and the floor
-            impls = [im for im in impls if im.name in ("jax_cute", "local_gemm")] + \
-                    [Impl("xla_windowed", im.fn) for im in impls if im.name == "xla"]
+    for name, case in cases(args, mesh, on_gpu and flag_set is None):
+        impls = _rows(case.impls, flag_set)
         if not case.grad:  # (the floor's unreduced sums stay where they are)
             impls = [im if im.name == "local_gemm" and not case.floor_exact else
                      dataclasses.replace(im, fn=jax.jit(im.fn, out_shardings=case.out)) for im in impls]
@@ -242,10 +305,9 @@ def _run_cases(args: argparse.Namespace, windowed: bool) -> list[dict]:
         chain = 1 if args.smoke or "Llama" in name else 4
         # --smoke: one call per timed window, so one program is in flight at a time (XLA:CPU's
         # in-process collectives can deadlock on a 2-core machine with several queued)
-        got = measure("collective", "collective_windowed" if windowed else "collective", name, impls, make,
-                      case.flops, rounds=rounds, chain=chain, check=not case.grad,
-                      target_s=1e-6 if args.smoke else 0.05,
-                      meta={"devices": mesh.size, "dtype": jnp.dtype(case.dtype).name})
+        got = measure("collective", table, name, impls, make, case.flops, rounds=rounds, chain=chain,
+                      check=not case.grad, target_s=1e-6 if args.smoke else 0.05,
+                      meta={**meta, "dtype": jnp.dtype(case.dtype).name})
         for r in got:
             if r["impl"] == "local_gemm" and not case.floor_exact:
                 r.pop("max_rel_err", None)  # unreduced partial sums: the floor's time, not a result
@@ -265,36 +327,54 @@ def _compiled_kernel(fn: Callable, args: tuple, context) -> bool | None:
         return None
 
 
-def _windowed(args: argparse.Namespace) -> list[dict]:
-    """The windowed-einsum rows, from a subprocess started with XLA's flags for them."""
+def _flag_sets() -> list[str]:
+    """``BENCH_COLLECTIVE_FLAG_SETS``: the flag sets to run in subprocesses (default: windowed)."""
+    names = [w.strip() for w in os.environ.get("BENCH_COLLECTIVE_FLAG_SETS", "windowed").split(",") if w.strip()]
+    unknown = sorted(set(names) - set(FLAG_SETS))
+    if unknown:
+        raise SystemExit(f"BENCH_COLLECTIVE_FLAG_SETS: unknown {', '.join(unknown)} (known: {', '.join(FLAG_SETS)})")
+    return names
+
+
+def _flagged(args: argparse.Namespace, flag_set: str) -> list[dict]:
+    """A flag set's rows, from a subprocess started with its XLA flags added to this process's."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
         path = tmp.name
-    env = {**os.environ, "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " " + WINDOWED_FLAGS).strip()}
-    cmd = [sys.executable, os.path.abspath(__file__), "--windowed-only", "--records", path,
+    flags = (os.environ.get("XLA_FLAGS", "") + " " + FLAG_SETS[flag_set].flags).strip()
+    cmd = [sys.executable, os.path.abspath(__file__), "--flag-set", flag_set, "--records", path,
            "--rounds", str(args.rounds)]
-    proc = subprocess.run(cmd + (["--smoke"] if args.smoke else []), env=env)
+    proc = subprocess.run(cmd + (["--smoke"] if args.smoke else []), env={**os.environ, "XLA_FLAGS": flags})
     try:
         with open(path) as f:
             return json.load(f)["records"]
     except (OSError, ValueError, KeyError) as e:
-        return [{"suite": "collective", "table": "collective_windowed", "case": "all", "impl": "xla_windowed",
-                 "ms": None, "tflops": None, "error": f"windowed-einsum subprocess exit {proc.returncode}: {e}"}]
+        return [{"suite": "collective", "table": f"collective_{flag_set}", "case": "all", "impl": "all",
+                 "ms": None, "tflops": None, "xla_flags": flags,
+                 "error": f"{flag_set} subprocess exit {proc.returncode}: {e}"}]
     finally:
         os.unlink(path)
 
 
 def run(args: argparse.Namespace) -> list[dict]:
-    if getattr(args, "windowed_only", False):
-        return _run_cases(args, windowed=True)
-    # The windowed-einsum process runs first, before this one takes the GPUs' memory (XLA
+    if args.flag_set:
+        return _run_cases(args, args.flag_set)
+    # The flag sets' processes run first, before this one takes the GPUs' memory (XLA
     # preallocates most of it on first use).
-    windowed = _windowed(args)
-    return _run_cases(args, windowed=False) + windowed
+    flagged = [r for fs in _flag_sets() for r in _flagged(args, fs)]
+    return _run_cases(args, None) + flagged
+
+
+def _flag_set_argument() -> str | None:
+    """``--flag-set NAME`` (this process is that flag set's subprocess), taken off ``sys.argv``:
+    suite_main's parser knows only the shared options."""
+    if "--flag-set" not in sys.argv:
+        return None
+    i = sys.argv.index("--flag-set")
+    name = sys.argv[i + 1]
+    del sys.argv[i:i + 2]
+    return name
 
 
 if __name__ == "__main__":
-    if "--windowed-only" in sys.argv:  # suite_main's parser knows only the shared options
-        sys.argv.remove("--windowed-only")
-        suite_main(lambda a: run(argparse.Namespace(**vars(a), windowed_only=True)), __doc__.splitlines()[0])
-    else:
-        suite_main(run, __doc__.splitlines()[0])
+    flag_set = _flag_set_argument()
+    suite_main(lambda a: run(argparse.Namespace(**vars(a), flag_set=flag_set)), __doc__.splitlines()[0])
