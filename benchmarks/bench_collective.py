@@ -30,6 +30,7 @@ Every record holds the process's XLA_FLAGS (``xla_flags``) and ring_sms.
     BENCH_COLLECTIVE_CASES=doc python benchmarks/bench_collective.py ...   (cases whose name has a word)
     BENCH_COLLECTIVE_RING_SMS=0,8,32 BENCH_COLLECTIVE_FLAG_SETS=windowed,memcpy_p2p python ...
     BENCH_COLLECTIVE_FLAG_SETS= python ...                       (this process only, its own XLA_FLAGS)
+    XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true python ... --flag-set lhs   (that set only)
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import fnmatch
 import functools
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -313,18 +315,73 @@ def _run_cases(args: argparse.Namespace, flag_set: str | None) -> list[dict]:
                 r.pop("max_rel_err", None)  # unreduced partial sums: the floor's time, not a result
             if r["impl"] == "jax_cute" and not r["error"]:
                 # the kernel is lowered when the partitioner runs the rules: look in the compiled program
-                r["kernel"] = _compiled_kernel(next(im.fn for im in impls if im.name == "jax_cute"), make(0),
-                                               next(im.context for im in impls if im.name == "jax_cute"))
+                ring = next(im for im in impls if im.name == "jax_cute")
+                r.update(_compiled(ring.fn, make(0), ring.context))
         recs += got
     return best_of(recs, "pallas")
 
 
-def _compiled_kernel(fn: Callable, args: tuple, context) -> bool | None:
+def _compiled(fn: Callable, args: tuple, context) -> dict:
+    """What the compiled program of a ring row holds: our kernel (None: unknown) and how its
+    collective-permutes are scheduled against our GEMMs (``schedule``)."""
     try:
         with context():
-            return "jax_cute_launch" in jax.jit(fn).lower(*args).compile().as_text()
+            text = jax.jit(fn).lower(*args).compile().as_text()
     except Exception:  # noqa: BLE001 - reported as unknown
-        return None
+        return {"kernel": None}
+    return {"kernel": KERNEL in text, "schedule": schedule(text)}
+
+
+KERNEL = "jax_cute_launch"   # our custom call's target (runtime.TARGET_NAME, STREAM_TARGET_NAME)
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)")   # a header: unindented, ends with "{"
+_DEFINED = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=")
+_CALLED = re.compile(r"(?:calls|to_apply|body|condition)=%?([\w.\-]+)")
+_NAME = re.compile(r"%?([\w.\-]+)")
+
+
+def _computations(text: str) -> dict[str, list[str]]:
+    """The instruction lines of each computation of an HLO module's text, in schedule order."""
+    comps: dict[str, list[str]] = {}
+    current = None
+    for line in text.splitlines():
+        if line[:1].strip() and line.rstrip().endswith("{") and not line.startswith("HloModule"):
+            current = comps.setdefault(_COMPUTATION.match(line).group(1), [])
+        elif line.strip() == "}":
+            current = None
+        elif current is not None:
+            current.append(line)
+    return comps
+
+
+def schedule(text: str) -> dict[str, int]:
+    """How a compiled (scheduled) program orders its collective-permutes against our GEMMs:
+    ``permutes`` in all, ``async`` (XLA marks a permute is_sync when it will not overlap
+    anything), and ``over_gemm``: those with one of our kernel launches (directly or inside a
+    called computation, such as a command buffer) scheduled between start and done."""
+    comps = _computations(text)
+    gemm = {name for name, lines in comps.items() if any(KERNEL in line for line in lines)}
+    grew = True
+    while grew:  # computations that call one holding our kernel hold it too
+        more = {name for name, lines in comps.items()
+                if any(c in gemm for line in lines for c in _CALLED.findall(line))} - gemm
+        gemm |= more
+        grew = bool(more)
+    counts = {"permutes": 0, "async": 0, "over_gemm": 0}
+    for lines in comps.values():
+        open_: dict[str, bool] = {}   # start name -> a GEMM was scheduled since
+        for line in lines:
+            name = _DEFINED.match(line)
+            if "collective-permute-start(" in line and name:
+                open_[name.group(1)] = False
+                counts["permutes"] += 1
+                counts["async"] += '"is_sync":true' not in line.replace(" ", "")
+            elif "collective-permute-done(" in line:
+                operands = set(_NAME.findall(line.split("collective-permute-done(", 1)[1]))
+                for start in operands & set(open_):
+                    counts["over_gemm"] += open_.pop(start)
+            elif KERNEL in line or any(c in gemm for c in _CALLED.findall(line)):
+                open_ = dict.fromkeys(open_, True)
+    return counts
 
 
 def _flag_sets() -> list[str]:
@@ -355,8 +412,17 @@ def _flagged(args: argparse.Namespace, flag_set: str) -> list[dict]:
         os.unlink(path)
 
 
+def _check_flags(flag_set: str) -> None:
+    """A flag set's process runs with its flags in XLA_FLAGS (jax read them at import)."""
+    have = os.environ.get("XLA_FLAGS", "").split()
+    missing = [f for f in FLAG_SETS[flag_set].flags.split() if f not in have]
+    if missing:
+        raise SystemExit(f"--flag-set {flag_set}: XLA_FLAGS lacks {' '.join(missing)}")
+
+
 def run(args: argparse.Namespace) -> list[dict]:
     if args.flag_set:
+        _check_flags(args.flag_set)
         return _run_cases(args, args.flag_set)
     # The flag sets' processes run first, before this one takes the GPUs' memory (XLA
     # preallocates most of it on first use).

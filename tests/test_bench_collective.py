@@ -43,8 +43,36 @@ def test_collective_suite_smoke(tmp_path):
         assert ("local_gemm" in main) == ("fwd+bwd" not in case), case
         assert "--xla_gpu_use_memcpy_local_p2p=true" in memcpy["jax_cute"]["xla_flags"], case
         assert "memcpy" not in main["jax_cute"]["xla_flags"] and main["jax_cute"]["ring_sms"] == RING_SMS_DEFAULT, case
+        assert set(main["jax_cute"]["schedule"]) == {"permutes", "async", "over_gemm"}, case
         for impl, r in main.items():
             assert r["ms"] > 0, (case, impl)
             if "fwd+bwd" not in case and impl != "jax_cute" and (impl != "local_gemm" or "all-gather" in case):
                 # f16/bf16 products against the ring's (the first row): rounding apart
                 assert r["max_rel_err"] < 2e-2, (case, impl, r["max_rel_err"])
+
+
+def test_schedule_counts_permutes_scheduled_over_our_gemms():
+    """bench_collective.schedule reads a compiled program's order: a permute whose start and
+    done enclose one of our launches (directly or in a called command buffer) overlaps it; one
+    marked is_sync does not run asynchronously."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_collective import schedule
+
+    text = """HloModule jit_f, is_scheduled=true
+
+%command_buffer (p: bf16[8,8]) -> bf16[8,8] {
+  %p = bf16[8,8]{1,0} parameter(0)
+  ROOT %cc = bf16[8,8]{1,0} custom-call(%p), custom_call_target="jax_cute_launch"
+}
+
+ENTRY %main (a: bf16[8,8]) -> bf16[8,8] {
+  %a = bf16[8,8]{1,0} parameter(0)
+  %collective-permute-start = (bf16[8,8]{1,0}, bf16[8,8]{1,0}) collective-permute-start(%a), backend_config={"collective_backend_config":{"is_sync":false}}
+  %call = bf16[8,8]{1,0} call(%a), to_apply=%command_buffer
+  %collective-permute-done = bf16[8,8]{1,0} collective-permute-done(%collective-permute-start)
+  %collective-permute-start.1 = (bf16[8,8]{1,0}, bf16[8,8]{1,0}) collective-permute-start(%call), backend_config={"collective_backend_config":{"is_sync":true}}
+  %collective-permute-done.1 = bf16[8,8]{1,0} collective-permute-done(%collective-permute-start.1)
+  ROOT %cc.2 = bf16[8,8]{1,0} custom-call(%collective-permute-done.1), custom_call_target="jax_cute_launch"
+}
+"""
+    assert schedule(text) == {"permutes": 2, "async": 1, "over_gemm": 1}

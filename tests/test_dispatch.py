@@ -264,3 +264,17 @@ def test_ring_sms_switch_values(monkeypatch):
     for bad in (-4, True, "x"):
         with pytest.raises(ValueError, match="ring_sms must be a whole number"):
             config.set(ring_sms=bad)
+
+
+def test_kernel_local_hands_the_free_sms_to_its_request(monkeypatch):
+    """A partitioned GEMM's per-shard computation asks dispatch with the SMs its caller leaves
+    free: a ring's chunk GEMM passes them, every other call leaves none."""
+    from jax_cute.primitives import rules
+
+    asked = []
+    monkeypatch.setattr(rules, "gemm", lambda req, ref: asked.append(req.free_sms))
+    request = lambda avals, params: dispatch.GemmRequest(avals, None, "bfloat16", "float32")  # noqa: E731
+    local = rules.kernel_local(request, lambda a, b: a @ b)
+    local((), {})
+    local((), {}, free_sms=16)
+    assert asked == [0, 16]
