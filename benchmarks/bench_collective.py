@@ -17,14 +17,17 @@ XLA's flags hold for a whole process, so each flag set of ``BENCH_COLLECTIVE_FLA
 takes the GPUs, its flags added to this process's XLA_FLAGS, its rows in the table
 ``collective_<name>`` (compare rows within a table, not across tables):
 - windowed: XLA's windowed einsum (xla_windowed) against the ring and the floor;
-- lhs: XLA's latency-hiding scheduler on, which alone moves async collectives away from
-  their consumers to overlap compute (every row but Pallas');
+- lhs: XLA's latency-hiding scheduler on, its only scheduler that places async collectives to
+  overlap compute (every row but Pallas');
 - memcpy_p2p: collective-permutes between local GPUs as peer copies on copy engines, no NCCL
   kernels (``--xla_gpu_use_memcpy_local_p2p=true``); lhs_memcpy_p2p: both;
 - lhs_overlap2: the scheduler allowed two collectives in flight (both directions of a ring; XLA
   may still keep two permutes over the same devices apart);
 - lhs_windowed: the windowed einsum with the scheduler on.
-Every record holds the process's XLA_FLAGS (``xla_flags``) and ring_sms.
+Every record holds the process's XLA_FLAGS (``xla_flags``), ring_sms, and NCCL_* and
+CUDA_DEVICE_MAX_CONNECTIONS settings (``env``);
+the jax_cute row also how its compiled program schedules the permutes against our GEMMs
+(``schedule``: see schedule()).
 
     python benchmarks/bench_collective.py --records out.json     (or: run.py --suite collective)
     BENCH_COLLECTIVE_CASES=doc python benchmarks/bench_collective.py ...   (cases whose name has a word)
@@ -289,12 +292,19 @@ def _rows(impls: list[Impl], flag_set: str | None) -> list[Impl]:
             if any(fnmatch.fnmatchcase(im.name, row) for row in fs.rows)]
 
 
+def _transfer_env() -> dict[str, str]:
+    """The environment that shapes the transfers: NCCL's settings, and CUDA's hardware queue
+    count (1 puts every stream's kernels in one queue, in launch order)."""
+    return {k: v for k, v in os.environ.items() if k.startswith("NCCL_") or k == "CUDA_DEVICE_MAX_CONNECTIONS"}
+
+
 def _run_cases(args: argparse.Namespace, flag_set: str | None) -> list[dict]:
     mesh = _mesh()
     on_gpu = jax.default_backend() == "gpu"
     rounds = 2 if args.smoke else args.rounds
     table = "collective" if flag_set is None else f"collective_{flag_set}"
-    meta = {"devices": mesh.size, "xla_flags": os.environ.get("XLA_FLAGS", ""), "ring_sms": jax_cute.config.ring_sms()}
+    meta = {"devices": mesh.size, "xla_flags": os.environ.get("XLA_FLAGS", ""), "ring_sms": jax_cute.config.ring_sms(),
+            "env": _transfer_env()}
     recs: list[dict] = []
     if mesh.size < 2:
         print("collective suite: one device visible; the products have nothing to communicate", file=sys.stderr)
