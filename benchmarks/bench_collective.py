@@ -4,7 +4,8 @@ Rows, interleaved in one process on fresh random data (common.measure):
 - jax_cute: the ring of ``JAX_CUTE_COLLECTIVE_MATMUL=bidirectional`` (primitives/collective.py),
   its chunk GEMMs leaving ``JAX_CUTE_RING_SMS`` SMs free (the switch's value in this process);
   jax_cute_sms<R>: the same ring leaving R SMs free, for each R in ``BENCH_COLLECTIVE_RING_SMS``
-  (default 0: GEMMs on every SM); jax_cute_unidirectional: the one-way ring;
+  (default 0: GEMMs on every SM); jax_cute_stream: the ring with ``JAX_CUTE_COMMAND_BUFFER=0``
+  (our launches on XLA's stream, outside its CUDA graphs); jax_cute_unidirectional: the one-way ring;
 - jax_cute_no_ring: the switch off: XLA's all-gather then our GEMM, or our GEMM then XLA's
   reduce-scatter;
 - xla: ``jnp.dot`` with the same shardings (XLA's default: NCCL collective, then cuBLAS);
@@ -77,7 +78,7 @@ WINDOWED = "--xla_gpu_multi_streamed_windowed_einsum=true --xla_gpu_threshold_fo
 LHS = "--xla_gpu_enable_latency_hiding_scheduler=true"
 MEMCPY = "--xla_gpu_use_memcpy_local_p2p=true"   # local collective-permutes as peer copies
 OVERLAP2 = "--xla_gpu_experimental_parallel_collective_overlap_limit=2"   # both ring directions in flight
-RING_ROWS = ("jax_cute", "jax_cute_sms*", "jax_cute_unidirectional")
+RING_ROWS = ("jax_cute", "jax_cute_sms*", "jax_cute_stream", "jax_cute_unidirectional")
 ALL_BUT_PALLAS = (*RING_ROWS, "jax_cute_no_ring", "xla", "local_gemm")
 _WINDOWED_ROWS = ("jax_cute", "local_gemm", "xla")
 FLAG_SETS = {
@@ -94,10 +95,11 @@ def _mesh() -> jax.sharding.Mesh:
     return jax.make_mesh((jax.device_count(),), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,))
 
 
-def _ring(mode, free_sms: int | None = None) -> Callable:
-    """The context a row lowers in: the ring switch, and the SMs its GEMMs leave free (None: the
-    ring_sms switch as this process has it)."""
-    return lambda: jax_cute.config.override(collective_matmul=mode, ring_sms=free_sms)
+def _ring(mode, free_sms: int | None = None, command_buffer: bool | None = None) -> Callable:
+    """The context a row lowers in: the ring switch, the SMs its GEMMs leave free and whether our
+    launches go into XLA's CUDA graphs (None: the switch as this process has it)."""
+    return lambda: jax_cute.config.override(collective_matmul=mode, ring_sms=free_sms,
+                                            command_buffer=command_buffer)
 
 
 def _budgets() -> list[int]:
@@ -107,9 +109,12 @@ def _budgets() -> list[int]:
 
 
 def _ring_rows(fn: Callable) -> list[Impl]:
-    """The ring's rows for a case computed by ``fn``: the switch's budget, each timed budget, one-way."""
+    """The ring's rows for a case computed by ``fn``: the switch's budget, each timed budget, our
+    GEMMs launched on the stream (outside XLA's CUDA graphs, with programmatic dependent launch),
+    one-way."""
     return [Impl("jax_cute", fn, context=_ring("bidirectional")),
             *(Impl(f"jax_cute_sms{r}", fn, context=_ring("bidirectional", r)) for r in _budgets()),
+            Impl("jax_cute_stream", fn, context=_ring("bidirectional", command_buffer=False)),
             Impl("jax_cute_unidirectional", fn, context=_ring("unidirectional"))]
 
 

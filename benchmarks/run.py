@@ -32,7 +32,8 @@ IMPL_LABEL = {"jax_cute": "jax_cute", "xla": "XLA", "pallas": "Pallas", "xla_bf1
 # The collective suite's rows (benchmarks/bench_collective.py)
 IMPL_LABEL.update({"jax_cute_unidirectional": "jax_cute, one-way ring", "jax_cute_no_ring": "jax_cute, XLA collective",
                    "xla_windowed": "XLA windowed einsum", "local_gemm": "local GEMM (no communication)",
-                   "jax_cute_sms0": "jax_cute, ring GEMMs on every SM"})
+                   "jax_cute_sms0": "jax_cute, ring GEMMs on every SM",
+                   "jax_cute_stream": "jax_cute, launched outside CUDA graphs"})
 
 
 # -- running ----------------------------------------------------------------------------------

@@ -14,8 +14,8 @@ import sys
 from jax_cute.config import RING_SMS_DEFAULT
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-MAIN = {"jax_cute", "jax_cute_sms0", "jax_cute_sms8", "jax_cute_unidirectional", "jax_cute_no_ring", "xla",
-        "local_gemm"}
+MAIN = {"jax_cute", "jax_cute_sms0", "jax_cute_sms8", "jax_cute_stream", "jax_cute_unidirectional",
+        "jax_cute_no_ring", "xla", "local_gemm"}
 MEMCPY = MAIN - {"local_gemm"}
 
 
