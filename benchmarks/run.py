@@ -31,7 +31,9 @@ IMPL_LABEL = {"jax_cute": "jax_cute", "xla": "XLA", "pallas": "Pallas", "xla_bf1
               "jax_cute_kernelize": "kernelize(jnp step): gelu fused"}
 # The collective suite's rows (benchmarks/bench_collective.py)
 IMPL_LABEL.update({"jax_cute_unidirectional": "jax_cute, one-way ring", "jax_cute_no_ring": "jax_cute, XLA collective",
-                   "xla_windowed": "XLA windowed einsum", "local_gemm": "local GEMM (no communication)"})
+                   "xla_windowed": "XLA windowed einsum", "local_gemm": "local GEMM (no communication)",
+                   "jax_cute_sms0": "jax_cute, ring GEMMs on every SM",
+                   "jax_cute_stream": "jax_cute, launched outside CUDA graphs"})
 
 
 # -- running ----------------------------------------------------------------------------------
@@ -183,6 +185,13 @@ SECTIONS = [  # (table, record key, unit, higher is better, title, digits)
     ("scaling", "tokens_per_s_per_device", "tokens/s per GPU", True, "Training step on several GPUs, same batch per GPU", 0),
     ("collective", "ms", "ms", False, "Tensor-parallel products with their collective, all visible GPUs", 3),
     ("collective_windowed", "ms", "ms", False, "The same, in a process with XLA's windowed einsum on", 3),
+    ("collective_lhs", "ms", "ms", False, "The same, in a process with XLA's latency-hiding scheduler on", 3),
+    ("collective_memcpy_p2p", "ms", "ms", False,
+     "The same, in a process with collective-permutes as peer copies (--xla_gpu_use_memcpy_local_p2p)", 3),
+    ("collective_lhs_memcpy_p2p", "ms", "ms", False, "The same, with both", 3),
+    ("collective_lhs_overlap2", "ms", "ms", False,
+     "The same, the latency-hiding scheduler with two collectives in flight", 3),
+    ("collective_lhs_windowed", "ms", "ms", False, "XLA's windowed einsum with the latency-hiding scheduler on", 3),
 ]
 SUITE_TITLE = {"models": "Models: jax_cute.kernelize", "matmul": "Dense GEMM: jax_cute.matmul", "layouts": "Layouts: einsum, LM head, vmap of batched",
                "ragged": "Grouped GEMM: jax_cute.ragged_dot",
@@ -196,13 +205,15 @@ SUITE_LABELS = {"ragged": {"xla": "lax.ragged_dot"},   # what the "xla" rival is
                           "jax_cute_kernelize": "kernelize(XLA layer)"}}
 SUITE_NOTE = {
     "collective": "*jax_cute*: `JAX_CUTE_COLLECTIVE_MATMUL=1`, the partitioning rules' bidirectional ring of "
-                  "collective permutes and per-chunk jax_cute GEMMs ([docs/sharding.md](docs/sharding.md)); *one-way "
-                  "ring*: `=unidirectional`; *XLA collective*: the switch off (XLA's all-gather or reduce-scatter "
+                  "collective permutes and per-chunk jax_cute GEMMs, which leave `JAX_CUTE_RING_SMS` SMs (default 16) "
+                  "free for the transfers ([docs/sharding.md](docs/sharding.md)); *ring GEMMs on every SM*: the same "
+                  "with `JAX_CUTE_RING_SMS=0` (jax_cute_sms<R>: R SMs left free); *one-way ring*: `=unidirectional`; *XLA collective*: the switch off (XLA's all-gather or reduce-scatter "
                   "around our GEMM); XLA: `jnp.dot` with the same shardings; Pallas: the fastest of four configs of "
                   "Pallas' Mosaic GPU `all_gather_lhs_matmul`; *local GEMM*: each device's products on inputs already "
                   "in place, no communication (the floor). Per-device TFLOP/s aside, times are per call, all devices "
                   "in one process. XLA's windowed einsum needs process-wide flags: its table comes from a second "
-                  "process, timed interleaved with jax_cute and the local GEMM there.",
+                  "process, timed interleaved with jax_cute and the local GEMM there; the other tables (XLA's "
+                  "latency-hiding scheduler, peer-copy collective-permutes) from a process each, when run.",
     "matmul": "XLA: `jnp.matmul` (cuBLAS, or XLA's Triton GEMM where XLA picks it). Pallas: the fastest of four "
               "configs of Pallas' Mosaic GPU Hopper matmul. Each call runs 8 independent products in one jit. "
               "The MLP step is the forward + backward + SGD update of `examples/mlp_training.py`; *XLA, bf16 "
@@ -322,7 +333,9 @@ def scaling_table(recs: list[dict]) -> list[str]:
 SUMMARY_RIVALS = ("xla", "xla_bf16_grads", "pallas")  # the rivals the README's summary names
 SUMMARY_TABLE = {"gemm": "single products", "gemm_loop": "small products in a loop",
                  "gemm_sustained": "1 s windows", "e2e": "MLP training step"}
-SUMMARY_SKIP = ("collective_windowed",)  # a second process's table, beside the suite's own
+# other processes' tables, beside the suite's own (bench_collective.py's flag sets)
+SUMMARY_SKIP = ("collective_windowed", "collective_lhs", "collective_memcpy_p2p", "collective_lhs_memcpy_p2p",
+                "collective_lhs_overlap2", "collective_lhs_windowed")
 SUMMARY_OURS = {"collective": "the rings (`JAX_CUTE_COLLECTIVE_MATMUL=1`, off by default)"}
 README_START, README_END = "<!-- results:summary -->", "<!-- /results:summary -->"
 

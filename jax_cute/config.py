@@ -14,6 +14,8 @@
 | collective_matmul     | JAX_CUTE_COLLECTIVE_MATMUL=1      | tensor-parallel products overlap their all-    |
 |                       | (or unidirectional)               | gather / reduce-scatter in a ring of GEMMs     |
 |                       |                                   | (docs/sharding.md); off by default             |
+| ring_sms              | JAX_CUTE_RING_SMS (default 16)    | SMs a ring's GEMMs leave free for its NCCL     |
+|                       |                                   | transfers (Hopper kernels; 0: use them all)    |
 
 Python settings win over the environment; ``None`` means "ask the environment". Values are
 checked when set from Python, and every switch in the environment is checked whenever any is
@@ -42,6 +44,7 @@ _ENV = {
     "autotune": "JAX_CUTE_AUTOTUNE",
     "command_buffer": "JAX_CUTE_COMMAND_BUFFER",
     "collective_matmul": "JAX_CUTE_COLLECTIVE_MATMUL",
+    "ring_sms": "JAX_CUTE_RING_SMS",
 }
 _BOOL_DEFAULTS = {"strict": False, "nan_fill": False, "unverified_kernels": False, "disk_cache": True,
                   "autotune": False, "command_buffer": True}
@@ -83,6 +86,8 @@ def validate() -> None:
             continue
         if name == "target_arch":
             _check_arch(raw, var)
+        elif name == "ring_sms":
+            _check_count(raw, var)
         elif name in _BOOL_DEFAULTS:
             _parse_bool(name, raw, var)
     _checked_environment = seen
@@ -172,6 +177,29 @@ def collective_matmul() -> str | None:
     return _check_ring(raw, _ENV["collective_matmul"]) if raw else None
 
 
+# ring_sms: a ring's GEMMs run on the device's SMs less these, so NCCL's send/receive kernels
+# (one CTA per channel) find SMs free while a chunk's GEMM runs instead of waiting for its
+# persistent grid to end (docs/sharding.md)
+RING_SMS_DEFAULT = 16
+
+
+def _check_count(value: object, where: str) -> int:
+    text = str(value).strip()
+    if isinstance(value, bool) or not text.isdigit():
+        raise ValueError(f"jax_cute.config: {where} must be a whole number of SMs (0 or more), got {value!r}")
+    return int(text)
+
+
+def ring_sms() -> int:
+    """SMs the GEMMs of a collective-matmul ring leave free while its transfers are in flight
+    (dispatch: ``GemmRequest.free_sms``). Read when a call is lowered."""
+    validate()
+    if _overrides.get("ring_sms") is not None:
+        return int(_overrides["ring_sms"])  # type: ignore[arg-type]
+    raw = os.environ.get(_ENV["ring_sms"])
+    return _check_count(raw, _ENV["ring_sms"]) if raw else RING_SMS_DEFAULT
+
+
 def _validated(name: str, value: object) -> object:
     if name not in _ENV:
         raise ValueError(f"jax_cute.config: unknown switch {name!r}; known: {', '.join(sorted(_ENV))}")
@@ -185,6 +213,8 @@ def _validated(name: str, value: object) -> object:
         return str(value)
     if name == "collective_matmul":
         return _check_ring(value, name) or ""  # "": off from Python (None hands it to the environment)
+    if name == "ring_sms":
+        return _check_count(value, name)
     return _parse_bool(name, value, name)
 
 

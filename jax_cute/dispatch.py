@@ -136,6 +136,24 @@ def launch_mode(cfg):
     return dataclasses.replace(cfg, pdl=True)
 
 
+def _sm_budget(req: GemmRequest, arch: str) -> int:
+    """SMs the request's kernel may fill: the device's (its arch's usual count without one), less
+    those it leaves free."""
+    total = arch_info.num_sms(arch)
+    if not 0 <= req.free_sms < total:
+        raise ValueError(f"jax_cute.{req.op}: leaving {req.free_sms} of the {total} SMs of {arch} free leaves "
+                         "none for the kernel (config ring_sms, JAX_CUTE_RING_SMS)")
+    return total - req.free_sms
+
+
+def _on_sms(cfg, sms: int):
+    """``cfg`` with its persistent grid on ``sms`` SMs, for a family whose configs carry the count
+    (``sms``); others keep ``cfg`` (their grids are sized by the kernel)."""
+    if "sms" not in {f.name for f in dataclasses.fields(cfg)} or cfg.sms == sms:
+        return cfg
+    return dataclasses.replace(cfg, sms=sms)
+
+
 def _trusted(op: str, binary: KernelBinary, impl: Callable, reference: Callable, avals, make_int=None) -> bool:
     """False (after the fallback was logged) when an unverified kernel fails its first-use check."""
     if selfcheck.trusted(binary, selfcheck.compare(impl, reference, avals, make_int)):
@@ -163,7 +181,11 @@ class GemmRequest:
     coordinates, grouped: (..., G, N)), ``activation``, ``preact`` (the pre-activation output
     too: two outputs with an activation, the one output twice without), or ``dact`` (an
     activation whose derivative at Z, the last operand read through ``z_layout``, scales the
-    product). ``precision``: a dot algorithm the kernels do not compute is refused."""
+    product). ``precision``: a dot algorithm the kernels do not compute is refused.
+
+    ``free_sms``: SMs the kernel leaves free for work running beside it (a collective ring's
+    transfers, ``primitives/collective.py``): the heuristic ranks configs on the rest, and a
+    family whose configs carry the persistent grid's SM count (``sms``) caps the grid there."""
 
     avals: tuple
     layouts: GemmLayouts | RaggedLayouts
@@ -177,6 +199,7 @@ class GemmRequest:
     dact: str | None = None
     z_layout: Layout | None = None
     precision: object = None   # lax's precision or dot algorithm, as the primitive carries it
+    free_sms: int = 0
 
     @property
     def grouped(self) -> bool:
@@ -276,14 +299,16 @@ def gemm(request: GemmRequest, reference: Callable) -> Callable | None:
     if not req.grouped and spec.batch_modes not in getattr(fam, "BATCH_MODES", (1,)):
         req.refuse(f"the batch modes do not coalesce into one, and the {fam.FAMILY} kernels take one", what)
         return None
+    sms = _sm_budget(req, arch)
     if req.grouped:
-        cfg = fam.heuristic(spec, flat.m, flat.n, flat.k, flat.g, flat.l, arch_info.num_sms(arch))
+        cfg = fam.heuristic(spec, flat.m, flat.n, flat.k, flat.g, flat.l, sms)
         workspaces = fam.workspace(spec, cfg, flat.m, flat.n, flat.k, flat.g, flat.l)
     else:
         _log_copies(planned)
-        cfg = fam.heuristic(spec, flat.m, flat.n, flat.k, flat.l, arch_info.num_sms(arch))
+        cfg = fam.heuristic(spec, flat.m, flat.n, flat.k, flat.l, sms)
         if config.autotune() and not req.epilogue:
             cfg = autotune.tuned_gemm_config(fam, arch, spec, flat, list(req.dtypes), cfg)
+        cfg = _on_sms(cfg, sms)
         workspaces = fam.workspace(spec, cfg, flat.m, flat.n, flat.k, flat.l)
     binary = family_binary(fam, arch, spec, launch_mode(cfg))
     impl = _implementation(req, planned, binary, workspaces, c_out, e)

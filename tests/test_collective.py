@@ -9,6 +9,7 @@ results as JSON, and the tests assert on them.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -90,6 +91,7 @@ def test_config_switch_values(monkeypatch):
     from jax_cute.primitives import collective
 
     monkeypatch.delenv("JAX_CUTE_COLLECTIVE_MATMUL", raising=False)
+    monkeypatch.delenv("JAX_CUTE_RING_SMS", raising=False)
     assert config.collective_matmul() is None and collective.planner() is None  # off by default
     for raw, want in (("1", "bidirectional"), ("on", "bidirectional"), ("Unidirectional", "unidirectional"),
                       ("0", None)):
@@ -102,9 +104,66 @@ def test_config_switch_values(monkeypatch):
     with config.override(collective_matmul=False):  # Python wins over the environment
         assert config.collective_matmul() is None
     with config.override(collective_matmul="unidirectional"):
-        assert collective.planner() == collective.Planner("unidirectional")
+        assert collective.planner() == collective.Planner("unidirectional", config.RING_SMS_DEFAULT)
     with pytest.raises(ValueError, match="jax_cute.config"):
         config.set(collective_matmul="sideways")
+
+
+def test_planner_carries_the_ring_sms_switch_into_its_rings(monkeypatch):
+    from jax_cute import config
+    from jax_cute.primitives import collective
+    from jax_cute.primitives.sharding import problem
+    from jax_cute.problem.gemm_layouts import matmul_layouts
+
+    monkeypatch.delenv("JAX_CUTE_RING_SMS", raising=False)
+    layouts, _ = matmul_layouts((32, 16), (16, 64), False, False)
+    p = problem(layouts, [(32, 16), (16, 64)])
+    with config.override(collective_matmul=True):
+        assert collective.planner() == collective.Planner("bidirectional", config.RING_SMS_DEFAULT)
+        with config.override(ring_sms=8):
+            ring = collective.planner()(p, {"x": 4}, [(("x",), ()), ((), ("x",))], None)
+    assert ring.kind == "gather" and ring.free_sms == 8
+
+
+def _chunk_budgets(a_shape, b_shape, specs, result, n: int, mode: str, transpose_a: bool = False) -> list[int]:
+    """The ``free_sms`` each chunk GEMM of the ring's per-shard body asks for, in program order (the
+    body traced under a vmap whose axis stands for the ring's mesh axis)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jax_cute.primitives import collective, gemm, sharding
+    from jax_cute.problem.gemm_layouts import matmul_layouts
+
+    ring = dataclasses.replace(_choose(a_shape, b_shape, specs, result, transpose_a=transpose_a,
+                                       mesh={"x": n}, mode=mode), free_sms=16)
+    layouts, _ = matmul_layouts(a_shape, b_shape, transpose_a, False)
+    params = {"layouts": layouts, "out_dtype": "float32", "acc_dtype": "float32"}
+    asked: list[int] = []
+
+    def local(avals, params, free_sms=0):
+        asked.append(free_sms)
+        return functools.partial(gemm.reference, **params)
+
+    body = collective._body(ring, sharding._Call(tuple(sorted(params.items())), local), {"x": n})
+    shards = [jnp.zeros((n, *(d // n if axes else d for d, axes in zip(shape, spec))), jnp.float32)
+              for shape, spec in zip((a_shape, b_shape), ring.specs)]
+    jax.make_jaxpr(jax.vmap(body, axis_name="x", axis_size=n))(*shards)
+    return asked
+
+
+@pytest.mark.parametrize("n,mode,want", [(2, "bidirectional", [16, 0]), (4, "bidirectional", [16, 16, 16, 0]),
+                                         (4, "unidirectional", [16, 16, 16, 0])])
+def test_gather_chunk_gemms_leave_sms_free_until_the_last_chunk_arrives(n, mode, want):
+    assert _chunk_budgets((8 * n, 16), (16, 8 * n), [(("x",), ()), ((), ("x",))], None, n, mode) == want
+    # along K (a weight gradient x^T @ dh): the same steps
+    assert _chunk_budgets((8 * n, 16), (8 * n, 8 * n), [(("x",), ()), ((), ("x",))], None, n, mode,
+                          transpose_a=True) == want
+
+
+@pytest.mark.parametrize("n,mode,want", [(2, "bidirectional", [0, 16]), (4, "bidirectional", [0, 16, 16, 16]),
+                                         (4, "unidirectional", [0, 16, 16, 16])])
+def test_scatter_chunk_gemms_leave_sms_free_after_the_first_sum_is_sent(n, mode, want):
+    assert _chunk_budgets((8 * n, 8 * n), (8 * n, 16), [((), ("x",)), (("x",), ())], (("x",), ()), n, mode) == want
 
 
 # -- multi-device checks (subprocess) -----------------------------------------------------------

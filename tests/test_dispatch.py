@@ -6,6 +6,7 @@ hold before one does.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 
@@ -219,3 +220,61 @@ def test_bad_environment_values_fail_the_first_call_on_cpu(monkeypatch, var, val
                  lambda: jax_cute.kernelize(lambda a: a @ a)(x)):
         with pytest.raises(ValueError, match=f"{var}.*{says}"):
             call()
+
+
+def test_free_sms_budget_the_heuristic_the_grid_and_the_cache_key(device, monkeypatch):
+    """A request that leaves SMs free (a ring's chunk GEMM) is ranked on the rest and launches its
+    persistent grid there: the config carries the count, so the cache keeps it apart; a request
+    that leaves none keeps the config (and key) of every other call."""
+    from types import SimpleNamespace
+
+    from jax_cute.problem.gemm_layouts import matmul_layouts
+
+    device(9, 0)
+    ranked_on, built = [], []
+    heuristic = sm90_gemm.heuristic
+    monkeypatch.setattr(sm90_gemm, "heuristic", lambda *a: ranked_on.append(a[-1]) or heuristic(*a))
+    monkeypatch.setattr(dispatch, "family_binary", lambda fam, arch, spec, cfg: built.append(cfg)
+                        or SimpleNamespace(name=cfg.key(), arch=arch))
+    shape = (4096, 4096)
+    layouts, _ = matmul_layouts(shape, shape, False, False)
+    avals = (jax.core.ShapedArray(shape, jnp.bfloat16),) * 2
+    request = dispatch.GemmRequest(avals, layouts, "bfloat16", "float32")
+    for free in (0, 16):
+        assert dispatch.gemm(dataclasses.replace(request, free_sms=free), lambda a, b: a @ b) is not None
+    assert ranked_on == [132, 116]
+    whole, budgeted = built
+    assert whole.sms == 132 and ".sm" not in whole.key()
+    assert budgeted == dataclasses.replace(whole, sms=116) and budgeted.key() == whole.key() + ".sm116"
+    with pytest.raises(ValueError, match="leaves none for the kernel"):
+        dispatch.gemm(dataclasses.replace(request, free_sms=132), lambda a, b: a @ b)
+
+
+def test_ring_sms_switch_values(monkeypatch):
+    monkeypatch.delenv("JAX_CUTE_RING_SMS", raising=False)
+    assert config.ring_sms() == config.RING_SMS_DEFAULT
+    monkeypatch.setenv("JAX_CUTE_RING_SMS", "8")
+    assert config.ring_sms() == 8
+    with config.override(ring_sms=0):   # Python wins over the environment
+        assert config.ring_sms() == 0
+    for bad in ("-1", "half", "1.5"):
+        monkeypatch.setenv("JAX_CUTE_RING_SMS", bad)
+        with pytest.raises(ValueError, match="JAX_CUTE_RING_SMS must be a whole number of SMs"):
+            config.strict()   # reading any switch checks them all
+    for bad in (-4, True, "x"):
+        with pytest.raises(ValueError, match="ring_sms must be a whole number"):
+            config.set(ring_sms=bad)
+
+
+def test_kernel_local_hands_the_free_sms_to_its_request(monkeypatch):
+    """A partitioned GEMM's per-shard computation asks dispatch with the SMs its caller leaves
+    free: a ring's chunk GEMM passes them, every other call leaves none."""
+    from jax_cute.primitives import rules
+
+    asked = []
+    monkeypatch.setattr(rules, "gemm", lambda req, ref: asked.append(req.free_sms))
+    request = lambda avals, params: dispatch.GemmRequest(avals, None, "bfloat16", "float32")  # noqa: E731
+    local = rules.kernel_local(request, lambda a, b: a @ b)
+    local((), {})
+    local((), {}, free_sms=16)
+    assert asked == [0, 16]

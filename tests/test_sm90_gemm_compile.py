@@ -156,6 +156,48 @@ def test_config_validation():
     assert not C().key().endswith(".pp")
     assert C(pdl=True).key() != C().key() and C(pdl=True).key().endswith(".pdl")
     assert C(epi_n=64).key().endswith(".e64") and C().key() == "t128x256.c2x1.rm8.sk1.st0"
+    assert C(sms=116).key() == C().key() + ".sm116" and C(sms=sm90_gemm.NUM_SMS).key() == C().key()
+    with pytest.raises(ValueError, match="holds no 2x1 cluster"):
+        sm90_gemm.launcher(spec, C(sms=1))
+
+
+def test_sm_budget_is_a_launch_parameter():
+    """Config.sms caps the persistent grid in the host launcher: the kernel's PTX is the same for
+    every budget, the object (its launcher) is not."""
+    pytest.importorskip("cutlass")
+    from jax_cute.kernels import build
+
+    spec = GemmSpec(BF, BF, BF)
+    got = [build.compile_launcher(sm90_gemm.launcher(spec, cfg), sm90_gemm.signature(spec, cfg), arch=sm90_gemm.ARCH,
+                                  name="budget", keep_ptx=True)
+           for cfg in (sm90_gemm.Config(), sm90_gemm.Config(sms=116))]
+    assert got[0].ptx and got[0].ptx == got[1].ptx
+    assert got[0].obj != got[1].obj
+
+
+def test_sm_budget_caps_the_grid_and_changes_nothing_else():
+    """The compiled module (the host launcher, with the kernel's binary embedded) of a
+    2x1-cluster config on 116 SMs differs from the one on all 132 in one constant: the
+    persistent grid's bound of 58 clusters, not 66."""
+    pytest.importorskip("cutlass")
+    from jax_cute.kernels import abi, dsl_env
+    from jax_cute.kernels.build import load_runtime_globally
+
+    load_runtime_globally()
+    from jax_cute.kernels import dsl
+
+    spec = GemmSpec(BF, BF, BF)
+    ir = []
+    for sms in (sm90_gemm.NUM_SMS, 116):
+        cfg = sm90_gemm.Config(sms=sms)
+        with dsl_env.program_name_only():
+            compiled = dsl.cute.compile(sm90_gemm.launcher(spec, cfg), *abi.fake_args(sm90_gemm.signature(spec, cfg)),
+                                        options=f"--gpu-arch {sm90_gemm.ARCH}")
+        ir.append(str(compiled.ir_module).splitlines())
+    assert len(ir[0]) == len(ir[1])
+    changed = [(a, b) for a, b in zip(*ir) if a != b]
+    assert len(changed) == 1, changed
+    assert "constant(66 : i32)" in changed[0][0] and "constant(58 : i32)" in changed[0][1], changed
 
 
 _EXTRA = [(F16, BF, "mkn", sm90_gemm.Config(64, 256, 2, 1, pingpong=True)),

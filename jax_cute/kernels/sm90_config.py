@@ -8,7 +8,7 @@ import dataclasses
 
 from jax_cute.kernels import epilogue as fused_epilogue
 
-NUM_SMS = 132            # H100 SXM / H200; compiled into the persistent grid bound
+NUM_SMS = 132            # H100 SXM / H200: the persistent grid's default bound (Config.sms)
 SMEM_BYTES = 232448      # opt-in dynamic shared memory per block on sm_90 (227 KiB)
 ROW_BYTES = 128          # a k-tile row is one 128-byte swizzle atom: 64 16-bit or 128 8-bit elements
 ITEM = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1}
@@ -42,12 +42,18 @@ class Config:
     # (3 A/B stages instead of 4 for 128x256), so each store is issued as its subtile is
     # written and none waits for another's smem read inside a tile
     whole_c: bool = False
+    # SMs the persistent grid may fill (dense: a cap on its clusters, grouped: its size). Fewer
+    # than the device has leaves SMs free for kernels that run beside it, such as a collective
+    # ring's NCCL transfers (dispatch sets it from GemmRequest.free_sms). A launch parameter of
+    # the host launcher: the kernel's code is the same for every value.
+    sms: int = NUM_SMS
 
     def key(self) -> str:
         return (f"t{self.tile_m}x{self.tile_n}.c{self.cluster_m}x{self.cluster_n}."
                 f"r{self.raster}{self.group}.sk{self.split_k}.st{self.stages}" + (".pp" if self.pingpong else "")
                 + (".pdl" if self.pdl else "") + (f".e{self.epi_n}" if self.epi_n != 32 else "")
-                + (f".df{self.defer}" if self.defer else "") + (".wc" if self.whole_c else ""))
+                + (f".df{self.defer}" if self.defer else "") + (".wc" if self.whole_c else "")
+                + (f".sm{self.sms}" if self.sms != NUM_SMS else ""))
 
 
 def is_gated(spec) -> bool:

@@ -175,6 +175,8 @@ def _check_config(config: Config) -> None:
         raise ValueError(f"{FAMILY}: bad raster/group/split in {config}")
     if config.epi_n not in (32, 64) or config.tile_n % config.epi_n:
         raise ValueError(f"{FAMILY}: epilogue subtiles are 32 or 64 wide and divide tile_n ({config})")
+    if config.sms < config.cluster_m * config.cluster_n:
+        raise ValueError(f"{FAMILY}: a grid on {config.sms} SMs holds no {config.cluster_m}x{config.cluster_n} cluster")
     if config.defer and (config.pingpong or config.split_k != 1 or not 1 <= config.defer <= 3):
         raise ValueError(f"{FAMILY}: a deferred epilogue (1 to 3 k-tiles) needs the cooperative "
                          f"kernel without split-K ({config})")
@@ -394,13 +396,13 @@ def launcher(spec, config: Config):
                          f"epilogue ({config})")
     if is_gated(spec) and config.tile_n not in (128, 256):
         raise ValueError(f"{FAMILY}: a gated activation pairs halves of 128- or 256-wide tiles ({config})")
-    return make_launcher(spec, config)
+    return make_launcher(spec, config, config.sms)
 
 
 def make_launcher(spec: GemmSpec | GroupedSpec, config: Config, sms: int = NUM_SMS):
     """The @cute.jit launcher of the kernel with the tile scheduler ``spec`` asks for: the dense
-    raster for a GemmSpec, the ragged_m / ragged_k walk on ``sms`` CTAs for a GroupedSpec (a
-    cooperative 128-row tile on one CTA, unsplit; sm90_grouped checks the spec)."""
+    raster on at most ``sms`` SMs for a GemmSpec, the ragged_m / ragged_k walk on ``sms`` CTAs for
+    a GroupedSpec (a cooperative 128-row tile on one CTA, unsplit; sm90_grouped checks the spec)."""
     grouped = isinstance(spec, GroupedSpec)
     if grouped and (config.tile_m != 128 or config.pingpong or config.split_k != 1 or config.defer or config.pdl
                     or (config.cluster_m, config.cluster_n) != (1, 1)):

@@ -14,7 +14,7 @@ from jax_cute.kernels.dsl import cute, cutlass, pipeline, sm90_utils, cpasync, w
 from jax_cute.kernels.dsl import memory, LayoutEnum
 from jax_cute.kernels.dsl import Int32, Int64, Float32
 from jax_cute.kernels.gemm_spec import GemmSpec, GroupedSpec
-from jax_cute.kernels.sm90_config import NUM_SMS, Config, is_gated, stage_plan, tile_k, wg_rows
+from jax_cute.kernels.sm90_config import Config, is_gated, stage_plan, tile_k, wg_rows
 from jax_cute.kernels.sm90_epilogue import Sm90Epilogue, WarpgroupEpilogue, paired_halves
 from jax_cute.kernels.launch import launcher_for
 from jax_cute.kernels.sm90_mainloop import mainloop_finish, mainloop_rest, mainloop_start
@@ -122,7 +122,7 @@ class Sm90Gemm(Sm90Epilogue):
         # the tile scheduler: the dense raster, or a GroupedSpec's ragged_m / ragged_k walk
         self.mode = spec.mode if isinstance(spec, GroupedSpec) else "dense"
         self.nb = 1 if isinstance(spec, GroupedSpec) else spec.batch_modes
-        self.sms = sms          # grouped grid size (the dense grid is sized from its units)
+        self.sms = sms          # SMs the grid may fill (dense: a cap, grouped: its size)
         self.sched = scheduler_for(spec, config)
         self.cfg = config
         self.bm, self.bn, self.bk = config.tile_m, config.tile_n, tile_k(spec.a_dtype)
@@ -238,12 +238,13 @@ class Sm90Gemm(Sm90Epilogue):
                 cpasync.CopyBulkTensorTileS2GOp(), d_dst, cute.slice_(sc, (None, None, 0)), self.epi_tile)
 
         if const_expr(self.mode == "dense"):
-            # Persistent grid: one cluster per resident slot, never more than there are units.
+            # Persistent grid: one cluster per resident slot of the SMs it may fill, never more
+            # than there are units.
             tiles_m = (c.shape[0] + self.bm - 1) // self.bm
             tiles_n = (c.shape[1] + self.cbn - 1) // self.cbn
             units = ((tiles_m + self.cm - 1) // self.cm) * ((tiles_n + self.cn - 1) // self.cn) \
                 * self.sched.batch_count(c) * self.split
-            slots = NUM_SMS // (self.cm * self.cn)
+            slots = self.sms // (self.cm * self.cn)
             n_clusters = cutlass.max(cutlass.min(units, slots), 1)
         else:
             n_clusters = self.sms   # grouped work is known on the device only

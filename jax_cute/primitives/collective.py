@@ -22,6 +22,15 @@ Three rings, each chosen from the shardings the partitioner hands the call (``ch
   the accumulator received from its neighbour and passes it on; after n steps each device
   holds its own chunk, summed over the ring.
 
+SM budget: our Hopper GEMM is persistent, one CTA per SM holding nearly all of its registers and
+shared memory, so NCCL's send/receive kernels (which run on SMs too) find none free while a chunk
+GEMM runs: they wait for it, or take SMs its grid was sized for and leave its last CTAs to run
+late. A GEMM the ring issues while a transfer may be in flight therefore leaves
+``config.ring_sms()`` SMs free (``Ring.free_sms``, ``GemmRequest.free_sms``): its persistent grid
+fills the rest. The GEMMs with no transfer of the ring in flight (the gather rings' last step,
+which needs the last chunk to have arrived; the scatter ring's first partial product, issued
+before any transfer) use every SM.
+
 Gradients need nothing more: the transposes of our GEMM are GEMM primitives with layouts, so the
 backward of GATHER is SCATTER (and GATHER_K for the weight), and the partitioner brings them
 here with their shardings. Mesh axes outside the ring keep the ordinary plan (a data axis stays
@@ -64,6 +73,7 @@ class Ring:
     result_spec: PartitionSpec
     reduce: tuple[str, ...]  # mesh axes summed over after the ring (K sharded outside it)
     directions: tuple[int, int]  # hops one way round the ring and the other ((n - 1, 0): one-way)
+    free_sms: int = 0  # SMs a chunk GEMM leaves free while a transfer may be in flight
 
     def partition(self, call, mesh):
         """``custom_partitioning``'s answer for the call: mesh, per-shard body, result and input
@@ -77,16 +87,19 @@ class Planner:
     """``sharding._Call.rings``: the ring for a call's shardings, or None for the ordinary plan."""
 
     mode: str  # config.RINGS
+    free_sms: int  # config.ring_sms()
 
     def __call__(self, p: Problem, mesh_shape: Mapping[str, int], specs: Sequence[Spec],
                  result: Spec | None) -> Ring | None:
-        return choose(p, mesh_shape, specs, result, self.mode)
+        ring = choose(p, mesh_shape, specs, result, self.mode)
+        return ring and dataclasses.replace(ring, free_sms=self.free_sms)
 
 
 def planner() -> Planner | None:
-    """The planner under the current ``collective_matmul`` switch (asked when a call lowers)."""
+    """The planner under the current ``collective_matmul`` and ``ring_sms`` switches (asked when
+    a call lowers)."""
     mode = config.collective_matmul()
-    return Planner(mode) if mode else None
+    return Planner(mode, config.ring_sms()) if mode else None
 
 
 # -- choosing a ring -------------------------------------------------------------------------------
@@ -232,10 +245,12 @@ def _body(ring: Ring, call, ms: Mapping[str, int]) -> Callable:
     names = [o.name for o in p.operands[:-1]]
     n = ring.size
 
-    def gemm(dtype: np.dtype, **ops):
+    def gemm(dtype: np.dtype, busy: bool, **ops):
+        """One chunk's GEMM; ``busy``: a transfer of the ring may be in flight while it runs."""
         args = [ops[name] for name in names]
         chunk_params = {**params, "layouts": chunk_layouts, "out_dtype": dtype.name}
-        return call.local(sharding.plain_avals(args), chunk_params)(*args)
+        free = ring.free_sms if busy else 0
+        return call.local(sharding.plain_avals(args), chunk_params, free_sms=free)(*args)
 
     def block(x, axis: int, extent: int, j):
         return jax.lax.dynamic_slice_in_dim(x, j * extent, extent, axis)
@@ -274,8 +289,8 @@ def _gather_steps(ring: Ring, ops: dict, gemm, block, at, chunk_shapes, out_shap
         # every row is written by one step: no fill needed (a GPU allocates, the CPU fills zeros)
         out = jax.lax.empty(out_shape, out_dtype)
 
-        def step(out, chunk, j):
-            y = gemm(out_dtype, **{ring.operand: chunk, other: ops[other]})
+        def step(out, chunk, j, busy):
+            y = gemm(out_dtype, busy, **{ring.operand: chunk, other: ops[other]})
             return jax.lax.dynamic_update_slice_in_dim(out, y, j * extent, ci)
     else:  # GATHER_K: each chunk meets its K block of the other operand; partial products summed
         si = _axis_of(p.operand(other), ring.factor)
@@ -283,21 +298,23 @@ def _gather_steps(ring: Ring, ops: dict, gemm, block, at, chunk_shapes, out_shap
         dtype = _partial_dtype(out_dtype, acc_dtype)
         out = None
 
-        def step(out, chunk, j):
-            y = gemm(dtype, **{ring.operand: chunk, other: block(ops[other], si, extent, j)})
+        def step(out, chunk, j, busy):
+            y = gemm(dtype, busy, **{ring.operand: chunk, other: block(ops[other], si, extent, j)})
             return y if out is None else out + y
 
     own = fwd = bwd = ops[ring.operand]
-    for s in range(max(fwd_steps, bwd_steps) + 1):
+    last = max(fwd_steps, bwd_steps)
+    for s in range(last + 1):
         # Send the chunks on before computing with them: the transfers overlap this step's GEMMs.
         nxt_fwd = _shift(fwd, ring.axes, n, 1) if s < fwd_steps else None
         nxt_bwd = _shift(bwd, ring.axes, n, -1) if s < bwd_steps else None
+        busy = s < last  # the last step's chunks have all arrived: nothing left in flight
         if s == 0:
-            out = step(out, own, at(0))
+            out = step(out, own, at(0), busy)
         if 0 < s <= fwd_steps:
-            out = step(out, fwd, at(-s))  # s hops forward: the chunk of device idx - s
+            out = step(out, fwd, at(-s), busy)  # s hops forward: the chunk of device idx - s
         if 0 < s <= bwd_steps:
-            out = step(out, bwd, at(s))
+            out = step(out, bwd, at(s), busy)
         fwd, bwd = nxt_fwd, nxt_bwd
     return out.astype(out_dtype)
 
@@ -309,9 +326,9 @@ def _scatter_steps(ring: Ring, ops: dict, gemm, block, at, moving_shape, out_dty
     extent = moving_shape[mi]
     other = "b" if ring.operand == "a" else "a"
 
-    def partial(offset: int):  # this device's part of output chunk idx + offset
+    def partial(offset: int, busy: bool):  # this device's part of output chunk idx + offset
         rows = block(ops[ring.operand], mi, extent, at(offset))
-        return gemm(out_dtype, **{ring.operand: rows, other: ops[other]})
+        return gemm(out_dtype, busy, **{ring.operand: rows, other: ops[other]})
 
     # Chunk c's sums: one starts fwd_steps devices after c and travels toward idx - 1, adding one
     # partial product per hop (at step s device idx adds its part of chunk idx - fwd_steps + s;
@@ -320,12 +337,12 @@ def _scatter_steps(ring: Ring, ops: dict, gemm, block, at, moving_shape, out_dty
     down = up = None
     for s in range(max(fwd_steps, bwd_steps)):
         if s < fwd_steps:
-            y = partial(s - fwd_steps)
+            y = partial(s - fwd_steps, busy=s > 0)  # the first: issued before any transfer
             down = _shift(y if down is None else down + y, ring.axes, n, -1)
         if s < bwd_steps:
-            y = partial(bwd_steps - s)
+            y = partial(bwd_steps - s, busy=True)
             up = _shift(y if up is None else up + y, ring.axes, n, 1)
-    out = partial(0)
+    out = partial(0, busy=True)
     for acc in (down, up):
         if acc is not None:
             out = out + acc

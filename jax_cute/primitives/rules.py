@@ -15,6 +15,7 @@ makes of ``dispatch.gemm``, its kernel where one is picked, else the primitive's
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from typing import Callable, Sequence
@@ -94,10 +95,12 @@ Request = Callable[[tuple, dict], GemmRequest]
 
 def kernel_local(request: Request, reference: Callable) -> sharding.Local:
     """The per-shard computation of a partitioned GEMM primitive (``sharding.lowering``): the
-    kernel ``dispatch.gemm`` picks for ``request(avals, params)``, else ``reference``."""
-    def local(avals, params) -> Callable:
+    kernel ``dispatch.gemm`` picks for ``request(avals, params)`` (leaving ``free_sms`` SMs free),
+    else ``reference``."""
+    def local(avals, params, free_sms: int = 0) -> Callable:
         ref = functools.partial(reference, **params)
-        return gemm(request(tuple(avals), params), ref) or ref
+        req = dataclasses.replace(request(tuple(avals), params), free_sms=free_sms)
+        return gemm(req, ref) or ref
     return local
 
 

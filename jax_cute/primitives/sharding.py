@@ -46,7 +46,7 @@ import dataclasses
 import functools
 import math
 import weakref
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Mapping, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -451,7 +451,12 @@ class Primitive(extend_core.Primitive):
 
 # -- the partitioned call -----------------------------------------------------------------------
 
-Local = Callable[[tuple, dict], Callable]  # (input avals, params) -> the computation on the arrays
+class Local(Protocol):
+    """(input avals, params) -> the computation on the arrays. ``free_sms``: SMs its kernel
+    leaves free for work running beside it (a collective ring's transfers; see
+    ``dispatch.GemmRequest.free_sms``)."""
+
+    def __call__(self, avals: tuple, params: dict, free_sms: int = 0) -> Callable: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -624,7 +629,7 @@ def one_shard(axis_context) -> bool:
 
 def reference_local(reference: Callable) -> Local:
     """The per-shard computation of a primitive that always runs its ``reference``."""
-    return lambda avals, params: functools.partial(reference, **params)
+    return lambda avals, params, free_sms=0: functools.partial(reference, **params)
 
 
 def constrain(x, out_sharding):
