@@ -18,10 +18,13 @@ of the fp8 values accumulated in float32 (exact products), multiplied by ``sa[ro
 of that block and added to a float32 accumulator; then ``act(acc + bias)`` in float32, rounded
 once to the output dtype. A partial last K block is zero-padded.
 
-Dispatch: no block-scaled kernel exists yet, so every call is reported as a fallback when it is
-traced (``dispatch.at_trace``: a log line, or :class:`jax_cute.FallbackError` in strict mode)
-and lowers to the reference, on the GPU too. The kernel plugs in at :func:`kernel_refusal` (why
-no kernel takes a call) and :func:`_cuda_kernel` (the custom call for one shard).
+Dispatch: the dense call runs the Hopper kernel (kernels/sm90_scaled.py, a mainloop of the
+sm90_gemm family) through ``dispatch.gemm`` like every other GEMM: a ``GemmRequest`` with
+``scales``, its block scales passed transposed to (L, Kb, row blocks), contiguous along the row
+blocks each thread reads. The grouped calls have no kernel yet: :func:`kernel_refusal` reports
+them as fallbacks when they are traced (``dispatch.at_trace``: a log line, or
+:class:`jax_cute.FallbackError` in strict mode), and they lower to the reference, on the GPU
+too; so does a dense call the kernel refuses when it is lowered (logged the same way).
 """
 
 from __future__ import annotations
@@ -41,29 +44,66 @@ from jax.extend import core as extend_core
 from jax.interpreters import ad, batching, mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jax_cute import dispatch
 from jax_cute.fp8.quantize import BLOCK, FP8_DTYPES, group_blocks, group_ends
 from jax_cute.activations import apply_activation, is_gated
+from jax_cute.layout import Layout, make_layout
 from jax_cute.primitives import sharding
+from jax_cute.problem.gemm_layouts import matmul_layouts
 
 logger = logging.getLogger("jax_cute")
 
 OUT_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32))
-NO_KERNEL = ("no block-scaled fp8 GEMM kernel yet (the Hopper WGMMA kernel with per-128-K f32 promotion "
-             "is to come); the scaled product runs as XLA ops with the same two-level accumulation")
+NO_GROUPED_KERNEL = ("no block-scaled fp8 grouped GEMM kernel yet (the Hopper kernel covers dense products); "
+                     "the scaled product runs as XLA ops with the same two-level accumulation")
+KERNEL_BLOCKS = (1, BLOCK)   # rows per scale of either operand the Hopper kernel reads
 
 
-def kernel_refusal(op: str, **spec) -> str | None:
-    """Why no kernel takes this scaled call, or None. The one switch for the kernel to come:
-    it will return None for the specs its family accepts (dtypes, blocks, alignment)."""
-    del op, spec
-    return NO_KERNEL
+def kernel_refusal(op: str, *, grouped: str | None = None, a=None, b=None, out=None, a_block: int = 1,
+                   b_block: int = BLOCK, activation: str | None = None) -> str | None:
+    """Why no kernel of any arch takes this scaled call, or None (checked when it is traced;
+    what only the target knows, its arch and the operands' layout, is checked when it is lowered).
+    ``grouped``: "M" or "K" for the grouped calls, which no kernel takes yet."""
+    del op
+    if grouped:
+        return NO_GROUPED_KERNEL
+    if any(np.dtype(x) not in FP8_DTYPES for x in (a, b)) or np.dtype(out) not in OUT_DTYPES:
+        return f"the block-scaled kernel takes fp8 operands into {'/'.join(d.name for d in OUT_DTYPES)}"
+    if a_block not in KERNEL_BLOCKS or b_block not in KERNEL_BLOCKS:
+        return f"the block-scaled kernel reads 1 or {BLOCK} rows per scale, not {a_block} and {b_block}"
+    if is_gated(activation):
+        return f"the block-scaled kernel fuses no gated activation ({activation})"
+    return None
 
 
 def _cuda_kernel(name: str, avals, params) -> Callable | None:
     """The kernel for one shard's call (a function of its operands emitting the custom call),
-    or None for the reference. A kernel will be picked here as ``dispatch.gemm`` picks one."""
-    del name, avals, params
-    return None
+    or None for the reference: the dense call asks ``dispatch.gemm``, which logs a refusal as a
+    fallback (strict mode raises); the grouped calls have no kernel yet."""
+    if name != "jax_cute_scaled_gemm":
+        return None
+    a, sa, b, sb, *bias = avals
+    (l, m, k), n = a.shape, b.shape[1]
+    layouts, _ = matmul_layouts((l, m, k), (l, n, k), False, True)
+    block_major = [jax.core.ShapedArray((l, s.shape[2], s.shape[1]), s.dtype) for s in (sa, sb)]
+    act = params["activation"]
+    req = dispatch.GemmRequest(
+        (a, b, *block_major, *bias), layouts, params["out_dtype"], "float32", epilogue=bool(bias or act),
+        bias=bool(bias), bias_layout=make_layout(Layout((m,), (0,)), Layout((n,), (1,)), Layout((l,), (0,))),
+        activation=act, scales=(params["a_block"], params["b_block"]))
+
+    def reference(a, b, sa_t, sb_t, *bias):
+        return gemm_reference(a, jnp.swapaxes(sa_t, 1, 2), b, jnp.swapaxes(sb_t, 1, 2), *bias, **params)
+
+    impl = dispatch.gemm(req, reference)
+    if impl is None:
+        return None
+
+    def run(a, sa, b, sb, *bias):
+        out = impl(a, b, jnp.swapaxes(sa, 1, 2), jnp.swapaxes(sb, 1, 2), *bias)
+        return out[0] if req.multiple_results else out
+
+    return run
 
 
 class _Primitive(extend_core.Primitive):

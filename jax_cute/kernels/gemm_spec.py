@@ -71,6 +71,7 @@ def _operand(name: str, dtype: str, rank: int, major: int) -> TensorArg:
 MAX_EXTENT = 2**31 - 2**16
 MAX_TILES = 2**31 - 1
 RAGGED_EXTENT = 2**30   # a grouped launch's ragged mode (kernels/sm90_gemm.py's notes)
+SCALE_K = 128           # K (and a weight's row) extent of one block scale (docs/fp8.md)
 _SMALLEST_TILE = 64
 
 
@@ -140,6 +141,12 @@ class GemmSpec:
     activation: str = ""
     preact: bool = False
     dact: str = ""
+    # Block-scaled fp8 (docs/fp8.md): rows of A (``a_block``) and of B (``b_block``) per float32
+    # scale, 1 or 128; 0 for an unscaled product. The kernel takes ``sa`` (ceil(M/a_block), Kb, L)
+    # and ``sb`` (ceil(N/b_block), Kb, L), contiguous along their row blocks, Kb = ceil(K/128),
+    # and adds each 128-K block's partial product times sa[m] * sb[n] to its float32 accumulator.
+    a_block: int = 0
+    b_block: int = 0
 
     def __post_init__(self):
         if self.a_major not in ("k", "m") or self.b_major not in ("k", "n") or self.c_major not in ("n", "m"):
@@ -151,13 +158,29 @@ class GemmSpec:
         if self.dact and (self.bias or self.activation or self.preact):
             raise ValueError("an activation's derivative (dact) scales the bare product: no bias, activation "
                              "or preact with it")
+        if (self.a_block == 0) != (self.b_block == 0) or {self.a_block, self.b_block} - {0, 1, SCALE_K}:
+            raise ValueError(f"block scales take a_block and b_block in (1, {SCALE_K}) together, not "
+                             f"{self.a_block} and {self.b_block}")
+
+    @property
+    def scaled(self) -> bool:
+        return self.a_block > 0
 
     def key(self) -> str:
         return (f"{self.a_dtype}.{self.b_dtype}.{self.c_dtype}.acc{self.acc_dtype}."
                 f"{self.a_major}{self.b_major}{self.c_major}" + (f".b{self.batch_modes}" if self.batch_modes > 1 else "")
                 + (".bias" if self.bias else "") + (f".{self.activation}" if self.activation else "")
                 + (".preact" if self.preact else "")
-                + (f".dact-{self.dact}" if self.dact else ""))
+                + (f".dact-{self.dact}" if self.dact else "")
+                + (f".scaled{self.a_block}x{self.b_block}" if self.scaled else ""))
+
+    def scale_args(self) -> tuple[TensorArg, ...]:
+        """The float32 block scales ``sa`` (ceil(M/a_block), Kb, L) and ``sb`` (ceil(N/b_block),
+        Kb, L), each contiguous along its row blocks; none for an unscaled product."""
+        if not self.scaled:
+            return ()
+        return tuple(TensorArg(name, "float32", (DYN,) * (2 + self.batch_modes),
+                               (1,) + (DYN,) * (1 + self.batch_modes), align=4) for name in ("sa", "sb"))
 
     def preact_arg(self) -> TensorArg:
         """The pre-activation output ``d``: c's dtype, rank and major mode."""
