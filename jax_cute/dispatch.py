@@ -166,10 +166,10 @@ class GemmRequest:
     product). ``precision``: a dot algorithm the kernels do not compute is refused.
 
     ``scales``: a block-scaled fp8 product's (a_block, b_block), rows of A and of B per float32
-    scale (docs/fp8.md). Its operands are a, b, sa, sb (then the bias): sa (L, Kb, ceil(M/a_block))
-    and sb (L, Kb, ceil(N/b_block)), each contiguous along its row blocks. Its layouts must reach
-    the kernel as given ((L, M, K) x (L, N, K), no copies), and any refusal is a fallback to the
-    reference, its epilogue included."""
+    scale (docs/fp8.md). Its operands are a, b (then the group sizes), sa, sb (then the bias): sa
+    (L, Kb, ceil(M/a_block)) and sb (L or G, Kb, ceil(N/b_block)), each contiguous along its row
+    blocks. Its layouts must reach the kernel as given ((L, M, K) x (L, N, K), grouped (M, K) x
+    (G, N, K), no copies), and any refusal is a fallback to the reference, its epilogue included."""
 
     avals: tuple
     layouts: GemmLayouts | RaggedLayouts
@@ -358,10 +358,9 @@ def _plan_refusal(req: GemmRequest, p: Plan, e: dict) -> str | None:
 
 def _scaled_refusal(p: Plan, e: dict) -> str | None:
     """Why the planned problem does not index the block scales as the call gives them, or None:
-    the kernel reads them at the call's own rows, columns, K blocks and batches."""
+    the kernel reads them at the call's own rows, columns, K blocks, batches (and groups)."""
     flat = p.flat
-    if (flat.m, flat.n, flat.k, flat.l) != (e["m"], e["n"], e["k"], e["l"]) or p.batch_modes != 1 \
-            or (flat.a.major, flat.b.major) != ("k", "k"):
+    if any(getattr(flat, d) != e[d] for d in e) or p.batch_modes != 1 or (flat.a.major, flat.b.major) != ("k", "k"):
         return "the block-scaled kernel reads (L, M, K) x (L, N, K) operands contiguous along K as given"
     return None
 
@@ -381,12 +380,12 @@ def _bias_batches(req: GemmRequest, flat: FlatGrouped) -> int | None:
 def _spec(req: GemmRequest, p: Plan) -> GemmSpec | GroupedSpec:
     flat, dts = p.flat, req.dtypes
     fused = dict(bias=req.bias, activation=req.activation or "", preact=req.two_outputs)
+    scales = dict(a_block=req.scales[0], b_block=req.scales[1]) if req.scales else {}
     if req.grouped:
         return GroupedSpec(req.layouts.mode, *dts, flat.a.major, flat.b.major, flat.c.major, req.acc_dtype,
-                           **(fused if req.epilogue else {}))
+                           **(fused if req.epilogue else {}), **scales)
     if req.dact:
         return GemmSpec(*dts, flat.a.major, flat.b.major, flat.c.major, req.acc_dtype, dact=req.dact)
-    scales = dict(a_block=req.scales[0], b_block=req.scales[1]) if req.scales else {}
     return GemmSpec(*dts, flat.a.major, flat.b.major, flat.c.major, req.acc_dtype, batch_modes=p.batch_modes,
                     **(fused if req.epilogue else {}), **scales)
 

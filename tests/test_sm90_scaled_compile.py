@@ -1,5 +1,6 @@
 """Compile-only checks of the block-scaled fp8 Hopper GEMM (sm90_gemm with GemmSpec.a_block /
-b_block; kernels/sm90_scaled.py): no GPU needed, a few seconds a kernel on two cores."""
+b_block, and sm90_grouped's ragged_m with GroupedSpec's; kernels/sm90_scaled.py): no GPU needed,
+a few seconds a kernel on two cores."""
 
 import dataclasses
 import re
@@ -7,8 +8,8 @@ import re
 import pytest
 import shared_result  # tests/ is on sys.path under pytest
 
-from jax_cute.kernels import cubin_info, sm90_gemm
-from jax_cute.kernels.gemm_spec import GemmSpec
+from jax_cute.kernels import cubin_info, sm90_gemm, sm90_grouped
+from jax_cute.kernels.gemm_spec import GemmSpec, GroupedSpec
 
 BF, F16, F32 = "bfloat16", "float16", "float32"
 E4M3, E5M2 = "float8_e4m3fn", "float8_e5m2"
@@ -21,14 +22,14 @@ def scaled(a_block: int, b_block: int, c: str = BF, a: str = E4M3, b: str = E4M3
     return GemmSpec(a, b, c, a_block=a_block, b_block=b_block, **fused)
 
 
-def _compile(spec: GemmSpec, cfg: sm90_gemm.Config):
+def _compile(spec: GemmSpec | GroupedSpec, cfg, family=sm90_gemm):
     pytest.importorskip("cutlass")
-    binary = shared_result.compiled(sm90_gemm, spec, cfg, f"test_{spec.key()}_{cfg.key()}")
+    binary = shared_result.compiled(family, spec, cfg, f"test_{spec.key()}_{cfg.key()}")
     ptx = binary.ptx or ""
     assert binary.obj, "empty object"
     kinds = {E4M3: "e4m3", E5M2: "e5m2"}
     # fp8 WGMMA of the spec's operand types, k32 per instruction: four per 128-K tile
-    wgmma = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{cfg.tile_n}k32\.f32\.{kinds[spec.a_dtype]}"
+    wgmma = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.{kinds[spec.a_dtype]}"
                        rf"\.{kinds[spec.b_dtype]}", ptx)
     assert len(wgmma) == 4, len(wgmma)
     # the promotion: one f32 FMA per accumulator (64 per thread of a 128 x 128 tile), after
@@ -94,3 +95,30 @@ def test_scaled_spec_signature_and_refusals():
                     sm90_gemm.Config(128, 128, defer=1), sm90_gemm.Config(256, 128)):
         with pytest.raises(ValueError):
             sm90_gemm.launcher(scaled(1, 128), bad_cfg)
+
+
+_GROUPED = [GroupedSpec("ragged_m", E4M3, E4M3, BF, a_block=1, b_block=128),
+            GroupedSpec("ragged_m", E4M3, E5M2, F32, a_block=1, b_block=1, bias=True, activation="gelu")]
+
+
+@pytest.mark.parametrize("spec", _GROUPED, ids=lambda s: s.key())
+def test_compile_scaled_grouped(spec):
+    cfg = sm90_grouped.heuristic(spec, 32768, 4096, 7168, 4, 1)
+    assert cfg.tile_n == 128 and sm90_grouped.candidate_configs(spec) == [cfg]
+    names = [a.name for a in sm90_grouped.signature(spec, cfg)]
+    assert names[:6] == ["a", "b", "c", "group_sizes", "sa", "sb"] and names[-1] == "stream"
+    _compile(spec, cfg, sm90_grouped)
+
+
+def test_scaled_grouped_refusals():
+    ok = _GROUPED[0]
+    assert sm90_grouped.unsupported(ok) is None
+    for bad in (dataclasses.replace(ok, a_dtype=BF, b_dtype=BF), dataclasses.replace(ok, activation="swiglu"),
+                dataclasses.replace(ok, b_major="n"), dataclasses.replace(ok, c_major="m")):
+        assert sm90_grouped.unsupported(bad), bad
+    with pytest.raises(ValueError):
+        GroupedSpec("ragged_k", E4M3, E4M3, F32, a_block=1, b_block=1)   # no scaled ragged_k kernel
+    with pytest.raises(ValueError):
+        dataclasses.replace(ok, a_block=128)                              # A's scales are per row
+    with pytest.raises(ValueError):
+        sm90_grouped.launcher(ok, sm90_grouped.Config(tile_n=256))

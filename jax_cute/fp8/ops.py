@@ -181,7 +181,8 @@ def scaled_ragged_dot(lhs: BlockScaled, rhs: BlockScaled, group_sizes, *, prefer
         args.append(bias)
     if is_gated(activation) and n % 2:
         raise ValueError(f"jax_cute.ragged_dot: {activation} needs an even N, got {n}")
-    dispatch.at_trace(op, kernel_refusal(op, grouped="M", a=lhs.dtype, b=rhs.dtype, out=out))
+    dispatch.at_trace(op, kernel_refusal(op, grouped="M", a=lhs.dtype, b=rhs.dtype, out=out, a_block=1,
+                                         b_block=rhs.blocks[2], activation=activation))
     return scaled_ragged_m_p.bind(*args, b_block=rhs.blocks[2], out_dtype=out.name, activation=activation,
                                   compute="float32")
 

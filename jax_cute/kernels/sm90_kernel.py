@@ -162,10 +162,11 @@ class Sm90Gemm(ScaledMainloop, Sm90Epilogue):
                splitk_flags=None, sa=None, sb=None) -> None:
         """The launcher's body (kernels/launch.py), its arguments named as the ABI signature
         names them (sm90_gemm.signature, GroupedSpec.signature)."""
+        scales = (sa, sb) if self.scaled else None
         if isinstance(self.sched, DenseRaster):
-            self.run(a, b, c, splitk_partials, splitk_flags, stream, bias, d, z, (sa, sb) if self.scaled else None)
+            self.run(a, b, c, splitk_partials, splitk_flags, stream, bias, d, z, scales)
         else:
-            self.run(a, b, c, group_sizes, None, stream, bias, d)
+            self.run(a, b, c, group_sizes, None, stream, bias, d, None, scales)
 
     @cute.jit
     def run(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, ws, flags, stream, bias=None, d=None,
@@ -559,11 +560,18 @@ class Sm90Gemm(ScaledMainloop, Sm90Epilogue):
             gs, ext, w, cl, cg0, rows0, tiles0, start, end, incl)
         while valid:
             n_k = self.sched.group_k_tiles(ext, g, t0, t1)
-            acc.fill(0.0)      # empty groups and ragged_m's tail store these zeros
-            tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-            warpgroup.fence()
-            read = mainloop_start(tiled_mma, acc, tCrA, tCrB, ab_pipe, read, n_k, 1)
-            read, release = mainloop_rest(tiled_mma, acc, tCrA, tCrB, ab_pipe, read, release, n_k, 1)
+            if const_expr(self.scaled):
+                # (ragged_m) A's scales at the tile's rows, B's at its group (the zero tail's
+                # clamped: it has no k-tiles and stores zeros)
+                tile = (t0 + m_t * self.bm, n_t, Int32(0), cutlass.min(g, ext[3] - 1))
+                read, release = self.scaled_mainloop(tiled_mma, acc, tCrA, tCrB, cs.ts, ab_pipe, read, release,
+                                                     Int32(0), n_k, tile)
+            else:
+                acc.fill(0.0)      # empty groups and ragged_m's tail store these zeros
+                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                warpgroup.fence()
+                read = mainloop_start(tiled_mma, acc, tCrA, tCrB, ab_pipe, read, n_k, 1)
+                read, release = mainloop_rest(tiled_mma, acc, tCrA, tCrB, ab_pipe, read, release, n_k, 1)
             pre, g_bias = None, None
             if const_expr(self.preact):
                 pre = (tma_d, self.d_tiles(
@@ -639,7 +647,7 @@ class Sm90Gemm(ScaledMainloop, Sm90Epilogue):
                 n_tm, n_tn, n_l, n_s = self.sched.work(w + step, cl_m, cl_n, batches, cc)
                 ab = (self.sched.ab_batch(l, c_ext, sch.la_last), self.sched.ab_batch(l, c_ext, sch.lb_last))
                 read, release = self.scaled_mainloop(tiled_mma, acc, tCrA, tCrB, cs.ts, ab_pipe, read, release,
-                                                     k0, kc, (tm, tn, *ab))
+                                                     k0, kc, (tm * self.bm, tn, *ab))
             else:
                 # ---- mainloop (sm90_mainloop): one WGMMA batch in flight
                 acc.fill(0.0)

@@ -78,16 +78,17 @@ class ScaledMainloop:
         return ThreadScales(scales[0], scales[1], part, at, rows, cols, row_of, col_of, cur, nxt)
 
     @cute.jit
-    def load_scales(self, ts: ThreadScales, dst, kt, tm, tn, la, lb):
-        """k-tile ``kt``'s scales of tile (tm, tn) into ``dst``; rows and columns past the
-        product's edge read its last scale (their results are never stored). ``la``, ``lb``: A's
-        and B's batch coordinates."""
+    def load_scales(self, ts: ThreadScales, dst, kt, m0, tn, la, lb):
+        """k-tile ``kt``'s scales into ``dst`` for the tile whose first row is ``m0`` (a multiple
+        of 128 with 128-row A blocks) in column ``tn``; rows and columns past the product's edge
+        read its last scale (their results are never stored). ``la``, ``lb``: A's and B's batch
+        coordinates (grouped: B's is the tile's group)."""
         sa, sb, at = ts.sa, ts.sb, ts.at
         for j in range_constexpr(len(ts.rows)):
             if const_expr(self.a_block == 1):
-                r = tm * self.bm + at[0] + ts.rows[j]
+                r = m0 + at[0] + ts.rows[j]
             else:
-                r = tm * (self.bm // SCALE_K) + ts.rows[j]
+                r = m0 // SCALE_K + ts.rows[j]
             dst[j] = sa[(cutlass.min(r, sa.shape[0] - 1), kt, la)]
         for j in range_constexpr(len(ts.cols)):
             if const_expr(self.b_block == 1):
@@ -110,15 +111,16 @@ class ScaledMainloop:
     @cute.jit
     def scaled_mainloop(self, tiled_mma: cute.TiledMma, acc, tCrA, tCrB, ts: ThreadScales, pipe, read, release,
                         k0, kc, tile):
-        """k-tiles [k0, k0 + kc) of tile ``tile`` = (tm, tn, la, lb) into ``acc`` (zeroed here),
-        each WGMMA'd into ``ts.part`` and promoted with its scales; returns (read, release)."""
-        tm, tn, la, lb = tile
+        """k-tiles [k0, k0 + kc) of tile ``tile`` = (first row, n-tile, la, lb) (see load_scales)
+        into ``acc`` (zeroed here), each WGMMA'd into ``ts.part`` and promoted with its scales;
+        returns (read, release)."""
+        m0, tn, la, lb = tile
         part, cur, nxt = ts.part, ts.cur, ts.nxt
         ahead = nxt is not None
         k_last = ts.sa.shape[1] - 1
         acc.fill(0.0)
         if const_expr(ahead):
-            self.load_scales(ts, nxt, k0, tm, tn, la, lb)
+            self.load_scales(ts, nxt, k0, m0, tn, la, lb)
         for kt in range(kc):
             if const_expr(ahead):
                 for j in range_constexpr(cute.size(cur)):
@@ -131,9 +133,9 @@ class ScaledMainloop:
                           part)
             warpgroup.commit_group()
             if const_expr(ahead):
-                self.load_scales(ts, nxt, cutlass.min(k0 + kt + 1, k_last), tm, tn, la, lb)
+                self.load_scales(ts, nxt, cutlass.min(k0 + kt + 1, k_last), m0, tn, la, lb)
             else:
-                self.load_scales(ts, cur, k0 + kt, tm, tn, la, lb)
+                self.load_scales(ts, cur, k0 + kt, m0, tn, la, lb)
             warpgroup.wait_group(0)
             pipe.consumer_release(release)
             release.advance()
