@@ -49,9 +49,9 @@ class ThreadScales(Bundle):
 
 def _keys(offsets: list[int], block: int) -> tuple[list[int], list[int]]:
     """The distinct keys of static tile offsets (the offset itself, or its 128-block) and each
-    offset's index among them. An element's block is its thread's first element's block plus
-    the key: a thread's first element lies in the first 8 rows and columns of a 128 block, and
-    offsets are multiples of 8 past it."""
+    offset's index among them. With 128-blocks an element's block in the tile is its offset's:
+    the thread's part of a coordinate and the offset modulo 128 occupy different bits of the
+    WGMMA layout's coordinates inside a 128 block, so their sum stays below 128."""
     keys = [o if block == 1 else o // SCALE_K for o in offsets]
     distinct = sorted(set(keys))
     return distinct, [distinct.index(k) for k in keys]
