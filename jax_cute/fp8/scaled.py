@@ -134,17 +134,18 @@ def _cuda_kernel(name: str, avals, params) -> Callable | None:
         req = _ragged_m_request(avals, params)
     else:
         return None
-    n_lead = 2 if req.grouped else 1   # a and b, then the group sizes of a grouped call
+    n_gs = 1 if req.grouped else 0   # the group sizes of a grouped call
 
     def reorder(x, sx, y, sy, *rest):
         """The primitive's (a, sa, b, sb, [gs], [bias]) as the request's (a, b, [gs], sa, sb, [bias])."""
         if req.grouped:
-            x, y = _pad_k(x, 1, _k16(x.shape[1])), _pad_k(y, 2, _k16(x.shape[1]))
-        return (x, y, *rest[:n_lead - 1], _block_major(sx), _block_major(sy), *rest[n_lead - 1:])
+            k = _k16(x.shape[1])
+            x, y = _pad_k(x, 1, k), _pad_k(y, 2, k)
+        return (x, y, *rest[:n_gs], _block_major(sx), _block_major(sy), *rest[n_gs:])
 
     def reference(x, y, *rest):
         """The reference of the request's operands (dispatch's first-use check)."""
-        gs, (sx, sy), bias = rest[:n_lead - 1], rest[n_lead - 1:n_lead + 1], rest[n_lead + 1:]
+        gs, (sx, sy), bias = rest[:n_gs], rest[n_gs:n_gs + 2], rest[n_gs + 2:]
         sx, sy = jnp.swapaxes(sx, 1, 2), jnp.swapaxes(sy, 1, 2)
         return _REFERENCES[name](x, sx[0] if req.grouped else sx, y, sy, *gs, *bias, **params)
 
