@@ -25,7 +25,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 SUITES = {"models": "bench_models.py", "matmul": "bench_matmul.py", "layouts": "bench_layouts.py", "ragged": "bench_ragged.py",
           "launch": "bench_launch.py", "fused": "bench_fused.py", "scaling": "bench_scaling.py",
-          "collective": "bench_collective.py"}
+          "collective": "bench_collective.py", "fp8": "bench_fp8.py"}
 IMPL_ORDER = ["jax_cute", "xla", "pallas"]
 IMPL_LABEL = {"jax_cute": "jax_cute", "xla": "XLA", "pallas": "Pallas", "xla_bf16_grads": "XLA, bf16 gradient GEMMs",
               "jax_cute_kernelize": "kernelize(jnp step): gelu fused"}
@@ -180,6 +180,8 @@ SECTIONS = [  # (table, record key, unit, higher is better, title, digits)
     ("gemm_loop", "tflops", "TFLOP/s", True, "Small GEMMs: 64 dependent products in one lax.fori_loop (no host dispatch; the loop's own per-iteration overhead included)", 1),
     ("gemm_sustained", "tflops", "TFLOP/s", True, "Large GEMMs under sustained load: 1 s windows, bf16", 1),
     ("ragged", "tflops", "TFLOP/s", True, "Grouped GEMM (ragged_dot), bf16: forward, lhs and rhs gradients", 1),
+    ("fp8_gemm", "tflops", "TFLOP/s", True, "Block-scaled fp8 GEMM (M×N×K, 1×128 / 128×128 scales, bf16 out)", 1),
+    ("fp8_grouped", "tflops", "TFLOP/s", True, "Block-scaled fp8 grouped GEMM, contiguous groups (G×rows×N×K)", 1),
     ("e2e", "ms", "ms", False, "End-to-end steps (time per call)", 2),
     ("launch", "us_per_iter", "µs/iter", False, "Tiny kernel in a fori_loop (command buffers off)", 2),
     ("scaling", "tokens_per_s_per_device", "tokens/s per GPU", True, "Training step on several GPUs, same batch per GPU", 0),
@@ -197,8 +199,11 @@ SUITE_TITLE = {"models": "Models: jax_cute.kernelize", "matmul": "Dense GEMM: ja
                "ragged": "Grouped GEMM: jax_cute.ragged_dot",
                "launch": "Launch overhead", "fused": "Fused epilogues: bias and activation",
                "scaling": "Several GPUs: the GPT training step sharded",
-               "collective": "Collective matmul: all-gather and reduce-scatter inside the GEMMs"}
+               "collective": "Collective matmul: all-gather and reduce-scatter inside the GEMMs",
+               "fp8": "Block-scaled fp8 GEMM: DeepGEMM's shapes"}
 SUITE_LABELS = {"ragged": {"xla": "lax.ragged_dot"},   # what the "xla" rival is in that suite
+                "fp8": {"jax_cute": "jax_cute fp8, block-scaled", "jax_cute_bf16": "jax_cute bf16",
+                        "xla": "XLA fp8 dot (no block scales)"},
                 "models": {"jax_cute_unfused": "jax_cute, gelu not fused"},
                 "fused": {"jax_cute": "jax_cute fused", "jax_cute_remat": "jax_cute fused, jax.checkpoint",
                           "jax_cute_unfused": "jax_cute + jnp epilogue",

@@ -185,7 +185,12 @@ class GemmRequest:
 
     ``free_sms``: SMs the kernel leaves free for work running beside it (a collective ring's
     transfers, ``primitives/collective.py``): the heuristic ranks configs on the rest, and a
-    family whose configs carry the persistent grid's SM count (``sms``) caps the grid there."""
+    family whose configs carry the persistent grid's SM count (``sms``) caps the grid there.
+    ``scales``: a block-scaled fp8 product's (a_block, b_block), rows of A and of B per float32
+    scale (docs/fp8.md). Its operands are a, b (then the group sizes), sa, sb (then the bias): sa
+    (L, Kb, ceil(M/a_block)) and sb (L or G, Kb, ceil(N/b_block)), each contiguous along its row
+    blocks. Its layouts must reach the kernel as given ((L, M, K) x (L, N, K), grouped (M, K) x
+    (G, N, K), no copies), and any refusal is a fallback to the reference, its epilogue included."""
 
     avals: tuple
     layouts: GemmLayouts | RaggedLayouts
@@ -200,6 +205,7 @@ class GemmRequest:
     z_layout: Layout | None = None
     precision: object = None   # lax's precision or dot algorithm, as the primitive carries it
     free_sms: int = 0
+    scales: tuple[int, int] | None = None
 
     @property
     def grouped(self) -> bool:
@@ -228,6 +234,8 @@ class GemmRequest:
         if self.grouped:
             dims = f"{self.layouts.mode} M={e['m']} N={e['n']} K={e['k']} G={e['g']} L={e['l']}"
         what = f"{dims}, dtypes {'/'.join(self.dtypes)}"
+        if self.scales:
+            what += f", block scales {self.scales[0]}x128 / {self.scales[1]}x128"
         if self.dact:
             return f"{what}, {self.dact} derivative"
         if self.epilogue:
@@ -237,7 +245,7 @@ class GemmRequest:
     def refuse(self, why: str, what: str) -> None:
         """Log why no kernel runs the call as asked: a fallback to the reference (strict mode
         raises), or for an epilogue, the GEMM kernel with the epilogue in XLA."""
-        if self.epilogue:
+        if self.epilogue and not self.scales:
             logger.info("jax_cute.%s: the GEMM kernel runs with its epilogue in XLA: %s (%s)", self.op, why, what)
         else:
             fallback(self.op, f"{why} ({what})")
@@ -260,7 +268,7 @@ def gemm(request: GemmRequest, reference: Callable) -> Callable | None:
         return None  # nothing to launch: the reference path writes the zeros
     what = req.describe(e)
     planned = plan(req.layouts, [av.shape for av in req.avals[:2]], req.dtypes,
-                   copies=not req.epilogue and not req.grouped)
+                   copies=not req.epilogue and not req.grouped and not req.scales)
     if not isinstance(planned, str) and planned.rewrite is not None:
         rw = planned.rewrite
         logger.warning("jax_cute.matmul: %swriting the output through one copy into its layout: %s (%s)",
@@ -278,6 +286,8 @@ def gemm(request: GemmRequest, reference: Callable) -> Callable | None:
                                                              if req.grouped else ()))
     if why is None:
         why = _plan_refusal(req, planned, e)
+    if why is None and req.scales:
+        why = _scaled_refusal(planned, e)
     c_out = None
     if why is None and is_gated(req.activation):
         c = planned.flat.c
@@ -306,7 +316,7 @@ def gemm(request: GemmRequest, reference: Callable) -> Callable | None:
     else:
         _log_copies(planned)
         cfg = fam.heuristic(spec, flat.m, flat.n, flat.k, flat.l, sms)
-        if config.autotune() and not req.epilogue:
+        if config.autotune() and not req.epilogue and not req.scales:
             cfg = autotune.tuned_gemm_config(fam, arch, spec, flat, list(req.dtypes), cfg)
         cfg = _on_sms(cfg, sms)
         workspaces = fam.workspace(spec, cfg, flat.m, flat.n, flat.k, flat.l)
@@ -370,6 +380,15 @@ def _plan_refusal(req: GemmRequest, p: Plan, e: dict) -> str | None:
     return None
 
 
+def _scaled_refusal(p: Plan, e: dict) -> str | None:
+    """Why the planned problem does not index the block scales as the call gives them, or None:
+    the kernel reads them at the call's own rows, columns, K blocks, batches (and groups)."""
+    flat = p.flat
+    if any(getattr(flat, d) != e[d] for d in e) or p.batch_modes != 1 or (flat.a.major, flat.b.major) != ("k", "k"):
+        return "the block-scaled kernel reads (L, M, K) x (L, N, K) operands contiguous along K as given"
+    return None
+
+
 def _bias_batches(req: GemmRequest, flat: FlatGrouped) -> int | None:
     """How many biases a grouped kernel reads (N, G, L or 1): one per batch, or one for all;
     None when the bias is shared by some vmapped axes but not all."""
@@ -385,13 +404,14 @@ def _bias_batches(req: GemmRequest, flat: FlatGrouped) -> int | None:
 def _spec(req: GemmRequest, p: Plan) -> GemmSpec | GroupedSpec:
     flat, dts = p.flat, req.dtypes
     fused = dict(bias=req.bias, activation=req.activation or "", preact=req.two_outputs)
+    scales = dict(a_block=req.scales[0], b_block=req.scales[1]) if req.scales else {}
     if req.grouped:
         return GroupedSpec(req.layouts.mode, *dts, flat.a.major, flat.b.major, flat.c.major, req.acc_dtype,
-                           **(fused if req.epilogue else {}))
+                           **(fused if req.epilogue else {}), **scales)
     if req.dact:
         return GemmSpec(*dts, flat.a.major, flat.b.major, flat.c.major, req.acc_dtype, dact=req.dact)
     return GemmSpec(*dts, flat.a.major, flat.b.major, flat.c.major, req.acc_dtype, batch_modes=p.batch_modes,
-                    **(fused if req.epilogue else {}))
+                    **(fused if req.epilogue else {}), **scales)
 
 
 def _log_copies(p: Plan) -> None:
@@ -427,6 +447,9 @@ def _implementation(req: GemmRequest, p: Plan, binary: KernelBinary, workspaces,
         if req.grouped:
             inputs["group_sizes"] = (rest[0], *flat.gs)
             rest = rest[1:]
+        if req.scales:
+            inputs.update(_scale_inputs(*rest[:2]))
+            rest = rest[2:]
         if req.bias and req.grouped:
             # bias (..., G, N) row-major, read as (N, G, L or 1)
             inputs["bias"] = (rest[0].astype(jnp.float32), (e["n"], e["g"], bias_batches),
@@ -451,6 +474,15 @@ def _implementation(req: GemmRequest, p: Plan, binary: KernelBinary, workspaces,
         return got * 2 if req.preact and not req.two_outputs else got
 
     return impl
+
+
+def _scale_inputs(sa, sb) -> dict:
+    """The kernel's sa and sb: (L, Kb, row blocks) arrays read as (row blocks, Kb, L)."""
+    out = {}
+    for name, s in (("sa", sa), ("sb", sb)):
+        l, kb, rows = s.shape
+        out[name] = (s, (rows, kb, l), (1, rows, rows * kb))
+    return out
 
 
 def _same_layout(x: Layout, y: Layout) -> bool:

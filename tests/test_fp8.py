@@ -350,13 +350,45 @@ def test_kernelize_fp8_ragged_dot():
 # -- dispatch and errors ----------------------------------------------------------------------
 
 def test_fallback_is_logged_and_strict_mode_raises(caplog):
+    """Products no kernel takes (the ragged-K weight gradient, a gated epilogue) are fallbacks when
+    traced; the dense and grouped-over-M products, which the Hopper kernels take, are not (on the
+    CPU they run the reference unlogged)."""
     xq, wq = quantize(data((8, 128), "normal")), quantize(data((128, 128), "normal"), "128x128")
+    we = quantize(data((2, 128, 128), "normal"), "128x128")
+    sizes = jnp.asarray([3, 5], jnp.int32)
+    xt, yt = quantize_grouped(data((8, 16), "normal").T, sizes), quantize_grouped(data((8, 24), "normal").T, sizes)
     logging.getLogger("jax_cute").setLevel(logging.WARNING)
     with caplog.at_level(logging.WARNING, logger="jax_cute"):
         jax_cute.matmul(xq, wq)
-    assert "no block-scaled fp8 GEMM kernel yet" in caplog.text
-    with config.override(strict=True), pytest.raises(jax_cute.FallbackError, match="block-scaled"):
-        jax_cute.matmul(xq, wq)
+        jax_cute.ragged_dot(xq, we, sizes)
+        assert not caplog.text
+        ragged_k_dot(xt, yt, sizes)
+    assert "no block-scaled fp8 ragged-K" in caplog.text
+    with config.override(strict=True):
+        jax_cute.matmul(xq, wq, bias=jnp.ones((128,)), activation="gelu")
+        jax_cute.ragged_dot(xq, we, sizes, activation="relu")
+        with pytest.raises(jax_cute.FallbackError, match="block-scaled"):
+            ragged_k_dot(xt, yt, sizes)
+        with pytest.raises(jax_cute.FallbackError, match="gated"):
+            jax_cute.matmul(xq, wq, activation="swiglu")
+        with pytest.raises(jax_cute.FallbackError, match="gated"):
+            jax_cute.ragged_dot(xq, we, sizes, activation="swiglu")
+
+
+def test_dense_lowers_to_the_hopper_kernel():
+    """Lowered for sm_90a on the CPU (no device needed) in strict mode: the dense scaled product
+    is our custom call, with its epilogue, and no XLA dot is left; odd sizes are padded to the
+    16-byte strides TMA needs (K's padding is never read: the kernel's K stays 1000)."""
+    pytest.importorskip("cutlass")
+    x, w = data((1000, 1000), "normal"), data((1000, 1040), "heavy")
+
+    def f(x, w, bias):
+        return jax_cute.matmul(quantize(x, "1x128"), quantize(w, "128x128"), bias=bias, activation="gelu")
+
+    with config.override(target_arch="sm_90a", strict=True):
+        text = jax.jit(f).trace(x, w, jnp.ones((1040,))).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("@jax_cute_launch") == 1 and "stablehlo.dot_general" not in text
+    assert "scaled1x128" in text and ".bias.gelu" in text
 
 
 def test_errors():
@@ -428,9 +460,58 @@ def test_gpt_example_fp8_products(moe):
                                                            and s[0] != cfg.vocab and s != (d, e))
 
 
+@pytest.mark.parametrize("m,n,k,blocks", [(1, 1, 1, ("1x128", "128x128")), (1, 8, 128, ("1x128", (128, 1))),
+                                           (129, 257, 130, ("128x128", "128x128")),
+                                           (300, 7168, 2048, ("1x128", "128x128")),
+                                           (4096, 512, 384, ("128x128", (128, 1)))])
+def test_odd_sizes_lower_to_the_kernel(m, n, k, blocks):
+    """Every size and block form the GPU tests run reaches the kernel (strict mode: no fallback)."""
+    pytest.importorskip("cutlass")
+    x, w = jnp.ones((m, k), jnp.float32), jnp.ones((k, n), jnp.float32)
+
+    def f(x, w):
+        return jax_cute.matmul(quantize(x, blocks[0]), quantize(w, blocks[1]), preferred_element_type=jnp.float32)
+
+    with config.override(target_arch="sm_90a", strict=True):
+        text = jax.jit(f).trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("@jax_cute_launch") == 1
+
+
+def test_batched_and_vmapped_products_lower_to_the_kernel():
+    pytest.importorskip("cutlass")
+    a, b = jnp.ones((3, 200, 640), jnp.float32), jnp.ones((3, 640, 300), jnp.float32)
+
+    def f(a, b):
+        y = jax_cute.matmul(quantize(a, "1x128"), quantize(b, "128x128"))
+        return y + jax.vmap(lambda x, y: jax_cute.matmul(quantize(x, "1x128"), quantize(y, (128, 1))))(a, b)
+
+    with config.override(target_arch="sm_90a", strict=True):
+        text = jax.jit(f).trace(a, b).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("@jax_cute_launch") == 2
+
+
+@pytest.mark.parametrize("k,b_block", [(1000, "128x128"), (1024, (128, 1))])
+def test_grouped_lowers_to_the_hopper_kernel(k, b_block):
+    """ragged_dot of block-scaled operands (K padded to 16 bytes when it is not) and fp8.grouped_linear's
+    forward and dgrad reach the grouped kernel in strict mode; its ragged-K weight gradient stays XLA's."""
+    pytest.importorskip("cutlass")
+    x, w = jnp.ones((1000, k), jnp.float32), jnp.ones((4, k, 512), jnp.float32)
+    gs = jnp.asarray([100, 300, 0, 500], jnp.int32)
+
+    def f(x, w, bias):
+        return jax_cute.ragged_dot(quantize(x, "1x128"), quantize(w, b_block), gs, bias=bias, activation="gelu")
+
+    with config.override(target_arch="sm_90a", strict=True):
+        text = jax.jit(f).trace(x, w, jnp.ones((4, 512))).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("@jax_cute_launch") == 1 and "stablehlo.dot_general" not in text
+
+
 def test_lowers_for_cuda_as_xla_ops():
-    """Lowered for a GPU (no device needed): the fp8 training step is XLA ops, no jax_cute custom
-    call (no kernel yet), its per-block products bf16 x bf16 -> f32 (exact for fp8 values)."""
+    """Lowered for a GPU (no device needed): the dense layer's three fp8 GEMMs (forward, dgrad,
+    wgrad) and the grouped layer's forward and dgrad are our kernels; the grouped weight gradient
+    (ragged-K: no kernel yet) is XLA ops, its per-block products bf16 x bf16 -> f32 (exact for fp8
+    values)."""
+    pytest.importorskip("cutlass")
     x, w = jnp.ones((256, 256), jnp.bfloat16), jnp.ones((256, 384), jnp.float32)
     we, gs = jnp.ones((2, 256, 128), jnp.float32), jnp.asarray([100, 156], jnp.int32)
 
@@ -439,8 +520,9 @@ def test_lowers_for_cuda_as_xla_ops():
         return jnp.sum(y) + jnp.sum(grouped_linear(x, we, gs, out_dtype=jnp.float32))
 
     with config.override(target_arch="sm_90a"):
-        text = jax.jit(jax.grad(loss, (0, 1, 2))).trace(x, w, we).lower(lowering_platforms=("cuda",)).as_text()
-    assert "jax_cute_launch" not in text and "f8E4M3FN" in text
+        text = jax.jit(jax.value_and_grad(loss, (0, 1, 2))).trace(x, w, we).lower(
+            lowering_platforms=("cuda",)).as_text()
+    assert text.count("@jax_cute_launch") == 5 and "f8E4M3FN" in text
     dots = [ln for ln in text.splitlines() if "stablehlo.dot_general" in ln]
     assert dots and all("bf16" in ln and "-> tensor<" in ln and ln.rstrip().endswith("xf32>") for ln in dots), dots[:3]
 

@@ -4,7 +4,7 @@
 Each checks the blocks at trace time (the contracting axis in blocks of 128 on both sides, each
 free axis in blocks of 1 or 128), brings the operands into the primitives' layout (K last: a
 transpose, which XLA fuses into the quantization that produced the values, or a copy), reports
-the fallback (``scaled.NO_KERNEL``) and binds the primitive.
+what no kernel takes (``scaled.kernel_refusal``) and binds the primitive.
 """
 
 from __future__ import annotations
@@ -115,7 +115,8 @@ def scaled_dot_general(lhs: BlockScaled, rhs: BlockScaled, dimension_numbers, *,
         args.append(jnp.broadcast_to(bias, (n,)))
     if is_gated(activation) and (len(rf) != 1 or n % 2):
         raise ValueError(f"jax_cute.{op}: {activation} needs one rhs free dimension of even extent, got {rhs.shape}")
-    dispatch.at_trace(op, kernel_refusal(op, a=a.dtype, b=b.dtype, out=out, a_block=a_block, b_block=b_block))
+    dispatch.at_trace(op, kernel_refusal(op, a=a.dtype, b=b.dtype, out=out, a_block=a_block, b_block=b_block,
+                                         activation=activation))
     res = scaled_gemm_p.bind(*args, a_block=a_block, b_block=b_block, out_dtype=out.name, activation=activation,
                              compute="float32")
     last = [rhs.shape[i] for i in rf]
@@ -180,7 +181,8 @@ def scaled_ragged_dot(lhs: BlockScaled, rhs: BlockScaled, group_sizes, *, prefer
         args.append(bias)
     if is_gated(activation) and n % 2:
         raise ValueError(f"jax_cute.ragged_dot: {activation} needs an even N, got {n}")
-    dispatch.at_trace(op, kernel_refusal(op, grouped="M", a=lhs.dtype, b=rhs.dtype, out=out))
+    dispatch.at_trace(op, kernel_refusal(op, grouped="M", a=lhs.dtype, b=rhs.dtype, out=out, a_block=1,
+                                         b_block=rhs.blocks[2], activation=activation))
     return scaled_ragged_m_p.bind(*args, b_block=rhs.blocks[2], out_dtype=out.name, activation=activation,
                                   compute="float32")
 

@@ -18,10 +18,14 @@ of the fp8 values accumulated in float32 (exact products), multiplied by ``sa[ro
 of that block and added to a float32 accumulator; then ``act(acc + bias)`` in float32, rounded
 once to the output dtype. A partial last K block is zero-padded.
 
-Dispatch: no block-scaled kernel exists yet, so every call is reported as a fallback when it is
-traced (``dispatch.at_trace``: a log line, or :class:`jax_cute.FallbackError` in strict mode)
-and lowers to the reference, on the GPU too. The kernel plugs in at :func:`kernel_refusal` (why
-no kernel takes a call) and :func:`_cuda_kernel` (the custom call for one shard).
+Dispatch: the dense call and the call grouped over M run the Hopper kernel
+(kernels/sm90_scaled.py, a mainloop of the sm90_gemm kernel, its dense raster or its ragged_m
+walk) through ``dispatch.gemm`` like every other GEMM: a ``GemmRequest`` with ``scales``, the
+block scales passed transposed to (L or G, Kb, row blocks), contiguous along the row blocks each
+thread reads. The ragged-K call has no kernel yet: :func:`kernel_refusal` reports it as a
+fallback when it is traced (``dispatch.at_trace``: a log line, or :class:`jax_cute.FallbackError`
+in strict mode), and it lowers to the reference, on the GPU too; so does a call the kernel
+refuses when it is lowered (logged the same way).
 """
 
 from __future__ import annotations
@@ -41,29 +45,119 @@ from jax.extend import core as extend_core
 from jax.interpreters import ad, batching, mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jax_cute import dispatch
 from jax_cute.fp8.quantize import BLOCK, FP8_DTYPES, group_blocks, group_ends
 from jax_cute.activations import apply_activation, is_gated
+from jax_cute.layout import Layout, make_layout, stride_of
 from jax_cute.primitives import sharding
+from jax_cute.problem.gemm_layouts import matmul_layouts
+from jax_cute.problem.ragged_layouts import RAGGED_M, RaggedLayouts
 
 logger = logging.getLogger("jax_cute")
 
 OUT_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32))
-NO_KERNEL = ("no block-scaled fp8 GEMM kernel yet (the Hopper WGMMA kernel with per-128-K f32 promotion "
-             "is to come); the scaled product runs as XLA ops with the same two-level accumulation")
+NO_RAGGED_K_KERNEL = ("no block-scaled fp8 ragged-K (grouped weight gradient) kernel yet (the Hopper kernel "
+                      "covers dense products and groups over M); the scaled product runs as XLA ops with the same "
+                      "two-level accumulation")
+KERNEL_BLOCKS = (1, BLOCK)   # rows per scale of either operand the Hopper kernel reads
 
 
-def kernel_refusal(op: str, **spec) -> str | None:
-    """Why no kernel takes this scaled call, or None. The one switch for the kernel to come:
-    it will return None for the specs its family accepts (dtypes, blocks, alignment)."""
-    del op, spec
-    return NO_KERNEL
+def kernel_refusal(op: str, *, grouped: str | None = None, a=None, b=None, out=None, a_block: int = 1,
+                   b_block: int = BLOCK, activation: str | None = None) -> str | None:
+    """Why no kernel of any arch takes this scaled call, or None (checked when it is traced;
+    what only the target knows, its arch and the operands' layout, is checked when it is lowered).
+    ``grouped``: "M" or "K" for the grouped calls (no kernel takes "K" yet)."""
+    del op
+    if grouped == "K":
+        return NO_RAGGED_K_KERNEL
+    if any(np.dtype(x) not in FP8_DTYPES for x in (a, b)) or np.dtype(out) not in OUT_DTYPES:
+        return f"the block-scaled kernel takes fp8 operands into {'/'.join(d.name for d in OUT_DTYPES)}"
+    if a_block not in KERNEL_BLOCKS or b_block not in KERNEL_BLOCKS:
+        return f"the block-scaled kernel reads 1 or {BLOCK} rows per scale, not {a_block} and {b_block}"
+    if is_gated(activation):
+        return f"the block-scaled kernel fuses no gated activation ({activation})"
+    return None
+
+
+def _block_major(s) -> jax.Array:
+    """Scales (L, row blocks, Kb) as the kernel reads them: (L, Kb, row blocks), contiguous along
+    the row blocks (an (M, Kb) operand's as L = 1)."""
+    return jnp.swapaxes(s if s.ndim == 3 else s[None], 1, 2)
+
+
+def _block_major_aval(s) -> jax.core.ShapedArray:
+    return jax.core.ShapedArray((*(s.shape[:-2] or (1,)), s.shape[-1], s.shape[-2]), s.dtype)
+
+
+def _dense_request(avals, params) -> dispatch.GemmRequest:
+    a, sa, b, sb, *bias = avals
+    (l, m, k), n = a.shape, b.shape[1]
+    layouts, _ = matmul_layouts((l, m, k), (l, n, k), False, True)
+    act = params["activation"]
+    return dispatch.GemmRequest(
+        (a, b, _block_major_aval(sa), _block_major_aval(sb), *bias), layouts, params["out_dtype"], "float32",
+        epilogue=bool(bias or act), bias=bool(bias),
+        bias_layout=make_layout(Layout((m,), (0,)), Layout((n,), (1,)), Layout((l,), (0,))),
+        activation=act, scales=(params["a_block"], params["b_block"]))
+
+
+def _k16(k: int) -> int:
+    """K padded to 16 bytes of fp8 (a grouped kernel's row strides; never past the last K block)."""
+    return -(-k // 16) * 16
+
+
+def _ragged_m_request(avals, params) -> dispatch.GemmRequest:
+    """The grouped request, a and b read with K padded to 16 bytes (``run`` pads them)."""
+    a, sa, b, sb, gs, *bias = avals
+    (m, _), (g, n, _) = a.shape, b.shape
+    k = _k16(a.shape[1])
+    a, b = a.update(shape=(m, k)), b.update(shape=(g, n, k))
+    one = Layout((1,), (0,))
+    mode = lambda e, d: Layout((e,), (stride_of(e, d),))  # noqa: E731
+    # b (G, N, K): contiguous along K, as fp8 WGMMA reads it
+    layouts = RaggedLayouts(RAGGED_M, make_layout(mode(m, k), mode(k, 1), one),
+                            make_layout(mode(n, k), mode(k, 1), mode(g, n * k), one),
+                            make_layout(mode(m, n), mode(n, 1), one), make_layout(mode(g, 1), one), (m, n))
+    act = params["activation"]
+    return dispatch.GemmRequest(
+        (a, b, gs, _block_major_aval(sa), _block_major_aval(sb), *bias), layouts, params["out_dtype"],
+        "float32", epilogue=bool(bias or act), bias=bool(bias), activation=act, scales=(1, params["b_block"]))
 
 
 def _cuda_kernel(name: str, avals, params) -> Callable | None:
     """The kernel for one shard's call (a function of its operands emitting the custom call),
-    or None for the reference. A kernel will be picked here as ``dispatch.gemm`` picks one."""
-    del name, avals, params
-    return None
+    or None for the reference: the dense and grouped-over-M calls ask ``dispatch.gemm``, which
+    logs a refusal as a fallback (strict mode raises); the ragged-K call has no kernel yet."""
+    if name == "jax_cute_scaled_gemm":
+        req = _dense_request(avals, params)
+    elif name == "jax_cute_scaled_ragged_m":
+        req = _ragged_m_request(avals, params)
+    else:
+        return None
+    n_gs = 1 if req.grouped else 0   # the group sizes of a grouped call
+
+    def reorder(x, sx, y, sy, *rest):
+        """The primitive's (a, sa, b, sb, [gs], [bias]) as the request's (a, b, [gs], sa, sb, [bias])."""
+        if req.grouped:
+            k = _k16(x.shape[1])
+            x, y = _pad_k(x, 1, k), _pad_k(y, 2, k)
+        return (x, y, *rest[:n_gs], _block_major(sx), _block_major(sy), *rest[n_gs:])
+
+    def reference(x, y, *rest):
+        """The reference of the request's operands (dispatch's first-use check)."""
+        gs, (sx, sy), bias = rest[:n_gs], rest[n_gs:n_gs + 2], rest[n_gs + 2:]
+        sx, sy = jnp.swapaxes(sx, 1, 2), jnp.swapaxes(sy, 1, 2)
+        return _REFERENCES[name](x, sx[0] if req.grouped else sx, y, sy, *gs, *bias, **params)
+
+    impl = dispatch.gemm(req, reference)
+    if impl is None:
+        return None
+
+    def run(*args):
+        out = impl(*reorder(*args))
+        return out[0] if req.multiple_results else out
+
+    return run
 
 
 class _Primitive(extend_core.Primitive):
@@ -139,9 +233,10 @@ scaled_ragged_k_p.def_abstract_eval(_ragged_k_abstract)
 
 # -- reference: two-level accumulation in lax ------------------------------------------------------
 
-def _pad_k(x, axis: int):
+def _pad_k(x, axis: int, to: int | None = None):
+    """``x`` zero-padded along ``axis`` to ``to`` (default: whole K blocks)."""
     k = x.shape[axis]
-    pad = _blocks(k, BLOCK) * BLOCK - k
+    pad = (_blocks(k, BLOCK) * BLOCK if to is None else to) - k
     if pad == 0:
         return x
     widths = [(0, 0)] * x.ndim

@@ -61,6 +61,22 @@ def stride_div(dtype: str) -> int:
     return 16 // ITEMSIZE[dtype]
 
 
+SCALE_K = 128  # K (and a weight's row) extent of one block scale (docs/fp8.md)
+
+
+def _check_blocks(a_block: int, b_block: int) -> None:
+    if (a_block == 0) != (b_block == 0) or {a_block, b_block} - {0, 1, SCALE_K}:
+        raise ValueError(f"block scales take a_block and b_block in (1, {SCALE_K}) together, not "
+                         f"{a_block} and {b_block}")
+
+
+def _scale_args(scaled: bool) -> tuple[TensorArg, ...]:
+    """The float32 block scales ``sa`` and ``sb``, (row blocks, Kb, batch) each, contiguous
+    along the row blocks; none for an unscaled product."""
+    return tuple(TensorArg(name, "float32", (DYN,) * 3, (1, DYN, DYN), align=4) for name in ("sa", "sb")) \
+        if scaled else ()
+
+
 def _operand(name: str, dtype: str, rank: int, major: int) -> TensorArg:
     stride = tuple(1 if i == major else Dyn(stride_div(dtype)) for i in range(rank))
     return TensorArg(name, dtype, (DYN,) * rank, stride, align=16)
@@ -140,6 +156,12 @@ class GemmSpec:
     activation: str = ""
     preact: bool = False
     dact: str = ""
+    # Block-scaled fp8 (docs/fp8.md): rows of A (``a_block``) and of B (``b_block``) per float32
+    # scale, 1 or 128; 0 for an unscaled product. The kernel takes ``sa`` (ceil(M/a_block), Kb, L)
+    # and ``sb`` (ceil(N/b_block), Kb, L), contiguous along their row blocks, Kb = ceil(K/128),
+    # and adds each 128-K block's partial product times sa[m] * sb[n] to its float32 accumulator.
+    a_block: int = 0
+    b_block: int = 0
 
     def __post_init__(self):
         if self.a_major not in ("k", "m") or self.b_major not in ("k", "n") or self.c_major not in ("n", "m"):
@@ -151,13 +173,24 @@ class GemmSpec:
         if self.dact and (self.bias or self.activation or self.preact):
             raise ValueError("an activation's derivative (dact) scales the bare product: no bias, activation "
                              "or preact with it")
+        _check_blocks(self.a_block, self.b_block)
+
+    @property
+    def scaled(self) -> bool:
+        return self.a_block > 0
 
     def key(self) -> str:
         return (f"{self.a_dtype}.{self.b_dtype}.{self.c_dtype}.acc{self.acc_dtype}."
                 f"{self.a_major}{self.b_major}{self.c_major}" + (f".b{self.batch_modes}" if self.batch_modes > 1 else "")
                 + (".bias" if self.bias else "") + (f".{self.activation}" if self.activation else "")
                 + (".preact" if self.preact else "")
-                + (f".dact-{self.dact}" if self.dact else ""))
+                + (f".dact-{self.dact}" if self.dact else "")
+                + (f".scaled{self.a_block}x{self.b_block}" if self.scaled else ""))
+
+    def scale_args(self) -> tuple[TensorArg, ...]:
+        """The float32 block scales ``sa`` (ceil(M/a_block), Kb, L) and ``sb`` (ceil(N/b_block),
+        Kb, L) (one batch mode: see sm90_gemm.unsupported)."""
+        return _scale_args(self.scaled)
 
     def preact_arg(self) -> TensorArg:
         """The pre-activation output ``d``: c's dtype, rank and major mode."""
@@ -198,6 +231,9 @@ class GroupedSpec:
     group: ``bias`` adds a float32 ``bias`` (N, G, L) (row (g, l) for the rows of group g in batch
     l; L extent 1: one bias for every batch; the zero rows past the last group take none), ``activation`` and ``preact`` as GemmSpec's, the
     pre-activation ``d`` laid out like c (with a gated activation, like c's N columns).
+
+    Block-scaled fp8 (ragged_m, one batch; docs/fp8.md): ``a_block`` 1 and ``b_block`` 1 or 128 as
+    GemmSpec's, with ``sa`` (M, Kb, 1) and ``sb`` (ceil(N/b_block), Kb, G) after the group sizes.
     """
 
     mode: str
@@ -211,10 +247,19 @@ class GroupedSpec:
     bias: bool = False
     activation: str = ""
     preact: bool = False
+    a_block: int = 0
+    b_block: int = 0
 
     def __post_init__(self):
         if (self.bias or self.activation) and self.mode != "ragged_m":
             raise ValueError(f"a fused grouped epilogue needs mode ragged_m, not {self.mode}")
+        _check_blocks(self.a_block, self.b_block)
+        if self.a_block and (self.mode != "ragged_m" or self.a_block != 1):
+            raise ValueError(f"a block-scaled grouped product is ragged_m with 1 x 128 A scales, not {self}")
+
+    @property
+    def scaled(self) -> bool:
+        return self.a_block > 0
         if self.preact and not self.activation:
             raise ValueError("a pre-activation output needs an activation (without one it equals c)")
 
@@ -222,7 +267,8 @@ class GroupedSpec:
         return (f"{self.mode}.{self.a_dtype}.{self.b_dtype}.{self.c_dtype}.acc{self.acc_dtype}."
                 f"{self.a_major}{self.b_major}{self.c_major}"
                 + (".bias" if self.bias else "") + (f".{self.activation}" if self.activation else "")
-                + (".preact" if self.preact else ""))
+                + (".preact" if self.preact else "")
+                + (f".scaled{self.a_block}x{self.b_block}" if self.scaled else ""))
 
     def signature(self, extra: tuple = ()) -> Signature:
         a = _operand("a", self.a_dtype, 3, 1 if self.a_major == "k" else 0)
@@ -238,7 +284,7 @@ class GroupedSpec:
         fused = (TensorArg("bias", "float32", (DYN, DYN, DYN), (1, DYN, DYN), align=4),) if self.bias else ()
         if self.preact:
             fused += (_operand("d", self.c_dtype, 3, 1 if self.c_major == "n" else 0),)
-        return (a, b, c, gs, *fused, *extra, StreamArg())
+        return (a, b, c, gs, *_scale_args(self.scaled), *fused, *extra, StreamArg())
 
 
 @dataclasses.dataclass(frozen=True)

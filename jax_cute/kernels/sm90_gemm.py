@@ -40,6 +40,14 @@ Kernel shape (one persistent CTA per SM, 384 threads):
   block's halves stored to their own tile_n / 2 wide tiles of D. N / 2 must be a multiple of
   tile_n / 2 (GATED_COLUMNS for the narrowest tile), and B takes one batch mode: its paired N
   spends three of the five dimensions of a TMA tensor (grouped: B's batch mode is dropped).
+- block-scaled fp8 (GemmSpec.a_block / b_block, docs/fp8.md): one k-tile is one 128-K scale
+  block. Each consumer warpgroup issues a k-tile's WGMMAs into a fresh fp32 fragment, waits for
+  them, hands the stage back and adds the fragment times sa[row] * sb[column] to its
+  accumulators (two-level accumulation, as DeepGEMM). Each thread reads the scales of its own
+  rows and columns (the accumulator layout's coordinates, from a partitioned identity tensor)
+  from global memory, one k-tile ahead. The two warpgroups of a cooperative tile drift apart,
+  so one's promotion overlaps the other's WGMMAs. Two fp32 fragments per thread: 128 x 128
+  cooperative tiles (sm90_scaled).
 - TMA stores write whole 16-byte chunks, so where C's contiguous extent is not a multiple of 16
   bytes the subtiles on that edge are stored with predicated per-element stores instead.
 - work is a linear sequence of (cluster tile, batch, k-split) units in a grouped ("swizzled")
@@ -147,6 +155,20 @@ def unsupported(spec) -> str | None:
                 f"({', '.join(fused_epilogue.ACTIVATIONS)})")
     if dact and spec.batch_modes != 1:
         return f"{FAMILY}: an activation's derivative (dact) takes one batch mode"
+    if spec.scaled:
+        return _scaled_unsupported(spec)
+    return None
+
+
+def _scaled_unsupported(spec: GemmSpec) -> str | None:
+    """Why the block-scaled kernel does not take ``spec`` (fp8, K-major: checked above), or None."""
+    if spec.a_dtype not in _FP8:
+        return f"{FAMILY}: block scales take fp8 operands, not {spec.a_dtype}"
+    if spec.batch_modes != 1:
+        return f"{FAMILY}: a block-scaled product takes one batch mode"
+    if is_gated(spec) or spec.preact:
+        return (f"{FAMILY}: a block-scaled product fuses bias and elementwise activations only (no gated "
+                f"activation or pre-activation output)")
     return None
 
 
@@ -182,6 +204,12 @@ def _check_config(config: Config) -> None:
                          f"kernel without split-K ({config})")
 
 
+def _check_scaled_config(config: Config) -> None:
+    if config.pingpong or config.defer or (config.tile_m, config.tile_n) not in _SCALED_TILES:
+        raise ValueError(f"{FAMILY}: block-scaled tiles are cooperative "
+                         + ", ".join(f"{m}x{n}" for m, n in _SCALED_TILES) + f" without a deferred epilogue ({config})")
+
+
 DEFER = 2   # k-tiles of the next tile issued before a deferred epilogue's stores (autotune only)
 
 
@@ -198,9 +226,22 @@ def epilogue_for(spec, config: Config) -> Config:
     return dataclasses.replace(config, epi_n=64, whole_c=whole)
 
 
+# block-scaled tiles: two fp32 fragments per thread (the accumulators and a k-tile's partial
+# product) fit the consumers' registers for 128 x 128 cooperative tiles (64 + 64 per thread)
+_SCALED_TILES = [(128, 128)]
+
+
+def _scaled_candidates(spec) -> list[Config]:
+    out = [Config(128, 128, cm, cn, "m", 8, split) for split in (1, 2, 4) for cm, cn in ((2, 1), (1, 2))]
+    out.append(Config(128, 128, 1, 1, "m", 8, 1))
+    return [epilogue_for(spec, c) for c in out]
+
+
 def candidate_configs(spec) -> list[Config]:
     if unsupported(spec):
         return []
+    if spec.scaled:
+        return _scaled_candidates(spec)
     out = []
     for split in (1, 2, 4):
         for tn in (256, 128):
@@ -311,6 +352,8 @@ def heuristic(spec, m: int, n: int, k: int, l: int, num_sms: int = NUM_SMS) -> C
         raise ValueError(reason)
     cands = [c for c in candidate_configs(spec)
              if c.raster == "m" and c.group == 8 and not c.pingpong and c.tile_m == 128 and c == epilogue_for(spec, c)]
+    if spec.scaled:
+        cands = [c for c in cands if c.cluster_m * c.cluster_n > 1]
     if spec.batch_modes > 1 and ITEM[spec.c_dtype] == 4:
         # an fp32 128x256 tile split 4 ways spills registers with three batch modes (16-96 bytes)
         cands = [c for c in cands if not (c.tile_n == 256 and c.split_k == 4)]
@@ -332,7 +375,7 @@ def heuristic(spec, m: int, n: int, k: int, l: int, num_sms: int = NUM_SMS) -> C
     # cooperative tile wins: 1 s windows 3.5% (8192x4096->14336), 6% (4096^3), 11% (8192^3, where
     # it also wins short windows); GELU block forward + backward 1.5%, 2.3% with the derivative
     # chained, SwiGLU block 4%. As for plain GEMMs, the heuristic serves the sustained case.
-    if spec.a_dtype in _FP8 and tiles_m > 1:
+    if spec.a_dtype in _FP8 and tiles_m > 1 and not spec.scaled:
         # 8-bit k-tiles run twice as fast, so the cooperative tile's exposed epilogue weighs twice
         # as much: the pingpong tiles win where the model says they save 3% or more
         # (a gated tile pairs halves of 64-column blocks: not 160 wide; dact: see candidate_configs)
@@ -360,14 +403,15 @@ def _ws_args(config: Config) -> tuple:
 
 
 def signature(spec, config: Config) -> abi.Signature:
-    """(a, b, c[, bias][, d][, splitk_partials, splitk_flags], stream); bias is float32 (N,), d the
-    pre-activation output (laid out like c); workspaces are 1-D, nbytes/4 long. dact: (a, b, c, z,
-    stream), z the pre-activation input (laid out like c)."""
+    """(a, b, c[, sa, sb][, bias][, d][, splitk_partials, splitk_flags], stream); sa and sb the
+    block scales (GemmSpec.scale_args), bias is float32 (N,), d the pre-activation output (laid
+    out like c); workspaces are 1-D, nbytes/4 long. dact: (a, b, c, z, stream), z the
+    pre-activation input (laid out like c)."""
     if _dact(spec):
         return spec.signature((spec.dact_arg(),))
     bias = (abi.TensorArg("bias", "float32", (abi.DYN,), (1,), align=4),) if getattr(spec, "bias", False) else ()
     d = (spec.preact_arg(),) if _preact(spec) else ()
-    return spec.signature(bias + d + _ws_args(config))
+    return spec.signature(spec.scale_args() + bias + d + _ws_args(config))
 
 
 def workspace(spec, config: Config, m: int, n: int, k: int, l: int) -> list[Workspace]:
@@ -384,6 +428,8 @@ def launcher(spec, config: Config):
     if reason:
         raise ValueError(reason)
     _check_config(config)
+    if spec.scaled:
+        _check_scaled_config(config)
     if config.defer and ITEM[spec.c_dtype] != 2:
         # the converted copy of the accumulators must fit next to them in the register file
         raise ValueError(f"{FAMILY}: a deferred epilogue needs a 16-bit output, not {spec.c_dtype}")

@@ -14,6 +14,10 @@ Fused epilogues (ragged_m, EPILOGUES): the dense kernel's, with the bias row of 
 group (tiles never mix groups; the zero tail takes no bias, and every activation maps 0 to 0),
 the pre-activation output D stored with C's clipped TMA view, and swiglu's paired halves.
 
+Block-scaled fp8 (ragged_m, GroupedSpec.a_block / b_block): the dense kernel's scaled mainloop
+(sm90_scaled) on 128 x 128 tiles, A's scales read at the tile's rows (tiles start at group rows),
+B's at the tile's group.
+
 Clipping at group ends uses TMA views whose ragged mode needs a 16-byte-multiple stride, so
 ragged_k needs MN-major A and B, and ragged_m an N-major C (what ragged_dot and its gradients
 use). Nothing is precomputed on the host: no workspace, and replays with new sizes are exact.
@@ -29,6 +33,7 @@ FAMILY = "sm90_grouped"
 ARCH = "sm_90a"
 
 _IN_DTYPES = ("bfloat16", "float16")
+_FP8 = ("float8_e4m3fn", "float8_e5m2")
 _OUT_DTYPES = ("bfloat16", "float16", "float32")
 TILE_M = 128
 # ragged_m only (see unsupported); an activation's derivative (dact) is the dense kernel's alone
@@ -49,6 +54,8 @@ class Config:
 def unsupported(spec) -> str | None:
     if not isinstance(spec, GroupedSpec) or spec.mode not in ("ragged_m", "ragged_k"):
         return "sm90_grouped runs GroupedSpec ragged_m / ragged_k only"
+    if spec.scaled:
+        return _scaled_unsupported(spec)
     if spec.a_dtype not in _IN_DTYPES or spec.b_dtype != spec.a_dtype:
         return f"inputs must both be bf16 or both fp16, got {spec.a_dtype}/{spec.b_dtype}"
     if spec.c_dtype not in _OUT_DTYPES:
@@ -71,8 +78,21 @@ def unsupported(spec) -> str | None:
     return None
 
 
+def _scaled_unsupported(spec: GroupedSpec) -> str | None:
+    """Why the block-scaled grouped kernel does not take ``spec`` (ragged_m: GroupedSpec checks), or None."""
+    if spec.a_dtype not in _FP8 or spec.b_dtype not in _FP8:
+        return f"block scales take fp8 operands, got {spec.a_dtype}/{spec.b_dtype}"
+    if (spec.a_major, spec.b_major, spec.c_major) != ("k", "k", "n"):
+        return "a block-scaled grouped product reads A and B contiguous along K and writes C contiguous along N"
+    if spec.c_dtype not in _OUT_DTYPES or spec.acc_dtype != "float32":
+        return f"output dtype {spec.c_dtype} (accumulating in {spec.acc_dtype}) not supported"
+    if spec.activation in GATED or spec.preact or (spec.activation and spec.activation not in EPILOGUES):
+        return "a block-scaled grouped product fuses bias and elementwise activations only"
+    return None
+
+
 def candidate_configs(spec) -> list[Config]:
-    return [Config(tile_n=256), Config(tile_n=128)]
+    return [Config(tile_n=128)] if spec.scaled else [Config(tile_n=256), Config(tile_n=128)]
 
 
 def heuristic(spec, m, n, k, g, l, num_sms: int = 132) -> Config:
@@ -83,7 +103,7 @@ def heuristic(spec, m, n, k, g, l, num_sms: int = 132) -> Config:
     # ragged_m forward on 128x128 beat 128x256 by 1-6% on uniform and 4-10% on Dirichlet(0.3)
     # group sizes in two runs; the ragged_k rhs gradient at N=1408, also on 128x128 since,
     # held its speed in the suite (605 vs 603 TFLOP/s uniform). Multiples of 256 keep 128x256.
-    tile_n = 128 if n <= 128 or 0 < n % 256 <= 128 else 256
+    tile_n = 128 if n <= 128 or 0 < n % 256 <= 128 or spec.scaled else 256   # (scaled: see sm90_gemm)
     if spec.activation in GATED:
         if (n // 2) % GATED_COLUMNS:
             raise ValueError(f"{FAMILY}: a gated activation needs N/2 a multiple of {GATED_COLUMNS}, got N={n}")
@@ -126,4 +146,6 @@ def launcher(spec, config: Config):
     why = unsupported(spec)
     if why:
         raise ValueError(f"{FAMILY}: {why}")
+    if spec.scaled and config.tile_n != 128:
+        raise ValueError(f"{FAMILY}: block-scaled tiles are 128 x 128 ({config})")
     return sm90_gemm.make_launcher(spec, kernel_config(spec, config), config.sms)

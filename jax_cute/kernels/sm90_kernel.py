@@ -18,6 +18,7 @@ from jax_cute.kernels.sm90_config import Config, is_gated, stage_plan, tile_k, w
 from jax_cute.kernels.sm90_epilogue import Sm90Epilogue, WarpgroupEpilogue, paired_halves
 from jax_cute.kernels.launch import launcher_for
 from jax_cute.kernels.sm90_mainloop import mainloop_finish, mainloop_rest, mainloop_start
+from jax_cute.kernels.sm90_scaled import ScaledMainloop
 from jax_cute.kernels.sm90_schedulers import DenseRaster, ragged_tensor, scheduler_for
 
 const_expr = cutlass.const_expr
@@ -58,6 +59,7 @@ class Cta(Bundle):
         "warp_id",
         "wg",
         "cc",  # the CTA's coordinate in its cluster
+        "scales",  # block-scaled: (sa, sb), else None
     )
 
 
@@ -109,10 +111,11 @@ class Consumer(Bundle):
         "z_at",
         "z_off",
         "wge",
+        "ts",  # block-scaled: the thread's scales (sm90_scaled.ThreadScales), else None
     )
 
 
-class Sm90Gemm(Sm90Epilogue):
+class Sm90Gemm(ScaledMainloop, Sm90Epilogue):
     """The persistent warp-specialised Hopper GEMM of one spec and config (see sm90_gemm's notes):
     ``run`` (host) builds the TMA atoms and launches ``kernel``, whose producer and consumer
     parts take their tiles from ``self.sched`` (sm90_schedulers), run the mainloop
@@ -147,26 +150,31 @@ class Sm90Gemm(Sm90Epilogue):
         # gated activation: B's N mode paired (paired_halves); C's (and D's) tiles are half as wide
         self.glu = self.act in fused_epilogue.GATED
         self.cbn = self.bn // 2 if self.glu else self.bn
+        # block-scaled fp8 (sm90_scaled): rows of A and of B per scale, 0 when unscaled
+        self.a_block, self.b_block = getattr(spec, "a_block", 0), getattr(spec, "b_block", 0)
+        self.scaled = self.a_block > 0
         self.threads = 384
         self.mma_threads = 256
         self.epi_threads = 128
 
     # ----------------------------------------------------------------------- host side
     def launch(self, a, b, c, stream, group_sizes=None, bias=None, d=None, z=None, splitk_partials=None,
-               splitk_flags=None) -> None:
+               splitk_flags=None, sa=None, sb=None) -> None:
         """The launcher's body (kernels/launch.py), its arguments named as the ABI signature
         names them (sm90_gemm.signature, GroupedSpec.signature)."""
+        scales = (sa, sb) if self.scaled else None
         if isinstance(self.sched, DenseRaster):
-            self.run(a, b, c, splitk_partials, splitk_flags, stream, bias, d, z)
+            self.run(a, b, c, splitk_partials, splitk_flags, stream, bias, d, z, scales)
         else:
-            self.run(a, b, c, group_sizes, None, stream, bias, d)
+            self.run(a, b, c, group_sizes, None, stream, bias, d, None, scales)
 
     @cute.jit
     def run(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, ws, flags, stream, bias=None, d=None,
-            z=None):
+            z=None, scales=None):
         """Dense: ``ws``/``flags`` are the split-K partials and arrival counters (or None),
         ``bias`` the fused epilogue's float32 (N,) bias (or None), ``d`` its pre-activation
-        output (or None), ``z`` a dact epilogue's pre-activation input (or None).
+        output (or None), ``z`` a dact epilogue's pre-activation input (or None), ``scales``
+        a block-scaled product's (sa, sb) (or None).
         Grouped: ``ws`` holds the group sizes; the kernel gets K in ``flags``; ``bias`` is
         (N, G, L or 1)."""
         if const_expr(self.glu):
@@ -260,7 +268,7 @@ class Sm90Gemm(Sm90Epilogue):
 
         self.storage = Storage
         self.kernel(tma_a, tA, tma_b, tB, tma_c, tC, c, ws, flags, (tiled_mma, wg_mma), (sa, sb, sc),
-                    (bias, tma_d, tD, d, z)).launch(
+                    (bias, tma_d, tD, d, z, scales)).launch(
             grid=[self.cm, self.cn, n_clusters], block=[self.threads, 1, 1],
             cluster=[self.cm, self.cn, 1], min_blocks_per_mp=1, stream=stream, use_pdl=self.cfg.pdl)
 
@@ -283,10 +291,11 @@ class Sm90Gemm(Sm90Epilogue):
         """One persistent CTA: barriers and smem, the tile schedule, then warpgroup 0 produces
         (TMA loads) and warpgroups 1 and 2 consume (WGMMA and the epilogue). ``mmas``: (the
         consumers' tiled MMA, one warpgroup's); ``smem_layouts``: A's, B's and C's staged smem
-        layouts; ``fused``: (bias, D's TMA atom and tensor, D, Z), each None when unused."""
+        layouts; ``fused``: (bias, D's TMA atom and tensor, D, Z, block scales), each None when
+        unused."""
         tiled_mma, wg_mma = mmas
         sa_layout, sb_layout, sc_layout = smem_layouts
-        bias, tma_d, mD, gmem_d, mZ = fused
+        bias, tma_d, mD, gmem_d, mZ, scales = fused
         tidx, _, _ = cute.arch.thread_idx()
         warp_id = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg = cute.arch.make_warp_uniform(tidx // 128)
@@ -322,7 +331,7 @@ class Sm90Gemm(Sm90Epilogue):
         sB = st.sB.get_tensor(sb_layout.outer, swizzle=sb_layout.inner)
         sC = st.sC.get_tensor(sc_layout.outer, swizzle=sc_layout.inner)
         cta = Cta(tma_a, mA, tma_b, mB, tma_c, mC, gmem_c, ws, flags, bias, tma_d, mD, gmem_d, mZ,
-                  tiled_mma, wg_mma, sA, sB, sC, st, ab_pipe, a_mask, b_mask, tidx, warp_id, wg, cc)
+                  tiled_mma, wg_mma, sA, sB, sC, st, ab_pipe, a_mask, b_mask, tidx, warp_id, wg, cc, scales)
 
         if const_expr(self.mode == "dense"):
             sch = self.dense_schedule(cta)
@@ -514,7 +523,7 @@ class Sm90Gemm(Sm90Epilogue):
         wge = WarpgroupEpilogue(sC, r2s, tRS_r32, tRS_rC, tRS_sC, n_rd, n_epi, row_blk, epi_bar, warp_id, etid,
                                 store_warp, buf0, gmem_c, ragged, epi_coords, tRS_u32)
         cs = Consumer(tiled_mma, acc, tCrA, tCrB, tRS_acc, frag, acc_flat, ctid, turn_mine, turn_other, both_bar,
-                      z_thr, z_at, z_off, wge)
+                      z_thr, z_at, z_off, wge, self.thread_scales(tiled_mma, acc, ctid, cta.scales))
         if const_expr(self.mode != "dense"):
             self.consume_grouped(cta, sch, cs, read, release, w)
         elif const_expr(self.cfg.defer):
@@ -552,11 +561,18 @@ class Sm90Gemm(Sm90Epilogue):
             gs, ext, w, cl, cg0, rows0, tiles0, start, end, incl)
         while valid:
             n_k = self.sched.group_k_tiles(ext, g, t0, t1)
-            acc.fill(0.0)      # empty groups and ragged_m's tail store these zeros
-            tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-            warpgroup.fence()
-            read = mainloop_start(tiled_mma, acc, tCrA, tCrB, ab_pipe, read, n_k, 1)
-            read, release = mainloop_rest(tiled_mma, acc, tCrA, tCrB, ab_pipe, read, release, n_k, 1)
+            if const_expr(self.scaled):
+                # (ragged_m) A's scales at the tile's rows, B's at its group (the zero tail's
+                # clamped: it has no k-tiles and stores zeros)
+                tile = (t0 + m_t * self.bm, n_t, Int32(0), cutlass.min(g, ext[3] - 1))
+                read, release = self.scaled_mainloop(tiled_mma, acc, tCrA, tCrB, cs.ts, ab_pipe, read, release,
+                                                     Int32(0), n_k, tile)
+            else:
+                acc.fill(0.0)      # empty groups and ragged_m's tail store these zeros
+                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                warpgroup.fence()
+                read = mainloop_start(tiled_mma, acc, tCrA, tCrB, ab_pipe, read, n_k, 1)
+                read, release = mainloop_rest(tiled_mma, acc, tCrA, tCrB, ab_pipe, read, release, n_k, 1)
             pre, g_bias = None, None
             if const_expr(self.preact):
                 pre = (tma_d, self.d_tiles(
@@ -627,15 +643,22 @@ class Sm90Gemm(Sm90Epilogue):
                 if wg == 2 or w != first:
                     turn_mine.arrive_and_wait()
 
-            # ---- mainloop (sm90_mainloop): one WGMMA batch in flight
-            acc.fill(0.0)
-            tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-            warpgroup.fence()
-            read = mainloop_start(tiled_mma, acc, tCrA, tCrB, ab_pipe, read, kc, 1)
-            # (past the last unit these are never used)
-            n_tm, n_tn, n_l, n_s = self.sched.work(w + step, cl_m, cl_n, batches, cc)
-            read, release = mainloop_rest(tiled_mma, acc, tCrA, tCrB, ab_pipe, read, release, kc, 1,
-                                          not self.pp)
+            if const_expr(self.scaled):
+                # ---- block-scaled mainloop (sm90_scaled): each k-tile promoted with its scales
+                n_tm, n_tn, n_l, n_s = self.sched.work(w + step, cl_m, cl_n, batches, cc)
+                ab = (self.sched.ab_batch(l, c_ext, sch.la_last), self.sched.ab_batch(l, c_ext, sch.lb_last))
+                read, release = self.scaled_mainloop(tiled_mma, acc, tCrA, tCrB, cs.ts, ab_pipe, read, release,
+                                                     k0, kc, (tm * self.bm, tn, *ab))
+            else:
+                # ---- mainloop (sm90_mainloop): one WGMMA batch in flight
+                acc.fill(0.0)
+                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                warpgroup.fence()
+                read = mainloop_start(tiled_mma, acc, tCrA, tCrB, ab_pipe, read, kc, 1)
+                # (past the last unit these are never used)
+                n_tm, n_tn, n_l, n_s = self.sched.work(w + step, cl_m, cl_n, batches, cc)
+                read, release = mainloop_rest(tiled_mma, acc, tCrA, tCrB, ab_pipe, read, release, kc, 1,
+                                              not self.pp)
             if const_expr(self.pp):
                 # the other warpgroup's next unit may start as soon as this one's
                 # last WGMMAs are issued: its own queue behind them keeps the tensor

@@ -1,0 +1,107 @@
+"""Block-scaled fp8 suite: jax_cute's scaled fp8 GEMM vs its bf16 GEMM vs XLA's fp8 dot.
+
+DeepGEMM's shapes (its README at 327ec92): dense (M, N, K) 4096x7168x16384, 4096x4096x7168,
+128x7168x16384, and grouped contiguous 4 groups x 8192 rows, N 4096, K 7168. Per case, timed
+interleaved in one process:
+
+- *jax_cute*: ``jax_cute.matmul`` (``ragged_dot`` for the grouped case) of operands quantized
+  beforehand, x in 1 x 128 and w (N, K) in 128 x 128 blocks (DeepGEMM's recipe), bf16 out;
+- *jax_cute_bf16*: ``jax_cute.matmul`` / ``ragged_dot`` of the same values in bf16;
+- *xla*: XLA's fp8 dot: ``lax.dot_general`` of the raw e4m3 values (no block scales), bf16 out
+  (for the grouped case a batched dot over the 4 equal groups).
+
+TFLOP/s count 2 M N K. Outputs are not compared (the three compute different products).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import jax_cute  # noqa: E402
+from common import Impl, measure, suite_main  # noqa: E402
+from jax_cute.fp8 import quantize  # noqa: E402
+
+DENSE = [(4096, 7168, 16384), (4096, 4096, 7168), (128, 7168, 16384)]   # (M, N, K)
+GROUPED = (4, 8192, 4096, 7168)                                          # (G, rows per group, N, K)
+SMOKE_DENSE = [(256, 256, 384)]
+SMOKE_GROUPED = (2, 128, 256, 256)
+BF, E4M3 = jnp.bfloat16, jnp.float8_e4m3fn
+
+
+def dense_operands(m: int, n: int, k: int) -> Callable[[int], tuple]:
+    """seed -> (xq, wq, x bf16, w bf16 (N, K)), drawn and quantized on the device."""
+    @jax.jit
+    def make(key):
+        kx, kw = jax.random.split(key)
+        x, w = jax.random.normal(kx, (m, k), jnp.float32), jax.random.normal(kw, (n, k), jnp.float32)
+        return quantize(x, "1x128"), quantize(w, "128x128"), x.astype(BF), w.astype(BF)
+
+    return lambda seed: make(jax.random.key(seed))
+
+
+def grouped_operands(g: int, rows: int, n: int, k: int) -> Callable[[int], tuple]:
+    """seed -> (xq, wq (G, K, N), x bf16, w bf16 (G, K, N), group sizes)."""
+    sizes = jnp.full((g,), rows, jnp.int32)
+
+    @jax.jit
+    def make(key):
+        kx, kw = jax.random.split(key)
+        x, w = jax.random.normal(kx, (g * rows, k), jnp.float32), jax.random.normal(kw, (g, k, n), jnp.float32)
+        return quantize(x, "1x128"), quantize(w, "128x128"), x.astype(BF), w.astype(BF), sizes
+
+    return lambda seed: make(jax.random.key(seed))
+
+
+def _scaled(xq, wq, x, w):
+    return jax_cute.matmul(xq, wq, transpose_b=True)
+
+
+def _bf16(xq, wq, x, w):
+    return jax_cute.matmul(x, w, transpose_b=True)
+
+
+def _xla_fp8(xq, wq, x, w):
+    return jax.lax.dot_general(xq.values, wq.values, (((1,), (1,)), ((), ())), preferred_element_type=BF)
+
+
+def _grouped_scaled(xq, wq, x, w, sizes):
+    return jax_cute.ragged_dot(xq, wq, sizes)
+
+
+def _grouped_bf16(xq, wq, x, w, sizes):
+    return jax_cute.ragged_dot(x, w, sizes)
+
+
+def _grouped_xla_fp8(xq, wq, x, w, sizes):
+    g, k, n = wq.shape
+    a = xq.values.reshape(g, -1, k)
+    return jax.lax.dot_general(a, wq.values, (((2,), (1,)), ((0,), (0,))), preferred_element_type=BF).reshape(-1, n)
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    rounds = 2 if args.smoke else args.rounds
+    recs: list[dict] = []
+    dense = [Impl("jax_cute", _scaled), Impl("jax_cute_bf16", _bf16), Impl("xla", _xla_fp8)]
+    for m, n, k in SMOKE_DENSE if args.smoke else DENSE:
+        recs += measure("fp8", "fp8_gemm", f"{m}x{n}x{k}", dense, dense_operands(m, n, k), 2.0 * m * n * k,
+                        rounds=rounds, meta={"m": m, "n": n, "k": k, "dtype": "float8_e4m3fn"}, check=False,
+                        chain=4 if m * n * k < 2**34 else 1)
+    g, rows, n, k = SMOKE_GROUPED if args.smoke else GROUPED
+    grouped = [Impl("jax_cute", _grouped_scaled), Impl("jax_cute_bf16", _grouped_bf16),
+               Impl("xla", _grouped_xla_fp8)]
+    recs += measure("fp8", "fp8_grouped", f"{g}x{rows}x{n}x{k}", grouped, grouped_operands(g, rows, n, k),
+                    2.0 * g * rows * n * k, rounds=rounds,
+                    meta={"g": g, "m": g * rows, "n": n, "k": k, "dtype": "float8_e4m3fn"}, check=False)
+    return recs
+
+
+if __name__ == "__main__":
+    suite_main(run, __doc__.splitlines()[0])

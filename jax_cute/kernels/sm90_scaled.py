@@ -1,0 +1,144 @@
+"""The block-scaled fp8 mainloop of the Hopper GEMM (GemmSpec.a_block / b_block; docs/fp8.md):
+a mixin of sm90_kernel.Sm90Gemm. Imports the DSL: only kernel builds import it.
+
+One k-tile is one 128-K scale block (tile_k is 128 for 8-bit inputs). Per k-tile a consumer
+warpgroup issues its WGMMAs into a fresh fp32 fragment ``part`` (the first with ACCUMULATE off),
+waits for them, hands the stage back to the producer and promotes:
+``acc += part * sa[row] * sb[column]`` in registers, DeepGEMM's two-level accumulation. The
+epilogue then reads ``acc`` as for an unscaled product.
+
+Each thread reads the scales of the rows and columns its fragment holds. Thread t's element i
+sits at (its first element's coordinates) + (thread 0's element i's coordinates): the second
+part is static, so which scale each element takes is decided when the kernel is traced, and a
+thread loads only the distinct rows and column blocks it holds (128 x 128 tile, 1 x 128 A
+scales and 128 x 128 B scales: two row scales and one column scale per k-tile). The loads come
+from global memory (L1/L2-resident: a k-tile's scales are a few hundred bytes per tile) under
+WGMMAs: a k-tile ahead where a thread holds few of them (_AHEAD), else those of the k-tile
+whose WGMMAs were just issued (B scales per column, bn = 1: 32 column scales a thread, which
+held twice spilled registers).
+"""
+
+from __future__ import annotations
+
+from jax_cute.kernels.bundle import Bundle
+from jax_cute.kernels.dsl import cute, cutlass, warpgroup, Float32
+from jax_cute.kernels.gemm_spec import SCALE_K
+
+const_expr = cutlass.const_expr
+range_constexpr = cutlass.range_constexpr
+
+_AHEAD = 8   # most scales per thread loaded a k-tile ahead (two sets live at once)
+
+
+class ThreadScales(Bundle):
+    """One consumer thread's view of the block scales, built once per kernel."""
+
+    __slots__ = (
+        "sa",  # A's scales (ceil(M/a_block), Kb, L)
+        "sb",  # B's scales (ceil(N/b_block), Kb, L)
+        "part",  # the k-tile's fp32 partial product, laid out like the accumulators
+        "at",  # (row, column) of the thread's first fragment element in the tile
+        "rows",  # static: the distinct row keys (a_block 1: row offsets; 128: block offsets)
+        "cols",  # static: the distinct column keys, likewise
+        "row_of",  # static: each fragment element's index into rows
+        "col_of",  # static: each fragment element's index into cols
+        "cur",  # this k-tile's scales: rows then columns
+        "nxt",  # the next k-tile's, loaded under this one's WGMMAs (None: not ahead)
+    )
+
+
+def _keys(offsets: list[int], block: int) -> tuple[list[int], list[int]]:
+    """The distinct keys of static tile offsets (the offset itself, or its 128-block) and each
+    offset's index among them. With 128-blocks an element's block in the tile is its offset's:
+    the thread's part of a coordinate and the offset modulo 128 occupy different bits of the
+    WGMMA layout's coordinates inside a 128 block, so their sum stays below 128."""
+    keys = [o if block == 1 else o // SCALE_K for o in offsets]
+    distinct = sorted(set(keys))
+    return distinct, [distinct.index(k) for k in keys]
+
+
+class ScaledMainloop:
+    """The mainloop of a block-scaled product and the per-thread scale state it reads."""
+
+    def thread_scales(self, tiled_mma: cute.TiledMma, acc, ctid, scales) -> ThreadScales | None:
+        """Thread ``ctid``'s (index among the consumers) scale state, or None when unscaled.
+        ``scales``: the kernel's (sa, sb)."""
+        if const_expr(not self.scaled):
+            return None
+        crd = cute.make_identity_tensor((self.bm, self.bn))
+        at = tiled_mma.get_slice(ctid).partition_C(crd)[0]
+        off = tiled_mma.get_slice(0).partition_C(crd)
+        n = cute.size(acc)
+        rows, row_of = _keys([int(off[i][0]) for i in range(n)], self.a_block)
+        cols, col_of = _keys([int(off[i][1]) for i in range(n)], self.b_block)
+        part = cute.make_rmem_tensor(acc.layout, Float32)
+        count = len(rows) + len(cols)
+        cur = cute.make_rmem_tensor(count, Float32)
+        nxt = cute.make_rmem_tensor(count, Float32) if count <= _AHEAD else None
+        return ThreadScales(scales[0], scales[1], part, at, rows, cols, row_of, col_of, cur, nxt)
+
+    @cute.jit
+    def load_scales(self, ts: ThreadScales, dst, kt, m0, tn, la, lb):
+        """k-tile ``kt``'s scales into ``dst`` for the tile whose first row is ``m0`` (a multiple
+        of 128 with 128-row A blocks) in column ``tn``; rows and columns past the product's edge
+        read its last scale (their results are never stored). ``la``, ``lb``: A's and B's batch
+        coordinates (grouped: B's is the tile's group)."""
+        sa, sb, at = ts.sa, ts.sb, ts.at
+        for j in range_constexpr(len(ts.rows)):
+            if const_expr(self.a_block == 1):
+                r = m0 + at[0] + ts.rows[j]
+            else:
+                r = m0 // SCALE_K + ts.rows[j]
+            dst[j] = sa[(cutlass.min(r, sa.shape[0] - 1), kt, la)]
+        for j in range_constexpr(len(ts.cols)):
+            if const_expr(self.b_block == 1):
+                c = tn * self.bn + at[1] + ts.cols[j]
+            else:
+                c = tn * (self.bn // SCALE_K) + ts.cols[j]
+            dst[len(ts.rows) + j] = sb[(cutlass.min(c, sb.shape[0] - 1), kt, lb)]
+
+    @cute.jit
+    def promote(self, ts: ThreadScales, acc):
+        """``acc += part * sa[row] * sb[column]`` with this k-tile's scales, element by element
+        (in rows of 16: the DSL warns about longer static loops)."""
+        part, cur, nr = ts.part, ts.cur, len(ts.rows)
+        n = cute.size(acc)
+        for r in range_constexpr(n // 16):
+            for i in range_constexpr(r * 16, r * 16 + 16):
+                s = cur[ts.row_of[i]] * cur[nr + ts.col_of[i]]
+                acc[i] = cute.math.fma(part[i], s, acc[i])
+
+    @cute.jit
+    def scaled_mainloop(self, tiled_mma: cute.TiledMma, acc, tCrA, tCrB, ts: ThreadScales, pipe, read, release,
+                        k0, kc, tile):
+        """k-tiles [k0, k0 + kc) of tile ``tile`` = (first row, n-tile, la, lb) (see load_scales)
+        into ``acc`` (zeroed here), each WGMMA'd into ``ts.part`` and promoted with its scales;
+        returns (read, release)."""
+        m0, tn, la, lb = tile
+        part, cur, nxt = ts.part, ts.cur, ts.nxt
+        ahead = nxt is not None
+        k_last = ts.sa.shape[1] - 1
+        acc.fill(0.0)
+        if const_expr(ahead):
+            self.load_scales(ts, nxt, k0, m0, tn, la, lb)
+        for kt in range(kc):
+            if const_expr(ahead):
+                for j in range_constexpr(cute.size(cur)):
+                    cur[j] = nxt[j]
+            pipe.consumer_wait(read)
+            warpgroup.fence()      # the promotion read ``part``: order it before the WGMMAs write it
+            for kb in range_constexpr(cute.size(tCrA, mode=[2])):
+                tiled_mma.set(warpgroup.Field.ACCUMULATE, kb != 0)
+                cute.gemm(tiled_mma, part, tCrA[(None, None, kb, read.index)], tCrB[(None, None, kb, read.index)],
+                          part)
+            warpgroup.commit_group()
+            if const_expr(ahead):
+                self.load_scales(ts, nxt, cutlass.min(k0 + kt + 1, k_last), m0, tn, la, lb)
+            else:
+                self.load_scales(ts, cur, k0 + kt, m0, tn, la, lb)
+            warpgroup.wait_group(0)
+            pipe.consumer_release(release)
+            release.advance()
+            read.advance()
+            self.promote(ts, acc)
+        return read, release

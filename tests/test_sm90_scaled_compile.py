@@ -1,0 +1,125 @@
+"""Compile-only checks of the block-scaled fp8 Hopper GEMM (sm90_gemm with GemmSpec.a_block /
+b_block, and sm90_grouped's ragged_m with GroupedSpec's; kernels/sm90_scaled.py): no GPU needed,
+a few seconds a kernel on two cores."""
+
+import dataclasses
+import re
+
+import pytest
+import shared_result  # tests/ is on sys.path under pytest
+
+from jax_cute.kernels import cubin_info, sm90_gemm, sm90_grouped
+from jax_cute.kernels.gemm_spec import GemmSpec, GroupedSpec
+
+BF, F16, F32 = "bfloat16", "float16", "float32"
+E4M3, E5M2 = "float8_e4m3fn", "float8_e5m2"
+# DeepGEMM's dense table and odd sizes (M, N, K)
+SHAPES = [(4096, 7168, 16384), (4096, 4096, 7168), (128, 7168, 16384), (1000, 1040, 1000), (1, 1, 1),
+          (129, 2000, 4100)]
+
+
+def scaled(a_block: int, b_block: int, c: str = BF, a: str = E4M3, b: str = E4M3, **fused) -> GemmSpec:
+    return GemmSpec(a, b, c, a_block=a_block, b_block=b_block, **fused)
+
+
+def _compile(spec: GemmSpec | GroupedSpec, cfg, family=sm90_gemm):
+    pytest.importorskip("cutlass")
+    binary = shared_result.compiled(family, spec, cfg, f"test_{spec.key()}_{cfg.key()}")
+    ptx = binary.ptx or ""
+    assert binary.obj, "empty object"
+    kinds = {E4M3: "e4m3", E5M2: "e5m2"}
+    # fp8 WGMMA of the spec's operand types, k32 per instruction: four per 128-K tile
+    wgmma = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.{kinds[spec.a_dtype]}"
+                       rf"\.{kinds[spec.b_dtype]}", ptx)
+    assert len(wgmma) == 4, len(wgmma)
+    # the promotion: one f32 FMA per accumulator (64 per thread of a 128 x 128 tile), after
+    # waiting for all of the k-tile's WGMMAs
+    assert ptx.count("fma.rn.f32") >= 64 and "wgmma.wait_group.sync.aligned \t0" in ptx.replace("  ", " ")
+    assert "ld.global.b32" in ptx                               # the scales
+    assert "cp.async.bulk.tensor" in ptx and "setmaxnreg.inc" in ptx
+    res = cubin_info.resources(binary.obj)
+    assert res["local_bytes"] == 0 and res["frame_bytes"] == 0, res   # no spills
+    return binary
+
+
+_CASES = [scaled(1, 128), scaled(128, 128), scaled(1, 1, F32), scaled(128, 1, F32),
+          scaled(1, 128, BF, bias=True, activation="gelu"), scaled(128, 128, F32, bias=True, activation="silu"),
+          scaled(1, 128, F16, E5M2, E5M2), scaled(1, 128, BF, E4M3, E5M2), scaled(1, 1, BF, E5M2, E4M3, bias=True,
+                                                                                 activation="relu")]
+
+
+@pytest.mark.parametrize("spec", _CASES, ids=lambda s: s.key())
+def test_compile_scaled(spec):
+    cfg = sm90_gemm.heuristic(spec, 1000, 1040, 1000, 1)
+    _compile(spec, cfg)
+
+
+@pytest.mark.parametrize("cfg", [sm90_gemm.Config(128, 128, 1, 2, split_k=2, epi_n=64),
+                                 sm90_gemm.Config(128, 128, 1, 1, split_k=4),
+                                 sm90_gemm.Config(128, 128, 2, 1, raster="n", group=16),
+                                 sm90_gemm.Config(128, 128, 2, 1, pdl=True, epi_n=64, whole_c=True)],
+                         ids=lambda c: c.key())
+def test_compile_scaled_configs(cfg):
+    _compile(scaled(1, 128), cfg)
+
+
+def test_scaled_heuristic_and_candidates():
+    for spec in _CASES:
+        cands = sm90_gemm.candidate_configs(spec)
+        assert cands and all((c.tile_m, c.tile_n, c.pingpong, c.defer) == (128, 128, False, 0) for c in cands)
+        for shape in SHAPES:
+            cfg = sm90_gemm.heuristic(spec, *shape, 1)
+            assert cfg in cands, (spec, shape, cfg)
+    # a single row of tiles shares A along N and splits K over idle SMs
+    small = sm90_gemm.heuristic(scaled(1, 128), 128, 7168, 16384, 1)
+    assert (small.cluster_m, small.cluster_n) == (1, 2) and small.split_k > 1
+
+
+def test_scaled_spec_signature_and_refusals():
+    spec = scaled(1, 128, bias=True, activation="gelu")
+    assert spec.key().endswith(".scaled1x128") and spec.key() != dataclasses.replace(spec, b_block=1).key()
+    cfg = sm90_gemm.heuristic(spec, 1000, 1040, 1000, 1)
+    names = [a.name for a in sm90_gemm.signature(spec, cfg)]
+    assert names == ["a", "b", "c", "sa", "sb", "bias", "stream"]
+    sa = sm90_gemm.signature(spec, cfg)[3]
+    assert sa.dtype == F32 and sa.stride[0] == 1 and len(sa.shape) == 3
+    # unscaled signatures are unchanged
+    assert [a.name for a in sm90_gemm.signature(GemmSpec(E4M3, E4M3, BF), cfg)] == ["a", "b", "c", "stream"]
+    for bad in (GemmSpec(BF, BF, BF, a_block=1, b_block=128), scaled(1, 128, batch_modes=3),
+                scaled(1, 128, BF, activation="swiglu"), scaled(1, 128, BF, activation="gelu", preact=True)):
+        assert sm90_gemm.unsupported(bad), bad
+    with pytest.raises(ValueError):
+        GemmSpec(E4M3, E4M3, BF, a_block=1)          # both operands scaled, or neither
+    with pytest.raises(ValueError):
+        scaled(64, 128)
+    for bad_cfg in (sm90_gemm.Config(), sm90_gemm.Config(128, 128, 2, 1, pingpong=True),
+                    sm90_gemm.Config(128, 128, defer=1), sm90_gemm.Config(256, 128)):
+        with pytest.raises(ValueError):
+            sm90_gemm.launcher(scaled(1, 128), bad_cfg)
+
+
+_GROUPED = [GroupedSpec("ragged_m", E4M3, E4M3, BF, a_block=1, b_block=128),
+            GroupedSpec("ragged_m", E4M3, E5M2, F32, a_block=1, b_block=1, bias=True, activation="gelu")]
+
+
+@pytest.mark.parametrize("spec", _GROUPED, ids=lambda s: s.key())
+def test_compile_scaled_grouped(spec):
+    cfg = sm90_grouped.heuristic(spec, 32768, 4096, 7168, 4, 1)
+    assert cfg.tile_n == 128 and sm90_grouped.candidate_configs(spec) == [cfg]
+    names = [a.name for a in sm90_grouped.signature(spec, cfg)]
+    assert names[:6] == ["a", "b", "c", "group_sizes", "sa", "sb"] and names[-1] == "stream"
+    _compile(spec, cfg, sm90_grouped)
+
+
+def test_scaled_grouped_refusals():
+    ok = _GROUPED[0]
+    assert sm90_grouped.unsupported(ok) is None
+    for bad in (dataclasses.replace(ok, a_dtype=BF, b_dtype=BF), dataclasses.replace(ok, activation="swiglu"),
+                dataclasses.replace(ok, b_major="n"), dataclasses.replace(ok, c_major="m")):
+        assert sm90_grouped.unsupported(bad), bad
+    with pytest.raises(ValueError):
+        GroupedSpec("ragged_k", E4M3, E4M3, F32, a_block=1, b_block=1)   # no scaled ragged_k kernel
+    with pytest.raises(ValueError):
+        dataclasses.replace(ok, a_block=128)                              # A's scales are per row
+    with pytest.raises(ValueError):
+        sm90_grouped.launcher(ok, sm90_grouped.Config(tile_n=256))
