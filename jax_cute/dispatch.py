@@ -362,7 +362,7 @@ def _spec(req: GemmRequest, p: Plan) -> GemmSpec | GroupedSpec:
     fused = dict(bias=req.bias, activation=req.activation or "", preact=req.two_outputs)
     if req.grouped:
         return GroupedSpec(req.layouts.mode, *dts, flat.a.major, flat.b.major, flat.c.major, req.acc_dtype,
-                           **(fused if req.epilogue else {}))
+                           lead=req.layouts.lead, **(fused if req.epilogue else {}))
     if req.dact:
         return GemmSpec(*dts, flat.a.major, flat.b.major, flat.c.major, req.acc_dtype, dact=req.dact)
     return GemmSpec(*dts, flat.a.major, flat.b.major, flat.c.major, req.acc_dtype, batch_modes=p.batch_modes,

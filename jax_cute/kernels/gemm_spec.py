@@ -194,6 +194,10 @@ class GroupedSpec:
 
     Any operand, group_sizes included, may have L extent 1 (broadcast over batches).
 
+    ``lead`` (ragged_dot's group_offset): group_sizes is (G + 1, L), its first size a lead of
+    rows (tokens) that no group takes, before group 0: ragged_m writes zeros there with no
+    product (and no bias), ragged_k sums none of them.
+
     Fused epilogue (ragged_m; families whose EPILOGUES name them), as GemmSpec's with a bias per
     group: ``bias`` adds a float32 ``bias`` (N, G, L) (row (g, l) for the rows of group g in batch
     l; L extent 1: one bias for every batch; the zero rows past the last group take none), ``activation`` and ``preact`` as GemmSpec's, the
@@ -211,6 +215,7 @@ class GroupedSpec:
     bias: bool = False
     activation: str = ""
     preact: bool = False
+    lead: bool = False
 
     def __post_init__(self):
         if (self.bias or self.activation) and self.mode != "ragged_m":
@@ -222,7 +227,7 @@ class GroupedSpec:
         return (f"{self.mode}.{self.a_dtype}.{self.b_dtype}.{self.c_dtype}.acc{self.acc_dtype}."
                 f"{self.a_major}{self.b_major}{self.c_major}"
                 + (".bias" if self.bias else "") + (f".{self.activation}" if self.activation else "")
-                + (".preact" if self.preact else ""))
+                + (".preact" if self.preact else "") + (".lead" if self.lead else ""))
 
     def signature(self, extra: tuple = ()) -> Signature:
         a = _operand("a", self.a_dtype, 3, 1 if self.a_major == "k" else 0)
