@@ -333,7 +333,8 @@ def test_group_offset_reaches_the_grouped_kernel():
     launches = [line for line in text.splitlines() if "stablehlo.custom_call @jax_cute_launch" in line]
     assert len(launches) == 1 and "dot_general" not in text
     assert "ragged_m_bfloat16_bfloat16_bfloat16_accfloat32_knn_lead" in launches[0]
-    assert launches[0].endswith(f"(tensor<{m}x128xbf16>, tensor<2x128x{n}xbf16>, tensor<3xi32>) -> tensor<{m}x{n}xbf16>")
+    operands = f"(tensor<{m}x128xbf16>, tensor<2x128x{n}xbf16>, tensor<3xi32>)"
+    assert launches[0].endswith(f"{operands} -> tensor<{m}x{n}xbf16>")
     assert f"tensor<{m}x{n}xi1>" not in text     # no select over the output
 
     def loss(a, b, s, o):

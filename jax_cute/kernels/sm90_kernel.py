@@ -564,10 +564,10 @@ class Sm90Gemm(Sm90Epilogue):
             if const_expr(self.fuse_bias):
                 # the bias row of the group and batch (extent 1: shared by every
                 # batch); the zero tail (g == G) adds none, nor does a lead (g == 0)
-                gb, rows = g, ext[3]
+                gb, groups = g, ext[3]
                 if const_expr(self.sched.lead):
-                    gb, rows = self.sched.group(g), ext[3] - 1
-                g_bias = (bias[(None, cutlass.min(gb, rows - 1), cutlass.min(cl, bias.shape[2] - 1))],
+                    gb, groups = self.sched.group(g), ext[3] - 1   # B's groups
+                g_bias = (bias[(None, cutlass.min(gb, groups - 1), cutlass.min(cl, bias.shape[2] - 1))],
                           cutlass.select_(g < ext[3], Float32(1.0), Float32(0.0)))
                 if const_expr(self.sched.lead):
                     g_bias = (g_bias[0], cutlass.select_(g > 0, g_bias[1], Float32(0.0)))

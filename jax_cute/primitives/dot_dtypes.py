@@ -37,7 +37,8 @@ def weak_as(x, product, bias=None):
 def converted(x, dtype):
     """``x`` as a ``dtype`` operand, its weak type kept: a primitive's result is weak where all
     its operands are, as lax's products are, and so are the gradients."""
-    return x if x.dtype == np.dtype(dtype) else _convert_element_type(x, np.dtype(dtype), weak_type=jax.typeof(x).weak_type)
+    dtype = np.dtype(dtype)
+    return x if x.dtype == dtype else _convert_element_type(x, dtype, weak_type=jax.typeof(x).weak_type)
 
 
 def operand_dtypes(lhs, rhs, out) -> tuple[np.dtype, np.dtype]:
