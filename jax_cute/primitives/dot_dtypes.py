@@ -36,9 +36,12 @@ def weak_as(x, product, bias=None):
 
 def converted(x, dtype):
     """``x`` as a ``dtype`` operand, its weak type kept: a primitive's result is weak where all
-    its operands are, as lax's products are, and so are the gradients."""
+    its operands are, as lax's products are, and so are the gradients. A complex operand of a
+    real product loses its imaginary part silently, as in lax's lowering."""
     dtype = np.dtype(dtype)
-    return x if x.dtype == dtype else _convert_element_type(x, dtype, weak_type=jax.typeof(x).weak_type)
+    if x.dtype == dtype:
+        return x
+    return _convert_element_type(x, dtype, weak_type=jax.typeof(x).weak_type, warn_on_complex_to_real_cast=False)
 
 
 def operand_dtypes(lhs, rhs, out) -> tuple[np.dtype, np.dtype]:

@@ -51,10 +51,11 @@ class RaggedLayouts:
         e = self.extents()
         ext = lambda name, i: product(self.layout(name).mode(i).shape)  # noqa: E731
         g_b, g_c = (2, None) if self.mode == RAGGED_M else (None, 2)
-        want = [("a", 0, "m"), ("a", 1, "k"), ("b", 0, "n"), ("b", 1, "k"), ("c", 0, "m"), ("c", 1, "n"),
-                ("gs", 0, "g")] + [(n, self.l_index(n), "l") for n in NAMES]
+        # G is gs's extent less a lead: b's or c's groups must agree with it
+        want = [("a", 0, "m"), ("a", 1, "k"), ("b", 0, "n"), ("b", 1, "k"), ("c", 0, "m"), ("c", 1, "n")] \
+            + [(n, self.l_index(n), "l") for n in NAMES]
         want += [("b", g_b, "g")] if g_b is not None else [("c", g_c, "g")]
-        if any(ext(n, i) - (self.lead and n == "gs" and x == "g") != e[x] for n, i, x in want):
+        if any(ext(n, i) != e[x] for n, i, x in want):
             raise ValueError(f"{self.mode} layouts disagree on extents: a={self.a} b={self.b} c={self.c} gs={self.gs}")
 
     def layout(self, name: str) -> Layout:
