@@ -74,7 +74,8 @@ def bias_in_c(bias, group_sizes, layouts: RaggedLayouts, dtype):
     c_shape = tuple(layouts.c_shape)
     sizes = L.read(group_sizes, layouts.gs)   # (G or G + 1, L), L in C's batch order
     per_batch = jnp.broadcast_to(bias, c_shape[:-2] + bias.shape[-2:]).reshape((-1,) + bias.shape[-2:])
-    rows = jax.vmap(lambda b, s: bias_rows(b, s, c_shape[-2], dtype, layouts.lead), in_axes=(0, 1))(per_batch, sizes)
+    one = lambda b, s: bias_rows(b, s, c_shape[-2], dtype, layouts.lead)  # noqa: E731
+    rows = jax.vmap(one, in_axes=(0, 1))(per_batch, sizes)
     return rows.reshape(c_shape)
 
 
