@@ -407,7 +407,7 @@ def _spec(req: GemmRequest, p: Plan) -> GemmSpec | GroupedSpec:
     scales = dict(a_block=req.scales[0], b_block=req.scales[1]) if req.scales else {}
     if req.grouped:
         return GroupedSpec(req.layouts.mode, *dts, flat.a.major, flat.b.major, flat.c.major, req.acc_dtype,
-                           **(fused if req.epilogue else {}), **scales)
+                           lead=req.layouts.lead, **(fused if req.epilogue else {}), **scales)
     if req.dact:
         return GemmSpec(*dts, flat.a.major, flat.b.major, flat.c.major, req.acc_dtype, dact=req.dact)
     return GemmSpec(*dts, flat.a.major, flat.b.major, flat.c.major, req.acc_dtype, batch_modes=p.batch_modes,

@@ -324,3 +324,118 @@ def _ragged_cases(dtype, pet):
                       lambda x, y, s: jax.lax.ragged_dot(x, y, s, preferred_element_type=lax_pet),
                       (rand((m, k), dtype), rand((g, k, n), dtype, 1), gs)))
     check_all(cases)
+
+
+# -- weak types (Python scalars, and arithmetic on them) -------------------------------------------
+
+def weak(value, shape=()):
+    """A weakly typed array, as a Python scalar and arithmetic on one give."""
+    return jnp.broadcast_to(jnp.asarray(value), shape)
+
+
+def types(tree):
+    """(dtype, weak type, shape) of every leaf."""
+    return [(np.dtype(a.dtype).name, a.weak_type, tuple(a.shape)) for a in jax.tree.leaves(tree)]
+
+
+# (name, operand): strong arrays, weak arrays of every rank, Python scalars
+OPERANDS = {r: [(np.dtype(d).name, lambda d=d, s=(3,) * r: rand(s, d)) for d in (jnp.bfloat16, np.float32, np.int32)]
+            + [(f"weak {type(v).__name__}", lambda v=v, s=(3,) * r: weak(v, s)) for v in (1.5, 2, 1 + 2j)]
+            for r in (1, 2, 3)}
+OPERANDS[0] = [("weak float", lambda: weak(1.5)), ("float", lambda: 1.5), ("int", lambda: 2),
+               ("bfloat16", lambda: rand((), jnp.bfloat16)), ("float32", lambda: rand((), np.float32))]
+
+# (ours, JAX's, ranks of the operands)
+WEAK_PRODUCTS = [
+    ("matmul", lambda x, y, p: jax_cute.matmul(x, y, preferred_element_type=p),
+     lambda x, y, p: jnp.matmul(x, y, preferred_element_type=p), [(1, 1), (2, 2), (2, 1), (3, 2)]),
+    ("dot_general", lambda x, y, p: jax_cute.dot_general(x, y, (((x.ndim - 1,), (0,)), ((), ())),
+                                                         preferred_element_type=p),
+     lambda x, y, p: jax.lax.dot_general(x, y, (((x.ndim - 1,), (0,)), ((), ())), preferred_element_type=p),
+     [(1, 1), (2, 2), (2, 1)]),
+    ("outer", lambda x, y, p: jax_cute.dot_general(x, y, (((), ()), ((), ())), preferred_element_type=p),
+     lambda x, y, p: jax.lax.dot_general(x, y, (((), ()), ((), ())), preferred_element_type=p), [(0, 2), (2, 0)]),
+    ("einsum", lambda x, y, p: jax_cute.einsum("...i,i...->...", x, y, preferred_element_type=p),
+     lambda x, y, p: jnp.einsum("...i,i...->...", x, y, preferred_element_type=p), [(1, 1), (2, 2), (3, 1)]),
+    ("einsum scale", lambda x, y, p: jax_cute.einsum(",ij->ij", x, y, preferred_element_type=p),
+     lambda x, y, p: jnp.einsum(",ij->ij", x, y, preferred_element_type=p), [(0, 2)]),
+]
+
+
+def _weak_cases():
+    for name, ours, theirs, ranks in WEAK_PRODUCTS:
+        for ra, rb in ranks:
+            for (na, a), (nb, b) in itertools.product(OPERANDS[ra], OPERANDS[rb]):
+                if not ("weak" in na + nb or isinstance(a(), (int, float)) or isinstance(b(), (int, float))):
+                    continue   # strong x strong: the other tests' business
+                yield f"{name}-{na}-{nb}-r{ra}{rb}", ours, theirs, a, b
+
+
+WEAK_CASES = list(_weak_cases())
+
+
+def _floats(*xs) -> tuple[int, ...]:
+    return tuple(i for i, x in enumerate(xs) if jnp.issubdtype(jnp.result_type(x), jnp.inexact))
+
+
+def _grad(f, argnums):
+    return jax.grad(lambda *xs: jnp.sum(f(*xs)).real.astype(np.float32), argnums)
+
+
+@pytest.mark.parametrize("pet", [None, np.float32], ids=["default", "f32"])
+def test_weak_types_are_jax_s(x64, pet):
+    """Result dtype and weak type as JAX's (traced, under vmap and grad) for weakly typed
+    operands: a weak operand does not widen a strong one (bf16 @ weak float is bf16), an int
+    array times a weak float is a weak float, weak times weak is weak."""
+    for case, ours, theirs, a, b in WEAK_CASES:
+        x, y = a(), b()
+        traced = [lambda f: jax.eval_shape(lambda u, v: f(u, v, pet), x, y)]
+        if jnp.ndim(x) and jnp.ndim(y):
+            traced.append(lambda f: jax.eval_shape(jax.vmap(lambda u, v: f(u, v, pet)), jnp.stack([x, x]),
+                                                   jnp.stack([y, y])))
+        if _floats(x, y):
+            traced.append(lambda f: jax.eval_shape(_grad(lambda u, v: f(u, v, pet), _floats(x, y)), x, y))
+        for run in traced:
+            try:
+                want = types(run(theirs))
+            except Exception as e:  # noqa: BLE001 - the type is what is compared
+                with pytest.raises(type(e)):
+                    run(ours)
+                continue
+            assert types(run(ours)) == want, case
+
+
+def test_weak_types_eager_and_jit(x64):
+    """The same, run eagerly and under jit, values included."""
+    cases = [(lambda x, y: jax_cute.matmul(x, y), jnp.matmul, (weak(1.5, (2, 3)), weak(2.0, (3, 4)))),
+             (lambda x, y: jax_cute.matmul(x, y), jnp.matmul, (rand((2, 3), jnp.bfloat16), weak(2.0, (3,)))),
+             (lambda x, y: jax_cute.matmul(x, y), jnp.matmul, (rand((2, 3), np.int32), weak(0.5, (3, 2)))),
+             (lambda x, y: jax_cute.einsum("ij,jk", x, y), lambda x, y: jnp.einsum("ij,jk", x, y),
+              (weak(1.5, (2, 3)), weak(2, (3, 4)))),
+             (lambda x, y: jax_cute.einsum(",ij", x, y), lambda x, y: jnp.einsum(",ij", x, y),
+              (weak(3.0), rand((2, 3), jnp.bfloat16))),
+             (lambda x, y: jax_cute.dot_general(x, y, (((1,), (0,)), ((), ()))),
+              lambda x, y: jax.lax.dot_general(x, y, (((1,), (0,)), ((), ()))), (weak(1.5, (2, 3)), weak(2.0, (3,))))]
+    for ours, theirs, args in cases:
+        for run in (lambda f: f(*args), lambda f: jax.jit(f)(*args)):
+            got, want = run(ours), run(theirs)
+            assert types(got) == types(want)
+            assert_same(got, want)
+
+
+@pytest.mark.parametrize("lhs,rhs", [("weak", "weak"), ("weak", "strong"), ("strong", "weak")])
+def test_ragged_dot_weak_types(x64, lhs, rhs):
+    """lax.ragged_dot's result is never weak (its group sizes are strong), but its dtype
+    follows the weak operand's: bf16 x weak float is f32 in lax, as its dtype rule gives."""
+    x = weak(1.5, (6, 4)) if lhs == "weak" else rand((6, 4), jnp.bfloat16)
+    w = weak(0.5, (2, 4, 3)) if rhs == "weak" else rand((2, 4, 3), jnp.bfloat16, 1)
+    gs = jnp.asarray([2, 3], jnp.int32)
+    for pet in (None, np.float32):
+        def run(f, xs):
+            return f(*xs, gs, preferred_element_type=pet)
+        got, want = run(jax_cute.ragged_dot, (x, w)), run(jax.lax.ragged_dot, (x, w))
+        assert types(got) == types(want)
+        assert_same(got, want)
+        grads = [jax.eval_shape(jax.grad(lambda *xs: jnp.sum(run(f, xs)).astype(np.float32), (0, 1)), x, w)
+                 for f in (jax_cute.ragged_dot, jax.lax.ragged_dot)]
+        assert types(grads[0]) == types(grads[1])

@@ -317,11 +317,55 @@ def test_group_offset_bad_values():
     np.testing.assert_allclose(got, offset_model(x, w, [3, 2, 4, 1], 2), rtol=1e-5, atol=1e-5)
 
 
-def test_group_offset_reaches_the_grouped_kernel():
-    """Lowered for sm_90a: the grouped kernel runs the local groups; no XLA dot."""
-    args = [jax.ShapeDtypeStruct((256, 128), jnp.bfloat16), jax.ShapeDtypeStruct((2, 128, 64), jnp.bfloat16),
-            jax.ShapeDtypeStruct((8,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32)]
+def _lowered_for_sm90(fn, *args) -> str:
     with config.override(target_arch="sm_90a", strict=True):
-        text = jax.jit(lambda a, b, s, o: ragged_dot(a, b, s, group_offset=o)).trace(*args).lower(
-            lowering_platforms=("cuda",)).as_text()
-    assert text.count("stablehlo.custom_call @jax_cute_launch") == 1 and "dot_general" not in text
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_group_offset_reaches_the_grouped_kernel():
+    """Lowered for sm_90a: one launch of the grouped kernel with the offset's lead (the kernel
+    compiled for it), its group sizes the lead and the 2 local groups' (3 sizes, from 8), no
+    XLA dot and no pass zeroing rows afterwards; each gradient is one launch with the lead."""
+    m, n = 256, 64
+    args = [jax.ShapeDtypeStruct((m, 128), jnp.bfloat16), jax.ShapeDtypeStruct((2, 128, n), jnp.bfloat16),
+            jax.ShapeDtypeStruct((8,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32)]
+    text = _lowered_for_sm90(lambda a, b, s, o: ragged_dot(a, b, s, group_offset=o), *args)
+    launches = [line for line in text.splitlines() if "stablehlo.custom_call @jax_cute_launch" in line]
+    assert len(launches) == 1 and "dot_general" not in text
+    assert "ragged_m_bfloat16_bfloat16_bfloat16_accfloat32_knn_lead" in launches[0]
+    operands = f"(tensor<{m}x128xbf16>, tensor<2x128x{n}xbf16>, tensor<3xi32>)"
+    assert launches[0].endswith(f"{operands} -> tensor<{m}x{n}xbf16>")
+    assert f"tensor<{m}x{n}xi1>" not in text     # no select over the output
+
+    def loss(a, b, s, o):
+        return jnp.sum(ragged_dot(a, b, s, group_offset=o, preferred_element_type=jnp.float32))
+    grads = _lowered_for_sm90(jax.grad(loss, (0, 1)), *args)
+    launches = [line for line in grads.splitlines() if "stablehlo.custom_call @jax_cute_launch" in line]
+    assert len(launches) == 2 and "dot_general" not in grads   # the lhs and rhs gradients
+    assert all("_lead_" in line for line in launches)
+    assert any("ragged_k_" in line for line in launches)
+
+
+@pytest.mark.parametrize("offset", [0, 1, 2])
+def test_group_offset_with_an_epilogue_and_vmap(offset):
+    """The lead takes no bias (its rows stay zero through the activation), and a vmapped call
+    keeps each batch's lead."""
+    sizes = [3, 0, 4, 5]
+    x, w = _data(12, 4, 2, 5)
+    bias = jnp.asarray(np.random.default_rng(2).standard_normal((2, 5)), jnp.float32)
+    gs = jnp.asarray(sizes, jnp.int32)
+    got = jax.jit(lambda a, b, c: ragged_dot(a, b, gs, group_offset=offset, bias=c, activation="gelu"))(x, w, bias)
+    prod = offset_model(x, w, sizes, offset)
+    ends = np.minimum(np.cumsum(sizes), 12)
+    rows = np.zeros((12, 5), np.float32)
+    for j in range(2):
+        rows[ends[offset + j] - sizes[offset + j]:ends[offset + j]] = bias[j]
+    mask = np.zeros((12, 1), bool)
+    for j in range(2):
+        mask[ends[offset + j] - sizes[offset + j]:ends[offset + j]] = True
+    want = jnp.where(mask, jax.nn.gelu(prod + rows), 0)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    xs = jnp.stack([x, 2 * x])
+    got = jax.vmap(lambda a: ragged_dot(a, w, gs, group_offset=offset))(xs)
+    for i in range(2):
+        np.testing.assert_allclose(got[i], offset_model(xs[i], w, sizes, offset), rtol=1e-5, atol=1e-5)

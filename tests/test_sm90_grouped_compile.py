@@ -23,6 +23,12 @@ def _specs():
     yield GroupedSpec("ragged_m", "bfloat16", "bfloat16", "float32")
     yield GroupedSpec("ragged_k", "bfloat16", "bfloat16", "float32", a_major="m", b_major="n")
     yield GroupedSpec("ragged_k", "bfloat16", "bfloat16", "bfloat16", a_major="m", b_major="n", c_major="m")
+    # ragged_dot's group_offset: a lead of rows before the groups (forward, both gradients, an epilogue)
+    yield GroupedSpec("ragged_m", "bfloat16", "bfloat16", "bfloat16", b_major="n", lead=True)
+    yield GroupedSpec("ragged_m", "bfloat16", "bfloat16", "float32", a_major="k", b_major="k", lead=True)
+    yield GroupedSpec("ragged_k", "bfloat16", "bfloat16", "bfloat16", a_major="m", b_major="n", lead=True)
+    yield GroupedSpec("ragged_m", "bfloat16", "bfloat16", "bfloat16", b_major="n", bias=True, activation="silu",
+                      lead=True)
 
 
 CASES = [(s, c) for s in _specs() for c in fam.candidate_configs(s)]

@@ -227,6 +227,10 @@ class GroupedSpec:
 
     Any operand, group_sizes included, may have L extent 1 (broadcast over batches).
 
+    ``lead`` (ragged_dot's group_offset): group_sizes is (G + 1, L), its first size a lead of
+    rows (tokens) that no group takes, before group 0: ragged_m writes zeros there with no
+    product (and no bias), ragged_k sums none of them.
+
     Fused epilogue (ragged_m; families whose EPILOGUES name them), as GemmSpec's with a bias per
     group: ``bias`` adds a float32 ``bias`` (N, G, L) (row (g, l) for the rows of group g in batch
     l; L extent 1: one bias for every batch; the zero rows past the last group take none), ``activation`` and ``preact`` as GemmSpec's, the
@@ -249,6 +253,7 @@ class GroupedSpec:
     preact: bool = False
     a_block: int = 0
     b_block: int = 0
+    lead: bool = False
 
     def __post_init__(self):
         if (self.bias or self.activation) and self.mode != "ragged_m":
@@ -256,18 +261,18 @@ class GroupedSpec:
         _check_blocks(self.a_block, self.b_block)
         if self.a_block and (self.mode != "ragged_m" or self.a_block != 1):
             raise ValueError(f"a block-scaled grouped product is ragged_m with 1 x 128 A scales, not {self}")
+        if self.preact and not self.activation:
+            raise ValueError("a pre-activation output needs an activation (without one it equals c)")
 
     @property
     def scaled(self) -> bool:
         return self.a_block > 0
-        if self.preact and not self.activation:
-            raise ValueError("a pre-activation output needs an activation (without one it equals c)")
 
     def key(self) -> str:
         return (f"{self.mode}.{self.a_dtype}.{self.b_dtype}.{self.c_dtype}.acc{self.acc_dtype}."
                 f"{self.a_major}{self.b_major}{self.c_major}"
                 + (".bias" if self.bias else "") + (f".{self.activation}" if self.activation else "")
-                + (".preact" if self.preact else "")
+                + (".preact" if self.preact else "") + (".lead" if self.lead else "")
                 + (f".scaled{self.a_block}x{self.b_block}" if self.scaled else ""))
 
     def signature(self, extra: tuple = ()) -> Signature:

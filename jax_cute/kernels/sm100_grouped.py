@@ -46,6 +46,8 @@ _CANDIDATES = {
 def unsupported(spec) -> str | None:
     if not isinstance(spec, GroupedSpec) or spec.mode not in _CANDIDATES:
         return f"sm100_grouped: unsupported spec {spec}"
+    if spec.lead:
+        return "sm100_grouped takes no lead of rows before the groups (ragged_dot's group_offset)"
     return sm100_gemm.unsupported(spec)
 
 

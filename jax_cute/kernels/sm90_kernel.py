@@ -580,9 +580,14 @@ class Sm90Gemm(ScaledMainloop, Sm90Epilogue):
                     self.sched.group_c(mD, cl, g, t0, t1, m_t, n_t + self.half_tiles(mD), self.cbn)), gmem_d)
             if const_expr(self.fuse_bias):
                 # the bias row of the group and batch (extent 1: shared by every
-                # batch); the zero tail (g == G) adds none
-                g_bias = (bias[(None, cutlass.min(g, ext[3] - 1), cutlass.min(cl, bias.shape[2] - 1))],
+                # batch); the zero tail (g == G) adds none, nor does a lead (g == 0)
+                gb, groups = g, ext[3]
+                if const_expr(self.sched.lead):
+                    gb, groups = self.sched.group(g), ext[3] - 1   # B's groups
+                g_bias = (bias[(None, cutlass.min(gb, groups - 1), cutlass.min(cl, bias.shape[2] - 1))],
                           cutlass.select_(g < ext[3], Float32(1.0), Float32(0.0)))
+                if const_expr(self.sched.lead):
+                    g_bias = (g_bias[0], cutlass.select_(g > 0, g_bias[1], Float32(0.0)))
             self.epilogue(wge, tma_c, self.sched.group_c(mC, cl, g, t0, t1, m_t, n_t, self.cbn), tRS_acc, m_t, n_t,
                           cl, bias=g_bias, pre=pre)
             w += stride

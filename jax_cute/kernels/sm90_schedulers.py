@@ -5,7 +5,10 @@ k-range each CTA's warps work on.
   of ``Config.group`` clusters (see sm90_gemm's notes);
 - :class:`RaggedM` and :class:`RaggedK`: the grouped walks over (batch, group, tile) with group
   sizes read on the device, every warp that needs the schedule scanning them itself 32 groups
-  (one per lane) at a time and keeping the current chunk's scan in registers.
+  (one per lane) at a time and keeping the current chunk's scan in registers. A spec with a
+  ``lead`` (ragged_dot's group_offset) has one more size first: rows (tokens) no group takes,
+  walked as group 0 with no product (ragged_m stores its zeros, ragged_k has no tile there), so
+  walk group g is B's (ragged_m) or C's (ragged_k) group g - 1.
 
 :func:`scheduler_for` picks one for a spec. Grouped views clip TMA at group ends with the
 "ragged TMA" descriptor trick (:func:`ragged_tensor`, :func:`ragged_view`).
@@ -108,8 +111,9 @@ class RaggedWalk:
 
     mode = ""
 
-    def __init__(self, config: Config, in_dtype: str, gated: bool):
+    def __init__(self, config: Config, in_dtype: str, gated: bool, lead: bool = False):
         self.cfg = config
+        self.lead = lead
         self.bm, self.bn, self.bk = config.tile_m, config.tile_n, tile_k(in_dtype)
         self.glu = gated
         self.cbn = self.bn // 2 if gated else self.bn   # C's tile width
@@ -148,6 +152,9 @@ class RaggedWalk:
         else:
             if g < G:
                 t = (M + self.bm - 1) // self.bm * nt
+            if const_expr(self.lead):
+                if g == 0:
+                    t = Int32(0)   # the lead: no group of C
         if cl >= L:
             t = Int32(0)
         for d in range_constexpr(5):
@@ -205,6 +212,9 @@ class RaggedWalk:
         if const_expr(self.mode == "ragged_m"):
             if g < G:
                 k_tiles = (K + self.bk - 1) // self.bk
+            if const_expr(self.lead):
+                if g == 0:
+                    k_tiles = Int32(0)   # the lead stores zeros too
         else:
             k_tiles = (t1 - t0 + self.bk - 1) // self.bk
         return k_tiles
@@ -218,7 +228,8 @@ class RaggedWalk:
             row0 = t0 + m_t * self.bm
             gA = cute.local_tile(cute.domain_offset((row0, None), mA[(None, None, la)]),
                                  (self.bm, self.bk), (0, None))
-            gB_g = mB[(None, None, g)] if const_expr(self.glu) else mB[(None, None, g, lb)]
+            gb = self.group(g)
+            gB_g = mB[(None, None, gb)] if const_expr(self.glu) else mB[(None, None, gb, lb)]
             gB = cute.local_tile(gB_g, (self.bn, self.bk), (n_t, None))
         else:
             gA = cute.local_tile(ragged_view(mA, 1, t0, t1 - t0)[(None, None, la)], (self.bm, self.bk),
@@ -235,7 +246,14 @@ class RaggedWalk:
             row0 = t0 + m_t * self.bm
             return cute.local_tile(ragged_view(mC, 0, row0, t1 - row0)[(None, None, cl)],
                                    (self.bm, width), (0, n_t))
-        return cute.local_tile(mC[(None, None, g, cl)], (self.bm, width), (m_t, n_t))
+        return cute.local_tile(mC[(None, None, self.group(g), cl)], (self.bm, width), (m_t, n_t))
+
+    def group(self, g):
+        """B's (ragged_m) or C's (ragged_k) group of walk group g: g - 1 after a lead (the lead
+        itself, which has no product, is given group 0)."""
+        if const_expr(self.lead):
+            return cutlass.max(g - 1, 0)
+        return g
 
 
 class RaggedM(RaggedWalk):
@@ -255,5 +273,5 @@ class RaggedK(RaggedWalk):
 def scheduler_for(spec: GemmSpec | GroupedSpec, config: Config) -> DenseRaster | RaggedWalk:
     """The tile scheduler of a spec: the dense raster, or the grouped walk of its mode."""
     if isinstance(spec, GroupedSpec):
-        return {"ragged_m": RaggedM, "ragged_k": RaggedK}[spec.mode](config, spec.a_dtype, is_gated(spec))
+        return {"ragged_m": RaggedM, "ragged_k": RaggedK}[spec.mode](config, spec.a_dtype, is_gated(spec), spec.lead)
     return DenseRaster(config, spec.batch_modes)

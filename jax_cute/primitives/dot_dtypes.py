@@ -1,19 +1,47 @@
 """The dtypes of a product by lax's rules: what each operand is converted to, and where the
 reference path accumulates.
 
-The result dtype itself is always the JAX function's own (``jax.eval_shape`` of
-``lax.dot_general``, ``jnp.matmul``, ``lax.ragged_dot``), so it is never re-derived here.
+The result type itself is always the JAX function's own (``jax.eval_shape`` of
+``lax.dot_general``, ``jnp.matmul``, ``lax.ragged_dot`` on the operands' ``struct``), dtype and
+weak type, so it is never re-derived here.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import dtypes
+from jax._src.lax.lax import _convert_element_type  # no public API makes an array weakly typed
 
 _FP8 = {np.dtype(getattr(jnp, n)) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
                                                "float8_e4m3b11fnuz", "float8_e3m4", "float8_e4m3", "float8_e8m0fnu")
         if hasattr(jnp, n)}
+
+
+def struct(x) -> jax.ShapeDtypeStruct:
+    """``x``'s type as the JAX function sees it, weak type included: a weak operand changes the
+    result dtype (jnp's ``bf16 @ weak f32`` is bf16) and whether the result is weak."""
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=jax.typeof(x).weak_type)
+
+
+def weak_as(x, product, bias=None):
+    """``x`` weakly typed exactly where the JAX function's result ``product`` is (its steps may
+    differ from ours: jnp.matmul's ``preferred_element_type`` makes a strong result of weak
+    operands) and, with an epilogue, its ``bias`` is too, as ``act(product + bias)`` would be in
+    jnp. The conversion changes no dtype and lowers to nothing."""
+    weak = product.weak_type and (bias is None or jax.typeof(jnp.asarray(bias)).weak_type)
+    return x if jax.typeof(x).weak_type == weak else _convert_element_type(x, x.dtype, weak_type=weak)
+
+
+def converted(x, dtype):
+    """``x`` as a ``dtype`` operand, its weak type kept: a primitive's result is weak where all
+    its operands are, as lax's products are, and so are the gradients. A complex operand of a
+    real product loses its imaginary part silently, as in lax's lowering."""
+    dtype = np.dtype(dtype)
+    if x.dtype == dtype:
+        return x
+    return _convert_element_type(x, dtype, weak_type=jax.typeof(x).weak_type, warn_on_complex_to_real_cast=False)
 
 
 def operand_dtypes(lhs, rhs, out) -> tuple[np.dtype, np.dtype]:
@@ -65,4 +93,14 @@ def cotangent_dtype(ct, operand_dtype):
     """``ct`` in ``operand_dtype``. Mixed precision: an f32 cotangent of a 16-bit GEMM is rounded
     once to the operand dtype, so the gradient GEMMs run on the 16-bit kernels as training
     frameworks do."""
-    return ct.astype(operand_dtype) if ct.dtype != operand_dtype else ct
+    return converted(ct, operand_dtype)
+
+
+def cotangent_result(x, operand, ct_dtype):
+    """A gradient GEMM's result ``x`` in the dtype of ``operand`` (its aval). Where the
+    cotangent had another dtype (``ct_dtype``), lax's transposes convert to the operand's dtype
+    and weak type, so the gradient of a weak operand is weak there."""
+    x = converted(x, operand.dtype)
+    if np.dtype(ct_dtype) == np.dtype(operand.dtype) or jax.typeof(x).weak_type == operand.weak_type:
+        return x
+    return _convert_element_type(x, x.dtype, weak_type=operand.weak_type)

@@ -23,6 +23,7 @@ from jax_cute.layout import Layout, make_layout, row_major, stride_of
 from jax_cute.activations import check_gated_columns, epilogue_dtype, is_gated
 from jax_cute.primitives.fused import activated, check_bias_broadcasts, checked_options
 from jax_cute.problem.gemm_layouts import GemmLayouts
+from jax_cute.primitives.dot_dtypes import struct, weak_as
 from jax_cute.primitives.matmul import bind_gemm, check_operand_dtypes, operand_dtype_error
 from jax_cute.primitives.sharding import constrain
 
@@ -102,16 +103,17 @@ def chained_dot_general(lhs, rhs, dimension_numbers: DimensionNumbers, precision
     batch = (norm(lb, lhs.ndim), norm(rb, rhs.ndim))
     layouts, shape = contraction_layouts(lhs.shape, rhs.shape, contracting, batch)
     assert shape == out.shape, (shape, out.shape)
-    return bind_gemm("dot_general", lhs, rhs, layouts, out.dtype, precision, bias=bias, activation=activation,
-                     preact=preact, act_operand=act_operand)
+    res = bind_gemm("dot_general", lhs, rhs, layouts, out.dtype, precision, bias=bias, activation=activation,
+                    preact=preact, act_operand=act_operand)
+    return res if preact else weak_as(res, out, bias)
 
 
 def _lax_result(lhs, rhs, dimension_numbers, precision, preferred_element_type):
-    """lax.dot_general's result (shape and dtype), with its own trace-time errors for bad
-    dimension numbers, dtypes and precisions."""
+    """lax.dot_general's result (shape, dtype and weak type), with its own trace-time errors for
+    bad dimension numbers, dtypes and precisions."""
     return jax.eval_shape(lambda x, y: jax.lax.dot_general(x, y, dimension_numbers, precision=precision,
                                                            preferred_element_type=preferred_element_type),
-                          jax.ShapeDtypeStruct(lhs.shape, lhs.dtype), jax.ShapeDtypeStruct(rhs.shape, rhs.dtype))
+                          struct(lhs), struct(rhs))
 
 
 def einsum(subscripts: str, *operands, precision=None, preferred_element_type=None, optimize="auto",
@@ -141,7 +143,7 @@ def einsum(subscripts: str, *operands, precision=None, preferred_element_type=No
     plain = functools.partial(jnp.einsum, subscripts, precision=precision,
                               preferred_element_type=preferred_element_type, optimize=optimize)
     # jnp.einsum's own checks (subscripts, extents, dtypes, precision) and result
-    out = jax.eval_shape(plain, *(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in arrays))
+    out = jax.eval_shape(plain, *(struct(x) for x in arrays))
     how = "optimal" if optimize is True else _Unoptimized() if optimize is False else optimize
     _, path = opt_einsum.contract_path(subscripts, *arrays, einsum_call=True, use_blas=True, optimize=how)
     pet = np.dtype(out.dtype)
@@ -166,7 +168,7 @@ def einsum(subscripts: str, *operands, precision=None, preferred_element_type=No
                                 bias=bias if last else None, activation=activation if last else None))
     res = arrays[0]
     assert is_gated(activation) or res.shape == out.shape, (res.shape, out.shape)   # a gated one halves N
-    return constrain(res if res.dtype == pet else res.astype(pet), out_sharding)
+    return constrain(weak_as(res if res.dtype == pet else res.astype(pet), out, bias), out_sharding)
 
 
 class _Unoptimized(opt_einsum.paths.PathOptimizer):

@@ -25,7 +25,7 @@ from jax.interpreters import ad, mlir
 from jax_cute.dispatch import GemmRequest
 from jax_cute import layout as L
 from jax_cute.primitives import collective, sharding
-from jax_cute.primitives.dot_dtypes import cotangent_dtype
+from jax_cute.primitives.dot_dtypes import converted, cotangent_dtype, cotangent_result
 from jax_cute.primitives.rules import batch_rule, gemm_primitive, kernel_local
 from jax_cute.problem.gemm_layouts import (GemmLayouts, cotangent_a, cotangent_a_partials, cotangent_b,
                                            cotangent_b_partials)
@@ -107,9 +107,9 @@ def _cotangent_rule(which: str):
             return ad.Zero(undefined.aval)
         shape, dtype = undefined.aval.shape, np.dtype(undefined.aval.dtype)
         gdt = gradient_dtype(dtype)
-        ct = cotangent_dtype(ct, gdt)
+        ct_dtype, ct = ct.dtype, cotangent_dtype(ct, gdt)
         if gdt != dtype:
-            other = other.astype(gdt)  # both operands share the fp8 dtype; bf16 holds it exactly
+            other = converted(other, gdt)  # both operands share the fp8 dtype; bf16 holds it exactly
         folded = layouts_for(layouts, shape)
         dts = [gdt.name, np.dtype(other.dtype).name, gdt.name]
         if gdt.itemsize == 2 and _kernel_needs_copies(folded, dts):
@@ -118,9 +118,10 @@ def _cotangent_rule(which: str):
                 g, lead = partial
                 out = matmul_p.bind(ct, other, layouts=g, out_dtype="float32", acc_dtype=acc_dtype,
                                     precision=precision)
-                return jnp.sum(out, axis=tuple(range(lead))).astype(dtype)
+                return cotangent_result(jnp.sum(out, axis=tuple(range(lead))), undefined.aval, ct_dtype)
         out = matmul_p.bind(ct, other, layouts=folded, out_dtype=gdt.name, acc_dtype=acc_dtype, precision=precision)
-        return out.astype(dtype)  # a no-op unless the gradient GEMM ran in bf16 for fp8
+        # a conversion only where the gradient GEMM ran in bf16 for fp8
+        return cotangent_result(out, undefined.aval, ct_dtype)
 
     return rule
 

@@ -27,7 +27,7 @@ from jax.interpreters import ad, mlir
 
 from jax_cute.dispatch import GemmRequest
 from jax_cute.primitives import sharding
-from jax_cute.primitives.dot_dtypes import cotangent_dtype
+from jax_cute.primitives.dot_dtypes import cotangent_dtype, cotangent_result
 from jax_cute.primitives.ragged_reference import reference
 from jax_cute.primitives.rules import batch_rule, gemm_primitive, kernel_local
 from jax_cute.problem.ragged_layouts import RAGGED_K, RAGGED_M, RaggedLayouts, cotangent
@@ -69,7 +69,7 @@ def _transpose(ct, a, b, gs, *, layouts: RaggedLayouts, out_dtype, acc_dtype, pr
     aval = (a if wrt == "a" else b).aval
     if type(ct) is ad.Zero:
         return [ad.Zero(aval), None, None] if wrt == "a" else [None, ad.Zero(aval), None]
-    ct = cotangent_dtype(ct, aval.dtype)
+    ct_dtype, ct = ct.dtype, cotangent_dtype(ct, aval.dtype)
     cot = cotangent(layouts, wrt, aval.shape)
     bufs = {"a": a, "b": b, "c": ct}
     # Broadcast batches summed afterwards are accumulated in acc_dtype and rounded once.
@@ -78,7 +78,8 @@ def _transpose(ct, a, b, gs, *, layouts: RaggedLayouts, out_dtype, acc_dtype, pr
                                             layouts=cot.layouts, out_dtype=dt, acc_dtype=acc_dtype,
                                             precision=precision)
     if cot.extra:
-        res = jnp.sum(res, axis=tuple(range(cot.extra))).astype(aval.dtype)
+        res = jnp.sum(res, axis=tuple(range(cot.extra)))
+    res = cotangent_result(res, aval, ct_dtype)
     return [res, None, None] if wrt == "a" else [None, res, None]
 
 

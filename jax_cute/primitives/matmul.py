@@ -15,7 +15,8 @@ from jax_cute import dispatch
 from jax_cute.fp8 import ops as fp8_ops
 from jax_cute.kernels.gemm_spec import dtype_refusal
 from jax_cute.primitives import fused, sharding
-from jax_cute.primitives.dot_dtypes import acc_dtype, hashable_precision, inputs_name, operand_dtypes
+from jax_cute.primitives.dot_dtypes import (acc_dtype, hashable_precision, inputs_name, operand_dtypes,
+                                            converted, struct, weak_as)
 from jax_cute.primitives.gemm import matmul_p
 from jax_cute.problem.gemm_layouts import GemmLayouts, matmul_layouts
 
@@ -46,7 +47,7 @@ def bind_gemm(op: str, a, b, layouts: GemmLayouts, out_dtype, precision, *,
     precision = hashable_precision(precision)
     out = np.dtype(out_dtype)
     da, db = operand_dtypes(a.dtype, b.dtype, out)
-    a, b = a.astype(da), b.astype(db)
+    a, b = converted(a, da), converted(b, db)
     acc = acc_dtype(da, db, out)
     shape = tuple(layouts.c_shape) if out_shape is None else tuple(out_shape)
     dispatch.at_trace(op, dtype_refusal(False, inputs_name(da, db), out.name))
@@ -102,9 +103,9 @@ def matmul(a, b, *, transpose_a: bool = False, transpose_b: bool = False, precis
     # jnp.matmul's own shape and dtype rules: its errors, its precision checks, its result type
     swap = lambda x, t: jnp.swapaxes(x, -1, -2) if t else x  # noqa: E731
     out = jax.eval_shape(lambda x, y: jnp.matmul(swap(x, transpose_a), swap(y, transpose_b), precision=precision,
-                                                 preferred_element_type=preferred_element_type),
-                         jax.ShapeDtypeStruct(a.shape, a.dtype), jax.ShapeDtypeStruct(b.shape, b.dtype))
+                                                 preferred_element_type=preferred_element_type), struct(a), struct(b))
     layouts, out_shape = matmul_layouts(a.shape, b.shape, transpose_a, transpose_b)
     assert tuple(out_shape) == tuple(out.shape), (out_shape, out.shape)
-    return sharding.constrain(bind_gemm("matmul", a, b, layouts, out.dtype, precision, out_shape=out_shape,
-                                        bias=bias, activation=activation), out_sharding)
+    res = bind_gemm("matmul", a, b, layouts, out.dtype, precision, out_shape=out_shape, bias=bias,
+                    activation=activation)
+    return sharding.constrain(weak_as(res, out, bias), out_sharding)

@@ -12,7 +12,8 @@ from jax_cute import dispatch
 from jax_cute.fp8 import ops as fp8_ops
 from jax_cute.kernels.gemm_spec import dtype_refusal
 from jax_cute.primitives import ragged_fused, sharding
-from jax_cute.primitives.dot_dtypes import acc_dtype, hashable_precision, inputs_name, operand_dtypes
+from jax_cute.primitives.dot_dtypes import (acc_dtype, hashable_precision, inputs_name, operand_dtypes,
+                                            converted, struct, weak_as)
 from jax_cute.primitives.grouped import ragged_m_p
 from jax_cute.primitives.matmul import operand_dtype_error
 from jax_cute.primitives.ragged_reference import clipped_sizes, group_ends
@@ -44,8 +45,8 @@ def ragged_dot(lhs, rhs, group_sizes, *, precision=None, preferred_element_type=
     experts, ``offset`` to ``offset + G - 1``, and only their rows are computed: row m of group
     ``offset + j`` is ``lhs[m] @ rhs[j]``, every other row is zero. A concrete offset must lie in
     [0, G_total - G] (ValueError); a traced one is clamped there, as ``lax.dynamic_slice`` clamps.
-    The grouped kernel sees G groups, the first widened to start at row 0; the rows before the
-    offset's first row are computed and then zeroed.
+    The grouped kernel sees the rows before the offset's first as a lead it stores zeros to, with
+    no product: only the local groups' tiles multiply.
 
     ``out_sharding`` constrains the result's sharding, as ``lax.ragged_dot``'s does. Under jit,
     sharded rows (tokens) stay local; sharded groups (experts) are gathered: expert
@@ -78,10 +79,9 @@ def ragged_dot(lhs, rhs, group_sizes, *, precision=None, preferred_element_type=
             raise TypeError(f"jax_cute.ragged_dot: unsupported operand dtype {x.dtype} ({desc})")
     if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
         raise TypeError(f"jax_cute.ragged_dot: group_sizes must be integers (int32 is used); got {desc}")
-    struct = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
     # with group_offset, lax's rules see the local groups' sizes
     local_gs = struct(group_sizes) if group_offset is None or rhs.ndim < 1 else \
-        jax.ShapeDtypeStruct(rhs.shape[:1], group_sizes.dtype)
+        jax.ShapeDtypeStruct(rhs.shape[:1], group_sizes.dtype, weak_type=jax.typeof(group_sizes).weak_type)
     # lax.ragged_dot's own shape and dtype rules first: its errors, precision checks and result
     # type. Off any mesh: it infers no sharding on Explicit axes (ours is sharding.py's rule).
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
@@ -93,27 +93,25 @@ def ragged_dot(lhs, rhs, group_sizes, *, precision=None, preferred_element_type=
     (m, k), (g, _, n) = lhs.shape, rhs.shape
     out_dtype = np.dtype(jax.dtypes.canonicalize_dtype(out.dtype))  # lax.ragged_dot keeps float64 under x32
     da, db = operand_dtypes(lhs.dtype, rhs.dtype, out_dtype)
-    lhs, rhs = lhs.astype(da), rhs.astype(db)
+    lhs, rhs = converted(lhs, da), converted(rhs, db)
     acc = acc_dtype(da, db, out_dtype)
     precision = hashable_precision(precision)
     # A wider size (traced, so unchecked) is capped at M first: it means the same rows, and never
     # wraps to a small or negative int32.
     wide = np.iinfo(group_sizes.dtype).max > _INT32_MAX
     gs32 = (jnp.minimum(group_sizes, m) if wide else group_sizes).astype(jnp.int32)
-    first_row = None
     dispatch.at_trace("ragged_dot", dtype_refusal(True, inputs_name(da, db), out_dtype.name))
-    if group_offset is not None:
-        gs32, first_row = _offset_sizes(gs32, group_offset, g, m)
-    layouts = ragged_dot_layouts(m, k, g, n)
+    lead = group_offset is not None
+    if lead:
+        gs32 = _offset_sizes(gs32, group_offset, g, m)
+    layouts = ragged_dot_layouts(m, k, g, n, lead)
     if bias is not None or activation is not None:
         res = ragged_fused.ragged_epilogue(lhs, rhs, gs32, layouts, bias=bias, activation=activation,
                                            out_dtype=out_dtype, acc_dtype=acc, precision=precision)
     else:
         res = ragged_m_p.bind(lhs, rhs, gs32, layouts=layouts, out_dtype=out_dtype.name, acc_dtype=acc.name,
                               precision=precision)
-    if first_row is not None:
-        res = jnp.where(jnp.arange(m, dtype=jnp.int32)[:, None] < first_row, jnp.zeros((), res.dtype), res)
-    return sharding.constrain(res, out_sharding)
+    return sharding.constrain(weak_as(res, out, bias), out_sharding)
 
 
 def _refuse_concrete_negative(group_sizes) -> None:
@@ -130,9 +128,9 @@ def _refuse_concrete_negative(group_sizes) -> None:
 
 
 def _offset_sizes(sizes, group_offset, g: int, m: int):
-    """The G group sizes the grouped GEMM sees for ``group_offset``, and the first row of group
-    ``offset``: those of groups offset..offset+G-1 (ends clipped at M, negatives as 0, as
-    everywhere), the first widened to start at row 0 (its extra rows are zeroed afterwards)."""
+    """The G + 1 sizes the grouped GEMM sees for ``group_offset``: a lead, the rows of the groups
+    before ``offset`` (zero rows, no work), then the sizes of groups offset..offset+G-1 (ends
+    clipped at M, negatives as 0, as everywhere)."""
     total = sizes.shape[0]
     if total < g:
         raise ValueError(f"jax_cute.ragged_dot: with group_offset, group_sizes needs at least G = {g} entries "
@@ -152,4 +150,4 @@ def _offset_sizes(sizes, group_offset, g: int, m: int):
     ends = group_ends(sizes, m)
     first_row = jnp.where(offset > 0, ends[jnp.maximum(offset - 1, 0)], 0)
     local = jax.lax.dynamic_slice(clipped_sizes(ends), (offset,), (g,))
-    return local.at[0].add(first_row), first_row
+    return jnp.concatenate([first_row[None], local])

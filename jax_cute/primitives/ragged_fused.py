@@ -56,9 +56,12 @@ def _abstract_eval(a, b, gs, *bias, layouts: RaggedLayouts, activation, preact, 
 ragged_fused_p = gemm_primitive("jax_cute_ragged_fused", _abstract_eval, multiple_results=True)
 
 
-def bias_rows(bias, group_sizes, m: int, dtype):
-    """(M, N): row m holds ``bias[g]`` of its group g, zero past the last group (group ends as
-    ragged_dot's: negative sizes count as 0, ends clip at M)."""
+def bias_rows(bias, group_sizes, m: int, dtype, lead: bool = False):
+    """(M, N): row m holds ``bias[g]`` of its group g, zero in a lead (``lead``: the first size
+    is one) and past the last group (group ends as ragged_dot's: negative sizes count as 0,
+    ends clip at M)."""
+    if lead:
+        bias = jnp.concatenate([jnp.zeros((1, bias.shape[1]), bias.dtype), bias])
     ends = group_ends(group_sizes, m)
     row_group = jnp.searchsorted(ends, jnp.arange(m, dtype=jnp.int32), side="right")   # G: no group
     rows = jnp.concatenate([bias.astype(dtype), jnp.zeros((1, bias.shape[1]), dtype)])
@@ -69,9 +72,10 @@ def bias_in_c(bias, group_sizes, layouts: RaggedLayouts, dtype):
     """``bias_rows`` of every batch, shaped like C: ``bias`` (..., G, N) with a leading axis per
     batch axis of C (extent 1: shared), ``group_sizes`` read through its layout."""
     c_shape = tuple(layouts.c_shape)
-    sizes = L.read(group_sizes, layouts.gs)   # (G, L), L in C's batch order
+    sizes = L.read(group_sizes, layouts.gs)   # (G or G + 1, L), L in C's batch order
     per_batch = jnp.broadcast_to(bias, c_shape[:-2] + bias.shape[-2:]).reshape((-1,) + bias.shape[-2:])
-    rows = jax.vmap(lambda b, s: bias_rows(b, s, c_shape[-2], dtype), in_axes=(0, 1))(per_batch, sizes)
+    one = lambda b, s: bias_rows(b, s, c_shape[-2], dtype, layouts.lead)  # noqa: E731
+    rows = jax.vmap(one, in_axes=(0, 1))(per_batch, sizes)
     return rows.reshape(c_shape)
 
 

@@ -24,7 +24,7 @@ def clipped_sizes(ends):
 
 def reference(a, b, gs, *, layouts: RaggedLayouts, out_dtype, acc_dtype, precision=None):
     """The grouped GEMM in plain lax ops (masks, as lax.ragged_dot's own decomposition),
-    reading and writing through the layouts."""
+    reading and writing through the layouts; a lead (``layouts.lead``) is masked out."""
     av, bv, sv = L.read(a, layouts.a), L.read(b, layouts.b), L.read(gs, layouts.gs)
     acc = np.dtype(acc_dtype)
     ends = group_ends(sv, layouts.ragged_extent())  # (G, L)
@@ -32,6 +32,7 @@ def reference(a, b, gs, *, layouts: RaggedLayouts, out_dtype, acc_dtype, precisi
     # mask[g, r, l]: ragged index r (row m, or reduction index k) lies in group g of batch l
     r = jnp.arange(av.shape[0 if layouts.mode == RAGGED_M else 1], dtype=jnp.int32)[None, :, None]
     mask = (starts[:, None, :] <= r) & (r < ends[:, None, :])
+    mask = mask[1:] if layouts.lead else mask
     if layouts.mode == RAGGED_M:
         am = jnp.where(mask[:, :, None, :], av[None], 0)  # (G, M, K, L)
         cv = jax.lax.dot_general(am, bv, (((0, 2), (2, 1)), ((3,), (3,))), precision=precision,

@@ -73,7 +73,13 @@ MODES = {
     RAGGED_K: {"a": "mkl", "b": "nkl", "gs": "gl", "c": "mngl"},
 }
 REDUCTION = "k"
-REPLICATED = "g"  # groups: see the module docstring
+REPLICATED = ("g", "h")  # groups (h: a lead's G + 1 sizes): see the module docstring
+
+
+def _modes(layouts: GemmLayouts | RaggedLayouts) -> dict[str, str]:
+    """MODES of a call; the sizes' group mode of a call with a lead is a mode of its own (h)."""
+    modes = MODES[_kind(layouts)]
+    return {**modes, "gs": "hl"} if getattr(layouts, "lead", False) else modes
 
 
 # -- layouts of local buffers -----------------------------------------------------------------
@@ -197,12 +203,12 @@ def _clean_axis(entries: list[tuple[str, int, int]], extent: int) -> tuple[str, 
 def _refined(layouts: GemmLayouts | RaggedLayouts):
     """Each operand's layout with every logical mode split as in every other operand, the
     factors' extents, and each mode's factors (fastest first); None when no split is common."""
-    modes = MODES[_kind(layouts)]
+    modes = _modes(layouts)
     lays = {n: getattr(layouts, n) for n in modes}
     refined: dict[str, list[Layout]] = {n: list(lays[n].modes()) for n in modes}
     sizes: dict[str, int] = {}
     mode_factors: dict[str, list[str]] = {}
-    for x in "mnklg":
+    for x in "mnklgh":
         holders = [(n, modes[n].index(x)) for n in modes if x in modes[n]]
         if not holders:
             continue
@@ -249,7 +255,7 @@ def _operand(name: str, modes: str, shape: tuple[int, ...], lay: Layout | None, 
 def problem(layouts: GemmLayouts | RaggedLayouts, shapes: Sequence[Sequence[int]]) -> Problem:
     """The factors of a call with ``layouts`` on input buffers of ``shapes`` (call order)."""
     kind = _kind(layouts)
-    modes = MODES[kind]
+    modes = _modes(layouts)
     shapes = [tuple(s) for s in shapes] + [tuple(layouts.c_shape)]
     ref = _refined(layouts)
     refined, sizes, mode_factors = ref if ref is not None else ({}, {}, {})
@@ -381,7 +387,7 @@ def local_layouts(p: Problem, pl: Plan, mesh_shape: Mapping[str, int], layouts):
     c_shape = shapes[-1]
     if isinstance(layouts, GemmLayouts):
         return GemmLayouts(new["a"], new["b"], new["c"], c_shape), shapes
-    return RaggedLayouts(layouts.mode, new["a"], new["b"], new["c"], new["gs"], c_shape), shapes
+    return RaggedLayouts(layouts.mode, new["a"], new["b"], new["c"], new["gs"], c_shape, layouts.lead), shapes
 
 
 # -- sharding in types ---------------------------------------------------------------------------
@@ -411,9 +417,10 @@ def _typed_factors(name: str, p: Problem, avals) -> tuple[dict[str, tuple[str, .
 
 
 def result_aval(name: str, layouts: GemmLayouts | RaggedLayouts, avals, out_dtype) -> jax.core.ShapedArray:
-    """The type of the call's result: its buffer's shape and ``out_dtype``; where mesh axes are
-    Explicit, the sharding of the factors it holds (as lax's sharding rules give theirs); and
-    the union of the operands' varying manual axes (inside shard_map)."""
+    """The type of the call's result: its buffer's shape and ``out_dtype``, weak where every
+    operand is (lax's rule for its products, so gradients are weak as lax's are); where mesh
+    axes are Explicit, the sharding of the factors it holds (as lax's sharding rules give
+    theirs); and the union of the operands' varying manual axes (inside shard_map)."""
     meshes = {a.sharding.mesh for a in avals if not a.sharding.mesh.empty}
     if len(meshes) > 1:
         raise jax_core.ShardingTypeError(f"{name}: operands on different meshes: {meshes}")
@@ -424,7 +431,8 @@ def result_aval(name: str, layouts: GemmLayouts | RaggedLayouts, avals, out_dtyp
         assignment, _ = _typed_factors(name, p, avals)
         spec = Plan(assignment, None, ()).spec(p.operands[-1], result=True)
     varying = frozenset().union(*(a.mat.varying for a in avals))
-    return jax.core.ShapedArray(layouts.c_shape, out_dtype, sharding=NamedSharding(mesh, spec),
+    return jax.core.ShapedArray(layouts.c_shape, out_dtype, weak_type=all(a.weak_type for a in avals),
+                                sharding=NamedSharding(mesh, spec),
                                 manual_axis_type=jax_core.ManualAxisType(varying=varying))
 
 

@@ -9,6 +9,9 @@ Two modes, as in ``kernels/gemm_spec.GroupedSpec`` (whose docstring defines the 
 
 ``gs`` maps (G, L) into the group-sizes buffer. Group offsets are
 ``clip(cumsum(max(sizes, 0)), 0, M or K)`` per batch, so bad sizes never reach out of bounds.
+With ``lead``, ``gs`` maps (G + 1, L): its first size is a lead of the ragged mode that no group
+takes (``ragged_dot``'s ``group_offset``: the rows of the groups before the offset), zero rows of
+C (ragged_m) or tokens no group sums (ragged_k); size g + 1 is group g's.
 Batching adds L sub-modes (stride 0 where an operand is unbatched); autodiff re-targets modes
 (``cotangent``): every gradient is again one of the two modes over the same buffers.
 """
@@ -36,6 +39,7 @@ class RaggedLayouts:
     c: Layout
     gs: Layout
     c_shape: tuple[int, ...]
+    lead: bool = False
 
     def __post_init__(self):
         if self.mode not in L_INDEX:
@@ -47,8 +51,9 @@ class RaggedLayouts:
         e = self.extents()
         ext = lambda name, i: product(self.layout(name).mode(i).shape)  # noqa: E731
         g_b, g_c = (2, None) if self.mode == RAGGED_M else (None, 2)
-        want = [("a", 0, "m"), ("a", 1, "k"), ("b", 0, "n"), ("b", 1, "k"), ("c", 0, "m"), ("c", 1, "n"),
-                ("gs", 0, "g")] + [(n, self.l_index(n), "l") for n in NAMES]
+        # G is gs's extent less a lead: b's or c's groups must agree with it
+        want = [("a", 0, "m"), ("a", 1, "k"), ("b", 0, "n"), ("b", 1, "k"), ("c", 0, "m"), ("c", 1, "n")] \
+            + [(n, self.l_index(n), "l") for n in NAMES]
         want += [("b", g_b, "g")] if g_b is not None else [("c", g_c, "g")]
         if any(ext(n, i) != e[x] for n, i, x in want):
             raise ValueError(f"{self.mode} layouts disagree on extents: a={self.a} b={self.b} c={self.c} gs={self.gs}")
@@ -61,7 +66,7 @@ class RaggedLayouts:
 
     def extents(self) -> dict[str, int]:
         return {"m": product(self.a.mode(0).shape), "n": product(self.b.mode(0).shape),
-                "k": product(self.a.mode(1).shape), "g": product(self.gs.mode(0).shape),
+                "k": product(self.a.mode(1).shape), "g": product(self.gs.mode(0).shape) - self.lead,
                 "l": product(self.a.mode(2).shape)}
 
     def ragged_extent(self) -> int:
@@ -69,20 +74,21 @@ class RaggedLayouts:
         return self.extents()["m" if self.mode == RAGGED_M else "k"]
 
 
-def ragged_dot_layouts(m: int, k: int, g: int, n: int) -> RaggedLayouts:
-    """``lax.ragged_dot`` on row-major buffers lhs (M,K), rhs (G,K,N), group_sizes (G,): ragged_m."""
+def ragged_dot_layouts(m: int, k: int, g: int, n: int, lead: bool = False) -> RaggedLayouts:
+    """``lax.ragged_dot`` on row-major buffers lhs (M,K), rhs (G,K,N), group_sizes (G,) (with
+    ``lead``: (G + 1,), the lead first): ragged_m."""
     one = Layout((1,), (0,))
     mode = lambda e, d: Layout((e,), (stride_of(e, d),))  # noqa: E731
     return RaggedLayouts(RAGGED_M, make_layout(mode(m, k), mode(k, 1), one),
                          make_layout(mode(n, 1), mode(k, n), mode(g, k * n), one),
-                         make_layout(mode(m, n), mode(n, 1), one), make_layout(mode(g, 1), one), (m, n))
+                         make_layout(mode(m, n), mode(n, 1), one), make_layout(mode(g + lead, 1), one), (m, n), lead)
 
 
 def batched(r: RaggedLayouts, shapes: Sequence[Sequence[int]], axes: Sequence[int | None], size: int) -> RaggedLayouts:
     """Layouts of the primitive vmapped over (a, b, gs) at ``axes``; the output's batch axis is 0."""
     new = {n: batched_layout(r.layout(n), s, ax, size, r.l_index(n)) for n, s, ax in zip(("a", "b", "gs"), shapes, axes)}
     new["c"] = r.c.append_to_mode(r.l_index("c"), size, product(r.c_shape))
-    return RaggedLayouts(r.mode, new["a"], new["b"], new["c"], new["gs"], (size,) + tuple(r.c_shape))
+    return RaggedLayouts(r.mode, new["a"], new["b"], new["c"], new["gs"], (size,) + tuple(r.c_shape), r.lead)
 
 
 # -- autodiff ---------------------------------------------------------------------------------
@@ -143,7 +149,7 @@ def cotangent(r: RaggedLayouts, wrt: str, shape: Sequence[int]) -> Cotangent:
     new_c = make_layout(*(out.mode(i) for i in mo), out_l)
     gs = make_layout(r.gs.mode(0), new_l("gs"))
     c_shape = tuple(lo[i][0] for i in reversed(extra)) + tuple(shape)
-    new = RaggedLayouts(new_mode, operand(sa, ma), operand(sb, mb), new_c, gs, c_shape)
+    new = RaggedLayouts(new_mode, operand(sa, ma), operand(sb, mb), new_c, gs, c_shape, r.lead)
     return Cotangent(new, (sa, sb), len(extra))
 
 
@@ -159,7 +165,7 @@ class FlatGrouped:
     a: FlatOperand
     b: FlatOperand  # ragged_m: shape/stride (N, K, G, L) in ``b4``
     c: FlatOperand
-    gs: tuple[tuple[int, int], tuple[int, int]]  # (shape, stride) of (G, L)
+    gs: tuple[tuple[int, int], tuple[int, int]]  # (shape, stride) of (G, L), or (G + 1, L) with a lead
     b4: tuple[tuple[int, ...], tuple[int, ...]] | None = None
     c4: tuple[tuple[int, ...], tuple[int, ...]] | None = None
 
@@ -204,7 +210,8 @@ def flatten_grouped(r: RaggedLayouts, dtypes: Sequence[str]) -> FlatGrouped | st
     g_mode = single_mode(r.gs.mode(0))
     if g_mode is None or (g_mode[0] > 1 and g_mode[1] != 1):
         return f"group sizes are not contiguous along G ({r.gs})"
-    gs = ((e["g"], l_ext if lgs else 1), (1, lgs if lgs else e["g"]))
+    sizes = e["g"] + r.lead
+    gs = ((sizes, l_ext if lgs else 1), (1, lgs if lgs else sizes))
     ragged_m = r.mode == RAGGED_M
     a = flat_operand("a", r.a.mode(0), r.a.mode(1), l_ext, la, a_dt, ("m", "k"))
     if isinstance(a, str):
