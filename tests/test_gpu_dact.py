@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import jax_cute
+from jax_cute.activations import REGISTRY
 # (the autouse fixtures too: a compute capability 9.0 GPU, strict mode, NaN-filled outputs)
 from test_gpu_fused import _act64, _compiled, _hopper, _no_xla_epilogue, _rand, _strict_and_nan_filled, assert_close  # noqa: F401
 
@@ -28,8 +29,7 @@ SIZES = [(1000, 136, 392), (257, 100, 520), (1, 64, 136)]
 
 
 def _model(act):
-    fn = {"relu": jax.nn.relu, "gelu": jax.nn.gelu, "silu": jax.nn.silu,
-          "gelu_exact": lambda h: jax.nn.gelu(h, approximate=False)}[act]
+    fn = REGISTRY[act].function   # as a model writes it (jax.nn's functions; relu2 squares relu)
 
     def mlp(x, w1, b1, w2):
         h = jnp.matmul(x, w1, preferred_element_type=jnp.float32) + b1
