@@ -9,6 +9,7 @@ from __future__ import annotations
 from jax_cute.kernels import abi, dsl
 from jax_cute.kernels.dsl import cute, cutlass, pipeline, tcgen05, cpasync
 from jax_cute.kernels.bundle import Bundle
+from jax_cute.kernels.epilogue import ActivationEpilogue, ColumnBiasEpilogue
 from jax_cute.kernels.launch import launcher_for
 from jax_cute.kernels.sm100_config import NUM_SMS, TMEM_COLS, THREADS, Config, ab_stages
 
@@ -31,22 +32,25 @@ class Sm100Cta(Bundle):
         "tiled_mma", "tma_a", "mA", "tma_b", "mB", "tma_c", "mC_tma", "mC", "gs", "cluster_vmnk", "epi_tile",
         "warp", "tidx", "bidz", "grid_z", "is_leader", "crd", "v_idx", "ab_pipe", "acc_pipe", "tmem", "epi_bar",
         "sA", "sB", "sC", "a_mask", "b_mask", "thr_mma", "acc_layout", "tCrA", "tCrB", "a_cta_layout",
-        "b_cta_layout", "mM", "nN", "kK", "n_work",
+        "b_cta_layout", "mM", "nN", "kK", "n_work", "bias",
     )
 
 
 class EpilogueRegs(Bundle):
     """One epilogue warp's TMEM -> register -> smem copies and store path, the same for every
-    tile."""
+    tile, and what a fused epilogue reads: the tile coordinates of each subtile's fragment
+    elements (T2R, M, N, SUB), the bias and C's column count."""
 
     __slots__ = ("t2r", "tTR_tAcc", "tTR_rAcc", "thr_t2r", "tTR_rC", "r2s", "tRS_rC", "tRS_sC", "n_sub", "epi_tile",
-                 "sC", "tma_c", "mC_tma", "mC", "c_pipe", "epi_bar", "tidx")
+                 "sC", "tma_c", "mC_tma", "mC", "c_pipe", "epi_bar", "tidx", "coords", "bias", "nN")
 
 
-class Sm100Gemm:
+class Sm100Gemm(ActivationEpilogue, ColumnBiasEpilogue):
     """The persistent tcgen05 Blackwell GEMM of one mode and config (see sm100_gemm's notes):
     ``host`` builds the TMA atoms and launches ``kernel``, whose TMA, MMA and epilogue warps
-    each take their tiles from ``tile`` (dense, ragged_m or ragged_k)."""
+    each take their tiles from ``tile`` (dense, ragged_m or ragged_k). A fused epilogue (a bias
+    per column, then the activation ``act``) runs on each subtile's float32 accumulators after
+    their TMEM load (``fuse``)."""
 
     EPI_WARPS = 4
     MMA_WARP = 4
@@ -54,8 +58,10 @@ class Sm100Gemm:
     BAR_EPI = 1      # named barrier ids; 0 is __syncthreads
     BAR_TMEM = 2
 
-    def __init__(self, mode: str, cfg: Config, batch_modes: int = 1):
+    def __init__(self, mode: str, cfg: Config, batch_modes: int = 1, bias: bool = False, act: str = ""):
         self.mode = mode
+        self.fuse_bias = bias
+        self.act = act
         self.nb = batch_modes
         self.cfg = cfg
         self.v = 2 if cfg.two_cta else 1
@@ -64,13 +70,22 @@ class Sm100Gemm:
         self.acc_stages = 2
         self.c_stages = 2
 
-    def launch(self, a, b, c, stream, group_sizes=None) -> None:
+    @property
+    def c_t(self):
+        """C's DSL element type (what ActivationEpilogue rounds to)."""
+        return self.c_dtype
+
+    @property
+    def fused(self) -> bool:
+        return self.fuse_bias or bool(self.act)
+
+    def launch(self, a, b, c, stream, group_sizes=None, bias=None) -> None:
         """The launcher's body (kernels/launch.py), its arguments named as the ABI signature
-        names them (GemmSpec.signature, GroupedSpec.signature)."""
-        self.host(a, b, c, group_sizes, stream)
+        names them (sm100_gemm.signature, GroupedSpec.signature)."""
+        self.host(a, b, c, group_sizes, stream, bias)
 
     # ---- host side: traced once per compile --------------------------------------------
-    def host(self, a, b, c, gs, stream):
+    def host(self, a, b, c, gs, stream, bias=None):
         cfg = self.cfg
         if const_expr(self.nb > 1):
             # (rows, cols, L0, L1, L2) -> (rows, cols, (L0, L1, L2)): tiles and TMA views see
@@ -122,7 +137,7 @@ class Sm100Gemm:
         # never launch an empty grid (M, N or L may be 0): idle clusters just exit
         grid_z = cutlass.max(cutlass.min(n_work, Int32(max_clusters)), Int32(1))
         self.kernel((tiled_mma, cluster_vmnk), tma_a, tA, tma_b, tB, tma_c, tC, c, gs,
-                    (a_smem, b_smem, c_smem), epi_tile).launch(
+                    (a_smem, b_smem, c_smem), epi_tile, bias).launch(
             grid=(cfg.cluster_m, cfg.cluster_n, grid_z), block=[THREADS, 1, 1],
             cluster=(cfg.cluster_m, cfg.cluster_n, 1), stream=stream)
 
@@ -224,10 +239,12 @@ class Sm100Gemm:
     # ---- the kernel -----------------------------------------------------------------------
     @cute.kernel
     def kernel(self, mma, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
-               tma_c: cute.CopyAtom, mC_tma: cute.Tensor, mC: cute.Tensor, gs, smem_layouts, epi_tile: cute.Tile):
+               tma_c: cute.CopyAtom, mC_tma: cute.Tensor, mC: cute.Tensor, gs, smem_layouts, epi_tile: cute.Tile,
+               bias=None):
         """One persistent CTA: barriers, smem and TMEM, then the TMA warp, the MMA warp and the
         epilogue warps each run their role. ``mma``: (the tiled MMA, the cluster's (v, m, n, k)
-        layout); ``smem_layouts``: A's, B's and C's staged smem layouts."""
+        layout); ``smem_layouts``: A's, B's and C's staged smem layouts; ``bias``: the fused
+        epilogue's float32 (N,) bias, or None."""
         tiled_mma, cluster_vmnk = mma
         a_smem, b_smem, c_smem = smem_layouts
         cfg = self.cfg
@@ -306,7 +323,8 @@ class Sm100Gemm:
         pipeline.pipeline_init_wait(cluster_shape_mn=cluster_vmnk)
         cta = Sm100Cta(tiled_mma, tma_a, mA, tma_b, mB, tma_c, mC_tma, mC, gs, cluster_vmnk, epi_tile, warp, tidx,
                        bidz, grid_z, is_leader, crd, v_idx, ab_pipe, acc_pipe, tmem, epi_bar, sA, sB, sC, a_mask,
-                       b_mask, thr_mma, acc_layout, tCrA, tCrB, a_cta_layout, b_cta_layout, mM, nN, kK, n_work)
+                       b_mask, thr_mma, acc_layout, tCrA, tCrB, a_cta_layout, b_cta_layout, mM, nN, kK, n_work,
+                       bias=bias)
 
         if warp == self.TMA_WARP:
             self.tma_warp(cta)
@@ -433,9 +451,11 @@ class Sm100Gemm:
         tRS_sC = thr_r2s.partition_D(sC)
         tRS_rC = r2s.retile(tTR_rC)
         n_sub = cute.size(tTR_tAcc, mode=[3])
+        # each fragment element's (row, column) in the CTA tile, subtiles grouped like tTR_tAcc's
+        coords = cute.group_modes(frag, 3, 5) if const_expr(self.fuse_bias) else None
 
         ep = EpilogueRegs(t2r, tTR_tAcc, tTR_rAcc, thr_t2r, tTR_rC, r2s, tRS_rC, tRS_sC, n_sub, epi_tile, sC, tma_c,
-                          mC_tma, mC, c_pipe, epi_bar, tidx)
+                          mC_tma, mC, c_pipe, epi_bar, tidx, coords, cta.bias, nN)
         stored = Int32(0)   # subtiles stored so far: picks the smem staging buffer
         w = bidz
         while w < n_work:
@@ -475,6 +495,13 @@ class Sm100Gemm:
         else:
             tTR_rAcc.fill(0.0)
 
+    def fuse(self, ep: EpilogueRegs, s: int, col) -> None:
+        """The fused epilogue of subtile ``s``'s float32 accumulators (``ep.tTR_rAcc``, of the CTA
+        tile at column ``col``), in place: the bias, then the activation."""
+        if self.fuse_bias:
+            self.add_column_bias(ep.tTR_rAcc, ep.coords[(None, None, None, s)], ep.bias, col, ep.nN)
+        self.activate(ep.tTR_rAcc)
+
     @cute.jit
     def store_tma(self, ep: EpilogueRegs, acc_idx, do_mma, cta_row, col, l, g, stored):
         """Registers -> smem (c_stages ring) -> TMA store; returns the subtile count."""
@@ -492,6 +519,8 @@ class Sm100Gemm:
         bSG_gC = cute.group_modes(bSG_gC, 1, cute.rank(bSG_gC))
         for s in cutlass.range_constexpr(n_sub):
             self.load_acc(t2r, tTR_tAcc, tTR_rAcc, s, acc_idx, do_mma)
+            if const_expr(self.fused):
+                self.fuse(ep, s, col)
             tRS_rC.store(r2s.retile(tTR_rAcc).load().to(self.c_dtype))
             buf = stored % self.c_stages
             cute.copy(r2s, tRS_rC, tRS_sC[(None, None, None, buf)])
@@ -547,6 +576,8 @@ class Sm100Gemm:
             cute.arch.sync_warp()
 
 
-def make_launcher(mode: str, config: Config, batch_modes: int, signature: abi.Signature):
-    """The @cute.jit launcher of ``signature`` for ``mode`` ("dense", "ragged_m", "ragged_k")."""
-    return launcher_for(signature, Sm100Gemm(mode, config, batch_modes).launch)
+def make_launcher(mode: str, config: Config, batch_modes: int, signature: abi.Signature, bias: bool = False,
+                  activation: str = ""):
+    """The @cute.jit launcher of ``signature`` for ``mode`` ("dense", "ragged_m", "ragged_k"),
+    with a fused ``bias`` and ``activation`` (dense)."""
+    return launcher_for(signature, Sm100Gemm(mode, config, batch_modes, bias, activation).launch)
