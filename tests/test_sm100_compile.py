@@ -1,16 +1,24 @@
 """Compile-only checks of the Blackwell (sm_100a) families on a CPU machine.
 
 Every config ``candidate_configs`` can return is compiled for sm_100a and its PTX is read for
-the instructions the design depends on. Nothing here runs a kernel: these kernels have never
-run on hardware (see docs/blackwell.md).
+the instructions the design depends on, fused epilogues included (the bias load, the
+activation's instructions, the output conversion), and a fused product lowered for sm_100a is
+one kernel call. Nothing here runs a kernel: these kernels have never run on hardware (see
+docs/blackwell.md).
 """
 
+import re
+
+import jax
+import jax.numpy as jnp
 import pytest
 import shared_result  # tests/ is on sys.path under pytest
 
 pytest.importorskip("cutlass")
 
-from jax_cute.kernels import sm100_gemm, sm100_grouped  # noqa: E402
+import jax_cute  # noqa: E402
+from jax_cute import config  # noqa: E402
+from jax_cute.kernels import cubin_info, epilogue, sm100_gemm, sm100_grouped  # noqa: E402
 from jax_cute.kernels.gemm_spec import GemmSpec, GroupedSpec  # noqa: E402
 
 COMMON = ("tcgen05.mma", "tcgen05.alloc", "tcgen05.dealloc", "tcgen05.ld", "tcgen05.commit",
@@ -21,11 +29,14 @@ def _ptx(binary) -> str:
     return binary.ptx or ""
 
 
-def _compile(family, spec, cfg):
-    name = f"{family.FAMILY}_{spec.key()}_{cfg.key()}"
-    binary = shared_result.compiled(family, spec, cfg, name)
+def _binary(family, spec, cfg):
+    binary = shared_result.compiled(family, spec, cfg, f"{family.FAMILY}_{spec.key()}_{cfg.key()}")
     assert binary.obj[:4] == b"\x7fELF"
-    return _ptx(binary)
+    return binary
+
+
+def _compile(family, spec, cfg):
+    return _ptx(_binary(family, spec, cfg))
 
 
 def _check_ptx(ptx: str, cfg):
@@ -101,6 +112,84 @@ def test_grouped_compiles(mode, i):
     _check_ptx(ptx, cfg)
     if mode == "ragged_m":
         assert "st.global" in ptx   # row-predicated store of tiles that cross a group's end
+
+
+# --- fused epilogues ------------------------------------------------------------------------------
+
+BF, F16, F32 = "bfloat16", "float16", "float32"
+# (spec, candidate index): every activation, with and without the bias, each output dtype, an
+# M-major C and three batch modes, spread over the configs (2-CTA ones included)
+FUSED_CASES = [
+    (GemmSpec(BF, BF, BF, bias=True), 0),
+    (GemmSpec(F16, F16, F16, "m", "n", "m", bias=True, activation="relu"), 1),
+    (GemmSpec(BF, BF, BF, bias=True, activation="gelu"), 2),
+    (GemmSpec(BF, BF, F32, bias=True, activation="gelu_exact"), 3),
+    (GemmSpec(BF, BF, BF, "k", "n", "n", bias=True, activation="silu"), 4),
+    (GemmSpec(BF, BF, BF, "k", "k", "m", activation="relu2"), 5),
+    (GemmSpec(F16, F16, F32, activation="silu"), 0),
+    (GemmSpec(BF, BF, BF, bias=True, activation="gelu", batch_modes=3), 1),
+]
+# what each piece of the epilogue leaves in the PTX (none of it is in a plain kernel's)
+BIAS_LOAD = "ld.global.b32"
+FAST_TANH = "tanh.approx.f32"   # gelu, and silu's tanh form, for 16-bit outputs
+EX2 = "ex2.approx"              # the accurate forms (float32 outputs): exp through MUFU ex2
+RELU = re.compile(r"setp\.\w+\.f32\s+%p\d+, %r\d+, 0f00000000")   # the compare with zero
+CONVERT = {BF: "cvt.rn.bf16x2.f32", F16: "cvt.rn.f16x2.f32"}
+
+
+def _needles(spec: GemmSpec) -> list:
+    fast = spec.c_dtype != F32
+    act = {"relu": [RELU], "relu2": [RELU], "gelu": [FAST_TANH if fast else EX2],
+           "gelu_exact": [EX2] if not fast else [], "silu": [FAST_TANH if fast else EX2], "": []}
+    return [BIAS_LOAD] * spec.bias + act[spec.activation]
+
+
+def _holds(ptx: str, needle) -> bool:
+    return bool(needle.search(ptx)) if isinstance(needle, re.Pattern) else needle in ptx
+
+
+@pytest.mark.parametrize("spec,i", FUSED_CASES, ids=[f"{s.key()}-{i}" for s, i in FUSED_CASES])
+def test_fused_epilogue_compiles(spec, i):
+    assert sm100_gemm.unsupported(spec) is None
+    cfg = sm100_gemm.candidate_configs(spec)[i]
+    binary = _binary(sm100_gemm, spec, cfg)
+    ptx = _ptx(binary)
+    _check_ptx(ptx, cfg)
+    plain = _compile(sm100_gemm, DENSE_SPECS[0], _DENSE_CFGS[0])
+    for needle in _needles(spec):
+        assert _holds(ptx, needle) and not _holds(plain, needle), needle
+    if spec.c_dtype in CONVERT:   # the one rounding to the output dtype, two values at a time
+        assert CONVERT[spec.c_dtype] in ptx
+    res = cubin_info.resources(binary.obj)
+    assert res["local_bytes"] == 0 and res["frame_bytes"] == 0, res   # no register spills
+
+
+def test_fused_epilogue_contract():
+    assert set(sm100_gemm.EPILOGUES) == {"bias", *epilogue.ACTIVATIONS}
+    spec = GemmSpec(BF, BF, BF, bias=True, activation="gelu")
+    names = [a.name for a in sm100_gemm.signature(spec, _DENSE_CFGS[0]) if hasattr(a, "dtype")]
+    assert names == ["a", "b", "c", "bias"]
+    assert sm100_gemm.candidate_configs(spec) == _DENSE_CFGS
+    refused = {GemmSpec(BF, BF, BF, bias=True, activation="swiglu"): "gated",
+               GemmSpec(BF, BF, BF, activation="gelu", preact=True): "pre-activation",
+               GemmSpec(BF, BF, BF, dact="gelu"): "derivative",
+               GemmSpec(BF, BF, BF, activation="geglu"): "no fused epilogue for activation",
+               GroupedSpec("ragged_m", BF, BF, BF, bias=True): "grouped"}
+    for s, why in refused.items():
+        fam = sm100_grouped if isinstance(s, GroupedSpec) else sm100_gemm
+        assert why in fam.unsupported(s) and fam.candidate_configs(s) == []
+
+
+def test_fused_product_lowers_to_one_kernel_for_sm100():
+    """Strict mode: a fused matmul lowered for sm_100a on a CPU machine is one call of the
+    Blackwell kernel with the epilogue inside (no XLA fallback, no XLA epilogue)."""
+    f = lambda x, w, b: jax_cute.matmul(x, w, bias=b, activation="gelu")  # noqa: E731
+    args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((256, 128), (128, 256), (256,))]
+    with config.override(target_arch="sm_100a", unverified_kernels=True, strict=True):
+        text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("stablehlo.custom_call @jax_cute_launch") == 1 and "arch_major = 10" in text
+    assert "sm100_gemm" in text and ".bias.gelu." in text
+    assert "dot_general" not in text and "tanh" not in text and "erf" not in text
 
 
 # --- host-side contract (no compiling) ------------------------------------------------------------
