@@ -117,8 +117,9 @@ def test_grouped_compiles(mode, i):
 # --- fused epilogues ------------------------------------------------------------------------------
 
 BF, F16, F32 = "bfloat16", "float16", "float32"
-# (spec, candidate index): every activation, with and without the bias, each output dtype, an
-# M-major C and three batch modes, spread over the configs (2-CTA ones included)
+# (spec, candidate index): every activation, with and without the bias, with the pre-activation
+# output and as a derivative, each output dtype, M-major C and three batch modes, spread over
+# the configs (2-CTA ones included)
 FUSED_CASES = [
     (GemmSpec(BF, BF, BF, bias=True), 0),
     (GemmSpec(F16, F16, F16, "m", "n", "m", bias=True, activation="relu"), 1),
@@ -128,20 +129,32 @@ FUSED_CASES = [
     (GemmSpec(BF, BF, BF, "k", "k", "m", activation="relu2"), 5),
     (GemmSpec(F16, F16, F32, activation="silu"), 0),
     (GemmSpec(BF, BF, BF, bias=True, activation="gelu", batch_modes=3), 1),
+    (GemmSpec(BF, BF, BF, bias=True, activation="gelu", preact=True), 2),
+    (GemmSpec(F16, F16, F32, "m", "n", "m", activation="relu", preact=True), 3),
+    (GemmSpec(BF, BF, BF, bias=True, activation="silu", preact=True, batch_modes=3), 0),
+    (GemmSpec(BF, BF, BF, dact="gelu"), 4),
+    (GemmSpec(F16, F16, F32, "m", "n", "m", dact="silu"), 5),
+    (GemmSpec(BF, BF, BF, "k", "n", "n", dact="relu2"), 1),
+    (GemmSpec(F16, F16, F16, dact="gelu_exact"), 0),
 ]
 # what each piece of the epilogue leaves in the PTX (none of it is in a plain kernel's)
 BIAS_LOAD = "ld.global.b32"
 FAST_TANH = "tanh.approx.f32"   # gelu, and silu's tanh form, for 16-bit outputs
 EX2 = "ex2.approx"              # the accurate forms (float32 outputs): exp through MUFU ex2
-RELU = re.compile(r"setp\.\w+\.f32\s+%p\d+, %r\d+, 0f00000000")   # the compare with zero
+# relu's compare with zero: on the float32 accumulator, or (a derivative) on Z as read
+RELU = re.compile(r"setp\.\w+\.(f32|bf16|f16)\s")
 CONVERT = {BF: "cvt.rn.bf16x2.f32", F16: "cvt.rn.f16x2.f32"}
+Z_LOAD = {BF: "ld.global.b16", F16: "ld.global.b16", F32: "ld.global.b32"}   # a dact epilogue's reads of Z
 
 
 def _needles(spec: GemmSpec) -> list:
     fast = spec.c_dtype != F32
     act = {"relu": [RELU], "relu2": [RELU], "gelu": [FAST_TANH if fast else EX2],
            "gelu_exact": [EX2] if not fast else [], "silu": [FAST_TANH if fast else EX2], "": []}
-    return [BIAS_LOAD] * spec.bias + act[spec.activation]
+    # the derivatives take exp(-|z|) (gelu, silu) or exp(-z^2/2) (gelu_exact) through ex2
+    derivative = {"relu": [RELU], "relu2": [RELU], "gelu": [EX2], "gelu_exact": [EX2], "silu": [EX2], "": []}
+    return ([BIAS_LOAD] * spec.bias + act[spec.activation] + derivative[spec.dact]
+            + [Z_LOAD[spec.c_dtype]] * bool(spec.dact))
 
 
 def _holds(ptx: str, needle) -> bool:
@@ -160,20 +173,27 @@ def test_fused_epilogue_compiles(spec, i):
         assert _holds(ptx, needle) and not _holds(plain, needle), needle
     if spec.c_dtype in CONVERT:   # the one rounding to the output dtype, two values at a time
         assert CONVERT[spec.c_dtype] in ptx
+    # the pre-activation output D: a fourth TMA descriptor (a, b, c, d), two stores a subtile
+    assert ptx.count("prefetch.tensormap") == (4 if spec.preact else 3) == plain.count("prefetch.tensormap") + spec.preact
     res = cubin_info.resources(binary.obj)
     assert res["local_bytes"] == 0 and res["frame_bytes"] == 0, res   # no register spills
 
 
+def _arg_names(spec) -> list[str]:
+    return [a.name for a in sm100_gemm.signature(spec, _DENSE_CFGS[0]) if hasattr(a, "dtype")]
+
+
 def test_fused_epilogue_contract():
-    assert set(sm100_gemm.EPILOGUES) == {"bias", *epilogue.ACTIVATIONS}
+    assert set(sm100_gemm.EPILOGUES) == {"bias", *epilogue.ACTIVATIONS, "preact", "dact"}
     spec = GemmSpec(BF, BF, BF, bias=True, activation="gelu")
-    names = [a.name for a in sm100_gemm.signature(spec, _DENSE_CFGS[0]) if hasattr(a, "dtype")]
-    assert names == ["a", "b", "c", "bias"]
+    assert _arg_names(spec) == ["a", "b", "c", "bias"]
+    assert _arg_names(GemmSpec(BF, BF, BF, bias=True, activation="gelu", preact=True)) == ["a", "b", "c", "bias", "d"]
+    assert _arg_names(GemmSpec(BF, BF, BF, dact="gelu")) == ["a", "b", "c", "z"]
     assert sm100_gemm.candidate_configs(spec) == _DENSE_CFGS
     refused = {GemmSpec(BF, BF, BF, bias=True, activation="swiglu"): "gated",
-               GemmSpec(BF, BF, BF, activation="gelu", preact=True): "pre-activation",
-               GemmSpec(BF, BF, BF, dact="gelu"): "derivative",
                GemmSpec(BF, BF, BF, activation="geglu"): "no fused epilogue for activation",
+               GemmSpec(BF, BF, BF, dact="swiglu"): "derivative of 'swiglu'",
+               GemmSpec(BF, BF, BF, dact="gelu", batch_modes=3): "one batch mode",
                GroupedSpec("ragged_m", BF, BF, BF, bias=True): "grouped"}
     for s, why in refused.items():
         fam = sm100_grouped if isinstance(s, GroupedSpec) else sm100_gemm
@@ -189,6 +209,24 @@ def test_fused_product_lowers_to_one_kernel_for_sm100():
         text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("stablehlo.custom_call @jax_cute_launch") == 1 and "arch_major = 10" in text
     assert "sm100_gemm" in text and ".bias.gelu." in text
+    assert "dot_general" not in text and "tanh" not in text and "erf" not in text
+
+
+def test_mlp_gradient_lowers_to_kernels_for_sm100():
+    """The gradient of a kernelized two-layer MLP lowered for sm_100a: the forward GEMM stores the
+    pre-activation too, the backward GEMM of the activated operand scales by the derivative in
+    its epilogue, and nothing of the product or the activation is left to XLA."""
+    def mlp(x, w1, b1, w2):
+        h = jax.nn.gelu(jnp.matmul(x, w1, preferred_element_type=jnp.float32) + b1).astype(jnp.bfloat16)
+        return jnp.sum(jnp.sin(h @ w2).astype(jnp.float32))
+
+    args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((256, 128), (128, 256), (256,), (256, 128))]
+    grad = jax.jit(jax.grad(jax_cute.kernelize(mlp), argnums=(0, 1, 2, 3)))
+    with config.override(target_arch="sm_100a", unverified_kernels=True, strict=True):
+        text = grad.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    names = re.findall(r'name = "(sm100_gemm[^"]*)"', text)
+    assert len(names) == text.count("stablehlo.custom_call @jax_cute_launch") == 6
+    assert sum(".bias.gelu.preact." in n for n in names) == 1 and sum(".dact-gelu." in n for n in names) == 1
     assert "dot_general" not in text and "tanh" not in text and "erf" not in text
 
 

@@ -15,7 +15,7 @@ activation adds its entries there (and its name to the registry); the kernels lo
 through :func:`activation`, :func:`derivative`, :func:`scaled_by_derivative` and :func:`gated`,
 and a kernel class's epilogue through the :class:`ActivationEpilogue` mixin (and a bias per output
 column through :class:`ColumnBiasEpilogue`, for epilogues that know each fragment element's tile
-coordinates).
+coordinates, and an activation's derivative through :class:`DerivativeEpilogue`).
 
 The DSL is imported when a function runs (while a kernel is traced), never when this module
 is: routing code that only reads ``ACTIVATIONS`` must not need the compiler.
@@ -258,3 +258,19 @@ class ColumnBiasEpilogue:
             cutlass = _cutlass()
             for i in range(_cute().size(frag)):
                 frag[i] = frag[i] + bias[cutlass.min(col0 + coords[i][1], n_cols - 1)]
+
+
+class DerivativeEpilogue:
+    """Mixin of a kernel class whose epilogue scales a float32 register fragment by the derivative
+    of ``self.dact`` (an ACTIVATIONS name) at the pre-activation Z read at the same elements, before
+    the rounding to ``self.c_t`` (a dact epilogue; the Hopper one reads Z in chunks, see
+    sm90_epilogue.DActEpilogue)."""
+
+    dact: str
+    c_t: Any
+
+    def scale_by_derivative(self, frag: Any, z: Any) -> None:
+        """``frag`` times act'(``z``) in place (``z``: a register tensor of Z's values, ordered like
+        ``frag``)."""
+        frag.store(scaled_by_derivative(self.dact, z.load().to(_cutlass().Float32), frag.load(),
+                                        fast=self.c_t.width == 16))

@@ -13,8 +13,12 @@ Fused epilogue (``EPILOGUES``; dense GemmSpec.bias / activation): after a subtil
 each float32 accumulator adds the bias of its output column (float32, read from global memory;
 the column from an identity tensor partitioned like the TMEM load) and the activation
 (kernels/epilogue.py, the same table as the Hopper kernel's) runs on the fragment, before the one
-rounding to C's dtype. Gated activations, the pre-activation output and the derivative epilogue
-are not fused here (``unsupported`` says so, and dispatch keeps those epilogues in XLA).
+rounding to C's dtype. The pre-activation output (GemmSpec.preact) stores each subtile twice
+through the same smem ring: A·B + bias rounded to D's dtype, then its activation to C's. A dact
+epilogue (GemmSpec.dact, one batch mode) reads Z from global memory at the accumulators'
+coordinates (clamped at C's edge: those elements are never stored) and scales the product by the
+activation's derivative there. Gated activations and grouped epilogues are not fused here
+(``unsupported`` says so, and dispatch keeps those epilogues in XLA).
 
 The kernel class (sm100_kernel, imported only when a launcher is built) also serves the grouped
 family (``sm100_grouped``): the three problem kinds differ only in how a linear tile index maps
@@ -33,8 +37,10 @@ from jax_cute.kernels.sm100_config import NUM_SMS, Config
 FAMILY = "sm100_gemm"
 ARCH = "sm_100a"
 BATCH_MODES = (1, 3)    # dense GemmSpec.batch_modes taken (grouped specs: one)
-# fused epilogues of dense specs: C = act(A·B + bias[n]) in float32 before the one rounding
-EPILOGUES = ("bias", *fused_epilogue.ACTIVATIONS)
+# fused epilogues of dense specs: C = act(A·B + bias[n]) in float32 before the one rounding;
+# "preact": GemmSpec.preact, the pre-activation output too; "dact": GemmSpec.dact, an
+# activation's derivative at an input z scaling the product
+EPILOGUES = ("bias", *fused_epilogue.ACTIVATIONS, "preact", "dact")
 
 _IN_DTYPES = ("bfloat16", "float16")
 _OUT_DTYPES = ("bfloat16", "float16", "float32")
@@ -60,10 +66,11 @@ def _epilogue_refusal(spec) -> str | None:
         return f"sm100: no gated epilogue ({spec.activation})"
     if spec.activation and spec.activation not in fused_epilogue.ACTIVATIONS:
         return f"sm100: no fused epilogue for activation {spec.activation!r} ({', '.join(fused_epilogue.ACTIVATIONS)})"
-    if spec.preact:
-        return "sm100: no pre-activation output"
-    if spec.dact:
-        return "sm100: no derivative (dact) epilogue"
+    if spec.dact and spec.dact not in fused_epilogue.ACTIVATIONS:
+        return (f"sm100: no fused epilogue for the derivative of {spec.dact!r} "
+                f"({', '.join(fused_epilogue.ACTIVATIONS)})")
+    if spec.dact and spec.batch_modes != 1:
+        return "sm100: an activation's derivative (dact) takes one batch mode"
     return None
 
 
@@ -94,8 +101,11 @@ def heuristic(spec, m, n, k, l, num_sms: int = NUM_SMS) -> Config:
 
 
 def signature(spec, config) -> abi.Signature:
-    """(a, b, c[, bias], stream); bias is float32 (N,)."""
-    return spec.signature((spec.bias_arg(),) if spec.bias else ())
+    """(a, b, c[, bias][, d], stream); bias is float32 (N,), d the pre-activation output (laid out
+    like c). dact: (a, b, c, z, stream), z the pre-activation input (laid out like c)."""
+    if spec.dact:
+        return spec.signature((spec.dact_arg(),))
+    return spec.signature(((spec.bias_arg(),) if spec.bias else ()) + ((spec.preact_arg(),) if spec.preact else ()))
 
 
 def workspace(spec, config, m, n, k, l) -> list[Workspace]:
@@ -118,4 +128,4 @@ def make_launcher(spec, config: Config):
     if grouped:
         return sm100_kernel.make_launcher(spec.mode, config, 1, spec.signature())
     return sm100_kernel.make_launcher("dense", config, spec.batch_modes, signature(spec, config), spec.bias,
-                                      spec.activation)
+                                      spec.activation, spec.preact, spec.dact)
