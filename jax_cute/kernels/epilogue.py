@@ -241,12 +241,11 @@ class ActivationEpilogue:
             frag.store(activation(self.act, frag.load(), fast=self.c_t.width == 16))
 
 
-
 class ColumnBiasEpilogue:
-    """Mixin of a kernel class whose epilogue adds a float32 bias per output column (``self.fuse_bias``)
-    to a register fragment of float32 values whose elements' (row, column) tile coordinates it
-    knows: the Blackwell epilogue's (the Hopper one pairs gated columns and groups' bias rows, see
-    sm90_epilogue.BiasEpilogue)."""
+    """Mixin of a kernel class whose epilogue adds a float32 bias per output column
+    (``self.fuse_bias``) to a register fragment of float32 values, given each element's tile
+    coordinates: the Blackwell epilogue's (the Hopper one pairs gated columns and reads a group's
+    bias row: sm90_epilogue.BiasEpilogue)."""
 
     fuse_bias: bool
 

@@ -75,7 +75,7 @@ class Sm100Gemm(Sm100Epilogue):
         self.host(a, b, c, group_sizes, stream, (bias, d, z))
 
     # ---- host side: traced once per compile --------------------------------------------
-    def host(self, a, b, c, gs, stream, fused=(None, None, None)):
+    def host(self, a, b, c, gs, stream, fused):
         """``fused``: the fused epilogue's float32 (N,) bias, pre-activation output D and
         pre-activation input Z (each laid out like C), each None when unused."""
         cfg = self.cfg
