@@ -1,5 +1,6 @@
-"""The dense fused epilogues every arch's kernel computes (bias, the non-gated activations, the
-pre-activation output under ``grad``, the derivative in a kernelized MLP's backward GEMM), on a
+"""The fused epilogues every arch's kernels compute (bias, the non-gated activations, the
+pre-activation output under ``grad``, the derivative in a kernelized MLP's backward GEMM, a
+ragged_dot's epilogue with its pre-activation), on a
 Hopper GPU or, opted in (``JAX_CUTE_UNVERIFIED_KERNELS=1``), a Blackwell one: the checks of
 tests/test_gpu_fused.py and tests/test_gpu_dact.py that hold for both, so that a B200 run of
 ``pytest -m gpu`` reads the sm_100a epilogues against the same float64 reference. Strict mode
@@ -20,7 +21,9 @@ import pytest
 
 import jax_cute
 from jax_cute import config
-from test_gpu_fused import _act64, _compiled, _no_xla_epilogue, _rand, _strict_and_nan_filled, assert_close, reference  # noqa: F401
+from jax_cute.primitives import ragged_fused
+from test_gpu_fused import (_act64, _compiled, _no_xla_epilogue, _ragged_want, _rand, _strict_and_nan_filled,  # noqa: F401
+                            assert_close, reference)
 from test_gpu_dact import _model
 
 pytestmark = pytest.mark.gpu
@@ -107,3 +110,26 @@ def test_kernelized_mlp_backward_fuses_the_derivative(act):
     for g, w, name in ((dx, dz @ w164.T, "dx"), (dw1, x64.T @ dz, "dw1"), (db1, dz.sum(0), "db1"),
                        (dw2, h.T @ np.asarray(r, np.float64), "dw2")):
         assert_close(g, w, 3e-2, f"{name} {act}")
+
+
+@pytest.mark.parametrize("activation, with_bias", [("gelu", True), ("relu2", False), ("silu", True)])
+def test_ragged_epilogue_with_the_pre_activation(activation, with_bias):
+    """ragged_m: y and z from one launch, an empty group, a group crossing tiles, a one-row group,
+    rows past the last group zero in both."""
+    m, k, n, sizes = 1000, 264, 392, (0, 333, 1, 600)
+    rng = np.random.default_rng(zlib.crc32(repr(("ragged", activation, with_bias)).encode()))
+    x16 = jnp.asarray(_rand(rng, (m, k))).astype(jnp.bfloat16)
+    w16 = jnp.asarray(_rand(rng, (len(sizes), k, n), 1 / math.sqrt(k))).astype(jnp.bfloat16)
+    bias = jnp.asarray(_rand(rng, (len(sizes), n))) if with_bias else None
+    args = (x16, w16, jnp.asarray(sizes, jnp.int32)) + ((bias,) if with_bias else ())
+    f = lambda x, w, gs, *c: jax_cute.ragged_dot(x, w, gs, bias=c[0] if c else None,  # noqa: E731
+                                                 activation=activation)
+    eqn = next(e for e in jax.make_jaxpr(f)(*args).eqns if e.primitive is ragged_fused.ragged_fused_p)
+    g = lambda *xs: ragged_fused.ragged_fused_p.bind(*xs, **dict(eqn.params, preact=True))  # noqa: E731
+    text = _compiled(g, *args)
+    assert text.count('custom_call_target="jax_cute_launch') == 1 and ".preact" in text
+    _no_xla_epilogue(text)
+    y, z = jax.jit(g)(*args)
+    y64, z64, *_ = _ragged_want(_f32(x16), _f32(w16), None if bias is None else np.asarray(bias), sizes, activation)
+    assert_close(y, y64, 1e-2, f"y {activation}")
+    assert_close(z, z64, 1e-2, f"z {activation}")

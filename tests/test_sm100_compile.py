@@ -153,30 +153,55 @@ def _needles(spec: GemmSpec) -> list:
            "gelu_exact": [EX2] if not fast else [], "silu": [FAST_TANH if fast else EX2], "": []}
     # the derivatives take exp(-|z|) (gelu, silu) or exp(-z^2/2) (gelu_exact) through ex2
     derivative = {"relu": [RELU], "relu2": [RELU], "gelu": [EX2], "gelu_exact": [EX2], "silu": [EX2], "": []}
-    return ([BIAS_LOAD] * spec.bias + act[spec.activation] + derivative[spec.dact]
-            + [Z_LOAD[spec.c_dtype]] * bool(spec.dact))
+    dact = getattr(spec, "dact", "")   # (a GroupedSpec has none)
+    return [BIAS_LOAD] * spec.bias + act[spec.activation] + derivative[dact] + [Z_LOAD[spec.c_dtype]] * bool(dact)
 
 
-def _holds(ptx: str, needle) -> bool:
-    return bool(needle.search(ptx)) if isinstance(needle, re.Pattern) else needle in ptx
+def _count(ptx: str, needle) -> int:
+    return len(needle.findall(ptx)) if isinstance(needle, re.Pattern) else ptx.count(needle)
 
 
-@pytest.mark.parametrize("spec,i", FUSED_CASES, ids=[f"{s.key()}-{i}" for s, i in FUSED_CASES])
-def test_fused_epilogue_compiles(spec, i):
-    assert sm100_gemm.unsupported(spec) is None
-    cfg = sm100_gemm.candidate_configs(spec)[i]
-    binary = _binary(sm100_gemm, spec, cfg)
+def _check_fused(family, spec, cfg, plain: str) -> str:
+    """``spec``'s kernel compiled, its PTX holding every piece of its epilogue (more of each than
+    ``plain``, a plain kernel's PTX, has) and its cubin no register spills; returns the PTX."""
+    binary = _binary(family, spec, cfg)
     ptx = _ptx(binary)
     _check_ptx(ptx, cfg)
-    plain = _compile(sm100_gemm, DENSE_SPECS[0], _DENSE_CFGS[0])
     for needle in _needles(spec):
-        assert _holds(ptx, needle) and not _holds(plain, needle), needle
+        assert _count(ptx, needle) > _count(plain, needle), needle
     if spec.c_dtype in CONVERT:   # the one rounding to the output dtype, two values at a time
         assert CONVERT[spec.c_dtype] in ptx
     # the pre-activation output D: a fourth TMA descriptor (a, b, c, d), two stores a subtile
     assert ptx.count("prefetch.tensormap") == (4 if spec.preact else 3) == plain.count("prefetch.tensormap") + spec.preact
     res = cubin_info.resources(binary.obj)
     assert res["local_bytes"] == 0 and res["frame_bytes"] == 0, res   # no register spills
+    return ptx
+
+
+@pytest.mark.parametrize("spec,i", FUSED_CASES, ids=[f"{s.key()}-{i}" for s, i in FUSED_CASES])
+def test_fused_epilogue_compiles(spec, i):
+    assert sm100_gemm.unsupported(spec) is None
+    cfg = sm100_gemm.candidate_configs(spec)[i]
+    _check_fused(sm100_gemm, spec, cfg, _compile(sm100_gemm, DENSE_SPECS[0], _DENSE_CFGS[0]))
+
+
+# ragged_m: the bias row of each tile's group; tiles crossing a group's end store D and C
+# row-predicated
+GROUPED_FUSED_CASES = [
+    (GroupedSpec("ragged_m", BF, BF, BF, bias=True, activation="gelu"), 0),
+    (GroupedSpec("ragged_m", BF, BF, BF, b_major="n", bias=True, activation="silu", preact=True), 2),
+    (GroupedSpec("ragged_m", F16, F16, F32, "m", "k", "m", activation="relu", preact=True), 1),
+    (GroupedSpec("ragged_m", BF, BF, F16, bias=True), 0),
+]
+
+
+@pytest.mark.parametrize("spec,i", GROUPED_FUSED_CASES, ids=[f"{s.key()}-{i}" for s, i in GROUPED_FUSED_CASES])
+def test_grouped_fused_epilogue_compiles(spec, i):
+    assert sm100_grouped.unsupported(spec) is None
+    cfg = sm100_grouped.candidate_configs(spec)[i]
+    plain = _compile(sm100_grouped, GROUPED_SPECS["ragged_m"][0], sm100_grouped.candidate_configs(spec)[0])
+    ptx = _check_fused(sm100_grouped, spec, cfg, plain)
+    assert "st.global" in ptx   # the row-predicated stores
 
 
 def _arg_names(spec) -> list[str]:
@@ -185,6 +210,7 @@ def _arg_names(spec) -> list[str]:
 
 def test_fused_epilogue_contract():
     assert set(sm100_gemm.EPILOGUES) == {"bias", *epilogue.ACTIVATIONS, "preact", "dact"}
+    assert set(sm100_grouped.EPILOGUES) == {"bias", *epilogue.ACTIVATIONS, "preact"}
     spec = GemmSpec(BF, BF, BF, bias=True, activation="gelu")
     assert _arg_names(spec) == ["a", "b", "c", "bias"]
     assert _arg_names(GemmSpec(BF, BF, BF, bias=True, activation="gelu", preact=True)) == ["a", "b", "c", "bias", "d"]
@@ -194,7 +220,7 @@ def test_fused_epilogue_contract():
                GemmSpec(BF, BF, BF, activation="geglu"): "no fused epilogue for activation",
                GemmSpec(BF, BF, BF, dact="swiglu"): "derivative of 'swiglu'",
                GemmSpec(BF, BF, BF, dact="gelu", batch_modes=3): "one batch mode",
-               GroupedSpec("ragged_m", BF, BF, BF, bias=True): "grouped"}
+               GroupedSpec("ragged_m", BF, BF, BF, bias=True, activation="swiglu"): "gated"}
     for s, why in refused.items():
         fam = sm100_grouped if isinstance(s, GroupedSpec) else sm100_gemm
         assert why in fam.unsupported(s) and fam.candidate_configs(s) == []
@@ -210,6 +236,24 @@ def test_fused_product_lowers_to_one_kernel_for_sm100():
     assert text.count("stablehlo.custom_call @jax_cute_launch") == 1 and "arch_major = 10" in text
     assert "sm100_gemm" in text and ".bias.gelu." in text
     assert "dot_general" not in text and "tanh" not in text and "erf" not in text
+
+
+def test_fused_grouped_product_lowers_to_one_kernel_for_sm100():
+    """The same for ragged_dot with a bias per group, and under grad: the forward stores the
+    pre-activation, then the two gradient GEMMs (ragged_k, ragged_m)."""
+    f = lambda x, w, gs, b: jax_cute.ragged_dot(x, w, gs, bias=b, activation="gelu")  # noqa: E731
+    args = [jax.ShapeDtypeStruct((512, 128), jnp.bfloat16), jax.ShapeDtypeStruct((4, 128, 256), jnp.bfloat16),
+            jax.ShapeDtypeStruct((4,), jnp.int32), jax.ShapeDtypeStruct((4, 256), jnp.bfloat16)]
+    loss = lambda *a: jnp.sum(f(*a).astype(jnp.float32))  # noqa: E731
+    with config.override(target_arch="sm_100a", unverified_kernels=True, strict=True):
+        text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        grad = jax.jit(jax.grad(loss, argnums=(0, 1, 3))).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    names = re.findall(r'name = "(sm100_grouped[^"]*)"', text)
+    assert len(names) == text.count("stablehlo.custom_call @jax_cute_launch") == 1
+    assert names[0].startswith("sm100_grouped.ragged_m.") and ".bias.gelu." in names[0] and "tanh" not in text
+    names = re.findall(r'name = "(sm100_grouped[^"]*)"', grad)
+    assert len(names) == grad.count("stablehlo.custom_call @jax_cute_launch") == 3
+    assert ".bias.gelu.preact." in names[0] and "dot_general" not in grad
 
 
 def test_mlp_gradient_lowers_to_kernels_for_sm100():

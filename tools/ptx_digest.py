@@ -135,6 +135,8 @@ def _sm100() -> Iterator[tuple[object, object, object]]:
         spec = GroupedSpec(mode, BF, BF, BF, *majors)
         for cfg in sm100_grouped.candidate_configs(spec):
             yield sm100_grouped, spec, cfg
+    fused = GroupedSpec("ragged_m", BF, BF, BF, bias=True, activation="gelu", preact=True)
+    yield sm100_grouped, fused, sm100_grouped.candidate_configs(fused)[2]
 
 
 def configurations() -> list[tuple[str, object, object, object]]:

@@ -249,14 +249,15 @@ class ColumnBiasEpilogue:
 
     fuse_bias: bool
 
-    def add_column_bias(self, frag: Any, coords: Any, bias: Any, col0: Any, n_cols: Any) -> None:
-        """``bias[col0 + column]`` added to each element of ``frag`` (a float32 register tensor; its
-        element i lies at tile coordinates ``coords[i]``), in place. Columns past ``n_cols`` read
-        the last bias: they are never stored."""
+    def add_column_bias(self, frag: Any, coords: Any, bias: Any, col0: Any, n_cols: Any, scale: Any = None) -> None:
+        """``bias[col0 + column]`` (times ``scale``, where given) added to each element of ``frag``
+        (a float32 register tensor; its element i lies at tile coordinates ``coords[i]``), in
+        place. Columns past ``n_cols`` read the last bias: they are never stored."""
         if self.fuse_bias:
             cutlass = _cutlass()
             for i in range(_cute().size(frag)):
-                frag[i] = frag[i] + bias[cutlass.min(col0 + coords[i][1], n_cols - 1)]
+                b = bias[cutlass.min(col0 + coords[i][1], n_cols - 1)]
+                frag[i] = frag[i] + (b if scale is None else b * scale)
 
 
 class DerivativeEpilogue:

@@ -17,7 +17,8 @@ rounding to C's dtype. The pre-activation output (GemmSpec.preact) stores each s
 through the same smem ring: A·B + bias rounded to D's dtype, then its activation to C's. A dact
 epilogue (GemmSpec.dact, one batch mode) reads Z from global memory at the accumulators'
 coordinates (clamped at C's edge: those elements are never stored) and scales the product by the
-activation's derivative there. Gated activations and grouped epilogues are not fused here
+activation's derivative there. The grouped family's ragged_m products fuse the same epilogues but
+the derivative, with the bias row of the tile's group. Gated activations are not fused here
 (``unsupported`` says so, and dispatch keeps those epilogues in XLA).
 
 The kernel class (sm100_kernel, imported only when a launcher is built) also serves the grouped
@@ -58,14 +59,12 @@ def unsupported(spec) -> str | None:
 
 def _epilogue_refusal(spec) -> str | None:
     """Why the kernel does not fuse ``spec``'s epilogue, or None (see EPILOGUES)."""
-    if isinstance(spec, GroupedSpec):
-        if spec.bias or spec.activation:
-            return "sm100: no fused epilogue (bias, activation) on grouped products"
-        return None
     if spec.activation in fused_epilogue.GATED:
         return f"sm100: no gated epilogue ({spec.activation})"
     if spec.activation and spec.activation not in fused_epilogue.ACTIVATIONS:
         return f"sm100: no fused epilogue for activation {spec.activation!r} ({', '.join(fused_epilogue.ACTIVATIONS)})"
+    if isinstance(spec, GroupedSpec):   # (no dact: its GEMMs are the ragged_k gradients)
+        return None
     if spec.dact and spec.dact not in fused_epilogue.ACTIVATIONS:
         return (f"sm100: no fused epilogue for the derivative of {spec.dact!r} "
                 f"({', '.join(fused_epilogue.ACTIVATIONS)})")
@@ -126,6 +125,7 @@ def make_launcher(spec, config: Config):
 
     grouped = isinstance(spec, GroupedSpec)
     if grouped:
-        return sm100_kernel.make_launcher(spec.mode, config, 1, spec.signature())
+        return sm100_kernel.make_launcher(spec.mode, config, 1, spec.signature(), spec.bias, spec.activation,
+                                          spec.preact)
     return sm100_kernel.make_launcher("dense", config, spec.batch_modes, signature(spec, config), spec.bias,
                                       spec.activation, spec.preact, spec.dact)

@@ -32,7 +32,7 @@ class Sm100Cta(Bundle):
         "tiled_mma", "tma_a", "mA", "tma_b", "mB", "tma_c", "mC_tma", "mC", "gs", "cluster_vmnk", "epi_tile",
         "warp", "tidx", "bidz", "grid_z", "is_leader", "crd", "v_idx", "ab_pipe", "acc_pipe", "tmem", "epi_bar",
         "sA", "sB", "sC", "a_mask", "b_mask", "thr_mma", "acc_layout", "tCrA", "tCrB", "a_cta_layout",
-        "b_cta_layout", "mM", "nN", "kK", "n_work", "bias", "tma_d", "mD_tma", "mZ",
+        "b_cta_layout", "mM", "nN", "kK", "n_work", "bias", "tma_d", "mD_tma", "mD", "mZ",
     )
 
 
@@ -76,8 +76,9 @@ class Sm100Gemm(Sm100Epilogue):
 
     # ---- host side: traced once per compile --------------------------------------------
     def host(self, a, b, c, gs, stream, fused):
-        """``fused``: the fused epilogue's float32 (N,) bias, pre-activation output D and
-        pre-activation input Z (each laid out like C), each None when unused."""
+        """``fused``: the fused epilogue's float32 bias ((N,), grouped (N, G, L or 1)),
+        pre-activation output D and pre-activation input Z (each laid out like C), each None
+        when unused."""
         cfg = self.cfg
         bias, d, z = fused
         if const_expr(self.nb > 1):
@@ -136,7 +137,7 @@ class Sm100Gemm(Sm100Epilogue):
         # never launch an empty grid (M, N or L may be 0): idle clusters just exit
         grid_z = cutlass.max(cutlass.min(n_work, Int32(max_clusters)), Int32(1))
         self.kernel((tiled_mma, cluster_vmnk), tma_a, tA, tma_b, tB, tma_c, tC, c, gs,
-                    (a_smem, b_smem, c_smem), epi_tile, (bias, tma_d, tD, z)).launch(
+                    (a_smem, b_smem, c_smem), epi_tile, (bias, tma_d, tD, d, z)).launch(
             grid=(cfg.cluster_m, cfg.cluster_n, grid_z), block=[THREADS, 1, 1],
             cluster=(cfg.cluster_m, cfg.cluster_n, 1), stream=stream)
 
@@ -243,9 +244,9 @@ class Sm100Gemm(Sm100Epilogue):
         """One persistent CTA: barriers, smem and TMEM, then the TMA warp, the MMA warp and the
         epilogue warps each run their role. ``mma``: (the tiled MMA, the cluster's (v, m, n, k)
         layout); ``smem_layouts``: A's, B's and C's staged smem layouts; ``fused``: the fused
-        epilogue's bias, D's TMA atom and tensor, and Z (each None when unused)."""
+        epilogue's bias, D's TMA atom and TMA tensor, D, and Z (each None when unused)."""
         tiled_mma, cluster_vmnk = mma
-        bias, tma_d, mD_tma, mZ = fused
+        bias, tma_d, mD_tma, mD, mZ = fused
         a_smem, b_smem, c_smem = smem_layouts
         cfg = self.cfg
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -326,7 +327,7 @@ class Sm100Gemm(Sm100Epilogue):
         cta = Sm100Cta(tiled_mma, tma_a, mA, tma_b, mB, tma_c, mC_tma, mC, gs, cluster_vmnk, epi_tile, warp, tidx,
                        bidz, grid_z, is_leader, crd, v_idx, ab_pipe, acc_pipe, tmem, epi_bar, sA, sB, sC, a_mask,
                        b_mask, thr_mma, acc_layout, tCrA, tCrB, a_cta_layout, b_cta_layout, mM, nN, kK, n_work,
-                       bias=bias, tma_d=tma_d, mD_tma=mD_tma, mZ=mZ)
+                       bias=bias, tma_d=tma_d, mD_tma=mD_tma, mD=mD, mZ=mZ)
 
         if warp == self.TMA_WARP:
             self.tma_warp(cta)
@@ -458,8 +459,8 @@ class Sm100Gemm(Sm100Epilogue):
         tTR_rZ = cute.make_rmem_tensor(tTR_rC.shape, self.c_dtype) if const_expr(self.dact) else None
 
         ep = EpilogueRegs(t2r, tTR_tAcc, tTR_rAcc, thr_t2r, tTR_rC, r2s, tRS_rC, tRS_sC, n_sub, epi_tile, sC, tma_c,
-                          mC_tma, mC, c_pipe, epi_bar, tidx, coords, cta.bias, cta.tma_d, cta.mD_tma, cta.mZ, tTR_rZ,
-                          mM, nN)
+                          mC_tma, mC, c_pipe, epi_bar, tidx, coords, cta.bias, cta.tma_d, cta.mD_tma, cta.mD, cta.mZ,
+                          tTR_rZ, mM, nN, gs)
         stored = Int32(0)   # subtiles stored so far: picks the smem staging buffer
         w = bidz
         while w < n_work:
@@ -474,7 +475,7 @@ class Sm100Gemm(Sm100Epilogue):
                     # TMA store clips only at M: a tile that crosses into the next group
                     # is stored row-predicated from registers instead
                     if (row_end < mM) & (cta_row + self.cta_m > row_end):
-                        self.store_predicated(ep, accc.index, do_mma, cta_row, col, lc, row_end, nN)
+                        self.store_predicated(ep, accc.index, do_mma, cta_row, col, lc, g, row_end, nN)
                     else:
                         stored = self.store_tma(ep, accc.index, do_mma, cta_row, col, lc, g, stored)
                 else:
@@ -512,10 +513,11 @@ class Sm100Gemm(Sm100Epilogue):
         if const_expr(self.preact):
             bSG_gD = self.tile_partition(ep, ep.tma_d, ep.mD_tma[None, None, l], cta_row, col)[1]
         at = (cta_row, col, l)
+        bias = self.tile_bias(ep, g, l) if const_expr(self.fuse_bias) else None
         for s in cutlass.range_constexpr(ep.n_sub):
             self.load_acc(ep.t2r, ep.tTR_tAcc, ep.tTR_rAcc, s, acc_idx, do_mma)
             if const_expr(self.fused):
-                self.pre_activation(ep, s, at)
+                self.pre_activation(ep, s, col, bias)
                 if const_expr(self.preact):
                     stored = self.store_subtile(ep, ep.tma_d, bSG_sC, bSG_gD, s, stored)
                 self.post_activation(ep, s, at)
@@ -550,25 +552,44 @@ class Sm100Gemm(Sm100Epilogue):
         return stored + 1
 
     @cute.jit
-    def store_predicated(self, ep: EpilogueRegs, acc_idx, do_mma, cta_row, col, l, row_end, nN):
-        """TMEM -> registers -> global with a per-element (row < row_end, col < N) guard."""
-        t2r, tTR_tAcc, tTR_rAcc, epi_tile, n_sub = ep.t2r, ep.tTR_tAcc, ep.tTR_rAcc, ep.epi_tile, ep.n_sub
-        thr_t2r, tTR_rC, mC = ep.thr_t2r, ep.tTR_rC, ep.mC
+    def store_predicated(self, ep: EpilogueRegs, acc_idx, do_mma, cta_row, col, l, g, row_end, nN):
+        """TMEM -> registers -> global with a per-element (row < row_end, col < N) guard, each
+        subtile's pre-activation output D first where there is one."""
         off = (cta_row, col)
-        gC = cute.local_tile(cute.domain_offset(off, mC[None, None, l]), (self.cta_m, self.cfg.tile_n), (0, 0))
-        cC = cute.local_tile(cute.domain_offset(off, cute.make_identity_tensor((mC.shape[0], nN))),
+        tTR_gC = self.rows_partition(ep, ep.mC[None, None, l], off)
+        cC = cute.local_tile(cute.domain_offset(off, cute.make_identity_tensor((ep.mC.shape[0], nN))),
                              (self.cta_m, self.cfg.tile_n), (0, 0))
-        tTR_gC = cute.group_modes(thr_t2r.partition_D(cute.flat_divide(gC, epi_tile)), 3, 5)
-        tTR_cC = cute.group_modes(thr_t2r.partition_D(cute.flat_divide(cC, epi_tile)), 3, 5)
-        for s in cutlass.range_constexpr(n_sub):
-            self.load_acc(t2r, tTR_tAcc, tTR_rAcc, s, acc_idx, do_mma)
-            tTR_rC.store(tTR_rAcc.load().to(self.c_dtype))
-            gs_ = tTR_gC[(None, None, None, s)]
-            cs_ = tTR_cC[(None, None, None, s)]
-            for i in cutlass.range_constexpr(cute.size(tTR_rC)):
-                rc = cs_[i]
-                if (rc[0] < row_end) & (rc[1] < nN):
-                    gs_[i] = tTR_rC[i]
+        tTR_cC = cute.group_modes(ep.thr_t2r.partition_D(cute.flat_divide(cC, ep.epi_tile)), 3, 5)
+        tTR_gD = self.rows_partition(ep, ep.mD[None, None, l], off) if const_expr(self.preact) else None
+        at = (cta_row, col, l)
+        bias = self.tile_bias(ep, g, l) if const_expr(self.fuse_bias) else None
+        for s in cutlass.range_constexpr(ep.n_sub):
+            self.load_acc(ep.t2r, ep.tTR_tAcc, ep.tTR_rAcc, s, acc_idx, do_mma)
+            if const_expr(self.fused):
+                self.pre_activation(ep, s, col, bias)
+                if const_expr(self.preact):
+                    self.store_guarded(ep, tTR_gD, tTR_cC, s, row_end, nN)
+                self.post_activation(ep, s, at)
+            self.store_guarded(ep, tTR_gC, tTR_cC, s, row_end, nN)
+
+    def rows_partition(self, ep: EpilogueRegs, mX, off: tuple):
+        """This thread's elements of the CTA tile at ``off`` of ``mX`` (C or D of one batch),
+        partitioned like the TMEM load, subtiles in one mode."""
+        gX = cute.local_tile(cute.domain_offset(off, mX), (self.cta_m, self.cfg.tile_n), (0, 0))
+        return cute.group_modes(ep.thr_t2r.partition_D(cute.flat_divide(gX, ep.epi_tile)), 3, 5)
+
+    @cute.jit
+    def store_guarded(self, ep: EpilogueRegs, tTR_gX, tTR_cX, s: cutlass.Constexpr, row_end, nN):
+        """``ep.tTR_rAcc`` rounded to C's dtype -> subtile ``s`` of ``tTR_gX`` (rows_partition),
+        each element where its coordinates (``tTR_cX``) are inside (row_end, N)."""
+        tTR_rC = ep.tTR_rC
+        tTR_rC.store(ep.tTR_rAcc.load().to(self.c_dtype))
+        gs_ = tTR_gX[(None, None, None, s)]
+        cs_ = tTR_cX[(None, None, None, s)]
+        for i in cutlass.range_constexpr(cute.size(tTR_rC)):
+            rc = cs_[i]
+            if (rc[0] < row_end) & (rc[1] < nN):
+                gs_[i] = tTR_rC[i]
 
     @cute.jit
     def zero_k_tail(self, thr_mma, sA, sB, stage, valid_k):
@@ -593,5 +614,5 @@ class Sm100Gemm(Sm100Epilogue):
 def make_launcher(mode: str, config: Config, batch_modes: int, signature: abi.Signature, bias: bool = False,
                   activation: str = "", preact: bool = False, dact: str = ""):
     """The @cute.jit launcher of ``signature`` for ``mode`` ("dense", "ragged_m", "ragged_k"),
-    with a fused epilogue (dense; see GemmSpec's bias, activation, preact and dact)."""
+    with a fused epilogue (see GemmSpec's and GroupedSpec's bias, activation, preact and dact)."""
     return launcher_for(signature, Sm100Gemm(mode, config, batch_modes, bias, activation, preact, dact).launch)
