@@ -137,7 +137,7 @@ FUSED_CASES = [
     (GemmSpec(BF, BF, BF, "k", "n", "n", dact="relu2"), 1),
     (GemmSpec(F16, F16, F16, dact="gelu_exact"), 0),
 ]
-# what each piece of the epilogue leaves in the PTX (none of it is in a plain kernel's)
+# what each piece of the epilogue leaves in the PTX (more of it than a plain kernel's has)
 BIAS_LOAD = "ld.global.b32"
 FAST_TANH = "tanh.approx.f32"   # gelu, and silu's tanh form, for 16-bit outputs
 EX2 = "ex2.approx"              # the accurate forms (float32 outputs): exp through MUFU ex2
@@ -147,7 +147,7 @@ CONVERT = {BF: "cvt.rn.bf16x2.f32", F16: "cvt.rn.f16x2.f32"}
 Z_LOAD = {BF: "ld.global.b16", F16: "ld.global.b16", F32: "ld.global.b32"}   # a dact epilogue's reads of Z
 
 
-def _needles(spec: GemmSpec) -> list:
+def _needles(spec: GemmSpec | GroupedSpec) -> list:
     fast = spec.c_dtype != F32
     act = {"relu": [RELU], "relu2": [RELU], "gelu": [FAST_TANH if fast else EX2],
            "gelu_exact": [EX2] if not fast else [], "silu": [FAST_TANH if fast else EX2], "": []}
@@ -171,7 +171,7 @@ def _check_fused(family, spec, cfg, plain: str) -> str:
         assert _count(ptx, needle) > _count(plain, needle), needle
     if spec.c_dtype in CONVERT:   # the one rounding to the output dtype, two values at a time
         assert CONVERT[spec.c_dtype] in ptx
-    # the pre-activation output D: a fourth TMA descriptor (a, b, c, d), two stores a subtile
+    # the pre-activation output D: a fourth TMA descriptor (a, b, c, d)
     assert ptx.count("prefetch.tensormap") == (4 if spec.preact else 3) == plain.count("prefetch.tensormap") + spec.preact
     res = cubin_info.resources(binary.obj)
     assert res["local_bytes"] == 0 and res["frame_bytes"] == 0, res   # no register spills

@@ -136,8 +136,10 @@ class Sm100Gemm(Sm100Epilogue):
         max_clusters = max(1, NUM_SMS // (cfg.cluster_m * cfg.cluster_n))
         # never launch an empty grid (M, N or L may be 0): idle clusters just exit
         grid_z = cutlass.max(cutlass.min(n_work, Int32(max_clusters)), Int32(1))
+        # D itself only for ragged_m's row-predicated stores (elsewhere D goes by TMA)
+        mD = d if const_expr(self.mode == "ragged_m") else None
         self.kernel((tiled_mma, cluster_vmnk), tma_a, tA, tma_b, tB, tma_c, tC, c, gs,
-                    (a_smem, b_smem, c_smem), epi_tile, (bias, tma_d, tD, d, z)).launch(
+                    (a_smem, b_smem, c_smem), epi_tile, (bias, tma_d, tD, mD, z)).launch(
             grid=(cfg.cluster_m, cfg.cluster_n, grid_z), block=[THREADS, 1, 1],
             cluster=(cfg.cluster_m, cfg.cluster_n, 1), stream=stream)
 
