@@ -125,10 +125,18 @@ def _sm100() -> Iterator[tuple[object, object, object]]:
     yield sm100_gemm, GemmSpec(BF, BF, BF, batch_modes=3), sm100_gemm.Config(128, 128)
     yield sm100_gemm, GemmSpec(F16, F16, F32, "m", "n", "m", batch_modes=3), \
         sm100_gemm.Config(256, 256, cluster_m=2, two_cta=True)
+    # fused epilogues
+    cands = sm100_gemm.candidate_configs(specs[0])
+    yield sm100_gemm, GemmSpec(BF, BF, BF, bias=True, activation="gelu"), cands[2]
+    yield sm100_gemm, GemmSpec(F16, F16, F32, "m", "n", "m", activation="relu", preact=True), cands[3]
+    yield sm100_gemm, GemmSpec(BF, BF, BF, bias=True, activation="silu", preact=True, batch_modes=3), cands[0]
+    yield sm100_gemm, GemmSpec(BF, BF, BF, dact="gelu"), cands[4]
     for mode, majors in (("ragged_m", ("k", "k", "n")), ("ragged_k", ("m", "n", "n"))):
         spec = GroupedSpec(mode, BF, BF, BF, *majors)
         for cfg in sm100_grouped.candidate_configs(spec):
             yield sm100_grouped, spec, cfg
+    fused = GroupedSpec("ragged_m", BF, BF, BF, bias=True, activation="gelu", preact=True)
+    yield sm100_grouped, fused, sm100_grouped.candidate_configs(fused)[2]
 
 
 def configurations() -> list[tuple[str, object, object, object]]:

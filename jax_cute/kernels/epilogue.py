@@ -13,7 +13,9 @@ The DSL side is a table keyed by activation name: one small function per activat
 (``_ACTIVATION``), per derivative (``_DERIVATIVE``) and per gated activation (``_GATED``). A new
 activation adds its entries there (and its name to the registry); the kernels look names up
 through :func:`activation`, :func:`derivative`, :func:`scaled_by_derivative` and :func:`gated`,
-and a kernel class's epilogue through the :class:`ActivationEpilogue` mixin.
+and a kernel class's epilogue through the :class:`ActivationEpilogue` mixin (and a bias per output
+column through :class:`ColumnBiasEpilogue`, for epilogues that know each fragment element's tile
+coordinates, and an activation's derivative through :class:`DerivativeEpilogue`).
 
 The DSL is imported when a function runs (while a kernel is traced), never when this module
 is: routing code that only reads ``ACTIVATIONS`` must not need the compiler.
@@ -41,6 +43,13 @@ def _cute() -> ModuleType:
     from jax_cute.kernels.dsl import cute
 
     return cute
+
+
+def _cutlass() -> ModuleType:
+    """The DSL's ``cutlass`` module (imported on first use, as ``_cute``)."""
+    from jax_cute.kernels.dsl import cutlass
+
+    return cutlass
 
 
 # --- activations ---------------------------------------------------------------------------------
@@ -231,3 +240,37 @@ class ActivationEpilogue:
         if self.act:
             frag.store(activation(self.act, frag.load(), fast=self.c_t.width == 16))
 
+
+class ColumnBiasEpilogue:
+    """Mixin of a kernel class whose epilogue adds a float32 bias per output column
+    (``self.fuse_bias``) to a register fragment of float32 values, given each element's tile
+    coordinates: the Blackwell epilogue's (the Hopper one pairs gated columns and reads a group's
+    bias row: sm90_epilogue.BiasEpilogue)."""
+
+    fuse_bias: bool
+
+    def add_column_bias(self, frag: Any, coords: Any, bias: Any, col0: Any, n_cols: Any, scale: Any = None) -> None:
+        """``bias[col0 + column]`` (times ``scale``, where given) added to each element of ``frag``
+        (a float32 register tensor; its element i lies at tile coordinates ``coords[i]``), in
+        place. Columns past ``n_cols`` read the last bias: they are never stored."""
+        if self.fuse_bias:
+            cutlass = _cutlass()
+            for i in range(_cute().size(frag)):
+                b = bias[cutlass.min(col0 + coords[i][1], n_cols - 1)]
+                frag[i] = frag[i] + (b if scale is None else b * scale)
+
+
+class DerivativeEpilogue:
+    """Mixin of a kernel class whose epilogue scales a float32 register fragment by the derivative
+    of ``self.dact`` (an ACTIVATIONS name) at the pre-activation Z read at the same elements, before
+    the rounding to ``self.c_t`` (a dact epilogue; the Hopper one reads Z in chunks, see
+    sm90_epilogue.DActEpilogue)."""
+
+    dact: str
+    c_t: Any
+
+    def scale_by_derivative(self, frag: Any, z: Any) -> None:
+        """``frag`` times act'(``z``) in place (``z``: a register tensor of Z's values, ordered like
+        ``frag``)."""
+        frag.store(scaled_by_derivative(self.dact, z.load().to(_cutlass().Float32), frag.load(),
+                                        fast=self.c_t.width == 16))

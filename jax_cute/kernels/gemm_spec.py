@@ -192,6 +192,10 @@ class GemmSpec:
         Kb, L) (one batch mode: see sm90_gemm.unsupported)."""
         return _scale_args(self.scaled)
 
+    def bias_arg(self) -> TensorArg:
+        """The fused epilogue's bias: float32 (N,)."""
+        return TensorArg("bias", "float32", (DYN,), (1,), align=4)
+
     def preact_arg(self) -> TensorArg:
         """The pre-activation output ``d``: c's dtype, rank and major mode."""
         return _operand("d", self.c_dtype, 2 + self.batch_modes, 1 if self.c_major == "n" else 0)

@@ -14,18 +14,25 @@ or launch time depends on the sizes, so the launch is CUDA-graph safe and needs 
   first row and the last k-tile's columns past the group's end are zeroed in smem before
   the UMMA reads them. Empty groups are stored as zeros.
 
+Fused epilogues (ragged_m; EPILOGUES): the dense kernel's bias, activation and pre-activation
+output, the bias read from the row of the tile's group (the zero rows past the last group take
+none); a tile crossing its group's end stores D, like C, row-predicated.
+
 Compile-verified only: never run on hardware.
 """
 
 import math
 
 from jax_cute.kernels import abi
+from jax_cute.kernels import epilogue as fused_epilogue
 from jax_cute.kernels import sm100_gemm
 from jax_cute.kernels.gemm_spec import GroupedSpec, Workspace
 from jax_cute.kernels.sm100_gemm import Config
 
 FAMILY = "sm100_grouped"
 ARCH = sm100_gemm.ARCH
+# fused epilogues of ragged_m specs (GroupedSpec.bias, activation, preact)
+EPILOGUES = ("bias", *fused_epilogue.ACTIVATIONS, "preact")
 
 _CANDIDATES = {
     "ragged_m": (

@@ -9,6 +9,7 @@ from __future__ import annotations
 from jax_cute.kernels import abi, dsl
 from jax_cute.kernels.dsl import cute, cutlass, pipeline, tcgen05, cpasync
 from jax_cute.kernels.bundle import Bundle
+from jax_cute.kernels.sm100_epilogue import EpilogueRegs, Sm100Epilogue
 from jax_cute.kernels.launch import launcher_for
 from jax_cute.kernels.sm100_config import NUM_SMS, TMEM_COLS, THREADS, Config, ab_stages
 
@@ -31,22 +32,16 @@ class Sm100Cta(Bundle):
         "tiled_mma", "tma_a", "mA", "tma_b", "mB", "tma_c", "mC_tma", "mC", "gs", "cluster_vmnk", "epi_tile",
         "warp", "tidx", "bidz", "grid_z", "is_leader", "crd", "v_idx", "ab_pipe", "acc_pipe", "tmem", "epi_bar",
         "sA", "sB", "sC", "a_mask", "b_mask", "thr_mma", "acc_layout", "tCrA", "tCrB", "a_cta_layout",
-        "b_cta_layout", "mM", "nN", "kK", "n_work",
+        "b_cta_layout", "mM", "nN", "kK", "n_work", "bias", "tma_d", "mD_tma", "mD", "mZ",
     )
 
 
-class EpilogueRegs(Bundle):
-    """One epilogue warp's TMEM -> register -> smem copies and store path, the same for every
-    tile."""
-
-    __slots__ = ("t2r", "tTR_tAcc", "tTR_rAcc", "thr_t2r", "tTR_rC", "r2s", "tRS_rC", "tRS_sC", "n_sub", "epi_tile",
-                 "sC", "tma_c", "mC_tma", "mC", "c_pipe", "epi_bar", "tidx")
-
-
-class Sm100Gemm:
+class Sm100Gemm(Sm100Epilogue):
     """The persistent tcgen05 Blackwell GEMM of one mode and config (see sm100_gemm's notes):
     ``host`` builds the TMA atoms and launches ``kernel``, whose TMA, MMA and epilogue warps
-    each take their tiles from ``tile`` (dense, ragged_m or ragged_k)."""
+    each take their tiles from ``tile`` (dense, ragged_m or ragged_k). A fused epilogue (a bias
+    per column, the pre-activation output, the activation or a derivative: sm100_epilogue) runs
+    on each subtile's float32 accumulators after their TMEM load."""
 
     EPI_WARPS = 4
     MMA_WARP = 4
@@ -54,8 +49,13 @@ class Sm100Gemm:
     BAR_EPI = 1      # named barrier ids; 0 is __syncthreads
     BAR_TMEM = 2
 
-    def __init__(self, mode: str, cfg: Config, batch_modes: int = 1):
+    def __init__(self, mode: str, cfg: Config, batch_modes: int = 1, bias: bool = False, act: str = "",
+                 preact: bool = False, dact: str = ""):
         self.mode = mode
+        self.fuse_bias = bias
+        self.act = act
+        self.preact = preact
+        self.dact = dact
         self.nb = batch_modes
         self.cfg = cfg
         self.v = 2 if cfg.two_cta else 1
@@ -64,18 +64,29 @@ class Sm100Gemm:
         self.acc_stages = 2
         self.c_stages = 2
 
-    def launch(self, a, b, c, stream, group_sizes=None) -> None:
+    @property
+    def c_t(self):
+        """C's DSL element type (what ActivationEpilogue rounds to)."""
+        return self.c_dtype
+
+    def launch(self, a, b, c, stream, group_sizes=None, bias=None, d=None, z=None) -> None:
         """The launcher's body (kernels/launch.py), its arguments named as the ABI signature
-        names them (GemmSpec.signature, GroupedSpec.signature)."""
-        self.host(a, b, c, group_sizes, stream)
+        names them (sm100_gemm.signature, GroupedSpec.signature)."""
+        self.host(a, b, c, group_sizes, stream, (bias, d, z))
 
     # ---- host side: traced once per compile --------------------------------------------
-    def host(self, a, b, c, gs, stream):
+    def host(self, a, b, c, gs, stream, fused):
+        """``fused``: the fused epilogue's float32 bias ((N,), grouped (N, G, L or 1)),
+        pre-activation output D and pre-activation input Z (each laid out like C), each None
+        when unused."""
         cfg = self.cfg
+        bias, d, z = fused
         if const_expr(self.nb > 1):
             # (rows, cols, L0, L1, L2) -> (rows, cols, (L0, L1, L2)): tiles and TMA views see
             # one (nested) batch mode; the TMA tensor maps still span all five dimensions
             a, b, c = cute.group_modes(a, 2, 5), cute.group_modes(b, 2, 5), cute.group_modes(c, 2, 5)
+            if const_expr(self.preact):
+                d = cute.group_modes(d, 2, 5)
         self.ab_dtype = a.element_type
         self.c_dtype = c.element_type
         self.acc_dtype = cutlass.Float32
@@ -115,14 +126,20 @@ class Sm100Gemm:
         self.tx_bytes = (cute.size_in_bytes(self.ab_dtype, a_one) + cute.size_in_bytes(self.ab_dtype, b_one)) * self.v
         tma_c, tC = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(), c, cute.select(c_smem, mode=[0, 1]), epi_tile)
+        tma_d, tD = None, None
+        if const_expr(self.preact):   # D: C's dtype and layout, so C's staging ring serves it
+            tma_d, tD = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(), d, cute.select(c_smem, mode=[0, 1]), epi_tile)
 
         n_work = self.num_work(c, gs)
         # more clusters than fit on a smaller part just wait for a slot: still correct
         max_clusters = max(1, NUM_SMS // (cfg.cluster_m * cfg.cluster_n))
         # never launch an empty grid (M, N or L may be 0): idle clusters just exit
         grid_z = cutlass.max(cutlass.min(n_work, Int32(max_clusters)), Int32(1))
+        # D itself only for ragged_m's row-predicated stores (elsewhere D goes by TMA)
+        mD = d if const_expr(self.mode == "ragged_m") else None
         self.kernel((tiled_mma, cluster_vmnk), tma_a, tA, tma_b, tB, tma_c, tC, c, gs,
-                    (a_smem, b_smem, c_smem), epi_tile).launch(
+                    (a_smem, b_smem, c_smem), epi_tile, (bias, tma_d, tD, mD, z)).launch(
             grid=(cfg.cluster_m, cfg.cluster_n, grid_z), block=[THREADS, 1, 1],
             cluster=(cfg.cluster_m, cfg.cluster_n, 1), stream=stream)
 
@@ -224,11 +241,14 @@ class Sm100Gemm:
     # ---- the kernel -----------------------------------------------------------------------
     @cute.kernel
     def kernel(self, mma, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
-               tma_c: cute.CopyAtom, mC_tma: cute.Tensor, mC: cute.Tensor, gs, smem_layouts, epi_tile: cute.Tile):
+               tma_c: cute.CopyAtom, mC_tma: cute.Tensor, mC: cute.Tensor, gs, smem_layouts, epi_tile: cute.Tile,
+               fused):
         """One persistent CTA: barriers, smem and TMEM, then the TMA warp, the MMA warp and the
         epilogue warps each run their role. ``mma``: (the tiled MMA, the cluster's (v, m, n, k)
-        layout); ``smem_layouts``: A's, B's and C's staged smem layouts."""
+        layout); ``smem_layouts``: A's, B's and C's staged smem layouts; ``fused``: the fused
+        epilogue's bias, D's TMA atom and TMA tensor, D, and Z (each None when unused)."""
         tiled_mma, cluster_vmnk = mma
+        bias, tma_d, mD_tma, mD, mZ = fused
         a_smem, b_smem, c_smem = smem_layouts
         cfg = self.cfg
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -237,6 +257,8 @@ class Sm100Gemm:
             cpasync.prefetch_descriptor(tma_a)
             cpasync.prefetch_descriptor(tma_b)
             cpasync.prefetch_descriptor(tma_c)
+            if const_expr(self.preact):
+                cpasync.prefetch_descriptor(tma_d)
 
         bidx, bidy, bidz = cute.arch.block_idx()
         _, _, grid_z = cute.arch.grid_dim()
@@ -306,7 +328,8 @@ class Sm100Gemm:
         pipeline.pipeline_init_wait(cluster_shape_mn=cluster_vmnk)
         cta = Sm100Cta(tiled_mma, tma_a, mA, tma_b, mB, tma_c, mC_tma, mC, gs, cluster_vmnk, epi_tile, warp, tidx,
                        bidz, grid_z, is_leader, crd, v_idx, ab_pipe, acc_pipe, tmem, epi_bar, sA, sB, sC, a_mask,
-                       b_mask, thr_mma, acc_layout, tCrA, tCrB, a_cta_layout, b_cta_layout, mM, nN, kK, n_work)
+                       b_mask, thr_mma, acc_layout, tCrA, tCrB, a_cta_layout, b_cta_layout, mM, nN, kK, n_work,
+                       bias=bias, tma_d=tma_d, mD_tma=mD_tma, mD=mD, mZ=mZ)
 
         if warp == self.TMA_WARP:
             self.tma_warp(cta)
@@ -433,9 +456,13 @@ class Sm100Gemm:
         tRS_sC = thr_r2s.partition_D(sC)
         tRS_rC = r2s.retile(tTR_rC)
         n_sub = cute.size(tTR_tAcc, mode=[3])
+        # each fragment element's (row, column) in the CTA tile, subtiles grouped like tTR_tAcc's
+        coords = cute.group_modes(frag, 3, 5) if const_expr(self.reads_coords) else None
+        tTR_rZ = cute.make_rmem_tensor(tTR_rC.shape, self.c_dtype) if const_expr(self.dact) else None
 
         ep = EpilogueRegs(t2r, tTR_tAcc, tTR_rAcc, thr_t2r, tTR_rC, r2s, tRS_rC, tRS_sC, n_sub, epi_tile, sC, tma_c,
-                          mC_tma, mC, c_pipe, epi_bar, tidx)
+                          mC_tma, mC, c_pipe, epi_bar, tidx, coords, cta.bias, cta.tma_d, cta.mD_tma, cta.mD, cta.mZ,
+                          tTR_rZ, mM, nN, gs)
         stored = Int32(0)   # subtiles stored so far: picks the smem staging buffer
         w = bidz
         while w < n_work:
@@ -450,7 +477,7 @@ class Sm100Gemm:
                     # TMA store clips only at M: a tile that crosses into the next group
                     # is stored row-predicated from registers instead
                     if (row_end < mM) & (cta_row + self.cta_m > row_end):
-                        self.store_predicated(ep, accc.index, do_mma, cta_row, col, lc, row_end, nN)
+                        self.store_predicated(ep, accc.index, do_mma, cta_row, col, lc, g, row_end, nN)
                     else:
                         stored = self.store_tma(ep, accc.index, do_mma, cta_row, col, lc, g, stored)
                 else:
@@ -477,55 +504,94 @@ class Sm100Gemm:
 
     @cute.jit
     def store_tma(self, ep: EpilogueRegs, acc_idx, do_mma, cta_row, col, l, g, stored):
-        """Registers -> smem (c_stages ring) -> TMA store; returns the subtile count."""
-        t2r, tTR_tAcc, tTR_rAcc, epi_tile, n_sub, r2s = ep.t2r, ep.tTR_tAcc, ep.tTR_rAcc, ep.epi_tile, ep.n_sub, ep.r2s
-        tRS_rC, tRS_sC, sC, tma_c, mC_tma, c_pipe = ep.tRS_rC, ep.tRS_sC, ep.sC, ep.tma_c, ep.mC_tma, ep.c_pipe
-        epi_bar, tidx = ep.epi_bar, ep.tidx
+        """Registers -> smem (c_stages ring) -> TMA store, each subtile's pre-activation output D
+        first where there is one; returns the count of subtiles stored."""
         if const_expr(self.mode == "ragged_k"):
-            mC2 = mC_tma[None, None, g, l]
+            mC2 = ep.mC_tma[None, None, g, l]
         else:
-            mC2 = mC_tma[None, None, l]
-        gC = cute.local_tile(cute.domain_offset((cta_row, col), mC2), (self.cta_m, self.cfg.tile_n), (0, 0))
-        bSG_sC, bSG_gC = cpasync.tma_partition(
-            tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2),
-            cute.group_modes(cute.flat_divide(gC, epi_tile), 0, 2))
-        bSG_gC = cute.group_modes(bSG_gC, 1, cute.rank(bSG_gC))
-        for s in cutlass.range_constexpr(n_sub):
-            self.load_acc(t2r, tTR_tAcc, tTR_rAcc, s, acc_idx, do_mma)
-            tRS_rC.store(r2s.retile(tTR_rAcc).load().to(self.c_dtype))
-            buf = stored % self.c_stages
-            cute.copy(r2s, tRS_rC, tRS_sC[(None, None, None, buf)])
-            # generic-proxy smem writes -> visible to the TMA engine (async proxy)
-            cute.arch.fence_proxy("async.shared", space="cta")
-            epi_bar.arrive_and_wait()
-            if tidx == 0:   # one thread issues, commits and waits on the bulk group
-                cute.copy(tma_c, bSG_sC[(None, buf)], bSG_gC[(None, s)])
-                c_pipe.producer_commit()
-                c_pipe.producer_acquire()   # the buffer written next is free again
-            epi_bar.arrive_and_wait()
-            stored += 1
+            mC2 = ep.mC_tma[None, None, l]
+        bSG_sC, bSG_gC = self.tile_partition(ep, ep.tma_c, mC2, cta_row, col)
+        bSG_gD = None
+        if const_expr(self.preact):
+            bSG_gD = self.tile_partition(ep, ep.tma_d, ep.mD_tma[None, None, l], cta_row, col)[1]
+        at = (cta_row, col, l)
+        bias = self.tile_bias(ep, g, l) if const_expr(self.fuse_bias) else None
+        for s in cutlass.range_constexpr(ep.n_sub):
+            self.load_acc(ep.t2r, ep.tTR_tAcc, ep.tTR_rAcc, s, acc_idx, do_mma)
+            if const_expr(self.fused):
+                self.pre_activation(ep, s, col, bias)
+                if const_expr(self.preact):
+                    stored = self.store_subtile(ep, ep.tma_d, bSG_sC, bSG_gD, s, stored)
+                self.post_activation(ep, s, at)
+            stored = self.store_subtile(ep, ep.tma_c, bSG_sC, bSG_gC, s, stored)
         return stored
 
+    def tile_partition(self, ep: EpilogueRegs, tma, mX, cta_row, col) -> tuple:
+        """The TMA partitions of the smem ring and of the CTA tile at (cta_row, col) of ``mX`` (C
+        or D of one batch), the latter's epilogue subtiles in one mode."""
+        gX = cute.local_tile(cute.domain_offset((cta_row, col), mX), (self.cta_m, self.cfg.tile_n), (0, 0))
+        bSG_sX, bSG_gX = cpasync.tma_partition(
+            tma, 0, cute.make_layout(1), cute.group_modes(ep.sC, 0, 2),
+            cute.group_modes(cute.flat_divide(gX, ep.epi_tile), 0, 2))
+        return bSG_sX, cute.group_modes(bSG_gX, 1, cute.rank(bSG_gX))
+
     @cute.jit
-    def store_predicated(self, ep: EpilogueRegs, acc_idx, do_mma, cta_row, col, l, row_end, nN):
-        """TMEM -> registers -> global with a per-element (row < row_end, col < N) guard."""
-        t2r, tTR_tAcc, tTR_rAcc, epi_tile, n_sub = ep.t2r, ep.tTR_tAcc, ep.tTR_rAcc, ep.epi_tile, ep.n_sub
-        thr_t2r, tTR_rC, mC = ep.thr_t2r, ep.tTR_rC, ep.mC
+    def store_subtile(self, ep: EpilogueRegs, tma, bSG_sC, bSG_g, s: cutlass.Constexpr, stored):
+        """``ep.tTR_rAcc`` rounded to C's dtype -> ring slot ``stored % c_stages`` -> TMA store
+        to subtile ``s`` of ``bSG_g`` (see tile_partition); returns ``stored + 1``."""
+        r2s, tRS_rC, epi_bar, c_pipe = ep.r2s, ep.tRS_rC, ep.epi_bar, ep.c_pipe
+        tRS_rC.store(r2s.retile(ep.tTR_rAcc).load().to(self.c_dtype))
+        buf = stored % self.c_stages
+        cute.copy(r2s, tRS_rC, ep.tRS_sC[(None, None, None, buf)])
+        # generic-proxy smem writes -> visible to the TMA engine (async proxy)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        epi_bar.arrive_and_wait()
+        if ep.tidx == 0:   # one thread issues, commits and waits on the bulk group
+            cute.copy(tma, bSG_sC[(None, buf)], bSG_g[(None, s)])
+            c_pipe.producer_commit()
+            c_pipe.producer_acquire()   # the buffer written next is free again
+        epi_bar.arrive_and_wait()
+        return stored + 1
+
+    @cute.jit
+    def store_predicated(self, ep: EpilogueRegs, acc_idx, do_mma, cta_row, col, l, g, row_end, nN):
+        """TMEM -> registers -> global with a per-element (row < row_end, col < N) guard, each
+        subtile's pre-activation output D first where there is one."""
         off = (cta_row, col)
-        gC = cute.local_tile(cute.domain_offset(off, mC[None, None, l]), (self.cta_m, self.cfg.tile_n), (0, 0))
-        cC = cute.local_tile(cute.domain_offset(off, cute.make_identity_tensor((mC.shape[0], nN))),
+        tTR_gC = self.rows_partition(ep, ep.mC[None, None, l], off)
+        cC = cute.local_tile(cute.domain_offset(off, cute.make_identity_tensor((ep.mC.shape[0], nN))),
                              (self.cta_m, self.cfg.tile_n), (0, 0))
-        tTR_gC = cute.group_modes(thr_t2r.partition_D(cute.flat_divide(gC, epi_tile)), 3, 5)
-        tTR_cC = cute.group_modes(thr_t2r.partition_D(cute.flat_divide(cC, epi_tile)), 3, 5)
-        for s in cutlass.range_constexpr(n_sub):
-            self.load_acc(t2r, tTR_tAcc, tTR_rAcc, s, acc_idx, do_mma)
-            tTR_rC.store(tTR_rAcc.load().to(self.c_dtype))
-            gs_ = tTR_gC[(None, None, None, s)]
-            cs_ = tTR_cC[(None, None, None, s)]
-            for i in cutlass.range_constexpr(cute.size(tTR_rC)):
-                rc = cs_[i]
-                if (rc[0] < row_end) & (rc[1] < nN):
-                    gs_[i] = tTR_rC[i]
+        tTR_cC = cute.group_modes(ep.thr_t2r.partition_D(cute.flat_divide(cC, ep.epi_tile)), 3, 5)
+        tTR_gD = self.rows_partition(ep, ep.mD[None, None, l], off) if const_expr(self.preact) else None
+        at = (cta_row, col, l)
+        bias = self.tile_bias(ep, g, l) if const_expr(self.fuse_bias) else None
+        for s in cutlass.range_constexpr(ep.n_sub):
+            self.load_acc(ep.t2r, ep.tTR_tAcc, ep.tTR_rAcc, s, acc_idx, do_mma)
+            if const_expr(self.fused):
+                self.pre_activation(ep, s, col, bias)
+                if const_expr(self.preact):
+                    self.store_guarded(ep, tTR_gD, tTR_cC, s, row_end, nN)
+                self.post_activation(ep, s, at)
+            self.store_guarded(ep, tTR_gC, tTR_cC, s, row_end, nN)
+
+    def rows_partition(self, ep: EpilogueRegs, mX, off: tuple):
+        """This thread's elements of the CTA tile at ``off`` of ``mX`` (C or D of one batch),
+        partitioned like the TMEM load, subtiles in one mode."""
+        gX = cute.local_tile(cute.domain_offset(off, mX), (self.cta_m, self.cfg.tile_n), (0, 0))
+        return cute.group_modes(ep.thr_t2r.partition_D(cute.flat_divide(gX, ep.epi_tile)), 3, 5)
+
+    @cute.jit
+    def store_guarded(self, ep: EpilogueRegs, tTR_gX, tTR_cX, s: cutlass.Constexpr, row_end, nN):
+        """``ep.tTR_rAcc`` rounded to C's dtype -> subtile ``s`` of ``tTR_gX`` (rows_partition),
+        each element where its coordinates (``tTR_cX``) are inside (row_end, N)."""
+        tTR_rC = ep.tTR_rC
+        tTR_rC.store(ep.tTR_rAcc.load().to(self.c_dtype))
+        gs_ = tTR_gX[(None, None, None, s)]
+        cs_ = tTR_cX[(None, None, None, s)]
+        for i in cutlass.range_constexpr(cute.size(tTR_rC)):
+            rc = cs_[i]
+            if (rc[0] < row_end) & (rc[1] < nN):
+                gs_[i] = tTR_rC[i]
 
     @cute.jit
     def zero_k_tail(self, thr_mma, sA, sB, stage, valid_k):
@@ -547,6 +613,8 @@ class Sm100Gemm:
             cute.arch.sync_warp()
 
 
-def make_launcher(mode: str, config: Config, batch_modes: int, signature: abi.Signature):
-    """The @cute.jit launcher of ``signature`` for ``mode`` ("dense", "ragged_m", "ragged_k")."""
-    return launcher_for(signature, Sm100Gemm(mode, config, batch_modes).launch)
+def make_launcher(mode: str, config: Config, batch_modes: int, signature: abi.Signature, bias: bool = False,
+                  activation: str = "", preact: bool = False, dact: str = ""):
+    """The @cute.jit launcher of ``signature`` for ``mode`` ("dense", "ragged_m", "ragged_k"),
+    with a fused epilogue (see GemmSpec's and GroupedSpec's bias, activation, preact and dact)."""
+    return launcher_for(signature, Sm100Gemm(mode, config, batch_modes, bias, activation, preact, dact).launch)

@@ -409,7 +409,7 @@ def signature(spec, config: Config) -> abi.Signature:
     pre-activation input (laid out like c)."""
     if _dact(spec):
         return spec.signature((spec.dact_arg(),))
-    bias = (abi.TensorArg("bias", "float32", (abi.DYN,), (1,), align=4),) if getattr(spec, "bias", False) else ()
+    bias = (spec.bias_arg(),) if spec.bias else ()
     d = (spec.preact_arg(),) if _preact(spec) else ()
     return spec.signature(spec.scale_args() + bias + d + _ws_args(config))
 
