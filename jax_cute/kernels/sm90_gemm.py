@@ -229,11 +229,15 @@ def epilogue_for(spec, config: Config) -> Config:
 # block-scaled tiles: two fp32 fragments per thread (the accumulators and a k-tile's partial
 # product) fit the consumers' registers for 128 x 128 cooperative tiles (64 + 64 per thread)
 _SCALED_TILES = [(128, 128)]
+# the heuristic's block-scaled mainloop (Config.overlap_promote): the serial promotion until the
+# overlapped one (whose two partial fragments spill a few registers) is timed on a GPU
+SCALED_OVERLAP = False
 
 
 def _scaled_candidates(spec) -> list[Config]:
     out = [Config(128, 128, cm, cn, "m", 8, split) for split in (1, 2, 4) for cm, cn in ((2, 1), (1, 2))]
     out.append(Config(128, 128, 1, 1, "m", 8, 1))
+    out += [dataclasses.replace(c, overlap_promote=True) for c in out]
     return [epilogue_for(spec, c) for c in out]
 
 
@@ -353,7 +357,7 @@ def heuristic(spec, m: int, n: int, k: int, l: int, num_sms: int = NUM_SMS) -> C
     cands = [c for c in candidate_configs(spec)
              if c.raster == "m" and c.group == 8 and not c.pingpong and c.tile_m == 128 and c == epilogue_for(spec, c)]
     if spec.scaled:
-        cands = [c for c in cands if c.cluster_m * c.cluster_n > 1]
+        cands = [c for c in cands if c.cluster_m * c.cluster_n > 1 and c.overlap_promote == SCALED_OVERLAP]
     if spec.batch_modes > 1 and ITEM[spec.c_dtype] == 4:
         # an fp32 128x256 tile split 4 ways spills registers with three batch modes (16-96 bytes)
         cands = [c for c in cands if not (c.tile_n == 256 and c.split_k == 4)]
@@ -430,6 +434,8 @@ def launcher(spec, config: Config):
     _check_config(config)
     if spec.scaled:
         _check_scaled_config(config)
+    elif config.overlap_promote:
+        raise ValueError(f"{FAMILY}: overlap_promote applies to block-scaled products only ({config})")
     if config.defer and ITEM[spec.c_dtype] != 2:
         # the converted copy of the accumulators must fit next to them in the register file
         raise ValueError(f"{FAMILY}: a deferred epilogue needs a 16-bit output, not {spec.c_dtype}")
