@@ -174,39 +174,56 @@ class ScaledMainloop:
     @cute.jit
     def overlapped_mainloop(self, tiled_mma: cute.TiledMma, acc, tCrA, tCrB, ts: ThreadScales, pipe, read,
                             release, k0, kc, tile):
-        """Two fragments, the k-loop unrolled by two (register tensors are static): k-tile kt + 1's
-        WGMMAs are issued into one before k-tile kt's partial sums in the other are promoted
-        (``wait_group(1)``), so the tensor cores run under the promotion. With two scale buffers
-        (``ts.ahead``) a k-tile's scales load as its WGMMAs are issued, a k-tile before they are
-        read; with one, just before its promotion's wait."""
+        """Two fragments, the k-loop unrolled by two (register tensors are static): a k-tile's
+        WGMMAs are issued into one fragment before the other's finished k-tile is promoted, so the
+        tensor cores run under the promotion. Per pair of k-tiles (kt + 1 into p1, kt + 2 into p0;
+        kt is in p0, done): issue p1, promote p0, issue p0, wait for p1 (``wait_group(1)``),
+        promote p1, wait for p0 (``wait_group(0)``). No WGMMA is in flight where the loop starts
+        over: ptxas relates a ``wait_group(1)`` to the group issued before it only within one
+        iteration, and otherwise serializes every WGMMA of the kernel. With two scale buffers
+        (``ts.ahead``) a k-tile's scales load as its WGMMAs are issued; with one, just before its
+        promotion."""
         p0, p1 = ts.parts
-        for _ in range(cutlass.min(kc, 1)):
+        for _ in range(cutlass.min(kc, 1)):        # the first k-tile, waited for: p0 is done
             tiled_mma = self.issue_part(tiled_mma, p0, tCrA, tCrB, pipe, read)
             read.advance()
             self.scales_at_issue(ts, 0, k0, tile)
+            release = self.retire(pipe, release, 0)
         pairs = cutlass.max(kc - 1, 0) // 2
         for i in range(pairs):
             kt = k0 + 2 * i
             tiled_mma = self.issue_part(tiled_mma, p1, tCrA, tCrB, pipe, read)
             read.advance()
             self.scales_at_issue(ts, 1, kt + 1, tile)
-            release = self.promote_after(ts, acc, 0, kt, 1, pipe, release, tile)
+            self.promote_part(ts, acc, 0, kt, tile)
             tiled_mma = self.issue_part(tiled_mma, p0, tCrA, tCrB, pipe, read)
             read.advance()
             self.scales_at_issue(ts, 0, kt + 2, tile)
-            release = self.promote_after(ts, acc, 1, kt + 1, 1, pipe, release, tile)
-        # the last one or two k-tiles: k0 + 2 * pairs is in p0
-        odd = cutlass.min(kc - 1 - 2 * pairs, 1)    # 1: one more k-tile, into p1
+            release = self.retire(pipe, release, 1)
+            self.promote_part(ts, acc, 1, kt + 1, tile)
+            release = self.retire(pipe, release, 0)
+        # p0 holds k-tile kt, done; one more (odd = 1) goes into p1
         kt = k0 + 2 * pairs
+        odd = cutlass.min(cutlass.max(kc - 1, 0) - 2 * pairs, 1)
         for _ in range(odd):
             tiled_mma = self.issue_part(tiled_mma, p1, tCrA, tCrB, pipe, read)
             read.advance()
             self.scales_at_issue(ts, 1, kt + 1, tile)
-            release = self.promote_after(ts, acc, 0, kt, 1, pipe, release, tile)
-            release = self.promote_after(ts, acc, 1, kt + 1, 0, pipe, release, tile)
+            self.promote_part(ts, acc, 0, kt, tile)
+            release = self.retire(pipe, release, 0)
+            self.promote_part(ts, acc, 1, kt + 1, tile)
         for _ in range(cutlass.min(kc, 1) - odd):
-            release = self.promote_after(ts, acc, 0, kt, 0, pipe, release, tile)
+            self.promote_part(ts, acc, 0, kt, tile)
         return read, release
+
+    @cute.jit
+    def retire(self, pipe, release, in_flight: cutlass.Constexpr):
+        """Wait until at most ``in_flight`` WGMMA groups run and hand the oldest held stage back
+        to the producer; returns ``release``."""
+        warpgroup.wait_group(in_flight)
+        pipe.consumer_release(release)
+        release.advance()
+        return release
 
     @cute.jit
     def scales_at_issue(self, ts: ThreadScales, p: cutlass.Constexpr, kt, tile):
@@ -215,15 +232,10 @@ class ScaledMainloop:
             self.load_scales(ts, ts.bufs[p], kt, *tile)
 
     @cute.jit
-    def promote_after(self, ts: ThreadScales, acc, p: cutlass.Constexpr, kt, in_flight: cutlass.Constexpr, pipe,
-                      release, tile):
-        """Wait until at most ``in_flight`` WGMMA groups run (k-tile ``kt``'s, in fragment ``p``, are
-        done), hand its stage back and promote it; returns ``release``."""
+    def promote_part(self, ts: ThreadScales, acc, p: cutlass.Constexpr, kt, tile):
+        """Promote fragment ``p``, holding k-tile ``kt``'s finished partial sums, with its scales
+        (with one buffer, loaded here)."""
         buf = ts.bufs[p] if const_expr(ts.ahead) else ts.bufs[0]
         if const_expr(not ts.ahead):
             self.load_scales(ts, buf, kt, *tile)
-        warpgroup.wait_group(in_flight)
-        pipe.consumer_release(release)
-        release.advance()
         self.promote(ts, acc, ts.parts[p], buf)
-        return release
