@@ -103,7 +103,7 @@ import dataclasses
 
 from jax_cute.kernels import abi
 from jax_cute.kernels import epilogue as fused_epilogue
-from jax_cute.kernels.gemm_spec import GemmSpec, GroupedSpec, Workspace
+from jax_cute.kernels.gemm_spec import SCALE_K, GemmSpec, GroupedSpec, Workspace
 # (Config, SMEM_BYTES and tile_k are part of the family's interface: tests and tools read them here)
 from jax_cute.kernels.sm90_config import ITEM, NUM_SMS, SMEM_BYTES, Config, is_gated, stage_plan, tile_k, wg_rows
 
@@ -229,9 +229,16 @@ def epilogue_for(spec, config: Config) -> Config:
 # block-scaled tiles: two fp32 fragments per thread (the accumulators and a k-tile's partial
 # product) fit the consumers' registers for 128 x 128 cooperative tiles (64 + 64 per thread)
 _SCALED_TILES = [(128, 128)]
-# the heuristic's block-scaled mainloop (Config.overlap_promote): the serial promotion until the
-# overlapped one (whose two partial fragments spill a few registers) is timed on a GPU
-SCALED_OVERLAP = False
+
+
+def scaled_overlap(spec) -> bool:
+    """Whether the heuristic runs a block-scaled product with the overlapped promotion
+    (Config.overlap_promote; sm90_scaled). With 128-column B blocks a thread's scales are three
+    floats a k-tile and its consumer registers hold both partial fragments: ptxas spills (8-104
+    bytes, sm_90a) only around each tile's mainloop, never inside it (SASS, 2026-11-27). Per-column
+    B scales (b_block 1: 32 a thread) keep the serial mainloop: beside two fragments they spilled
+    336 bytes."""
+    return spec.scaled and spec.b_block == SCALE_K
 
 
 def _scaled_candidates(spec) -> list[Config]:
@@ -357,7 +364,7 @@ def heuristic(spec, m: int, n: int, k: int, l: int, num_sms: int = NUM_SMS) -> C
     cands = [c for c in candidate_configs(spec)
              if c.raster == "m" and c.group == 8 and not c.pingpong and c.tile_m == 128 and c == epilogue_for(spec, c)]
     if spec.scaled:
-        cands = [c for c in cands if c.cluster_m * c.cluster_n > 1 and c.overlap_promote == SCALED_OVERLAP]
+        cands = [c for c in cands if c.cluster_m * c.cluster_n > 1 and c.overlap_promote == scaled_overlap(spec)]
     if spec.batch_modes > 1 and ITEM[spec.c_dtype] == 4:
         # an fp32 128x256 tile split 4 ways spills registers with three batch modes (16-96 bytes)
         cands = [c for c in cands if not (c.tile_n == 256 and c.split_k == 4)]

@@ -118,7 +118,7 @@ def heuristic(spec, m, n, k, g, l, num_sms: int = 132) -> Config:
         tile_n = 128
     if spec.mode == "ragged_k" and -(-m // TILE_M) * -(-n // 256) * g * l < 2 * num_sms:
         tile_n = 128
-    return Config(tile_n=tile_n, sms=num_sms, overlap_promote=spec.scaled and sm90_gemm.SCALED_OVERLAP)
+    return Config(tile_n=tile_n, sms=num_sms, overlap_promote=sm90_gemm.scaled_overlap(spec))
 
 
 def signature(spec, config) -> abi.Signature:
