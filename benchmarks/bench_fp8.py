@@ -10,7 +10,9 @@ interleaved in one process:
 - *jax_cute_serial* / *jax_cute_db*: the same call, traced with the block-scaled kernel's
   mainloop variant forced (``Config.overlap_promote`` off: each k-tile's partial sums promoted
   after its WGMMAs drain; on: double-buffered partial fragments, the next k-tile's WGMMAs
-  running under the promotion), whichever the heuristic picks;
+  running under the promotion), whichever the heuristic picks; *jax_cute_db_c2x2* (dense): the
+  overlapped mainloop on 2x2 clusters (A multicast along N as well as B along M: 16 KB of L2
+  reads per CTA and k-tile instead of 24);
 - *xla*: XLA's fp8 dot: ``lax.dot_general`` of the raw e4m3 values (no block scales), bf16 out
   (for the grouped case a batched dot over the 4 equal groups).
 
@@ -108,22 +110,28 @@ def scaled_variant(**fields) -> Iterator[None]:
         yield
 
 
-def _variants(fn: Callable) -> list[Impl]:
-    """The scaled product as the heuristic picks it and with each mainloop variant forced."""
-    return [Impl("jax_cute", fn), Impl("jax_cute_serial", fn, context=lambda: scaled_variant(overlap_promote=False)),
-            Impl("jax_cute_db", fn, context=lambda: scaled_variant(overlap_promote=True))]
+def _variants(fn: Callable, dense: bool) -> list[Impl]:
+    """The scaled product as the heuristic picks it and with each mainloop variant forced (dense:
+    also the overlapped one on 2x2 clusters, A and B both multicast)."""
+    variants = {"jax_cute": None, "jax_cute_serial": {"overlap_promote": False},
+                "jax_cute_db": {"overlap_promote": True}}
+    if dense:
+        variants["jax_cute_db_c2x2"] = {"overlap_promote": True, "cluster_m": 2, "cluster_n": 2}
+    # a function object per variant: jit caches its traces (and their kernels) by function
+    return [Impl(name, lambda *args: fn(*args), context=fields and (lambda fields=fields: scaled_variant(**fields)))
+            for name, fields in variants.items()]
 
 
 def run(args: argparse.Namespace) -> list[dict]:
     rounds = 2 if args.smoke else args.rounds
     recs: list[dict] = []
-    dense = [*_variants(_scaled), Impl("jax_cute_bf16", _bf16), Impl("xla", _xla_fp8)]
+    dense = [*_variants(_scaled, True), Impl("jax_cute_bf16", _bf16), Impl("xla", _xla_fp8)]
     for m, n, k in SMOKE_DENSE if args.smoke else DENSE:
         recs += measure("fp8", "fp8_gemm", f"{m}x{n}x{k}", dense, dense_operands(m, n, k), 2.0 * m * n * k,
                         rounds=rounds, meta={"m": m, "n": n, "k": k, "dtype": "float8_e4m3fn"}, check=False,
                         chain=4 if m * n * k < 2**34 else 1)
     g, rows, n, k = SMOKE_GROUPED if args.smoke else GROUPED
-    grouped = [*_variants(_grouped_scaled), Impl("jax_cute_bf16", _grouped_bf16),
+    grouped = [*_variants(_grouped_scaled, False), Impl("jax_cute_bf16", _grouped_bf16),
                Impl("xla", _grouped_xla_fp8)]
     recs += measure("fp8", "fp8_grouped", f"{g}x{rows}x{n}x{k}", grouped, grouped_operands(g, rows, n, k),
                     2.0 * g * rows * n * k, rounds=rounds,
