@@ -15,6 +15,9 @@ sum_k |a_k b_k| (the fp8 tensor core's accumulation), and DeepGEMM's global meas
 
 from __future__ import annotations
 
+import dataclasses
+from unittest import mock
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,6 +26,7 @@ import pytest
 import jax_cute
 from jax_cute import config
 from jax_cute.fp8 import dequantize, grouped_linear, linear, quantize
+from jax_cute.kernels import sm90_gemm
 
 from fp8_bound import C_ACC, TOL, abs_product, check  # tests/ is on sys.path under pytest
 
@@ -127,6 +131,23 @@ def test_error_model():
           f"(99th percentile of all: {float(np.quantile(ratio, 0.99)):.1f})")
     assert used <= 1.0
     assert not beyond.any() or ratio[beyond].min() >= np.quantile(ratio, 0.99)
+
+
+@pytest.mark.parametrize("fields", [{"overlap_promote": False}, {"overlap_promote": True, "cluster_m": 2, "cluster_n": 2}],
+                         ids=["serial", "overlap-c2x2"])
+def test_mainloop_variants(fields):
+    """The variants benchmarks/bench_fp8.py times beside the heuristic's pick (the overlapped
+    mainloop on 2x1 clusters here): the serial mainloop with 128 x 128 B scales, and the
+    overlapped one on 2x2 clusters."""
+    xq, wq = quantize(data((1000, 1000), "heavy", 22), "1x128"), quantize(data((1000, 1040), "student_t", 23), "128x128")
+    pick = sm90_gemm.heuristic
+
+    def forced(spec, *args, **kwargs):
+        return dataclasses.replace(pick(spec, *args, **kwargs), **fields)
+
+    with mock.patch.object(sm90_gemm, "heuristic", forced):
+        out = jax.jit(lambda x, w: jax_cute.matmul(x, w, preferred_element_type=F32))(xq, wq)
+    check(out, mm(dq(xq), dq(wq)), abs_product(dq(xq), dq(wq)))
 
 
 @pytest.mark.parametrize("activation", ["gelu", "relu", "silu"])
