@@ -67,7 +67,9 @@ def test_compile_scaled(spec):
 @pytest.mark.parametrize("cfg", [sm90_gemm.Config(128, 128, 1, 2, split_k=2, epi_n=64),
                                  sm90_gemm.Config(128, 128, 1, 1, split_k=4),
                                  sm90_gemm.Config(128, 128, 2, 1, raster="n", group=16),
-                                 sm90_gemm.Config(128, 128, 2, 1, pdl=True, epi_n=64, whole_c=True)],
+                                 sm90_gemm.Config(128, 128, 2, 1, pdl=True, epi_n=64, whole_c=True),
+                                 sm90_gemm.Config(128, 128, 1, 2, split_k=4, overlap_promote=True),
+                                 sm90_gemm.Config(128, 128, 2, 2, epi_n=64, whole_c=True, overlap_promote=True)],
                          ids=lambda c: c.key())
 def test_compile_scaled_configs(cfg):
     _compile(scaled(1, 128), cfg)
