@@ -45,9 +45,11 @@ Kernel shape (one persistent CTA per SM, 384 threads):
   them, hands the stage back and adds the fragment times sa[row] * sb[column] to its
   accumulators (two-level accumulation, as DeepGEMM). Each thread reads the scales of its own
   rows and columns (the accumulator layout's coordinates, from a partitioned identity tensor)
-  from global memory, one k-tile ahead. The two warpgroups of a cooperative tile drift apart,
-  so one's promotion overlaps the other's WGMMAs. Two fp32 fragments per thread: 128 x 128
-  cooperative tiles (sm90_scaled).
+  from global memory, one k-tile ahead. The overlapped mainloop (Config.overlap_promote, the
+  heuristic's with 128-column B scales) keeps a second partial fragment so that a warpgroup's
+  next k-tile's WGMMAs run under its promotion; the serial one relies on the other warpgroup's
+  WGMMAs for that. Two or three fp32 fragments per thread: 128 x 128 cooperative tiles
+  (sm90_scaled).
 - TMA stores write whole 16-byte chunks, so where C's contiguous extent is not a multiple of 16
   bytes the subtiles on that edge are stored with predicated per-element stores instead.
 - work is a linear sequence of (cluster tile, batch, k-split) units in a grouped ("swizzled")
@@ -226,8 +228,8 @@ def epilogue_for(spec, config: Config) -> Config:
     return dataclasses.replace(config, epi_n=64, whole_c=whole)
 
 
-# block-scaled tiles: two fp32 fragments per thread (the accumulators and a k-tile's partial
-# product) fit the consumers' registers for 128 x 128 cooperative tiles (64 + 64 per thread)
+# block-scaled tiles: the accumulators and one or two k-tiles' partial products fit the
+# consumers' registers for 128 x 128 cooperative tiles (64 + 64, or 64 + 2 x 64, per thread)
 _SCALED_TILES = [(128, 128)]
 
 
