@@ -10,8 +10,9 @@ epilogue then reads ``acc`` as for an unscaled product. Two mainloops (Config.ov
 - serial: one fragment; each k-tile's WGMMAs drain (``wait_group(0)``) before its promotion, so
   the tensor cores idle during it unless the other warpgroup's WGMMAs run;
 - overlapped: two fragments (64 + 2 x 64 fp32 registers a thread for a 128 x 128 tile), the
-  k-loop unrolled by two: k-tile kt + 1's WGMMAs are issued before k-tile kt is promoted
-  (``wait_group(1)``), so they run under the promotion.
+  k-loop unrolled by two: a k-tile's WGMMAs are issued into one fragment before the other
+  fragment's finished k-tile is promoted, so they run under the promotion (one
+  ``wait_group(1)`` and one ``wait_group(0)`` per two k-tiles: see overlapped_mainloop).
 
 Each thread reads the scales of the rows and columns its fragment holds. Thread t's element i
 sits at (its first element's coordinates) + (thread 0's element i's coordinates): the second
