@@ -7,6 +7,12 @@ interleaved in one process:
 - *jax_cute*: ``jax_cute.matmul`` (``ragged_dot`` for the grouped case) of operands quantized
   beforehand, x in 1 x 128 and w (N, K) in 128 x 128 blocks (DeepGEMM's recipe), bf16 out;
 - *jax_cute_bf16*: ``jax_cute.matmul`` / ``ragged_dot`` of the same values in bf16;
+- *jax_cute_serial* / *jax_cute_db*: the same call, traced with the block-scaled kernel's
+  mainloop variant forced (``Config.overlap_promote`` off: each k-tile's partial sums promoted
+  after its WGMMAs drain; on: double-buffered partial fragments, the next k-tile's WGMMAs
+  running under the promotion), whichever the heuristic picks; *jax_cute_db_c2x2* (dense): the
+  overlapped mainloop on 2x2 clusters (A multicast along N as well as B along M: 16 KB of L2
+  reads per CTA and k-tile instead of 24);
 - *xla*: XLA's fp8 dot: ``lax.dot_general`` of the raw e4m3 values (no block scales), bf16 out
   (for the grouped case a batched dot over the 4 equal groups).
 
@@ -16,9 +22,12 @@ TFLOP/s count 2 M N K. Outputs are not compared (the three compute different pro
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import os
 import sys
-from typing import Callable
+from typing import Callable, Iterator
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jax_cute  # noqa: E402
 from common import Impl, measure, suite_main  # noqa: E402
 from jax_cute.fp8 import quantize  # noqa: E402
+from jax_cute.kernels import sm90_gemm, sm90_grouped  # noqa: E402
 
 DENSE = [(4096, 7168, 16384), (4096, 4096, 7168), (128, 7168, 16384)]   # (M, N, K)
 GROUPED = (4, 8192, 4096, 7168)                                          # (G, rows per group, N, K)
@@ -86,16 +96,42 @@ def _grouped_xla_fp8(xq, wq, x, w, sizes):
     return jax.lax.dot_general(a, wq.values, (((2,), (1,)), ((0,), (0,))), preferred_element_type=BF).reshape(-1, n)
 
 
+@contextlib.contextmanager
+def scaled_variant(**fields) -> Iterator[None]:
+    """Trace with ``fields`` replaced in the Hopper families' block-scaled configs."""
+    def forced(heuristic):
+        def pick(spec, *args, **kwargs):
+            cfg = heuristic(spec, *args, **kwargs)
+            return dataclasses.replace(cfg, **fields) if spec.scaled else cfg
+        return pick
+
+    with mock.patch.object(sm90_gemm, "heuristic", forced(sm90_gemm.heuristic)), \
+            mock.patch.object(sm90_grouped, "heuristic", forced(sm90_grouped.heuristic)):
+        yield
+
+
+def _variants(fn: Callable, dense: bool) -> list[Impl]:
+    """The scaled product as the heuristic picks it and with each mainloop variant forced (dense:
+    also the overlapped one on 2x2 clusters, A and B both multicast)."""
+    variants = {"jax_cute": None, "jax_cute_serial": {"overlap_promote": False},
+                "jax_cute_db": {"overlap_promote": True}}
+    if dense:
+        variants["jax_cute_db_c2x2"] = {"overlap_promote": True, "cluster_m": 2, "cluster_n": 2}
+    # a function object per variant: jit caches its traces (and their kernels) by function
+    return [Impl(name, lambda *args: fn(*args), context=fields and (lambda fields=fields: scaled_variant(**fields)))
+            for name, fields in variants.items()]
+
+
 def run(args: argparse.Namespace) -> list[dict]:
     rounds = 2 if args.smoke else args.rounds
     recs: list[dict] = []
-    dense = [Impl("jax_cute", _scaled), Impl("jax_cute_bf16", _bf16), Impl("xla", _xla_fp8)]
+    dense = [*_variants(_scaled, True), Impl("jax_cute_bf16", _bf16), Impl("xla", _xla_fp8)]
     for m, n, k in SMOKE_DENSE if args.smoke else DENSE:
         recs += measure("fp8", "fp8_gemm", f"{m}x{n}x{k}", dense, dense_operands(m, n, k), 2.0 * m * n * k,
                         rounds=rounds, meta={"m": m, "n": n, "k": k, "dtype": "float8_e4m3fn"}, check=False,
                         chain=4 if m * n * k < 2**34 else 1)
     g, rows, n, k = SMOKE_GROUPED if args.smoke else GROUPED
-    grouped = [Impl("jax_cute", _grouped_scaled), Impl("jax_cute_bf16", _grouped_bf16),
+    grouped = [*_variants(_grouped_scaled, False), Impl("jax_cute_bf16", _grouped_bf16),
                Impl("xla", _grouped_xla_fp8)]
     recs += measure("fp8", "fp8_grouped", f"{g}x{rows}x{n}x{k}", grouped, grouped_operands(g, rows, n, k),
                     2.0 * g * rows * n * k, rounds=rounds,

@@ -16,6 +16,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+import fp8_bound  # tests/ is on sys.path under pytest
 import jax_cute
 from jax_cute import config
 from jax_cute.fp8 import (BlockScaled, Blockwise, dequantize, grouped_linear, linear, quantize, quantize_grouped,
@@ -165,6 +166,27 @@ def test_scaled_matmul_forward(kind, m, k, n):
     assert calc_diff(bf, ref) < 1e-3
     np.testing.assert_allclose(np.asarray(bf, np.float32), np.asarray(jnp.asarray(ref, jnp.bfloat16), np.float32),
                                rtol=2 ** -7, atol=1e-30)
+
+
+@pytest.mark.parametrize("kind", ["normal", "heavy"])
+def test_gpu_accuracy_bound_catches_a_wrong_scale(kind):
+    """test_gpu_fp8's element-wise bound (fp8_bound: 1e-3 of the row max, half an ulp, 2^-11 of
+    sum|a b| for the tensor core's accumulation) is loose enough for the hardware and still tight
+    enough to see one scale block off by 1%: through the reference path here, the right product
+    passes it and products with one A or one B scale (a 128-K block) perturbed fail it."""
+    x, w = data((256, 256), kind, 20), data((256, 384), "normal", 21)
+    xq, wq = quantize(x), quantize(w, "128x128")
+    out = jax_cute.matmul(xq, wq, preferred_element_type=jnp.float32)
+    a, b = jnp.asarray(deq(xq)), jnp.asarray(deq(wq))
+    fp8_bound.check(out, a @ b, fp8_bound.abs_product(a, b))
+
+    def off(q: BlockScaled, index) -> BlockScaled:
+        return BlockScaled(q.values, q.scales.at[index].multiply(1.01), q.block, q.group_sizes)
+
+    for xw, ww in ((off(xq, (7, 1)), wq), (xq, off(wq, (1, 2)))):
+        wrong = jnp.asarray(deq(xw)) @ jnp.asarray(deq(ww))
+        with pytest.raises(AssertionError, match="elements off"):
+            fp8_bound.check(out, wrong, fp8_bound.abs_product(a, b))
 
 
 def test_scaled_products_of_every_block_form():

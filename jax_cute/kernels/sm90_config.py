@@ -47,13 +47,16 @@ class Config:
     # ring's NCCL transfers (dispatch sets it from GemmRequest.free_sms). A launch parameter of
     # the host launcher: the kernel's code is the same for every value.
     sms: int = NUM_SMS
+    # block-scaled only (sm90_scaled): two partial-product fragments, so k-tile kt + 1's WGMMAs
+    # run on the tensor cores while k-tile kt's partial sums are promoted with their scales
+    overlap_promote: bool = False
 
     def key(self) -> str:
         return (f"t{self.tile_m}x{self.tile_n}.c{self.cluster_m}x{self.cluster_n}."
                 f"r{self.raster}{self.group}.sk{self.split_k}.st{self.stages}" + (".pp" if self.pingpong else "")
                 + (".pdl" if self.pdl else "") + (f".e{self.epi_n}" if self.epi_n != 32 else "")
                 + (f".df{self.defer}" if self.defer else "") + (".wc" if self.whole_c else "")
-                + (f".sm{self.sms}" if self.sms != NUM_SMS else ""))
+                + (f".sm{self.sms}" if self.sms != NUM_SMS else "") + (".op" if self.overlap_promote else ""))
 
 
 def is_gated(spec) -> bool:

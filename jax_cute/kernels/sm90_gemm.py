@@ -45,9 +45,11 @@ Kernel shape (one persistent CTA per SM, 384 threads):
   them, hands the stage back and adds the fragment times sa[row] * sb[column] to its
   accumulators (two-level accumulation, as DeepGEMM). Each thread reads the scales of its own
   rows and columns (the accumulator layout's coordinates, from a partitioned identity tensor)
-  from global memory, one k-tile ahead. The two warpgroups of a cooperative tile drift apart,
-  so one's promotion overlaps the other's WGMMAs. Two fp32 fragments per thread: 128 x 128
-  cooperative tiles (sm90_scaled).
+  from global memory, one k-tile ahead. The overlapped mainloop (Config.overlap_promote, the
+  heuristic's with 128-column B scales) keeps a second partial fragment so that a warpgroup's
+  next k-tile's WGMMAs run under its promotion; the serial one relies on the other warpgroup's
+  WGMMAs for that. Two or three fp32 fragments per thread: 128 x 128 cooperative tiles
+  (sm90_scaled).
 - TMA stores write whole 16-byte chunks, so where C's contiguous extent is not a multiple of 16
   bytes the subtiles on that edge are stored with predicated per-element stores instead.
 - work is a linear sequence of (cluster tile, batch, k-split) units in a grouped ("swizzled")
@@ -103,7 +105,7 @@ import dataclasses
 
 from jax_cute.kernels import abi
 from jax_cute.kernels import epilogue as fused_epilogue
-from jax_cute.kernels.gemm_spec import GemmSpec, GroupedSpec, Workspace
+from jax_cute.kernels.gemm_spec import SCALE_K, GemmSpec, GroupedSpec, Workspace
 # (Config, SMEM_BYTES and tile_k are part of the family's interface: tests and tools read them here)
 from jax_cute.kernels.sm90_config import ITEM, NUM_SMS, SMEM_BYTES, Config, is_gated, stage_plan, tile_k, wg_rows
 
@@ -226,14 +228,25 @@ def epilogue_for(spec, config: Config) -> Config:
     return dataclasses.replace(config, epi_n=64, whole_c=whole)
 
 
-# block-scaled tiles: two fp32 fragments per thread (the accumulators and a k-tile's partial
-# product) fit the consumers' registers for 128 x 128 cooperative tiles (64 + 64 per thread)
+# block-scaled tiles: the accumulators and one or two k-tiles' partial products fit the
+# consumers' registers for 128 x 128 cooperative tiles (64 + 64, or 64 + 2 x 64, per thread)
 _SCALED_TILES = [(128, 128)]
+
+
+def scaled_overlap(spec) -> bool:
+    """Whether the heuristic runs a block-scaled product with the overlapped promotion
+    (Config.overlap_promote; sm90_scaled). With 128-column B blocks a thread's scales are three
+    floats a k-tile and its consumer registers hold both partial fragments: ptxas spills (8-104
+    bytes, sm_90a) only around each tile's mainloop, never inside it (SASS, 2026-11-27). Per-column
+    B scales (b_block 1: 32 a thread) keep the serial mainloop: beside two fragments they spilled
+    336 bytes."""
+    return spec.scaled and spec.b_block == SCALE_K
 
 
 def _scaled_candidates(spec) -> list[Config]:
     out = [Config(128, 128, cm, cn, "m", 8, split) for split in (1, 2, 4) for cm, cn in ((2, 1), (1, 2))]
     out.append(Config(128, 128, 1, 1, "m", 8, 1))
+    out += [dataclasses.replace(c, overlap_promote=True) for c in out]
     return [epilogue_for(spec, c) for c in out]
 
 
@@ -353,7 +366,7 @@ def heuristic(spec, m: int, n: int, k: int, l: int, num_sms: int = NUM_SMS) -> C
     cands = [c for c in candidate_configs(spec)
              if c.raster == "m" and c.group == 8 and not c.pingpong and c.tile_m == 128 and c == epilogue_for(spec, c)]
     if spec.scaled:
-        cands = [c for c in cands if c.cluster_m * c.cluster_n > 1]
+        cands = [c for c in cands if c.cluster_m * c.cluster_n > 1 and c.overlap_promote == scaled_overlap(spec)]
     if spec.batch_modes > 1 and ITEM[spec.c_dtype] == 4:
         # an fp32 128x256 tile split 4 ways spills registers with three batch modes (16-96 bytes)
         cands = [c for c in cands if not (c.tile_n == 256 and c.split_k == 4)]
@@ -430,6 +443,8 @@ def launcher(spec, config: Config):
     _check_config(config)
     if spec.scaled:
         _check_scaled_config(config)
+    elif config.overlap_promote:
+        raise ValueError(f"{FAMILY}: overlap_promote applies to block-scaled products only ({config})")
     if config.defer and ITEM[spec.c_dtype] != 2:
         # the converted copy of the accumulators must fit next to them in the register file
         raise ValueError(f"{FAMILY}: a deferred epilogue needs a 16-bit output, not {spec.c_dtype}")

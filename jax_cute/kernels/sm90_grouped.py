@@ -46,9 +46,10 @@ class Config:
     tile_n: int = 256     # tile_m is always 128 (two consumer warpgroups of 64 rows)
     raster: int = 8       # m-tiles per raster panel (L2 reuse of B)
     sms: int = 132        # persistent grid size
+    overlap_promote: bool = False   # block-scaled: sm90_gemm.Config's overlapped promotion
 
     def key(self) -> str:
-        return f"n{self.tile_n}.r{self.raster}.sm{self.sms}"
+        return f"n{self.tile_n}.r{self.raster}.sm{self.sms}" + (".op" if self.overlap_promote else "")
 
 
 def unsupported(spec) -> str | None:
@@ -92,7 +93,9 @@ def _scaled_unsupported(spec: GroupedSpec) -> str | None:
 
 
 def candidate_configs(spec) -> list[Config]:
-    return [Config(tile_n=128)] if spec.scaled else [Config(tile_n=256), Config(tile_n=128)]
+    if spec.scaled:
+        return [Config(tile_n=128), Config(tile_n=128, overlap_promote=True)]
+    return [Config(tile_n=256), Config(tile_n=128)]
 
 
 def heuristic(spec, m, n, k, g, l, num_sms: int = 132) -> Config:
@@ -115,7 +118,7 @@ def heuristic(spec, m, n, k, g, l, num_sms: int = 132) -> Config:
         tile_n = 128
     if spec.mode == "ragged_k" and -(-m // TILE_M) * -(-n // 256) * g * l < 2 * num_sms:
         tile_n = 128
-    return Config(tile_n=tile_n, sms=num_sms)
+    return Config(tile_n=tile_n, sms=num_sms, overlap_promote=sm90_gemm.scaled_overlap(spec))
 
 
 def signature(spec, config) -> abi.Signature:
@@ -132,7 +135,8 @@ def kernel_config(spec, config: Config) -> sm90_gemm.Config:
     dense kernel's epilogue for the output dtype (16-bit: the whole share of 64-wide subtiles;
     measured on an H200 against the 32-wide ring, 1.02x geometric mean over the grouped suite,
     2026-11-24)."""
-    cfg = sm90_gemm.epilogue_for(spec, sm90_gemm.Config(TILE_M, config.tile_n, 1, 1, "m", config.raster))
+    cfg = sm90_gemm.epilogue_for(spec, sm90_gemm.Config(TILE_M, config.tile_n, 1, 1, "m", config.raster,
+                                                        overlap_promote=config.overlap_promote))
     # the pre-activation output's two passes over the whole share (or a ring of 64-wide
     # subtiles) leave the walker's registers short for elementwise activations (an 8-16 byte
     # stack frame with silu): those tiles take the ring of 32-wide subtiles. A gated epilogue's
@@ -146,6 +150,8 @@ def launcher(spec, config: Config):
     why = unsupported(spec)
     if why:
         raise ValueError(f"{FAMILY}: {why}")
+    if config.overlap_promote and not spec.scaled:
+        raise ValueError(f"{FAMILY}: overlap_promote applies to block-scaled products only ({config})")
     if spec.scaled and config.tile_n != 128:
         raise ValueError(f"{FAMILY}: block-scaled tiles are 128 x 128 ({config})")
     return sm90_gemm.make_launcher(spec, kernel_config(spec, config), config.sms)

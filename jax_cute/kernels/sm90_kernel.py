@@ -153,6 +153,9 @@ class Sm90Gemm(ScaledMainloop, Sm90Epilogue):
         # block-scaled fp8 (sm90_scaled): rows of A and of B per scale, 0 when unscaled
         self.a_block, self.b_block = getattr(spec, "a_block", 0), getattr(spec, "b_block", 0)
         self.scaled = self.a_block > 0
+        # registers per thread (setmaxnreg; 40 + 2 x 232 fill the 64K register file): the
+        # overlapped promotion's two partial fragments take 8 of the producer's
+        self.producer_regs, self.consumer_regs = (24, 240) if config.overlap_promote else (40, 232)
         self.threads = 384
         self.mma_threads = 256
         self.epi_threads = 128
@@ -403,7 +406,7 @@ class Sm90Gemm(ScaledMainloop, Sm90Epilogue):
         tma_a, tma_b, mA, mB, sA, sB = cta.tma_a, cta.tma_b, cta.mA, cta.mB, cta.sA, cta.sB
         ab_pipe, a_mask, b_mask, warp_id, cc = cta.ab_pipe, cta.a_mask, cta.b_mask, cta.warp_id, cta.cc
         first, stride, la_last, lb_last = sch.first, sch.stride, sch.la_last, sch.lb_last
-        cute.arch.setmaxregister_decrease(40)
+        cute.arch.setmaxregister_decrease(self.producer_regs)
         if warp_id == 0:
             prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
             w = first
@@ -445,7 +448,7 @@ class Sm90Gemm(ScaledMainloop, Sm90Epilogue):
         tiled_mma, wg_mma, sA, sB, sC = cta.tiled_mma, cta.wg_mma, cta.sA, cta.sB, cta.sC
         tidx, wg, warp_id, gmem_c = cta.tidx, cta.wg, cta.warp_id, cta.gmem_c
         first, stride, k_tiles = sch.first, sch.stride, sch.k_tiles
-        cute.arch.setmaxregister_increase(232)
+        cute.arch.setmaxregister_increase(self.consumer_regs)
         ctid = tidx - 128
         etid = ctid % 128      # thread index inside its warpgroup (its epilogue group)
         # WGMMA partitions per warpgroup: slice by the warpgroup's first thread
