@@ -100,9 +100,10 @@ def init_params(key: jax.Array, cfg: Config) -> Params:
 
 
 def norm(x: jax.Array, scale: jax.Array) -> jax.Array:
-    """RMS norm in f32, returned in the compute dtype."""
+    """RMS norm in f32, kept in f32: each product rounds its own copy to bf16, so the cotangents
+    of a normed input used twice (an MoE's router and experts) are summed in f32."""
     x = x.astype(F32)
-    return (x * lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * scale).astype(COMPUTE)
+    return x * lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * scale
 
 
 def mm(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
@@ -151,27 +152,29 @@ def moe(p: Params, x: jax.Array, cfg: Config, mesh: Mesh | None = None) -> jax.A
     """Top-k routing, each token copy through its expert, combined with the gate weights. On a
     mesh the experts are split over every device (``moe_expert_parallel``)."""
     b, t, d = x.shape
-    tokens = x.reshape(b * t, d).astype(COMPUTE)
+    tokens = x.reshape(b * t, d)
+    gates, experts = route(p, tokens, cfg)
+    tokens = tokens.astype(COMPUTE)
     if mesh is not None and mesh.size > 1:
-        y = moe_expert_parallel(p, tokens, cfg, mesh)
+        y = moe_expert_parallel(p, tokens, gates, experts, cfg, mesh)
     else:
-        gates, experts = route(p, tokens, cfg)
         y = experts_ffn(p["w1"], p["w2"], jnp.repeat(tokens, cfg.top_k, axis=0), experts.reshape(-1), cfg.experts)
         y = jnp.sum(y.reshape(b * t, cfg.top_k, d) * gates[..., None], axis=1)
     return y.reshape(b, t, d)
 
 
-def moe_expert_parallel(p: Params, tokens: jax.Array, cfg: Config, mesh: Mesh) -> jax.Array:
-    """The MoE layer under ``shard_map``: each device holds ``experts / devices`` experts and
-    ``tokens / devices`` tokens. Every token copy is sent to its expert's device (all-to-all,
-    room for all of them: no token is dropped), run there through the local experts, and sent
-    back (all-to-all) to be combined where it came from."""
+def moe_expert_parallel(p: Params, tokens: jax.Array, gates: jax.Array, experts: jax.Array, cfg: Config,
+                        mesh: Mesh) -> jax.Array:
+    """The MoE layer's experts under ``shard_map`` (routing is a data-parallel product before it,
+    whose weight gradient the partitioner sums in f32): each device holds ``experts / devices``
+    experts and ``tokens / devices`` tokens. Every token copy is sent to its expert's device
+    (all-to-all, room for all of them: no token is dropped), run there through the local
+    experts, and sent back (all-to-all) to be combined where it came from."""
     axes, n = tuple(mesh.axis_names), mesh.size
     local_experts = cfg.experts // n
 
-    def shard(router, w1, w2, x):
+    def shard(w1, w2, x, gates, experts):
         t, d = x.shape
-        gates, experts = route({"router": router}, x, cfg)
         dest = (experts // local_experts).reshape(-1)  # (t*k,) each copy's device
         copies = t * cfg.top_k
         # each copy's slot in the buffer for its device: its rank among the copies sent there
@@ -186,8 +189,8 @@ def moe_expert_parallel(p: Params, tokens: jax.Array, cfg: Config, mesh: Mesh) -
         y = back[dest, rank].reshape(t, cfg.top_k, d)
         return jnp.sum(y * gates[..., None], axis=1)
 
-    return jax.shard_map(shard, mesh=mesh, in_specs=(P(), P(axes), P(axes), P(axes)),
-                         out_specs=P(axes))(p["router"], p["w1"], p["w2"], tokens)
+    return jax.shard_map(shard, mesh=mesh, in_specs=(P(axes),) * 5,
+                         out_specs=P(axes))(p["w1"], p["w2"], tokens, gates, experts)
 
 
 def logits(params: Params, h: jax.Array, cfg: Config) -> jax.Array:
