@@ -432,19 +432,38 @@ def result_aval(name: str, layouts: GemmLayouts | RaggedLayouts, avals, out_dtyp
                                 manual_axis_type=jax_core.ManualAxisType(varying=varying))
 
 
+def varying_aval(shape, dtype, avals) -> jax.core.ShapedArray:
+    """A result type unsharded on the operands' mesh that varies over their manual axes (inside
+    shard_map): for primitives whose partitioning is that of the GEMM they lower to (the fused
+    epilogues) or not followed in types (the block-scaled products)."""
+    meshes = {a.sharding.mesh for a in avals if not a.sharding.mesh.empty}
+    mesh = meshes.pop() if len(meshes) == 1 else jax.sharding.get_abstract_mesh()
+    varying = frozenset().union(*(a.mat.varying for a in avals))
+    return jax.core.ShapedArray(tuple(shape), np.dtype(dtype), sharding=NamedSharding(mesh, PartitionSpec()),
+                                manual_axis_type=jax_core.ManualAxisType(varying=varying))
+
+
 # The last result whose contraction ran over operands both sharded along it (see ``constrain``).
 _reduced_result: contextvars.ContextVar[weakref.ref | None] = contextvars.ContextVar("jax_cute_reduced", default=None)
 
 
-class Primitive(extend_core.Primitive):
-    """A GEMM primitive (its params hold ``layouts``). Binding first makes the operands vary over
-    the same manual mesh axes, as lax's dot_general does: a transpose then sums a cotangent over
-    the axes its operand did not vary over. A result contracted over operands both sharded
-    along the contraction (Explicit axes) is remembered for ``constrain``."""
+class VaryingPrimitive(extend_core.Primitive):
+    """Binding first makes the operands vary over the same manual mesh axes (inside shard_map),
+    as lax's binary ops do: a transpose then sums a cotangent over the axes its operand did not
+    vary over."""
+
+    def bind(self, *args, **params):
+        return super().bind(*jax_core.auto_insert_reshard(*args), **params)
+
+
+class Primitive(VaryingPrimitive):
+    """A GEMM primitive (its params hold ``layouts``), binding as ``VaryingPrimitive`` (as lax's
+    dot_general does). A result contracted over operands both sharded along the contraction
+    (Explicit axes) is remembered for ``constrain``."""
 
     def bind(self, *args, **params):
         args = jax_core.auto_insert_reshard(*args)
-        out = super().bind(*args, **params)
+        out = extend_core.Primitive.bind(self, *args, **params)
         avals = [jax.typeof(x) for x in args]
         if any(_explicit(a.sharding.mesh) for a in avals):
             p = problem(params["layouts"], [a.shape for a in avals])
