@@ -12,10 +12,12 @@ score and value products, the tied LM head and the router stay bf16), against th
 ``--mesh data=N[,model=M]`` trains on N x M devices: the batch is split over ``data`` (data
 parallel; ``--fsdp`` also shards every weight over it, gathered per layer), the attention heads
 and MLP width over ``model`` (tensor parallel: column- then row-parallel products), and with
-``--moe`` the experts over every device (expert parallel: the MoE layer is a ``shard_map`` with
-an all-to-all token dispatch). The sharded run starts from the same parameters and batches as a
-one-device run, so their loss curves agree. With ``--distributed`` each process drives its own
-GPUs through ``jax.distributed`` (see the README for the launch lines).
+``--moe`` the experts over every device (expert parallel: routing is a data-parallel product,
+then the experts run in a ``shard_map`` with an all-to-all token dispatch). The sharded run
+starts from the same parameters and batches as a one-device run and computes what it does up to
+float32 rounding, so their loss curves agree (docs/sharding.md says what keeps them together).
+With ``--distributed`` each process drives its own GPUs through ``jax.distributed`` (see the
+README for the launch lines).
 
 The kernelized step is ``jax.value_and_grad(jax_cute.kernelize(loss))``: the forward products
 become jax_cute primitives and the gradients come from their autodiff rules, which round the
@@ -149,8 +151,10 @@ def route(p: Params, tokens: jax.Array, cfg: Config) -> tuple[jax.Array, jax.Arr
 
 
 def moe(p: Params, x: jax.Array, cfg: Config, mesh: Mesh | None = None) -> jax.Array:
-    """Top-k routing, each token copy through its expert, combined with the gate weights. On a
-    mesh the experts are split over every device (``moe_expert_parallel``)."""
+    """Top-k routing, each token copy through its expert, combined with the gate weights. ``x``
+    (f32) is cast to bf16 by each of its two readers, the router and the experts, so their
+    cotangents sum in f32. On a mesh the experts are split over every device
+    (``moe_expert_parallel``)."""
     b, t, d = x.shape
     tokens = x.reshape(b * t, d)
     gates, experts = route(p, tokens, cfg)
