@@ -12,10 +12,12 @@ score and value products, the tied LM head and the router stay bf16), against th
 ``--mesh data=N[,model=M]`` trains on N x M devices: the batch is split over ``data`` (data
 parallel; ``--fsdp`` also shards every weight over it, gathered per layer), the attention heads
 and MLP width over ``model`` (tensor parallel: column- then row-parallel products), and with
-``--moe`` the experts over every device (expert parallel: the MoE layer is a ``shard_map`` with
-an all-to-all token dispatch). The sharded run starts from the same parameters and batches as a
-one-device run, so their loss curves agree. With ``--distributed`` each process drives its own
-GPUs through ``jax.distributed`` (see the README for the launch lines).
+``--moe`` the experts over every device (expert parallel: routing is a data-parallel product,
+then the experts run in a ``shard_map`` with an all-to-all token dispatch). The sharded run
+starts from the same parameters and batches as a one-device run and computes what it does up to
+float32 rounding, so their loss curves agree (docs/sharding.md says what keeps them together).
+With ``--distributed`` each process drives its own GPUs through ``jax.distributed`` (see the
+README for the launch lines).
 
 The kernelized step is ``jax.value_and_grad(jax_cute.kernelize(loss))``: the forward products
 become jax_cute primitives and the gradients come from their autodiff rules, which round the
@@ -100,9 +102,10 @@ def init_params(key: jax.Array, cfg: Config) -> Params:
 
 
 def norm(x: jax.Array, scale: jax.Array) -> jax.Array:
-    """RMS norm in f32, returned in the compute dtype."""
+    """RMS norm in f32, kept in f32: each product rounds its own copy to bf16, so the cotangents
+    of a normed input used twice (an MoE's router and experts) are summed in f32."""
     x = x.astype(F32)
-    return (x * lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * scale).astype(COMPUTE)
+    return x * lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * scale
 
 
 def mm(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
@@ -148,30 +151,34 @@ def route(p: Params, tokens: jax.Array, cfg: Config) -> tuple[jax.Array, jax.Arr
 
 
 def moe(p: Params, x: jax.Array, cfg: Config, mesh: Mesh | None = None) -> jax.Array:
-    """Top-k routing, each token copy through its expert, combined with the gate weights. On a
-    mesh the experts are split over every device (``moe_expert_parallel``)."""
+    """Top-k routing, each token copy through its expert, combined with the gate weights. ``x``
+    (f32) is cast to bf16 by each of its two readers, the router and the experts, so their
+    cotangents sum in f32. On a mesh the experts are split over every device
+    (``moe_expert_parallel``)."""
     b, t, d = x.shape
-    tokens = x.reshape(b * t, d).astype(COMPUTE)
+    tokens = x.reshape(b * t, d)
+    gates, experts = route(p, tokens, cfg)
+    tokens = tokens.astype(COMPUTE)
     if mesh is not None and mesh.size > 1:
-        y = moe_expert_parallel(p, tokens, cfg, mesh)
+        y = moe_expert_parallel(p, tokens, gates, experts, cfg, mesh)
     else:
-        gates, experts = route(p, tokens, cfg)
         y = experts_ffn(p["w1"], p["w2"], jnp.repeat(tokens, cfg.top_k, axis=0), experts.reshape(-1), cfg.experts)
         y = jnp.sum(y.reshape(b * t, cfg.top_k, d) * gates[..., None], axis=1)
     return y.reshape(b, t, d)
 
 
-def moe_expert_parallel(p: Params, tokens: jax.Array, cfg: Config, mesh: Mesh) -> jax.Array:
-    """The MoE layer under ``shard_map``: each device holds ``experts / devices`` experts and
-    ``tokens / devices`` tokens. Every token copy is sent to its expert's device (all-to-all,
-    room for all of them: no token is dropped), run there through the local experts, and sent
-    back (all-to-all) to be combined where it came from."""
+def moe_expert_parallel(p: Params, tokens: jax.Array, gates: jax.Array, experts: jax.Array, cfg: Config,
+                        mesh: Mesh) -> jax.Array:
+    """The MoE layer's experts under ``shard_map`` (routing is a data-parallel product before it,
+    whose weight gradient the partitioner sums in f32): each device holds ``experts / devices``
+    experts and ``tokens / devices`` tokens. Every token copy is sent to its expert's device
+    (all-to-all, room for all of them: no token is dropped), run there through the local
+    experts, and sent back (all-to-all) to be combined where it came from."""
     axes, n = tuple(mesh.axis_names), mesh.size
     local_experts = cfg.experts // n
 
-    def shard(router, w1, w2, x):
+    def shard(w1, w2, x, gates, experts):
         t, d = x.shape
-        gates, experts = route({"router": router}, x, cfg)
         dest = (experts // local_experts).reshape(-1)  # (t*k,) each copy's device
         copies = t * cfg.top_k
         # each copy's slot in the buffer for its device: its rank among the copies sent there
@@ -186,8 +193,8 @@ def moe_expert_parallel(p: Params, tokens: jax.Array, cfg: Config, mesh: Mesh) -
         y = back[dest, rank].reshape(t, cfg.top_k, d)
         return jnp.sum(y * gates[..., None], axis=1)
 
-    return jax.shard_map(shard, mesh=mesh, in_specs=(P(), P(axes), P(axes), P(axes)),
-                         out_specs=P(axes))(p["router"], p["w1"], p["w2"], tokens)
+    return jax.shard_map(shard, mesh=mesh, in_specs=(P(axes),) * 5,
+                         out_specs=P(axes))(p["w1"], p["w2"], tokens, gates, experts)
 
 
 def logits(params: Params, h: jax.Array, cfg: Config) -> jax.Array:

@@ -97,9 +97,28 @@ def _same_params(p: dict, q: dict) -> bool:
     return p.keys() == q.keys() and all(_same_value(p[k], q[k]) for k in p)
 
 
-def _same_literal(x, y) -> bool:
-    return (isinstance(x, Literal) and isinstance(y, Literal) and np.dtype(x.aval.dtype) == np.dtype(y.aval.dtype)
-            and np.array_equal(np.asarray(x.val), np.asarray(y.val)))
+_CONSTANT_WRAPPERS = frozenset({"pvary", "convert_element_type"})
+
+
+def _constants(jaxpr) -> dict:
+    """var -> its scalar value, for vars made from a literal by ``pvary`` and ``convert_element_type``
+    alone: inside ``shard_map`` a constant of ``jax.nn.gelu`` is traced that way (made to vary
+    over the manual axes, then given its dtype), where outside it is a literal operand."""
+    consts: dict = {}
+    for e in jaxpr.eqns:
+        if e.primitive.name in _CONSTANT_WRAPPERS and len(e.invars) == 1 and len(e.outvars) == 1:
+            x = e.invars[0]
+            value = np.asarray(x.val) if isinstance(x, Literal) else consts.get(x)
+            if value is not None and value.ndim == 0:
+                consts[e.outvars[0]] = value.astype(np.dtype(e.outvars[0].aval.dtype))
+    return consts
+
+
+def _same_literal(x, y, consts: dict) -> bool:
+    """Whether ``y`` (a literal, or a var of ``consts``) is the reference's literal ``x``."""
+    value = np.asarray(y.val) if isinstance(y, Literal) else consts.get(y)
+    return (isinstance(x, Literal) and value is not None and np.dtype(x.aval.dtype) == value.dtype
+            and np.array_equal(np.asarray(x.val), value))
 
 
 @functools.lru_cache(maxsize=256)
@@ -110,9 +129,10 @@ def _reference(name: str, shape: tuple[int, ...], dtype: str):
     return None if inner.constvars or len(inner.outvars) != 1 or not inner.eqns else inner
 
 
-def _match(ref, start, jaxpr, uses, taken: set) -> tuple[Any, list[int]] | None:
+def _match(ref, start, jaxpr, uses, taken: set, consts: dict) -> tuple[Any, list[int]] | None:
     """Map the reference's equations onto ``jaxpr``'s, starting from ``start`` (the reference's
-    input). Returns (the var the reference's output maps to, the matched equation indices)."""
+    input); ``consts`` are ``_constants(jaxpr)``. Returns (the var the reference's output maps
+    to, the matched equation indices)."""
     env = {ref.invars[0]: start}
     matched: list[int] = []
     for r in ref.eqns:
@@ -128,7 +148,8 @@ def _match(ref, start, jaxpr, uses, taken: set) -> tuple[Any, list[int]] | None:
                 continue
             e = jaxpr.eqns[i]
             if (e.primitive is r.primitive and len(e.invars) == len(ins) and len(e.outvars) == len(r.outvars)
-                    and all(_same_literal(x, y) if isinstance(x, Literal) else x is y for x, y in zip(ins, e.invars))
+                    and all(_same_literal(x, y, consts) if isinstance(x, Literal) else x is y
+                            for x, y in zip(ins, e.invars))
                     and _same_params(e.params, r.params)):
                 found = i
                 break
@@ -153,6 +174,7 @@ def find_epilogues(jaxpr, products: dict[int, Any], unbiased: frozenset[int] = f
     written with its operands swapped instead (``Epilogue.swap``: what ``vmap`` of ``W @ x``
     produces)."""
     uses = _uses(jaxpr)
+    consts = _constants(jaxpr)
     producer = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
     found: dict[int, Epilogue] = {}
     taken: set[int] = set()
@@ -184,7 +206,7 @@ def find_epilogues(jaxpr, products: dict[int, Any], unbiased: frozenset[int] = f
         best = None
         for name in ACTIVATION_FUNCTIONS:
             ref = _reference(name, shape_now, np.dtype(cur.aval.dtype).name)
-            hit = None if ref is None else _match(ref, cur, jaxpr, uses, taken | set(group))
+            hit = None if ref is None else _match(ref, cur, jaxpr, uses, taken | set(group), consts)
             if hit is not None and (best is None or len(hit[1]) > len(best[1][1])):
                 best = (name, hit)
         if best is None:

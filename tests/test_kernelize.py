@@ -372,6 +372,35 @@ def test_shard_map_body_is_rewritten(check_vma):
     assert _count(jax.make_jaxpr(k)(X, W), JAX_CUTE) == 2
 
 
+@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize("grouped", [False, True], ids=["dense", "ragged"])
+def test_activation_is_fused_inside_shard_map(grouped, check_vma):
+    """Inside shard_map gelu's constants are traced as pvary'd literals; the epilogue is still
+    fused, as outside, so a shard_map body computes what the unsharded function does (the
+    fused epilogue rounds its pre-activation as the unfused one does not), gradients included."""
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    sizes = jnp.array([3, 5], jnp.int32)
+    w2 = jnp.stack([W, W.T]) if grouped else W
+
+    def body(x, w):
+        h = (lax.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32) if grouped
+             else jnp.matmul(x, w, preferred_element_type=jnp.float32))
+        return jax.nn.gelu(h).astype(jnp.bfloat16)
+
+    plain = jax_cute.kernelize(body)
+    sharded = jax_cute.kernelize(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P()), out_specs=P("x"),
+                                               check_vma=check_vma))
+    loss = lambda g: lambda x, w: jnp.sum(jnp.square(g(x, w).astype(jnp.float32)))  # noqa: E731
+    for f in (lambda g: g, lambda g: jax.grad(loss(g), (0, 1))):
+        got, want = jax.jit(f(sharded))(X, w2), jax.jit(f(plain))(X, w2)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_array_equal(np.float32(a), np.float32(b))
+    (p,) = sharded.report.products
+    assert (p.epilogue, p.where) == ("gelu", "shard_map")
+
+
 def test_report_logged_when_asked(caplog):
     k = jax_cute.kernelize(lambda x, w: x @ w, report=True)
     with caplog.at_level("WARNING", logger="jax_cute"):

@@ -38,10 +38,8 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src import core as jax_core
 from jax._src import dispatch as jax_dispatch
 from jax.experimental.custom_partitioning import ArrayMapping, CompoundFactor, SdyShardingRule, custom_partitioning
-from jax.extend import core as extend_core
 from jax.interpreters import ad, batching, mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -160,27 +158,14 @@ def _cuda_kernel(name: str, avals, params) -> Callable | None:
     return run
 
 
-class _Primitive(extend_core.Primitive):
-    """Binding first makes the operands vary over the same manual mesh axes (inside shard_map),
-    as lax's binary ops do."""
+# Binding first makes the operands vary over the same manual mesh axes (inside shard_map).
+scaled_gemm_p = sharding.VaryingPrimitive("jax_cute_scaled_gemm")
+scaled_ragged_m_p = sharding.VaryingPrimitive("jax_cute_scaled_ragged_m")
+scaled_ragged_k_p = sharding.VaryingPrimitive("jax_cute_scaled_ragged_k")
 
-    def bind(self, *args, **params):
-        return super().bind(*jax_core.auto_insert_reshard(*args), **params)
-
-
-scaled_gemm_p = _Primitive("jax_cute_scaled_gemm")
-scaled_ragged_m_p = _Primitive("jax_cute_scaled_ragged_m")
-scaled_ragged_k_p = _Primitive("jax_cute_scaled_ragged_k")
-
-
-def _result(shape, dtype, avals) -> jax.core.ShapedArray:
-    """The result type: inside shard_map it varies over the operands' manual axes. Sharding in
-    types (Explicit mesh axes) is not followed: the result's type is unsharded on the mesh."""
-    meshes = {a.sharding.mesh for a in avals if not a.sharding.mesh.empty}
-    mesh = meshes.pop() if len(meshes) == 1 else jax.sharding.get_abstract_mesh()
-    varying = frozenset().union(*(a.mat.varying for a in avals))
-    return jax.core.ShapedArray(tuple(shape), np.dtype(dtype), sharding=NamedSharding(mesh, PartitionSpec()),
-                                manual_axis_type=jax_core.ManualAxisType(varying=varying))
+# The result type: inside shard_map it varies over the operands' manual axes. Sharding in types
+# (Explicit mesh axes) is not followed: the result's type is unsharded on the mesh.
+_result = sharding.varying_aval
 
 
 def _blocks(n: int, block: int) -> int:

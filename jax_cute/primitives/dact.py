@@ -39,6 +39,7 @@ from jax_cute.activations import derivative_times, epilogue_dtype
 from jax_cute.layout import Layout
 from jax_cute.primitives.gemm import matmul_p
 from jax_cute.primitives.rules import batch_rule, epilogue_lowering, gemm_primitive
+from jax_cute.primitives.sharding import varying_aval
 from jax_cute.problem.gemm_layouts import GemmLayouts, batched_layout, cotangent_a, cotangent_b
 
 def _z_in_c(z, z_layout: Layout, layouts: GemmLayouts, dtype):
@@ -58,7 +59,7 @@ def _dact_abstract_eval(a, b, z, *, layouts: GemmLayouts, z_layout: Layout, acti
     for name, x, lay in (("a", a, layouts.a), ("b", b, layouts.b), ("z", z, z_layout)):
         if int(np.prod(x.shape)) < lay.cosize():
             raise ValueError(f"jax_cute_matmul_dact: layout {lay} of {name} reaches past its buffer {x.shape}")
-    return jax.core.ShapedArray(tuple(layouts.c_shape), np.dtype(out_dtype))
+    return varying_aval(layouts.c_shape, out_dtype, (a, b, z))
 
 
 dact_p = gemm_primitive("jax_cute_matmul_dact", _dact_abstract_eval)

@@ -48,6 +48,7 @@ from jax_cute.layout import Layout
 from jax_cute.primitives.dact import align_batch, operand_p
 from jax_cute.primitives.gemm import matmul_p
 from jax_cute.primitives.rules import batch_rule, epilogue_lowering, gemm_primitive
+from jax_cute.primitives.sharding import varying_aval
 from jax_cute.problem.gemm_layouts import GemmLayouts, batched_layout
 
 
@@ -94,9 +95,10 @@ def _abstract_eval(a, b, *rest, layouts: GemmLayouts, bias_layout, activation, p
         n_mode = layouts.c.mode(1).coalesce().flat_modes()
         if n_mode != ((layouts.c_shape[-1], 1),):
             raise ValueError(f"jax_cute_matmul_fused: {activation} needs N as C's last buffer axis ({layouts.c})")
-    out = [jax.core.ShapedArray(_y_shape(layouts, activation), np.dtype(out_dtype))]
+    avals = (a, b, *rest)
+    out = [varying_aval(_y_shape(layouts, activation), out_dtype, avals)]
     if preact:
-        out.append(jax.core.ShapedArray(tuple(layouts.c_shape), np.dtype(out_dtype)))
+        out.append(varying_aval(layouts.c_shape, out_dtype, avals))
     return out
 
 

@@ -35,6 +35,7 @@ from jax_cute.activations import check_gated_columns, epilogue_dtype, output_col
 from jax_cute.primitives.fused import PARTITIONED_LOG, activated, checked_options, epilogue_tangents
 from jax_cute.primitives.grouped import ragged_m_p
 from jax_cute.primitives.rules import batch_rule, epilogue_lowering, gemm_primitive
+from jax_cute.primitives.sharding import varying_aval
 from jax_cute.problem.ragged_layouts import RaggedLayouts
 from jax_cute.primitives.ragged_reference import group_ends
 from jax_cute.primitives.ragged_reference import reference as gemm_reference
@@ -47,9 +48,10 @@ def _abstract_eval(a, b, gs, *bias, layouts: RaggedLayouts, activation, preact, 
     if bias and (bias[0].ndim != len(c_shape) or tuple(bias[0].shape[-2:]) != (layouts.extents()["g"], n)
                  or any(x not in (1, y) for x, y in zip(bias[0].shape[:-2], c_shape[:-2]))):
         raise ValueError(f"jax_cute_ragged_fused: bias {bias[0].shape} is not (..., G, N) for an output {c_shape}")
-    out = [jax.core.ShapedArray(c_shape[:-1] + (output_columns(activation, n),), np.dtype(out_dtype))]
+    avals = (a, b, gs, *bias)
+    out = [varying_aval(c_shape[:-1] + (output_columns(activation, n),), out_dtype, avals)]
     if preact:
-        out.append(jax.core.ShapedArray(c_shape, np.dtype(out_dtype)))
+        out.append(varying_aval(c_shape, out_dtype, avals))
     return out
 
 

@@ -35,10 +35,10 @@ logger = logging.getLogger("jax_cute")
 
 def gemm_primitive(name: str, abstract_eval: Callable, *, partitioned: bool = False,
                    multiple_results: bool = False) -> core.Primitive:
-    """A GEMM primitive with its abstract evaluation and eager implementation. ``partitioned``:
-    its lowering goes through ``sharding.lowering`` (and binding matches the operands' manual
-    axes, ``sharding.Primitive``)."""
-    prim = sharding.Primitive(name) if partitioned else core.Primitive(name)
+    """A GEMM primitive with its abstract evaluation and eager implementation; binding matches
+    the operands' manual axes. ``partitioned``: its lowering goes through ``sharding.lowering``
+    (``sharding.Primitive``)."""
+    prim = sharding.Primitive(name) if partitioned else sharding.VaryingPrimitive(name)
     prim.multiple_results = multiple_results
     prim.def_abstract_eval(abstract_eval)
     prim.def_impl(functools.partial(eager, prim))

@@ -17,7 +17,9 @@ sub-modes with that factor's extent divided and the strides of slower axes recom
 What each kind of factor does when sharded:
 - M, N, L (free and batch modes): the local GEMM on the local blocks, no communication.
 - K (the reduction): the local GEMM, then ``psum`` over K's mesh axes, or ``psum_scatter``
-  along an output axis when the requested output sharding uses K's mesh axes there.
+  along an output axis when the requested output sharding uses K's mesh axes there. A 16-bit
+  result is summed as float32 partial products and rounded once, as the unsharded GEMM
+  rounds its accumulator (``config.float32_partial_sums``).
 - the ragged mode of a grouped GEMM (M rows of ``ragged_dot``, K of its weight gradient):
   groups are consecutive ranges of the *global* index, so each shard derives its own group
   sizes from the global ones (group sizes are kept replicated; they are G integers): the
@@ -50,6 +52,7 @@ from typing import Callable, Mapping, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental.custom_partitioning import ArrayMapping, CompoundFactor, SdyShardingRule, custom_partitioning
 from jax.extend import core as extend_core
 # No public API for these: marking a primitive as needing devices, lax's typed-result lowering,
@@ -60,6 +63,7 @@ from jax._src.interpreters import mlir as jax_mlir
 from jax.interpreters import mlir
 from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec
 
+from jax_cute import config
 from jax_cute import layout as L
 from jax_cute.layout import Layout, make_layout
 from jax_cute.problem.gemm_layouts import GemmLayouts, refine
@@ -436,19 +440,38 @@ def result_aval(name: str, layouts: GemmLayouts | RaggedLayouts, avals, out_dtyp
                                 manual_axis_type=jax_core.ManualAxisType(varying=varying))
 
 
+def varying_aval(shape, dtype, avals) -> jax.core.ShapedArray:
+    """A result type unsharded on the operands' mesh that varies over their manual axes (inside
+    shard_map): for primitives whose partitioning is that of the GEMM they lower to (the fused
+    epilogues) or not followed in types (the block-scaled products)."""
+    meshes = {a.sharding.mesh for a in avals if not a.sharding.mesh.empty}
+    mesh = meshes.pop() if len(meshes) == 1 else jax.sharding.get_abstract_mesh()
+    varying = frozenset().union(*(a.mat.varying for a in avals))
+    return jax.core.ShapedArray(tuple(shape), np.dtype(dtype), sharding=NamedSharding(mesh, PartitionSpec()),
+                                manual_axis_type=jax_core.ManualAxisType(varying=varying))
+
+
 # The last result whose contraction ran over operands both sharded along it (see ``constrain``).
 _reduced_result: contextvars.ContextVar[weakref.ref | None] = contextvars.ContextVar("jax_cute_reduced", default=None)
 
 
-class Primitive(extend_core.Primitive):
-    """A GEMM primitive (its params hold ``layouts``). Binding first makes the operands vary over
-    the same manual mesh axes, as lax's dot_general does: a transpose then sums a cotangent over
-    the axes its operand did not vary over. A result contracted over operands both sharded
-    along the contraction (Explicit axes) is remembered for ``constrain``."""
+class VaryingPrimitive(extend_core.Primitive):
+    """Binding first makes the operands vary over the same manual mesh axes (inside shard_map),
+    as lax's binary ops do: a transpose then sums a cotangent over the axes its operand did not
+    vary over."""
+
+    def bind(self, *args, **params):
+        return super().bind(*jax_core.auto_insert_reshard(*args), **params)
+
+
+class Primitive(VaryingPrimitive):
+    """A GEMM primitive (its params hold ``layouts``), binding as ``VaryingPrimitive`` (as lax's
+    dot_general does). A result contracted over operands both sharded along the contraction
+    (Explicit axes) is remembered for ``constrain``."""
 
     def bind(self, *args, **params):
         args = jax_core.auto_insert_reshard(*args)
-        out = super().bind(*args, **params)
+        out = extend_core.Primitive.bind(self, *args, **params)
         avals = [jax.typeof(x) for x in args]
         if any(_explicit(a.sharding.mesh) for a in avals):
             p = problem(params["layouts"], [a.shape for a in avals])
@@ -476,6 +499,8 @@ class _Call:
     # (problem, mesh shape, input specs, result spec) -> a ring that hides the call's all-gather or
     # reduce-scatter in its GEMMs, or None (primitives/collective.py; None: that switch is off)
     rings: Callable | None = None
+    # a sharded contraction with a 16-bit result sums float32 partial products (config.float32_partial_sums)
+    float32_sums: bool = True
 
     @property
     def kwargs(self) -> dict:
@@ -517,6 +542,12 @@ def traced_unmeshed(fn: Callable) -> Callable:
     return wrapped
 
 
+def _widened_sum(call: _Call, out_dtype: np.dtype) -> bool:
+    """Whether partial products of a sharded contraction are summed in float32: for 16-bit
+    float results, unless ``config.float32_partial_sums`` was off when the call was lowered."""
+    return call.float32_sums and jnp.issubdtype(out_dtype, jnp.floating) and out_dtype.itemsize == 2
+
+
 def _partition(call: _Call, mesh, arg_shapes, result_shape):
     params = call.kwargs
     layouts = params["layouts"]
@@ -531,7 +562,9 @@ def _partition(call: _Call, mesh, arg_shapes, result_shape):
         return ring.partition(call, mesh)
     pl = plan(p, ms, specs, result_spec)
     local, shapes = local_layouts(p, pl, ms, layouts)
-    local_params = {**params, "layouts": local}
+    out_dtype = np.dtype(params["out_dtype"])
+    wide = bool(pl.reduce) and _widened_sum(call, out_dtype)
+    local_params = {**params, "layouts": local, "out_dtype": "float32" if wide else params["out_dtype"]}
 
     @traced_unmeshed
     def lower_fn(*args):
@@ -547,8 +580,10 @@ def _partition(call: _Call, mesh, arg_shapes, result_shape):
             rest = tuple(a for a in pl.reduce if a not in pl.scatter[1])
             if rest:
                 out = jax.lax.psum(out, rest)
-            return jax.lax.psum_scatter(out, pl.scatter[1], scatter_dimension=pl.scatter[0], tiled=True)
-        return jax.lax.psum(out, pl.reduce) if pl.reduce else out
+            out = jax.lax.psum_scatter(out, pl.scatter[1], scatter_dimension=pl.scatter[0], tiled=True)
+        elif pl.reduce:
+            out = jax.lax.psum(out, pl.reduce)
+        return out.astype(out_dtype)  # one rounding of the float32 sum (a no-op otherwise)
 
     arg_shardings = tuple(NamedSharding(mesh, pl.spec(o)) for o in p.operands[:-1])
     return mesh, lower_fn, NamedSharding(mesh, pl.spec(p.operands[-1], result=True)), arg_shardings
@@ -610,7 +645,7 @@ def lowering(primitive, local: Local, rings: Callable[[], Callable | None] | Non
                 fn = local(plain.avals_in, params)
             else:
                 fn = functools.partial(_partitioned, _Call(tuple(sorted(params.items())), local,
-                                                           rings() if rings else None))
+                                                           rings() if rings else None, config.float32_partial_sums()))
             out, = mlir.lower_fun(fn, multiple_results=False)(plain, *args)
         # As lax's lowerings: a result typed with Explicit mesh axes is constrained to its type.
         return [jax_mlir.lower_with_sharding_in_types(ctx, out, ctx.avals_out[0])]
