@@ -1,6 +1,10 @@
 """Scaling suite: the GPT training step of examples/gpt_training.py on 1, 2, 4, ... of the
 visible GPUs, data parallel (dense MLP) and expert parallel (MoE), with the same per-GPU batch at
-every device count, jax_cute (kernelized) against the same model and sharding on XLA."""
+every device count, jax_cute (kernelized) against the same model and sharding on XLA; the
+data-parallel case also as jax_cute_16bit_sums: the weight gradients' sums over devices in bf16
+(``float32_partial_sums`` off: half the bytes), beside the default float32 sums.
+
+    BENCH_SCALING_DEVICES=1,4 BENCH_SCALING_MODELS=dense python benchmarks/run.py --suite scaling ..."""
 
 from __future__ import annotations
 
@@ -10,6 +14,8 @@ import os
 import sys
 
 import jax
+
+import jax_cute
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
@@ -29,11 +35,17 @@ def device_counts(available: int) -> list[int]:
     return counts
 
 
+def _selected(name: str, default: list) -> list:
+    """``BENCH_SCALING_<name>``'s comma-separated choice out of ``default`` (all when unset)."""
+    raw = os.environ.get(f"BENCH_SCALING_{name}", "")
+    return [d for d in default if not raw or str(d) in raw.split(",")]
+
+
 def run(args: argparse.Namespace) -> list[dict]:
     rounds = 2 if args.smoke else args.rounds
     recs: list[dict] = []
-    for moe in (False, True):
-        for n in device_counts(len(jax.devices())):
+    for moe in [name == "moe" for name in _selected("MODELS", ["dense", "moe"])]:
+        for n in _selected("DEVICES", device_counts(len(jax.devices()))):
             size = gpt.SIZES["tiny" if args.smoke else "h200"]
             cfg = dataclasses.replace(size, moe=moe, batch=(2 if args.smoke else PER_DEVICE_BATCH) * n)
             params, opt_state, tx = gpt.init_train_state(jax.random.key(0), cfg)
@@ -45,6 +57,10 @@ def run(args: argparse.Namespace) -> list[dict]:
             case = f"{kind}, {n} GPU{'s' if n > 1 else ''} ({cfg.batch // n}x{cfg.seq} tokens per GPU)"
             impls = [Impl("jax_cute", gpt.make_step(cfg, tx, kernelized=True, mesh=mesh, shardings=shardings)),
                      Impl("xla", gpt.make_step(cfg, tx, kernelized=False, mesh=mesh, shardings=shardings))]
+            if n > 1 and not moe:
+                step = gpt.make_step(cfg, tx, kernelized=True, mesh=mesh, shardings=shardings)
+                impls.append(Impl("jax_cute_16bit_sums", step,
+                                  context=lambda: jax_cute.config.override(float32_partial_sums=False)))
             got = measure("scaling", "scaling", case, impls, lambda s: (params, opt_state, data[s % len(data)]),
                           0.0, rounds=rounds, check=False,
                           meta={"dtype": "bfloat16", "devices": n, "moe": moe, "tokens": cfg.batch * cfg.seq})

@@ -205,6 +205,7 @@ SUITE_LABELS = {"ragged": {"xla": "lax.ragged_dot"},   # what the "xla" rival is
                 "fp8": {"jax_cute": "jax_cute fp8, block-scaled", "jax_cute_bf16": "jax_cute bf16",
                         "xla": "XLA fp8 dot (no block scales)"},
                 "models": {"jax_cute_unfused": "jax_cute, gelu not fused"},
+                "scaling": {"jax_cute_16bit_sums": "jax_cute, bf16 sums over GPUs"},
                 "fused": {"jax_cute": "jax_cute fused", "jax_cute_remat": "jax_cute fused, jax.checkpoint",
                           "jax_cute_unfused": "jax_cute + jnp epilogue",
                           "jax_cute_kernelize": "kernelize(XLA layer)"}}
@@ -245,7 +246,9 @@ SUITE_NOTE = {
                "of one host (`--mesh data=N`), 16 sequences of 1024 tokens per GPU: the dense model data parallel "
                "(the batch split, gradients summed), the MoE model expert parallel (its layer a `shard_map` "
                "with all-to-all token dispatch, 8 experts split over the GPUs). *jax_cute*: "
-               "`value_and_grad(kernelize(loss))`; *XLA*: the same model and shardings as written. *Scaling*: "
+               "`value_and_grad(kernelize(loss))`, its weight gradients summed over GPUs in float32 (the default); "
+               "*bf16 sums over GPUs*: the same with `JAX_CUTE_FLOAT32_PARTIAL_SUMS=0` (where measured); "
+               "*XLA*: the same model and shardings as written. *Scaling*: "
                "tokens/s per GPU against the same implementation on one GPU.",
     "launch": "A tiny `cute_call` kernel (`examples/custom_kernel.py`'s `a * alpha + b`) against the same `jnp` "
               "expression, 1000 dependent iterations in one `lax.fori_loop`, with XLA's command buffers off so "
@@ -315,6 +318,9 @@ def traffic_table(recs: list[dict], labels: dict | None) -> list[str]:
     return out + [""]
 
 
+ONE_GPU_AS = {"jax_cute_16bit_sums": "jax_cute"}   # rows with no one-GPU run of their own (no sums there)
+
+
 def scaling_table(recs: list[dict]) -> list[str]:
     """Markdown: each implementation's tokens/s per GPU as a fraction of its own on one GPU."""
     base = {(r["impl"], r["moe"]): r["tokens_per_s_per_device"] for r in recs
@@ -328,7 +334,7 @@ def scaling_table(recs: list[dict]) -> list[str]:
     for case, by in _by_case(rows).items():
         cells = []
         for i in impls:
-            r, b = by.get(i), base.get((i, (by.get(i) or {}).get("moe")))
+            r, b = by.get(i), base.get((ONE_GPU_AS.get(i, i), (by.get(i) or {}).get("moe")))
             ok = r and r.get("tokens_per_s_per_device") and b
             cells.append(f"{r['tokens_per_s_per_device'] / b:.3f}" if ok else "—")
         out.append(f"| {case} | " + " | ".join(cells) + " |")
