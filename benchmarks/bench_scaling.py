@@ -1,8 +1,8 @@
 """Scaling suite: the GPT training step of examples/gpt_training.py on 1, 2, 4, ... of the
 visible GPUs, data parallel (dense MLP) and expert parallel (MoE), with the same per-GPU batch at
 every device count, jax_cute (kernelized) against the same model and sharding on XLA; the
-data-parallel case also as jax_cute_16bit_sums: the weight gradients' sums over devices in bf16
-(``float32_partial_sums`` off: half the bytes), beside the default float32 sums.
+data-parallel case also as jax_cute_float32_sums: the weight gradients' sums over devices in
+float32 (``float32_partial_sums`` on: twice the bytes), beside the default bf16 sums.
 
     BENCH_SCALING_DEVICES=1,4 BENCH_SCALING_MODELS=dense python benchmarks/run.py --suite scaling ..."""
 
@@ -59,8 +59,8 @@ def run(args: argparse.Namespace) -> list[dict]:
                      Impl("xla", gpt.make_step(cfg, tx, kernelized=False, mesh=mesh, shardings=shardings))]
             if n > 1 and not moe:
                 step = gpt.make_step(cfg, tx, kernelized=True, mesh=mesh, shardings=shardings)
-                impls.append(Impl("jax_cute_16bit_sums", step,
-                                  context=lambda: jax_cute.config.override(float32_partial_sums=False)))
+                impls.append(Impl("jax_cute_float32_sums", step,
+                                  context=lambda: jax_cute.config.override(float32_partial_sums=True)))
             got = measure("scaling", "scaling", case, impls, lambda s: (params, opt_state, data[s % len(data)]),
                           0.0, rounds=rounds, check=False,
                           meta={"dtype": "bfloat16", "devices": n, "moe": moe, "tokens": cfg.batch * cfg.seq})

