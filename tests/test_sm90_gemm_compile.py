@@ -118,6 +118,7 @@ def test_workspace_matches_signature():
 _E4M3 = GemmSpec("float8_e4m3fn", "float8_e4m3fn", BF, "k", "k", "n")
 
 
+@pytest.mark.sweep   # (every heuristic pick compiles in the default run; CI runs the sweep too)
 @pytest.mark.parametrize("spec,cfg", [(s, c) for s in (GemmSpec(BF, BF, BF), _E4M3)
                                       for c in sm90_gemm.candidate_configs(s)],
                          ids=lambda x: x.key() if hasattr(x, "key") else str(x))
