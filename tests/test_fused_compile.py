@@ -115,6 +115,7 @@ def test_every_heuristic_pick_compiles(c_dtype, majors):
         _compile(spec, cfg)
 
 
+@pytest.mark.sweep   # (CI runs the sweeps in its second step)
 @pytest.mark.parametrize("bias, activation", [(True, "")] + [(b, a) for a in epilogue.ACTIVATIONS for b in (False, True)])
 def test_every_epilogue_compiles(bias, activation):
     spec = GemmSpec(BF, BF, BF, bias=bias, activation=activation)
@@ -304,6 +305,7 @@ def _compile_dact(spec: GemmSpec, cfg: sm90_gemm.Config) -> None:
         assert "ex2.approx" in ptx and "tanh.approx.f32" not in ptx
 
 
+@pytest.mark.sweep   # (CI runs the sweeps in its second step)
 @pytest.mark.parametrize("which", ["coop", "ring", "pingpong"])
 @pytest.mark.parametrize("dact", epilogue.ACTIVATIONS)
 def test_every_dact_epilogue_compiles(dact, which):
@@ -338,6 +340,7 @@ def _grouped_compile(spec, n):
     return binary
 
 
+@pytest.mark.sweep   # (CI runs the sweeps in its second step)
 @pytest.mark.parametrize("n", [2816, 1408])   # 128x256 and 128x128 tiles (swiglu: both 128x256)
 @pytest.mark.parametrize("c_dtype", [BF, F32])
 @pytest.mark.parametrize("bias, activation, preact", [
