@@ -46,7 +46,7 @@ def test_matmul_and_cute_call_on_every_device():
     assert stats["modules_created"] >= 2 * len(devices)  # one module per kernel per device
 
 
-def _gpt_losses(moe: bool, mesh_axes: dict | None, steps: int = 20) -> list[float]:
+def _gpt_losses(moe: bool, mesh_axes: dict | None, steps: int = 20, top_k: int = 2) -> list[float]:
     """Losses of the GPT example (a small size) trained kernelized from the same start, on one
     GPU or on a mesh of them."""
     import sys
@@ -54,7 +54,8 @@ def _gpt_losses(moe: bool, mesh_axes: dict | None, steps: int = 20) -> list[floa
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
     import gpt_training as gpt
 
-    cfg = gpt.Config(vocab=4096, d_model=512, heads=8, layers=2, seq=256, batch=8, moe=moe, lr=1e-3)
+    cfg = gpt.Config(vocab=4096, d_model=512, heads=8, layers=2, seq=256, batch=8, moe=moe, lr=1e-3,
+                     top_k=top_k)
     params, opt_state, tx = gpt.init_train_state(jax.random.key(0), cfg)
     data = list(gpt.batches(jax.random.key(1), cfg))
     mesh = shardings = None
@@ -67,25 +68,28 @@ def _gpt_losses(moe: bool, mesh_axes: dict | None, steps: int = 20) -> list[floa
     return gpt.train(step, params, opt_state, data, steps, "", False)[0]
 
 
-@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
-def test_gpt_training_on_every_gpu_matches_one_gpu(moe):
+@pytest.mark.parametrize("moe, top_k", [(False, 2), (True, 2), (True, 8)], ids=["dense", "moe", "moe_every_expert"])
+def test_gpt_training_on_every_gpu_matches_one_gpu(moe, top_k):
     """Data parallel (dense) or expert parallel (MoE) over all GPUs, and a 2-D data x model mesh,
     in strict mode (every product on our kernels), with float32 sums over devices (the setting
-    for reproducible sharded training, docs/sharding.md): the first loss equals one GPU's, and
-    the dense curve follows it to 1e-3 over 20 steps. The MoE curve follows it to 1e-3 over its
-    first 4 steps; after that top-2 choices near ties flip and it parts by up to 2.8e-2 (4 H100s,
-    2026-11-27), as the model parts from itself when its start moves by one float32 ulp, so past
-    step 4 it is held to that noise (5e-2)."""
+    for reproducible sharded training, docs/sharding.md): the first loss equals one GPU's and
+    the first 4 steps follow it to 1e-3. Over 20 steps (4 H100s, 2026-11-27): the dense model
+    parts from one GPU's curve by up to 5.6e-4, held to 1e-3; the MoE with every token sent to
+    every expert (top-8 of 8: the same all-to-alls and grouped products, no routing choice) by
+    up to 1.2e-3, held to 2e-3; the MoE with top-2 routing by up to 2.2e-2, held to 5e-2: choices
+    near a tie flip with the last bit of a sum, and the model parts from itself as far when its
+    start moves by one float32 ulp (1.8e-2 on the CPU reference path, XLA alone)."""
     n = len(jax.devices())
     if n < 2:
         pytest.skip("needs two GPUs")
+    bound = 1e-3 if not moe else 2e-3 if top_k == 8 else 5e-2   # over 20 steps, see above
     with jax_cute.config.override(strict=True, float32_partial_sums=True):
-        one = _gpt_losses(moe, None)
+        one = _gpt_losses(moe, None, top_k=top_k)
         meshes = [{"data": n}] + ([{"data": n // 2, "model": 2}] if n >= 4 else [])
         for axes in meshes:
-            got = _gpt_losses(moe, axes)
+            got = _gpt_losses(moe, axes, top_k=top_k)
             assert abs(got[0] - one[0]) <= 1e-4 * one[0], (axes, got, one)
             rel = [abs(a - b) / b for a, b in zip(got, one)]
-            assert max(rel[:4] if moe else rel) <= 1e-3, (axes, got, one)
-            assert max(rel) <= (5e-2 if moe else 1e-3), (axes, got, one)
+            print(f"{axes}: largest relative deviation from one GPU {max(rel):.2e}, first 4 steps {max(rel[:4]):.2e}")
+            assert max(rel[:4]) <= 1e-3 and max(rel) <= bound, (axes, got, one)
             assert got[-1] < got[0]

@@ -8,7 +8,7 @@
 #   info        nvidia-smi (power limit, clocks) and the devices jax sees
 #   build       pip install -e . (the FFI extension) without touching the installed dependencies
 #   gpu-tests   pytest -m gpu (GPU_TESTS: test files, default all of tests/; GPU_TIMEOUT: seconds,
-#               default 560) in GPU_WORKERS pytest-xdist workers (default 14: the run is bound by
+#               default 900) in GPU_WORKERS pytest-xdist workers (default 14: the run is bound by
 #               kernel compiles, one CPU core each; the workers share the GPU, so none preallocates
 #               its memory); the outcomes go to $OUT/gpu-test-results.json
 #   multigpu    pytest -m multigpu tests/test_multigpu.py (two or more GPUs)
@@ -37,13 +37,13 @@ for step in "$@"; do
     build) python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 \
              || { tail -40 "$OUT/build.log"; rc=1; } ;;
     gpu-tests) XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_CUTE_GPU_RESULTS="$OUT/gpu-test-results.json" \
-             timeout -s INT ${GPU_TIMEOUT:-560} python3 -m pytest -m gpu -q -rf -n ${GPU_WORKERS:-14} ${GPU_TESTS:-tests} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
+             timeout -s INT ${GPU_TIMEOUT:-900} python3 -m pytest -m gpu -q -rf -n ${GPU_WORKERS:-14} ${GPU_TESTS:-tests} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
              [ "${PIPESTATUS[0]}" = 0 ] || rc=1 ;;
     multigpu) python3 -m pytest -m multigpu -q tests/test_multigpu.py 2>&1 | tee "$OUT/multigpu.log" | tail -15
              [ "${PIPESTATUS[0]}" = 0 ] || rc=1 ;;
     sanitize) for tool in memcheck racecheck; do
-               XLA_PYTHON_CLIENT_ALLOCATOR=platform timeout 150 compute-sanitizer --tool $tool --report-api-errors no \
-                 --error-exitcode 9 python3 tools/sanitize_probe.py > "$OUT/sanitize_$tool.log" 2>&1
+               XLA_PYTHON_CLIENT_ALLOCATOR=platform timeout 600 compute-sanitizer --tool $tool --report-api-errors no \
+                 --error-exitcode 9 python3 -X faulthandler tools/sanitize_probe.py > "$OUT/sanitize_$tool.log" 2>&1
                s=$?; echo "$tool rc=$s"; [ $s = 0 ] || rc=1
                grep -E "ERROR SUMMARY|RACECHECK SUMMARY|SANITIZE PROBE DONE" "$OUT/sanitize_$tool.log"
              done ;;
