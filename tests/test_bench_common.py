@@ -90,3 +90,9 @@ def test_the_readme_quotes_the_summary_of_the_committed_results():
     readme = (root / "README.md").read_text()
     assert readme == run.readme_with_summary(readme, run.summary(files)), (
         "README.md's results summary is stale: run python benchmarks/run.py --report benchmarks/results/*")
+
+
+def test_the_readme_stays_a_front_page():
+    """At most 250 lines: the details live in docs/, the figures in BENCHMARKS.md."""
+    lines = (pathlib.Path(__file__).parents[1] / "README.md").read_text().splitlines()
+    assert len(lines) <= 250, f"README.md has {len(lines)} lines; move detail to docs/"
