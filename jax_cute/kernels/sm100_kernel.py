@@ -514,17 +514,28 @@ class Sm100Gemm(Sm100Epilogue):
         bSG_gD = None
         if const_expr(self.preact):
             bSG_gD = self.tile_partition(ep, ep.tma_d, ep.mD_tma[None, None, l], cta_row, col)[1]
-        at = (cta_row, col, l)
-        bias = self.tile_bias(ep, g, l) if const_expr(self.fuse_bias) else None
-        for s in cutlass.range_constexpr(ep.n_sub):
+        return self.walk_subtiles(
+            ep, acc_idx, do_mma, (cta_row, col, l), g,
+            lambda s, stored: self.store_subtile(ep, ep.tma_d, bSG_sC, bSG_gD, s, stored),
+            lambda s, stored: self.store_subtile(ep, ep.tma_c, bSG_sC, bSG_gC, s, stored), stored)
+
+    def walk_subtiles(self, ep: EpilogueRegs, acc_idx, do_mma, at: tuple, g, store_d, store_c, state):
+        """The epilogue's pass over the tile at ``at`` = (cta_row, col, l), either store path's:
+        each subtile from TMEM to registers, its bias and activation where fused, the
+        pre-activation output D stored first where there is one (``store_d``), then C
+        (``store_c``). The stores take and return ``state`` (the TMA path's count of subtiles
+        stored). Plain Python, traced inline: the loop is static."""
+        col, l = at[1], at[2]
+        bias = self.tile_bias(ep, g, l) if self.fuse_bias else None
+        for s in range(ep.n_sub):
             self.load_acc(ep.t2r, ep.tTR_tAcc, ep.tTR_rAcc, s, acc_idx, do_mma)
-            if const_expr(self.fused):
+            if self.fused:
                 self.pre_activation(ep, s, col, bias)
-                if const_expr(self.preact):
-                    stored = self.store_subtile(ep, ep.tma_d, bSG_sC, bSG_gD, s, stored)
+                if self.preact:
+                    state = store_d(s, state)
                 self.post_activation(ep, s, at)
-            stored = self.store_subtile(ep, ep.tma_c, bSG_sC, bSG_gC, s, stored)
-        return stored
+            state = store_c(s, state)
+        return state
 
     def tile_partition(self, ep: EpilogueRegs, tma, mX, cta_row, col) -> tuple:
         """The TMA partitions of the smem ring and of the CTA tile at (cta_row, col) of ``mX`` (C
@@ -563,16 +574,9 @@ class Sm100Gemm(Sm100Epilogue):
                              (self.cta_m, self.cfg.tile_n), (0, 0))
         tTR_cC = cute.group_modes(ep.thr_t2r.partition_D(cute.flat_divide(cC, ep.epi_tile)), 3, 5)
         tTR_gD = self.rows_partition(ep, ep.mD[None, None, l], off) if const_expr(self.preact) else None
-        at = (cta_row, col, l)
-        bias = self.tile_bias(ep, g, l) if const_expr(self.fuse_bias) else None
-        for s in cutlass.range_constexpr(ep.n_sub):
-            self.load_acc(ep.t2r, ep.tTR_tAcc, ep.tTR_rAcc, s, acc_idx, do_mma)
-            if const_expr(self.fused):
-                self.pre_activation(ep, s, col, bias)
-                if const_expr(self.preact):
-                    self.store_guarded(ep, tTR_gD, tTR_cC, s, row_end, nN)
-                self.post_activation(ep, s, at)
-            self.store_guarded(ep, tTR_gC, tTR_cC, s, row_end, nN)
+        self.walk_subtiles(ep, acc_idx, do_mma, (cta_row, col, l), g,
+                           lambda s, _: self.store_guarded(ep, tTR_gD, tTR_cC, s, row_end, nN),
+                           lambda s, _: self.store_guarded(ep, tTR_gC, tTR_cC, s, row_end, nN), None)
 
     def rows_partition(self, ep: EpilogueRegs, mX, off: tuple):
         """This thread's elements of the CTA tile at ``off`` of ``mX`` (C or D of one batch),
