@@ -344,13 +344,18 @@ def make_step(cfg: Config, tx: optax.GradientTransformation, kernelized: bool, f
     return jax.jit(step, in_shardings=shardings, out_shardings=(p_sh, o_sh, NamedSharding(batch.mesh, P())))
 
 
-def batches(key: jax.Array, cfg: Config, n: int = 4) -> jax.Array:
+def batches(key: jax.Array, cfg: Config, n: int = 4, noise: float = 0.0) -> jax.Array:
     """``n`` fixed batches of a learnable language: each sequence counts up from a random start
-    by a random stride (of 8) modulo the vocabulary."""
-    k1, k2 = jax.random.split(key)
+    by a random stride (of 8) modulo the vocabulary. With ``noise``, that fraction of the tokens
+    after the first is replaced by uniformly random ones, which no model predicts: the loss then
+    has a floor, and two runs' curves can be compared relative to it over many steps (with few
+    batches and no noise the model memorizes them and the loss falls towards zero)."""
+    k1, k2, k3, k4 = jax.random.split(key, 4)
     start = jax.random.randint(k1, (n, cfg.batch, 1), 0, cfg.vocab)
     stride = jax.random.randint(k2, (n, cfg.batch, 1), 1, 9)
-    return ((start + stride * jnp.arange(cfg.seq + 1)) % cfg.vocab).astype(jnp.int32)
+    tokens = (start + stride * jnp.arange(cfg.seq + 1)) % cfg.vocab
+    noisy = (jax.random.uniform(k3, tokens.shape) < noise) & (jnp.arange(cfg.seq + 1) > 0)
+    return jnp.where(noisy, jax.random.randint(k4, tokens.shape, 0, cfg.vocab), tokens).astype(jnp.int32)
 
 
 def train(step: Callable, params, opt_state, data: list, steps: int, label: str,
@@ -387,6 +392,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--lr", type=float)
     p.add_argument("--batch", type=int, help="global batch (sequences per step); default: the size's")
+    p.add_argument("--batches", type=int, default=4, help="distinct batches, cycled through (default 4)")
+    p.add_argument("--noise", type=float, default=0.0,
+                   help="fraction of tokens replaced by random ones (a loss floor for long comparisons)")
     p.add_argument("--moe", action="store_true", help="top-2 of 8 experts instead of the dense MLP")
     p.add_argument("--fp8", action="store_true", help="kernelized run: block-scaled fp8 weight products")
     p.add_argument("--mesh", help="train on a device mesh: data=N[,model=M] (N x M devices)")
@@ -407,7 +415,10 @@ def main(argv: list[str] | None = None) -> dict:
     say = print if lead else (lambda *a, **k: None)
 
     params, opt_state, tx = init_train_state(jax.random.key(0), cfg)
-    data = list(batches(jax.random.key(1), cfg))
+    if args.batches < 1 or not 0.0 <= args.noise < 1.0:
+        raise SystemExit(f"--batches takes a positive count and --noise a fraction in [0, 1): "
+                         f"got {args.batches} and {args.noise}")
+    data = list(batches(jax.random.key(1), cfg, args.batches, args.noise))
     shardings = None
     if mesh is not None:
         check_mesh(cfg, mesh)

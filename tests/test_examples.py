@@ -11,6 +11,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -169,3 +170,18 @@ def test_report_from_synthetic_json(tmp_path):
     assert "### Grouped GEMM" not in text                               # nothing unmeasured is written
     assert sorted(p.name for p in plots.iterdir()) == ["synthetic_e2e.png", "synthetic_gemm.png",
                                                        "synthetic_launch.png"]
+
+
+def test_gpt_training_noise_replaces_that_fraction_of_tokens():
+    pytest.importorskip("optax")
+    import gpt_training as gpt
+
+    cfg = gpt.Config(vocab=256, d_model=64, heads=2, layers=1, seq=512, batch=8)
+    clean = np.asarray(gpt.batches(jax.random.key(1), cfg, 3))
+    noisy = np.asarray(gpt.batches(jax.random.key(1), cfg, 3, noise=0.1))
+    assert clean.shape == noisy.shape == (3, 8, 513)
+    changed = clean != noisy
+    assert not changed[..., 0].any()                      # each sequence's first token is kept
+    assert 0.08 < changed[..., 1:].mean() < 0.11          # 10% redrawn, a few land on the same token
+    with pytest.raises(SystemExit, match="--noise"):
+        gpt.main(["--size", "tiny", "--steps", "1", "--noise", "1.5"])
