@@ -13,9 +13,18 @@ _ARCH_BY_CAPABILITY = {(9, 0): "sm_90a", (10, 0): "sm_100a"}
 KNOWN_ARCHES = tuple(_ARCH_BY_CAPABILITY.values())
 # Kernels that have never run on real hardware: opt-in only (config.unverified_kernels()).
 UNVERIFIED_ARCHES = frozenset({"sm_100a"})
+# Kernel variants never run on real hardware on an arch whose other kernels have, by arch (a
+# family's ``unverified(spec)`` names a spec's variant): opt-in only as well, and checked on first
+# use like an unverified arch's. scaled_ragged_k: the block-scaled fp8 grouped weight gradient.
+UNVERIFIED_VARIANTS = {"sm_90a": frozenset({"scaled_ragged_k"})}
 # Multiprocessor count of each target's usual part (H100/H200 SXM, B200), used when lowering for
 # a target that is not the visible device.
 DEFAULT_SMS = {"sm_90a": 132, "sm_100a": 148}
+
+
+def unverified(arch: str, variant: str = "") -> bool:
+    """Whether ``arch``'s kernels, or its kernel ``variant``, have never run on real hardware."""
+    return arch in UNVERIFIED_ARCHES or bool(variant) and variant in UNVERIFIED_VARIANTS.get(arch, ())
 
 
 def arch_for_capability(major: int, minor: int) -> str | None:

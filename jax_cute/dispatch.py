@@ -90,6 +90,14 @@ def arch_allowed(arch: str) -> str | None:
     return None
 
 
+def variant_allowed(arch: str, variant: str) -> str | None:
+    """None, or why the kernel ``variant`` (a family's ``unverified(spec)``) may not be used on ``arch``."""
+    if variant and arch_info.unverified(arch, variant) and not config.unverified_kernels():
+        return (f"the {arch} {variant} kernel is compile-verified only (not yet run on hardware); "
+                "set JAX_CUTE_UNVERIFIED_KERNELS=1 (or jax_cute.config.set(unverified_kernels=True)) to use it")
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class _Target:
     """The arch a call lowers for and its family of ``kind`` (looked up once per call)."""
@@ -154,9 +162,10 @@ def _on_sms(cfg, sms: int):
     return dataclasses.replace(cfg, sms=sms)
 
 
-def _trusted(op: str, binary: KernelBinary, impl: Callable, reference: Callable, avals, make_int=None) -> bool:
+def _trusted(op: str, binary: KernelBinary, impl: Callable, reference: Callable, avals, make_int=None,
+             variant: str = "") -> bool:
     """False (after the fallback was logged) when an unverified kernel fails its first-use check."""
-    if selfcheck.trusted(binary, selfcheck.compare(impl, reference, avals, make_int)):
+    if selfcheck.trusted(binary, selfcheck.compare(impl, reference, avals, make_int), variant=variant):
         return True
     fallback(op, f"{binary.name} failed its first-use check on this device")
     return False
@@ -299,8 +308,11 @@ def gemm(request: GemmRequest, reference: Callable) -> Callable | None:
         return None
     spec = _spec(req, planned)
     why = target.refusal()
+    variant = ""
     if why is None:
         why = target.family.unsupported(spec)
+        variant = getattr(target.family, "unverified", lambda s: "")(spec)
+        why = why or variant_allowed(target.arch, variant)
         why = why and f"{why} ({what})"
     if why:
         fallback(req.op, why)
@@ -323,7 +335,7 @@ def gemm(request: GemmRequest, reference: Callable) -> Callable | None:
     binary = family_binary(fam, arch, spec, launch_mode(cfg))
     impl = _implementation(req, planned, binary, workspaces, c_out, e)
     sizes = _group_split(e["m"] if req.layouts.mode == RAGGED_M else e["k"]) if req.grouped else None
-    if not _trusted(req.op, binary, impl, reference, req.avals, sizes):
+    if not _trusted(req.op, binary, impl, reference, req.avals, sizes, variant):
         return None
     logger.info("jax_cute.%s: %s on %s (%s)", req.op, binary.name, arch, what)
     return impl

@@ -1,6 +1,8 @@
-"""First-use self-checks of kernels that have never run on real hardware (opt-in arches).
+"""First-use self-checks of kernels that have never run on real hardware (opt-in arches and
+variants).
 
-A kernel of an arch in ``arch.UNVERIFIED_ARCHES`` is trusted only after it reproduced the
+A kernel of an arch in ``arch.UNVERIFIED_ARCHES``, or a variant in ``arch.UNVERIFIED_VARIANTS``
+of its arch, is trusted only after it reproduced the
 reference on a small random problem on the device it will run on. The verdict is kept per
 binary for the process; a failed check sends that kernel's calls to the XLA fallback.
 """
@@ -23,9 +25,10 @@ _verdicts: dict[str, bool] = {}
 _lock = threading.Lock()
 
 
-def trusted(binary, check: Callable[[], float], tolerance: float = 2e-2) -> bool:
-    """Whether ``binary`` may be used: runs ``check`` (returns a relative error) once."""
-    if binary.arch not in arch.UNVERIFIED_ARCHES:
+def trusted(binary, check: Callable[[], float], tolerance: float = 2e-2, variant: str = "") -> bool:
+    """Whether ``binary`` (of kernel ``variant``, its family's name for it) may be used: runs
+    ``check`` (returns a relative error) once for an unverified one."""
+    if not arch.unverified(binary.arch, variant):
         return True
     with _lock:
         if binary.digest in _verdicts:

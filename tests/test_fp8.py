@@ -240,6 +240,90 @@ def test_ragged_k_dot(sizes):
     assert rel(out, ref) < 1e-5
 
 
+def _kernel_walk(qa: BlockScaled, qb: BlockScaled, gs) -> np.ndarray:
+    """What the ragged-K kernel computes, in numpy, from the operands its lowering passes it: T laid
+    out group-aligned (scaled.group_aligned), the group sizes clipped to T and rounded up to 128 by
+    the kernel's scan, group g's k-tile j at 128 (f_g + j) with scale block f_g + j of both."""
+    from jax_cute.fp8 import scaled
+    t, tb = qa.shape[1], qa.scales.shape[1]
+    a = np.asarray(scaled.group_aligned(qa.values, gs, tb), np.float64)
+    b = np.asarray(scaled.group_aligned(qb.values, gs, tb), np.float64)
+    sa, sb = np.asarray(qa.scales, np.float64), np.asarray(qb.scales, np.float64)
+    ends = np.minimum(np.cumsum(np.maximum(gs, 0)), t)
+    sizes = np.diff(ends, prepend=0)
+    out = np.zeros((len(gs), a.shape[0], b.shape[0]))
+    f = 0
+    for g, size in enumerate(sizes):
+        for j in range(-(-size // 128)):
+            k = slice(128 * (f + j), 128 * (f + j + 1))
+            out[g] += (a[:, k] @ b[:, k].T) * sa[:, f + j, None] * sb[None, :, f + j]
+        f += -(-size // 128)
+    return out
+
+
+@pytest.mark.parametrize("sizes", [[0, 300, 77, 0, 523, 1], [128, 256, 0], [1000], [5, 0, 0]])
+def test_ragged_k_kernel_layout(sizes):
+    """The ragged-K kernel's operands (group-aligned T, every k-tile one scale block of one group,
+    zeros past each group's end) give the product the reference computes: the layout the kernel's
+    walk assumes, checked on the CPU."""
+    t, p, q = 1000, 40, 24
+    gs = np.asarray(sizes, np.int32)
+    qa, qb = quantize_grouped(data((p, t), "heavy", 31), gs), quantize_grouped(data((q, t), "normal", 32), gs)
+    want = np.asarray(jax.jit(ragged_k_dot)(qa, qb, gs), np.float64)
+    assert rel(_kernel_walk(qa, qb, gs), want) < 1e-6
+
+
+def _wgrad_text(f, *args, opt_in: bool, strict: bool = False) -> str:
+    with config.override(target_arch="sm_90a", unverified_kernels=opt_in, strict=strict):
+        return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_ragged_k_lowers_to_the_hopper_kernel_opted_in(caplog):
+    """Lowered for sm_90a on the CPU: opted in to unverified kernels, the ragged-K product is our
+    custom call (the block-scaled ragged_k kernel; no dot left); without, it stays XLA's with a log
+    line saying why and how to opt in, and strict mode raises."""
+    pytest.importorskip("cutlass")
+    sizes = jnp.asarray([0, 100, 300, 77, 0, 523], jnp.int32)
+    x, y = data((256, 1000), "normal", 33), data((200, 1000), "normal", 34)
+
+    def fresh():   # a new function each time: no cached lowering
+        return lambda x, y: ragged_k_dot(quantize_grouped(x, sizes), quantize_grouped(y, sizes), sizes)
+
+    text = _wgrad_text(fresh(), x, y, opt_in=True, strict=True)
+    assert text.count("@jax_cute_launch") == 1 and "stablehlo.dot_general" not in text
+    assert "ragged_k" in text and "scaled1x1" in text
+    logging.getLogger("jax_cute").setLevel(logging.WARNING)
+    with caplog.at_level(logging.WARNING, logger="jax_cute"):
+        text = _wgrad_text(fresh(), x, y, opt_in=False)
+    assert "@jax_cute_launch" not in text and "stablehlo.dot_general" in text
+    assert "not yet run on hardware" in caplog.text and "JAX_CUTE_UNVERIFIED_KERNELS=1" in caplog.text
+    with pytest.raises(jax_cute.FallbackError, match="not yet run on hardware"):
+        _wgrad_text(fresh(), x, y, opt_in=False, strict=True)
+
+
+def test_grouped_linear_and_kernelize_wgrad_reach_the_kernel_opted_in():
+    """fp8.grouped_linear's weight gradient, and kernelize(fp8="blockwise") of a MoE's ragged_dot,
+    lowered for sm_90a: opted in, all three grouped products are our kernels (forward, dgrad and
+    the ragged-K wgrad), in strict mode; without, the wgrad is XLA's."""
+    pytest.importorskip("cutlass")
+    x, we = jnp.ones((300, 256), jnp.bfloat16), jnp.ones((3, 256, 128), jnp.float32)
+    gs = jnp.asarray([100, 0, 150], jnp.int32)
+
+    def linear_loss(we, x):
+        return jnp.sum(grouped_linear(x, we, gs, out_dtype=jnp.float32))
+
+    def moe_loss(we, x):
+        return jnp.sum(jax.lax.ragged_dot(x, we.astype(jnp.bfloat16), gs, preferred_element_type=jnp.float32) ** 2)
+
+    for loss in (linear_loss, moe_loss):
+        fn = loss if loss is linear_loss else jax_cute.kernelize(loss, fp8="blockwise")
+        text = _wgrad_text(jax.value_and_grad(lambda w, x: fn(w, x), (0, 1)), we, x, opt_in=True, strict=True)
+        assert text.count("@jax_cute_launch") == 3 and "stablehlo.dot_general" not in text, loss
+        assert "ragged_k.float8_e4m3fn" in text
+        text = _wgrad_text(jax.value_and_grad(lambda w, x: fn(w, x), (0, 1)), we, x, opt_in=False)
+        assert text.count("@jax_cute_launch") == 2 and "stablehlo.dot_general" in text, loss
+
+
 def test_vmap_of_scaled_products():
     x, w = data((3, 50, 256), "normal", 16), data((3, 256, 130), "normal", 17)
     qx = quantize(x)
@@ -362,9 +446,9 @@ def test_kernelize_fp8_ragged_dot():
 # -- dispatch and errors ----------------------------------------------------------------------
 
 def test_fallback_is_logged_and_strict_mode_raises(caplog):
-    """Products no kernel takes (the ragged-K weight gradient, a gated epilogue) are fallbacks when
-    traced; the dense and grouped-over-M products, which the Hopper kernels take, are not (on the
-    CPU they run the reference unlogged)."""
+    """Products no kernel takes (the ragged-K weight gradient, whose kernel has never run on a GPU,
+    unless opted in; a gated epilogue) are fallbacks when traced; the dense and grouped-over-M
+    products, which the Hopper kernels take, are not (on the CPU they run the reference unlogged)."""
     xq, wq = quantize(data((8, 128), "normal")), quantize(data((128, 128), "normal"), "128x128")
     we = quantize(data((2, 128, 128), "normal"), "128x128")
     sizes = jnp.asarray([3, 5], jnp.int32)
@@ -374,8 +458,12 @@ def test_fallback_is_logged_and_strict_mode_raises(caplog):
         jax_cute.matmul(xq, wq)
         jax_cute.ragged_dot(xq, we, sizes)
         assert not caplog.text
+        with config.override(unverified_kernels=True):
+            ragged_k_dot(xt, yt, sizes)
+        assert not caplog.text
         ragged_k_dot(xt, yt, sizes)
-    assert "no block-scaled fp8 ragged-K" in caplog.text
+    assert "ragged-K" in caplog.text and "not yet run on hardware" in caplog.text
+    assert "JAX_CUTE_UNVERIFIED_KERNELS=1" in caplog.text
     with config.override(strict=True):
         jax_cute.matmul(xq, wq, bias=jnp.ones((128,)), activation="gelu")
         jax_cute.ragged_dot(xq, we, sizes, activation="relu")

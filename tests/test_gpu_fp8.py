@@ -25,7 +25,7 @@ import pytest
 
 import jax_cute
 from jax_cute import config
-from jax_cute.fp8 import dequantize, grouped_linear, linear, quantize
+from jax_cute.fp8 import dequantize, grouped_linear, linear, quantize, quantize_grouped, ragged_k_dot
 from jax_cute.kernels import sm90_gemm
 
 import fp8_bound
@@ -259,3 +259,55 @@ def test_grouped_linear_forward_and_dgrad():
     # rows past the last group get a zero gradient
     rq, wt = dq(quantize(r, "1x128")), jnp.swapaxes(dq(wq), 1, 2)
     check(dx, grouped_ref(rq, wt, SIZES), grouped_abs(rq, wt))
+
+
+# -- the ragged-K weight gradient (UNVERIFIED: compiled for sm_90a, never run on a GPU before; opt-in) ----
+
+# empty groups (first and inside), one shorter than 128, none a multiple of 128, a last group of one
+# token, and tokens 901-999 in no group
+K_SIZES = jnp.asarray([0, 77, 300, 0, 523, 1], jnp.int32)
+
+
+def ragged_k_ref(a, b, sizes) -> tuple[np.ndarray, np.ndarray]:
+    """out[g] = a[:, T_g] @ b[:, T_g].T in float32 (G, P, Q), and its sum_k |a_k b_k|."""
+    ends = np.cumsum(np.asarray(sizes))
+    starts = np.concatenate([[0], ends[:-1]])
+    ref = np.stack([np.asarray(mm(a[:, s:e], b[:, s:e].T)) for s, e in zip(starts, ends)])
+    absp = np.stack([np.asarray(abs_product(a[:, s:e], b[:, s:e].T)) for s, e in zip(starts, ends)])
+    return ref, absp
+
+
+@pytest.mark.parametrize("kind", ["normal", "heavy", "student_t"])
+@pytest.mark.parametrize("out", [BF, F32], ids=["bf16", "f32"])
+def test_ragged_k(out, kind):
+    """ragged_k_dot on the block-scaled ragged_k kernel (opted in; it passes its first-use check
+    on the way): every element of every group, empty groups exactly 0."""
+    t, p, q = 1000, 520, 264
+    qa = quantize_grouped(data((p, t), kind, 21), K_SIZES)
+    qb = quantize_grouped(data((q, t), kind, 22), K_SIZES)
+
+    def f(qa, qb, sizes):
+        return ragged_k_dot(qa, qb, sizes, preferred_element_type=out)
+
+    with config.override(unverified_kernels=True):
+        assert_ours(f, qa, qb, K_SIZES)
+        got = jax.jit(f)(qa, qb, K_SIZES)
+    assert got.shape == (6, p, q)
+    assert not np.asarray(got[0]).any() and not np.asarray(got[3]).any(), "an empty group's output is not 0"
+    check(got, *ragged_k_ref(dq(qa), dq(qb), K_SIZES))
+
+
+def test_grouped_linear_wgrad():
+    """fp8.grouped_linear's weight gradient on the ragged_k kernel (opted in): all three GEMMs ours,
+    dw against the recipe's group-aligned dequantised operands in float32."""
+    x, w, r = data((1000, 768), "heavy", 23), data((6, 768, 512), "normal", 24) * 0.05, data((1000, 512), "normal", 25)
+
+    def loss(x, w, r):
+        return jnp.sum(grouped_linear(x, w, K_SIZES, out_dtype=F32) * r)
+
+    f = jax.value_and_grad(loss, (0, 1))
+    with config.override(unverified_kernels=True):
+        assert_ours(f, x, w, r, calls=3)
+        (_, (_, dw)) = jax.jit(f)(x, w, r)
+    ref, absp = ragged_k_ref(dq(quantize_grouped(x.T, K_SIZES)), dq(quantize_grouped(r.T, K_SIZES)), K_SIZES)
+    check(dw, ref, absp)

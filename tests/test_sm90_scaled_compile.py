@@ -1,6 +1,6 @@
 """Compile-only checks of the block-scaled fp8 Hopper GEMM (sm90_gemm with GemmSpec.a_block /
-b_block, and sm90_grouped's ragged_m with GroupedSpec's; kernels/sm90_scaled.py): no GPU needed,
-a few seconds a kernel on two cores."""
+b_block, and sm90_grouped's ragged_m and ragged_k with GroupedSpec's; kernels/sm90_scaled.py): no
+GPU needed, a few seconds a kernel on two cores."""
 
 import dataclasses
 import glob
@@ -13,6 +13,7 @@ import tempfile
 import pytest
 import shared_result  # tests/ is on sys.path under pytest
 
+from jax_cute import arch
 from jax_cute.kernels import cubin_info, sm90_gemm, sm90_grouped
 from jax_cute.kernels.gemm_spec import GemmSpec, GroupedSpec
 
@@ -137,11 +138,43 @@ def test_scaled_grouped_refusals():
                 dataclasses.replace(ok, b_major="n"), dataclasses.replace(ok, c_major="m")):
         assert sm90_grouped.unsupported(bad), bad
     with pytest.raises(ValueError):
-        GroupedSpec("ragged_k", E4M3, E4M3, F32, a_block=1, b_block=1)   # no scaled ragged_k kernel
+        GroupedSpec("ragged_k", E4M3, E4M3, F32, a_block=1, b_block=128)   # ragged_k: B's scales per column
     with pytest.raises(ValueError):
         dataclasses.replace(ok, a_block=128)                              # A's scales are per row
     with pytest.raises(ValueError):
         sm90_grouped.launcher(ok, sm90_grouped.Config(tile_n=256))
+
+
+# The grouped weight gradient (ragged_k): per-row A and per-column B scales, K-major operands whose
+# groups start at multiples of 128 (GroupedSpec); never run on a GPU (sm90_grouped.unverified)
+_GROUPED_K = [GroupedSpec("ragged_k", E4M3, E4M3, F32, a_block=1, b_block=1),
+              GroupedSpec("ragged_k", E5M2, E4M3, BF, a_block=1, b_block=1)]
+
+
+@pytest.mark.parametrize("spec", _GROUPED_K, ids=lambda s: s.key())
+def test_compile_scaled_ragged_k(spec):
+    """The serial mainloop (32 column scales a thread), the grouped walk rounding group sizes up to
+    128; no ragged TMA view (K-major loads at group offsets need none)."""
+    for shape in ((7168, 4096, 32768, 8), (512, 2048, 1000, 3), (1, 1, 128, 1)):
+        cfg = sm90_grouped.heuristic(spec, *shape, 1)
+        assert cfg in sm90_grouped.candidate_configs(spec) == [sm90_grouped.Config(tile_n=128)]
+    assert not cfg.overlap_promote
+    names = [a.name for a in sm90_grouped.signature(spec, cfg)]
+    assert names == ["a", "b", "c", "group_sizes", "sa", "sb", "stream"]
+    assert sm90_grouped.unsupported(spec) is None and sm90_grouped.unverified(spec) == "scaled_ragged_k"
+    _compile(spec, cfg, sm90_grouped)
+
+
+def test_scaled_ragged_k_refusals_and_variant():
+    ok = _GROUPED_K[0]
+    for bad in (dataclasses.replace(ok, a_major="m", b_major="n"), dataclasses.replace(ok, lead=True),
+                dataclasses.replace(ok, c_dtype="float8_e4m3fn")):
+        assert sm90_grouped.unsupported(bad), bad
+    # only this variant is unverified on sm_90a: the other Hopper kernels are not named
+    assert all(sm90_grouped.unverified(s) == "" for s in _GROUPED)
+    assert sm90_grouped.unverified(GroupedSpec("ragged_k", BF, BF, BF, a_major="m", b_major="n")) == ""
+    assert arch.unverified("sm_90a", "scaled_ragged_k") and not arch.unverified("sm_90a")
+    assert arch.unverified("sm_100a")
 
 
 # The overlapped promotion (Config.overlap_promote): two partial fragments (64 + 2 x 64 fp32

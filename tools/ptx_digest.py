@@ -113,6 +113,8 @@ def _sm90() -> Iterator[tuple[object, object, object]]:
         (GroupedSpec("ragged_m", BF, BF, BF, b_major="n", bias=True, activation="swiglu", preact=True),
          sm90_grouped.Config(256)),
         (GroupedSpec("ragged_m", BF, BF, F32, bias=True, activation="relu"), sm90_grouped.Config(128)),
+        # block-scaled fp8 ragged_k (the grouped weight gradient)
+        (GroupedSpec("ragged_k", E4M3, E4M3, F32, a_block=1, b_block=1), sm90_grouped.Config(128)),
     ]
     for spec, cfg in grouped:
         yield sm90_grouped, spec, cfg

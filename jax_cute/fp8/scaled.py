@@ -18,14 +18,16 @@ of the fp8 values accumulated in float32 (exact products), multiplied by ``sa[ro
 of that block and added to a float32 accumulator; then ``act(acc + bias)`` in float32, rounded
 once to the output dtype. A partial last K block is zero-padded.
 
-Dispatch: the dense call and the call grouped over M run the Hopper kernel
-(kernels/sm90_scaled.py, a mainloop of the sm90_gemm kernel, its dense raster or its ragged_m
-walk) through ``dispatch.gemm`` like every other GEMM: a ``GemmRequest`` with ``scales``, the
-block scales passed transposed to (L or G, Kb, row blocks), contiguous along the row blocks each
-thread reads. The ragged-K call has no kernel yet: :func:`kernel_refusal` reports it as a
+Dispatch: every call runs the Hopper kernel (kernels/sm90_scaled.py, a mainloop of the
+sm90_gemm kernel, its dense raster or its ragged_m / ragged_k walk) through ``dispatch.gemm``
+like every other GEMM: a ``GemmRequest`` with ``scales``, the block scales passed transposed to
+(L or G, Kb, row blocks), contiguous along the row blocks each thread reads. The ragged-K call's
+kernel has never run on a GPU: it is used only with ``JAX_CUTE_UNVERIFIED_KERNELS=1`` (checked
+against the reference on first use); without it :func:`kernel_refusal` reports the call as a
 fallback when it is traced (``dispatch.at_trace``: a log line, or :class:`jax_cute.FallbackError`
-in strict mode), and it lowers to the reference, on the GPU too; so does a call the kernel
-refuses when it is lowered (logged the same way).
+in strict mode) and it lowers to the reference, as does a call the kernel refuses when it is
+lowered (logged the same way). Its operands reach the kernel with T laid out group-aligned
+(:func:`group_aligned`: every group from a multiple of 128, zero-filled to the next).
 """
 
 from __future__ import annotations
@@ -43,20 +45,21 @@ from jax.experimental.custom_partitioning import ArrayMapping, CompoundFactor, S
 from jax.interpreters import ad, batching, mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jax_cute import dispatch
-from jax_cute.fp8.quantize import BLOCK, FP8_DTYPES, group_blocks, group_ends
+from jax_cute import config, dispatch
+from jax_cute.fp8.quantize import BLOCK, FP8_DTYPES, group_blocks, group_ends, grouped_blocks
 from jax_cute.activations import apply_activation, is_gated
 from jax_cute.layout import Layout, make_layout, stride_of
 from jax_cute.primitives import sharding
 from jax_cute.problem.gemm_layouts import matmul_layouts
-from jax_cute.problem.ragged_layouts import RAGGED_M, RaggedLayouts
+from jax_cute.problem.ragged_layouts import RAGGED_K, RAGGED_M, RaggedLayouts
 
 logger = logging.getLogger("jax_cute")
 
 OUT_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32))
-NO_RAGGED_K_KERNEL = ("no block-scaled fp8 ragged-K (grouped weight gradient) kernel yet (the Hopper kernel "
-                      "covers dense products and groups over M); the scaled product runs as XLA ops with the same "
-                      "two-level accumulation")
+UNVERIFIED_RAGGED_K = ("the block-scaled fp8 ragged-K (grouped weight gradient) kernel (sm_90a) is compile-verified "
+                       "only, not yet run on hardware; set JAX_CUTE_UNVERIFIED_KERNELS=1 (or "
+                       "jax_cute.config.set(unverified_kernels=True)) to use it; the scaled product runs as XLA ops "
+                       "with the same two-level accumulation")
 KERNEL_BLOCKS = (1, BLOCK)   # rows per scale of either operand the Hopper kernel reads
 
 
@@ -64,10 +67,10 @@ def kernel_refusal(op: str, *, grouped: str | None = None, a=None, b=None, out=N
                    b_block: int = BLOCK, activation: str | None = None) -> str | None:
     """Why no kernel of any arch takes this scaled call, or None (checked when it is traced;
     what only the target knows, its arch and the operands' layout, is checked when it is lowered).
-    ``grouped``: "M" or "K" for the grouped calls (no kernel takes "K" yet)."""
+    ``grouped``: "M" or "K" for the grouped calls ("K": a kernel never run on hardware, opt-in)."""
     del op
-    if grouped == "K":
-        return NO_RAGGED_K_KERNEL
+    if grouped == "K" and not config.unverified_kernels():
+        return UNVERIFIED_RAGGED_K
     if any(np.dtype(x) not in FP8_DTYPES for x in (a, b)) or np.dtype(out) not in OUT_DTYPES:
         return f"the block-scaled kernel takes fp8 operands into {'/'.join(d.name for d in OUT_DTYPES)}"
     if a_block not in KERNEL_BLOCKS or b_block not in KERNEL_BLOCKS:
@@ -122,16 +125,64 @@ def _ragged_m_request(avals, params) -> dispatch.GemmRequest:
         "float32", epilogue=bool(bias or act), bias=bool(bias), activation=act, scales=(1, params["b_block"]))
 
 
+def group_aligned(x, group_sizes, blocks: int):
+    """``x`` (R, T), quantized group-aligned (``quantize_grouped``), with T laid out as the ragged-K
+    kernel reads it: (R, 128 ``blocks``), scale block j's elements at [128 j, 128 j + its length),
+    zeros elsewhere; so every group starts at 128 times its first block and ends zero-filled."""
+    t = x.shape[1]
+    _, bstart, blen, _ = group_blocks(group_sizes, t)
+    j = jnp.arange(blocks * BLOCK, dtype=jnp.int32)
+    blk, lane = j // BLOCK, j % BLOCK
+    src = jnp.minimum(bstart[blk] + lane, t - 1)
+    return jnp.where(lane < blen[blk], jnp.take(x, src, axis=1), jnp.zeros((), x.dtype))
+
+
+def _ragged_k_kernel(avals, params) -> Callable | None:
+    """The ragged-K call's kernel (see ``_cuda_kernel``): a (P, T) and b (Q, T) laid out
+    group-aligned, (P, Tp) and (Q, Tp) with Tp = 128 Tb, the group sizes clipped to T (the kernel
+    rounds each up to 128: a group's first block is the sum of the rounded sizes before it / 128)."""
+    a, sa, b, sb, gs = avals
+    (p, t), q, g, tb = a.shape, b.shape[0], gs.shape[0], sa.shape[1]
+    if t == 0 or tb != grouped_blocks(t, g):
+        return None
+    tp = tb * BLOCK
+    one = Layout((1,), (0,))
+    mode = lambda e, d: Layout((e,), (stride_of(e, d),))  # noqa: E731
+    layouts = RaggedLayouts(RAGGED_K, make_layout(mode(p, tp), mode(tp, 1), one),
+                            make_layout(mode(q, tp), mode(tp, 1), one),
+                            make_layout(mode(p, q), mode(q, 1), mode(g, p * q), one), make_layout(mode(g, 1), one),
+                            (g, p, q))
+    req = dispatch.GemmRequest((a.update(shape=(p, tp)), b.update(shape=(q, tp)), gs, _block_major_aval(sa),
+                                _block_major_aval(sb)), layouts, params["out_dtype"], "float32", scales=(1, 1))
+
+    def reference(x, y, sizes, sx, sy):
+        """The reference of the kernel's operands: sizes rounded up to 128 as the kernel does."""
+        sizes = -(-jnp.clip(sizes, 0, tp) // BLOCK) * BLOCK
+        return ragged_k_reference(x, jnp.swapaxes(sx, 1, 2)[0], y, jnp.swapaxes(sy, 1, 2)[0], sizes, **params)
+
+    impl = dispatch.gemm(req, reference)
+    if impl is None:
+        return None
+
+    def run(x, sx, y, sy, sizes):
+        ends = group_ends(sizes, t)
+        clipped = jnp.diff(ends, prepend=jnp.zeros((1,), ends.dtype)).astype(jnp.int32)
+        return impl(group_aligned(x, sizes, tb), group_aligned(y, sizes, tb), clipped, _block_major(sx),
+                    _block_major(sy))
+
+    return run
+
+
 def _cuda_kernel(name: str, avals, params) -> Callable | None:
     """The kernel for one shard's call (a function of its operands emitting the custom call),
-    or None for the reference: the dense and grouped-over-M calls ask ``dispatch.gemm``, which
-    logs a refusal as a fallback (strict mode raises); the ragged-K call has no kernel yet."""
+    or None for the reference: every call asks ``dispatch.gemm``, which logs a refusal as a
+    fallback (strict mode raises); the ragged-K call's kernel is opt-in (unverified)."""
     if name == "jax_cute_scaled_gemm":
         req = _dense_request(avals, params)
     elif name == "jax_cute_scaled_ragged_m":
         req = _ragged_m_request(avals, params)
     else:
-        return None
+        return _ragged_k_kernel(avals, params)
     n_gs = 1 if req.grouped else 0   # the group sizes of a grouped call
 
     def reorder(x, sx, y, sy, *rest):
@@ -331,10 +382,10 @@ _REFERENCES = {"jax_cute_scaled_gemm": gemm_reference, "jax_cute_scaled_ragged_m
                "jax_cute_scaled_ragged_k": ragged_k_reference}
 
 
-def _local(name: str, avals, params, cuda: bool) -> Callable:
-    """One shard's computation: the kernel where one takes it, else the reference (bf16 operands
-    on the GPU, whose bf16 x bf16 -> f32 dot is exact for fp8 values; f32 elsewhere)."""
-    impl = _cuda_kernel(name, avals, params) if cuda else None
+def _local(name: str, avals, params, cuda: bool, kernel: bool = True) -> Callable:
+    """One shard's computation: the kernel where one takes it (and ``kernel``), else the reference
+    (bf16 operands on the GPU, whose bf16 x bf16 -> f32 dot is exact for fp8 values; f32 elsewhere)."""
+    impl = _cuda_kernel(name, avals, params) if cuda and kernel else None
     if impl is not None:
         return impl
     ref = _REFERENCES[name]
@@ -351,10 +402,11 @@ def _lowering(prim, cuda: bool):
             avals_out = tuple(jax.core.ShapedArray(a.shape, a.dtype) for a in ctx.avals_out)
             plain = ctx.replace(avals_in=avals_in, avals_out=avals_out)
             partitioned = _PARTITIONED.get(prim.name)
-            if partitioned is not None and not sharding.one_shard(ctx.module_context.axis_context):
+            one = sharding.one_shard(ctx.module_context.axis_context)
+            if partitioned is not None and not one:
                 fn = functools.partial(partitioned, _Call(tuple(sorted({**params, "cuda": cuda}.items()))))
-            else:  # one shard, or the ragged-K call: XLA partitions the reference's ops (docs/fp8.md)
-                fn = _local(prim.name, avals_in, params, cuda)
+            else:  # one shard, or the ragged-K call: on several, XLA partitions the reference's ops (docs/fp8.md)
+                fn = _local(prim.name, avals_in, params, cuda, kernel=one)
             return mlir.lower_fun(fn, multiple_results=False)(plain, *args)
 
     return rule

@@ -240,8 +240,12 @@ class GroupedSpec:
     l; L extent 1: one bias for every batch; the zero rows past the last group take none), ``activation`` and ``preact`` as GemmSpec's, the
     pre-activation ``d`` laid out like c (with a gated activation, like c's N columns).
 
-    Block-scaled fp8 (ragged_m, one batch; docs/fp8.md): ``a_block`` 1 and ``b_block`` 1 or 128 as
-    GemmSpec's, with ``sa`` (M, Kb, 1) and ``sb`` (ceil(N/b_block), Kb, G) after the group sizes.
+    Block-scaled fp8 (one batch; docs/fp8.md): ragged_m with ``a_block`` 1 and ``b_block`` 1 or 128
+    as GemmSpec's, ``sa`` (M, Kb, 1) and ``sb`` (ceil(N/b_block), Kb, G) after the group sizes;
+    ragged_k with ``a_block`` and ``b_block`` 1, A and B contiguous along K, ``sa`` (M, Kb, 1) and
+    ``sb`` (N, Kb, 1), where every group starts at a multiple of 128 of K: group g's k-range is
+    [128 f_g, 128 f_g + size_g), f_g = sum over h < g of ceil(size_h / 128), zero-filled up to its
+    next multiple of 128 (the caller lays K out so), and its k-tile j takes scale block f_g + j.
     """
 
     mode: str
@@ -263,8 +267,8 @@ class GroupedSpec:
         if (self.bias or self.activation) and self.mode != "ragged_m":
             raise ValueError(f"a fused grouped epilogue needs mode ragged_m, not {self.mode}")
         _check_blocks(self.a_block, self.b_block)
-        if self.a_block and (self.mode != "ragged_m" or self.a_block != 1):
-            raise ValueError(f"a block-scaled grouped product is ragged_m with 1 x 128 A scales, not {self}")
+        if self.a_block and (self.a_block != 1 or (self.mode == "ragged_k" and self.b_block != 1)):
+            raise ValueError(f"a block-scaled grouped product takes 1 x 128 A scales (ragged_k: B's too), not {self}")
         if self.preact and not self.activation:
             raise ValueError("a pre-activation output needs an activation (without one it equals c)")
 

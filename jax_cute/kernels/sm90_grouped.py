@@ -14,9 +14,15 @@ Fused epilogues (ragged_m, EPILOGUES): the dense kernel's, with the bias row of 
 group (tiles never mix groups; the zero tail takes no bias, and every activation maps 0 to 0),
 the pre-activation output D stored with C's clipped TMA view, and swiglu's paired halves.
 
-Block-scaled fp8 (ragged_m, GroupedSpec.a_block / b_block): the dense kernel's scaled mainloop
-(sm90_scaled) on 128 x 128 tiles, A's scales read at the tile's rows (tiles start at group rows),
-B's at the tile's group.
+Block-scaled fp8 (GroupedSpec.a_block / b_block): the dense kernel's scaled mainloop
+(sm90_scaled) on 128 x 128 tiles. ragged_m: A's scales read at the tile's rows (tiles start at
+group rows), B's at the tile's group. ragged_k (the grouped weight gradient; UNVERIFIED: compiled
+for sm_90a, never run on a GPU, so routing takes it only opted in): A and B are contiguous along
+K (fp8 WGMMA), where no TMA view clips K at a group end and unaligned group starts are unaligned
+box coordinates along the contiguous mode; so the caller lays K out with every group starting at
+a multiple of 128 and zero-filled to the next one (GroupedSpec), and the walk rounds each group
+size up to 128: group g's k-range starts at 128 f_g, f_g its first scale block, and its k-tile j
+is scale block f_g + j of both operands (per-row A and per-column B scales: the serial mainloop).
 
 Clipping at group ends uses TMA views whose ragged mode needs a 16-byte-multiple stride, so
 ragged_k needs MN-major A and B, and ragged_m an N-major C (what ragged_dot and its gradients
@@ -79,8 +85,16 @@ def unsupported(spec) -> str | None:
     return None
 
 
+def unverified(spec) -> str:
+    """The name of ``spec``'s kernel variant when it has never run on a GPU (arch.UNVERIFIED_VARIANTS
+    lists the names; routing takes it only opted in), else ""."""
+    return "scaled_ragged_k" if isinstance(spec, GroupedSpec) and spec.scaled and spec.mode == "ragged_k" else ""
+
+
 def _scaled_unsupported(spec: GroupedSpec) -> str | None:
-    """Why the block-scaled grouped kernel does not take ``spec`` (ragged_m: GroupedSpec checks), or None."""
+    """Why the block-scaled grouped kernel does not take ``spec`` (blocks: GroupedSpec checks), or None."""
+    if spec.mode == "ragged_k" and spec.lead:
+        return "a block-scaled ragged_k product takes no lead (group offset)"
     if spec.a_dtype not in _FP8 or spec.b_dtype not in _FP8:
         return f"block scales take fp8 operands, got {spec.a_dtype}/{spec.b_dtype}"
     if (spec.a_major, spec.b_major, spec.c_major) != ("k", "k", "n"):
@@ -93,6 +107,8 @@ def _scaled_unsupported(spec: GroupedSpec) -> str | None:
 
 
 def candidate_configs(spec) -> list[Config]:
+    if spec.scaled and spec.mode == "ragged_k":
+        return [Config(tile_n=128)]   # per-column B scales: the serial mainloop (see sm90_gemm.scaled_overlap)
     if spec.scaled:
         return [Config(tile_n=128), Config(tile_n=128, overlap_promote=True)]
     return [Config(tile_n=256), Config(tile_n=128)]

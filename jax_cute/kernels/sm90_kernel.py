@@ -13,7 +13,7 @@ from jax_cute.kernels.bundle import Bundle
 from jax_cute.kernels.dsl import cute, cutlass, pipeline, sm90_utils, cpasync, warpgroup, warp
 from jax_cute.kernels.dsl import memory, LayoutEnum
 from jax_cute.kernels.dsl import Int32, Int64, Float32
-from jax_cute.kernels.gemm_spec import GemmSpec, GroupedSpec
+from jax_cute.kernels.gemm_spec import SCALE_K, GemmSpec, GroupedSpec
 from jax_cute.kernels.sm90_config import Config, is_gated, stage_plan, tile_k, wg_rows
 from jax_cute.kernels.sm90_epilogue import Sm90Epilogue, WarpgroupEpilogue, paired_halves
 from jax_cute.kernels.launch import launcher_for
@@ -237,7 +237,8 @@ class Sm90Gemm(ScaledMainloop, Sm90Epilogue):
             c_dst = ragged_tensor(c, 0)
             if const_expr(self.preact):
                 d_dst = ragged_tensor(d, 0)
-        if const_expr(self.mode == "ragged_k"):
+        if const_expr(self.mode == "ragged_k" and not self.scaled):
+            # (block-scaled: K-major groups at multiples of 128, zero-filled; see RaggedK)
             a_src, b_src = ragged_tensor(a, 1), ragged_tensor(b, 1)
         tma_a, tA = load_atom(a_src, sa, (self.bm, self.bk), self.cn)
         tma_b, tB = load_atom(b_src, sb, (self.bn, self.bk), self.cm)
@@ -564,7 +565,12 @@ class Sm90Gemm(ScaledMainloop, Sm90Epilogue):
             gs, ext, w, cl, cg0, rows0, tiles0, start, end, incl)
         while valid:
             n_k = self.sched.group_k_tiles(ext, g, t0, t1)
-            if const_expr(self.scaled):
+            if const_expr(self.scaled and self.mode == "ragged_k"):
+                # both operands' scales at the group's first block (its k-range starts at 128 times it)
+                lk = cutlass.min(cl, cs.ts.sa.shape[2] - 1)
+                read, release = self.scaled_mainloop(tiled_mma, acc, tCrA, tCrB, cs.ts, ab_pipe, read, release,
+                                                     t0 // SCALE_K, n_k, (m_t * self.bm, n_t, lk, lk))
+            elif const_expr(self.scaled):
                 # (ragged_m) A's scales at the tile's rows, B's at its group (the zero tail's
                 # clamped: it has no k-tiles and stores zeros)
                 tile = (t0 + m_t * self.bm, n_t, Int32(0), cutlass.min(g, ext[3] - 1))

@@ -17,7 +17,7 @@ k-range each CTA's warps work on.
 from __future__ import annotations
 
 from jax_cute.kernels.dsl import cute, cutlass, Int32, Int64
-from jax_cute.kernels.gemm_spec import GemmSpec, GroupedSpec
+from jax_cute.kernels.gemm_spec import SCALE_K, GemmSpec, GroupedSpec
 from jax_cute.kernels.sm90_config import Config, is_gated, tile_k
 
 const_expr = cutlass.const_expr
@@ -111,9 +111,11 @@ class RaggedWalk:
 
     mode = ""
 
-    def __init__(self, config: Config, in_dtype: str, gated: bool, lead: bool = False):
+    def __init__(self, config: Config, in_dtype: str, gated: bool, lead: bool = False, k_align: int = 0):
         self.cfg = config
         self.lead = lead
+        # ragged_k groups laid out at multiples of k_align (block-scaled: 128, GroupedSpec; 0: none)
+        self.k_align = k_align
         self.bm, self.bn, self.bk = config.tile_m, config.tile_n, tile_k(in_dtype)
         self.glu = gated
         self.cbn = self.bn // 2 if gated else self.bn   # C's tile width
@@ -134,6 +136,9 @@ class RaggedWalk:
                 if g == G:
                     sz = R             # rows past the last group: the zero-store pseudo-group
         sz = cutlass.min(cutlass.max(sz, 0), R)
+        if const_expr(self.k_align):
+            # each group's k-range starts at a multiple of k_align (R is one: the sum stays below it)
+            sz = (sz + (self.k_align - 1)) // self.k_align * self.k_align
         # inclusive scan of rows, saturating at R without overflow
         x = sz
         for d in range_constexpr(5):
@@ -231,6 +236,12 @@ class RaggedWalk:
             gb = self.group(g)
             gB_g = mB[(None, None, gb)] if const_expr(self.glu) else mB[(None, None, gb, lb)]
             gB = cute.local_tile(gB_g, (self.bn, self.bk), (n_t, None))
+        elif const_expr(self.k_align):
+            # K-major, groups at aligned offsets and zero-filled to the next one: no clip needed
+            gA = cute.local_tile(cute.domain_offset((None, t0), mA[(None, None, la)]), (self.bm, self.bk),
+                                 (m_t, None))
+            gB = cute.local_tile(cute.domain_offset((None, t0), mB[(None, None, lb)]), (self.bn, self.bk),
+                                 (n_t, None))
         else:
             gA = cute.local_tile(ragged_view(mA, 1, t0, t1 - t0)[(None, None, la)], (self.bm, self.bk),
                                  (m_t, None))
@@ -265,7 +276,8 @@ class RaggedM(RaggedWalk):
 
 class RaggedK(RaggedWalk):
     """ragged_k: tiles are (group, m-tile, n-tile) with the K loop over the group's rows; empty
-    groups store zeros."""
+    groups store zeros. With ``k_align`` (block-scaled, K-major) every group starts at a multiple
+    of it: sizes are rounded up to it in the scan, and the loads need no clip."""
 
     mode = "ragged_k"
 
@@ -273,5 +285,7 @@ class RaggedK(RaggedWalk):
 def scheduler_for(spec: GemmSpec | GroupedSpec, config: Config) -> DenseRaster | RaggedWalk:
     """The tile scheduler of a spec: the dense raster, or the grouped walk of its mode."""
     if isinstance(spec, GroupedSpec):
-        return {"ragged_m": RaggedM, "ragged_k": RaggedK}[spec.mode](config, spec.a_dtype, is_gated(spec), spec.lead)
+        k_align = SCALE_K if spec.scaled and spec.mode == "ragged_k" else 0
+        return {"ragged_m": RaggedM, "ragged_k": RaggedK}[spec.mode](config, spec.a_dtype, is_gated(spec), spec.lead,
+                                                                     k_align)
     return DenseRaster(config, spec.batch_modes)
