@@ -28,6 +28,7 @@ def _fallbacks(case, caplog) -> list[str]:
     return reasons
 
 
+@pytest.mark.sweep   # hundreds of lowerings (40 s): CI's second step, not the README's line
 def test_at_most_two_percent_of_16_bit_cases_fall_back(caplog):
     fell = {c.name: r for c in CASES if (r := _fallbacks(c, caplog))}
     assert len(fell) <= 0.02 * len(CASES), "\n".join(f"{k}: {v[0]}" for k, v in fell.items())
