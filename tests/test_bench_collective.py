@@ -11,6 +11,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 from jax_cute.config import RING_SMS_DEFAULT
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -19,6 +21,7 @@ MAIN = {"jax_cute", "jax_cute_sms0", "jax_cute_sms8", "jax_cute_stream", "jax_cu
 MEMCPY = MAIN - {"local_gemm"}
 
 
+@pytest.mark.sweep   # 20 s: CI's second step, not the README's line
 def test_collective_suite_smoke(tmp_path):
     out = tmp_path / "records.json"
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu",

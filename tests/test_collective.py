@@ -182,7 +182,8 @@ def _results(shardy: bool) -> dict:
     return shared_result.once(f"test_collective-{'shardy' if shardy else 'gspmd'}", lambda: _run(shardy))
 
 
-@pytest.fixture(scope="module", params=[True, False], ids=["shardy", "gspmd"])
+@pytest.fixture(scope="module", params=[pytest.param(True, id="shardy"),   # GSPMD: CI's second step (sweep)
+                                        pytest.param(False, id="gspmd", marks=pytest.mark.sweep)])
 def results(request):
     return _results(request.param)
 

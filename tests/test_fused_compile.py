@@ -105,6 +105,7 @@ def test_fused_epilogues_keep_the_cooperative_pick():
             assert not cfg.pingpong and (cfg.tile_m, cfg.tile_n) == (128, 256), (spec.key(), m, n, k, cfg.key())
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("c_dtype", [BF, F32])
 @pytest.mark.parametrize("majors", ["kkn", "mnm"])
 def test_every_heuristic_pick_compiles(c_dtype, majors):
@@ -124,6 +125,7 @@ def test_every_epilogue_compiles(bias, activation):
         assert "tanh.approx.f32" in ptx  # 16-bit output: the MUFU tanh
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("c_dtype", [BF, F32])
 def test_every_preact_pick_compiles(c_dtype, bias):
