@@ -45,7 +45,7 @@ from jax.experimental.custom_partitioning import ArrayMapping, CompoundFactor, S
 from jax.interpreters import ad, batching, mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jax_cute import config, dispatch
+from jax_cute import dispatch
 from jax_cute.fp8.quantize import BLOCK, FP8_DTYPES, group_blocks, group_ends, grouped_blocks
 from jax_cute.activations import apply_activation, is_gated
 from jax_cute.layout import Layout, make_layout, stride_of
@@ -56,10 +56,6 @@ from jax_cute.problem.ragged_layouts import RAGGED_K, RAGGED_M, RaggedLayouts
 logger = logging.getLogger("jax_cute")
 
 OUT_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32))
-UNVERIFIED_RAGGED_K = ("the block-scaled fp8 ragged-K (grouped weight gradient) kernel (sm_90a) is compile-verified "
-                       "only, not yet run on hardware; set JAX_CUTE_UNVERIFIED_KERNELS=1 (or "
-                       "jax_cute.config.set(unverified_kernels=True)) to use it; the scaled product runs as XLA ops "
-                       "with the same two-level accumulation")
 KERNEL_BLOCKS = (1, BLOCK)   # rows per scale of either operand the Hopper kernel reads
 
 
@@ -69,8 +65,10 @@ def kernel_refusal(op: str, *, grouped: str | None = None, a=None, b=None, out=N
     what only the target knows, its arch and the operands' layout, is checked when it is lowered).
     ``grouped``: "M" or "K" for the grouped calls ("K": a kernel never run on hardware, opt-in)."""
     del op
-    if grouped == "K" and not config.unverified_kernels():
-        return UNVERIFIED_RAGGED_K
+    # the ragged-K kernel's gate is dispatch's (arch.UNVERIFIED_VARIANTS), asked here at trace time
+    if grouped == "K" and (why := dispatch.variant_allowed("sm_90a", "scaled_ragged_k")):
+        return (f"block-scaled fp8 ragged-K (grouped weight gradient): {why}; the scaled product runs as XLA ops "
+                "with the same two-level accumulation")
     if any(np.dtype(x) not in FP8_DTYPES for x in (a, b)) or np.dtype(out) not in OUT_DTYPES:
         return f"the block-scaled kernel takes fp8 operands into {'/'.join(d.name for d in OUT_DTYPES)}"
     if a_block not in KERNEL_BLOCKS or b_block not in KERNEL_BLOCKS:
@@ -125,16 +123,25 @@ def _ragged_m_request(avals, params) -> dispatch.GemmRequest:
         "float32", epilogue=bool(bias or act), bias=bool(bias), activation=act, scales=(1, params["b_block"]))
 
 
+def _aligned_gather(group_sizes, t: int, blocks: int) -> tuple[jax.Array, jax.Array]:
+    """Where each of the 128 ``blocks`` columns of the group-aligned layout (``group_aligned``)
+    reads along T, and whether it holds an element (else a zero)."""
+    _, bstart, blen, _ = group_blocks(group_sizes, t)
+    j = jnp.arange(blocks * BLOCK, dtype=jnp.int32)
+    blk, lane = j // BLOCK, j % BLOCK
+    return jnp.minimum(bstart[blk] + lane, t - 1), lane < blen[blk]
+
+
+def _take_aligned(x, gather: tuple[jax.Array, jax.Array]):
+    src, keep = gather
+    return jnp.where(keep, jnp.take(x, src, axis=1), jnp.zeros((), x.dtype))
+
+
 def group_aligned(x, group_sizes, blocks: int):
     """``x`` (R, T), quantized group-aligned (``quantize_grouped``), with T laid out as the ragged-K
     kernel reads it: (R, 128 ``blocks``), scale block j's elements at [128 j, 128 j + its length),
     zeros elsewhere; so every group starts at 128 times its first block and ends zero-filled."""
-    t = x.shape[1]
-    _, bstart, blen, _ = group_blocks(group_sizes, t)
-    j = jnp.arange(blocks * BLOCK, dtype=jnp.int32)
-    blk, lane = j // BLOCK, j % BLOCK
-    src = jnp.minimum(bstart[blk] + lane, t - 1)
-    return jnp.where(lane < blen[blk], jnp.take(x, src, axis=1), jnp.zeros((), x.dtype))
+    return _take_aligned(x, _aligned_gather(group_sizes, x.shape[1], blocks))
 
 
 def _ragged_k_kernel(avals, params) -> Callable | None:
@@ -167,8 +174,8 @@ def _ragged_k_kernel(avals, params) -> Callable | None:
     def run(x, sx, y, sy, sizes):
         ends = group_ends(sizes, t)
         clipped = jnp.diff(ends, prepend=jnp.zeros((1,), ends.dtype)).astype(jnp.int32)
-        return impl(group_aligned(x, sizes, tb), group_aligned(y, sizes, tb), clipped, _block_major(sx),
-                    _block_major(sy))
+        gather = _aligned_gather(sizes, t, tb)   # one map for both operands: they share T's groups
+        return impl(_take_aligned(x, gather), _take_aligned(y, gather), clipped, _block_major(sx), _block_major(sy))
 
     return run
 
