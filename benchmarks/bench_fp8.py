@@ -17,6 +17,12 @@ interleaved in one process:
   (for the grouped case a batched dot over the 4 equal groups).
 
 TFLOP/s count 2 M N K. Outputs are not compared (the three compute different products).
+
+Training steps (``BENCH_FP8_TRAIN=0`` leaves them out): the GPT example's step (``examples/gpt_training.py``
+at its ``h200`` size, dense and ``--moe``), timed interleaved: *jax_cute*:
+``value_and_grad(kernelize(loss, fp8=recipe))`` (the weight products' forward and both
+gradients block-scaled fp8, quantization included); *jax_cute_bf16*: the same kernelized in
+bf16; *xla_bf16*: the model as written (bf16 products).
 """
 
 from __future__ import annotations
@@ -122,9 +128,35 @@ def _variants(fn: Callable, dense: bool) -> list[Impl]:
             for name, fields in variants.items()]
 
 
+def _gpt():
+    """examples/gpt_training.py as a module (the training steps' source)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+    import gpt_training
+    return gpt_training
+
+
+def train_steps(args: argparse.Namespace, rounds: int) -> list[dict]:
+    """The GPT example's step, dense and MoE: fp8 and bf16 kernelized, and XLA's, interleaved."""
+    gpt = _gpt()
+    recs: list[dict] = []
+    for moe in (False, True):
+        cfg = dataclasses.replace(gpt.SIZES["tiny" if args.smoke else "h200"], moe=moe)
+        params, opt_state, tx = gpt.init_train_state(jax.random.key(0), cfg)
+        data = gpt.batches(jax.random.key(1), cfg)
+        ffn = f"MoE top-{cfg.top_k} of {cfg.experts}" if moe else "dense MLP"
+        case = f"GPT train step, d_model {cfg.d_model}, {cfg.layers} layers, {ffn}, {cfg.batch}x{cfg.seq} tokens"
+        recs += measure("fp8", "fp8_train", case,
+                        [Impl("jax_cute", gpt.make_step(cfg, tx, kernelized=True, fp8=True)),
+                         Impl("jax_cute_bf16", gpt.make_step(cfg, tx, kernelized=True)),
+                         Impl("xla_bf16", gpt.make_step(cfg, tx, kernelized=False))],
+                        lambda s: (params, opt_state, data[s % len(data)]), 0.0, rounds=rounds, check=False,
+                        meta={"dtype": "float8_e4m3fn", "moe": moe})
+    return recs
+
+
 def run(args: argparse.Namespace) -> list[dict]:
     rounds = 2 if args.smoke else args.rounds
-    recs: list[dict] = []
+    recs: list[dict] = train_steps(args, rounds) if os.environ.get("BENCH_FP8_TRAIN", "1") != "0" else []
     dense = [*_variants(_scaled, True), Impl("jax_cute_bf16", _bf16), Impl("xla", _xla_fp8)]
     for m, n, k in SMOKE_DENSE if args.smoke else DENSE:
         recs += measure("fp8", "fp8_gemm", f"{m}x{n}x{k}", dense, dense_operands(m, n, k), 2.0 * m * n * k,

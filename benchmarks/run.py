@@ -182,6 +182,7 @@ SECTIONS = [  # (table, record key, unit, higher is better, title, digits)
     ("ragged", "tflops", "TFLOP/s", True, "Grouped GEMM (ragged_dot), bf16: forward, lhs and rhs gradients", 1),
     ("fp8_gemm", "tflops", "TFLOP/s", True, "Block-scaled fp8 GEMM (M×N×K, 1×128 / 128×128 scales, bf16 out)", 1),
     ("fp8_grouped", "tflops", "TFLOP/s", True, "Block-scaled fp8 grouped GEMM, contiguous groups (G×rows×N×K)", 1),
+    ("fp8_train", "ms", "ms", False, "GPT training step, weight products in block-scaled fp8 (time per step)", 2),
     ("e2e", "ms", "ms", False, "End-to-end steps (time per call)", 2),
     ("launch", "us_per_iter", "µs/iter", False, "Tiny kernel in a fori_loop (command buffers off)", 2),
     ("scaling", "tokens_per_s_per_device", "tokens/s per GPU", True, "Training step on several GPUs, same batch per GPU", 0),
@@ -205,7 +206,7 @@ SUITE_LABELS = {"ragged": {"xla": "lax.ragged_dot"},   # what the "xla" rival is
                 "fp8": {"jax_cute": "jax_cute fp8, block-scaled", "jax_cute_bf16": "jax_cute bf16",
                         "jax_cute_db": "fp8, overlapped promotion", "jax_cute_serial": "fp8, serial promotion",
                         "jax_cute_db_c2x2": "fp8, overlapped, 2x2 clusters",
-                        "xla": "XLA fp8 dot (no block scales)"},
+                        "xla": "XLA fp8 dot (no block scales)", "xla_bf16": "XLA, bf16 model as written"},
                 "models": {"jax_cute_unfused": "jax_cute, gelu not fused"},
                 "scaling": {"jax_cute_float32_sums": "jax_cute, float32 sums over GPUs"},
                 "fused": {"jax_cute": "jax_cute fused", "jax_cute_remat": "jax_cute fused, jax.checkpoint",
@@ -218,7 +219,10 @@ SUITE_NOTE = {
            "the block-scaled mainloop's variants on the heuristic's tile, so the overlapped row runs the "
            "heuristic's own kernel: its distance from the first column is the run's variation. "
            "*jax_cute bf16*: the same values in bf16. *XLA fp8 dot*: `lax.dot_general` of the raw e4m3 values, "
-           "no block scales (cuBLAS, fast accumulation).",
+           "no block scales (cuBLAS, fast accumulation). Training step: `examples/gpt_training.py`'s step at its "
+           "`h200` size, *jax_cute fp8* `value_and_grad(kernelize(loss, fp8=fp8_recipe(cfg)))` (the weight "
+           "products' forward, dgrad and wgrad block-scaled fp8, their quantization included), *jax_cute bf16* "
+           "the same kernelized in bf16, *XLA* the model as written, timed interleaved in one process.",
     "collective": "*jax_cute*: `JAX_CUTE_COLLECTIVE_MATMUL=1`, the partitioning rules' bidirectional ring of "
                   "collective permutes and per-chunk jax_cute GEMMs, which leave `JAX_CUTE_RING_SMS` SMs (default 16) "
                   "free for the transfers ([docs/sharding.md](docs/sharding.md)); *ring GEMMs on every SM*: the same "
