@@ -17,8 +17,9 @@ global measure 1 - 2 sum(out * ref) / sum(out^2 + ref^2) <= 1e-3 (the issue's cr
   hardware loses is measured, not derived: if only the sum were truncated once per instruction
   it would be at most 4 * 2^-13 = 2^-11; each product truncated on its own allows up to 33 times
   that. On an H100 (2026-11-27) C = 2^-11 failed one element of 180000 (e5m2 operands, float32
-  out) at 1.06 of the bound, with sum|a b| at 0.8 of its row max (no outlier, no cancellation):
-  C = 2^-10 holds it at 0.83. The elements that use the term are ordinary ones, not those with
+  out) at 1.06 of the bound, with sum|a b| at 0.8 of its row max (no outlier, no cancellation),
+  and C = 2^-10 one element of 823680 of a ragged-K product (heavy-tailed data, float32 out) at
+  1.00 of the bound. C = 2^-9 is half the worst case of truncating each product. The elements that use the term are ordinary ones, not those with
   outlier products (test_gpu_fp8.test_error_model prints how much of it the hardware uses).
 
 The activation tests compare act(out + bias) with act(ref + bias), the first two terms on the
@@ -33,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 TOL = 1e-3
-C_ACC = 2.0 ** -10   # the fp8 tensor core's accumulation (see above)
+C_ACC = 2.0 ** -9   # the fp8 tensor core's accumulation (see above)
 _HALF_ULP = {np.dtype(jnp.bfloat16): 2.0 ** -8, np.dtype(jnp.float16): 2.0 ** -11, np.dtype(jnp.float32): 0.0}
 
 

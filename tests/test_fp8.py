@@ -18,7 +18,7 @@ import pytest
 
 import fp8_bound  # tests/ is on sys.path under pytest
 import jax_cute
-from jax_cute import config
+from jax_cute import arch, config
 from jax_cute.fp8 import (BlockScaled, Blockwise, dequantize, grouped_linear, linear, quantize, quantize_grouped,
                           ragged_k_dot)
 
@@ -273,15 +273,16 @@ def test_ragged_k_kernel_layout(sizes):
     assert rel(_kernel_walk(qa, qb, gs), want) < 1e-6
 
 
-def _wgrad_text(f, *args, opt_in: bool, strict: bool = False) -> str:
+def _wgrad_text(f, *args, opt_in: bool = False, strict: bool = False) -> str:
     with config.override(target_arch="sm_90a", unverified_kernels=opt_in, strict=strict):
         return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-def test_ragged_k_lowers_to_the_hopper_kernel_opted_in(caplog):
-    """Lowered for sm_90a on the CPU: opted in to unverified kernels, the ragged-K product is our
-    custom call (the block-scaled ragged_k kernel; no dot left); without, it stays XLA's with a log
-    line saying why and how to opt in, and strict mode raises."""
+def test_ragged_k_lowers_to_the_hopper_kernel(caplog, monkeypatch):
+    """Lowered for sm_90a on the CPU: the ragged-K product is our custom call (the block-scaled
+    ragged_k kernel; no dot left). Listed as an unverified variant (as a new kernel is until its
+    GPU tests pass) it is opt-in: without the opt-in it stays XLA's with a log line saying why and
+    how to opt in, and strict mode raises."""
     pytest.importorskip("cutlass")
     sizes = jnp.asarray([0, 100, 300, 77, 0, 523], jnp.int32)
     x, y = data((256, 1000), "normal", 33), data((200, 1000), "normal", 34)
@@ -289,22 +290,24 @@ def test_ragged_k_lowers_to_the_hopper_kernel_opted_in(caplog):
     def fresh():   # a new function each time: no cached lowering
         return lambda x, y: ragged_k_dot(quantize_grouped(x, sizes), quantize_grouped(y, sizes), sizes)
 
-    text = _wgrad_text(fresh(), x, y, opt_in=True, strict=True)
+    text = _wgrad_text(fresh(), x, y, strict=True)
     assert text.count("@jax_cute_launch") == 1 and "stablehlo.dot_general" not in text
     assert "ragged_k" in text and "scaled1x1" in text
+    monkeypatch.setattr(arch, "UNVERIFIED_VARIANTS", {"sm_90a": frozenset({"scaled_ragged_k"})})
+    assert _wgrad_text(fresh(), x, y, opt_in=True, strict=True).count("@jax_cute_launch") == 1
     logging.getLogger("jax_cute").setLevel(logging.WARNING)
     with caplog.at_level(logging.WARNING, logger="jax_cute"):
-        text = _wgrad_text(fresh(), x, y, opt_in=False)
+        text = _wgrad_text(fresh(), x, y)
     assert "@jax_cute_launch" not in text and "stablehlo.dot_general" in text
     assert "not yet run on hardware" in caplog.text and "JAX_CUTE_UNVERIFIED_KERNELS=1" in caplog.text
     with pytest.raises(jax_cute.FallbackError, match="not yet run on hardware"):
-        _wgrad_text(fresh(), x, y, opt_in=False, strict=True)
+        _wgrad_text(fresh(), x, y, strict=True)
 
 
-def test_grouped_linear_and_kernelize_wgrad_reach_the_kernel_opted_in():
+def test_grouped_linear_and_kernelize_wgrad_reach_the_kernel():
     """fp8.grouped_linear's weight gradient, and kernelize(fp8="blockwise") of a MoE's ragged_dot,
-    lowered for sm_90a: opted in, all three grouped products are our kernels (forward, dgrad and
-    the ragged-K wgrad), in strict mode; without, the wgrad is XLA's."""
+    lowered for sm_90a in strict mode: all three grouped products are our kernels (forward, dgrad
+    and the ragged-K wgrad)."""
     pytest.importorskip("cutlass")
     x, we = jnp.ones((300, 256), jnp.bfloat16), jnp.ones((3, 256, 128), jnp.float32)
     gs = jnp.asarray([100, 0, 150], jnp.int32)
@@ -317,11 +320,9 @@ def test_grouped_linear_and_kernelize_wgrad_reach_the_kernel_opted_in():
 
     for loss in (linear_loss, moe_loss):
         fn = loss if loss is linear_loss else jax_cute.kernelize(loss, fp8="blockwise")
-        text = _wgrad_text(jax.value_and_grad(lambda w, x: fn(w, x), (0, 1)), we, x, opt_in=True, strict=True)
+        text = _wgrad_text(jax.value_and_grad(lambda w, x: fn(w, x), (0, 1)), we, x, strict=True)
         assert text.count("@jax_cute_launch") == 3 and "stablehlo.dot_general" not in text, loss
         assert "ragged_k.float8_e4m3fn" in text
-        text = _wgrad_text(jax.value_and_grad(lambda w, x: fn(w, x), (0, 1)), we, x, opt_in=False)
-        assert text.count("@jax_cute_launch") == 2 and "stablehlo.dot_general" in text, loss
 
 
 def test_vmap_of_scaled_products():
@@ -445,10 +446,10 @@ def test_kernelize_fp8_ragged_dot():
 
 # -- dispatch and errors ----------------------------------------------------------------------
 
-def test_fallback_is_logged_and_strict_mode_raises(caplog):
-    """Products no kernel takes (the ragged-K weight gradient, whose kernel has never run on a GPU,
-    unless opted in; a gated epilogue) are fallbacks when traced; the dense and grouped-over-M
-    products, which the Hopper kernels take, are not (on the CPU they run the reference unlogged)."""
+def test_fallback_is_logged_and_strict_mode_raises(caplog, monkeypatch):
+    """Products no kernel takes (a gated epilogue; a kernel variant listed as never run on a GPU,
+    unless opted in: here the ragged-K weight gradient's) are fallbacks when traced; the products
+    the Hopper kernels take are not (on the CPU they run the reference unlogged)."""
     xq, wq = quantize(data((8, 128), "normal")), quantize(data((128, 128), "normal"), "128x128")
     we = quantize(data((2, 128, 128), "normal"), "128x128")
     sizes = jnp.asarray([3, 5], jnp.int32)
@@ -457,7 +458,9 @@ def test_fallback_is_logged_and_strict_mode_raises(caplog):
     with caplog.at_level(logging.WARNING, logger="jax_cute"):
         jax_cute.matmul(xq, wq)
         jax_cute.ragged_dot(xq, we, sizes)
+        ragged_k_dot(xt, yt, sizes)
         assert not caplog.text
+        monkeypatch.setattr(arch, "UNVERIFIED_VARIANTS", {"sm_90a": frozenset({"scaled_ragged_k"})})
         with config.override(unverified_kernels=True):
             ragged_k_dot(xt, yt, sizes)
         assert not caplog.text
@@ -469,6 +472,8 @@ def test_fallback_is_logged_and_strict_mode_raises(caplog):
         jax_cute.ragged_dot(xq, we, sizes, activation="relu")
         with pytest.raises(jax_cute.FallbackError, match="block-scaled"):
             ragged_k_dot(xt, yt, sizes)
+        monkeypatch.setattr(arch, "UNVERIFIED_VARIANTS", {})
+        ragged_k_dot(xt, yt, sizes)
         with pytest.raises(jax_cute.FallbackError, match="gated"):
             jax_cute.matmul(xq, wq, activation="swiglu")
         with pytest.raises(jax_cute.FallbackError, match="gated"):
@@ -606,10 +611,10 @@ def test_grouped_lowers_to_the_hopper_kernel(k, b_block):
     assert text.count("@jax_cute_launch") == 1 and "stablehlo.dot_general" not in text
 
 
-def test_lowers_for_cuda_as_xla_ops():
-    """Lowered for a GPU (no device needed): the dense layer's three fp8 GEMMs (forward, dgrad,
-    wgrad) and the grouped layer's forward and dgrad are our kernels; the grouped weight gradient
-    (ragged-K: no kernel yet) is XLA ops, its per-block products bf16 x bf16 -> f32 (exact for fp8
+def test_lowers_for_cuda_as_xla_ops(monkeypatch):
+    """Lowered for a GPU (no device needed): the dense and grouped layers' six fp8 GEMMs (forward,
+    dgrad, wgrad) are our kernels; a product no kernel takes (here the ragged-K wgrad, listed as
+    an unverified variant) is XLA ops, its per-block products bf16 x bf16 -> f32 (exact for fp8
     values)."""
     pytest.importorskip("cutlass")
     x, w = jnp.ones((256, 256), jnp.bfloat16), jnp.ones((256, 384), jnp.float32)
@@ -619,10 +624,16 @@ def test_lowers_for_cuda_as_xla_ops():
         y = linear(x, w, out_dtype=jnp.float32)
         return jnp.sum(y) + jnp.sum(grouped_linear(x, we, gs, out_dtype=jnp.float32))
 
-    with config.override(target_arch="sm_90a"):
-        text = jax.jit(jax.value_and_grad(loss, (0, 1, 2))).trace(x, w, we).lower(
-            lowering_platforms=("cuda",)).as_text()
-    assert text.count("@jax_cute_launch") == 5 and "f8E4M3FN" in text
+    def lowered():
+        with config.override(target_arch="sm_90a"):
+            return jax.jit(jax.value_and_grad(loss, (0, 1, 2))).trace(x, w, we).lower(
+                lowering_platforms=("cuda",)).as_text()
+
+    text = lowered()
+    assert text.count("@jax_cute_launch") == 6 and "f8E4M3FN" in text and "stablehlo.dot_general" not in text
+    monkeypatch.setattr(arch, "UNVERIFIED_VARIANTS", {"sm_90a": frozenset({"scaled_ragged_k"})})
+    text = lowered()
+    assert text.count("@jax_cute_launch") == 5
     dots = [ln for ln in text.splitlines() if "stablehlo.dot_general" in ln]
     assert dots and all("bf16" in ln and "-> tensor<" in ln and ln.rstrip().endswith("xf32>") for ln in dots), dots[:3]
 

@@ -242,17 +242,16 @@ def test_grouped_bias_and_activation(activation):
 
 
 def test_grouped_linear_forward_and_dgrad():
-    """fp8.grouped_linear: the forward and dgrad run the grouped kernel (the ragged-K weight
-    gradient is XLA's), each against the recipe's dequantised operands in float32."""
+    """fp8.grouped_linear: the forward and dgrad run the grouped kernel (all three GEMMs ours),
+    each against the recipe's dequantised operands in float32."""
     x, w, r = data((1000, 768), "heavy", 18), data((4, 768, 512), "normal", 19) * 0.05, data((1000, 512), "normal", 20)
 
     def loss(x, w, r):
         return jnp.sum(grouped_linear(x, w, SIZES, out_dtype=F32) * r)
 
     f = jax.value_and_grad(loss, (0, 1))
-    with config.override(strict=False):   # (the weight gradient falls back, logged; the count checks the rest)
-        assert_ours(f, x, w, r, calls=2, cublas=True)
-        (_, (dx, _)) = jax.jit(f)(x, w, r)
+    assert_ours(f, x, w, r, calls=3)
+    (_, (dx, _)) = jax.jit(f)(x, w, r)
     y = jax.jit(lambda x, w: grouped_linear(x, w, SIZES, out_dtype=F32))(x, w)
     xq, wq = quantize(x, "1x128"), quantize(w, "128x128")
     check(y, grouped_ref(dq(xq), dq(wq), SIZES), grouped_abs(dq(xq), dq(wq)))
@@ -261,7 +260,7 @@ def test_grouped_linear_forward_and_dgrad():
     check(dx, grouped_ref(rq, wt, SIZES), grouped_abs(rq, wt))
 
 
-# -- the ragged-K weight gradient (UNVERIFIED: compiled for sm_90a, never run on a GPU before; opt-in) ----
+# -- the ragged-K weight gradient ----
 
 # empty groups (first and inside), one shorter than 128, none a multiple of 128, a last group of one
 # token, and tokens 901-999 in no group
@@ -280,8 +279,8 @@ def ragged_k_ref(a, b, sizes) -> tuple[np.ndarray, np.ndarray]:
 @pytest.mark.parametrize("kind", ["normal", "heavy", "student_t"])
 @pytest.mark.parametrize("out", [BF, F32], ids=["bf16", "f32"])
 def test_ragged_k(out, kind):
-    """ragged_k_dot on the block-scaled ragged_k kernel (opted in; it passes its first-use check
-    on the way): every element of every group, empty groups exactly 0."""
+    """ragged_k_dot on the block-scaled ragged_k kernel: every element of every group, empty
+    groups exactly 0."""
     t, p, q = 1000, 520, 264
     qa = quantize_grouped(data((p, t), kind, 21), K_SIZES)
     qb = quantize_grouped(data((q, t), kind, 22), K_SIZES)
@@ -289,16 +288,15 @@ def test_ragged_k(out, kind):
     def f(qa, qb, sizes):
         return ragged_k_dot(qa, qb, sizes, preferred_element_type=out)
 
-    with config.override(unverified_kernels=True):
-        assert_ours(f, qa, qb, K_SIZES)
-        got = jax.jit(f)(qa, qb, K_SIZES)
+    assert_ours(f, qa, qb, K_SIZES)
+    got = jax.jit(f)(qa, qb, K_SIZES)
     assert got.shape == (6, p, q)
     assert not np.asarray(got[0]).any() and not np.asarray(got[3]).any(), "an empty group's output is not 0"
     check(got, *ragged_k_ref(dq(qa), dq(qb), K_SIZES))
 
 
 def test_grouped_linear_wgrad():
-    """fp8.grouped_linear's weight gradient on the ragged_k kernel (opted in): all three GEMMs ours,
+    """fp8.grouped_linear's weight gradient on the ragged_k kernel: all three GEMMs ours,
     dw against the recipe's group-aligned dequantised operands in float32."""
     x, w, r = data((1000, 768), "heavy", 23), data((6, 768, 512), "normal", 24) * 0.05, data((1000, 512), "normal", 25)
 
@@ -306,8 +304,7 @@ def test_grouped_linear_wgrad():
         return jnp.sum(grouped_linear(x, w, K_SIZES, out_dtype=F32) * r)
 
     f = jax.value_and_grad(loss, (0, 1))
-    with config.override(unverified_kernels=True):
-        assert_ours(f, x, w, r, calls=3)
-        (_, (_, dw)) = jax.jit(f)(x, w, r)
+    assert_ours(f, x, w, r, calls=3)
+    (_, (_, dw)) = jax.jit(f)(x, w, r)
     ref, absp = ragged_k_ref(dq(quantize_grouped(x.T, K_SIZES)), dq(quantize_grouped(r.T, K_SIZES)), K_SIZES)
     check(dw, ref, absp)

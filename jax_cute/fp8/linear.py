@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_cute.fp8.ops import ragged_k_dot, scaled_dot_general, scaled_ragged_dot
-from jax_cute.fp8.quantize import E4M3, FP8_DTYPES, quantize, quantize_grouped
+from jax_cute.fp8.quantize import BLOCK, E4M3, FP8_DTYPES, quantize, quantize_grouped
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +57,13 @@ class Blockwise:
     def q(self, x, block, grad: bool = False):
         return quantize(x, block, pow2_scales=self.pow2_scales, dtype=self.grad_dtype if grad else self.dtype)
 
+    def q_tokens(self, x, grad: bool = False):
+        """``x`` (M, K) as ``q(x.T, "1x128")``: (K, M) in blocks of 128 tokens, for a weight
+        gradient. Quantized in x's own layout (a reduction over rows, then one elementwise pass)
+        and the fp8 values transposed after: reducing along the rows of a transposed operand is
+        several times slower in XLA's fusions (H100, the GPT example's fp8 step)."""
+        return quantize(x, (BLOCK, 1), pow2_scales=self.pow2_scales, dtype=self.grad_dtype if grad else self.dtype).T
+
     def q_grouped(self, x, sizes, grad: bool = False):
         return quantize_grouped(x, sizes, pow2_scales=self.pow2_scales,
                                 dtype=self.grad_dtype if grad else self.dtype)
@@ -67,6 +74,13 @@ def _check_float(op: str, **xs) -> None:
         if not jnp.issubdtype(x.dtype, jnp.floating) or np.dtype(x.dtype) in FP8_DTYPES:
             raise TypeError(f"jax_cute.fp8.{op}: {name} must be a 16- or 32-bit float array (it is quantized "
                             f"here), got {x.dtype}")
+
+
+def _grad_out(dtype: str) -> str:
+    """A gradient GEMM's output dtype: its input's, rounded once from the float32 accumulator in
+    the kernel (as casting a float32 result would, without writing and reading that result);
+    float32 for wider inputs (cast after)."""
+    return dtype if dtype in ("bfloat16", "float16", "float32") else "float32"
 
 
 def linear(x: jax.Array, w: jax.Array, *, out_dtype=None, recipe: Blockwise = Blockwise()) -> jax.Array:
@@ -93,15 +107,17 @@ def _linear_fwd(x, w, dtypes, recipe):
     wq = recipe.q(w, "128x128")
     y = scaled_dot_general(recipe.q(x, "1x128"), wq, (((1,), (0,)), ((), ())), preferred_element_type=out_dtype)
     # wgrad contracts the tokens: x quantized along them, stored K-major (x.T) as the kernel reads it
-    return y, (recipe.q(x.T, "1x128"), wq)
+    return y, (recipe.q_tokens(x), wq)
 
 
 def _linear_bwd(dtypes, recipe, res, g):
     (_, x_dtype, w_dtype), (xq_t, wq) = dtypes, res
     gq = recipe.q(g, "1x128", grad=True)  # (M, N) in blocks along N, dgrad's K
-    dx = scaled_dot_general(gq, wq, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    gq_t = recipe.q(g.T, "1x128", grad=True)  # (N, M) in blocks along the tokens, wgrad's K
-    dw = scaled_dot_general(xq_t, gq_t, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    # each gradient leaves its kernel in its input's dtype: the accumulator rounded once, as an f32
+    # result cast afterwards would be, without writing and reading the f32 result
+    dx = scaled_dot_general(gq, wq, (((1,), (1,)), ((), ())), preferred_element_type=_grad_out(x_dtype))
+    gq_t = recipe.q_tokens(g, grad=True)  # (N, M) in blocks along the tokens, wgrad's K
+    dw = scaled_dot_general(xq_t, gq_t, (((1,), (1,)), ((), ())), preferred_element_type=_grad_out(w_dtype))
     return dx.astype(x_dtype), dw.astype(w_dtype)
 
 
@@ -140,8 +156,8 @@ def _grouped_fwd(x, w, sizes, dtypes, recipe):
 
 def _grouped_bwd(dtypes, recipe, res, g):
     (_, x_dtype, w_dtype), (xq_t, wq, sizes) = dtypes, res
-    dx = scaled_ragged_dot(recipe.q(g, "1x128", grad=True), wq.T, sizes, preferred_element_type=jnp.float32)
-    dw = ragged_k_dot(xq_t, recipe.q_grouped(g.T, sizes, grad=True), sizes)
+    dx = scaled_ragged_dot(recipe.q(g, "1x128", grad=True), wq.T, sizes, preferred_element_type=_grad_out(x_dtype))
+    dw = ragged_k_dot(xq_t, recipe.q_grouped(g.T, sizes, grad=True), sizes, preferred_element_type=_grad_out(w_dtype))
     return dx.astype(x_dtype), dw.astype(w_dtype), None
 
 
