@@ -15,6 +15,7 @@ import shared_result  # tests/ is on sys.path under pytest
 
 from jax_cute import arch
 from jax_cute.kernels import cubin_info, sm90_gemm, sm90_grouped
+from jax_cute.kernels.abi import Dyn
 from jax_cute.kernels.gemm_spec import GemmSpec, GroupedSpec
 
 BF, F16, F32 = "bfloat16", "float16", "float32"
@@ -100,7 +101,8 @@ def test_scaled_spec_signature_and_refusals():
     names = [a.name for a in sm90_gemm.signature(spec, cfg)]
     assert names == ["a", "b", "c", "sa", "sb", "bias", "stream"]
     sa = sm90_gemm.signature(spec, cfg)[3]
-    assert sa.dtype == F32 and sa.stride[0] == 1 and len(sa.shape) == 3
+    # (row blocks, Kb, L), the row blocks padded to 4: TMA's 16-byte strides
+    assert sa.dtype == F32 and sa.stride == (1, Dyn(4), Dyn(4)) and sa.shape[0] == Dyn(4) and sa.align == 16
     # unscaled signatures are unchanged
     assert [a.name for a in sm90_gemm.signature(GemmSpec(E4M3, E4M3, BF), cfg)] == ["a", "b", "c", "stream"]
     for bad in (GemmSpec(BF, BF, BF, a_block=1, b_block=128), scaled(1, 128, batch_modes=3),
