@@ -14,7 +14,7 @@ import pytest
 import shared_result  # tests/ is on sys.path under pytest
 
 from jax_cute import arch
-from jax_cute.kernels import cubin_info, sm90_gemm, sm90_grouped
+from jax_cute.kernels import cubin_info, sm90_config, sm90_gemm, sm90_grouped
 from jax_cute.kernels.abi import Dyn
 from jax_cute.kernels.gemm_spec import GemmSpec, GroupedSpec
 
@@ -92,6 +92,23 @@ def test_scaled_heuristic_and_candidates():
     # a single row of tiles shares A along N and splits K over idle SMs
     small = sm90_gemm.heuristic(scaled(1, 128), 128, 7168, 16384, 1)
     assert (small.cluster_m, small.cluster_n) == (1, 2) and small.split_k > 1
+
+
+def test_scaled_stages_fit():
+    """Each stage's scale buffers (one 128-byte aligned box per operand) count in the shared-memory
+    plan: the ring keeps what fits beside them (a 16-bit output's 128 x 128 tile: 5 stages, not 6)."""
+    for a_block, b_block in ((1, 128), (128, 128), (1, 1), (128, 1)):
+        scale = sm90_config.scale_stage_bytes(128, 128, a_block, b_block)
+        assert scale == 4 * ((128 if a_block == 1 else 32) + (128 if b_block == 1 else 32))
+        for c in (BF, F32):
+            for cfg in sm90_gemm.candidate_configs(scaled(a_block, b_block, c)):
+                ab, epi = sm90_gemm.stage_plan(cfg.tile_n, c, 0, False, cfg.epi_n, 128, cfg.whole_c, False, scale)
+                epi_bytes = 2 * epi * 64 * cfg.epi_n * sm90_config.ITEM[c]
+                assert ab >= 3 and 1024 + ab * ((128 + 128) * 128 + scale) + epi_bytes <= sm90_gemm.SMEM_BYTES
+    wide = sm90_gemm.epilogue_for(scaled(1, 128), sm90_gemm.Config(128, 128))
+    assert sm90_gemm.stage_plan(128, BF, 0, False, wide.epi_n, 128, wide.whole_c) == (6, 2)
+    assert sm90_gemm.stage_plan(128, BF, 0, False, wide.epi_n, 128, wide.whole_c, False,
+                                sm90_config.scale_stage_bytes(128, 128, 1, 128)) == (5, 2)
 
 
 def test_scaled_spec_signature_and_refusals():

@@ -14,7 +14,7 @@ from jax_cute.kernels.dsl import cute, cutlass, pipeline, sm90_utils, cpasync, w
 from jax_cute.kernels.dsl import memory, LayoutEnum
 from jax_cute.kernels.dsl import Int32, Int64, Float32
 from jax_cute.kernels.gemm_spec import SCALE_K, GemmSpec, GroupedSpec
-from jax_cute.kernels.sm90_config import Config, is_gated, stage_plan, tile_k, wg_rows
+from jax_cute.kernels.sm90_config import Config, is_gated, scale_stage_bytes, stage_plan, tile_k, wg_rows
 from jax_cute.kernels.sm90_epilogue import Sm90Epilogue, WarpgroupEpilogue, paired_halves
 from jax_cute.kernels.launch import launcher_for
 from jax_cute.kernels.sm90_mainloop import mainloop_finish, mainloop_rest, mainloop_start
@@ -132,8 +132,12 @@ class Sm90Gemm(ScaledMainloop, Sm90Epilogue):
         self.cm, self.cn = config.cluster_m, config.cluster_n
         self.split = config.split_k
         self.pp = config.pingpong
-        self.ab_stages, self.epi_stages = stage_plan(config.tile_n, spec.c_dtype, config.stages, self.pp,
-                                                      config.epi_n, config.tile_m, config.whole_c, is_gated(spec))
+        # block-scaled fp8 (sm90_scaled): rows of A and of B per scale, 0 when unscaled
+        self.a_block, self.b_block = getattr(spec, "a_block", 0), getattr(spec, "b_block", 0)
+        self.scaled = self.a_block > 0
+        self.ab_stages, self.epi_stages = stage_plan(
+            config.tile_n, spec.c_dtype, config.stages, self.pp, config.epi_n, config.tile_m, config.whole_c,
+            is_gated(spec), scale_stage_bytes(config.tile_m, config.tile_n, self.a_block, self.b_block))
         # every consumer warpgroup stores its own 64 output rows (its own named barrier, smem
         # ring and store warp), so neither waits on the other between mainloops
         self.epi_tile = (64, config.epi_n)
@@ -150,9 +154,6 @@ class Sm90Gemm(ScaledMainloop, Sm90Epilogue):
         # gated activation: B's N mode paired (paired_halves); C's (and D's) tiles are half as wide
         self.glu = self.act in fused_epilogue.GATED
         self.cbn = self.bn // 2 if self.glu else self.bn
-        # block-scaled fp8 (sm90_scaled): rows of A and of B per scale, 0 when unscaled
-        self.a_block, self.b_block = getattr(spec, "a_block", 0), getattr(spec, "b_block", 0)
-        self.scaled = self.a_block > 0
         # registers per thread (setmaxnreg; 40 + 2 x 232 fill the 64K register file): the
         # overlapped promotion's two partial fragments take 8 of the producer's
         self.producer_regs, self.consumer_regs = (24, 240) if config.overlap_promote else (40, 232)
