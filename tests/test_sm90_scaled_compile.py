@@ -46,14 +46,56 @@ def _compile(spec: GemmSpec | GroupedSpec, cfg, family=sm90_gemm):
     # waiting for the k-tile's WGMMAs: all of them, or (overlapped) all but the next k-tile's
     assert ptx.count("fma.rn.f32") >= 64 and "wgmma.wait_group.sync.aligned \t0" in ptx
     assert ("wgmma.wait_group.sync.aligned \t1" in ptx) == overlap
-    assert "ld.global.b32" in ptx                               # the scales
     assert "cp.async.bulk.tensor" in ptx and "setmaxnreg.inc" in ptx
+    _check_scale_loads(spec, cfg, ptx)
     res = cubin_info.resources(binary.obj)
-    # no spills (overlapped: no more than today's, see _OVERLAP_FRAME)
+    # no spills (overlapped: no more than today's, see _OVERLAP_FRAME), none inside the k-loop
     assert res["local_bytes"] == 0 and res["frame_bytes"] <= (_OVERLAP_FRAME if overlap else 0), res
+    _check_k_loop_spills(binary.obj, _K_LOOP_RELOADS.get((spec, overlap), 0))
     if overlap:
         _check_not_serialized(ptx)
     return binary
+
+
+def _check_scale_loads(spec, cfg, ptx: str) -> None:
+    """The scales come by TMA with their k-tile's A and B tiles, and the consumers read them from
+    shared memory: every stage barrier expects the A and B tiles' bytes (multicast or not, each
+    lands whole in every CTA) plus this CTA's own two scale boxes, a stage takes four TMA loads,
+    and the mainloop (the PTX blocks holding WGMMA instructions) reads shared memory, never
+    global memory."""
+    tile_m, tile_n = getattr(cfg, "tile_m", 128), cfg.tile_n
+    box = lambda rows, block: max(rows // block, 4)  # noqa: E731  (a 16-byte TMA box at least)
+    tx = (tile_m + tile_n) * 128 + 4 * (box(tile_m, spec.a_block) + box(tile_n, spec.b_block))
+    regs = re.findall(r"mbarrier\.arrive\.expect_tx\.\S+\s+\S+\s+\[[^]]+\],\s*(%r\d+);", ptx)
+    assert regs, "no stage barrier expects bytes"
+    for r in set(regs):
+        assert re.search(rf"mov\.b32\s+{r}, {tx};", ptx), (r, tx)
+    loads = re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared::\w+\.global", ptx)
+    assert len(loads) == 4 * len(regs), (len(loads), len(regs))
+    main = [b for b in re.split(r"^\$L__BB\d+_\d+:", ptx, flags=re.M) if "wgmma." in b]   # basic blocks
+    assert any("ld.shared.b32" in b or "ld.shared.v2.b32" in b for b in main)
+    assert not any("ld.global" in b for b in main)
+
+
+def _nvdisasm() -> str | None:
+    return shutil.which("nvdisasm") or next(iter(sorted(glob.glob("/usr/local/cuda*/bin/nvdisasm"))), None)
+
+
+def _check_k_loop_spills(obj: bytes, allowed: int) -> None:
+    """Where a CUDA toolkit's nvdisasm is installed: at most ``allowed`` local-memory accesses in
+    the mainloop, the SASS blocks (between branch targets) holding WGMMA instructions."""
+    tool = _nvdisasm()
+    if tool is None:
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.cubin")
+        with open(src, "wb") as f:
+            f.write(cubin_info._cubins(obj)[0])
+        sass = subprocess.run([tool, "-c", src], capture_output=True, text=True, check=True).stdout
+    main = [b for b in re.split(r"^\.L_x_\d+:", sass, flags=re.M) if "GMMA" in b or "WARPGROUP." in b]
+    assert main, "no WGMMA in the SASS"
+    spills = [line.strip() for b in main for line in b.splitlines() if re.search(r"\b(LDL|STL)\b", line)]
+    assert len(spills) <= allowed, spills
 
 
 _CASES = [scaled(1, 128), scaled(128, 128), scaled(1, 1, F32), scaled(128, 1, F32),
@@ -197,9 +239,12 @@ def test_scaled_ragged_k_refusals_and_variant():
 
 
 # The overlapped promotion (Config.overlap_promote): two partial fragments (64 + 2 x 64 fp32
-# registers a consumer thread). Spill frame allowed: what the compile shows today, all of it
-# around the mainloop (see sm90_gemm.scaled_overlap).
-_OVERLAP_FRAME = 128
+# registers a consumer thread). Spill frame allowed: what the compile shows today (at most 96
+# bytes), all of it around the mainloop (see sm90_gemm.scaled_overlap).
+_OVERLAP_FRAME = 96
+# Local-memory accesses allowed in a k-loop: the fp32 128 x 128-scaled silu epilogue's overlapped
+# loop reloads one register a pair of k-tiles (sm_90a SASS).
+_K_LOOP_RELOADS = {(scaled(128, 128, F32, bias=True, activation="silu"), True): 1}
 
 
 @pytest.mark.parametrize("spec", [scaled(1, 128), scaled(128, 128, F32, bias=True, activation="silu")],
