@@ -58,23 +58,24 @@ def _compile(spec: GemmSpec | GroupedSpec, cfg, family=sm90_gemm):
 
 
 def _check_scale_loads(spec, cfg, ptx: str) -> None:
-    """The scales come by TMA with their k-tile's A and B tiles, and the consumers read them from
-    shared memory: every stage barrier expects the A and B tiles' bytes (multicast or not, each
-    lands whole in every CTA) plus this CTA's own two scale boxes, a stage takes four TMA loads,
-    and the mainloop (the PTX blocks holding WGMMA instructions) reads shared memory, never
-    global memory."""
+    """DeepGEMM's hybrid: an operand with 1-row scale blocks has its scales come by TMA with its
+    k-tile's A and B tiles (a 128-float box a stage, never a 16-byte one) and read from shared
+    memory; an operand with 128-row blocks has no TMA box and no stage buffer, its one scale a
+    k-tile read from global memory in the mainloop. Every stage barrier expects the A and B tiles'
+    bytes (multicast or not, each lands whole in every CTA) plus this CTA's own TMA scale boxes,
+    and a stage takes two TMA loads plus one per 1-row-block operand."""
     tile_m, tile_n = getattr(cfg, "tile_m", 128), cfg.tile_n
-    box = lambda rows, block: max(rows // block, 4)  # noqa: E731  (a 16-byte TMA box at least)
-    tx = (tile_m + tile_n) * 128 + 4 * (box(tile_m, spec.a_block) + box(tile_n, spec.b_block))
+    tma = [rows for rows, block in ((tile_m, spec.a_block), (tile_n, spec.b_block)) if block == 1]
+    tx = (tile_m + tile_n) * 128 + 4 * sum(tma)
     regs = re.findall(r"mbarrier\.arrive\.expect_tx\.\S+\s+\S+\s+\[[^]]+\],\s*(%r\d+);", ptx)
     assert regs, "no stage barrier expects bytes"
     for r in set(regs):
         assert re.search(rf"mov\.b32\s+{r}, {tx};", ptx), (r, tx)
     loads = re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared::\w+\.global", ptx)
-    assert len(loads) == 4 * len(regs), (len(loads), len(regs))
+    assert len(loads) == (2 + len(tma)) * len(regs), (len(loads), len(regs))
     main = [b for b in re.split(r"^\$L__BB\d+_\d+:", ptx, flags=re.M) if "wgmma." in b]   # basic blocks
-    assert any("ld.shared.b32" in b or "ld.shared.v2.b32" in b for b in main)
-    assert not any("ld.global" in b for b in main)
+    assert any("ld.shared.b32" in b or "ld.shared.v2.b32" in b for b in main) == bool(tma)
+    assert any(re.search(r"ld\.global(\.nc)?\.(f32|b32)", b) for b in main) == (len(tma) < 2)
 
 
 def _nvdisasm() -> str | None:
@@ -137,20 +138,25 @@ def test_scaled_heuristic_and_candidates():
 
 
 def test_scaled_stages_fit():
-    """Each stage's scale buffers (one 128-byte aligned box per operand) count in the shared-memory
-    plan: the ring keeps what fits beside them (a 16-bit output's 128 x 128 tile: 5 stages, not 6)."""
+    """Each stage's scale buffers (one 128-byte aligned 128-float box per operand with 1-row
+    blocks; none for 128-row blocks, read from global) count in the shared-memory plan: the ring
+    keeps what fits beside them."""
     for a_block, b_block in ((1, 128), (128, 128), (1, 1), (128, 1)):
         scale = sm90_config.scale_stage_bytes(128, 128, a_block, b_block)
-        assert scale == 4 * ((128 if a_block == 1 else 32) + (128 if b_block == 1 else 32))
+        assert scale == 4 * ((128 if a_block == 1 else 0) + (128 if b_block == 1 else 0))
         for c in (BF, F32):
             for cfg in sm90_gemm.candidate_configs(scaled(a_block, b_block, c)):
                 ab, epi = sm90_gemm.stage_plan(cfg.tile_n, c, 0, False, cfg.epi_n, 128, cfg.whole_c, False, scale)
                 epi_bytes = 2 * epi * 64 * cfg.epi_n * sm90_config.ITEM[c]
                 assert ab >= 3 and 1024 + ab * ((128 + 128) * 128 + scale) + epi_bytes <= sm90_gemm.SMEM_BYTES
+    # a 16-bit output's 128 x 128 tile, whole-share 64-column epilogue (32 KB): 6 stages (32 KB
+    # each) unscaled and with 128 x 128 scales on both operands; one 512-byte buffer a stage
+    # (1 x 128 A scales, or per-column B scales) leaves 5
     wide = sm90_gemm.epilogue_for(scaled(1, 128), sm90_gemm.Config(128, 128))
+    plan = lambda a, b: sm90_gemm.stage_plan(128, BF, 0, False, wide.epi_n, 128, wide.whole_c, False,  # noqa: E731
+                                             sm90_config.scale_stage_bytes(128, 128, a, b))
     assert sm90_gemm.stage_plan(128, BF, 0, False, wide.epi_n, 128, wide.whole_c) == (6, 2)
-    assert sm90_gemm.stage_plan(128, BF, 0, False, wide.epi_n, 128, wide.whole_c, False,
-                                sm90_config.scale_stage_bytes(128, 128, 1, 128)) == (5, 2)
+    assert (plan(128, 128), plan(1, 128), plan(1, 1)) == ((6, 2), (5, 2), (5, 2))
 
 
 def test_scaled_spec_signature_and_refusals():

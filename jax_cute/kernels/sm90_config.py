@@ -12,7 +12,6 @@ NUM_SMS = 132            # H100 SXM / H200: the persistent grid's default bound 
 SMEM_BYTES = 232448      # opt-in dynamic shared memory per block on sm_90 (227 KiB)
 ROW_BYTES = 128          # a k-tile row is one 128-byte swizzle atom: 64 16-bit or 128 8-bit elements
 ITEM = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1}
-SCALE_BOX_MIN = 4        # float32 block scales per TMA box at least: its inner extent is 16 bytes
 SCALE_ALIGN = 128        # bytes between a stage's scale buffers (a TMA destination's alignment)
 
 
@@ -77,19 +76,21 @@ def wg_rows(tile_m: int, pingpong: bool) -> int:
 
 
 def scale_box(tile_rows: int, block: int) -> int:
-    """float32 scales one TMA box of an operand's block scales holds: the tile's row blocks,
-    at least SCALE_BOX_MIN (the rest zero-filled past the edge, or the next tile's, never read)."""
-    return max(tile_rows // block, SCALE_BOX_MIN)
+    """float32 scales a stage holds of an operand's block scales: with 1-row blocks the tile's
+    rows (one TMA box a k-tile); with 128-row blocks none (consumers read the tile's one scale
+    from global memory)."""
+    return tile_rows if block == 1 else 0
 
 
 def scale_pitch(tile_rows: int, block: int) -> int:
-    """float32 elements between two stages' scale boxes of one operand."""
+    """float32 elements between two stages' scale buffers of one operand (0: none)."""
     per = SCALE_ALIGN // ITEM["float32"]
     return -(-scale_box(tile_rows, block) // per) * per
 
 
 def scale_stage_bytes(tile_m: int, tile_n: int, a_block: int, b_block: int) -> int:
-    """Shared memory of one stage's block scales (A's and B's boxes; 0 when unscaled)."""
+    """Shared memory of one stage's block scales (the 1-row-block operands' buffers; 0 when
+    unscaled)."""
     if not a_block:
         return 0
     return ITEM["float32"] * (scale_pitch(tile_m, a_block) + scale_pitch(tile_n, b_block))

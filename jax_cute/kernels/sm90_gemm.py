@@ -41,13 +41,14 @@ Kernel shape (one persistent CTA per SM, 384 threads):
   tile_n / 2 (GATED_COLUMNS for the narrowest tile), and B takes one batch mode: its paired N
   spends three of the five dimensions of a TMA tensor (grouped: B's batch mode is dropped).
 - block-scaled fp8 (GemmSpec.a_block / b_block, docs/fp8.md): one k-tile is one 128-K scale
-  block. The producer loads each k-tile's A and B scales with TMA into the stage beside its A
-  and B tiles, on the same barrier (each CTA its own boxes; the stage's bytes count them, so the
-  ring may hold a stage fewer). Each consumer warpgroup issues a k-tile's WGMMAs into a fresh
-  fp32 fragment, copies the scales of its own rows and columns (the accumulator layout's
-  coordinates, from a partitioned identity tensor) from the stage into registers, waits for
-  the WGMMAs, hands the stage back and adds the fragment times sa[row] * sb[column] to its
-  accumulators (two-level accumulation, as DeepGEMM). The overlapped mainloop
+  block. The producer loads each k-tile's scales of an operand with 1-row blocks with TMA into
+  the stage beside its A and B tiles, on the same barrier (each CTA its own boxes; the stage's
+  bytes count them, so the ring may hold a stage fewer); an operand with 128-row blocks has one
+  scale a k-tile for the tile, which consumers read from global memory (DeepGEMM's hybrid). Each
+  consumer warpgroup issues a k-tile's WGMMAs into a fresh fp32 fragment, reads the scales of
+  its own rows and columns (the accumulator layout's coordinates, from a partitioned identity
+  tensor) into registers, waits for the WGMMAs, hands the stage back and adds the fragment
+  times sa[row] * sb[column] to its accumulators (two-level accumulation). The overlapped mainloop
   (Config.overlap_promote, the heuristic's with 128-column B scales) keeps a second partial
   fragment so that a warpgroup's next k-tile's WGMMAs run under its promotion; the serial one
   relies on the other warpgroup's WGMMAs for that. Two or three fp32 fragments per thread:
