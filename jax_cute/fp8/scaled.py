@@ -21,8 +21,8 @@ once to the output dtype. A partial last K block is zero-padded.
 Dispatch: every call runs the Hopper kernel (kernels/sm90_scaled.py, a mainloop of the
 sm90_gemm kernel, its dense raster or its ragged_m / ragged_k walk) through ``dispatch.gemm``
 like every other GEMM: a ``GemmRequest`` with ``scales``, the block scales passed transposed to
-(L or G, Kb, row blocks), contiguous along the row blocks the kernel loads with TMA, their count
-zero-padded to a multiple of 4 (16-byte strides). The ragged-K call's
+(L or G, Kb, row blocks), contiguous along the row blocks (the kernel loads 1-row-block scales
+with TMA), their count zero-padded to a multiple of 4 (16-byte strides). The ragged-K call's
 kernel has never run on a GPU: it is used only with ``JAX_CUTE_UNVERIFIED_KERNELS=1`` (checked
 against the reference on first use); without it :func:`kernel_refusal` reports the call as a
 fallback when it is traced (``dispatch.at_trace``: a log line, or :class:`jax_cute.FallbackError`
