@@ -41,7 +41,7 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax_cute  # noqa: E402
-from common import Impl, measure, suite_main  # noqa: E402
+from common import Impl, gpt_train_cases, measure, suite_main  # noqa: E402
 from jax_cute.fp8 import quantize  # noqa: E402
 from jax_cute.kernels import sm90_gemm, sm90_grouped  # noqa: E402
 
@@ -128,29 +128,18 @@ def _variants(fn: Callable, dense: bool) -> list[Impl]:
             for name, fields in variants.items()]
 
 
-def _gpt():
-    """examples/gpt_training.py as a module (the training steps' source)."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-    import gpt_training
-    return gpt_training
-
-
 def train_steps(args: argparse.Namespace, rounds: int) -> list[dict]:
     """The GPT example's step, dense and MoE: fp8 and bf16 kernelized, and XLA's, interleaved."""
-    gpt = _gpt()
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+    import gpt_training as gpt
+
     recs: list[dict] = []
-    for moe in (False, True):
-        cfg = dataclasses.replace(gpt.SIZES["tiny" if args.smoke else "h200"], moe=moe)
-        params, opt_state, tx = gpt.init_train_state(jax.random.key(0), cfg)
-        data = gpt.batches(jax.random.key(1), cfg)
-        ffn = f"MoE top-{cfg.top_k} of {cfg.experts}" if moe else "dense MLP"
-        case = f"GPT train step, d_model {cfg.d_model}, {cfg.layers} layers, {ffn}, {cfg.batch}x{cfg.seq} tokens"
+    for moe, cfg, tx, make_args, case in gpt_train_cases(gpt, args.smoke):
         recs += measure("fp8", "fp8_train", case,
                         [Impl("jax_cute", gpt.make_step(cfg, tx, kernelized=True, fp8=True)),
                          Impl("jax_cute_bf16", gpt.make_step(cfg, tx, kernelized=True)),
                          Impl("xla_bf16", gpt.make_step(cfg, tx, kernelized=False))],
-                        lambda s: (params, opt_state, data[s % len(data)]), 0.0, rounds=rounds, check=False,
-                        meta={"dtype": "float8_e4m3fn", "moe": moe})
+                        make_args, 0.0, rounds=rounds, check=False, meta={"dtype": "float8_e4m3fn", "moe": moe})
     return recs
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import functools
 import os
 import sys
@@ -22,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 
 import gpt_training as gpt  # noqa: E402
-from common import Impl, measure, suite_main  # noqa: E402
+from common import Impl, gpt_train_cases, measure, suite_main  # noqa: E402
 
 
 def _bf16_cotangent(product, differentiable: int = 2):
@@ -69,21 +68,14 @@ def bf16_gradient_products() -> Iterator[None]:
 def run(args: argparse.Namespace) -> list[dict]:
     rounds = 2 if args.smoke else args.rounds
     recs: list[dict] = []
-    for moe in (False, True):
-        cfg = dataclasses.replace(gpt.SIZES["tiny" if args.smoke else "h200"], moe=moe)
-        params, opt_state, tx = gpt.init_train_state(jax.random.key(0), cfg)
-        data = gpt.batches(jax.random.key(1), cfg)
-        ffn = f"MoE top-{cfg.top_k} of {cfg.experts}" if moe else "dense MLP"
-        case = (f"GPT train step, d_model {cfg.d_model}, {cfg.heads} heads, {cfg.layers} layers, {ffn}, "
-                f"{cfg.batch}x{cfg.seq} tokens, vocab {cfg.vocab}")
+    for moe, cfg, tx, make_args, case in gpt_train_cases(gpt, args.smoke):
         recs += measure("models", "e2e", case,
                         [Impl("jax_cute", gpt.make_step(cfg, tx, kernelized=True)),
                          Impl("xla", gpt.make_step(cfg, tx, kernelized=False)),
                          Impl("xla_bf16_grads", gpt.make_step(cfg, tx, kernelized=False),
                               context=bf16_gradient_products),
                          Impl("jax_cute_unfused", gpt.make_step(cfg, tx, kernelized=True, fuse_epilogues=False))],
-                        lambda s: (params, opt_state, data[s % len(data)]), 0.0, rounds=rounds, check=False,
-                        meta={"dtype": "bfloat16"})
+                        make_args, 0.0, rounds=rounds, check=False, meta={"dtype": "bfloat16"})
     return recs
 
 

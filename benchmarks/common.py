@@ -25,7 +25,7 @@ import statistics
 import sys
 import time
 import traceback
-from typing import Callable, ContextManager, Sequence
+from typing import Callable, ContextManager, Iterator, Sequence
 
 import jax
 import numpy as np
@@ -191,6 +191,19 @@ def best_of(records: list[dict], impl: str) -> list[dict]:
             rs[0]["configs_tried"] = len(rs)
             out.append(rs[0])
     return out
+
+
+def gpt_train_cases(gpt, smoke: bool) -> Iterator[tuple]:
+    """The GPT example's (``gpt``, examples/gpt_training.py) training cases, dense then MoE, at its
+    GPU size (tiny with ``smoke``): (moe, cfg, tx, make_args for measure, case label)."""
+    for moe in (False, True):
+        cfg = dataclasses.replace(gpt.SIZES["tiny" if smoke else "h200"], moe=moe)
+        params, opt_state, tx = gpt.init_train_state(jax.random.key(0), cfg)
+        data = gpt.batches(jax.random.key(1), cfg)
+        ffn = f"MoE top-{cfg.top_k} of {cfg.experts}" if moe else "dense MLP"
+        case = (f"GPT train step, d_model {cfg.d_model}, {cfg.heads} heads, {cfg.layers} layers, {ffn}, "
+                f"{cfg.batch}x{cfg.seq} tokens, vocab {cfg.vocab}")
+        yield moe, cfg, tx, (lambda s, p=params, o=opt_state, d=data: (p, o, d[s % len(d)])), case
 
 
 def suite_main(run: Callable[[argparse.Namespace], list[dict]], description: str) -> None:
