@@ -231,6 +231,13 @@ def _refusal(eqn) -> str | None:
     return None
 
 
+def _bias_shape(ep: Epilogue) -> tuple[int, ...] | None:
+    """The shape an epilogue's bias broadcasts from (None: no bias)."""
+    if ep.bias is None:
+        return None
+    return tuple(ep.bias_shape) if ep.bias_source is not None else tuple(getattr(ep.bias.aval, "shape", ()))
+
+
 def _chained(chain) -> str:
     """The report's words for a chained operand: "lhs gelu"."""
     return "" if chain is None else f"{'lhs' if chain[0] == 'a' else 'rhs'} {chain[1]}"
@@ -312,7 +319,8 @@ class _Interpreter:
             env[var] = val
         taken = self._fp8_products(jaxpr)
         fused = self._epilogues(jaxpr, taken)
-        chains = self._chains(jaxpr, fused, taken)
+        # an fp8 product's backward is its custom_vjp's: no derivative epilogue is chained from it
+        chains = self._chains(jaxpr, {p: ep for p, ep in fused.items() if p not in taken}, taken)
         feeds = {p for p, _ in chains.values()}
         preacts: dict = {}   # a chained fused product's result var -> its pre-activation
         skipped = {i for p, ep in fused.items() for i in (p, *ep.eqns)}
@@ -331,9 +339,12 @@ class _Interpreter:
                 bias = None if ep.bias is None else (
                     jnp.reshape(read(ep.bias_source), ep.bias_shape) if ep.bias_source is not None else read(ep.bias))
                 with _context(eqn):
-                    self._record(eqn, True, epilogue=ep, chained=_chained(chain))
+                    self._record(eqn, True, epilogue=ep, chained=_chained(chain), fp8=q in taken)
                     ins = [read(v) for v in eqn.invars]
-                    if eqn.primitive.name == "ragged_dot_general":
+                    if q in taken:   # the fp8 product with its epilogue (never chained: no act_operand)
+                        env[ep.out] = taken[q](*ins, bias=bias, activation=ep.activation, out_dtype=ep.out_dtype,
+                                               transposed=ep.swap)
+                    elif eqn.primitive.name == "ragged_dot_general":
                         env[ep.out] = ragged_dot(*ins[:2], ins[2].astype(jnp.int32), preferred_element_type=ep.out_dtype,
                                                  activation=ep.activation)
                     else:
@@ -372,21 +383,25 @@ class _Interpreter:
         rules = {i: fp8_recipe.take(e, weights, self.fp8) for i, e in enumerate(jaxpr.eqns)}
         return {i: r for i, r in rules.items() if r is not None}
 
-    def _epilogues(self, jaxpr, skip=frozenset()) -> dict[int, Epilogue]:
-        """The products of ``jaxpr`` (by equation index) to fuse with the epilogue after them."""
+    def _epilogues(self, jaxpr, taken: dict) -> dict[int, Epilogue]:
+        """The products of ``jaxpr`` (by equation index) to fuse with the epilogue after them;
+        of the fp8-taken products (``taken``), those whose epilogue their rule fuses."""
         if not self.fuse:
             return {}
         products, grouped = {}, set()
         for i, e in enumerate(jaxpr.eqns):
-            if e.primitive.name not in ("dot_general", "ragged_dot_general") or _refusal(e) is not None or i in skip:
+            if e.primitive.name not in ("dot_general", "ragged_dot_general") or (
+                    i not in taken and _refusal(e) is not None):
                 continue
             if e.primitive.name == "ragged_dot_general":
                 if _ragged_form(e.params["ragged_dot_dimension_numbers"]) != _RAGGED_DOT:
                     continue  # the gradient forms have no epilogue of their own
                 grouped.add(i)
             products[i] = e.outvars[0]
-        return find_epilogues(jaxpr, products, frozenset(grouped), functools.partial(_swappable, jaxpr)) \
-            if products else {}
+        if not products:
+            return {}
+        found = find_epilogues(jaxpr, products, frozenset(grouped), functools.partial(_swappable, jaxpr))
+        return {p: ep for p, ep in found.items() if p not in taken or taken[p].fuses(ep.swap, _bias_shape(ep))}
 
     def _chains(self, jaxpr, fused: dict[int, Epilogue], skip=frozenset()) -> dict[int, tuple[int, int]]:
         """Products taking a fused product's activated result as an operand (``find_chains``)."""
@@ -510,7 +525,10 @@ def kernelize(fn: Callable, *, report: bool = False, fuse_epilogues: bool = True
     ``fp8="blockwise"`` (or a :class:`jax_cute.fp8.Blockwise` recipe) runs the products that have a
     weight operand in block-scaled fp8, forward and both gradients (DeepSeek-V3's recipe, see
     ``jax_cute.fp8.recipe`` for exactly which products; attention's batched products stay 16-bit):
-    put it inside ``grad``. Those products are not fused with an epilogue.
+    put it inside ``grad``. Their epilogue (a bias per output column, an elementwise activation)
+    is fused as ``jax_cute.fp8.linear``'s: the bias in the kernel, the activation in XLA on the
+    pre-activation, its derivative formed once in the backward pass (no derivative epilogue is
+    chained into the next product's GEMM).
     """
     recipe = fp8_recipe.resolve(fp8)
 

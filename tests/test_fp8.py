@@ -383,6 +383,64 @@ def test_grouped_linear_gradients_are_the_fp8_recipe():
     np.testing.assert_array_equal(np.asarray(dx)[ends[-1]:], 0)
 
 
+def _unfused(z, bias, activation, out_dtype):
+    """act(z + bias) as an unfused model computes it: float32 product, bias, cast, activation."""
+    z = z if bias is None else z + bias.astype(jnp.float32)
+    z = z.astype(out_dtype).astype(jnp.float32)
+    return jax_cute.activations.apply_activation(activation, z).astype(out_dtype)
+
+
+@pytest.mark.parametrize("activation,out_dtype,with_bias", [("gelu", jnp.bfloat16, True), ("gelu", jnp.float32, True),
+                                                            ("relu", jnp.bfloat16, False), ("silu", jnp.float32, True),
+                                                            (None, jnp.bfloat16, True)])
+def test_fused_linear_is_the_unfused_recipe(activation, out_dtype, with_bias):
+    """act(x @ w + bias) fused (bias in the kernel, act' formed once in the backward) against the
+    same recipe unfused: linear in float32, then the bias, the rounding and the activation in jnp."""
+    m, k, n = 200, 300, 136
+    x = jnp.asarray(data((2, m // 2, k), "normal", 40), jnp.bfloat16)
+    w, c = data((k, 2, n // 2), "normal", 41) * 0.06, data((2, m // 2, 2, n // 2), "normal", 42)
+    b = jnp.asarray(data((n // 2,), "normal", 43), jnp.bfloat16) if with_bias else None  # broadcast over w's axis 1
+
+    def fused(x, w, b):
+        return jnp.sum(linear(x, w, bias=b, activation=activation, out_dtype=out_dtype).astype(jnp.float32) * c)
+
+    def unfused(x, w, b):
+        return jnp.sum(_unfused(linear(x, w, out_dtype=jnp.float32), b, activation, out_dtype).astype(jnp.float32) * c)
+
+    argnums = (0, 1, 2) if with_bias else (0, 1)
+    val, grads = jax.jit(jax.value_and_grad(fused, argnums))(x, w, b)
+    want_val, want = jax.jit(jax.value_and_grad(unfused, argnums))(x, w, b)
+    assert abs(float(val) - float(want_val)) <= 1e-6 * abs(float(want_val))
+    for got, ref in zip(grads, want):
+        assert got.dtype == ref.dtype and got.shape == ref.shape
+        assert rel(got, ref) < 1e-5
+
+
+@pytest.mark.parametrize("activation", ["gelu", "relu2"])
+def test_fused_grouped_linear_is_the_unfused_recipe(activation):
+    m, k, n, sizes = 250, 260, 136, np.asarray([100, 0, 120, 20], np.int32)
+    x, w, c = data((m, k), "normal", 44), data((4, k, n), "normal", 45) * 0.06, data((m, n), "normal", 46)
+    b = data((4, n), "normal", 47)
+    ends = np.minimum(np.cumsum(sizes), m)
+    group = np.searchsorted(ends, np.arange(m), side="right")
+    inside = (group < 4)[:, None]
+
+    def fused(x, w, b):
+        return jnp.sum(grouped_linear(x, w, sizes, bias=b, activation=activation, out_dtype=jnp.bfloat16) * c)
+
+    def unfused(x, w, b):
+        z = grouped_linear(x, w, sizes, out_dtype=jnp.float32)
+        row_bias = jnp.where(inside, b[np.minimum(group, 3)], 0)  # rows past the last group: no bias
+        return jnp.sum(_unfused(z, row_bias, activation, jnp.bfloat16) * c)
+
+    val, grads = jax.jit(jax.value_and_grad(fused, (0, 1, 2)))(x, w, b)
+    want_val, want = jax.jit(jax.value_and_grad(unfused, (0, 1, 2)))(x, w, b)
+    assert abs(float(val) - float(want_val)) <= 1e-6 * abs(float(want_val))
+    for got, ref in zip(grads, want):
+        assert got.dtype == ref.dtype and rel(got, ref) < 1e-5
+    np.testing.assert_array_equal(np.asarray(grads[0])[ends[-1]:], 0)
+
+
 def _mlp_loss(p, x):
     """A small transformer-ish block: two weight products and an attention-like batched product."""
     h = jnp.einsum("btd,df->btf", x.astype(jnp.bfloat16), p["w1"].astype(jnp.bfloat16),
@@ -393,10 +451,14 @@ def _mlp_loss(p, x):
     return jnp.mean(y ** 2) + 1e-3 * jnp.mean(s)
 
 
-def _mlp_loss_fp8(p, x):
-    """The same block written with jax_cute.fp8.linear by hand."""
-    h = linear(x.astype(jnp.bfloat16), p["w1"].astype(jnp.bfloat16), out_dtype=jnp.float32)
-    h = jax.nn.gelu(h).astype(jnp.bfloat16)
+def _mlp_loss_fp8(p, x, fused: bool = True):
+    """The same block written with jax_cute.fp8.linear by hand: gelu and the cast fused as kernelize
+    fuses them (the pre-activation rounded to bf16 first), or (``fused=False``) after it in f32."""
+    x, w1 = x.astype(jnp.bfloat16), p["w1"].astype(jnp.bfloat16)
+    if fused:
+        h = linear(x, w1, activation="gelu", out_dtype=jnp.bfloat16)
+    else:
+        h = jax.nn.gelu(linear(x, w1, out_dtype=jnp.float32)).astype(jnp.bfloat16)
     s = jnp.einsum("btf,bsf->bts", h, h, preferred_element_type=jnp.float32)
     y = linear(h, p["w2"].astype(jnp.bfloat16), out_dtype=jnp.float32)
     return jnp.mean(y ** 2) + 1e-3 * jnp.mean(s)
@@ -411,12 +473,22 @@ def test_kernelize_fp8_trains_weight_products_in_fp8():
     val, grads = jax.jit(jax.value_and_grad(f))(p, x)
     fp8 = [q.fp8 for q in f.report.products]
     assert fp8 == [True, False, True], f.report  # the attention-like batched product stays 16-bit
-    # the hand-written model, its attention-like product on jax_cute's bf16 path as kernelize puts it
-    want_val, want = jax.jit(jax.value_and_grad(jax_cute.kernelize(_mlp_loss_fp8)))(p, x)
-    assert abs(float(val) - float(want_val)) <= 1e-6 * abs(float(want_val))
-    for name in p:
-        assert grads[name].dtype == np.float32
-        assert rel(grads[name], want[name]) < 1e-5, name
+    assert [q.epilogue for q in f.report.products] == ["gelu", "", ""], f.report
+    # the hand-written model, its attention-like product on jax_cute's bf16 path as kernelize puts it;
+    # unfused, kernelize computes what it did before (gelu after the f32 product)
+    for fuse in (True, False):
+        kf = jax_cute.kernelize(_mlp_loss, fp8="blockwise", fuse_epilogues=fuse)
+        got_val, got = (val, grads) if fuse else jax.jit(jax.value_and_grad(kf))(p, x)
+        want_val, want = jax.jit(jax.value_and_grad(jax_cute.kernelize(lambda p, x: _mlp_loss_fp8(p, x, fuse))))(p, x)
+        assert abs(float(got_val) - float(want_val)) <= 1e-6 * abs(float(want_val)), fuse
+        for name in p:
+            assert got[name].dtype == np.float32
+            assert rel(got[name], want[name]) < 1e-5, (name, fuse)
+        unfused_val, unfused = got_val, got
+    # fused, the pre-activation and its gradient are rounded to bf16 (the fused output's dtype) where
+    # unfused they were f32: the fp8 quantization of the gradient rounds a few elements the other way
+    assert abs(float(val) - float(unfused_val)) <= 1e-3 * abs(float(unfused_val))
+    assert all(rel(grads[n], unfused[n]) < 0.05 for n in p)
     bf16_val, bf16 = jax.jit(jax.value_and_grad(_mlp_loss))(p, x)
     assert abs(float(val) - float(bf16_val)) < 0.05 * abs(float(bf16_val))
     assert all(rel(grads[n], bf16[n]) < 0.1 for n in p)
@@ -424,6 +496,82 @@ def test_kernelize_fp8_trains_weight_products_in_fp8():
     keep = jax_cute.kernelize(_mlp_loss, fp8=Blockwise(exclude=lambda lhs, rhs, out: rhs.shape == (384, 256)))
     keep(p, x)
     assert [q.fp8 for q in keep.report.products] == [True, False, False]
+
+
+def _mlp_bias_loss(p, x, hand_written: bool = False):
+    """A dense MLP whose first product has a bias and gelu after it (the GPT example's shape of it)."""
+    x, w1, w2 = x.astype(jnp.bfloat16), p["w1"].astype(jnp.bfloat16), p["w2"].astype(jnp.bfloat16)
+    if hand_written:
+        h = linear(x, w1, bias=p["b1"], activation="gelu", out_dtype=jnp.bfloat16)
+        y = linear(h, w2, out_dtype=jnp.float32)
+    else:
+        h = jnp.einsum("btd,df->btf", x, w1, preferred_element_type=jnp.float32) + p["b1"]
+        h = jax.nn.gelu(h).astype(jnp.bfloat16)
+        y = jnp.einsum("btf,fd->btd", h, w2, preferred_element_type=jnp.float32)
+    return jnp.mean(y ** 2)
+
+
+def _mlp_bias_params(seed: int):
+    rng = np.random.default_rng(seed)
+    return ({"w1": jnp.asarray(rng.standard_normal((256, 384)) * 0.06, jnp.float32),
+             "b1": jnp.asarray(rng.standard_normal((384,)) * 0.5, jnp.float32),
+             "w2": jnp.asarray(rng.standard_normal((384, 256)) * 0.05, jnp.float32)},
+            jnp.asarray(rng.standard_normal((2, 64, 256)), jnp.float32))
+
+
+def test_kernelize_fp8_fuses_bias_and_gelu():
+    """kernelize(fp8=...) of ``gelu(x @ w1 + b1) @ w2``: the first product is fp8.linear with its
+    bias and gelu fused, reported so; it computes what the hand-written fused layers compute, and
+    what the unfused fp8 products computed before to within the bf16 rounding of the pre-activation."""
+    p, x = _mlp_bias_params(48)
+    f = jax_cute.kernelize(_mlp_bias_loss, fp8="blockwise")
+    val, grads = jax.jit(jax.value_and_grad(f))(p, x)
+    assert [(q.fp8, q.epilogue, q.chained) for q in f.report.products] == [(True, "bias + gelu", ""),
+                                                                           (True, "", "")], f.report
+    assert "with bias + gelu fused in block-scaled fp8" in str(f.report)
+    want_val, want = jax.jit(jax.value_and_grad(lambda p, x: _mlp_bias_loss(p, x, True)))(p, x)
+    assert abs(float(val) - float(want_val)) <= 1e-6 * abs(float(want_val))
+    for name in p:
+        assert grads[name].dtype == np.float32 and rel(grads[name], want[name]) < 1e-5, name
+    unfused = jax_cute.kernelize(_mlp_bias_loss, fp8="blockwise", fuse_epilogues=False)
+    old_val, old = jax.jit(jax.value_and_grad(unfused))(p, x)
+    assert [q.epilogue for q in unfused.report.products] == ["", ""]
+    assert abs(float(val) - float(old_val)) <= 1e-3 * abs(float(old_val))
+    assert all(rel(grads[n], old[n]) < 0.05 for n in p)
+
+
+def test_kernelize_fp8_epilogue_of_a_weight_on_the_left():
+    """``vmap(w @ v + b)`` then gelu (Equinox's Linear): the swapped product with its epilogue, the
+    transpose absorbed; ``gelu(w @ xᵀ)`` (no transpose after) is fused and transposed back; a bias
+    that is not one value per output column (a residual) is left to XLA, the product still fp8."""
+    rng = np.random.default_rng(49)
+    ws = [jnp.asarray(rng.standard_normal((130, 256)) * 0.05, jnp.float32) for _ in range(3)]
+    b = jnp.asarray(rng.standard_normal((130,)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((40, 256)), jnp.float32)
+    bf = jnp.bfloat16
+
+    def loss(ws, b, x):
+        h = jnp.tanh(x).astype(bf)  # computed: the weights are on the left
+        y1 = jax.vmap(lambda v: ws[0].astype(bf) @ v + b.astype(bf))(h)
+        y2 = jax.nn.gelu(jnp.matmul(ws[1].astype(bf), h.T, preferred_element_type=jnp.float32))
+        y3 = jax.nn.gelu(jnp.matmul(h, ws[2].T.astype(bf), preferred_element_type=jnp.float32) + jnp.tanh(y2.T))
+        return jnp.sum(jax.nn.gelu(y1).astype(jnp.float32) ** 2) + jnp.sum(y2 ** 2) + jnp.sum(y3)
+
+    def hand_written(ws, b, x):
+        h = jnp.tanh(x).astype(bf)
+        y1 = linear(h, ws[0].T.astype(bf), bias=b.astype(bf), activation="gelu", out_dtype=jnp.float32)
+        y2 = linear(h, ws[1].T.astype(bf), activation="gelu", out_dtype=jnp.float32).T
+        y3 = jax.nn.gelu(linear(h, ws[2].T.astype(bf), out_dtype=jnp.float32) + jnp.tanh(y2.T))
+        return jnp.sum(y1 ** 2) + jnp.sum(y2 ** 2) + jnp.sum(y3)
+
+    f = jax_cute.kernelize(loss, fp8="blockwise")
+    val, g = jax.jit(jax.value_and_grad(f, (0, 1)))(ws, b, x)
+    assert sorted((q.fp8, q.epilogue) for q in f.report.products) == [(True, ""), (True, "bias + gelu"),
+                                                                      (True, "gelu")], f.report
+    want_val, want = jax.jit(jax.value_and_grad(hand_written, (0, 1)))(ws, b, x)
+    assert abs(float(val) - float(want_val)) <= 1e-6 * abs(float(want_val))
+    for got, ref in zip(jax.tree.leaves(g), jax.tree.leaves(want)):
+        assert rel(got, ref) < 1e-5
 
 
 def test_kernelize_fp8_ragged_dot():
@@ -440,6 +588,15 @@ def test_kernelize_fp8_ragged_dot():
     g = jax.jit(jax.grad(f))(w, x)
     assert [q.fp8 for q in f.report.products] == [True]
     want = jax.jit(jax.grad(lambda w, x: jnp.sum(grouped_linear(x, w.astype(jnp.bfloat16), sizes,
+                                                                out_dtype=jnp.float32) ** 2)))(w, x)
+    assert rel(g, want) < 1e-5
+    # an activation after it is fused: fp8.grouped_linear(..., activation=)
+    act_loss = lambda w, x: jnp.sum(jax.nn.gelu(jax.lax.ragged_dot(  # noqa: E731
+        x, w.astype(jnp.bfloat16), sizes, preferred_element_type=jnp.float32)) ** 2)
+    f = jax_cute.kernelize(act_loss, fp8="blockwise")
+    g = jax.jit(jax.grad(f))(w, x)
+    assert [(q.fp8, q.epilogue) for q in f.report.products] == [(True, "gelu")], f.report
+    want = jax.jit(jax.grad(lambda w, x: jnp.sum(grouped_linear(x, w.astype(jnp.bfloat16), sizes, activation="gelu",
                                                                 out_dtype=jnp.float32) ** 2)))(w, x)
     assert rel(g, want) < 1e-5
 
@@ -496,6 +653,19 @@ def test_dense_lowers_to_the_hopper_kernel():
     assert "scaled1x128" in text and ".bias.gelu" in text
 
 
+def test_kernelize_fp8_epilogue_lowers_to_the_hopper_kernel():
+    """kernelize(fp8=...) of ``gelu(x @ w1 + b1) @ w2`` and its gradient, lowered for sm_90a in
+    strict mode: five block-scaled GEMMs (two forward, two wgrad, the second layer's dgrad: x is
+    not differentiated), the first forward one with the bias in its epilogue; no XLA dot is left."""
+    pytest.importorskip("cutlass")
+    p, x = _mlp_bias_params(50)
+    f = jax_cute.kernelize(_mlp_bias_loss, fp8="blockwise")
+    text = _wgrad_text(jax.value_and_grad(f), p, x, strict=True)
+    assert text.count("@jax_cute_launch") == 5 and "stablehlo.dot_general" not in text
+    assert f.report.products[0].epilogue == "bias + gelu"
+    assert len([ln for ln in text.splitlines() if "scaled1x128" in ln and ".bias" in ln]) == 1, text
+
+
 def test_errors():
     x, w = quantize(data((8, 256), "normal")), quantize(data((256, 128), "normal"), "128x128")
     with pytest.raises(TypeError, match="quantize it"):
@@ -536,6 +706,12 @@ def test_errors():
         linear(x.values, jnp.ones((256, 4)))
     with pytest.raises(ValueError, match="share K"):
         linear(jnp.ones((4, 8)), jnp.ones((9, 4)))
+    with pytest.raises(ValueError, match="bias must broadcast"):
+        linear(jnp.ones((4, 8)), jnp.ones((8, 4)), bias=jnp.ones((5,)))
+    with pytest.raises(ValueError, match="elementwise"):
+        linear(jnp.ones((4, 8)), jnp.ones((8, 4)), activation="swiglu")
+    with pytest.raises(ValueError, match=r"bias must be \(G, N\)"):
+        grouped_linear(jnp.ones((4, 8)), jnp.ones((2, 8, 4)), jnp.asarray([2, 2]), bias=jnp.ones((4,)))
 
 
 @pytest.mark.parametrize("moe", [False, True])

@@ -13,6 +13,11 @@ gradient products run in fp8 with float32 promotion per 128-K block:
 
 The master weights stay as they are (f32 or bf16): ``w`` is quantized on the fly, and its
 gradient is returned in ``w``'s dtype, ``dx`` in ``x``'s.
+
+An epilogue ``act(x @ w + bias)``: the bias is added in the kernel, which writes the
+pre-activation ``z`` (kept as a residual); the activation runs in XLA in float32, where it fuses
+into whatever reads ``y`` (e.g. the next layer's quantization). The backward pass forms
+``dz = dy * act'(z)`` once, in ``dy``'s dtype, and runs both gradient GEMMs on it.
 """
 
 from __future__ import annotations
@@ -24,8 +29,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_cute.activations import apply_activation, check_activation, derivative_times, elementwise
 from jax_cute.fp8.ops import ragged_k_dot, scaled_dot_general, scaled_ragged_dot
-from jax_cute.fp8.quantize import BLOCK, E4M3, FP8_DTYPES, quantize, quantize_grouped
+from jax_cute.fp8.quantize import BLOCK, E4M3, FP8_DTYPES, group_ends, quantize, quantize_grouped
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,53 +89,97 @@ def _grad_out(dtype: str) -> str:
     return dtype if dtype in ("bfloat16", "float16", "float32") else "float32"
 
 
-def linear(x: jax.Array, w: jax.Array, *, out_dtype=None, recipe: Blockwise = Blockwise()) -> jax.Array:
-    """``x @ w`` for x (..., K) and w (K, ...), its forward and both gradient GEMMs block-scaled
-    fp8 (the module docstring). The result is (..., *w.shape[1:]) in ``out_dtype`` (default:
-    x's dtype; bfloat16, float16 or float32). Differentiable in x and w (``custom_vjp``)."""
+def _check_epilogue(op: str, bias, activation) -> None:
+    check_activation(f"fp8.{op}", activation)
+    if activation is not None and not elementwise(activation):
+        raise ValueError(f"jax_cute.fp8.{op}: activation must be elementwise, got the gated {activation!r}")
+    if bias is not None and not jnp.issubdtype(bias.dtype, jnp.floating):
+        raise TypeError(f"jax_cute.fp8.{op}: bias must be floating point, got {bias.dtype}")
+
+
+def linear(x: jax.Array, w: jax.Array, *, bias=None, activation: str | None = None, out_dtype=None,
+           recipe: Blockwise = Blockwise()) -> jax.Array:
+    """``act(x @ w + bias)`` for x (..., K) and w (K, ...), its forward and both gradient GEMMs
+    block-scaled fp8 (the module docstring). The result is (..., *w.shape[1:]) in ``out_dtype``
+    (default: x's dtype; bfloat16, float16 or float32). ``bias`` broadcasts to ``w.shape[1:]``
+    (one value per output column); ``activation``: an elementwise activation of
+    ``jax_cute.activations`` (not a gated one), or None. Differentiable in x, w and bias
+    (``custom_vjp``)."""
     x, w = jnp.asarray(x), jnp.asarray(w)
     _check_float("linear", x=x, w=w)
     if x.ndim < 1 or w.ndim < 1 or x.shape[-1] != w.shape[0]:
         raise ValueError(f"jax_cute.fp8.linear: x (..., K) and w (K, ...) must share K, got {x.shape} and {w.shape}")
+    if bias is not None:
+        bias = jnp.asarray(bias)
+        if bias.ndim > w.ndim - 1 or any(b not in (1, n) for b, n in zip(bias.shape[::-1], w.shape[:0:-1])):
+            raise ValueError(f"jax_cute.fp8.linear: bias must broadcast to w.shape[1:] = {w.shape[1:]}, "
+                             f"got {bias.shape}")
+    _check_epilogue("linear", bias, activation)
     out = np.dtype(x.dtype if out_dtype is None else out_dtype)
     k = x.shape[-1]
-    y = _linear(x.reshape(-1, k), w.reshape(k, -1), (out.name, np.dtype(x.dtype).name, np.dtype(w.dtype).name), recipe)
+    if bias is not None:
+        # one entry per column of the (M, N) product, in float32 (the kernel adds it in float32):
+        # autodiff then sums a broadcast bias's gradient in float32 before rounding it to its dtype
+        bias = jnp.broadcast_to(bias.astype(jnp.float32), w.shape[1:]).reshape(-1)
+    y = _linear(x.reshape(-1, k), w.reshape(k, -1), bias, _dtypes(out, x, w, bias), recipe, activation)
     return y.reshape(*x.shape[:-1], *w.shape[1:])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _linear(x, w, dtypes: tuple[str, str, str], recipe: Blockwise):
-    return _linear_fwd(x, w, dtypes, recipe)[0]
+def _dtypes(out, x, w, bias) -> tuple:
+    """(out, x, w, bias or None) dtype names: the custom_vjp's static dtypes."""
+    return out.name, np.dtype(x.dtype).name, np.dtype(w.dtype).name, None if bias is None else np.dtype(bias.dtype).name
 
 
-def _linear_fwd(x, w, dtypes, recipe):
+def _activate(activation, z, out_dtype):
+    """``act(z)`` in float32, rounded once to ``out_dtype``."""
+    return apply_activation(activation, z.astype(jnp.float32)).astype(out_dtype)
+
+
+def _dz(activation, z, g):
+    """The pre-activation's cotangent ``g * act'(z)`` (float32, rounded to g's dtype): formed once
+    for both gradient GEMMs and the bias."""
+    return g if activation is None else derivative_times(activation, z, g, jnp.float32).astype(g.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _linear(x, w, bias, dtypes: tuple[str, str, str], recipe: Blockwise, activation: str | None):
+    return _linear_fwd(x, w, bias, dtypes, recipe, activation)[0]
+
+
+def _linear_fwd(x, w, bias, dtypes, recipe, activation):
     out_dtype = dtypes[0]
     wq = recipe.q(w, "128x128")
-    y = scaled_dot_general(recipe.q(x, "1x128"), wq, (((1,), (0,)), ((), ())), preferred_element_type=out_dtype)
-    # wgrad contracts the tokens: x quantized along them, stored K-major (x.T) as the kernel reads it
-    return y, (recipe.q_tokens(x), wq)
+    z = scaled_dot_general(recipe.q(x, "1x128"), wq, (((1,), (0,)), ((), ())), preferred_element_type=out_dtype,
+                           bias=bias)
+    # wgrad contracts the tokens: x quantized along them, stored K-major (x.T) as the kernel reads it;
+    # the pre-activation z (out_dtype) only where act' needs it
+    res = (recipe.q_tokens(x), wq, None if activation is None else z)
+    return (z if activation is None else _activate(activation, z, out_dtype)), res
 
 
-def _linear_bwd(dtypes, recipe, res, g):
-    (_, x_dtype, w_dtype), (xq_t, wq) = dtypes, res
+def _linear_bwd(dtypes, recipe, activation, res, g):
+    (_, x_dtype, w_dtype, bias_dtype), (xq_t, wq, z) = dtypes, res
+    g = _dz(activation, z, g)
     gq = recipe.q(g, "1x128", grad=True)  # (M, N) in blocks along N, dgrad's K
     # each gradient leaves its kernel in its input's dtype: the accumulator rounded once, as an f32
     # result cast afterwards would be, without writing and reading the f32 result
     dx = scaled_dot_general(gq, wq, (((1,), (1,)), ((), ())), preferred_element_type=_grad_out(x_dtype))
     gq_t = recipe.q_tokens(g, grad=True)  # (N, M) in blocks along the tokens, wgrad's K
     dw = scaled_dot_general(xq_t, gq_t, (((1,), (1,)), ((), ())), preferred_element_type=_grad_out(w_dtype))
-    return dx.astype(x_dtype), dw.astype(w_dtype)
+    db = None if bias_dtype is None else jnp.sum(g.astype(jnp.float32), axis=0).astype(bias_dtype)
+    return dx.astype(x_dtype), dw.astype(w_dtype), db
 
 
 _linear.defvjp(_linear_fwd, _linear_bwd)
 
 
-def grouped_linear(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, out_dtype=None,
-                   recipe: Blockwise = Blockwise()) -> jax.Array:
-    """``lax.ragged_dot(x, w, group_sizes)`` (x (M, K), w (G, K, N)) with its forward, dgrad and
-    wgrad GEMMs block-scaled fp8: forward and dgrad grouped over M, wgrad over K (the tokens,
-    in blocks that restart at each group). Rows past the last group are zero and get a zero
-    gradient. Differentiable in x and w."""
+def grouped_linear(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, bias=None, activation: str | None = None,
+                   out_dtype=None, recipe: Blockwise = Blockwise()) -> jax.Array:
+    """``act(lax.ragged_dot(x, w, group_sizes) + bias[group])`` (x (M, K), w (G, K, N), bias (G, N)
+    or None, ``activation`` as :func:`linear`'s) with its forward, dgrad and wgrad GEMMs
+    block-scaled fp8: forward and dgrad grouped over M, wgrad over K (the tokens, in blocks that
+    restart at each group). Rows past the last group are zero (no bias; the activations are zero
+    at zero) and get a zero gradient. Differentiable in x, w and bias."""
     x, w, group_sizes = jnp.asarray(x), jnp.asarray(w), jnp.asarray(group_sizes)
     _check_float("grouped_linear", x=x, w=w)
     if x.ndim != 2 or w.ndim != 3 or group_sizes.shape != (w.shape[0],) or x.shape[1] != w.shape[1]:
@@ -137,28 +187,40 @@ def grouped_linear(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, out_dt
                          f"{x.shape}, {w.shape}, {group_sizes.shape}")
     if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
         raise TypeError(f"jax_cute.fp8.grouped_linear: group_sizes must be integers, got {group_sizes.dtype}")
+    if bias is not None:
+        bias = jnp.asarray(bias)
+        if bias.shape != (w.shape[0], w.shape[2]):
+            raise ValueError(f"jax_cute.fp8.grouped_linear: bias must be (G, N) = {(w.shape[0], w.shape[2])}, "
+                             f"got {bias.shape}")
+    _check_epilogue("grouped_linear", bias, activation)
     out = np.dtype(x.dtype if out_dtype is None else out_dtype)
-    return _grouped(x, w, group_sizes.astype(jnp.int32), (out.name, np.dtype(x.dtype).name, np.dtype(w.dtype).name),
-                    recipe)
+    return _grouped(x, w, group_sizes.astype(jnp.int32), bias, _dtypes(out, x, w, bias), recipe, activation)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _grouped(x, w, sizes, dtypes: tuple[str, str, str], recipe: Blockwise):
-    return _grouped_fwd(x, w, sizes, dtypes, recipe)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _grouped(x, w, sizes, bias, dtypes: tuple, recipe: Blockwise, activation: str | None):
+    return _grouped_fwd(x, w, sizes, bias, dtypes, recipe, activation)[0]
 
 
-def _grouped_fwd(x, w, sizes, dtypes, recipe):
+def _grouped_fwd(x, w, sizes, bias, dtypes, recipe, activation):
     out_dtype = dtypes[0]
     wq = recipe.q(w, "128x128")  # (G, K, N): 128 x 128 blocks of each expert
-    y = scaled_ragged_dot(recipe.q(x, "1x128"), wq, sizes, preferred_element_type=out_dtype)
-    return y, (recipe.q_grouped(x.T, sizes), wq, sizes)
+    z = scaled_ragged_dot(recipe.q(x, "1x128"), wq, sizes, preferred_element_type=out_dtype, bias=bias)
+    res = (recipe.q_grouped(x.T, sizes), wq, sizes, None if activation is None else z)
+    return (z if activation is None else _activate(activation, z, out_dtype)), res
 
 
-def _grouped_bwd(dtypes, recipe, res, g):
-    (_, x_dtype, w_dtype), (xq_t, wq, sizes) = dtypes, res
+def _grouped_bwd(dtypes, recipe, activation, res, g):
+    (_, x_dtype, w_dtype, bias_dtype), (xq_t, wq, sizes, z) = dtypes, res
+    g = _dz(activation, z, g)
     dx = scaled_ragged_dot(recipe.q(g, "1x128", grad=True), wq.T, sizes, preferred_element_type=_grad_out(x_dtype))
     dw = ragged_k_dot(xq_t, recipe.q_grouped(g.T, sizes, grad=True), sizes, preferred_element_type=_grad_out(w_dtype))
-    return dx.astype(x_dtype), dw.astype(w_dtype), None
+    db = None
+    if bias_dtype is not None:  # each group's rows summed; rows past the last group (id G) dropped
+        m, groups = g.shape[0], sizes.shape[0]
+        rows = jnp.searchsorted(group_ends(sizes, m), jnp.arange(m, dtype=jnp.int32), side="right")
+        db = jax.ops.segment_sum(g.astype(jnp.float32), rows, num_segments=groups + 1)[:groups].astype(bias_dtype)
+    return dx.astype(x_dtype), dw.astype(w_dtype), None, db
 
 
 _grouped.defvjp(_grouped_fwd, _grouped_bwd)

@@ -19,10 +19,16 @@ attention's score (``q @ k.T``) and value (``p @ v``) products; products of two 
 products a recipe's ``exclude`` names (e.g. an LM head or a router, which DeepSeek-V3 keeps in
 bf16); fp8 or 32-bit operands; ragged_dot's gradient forms (these come from ``kernelize(grad(f))``;
 put ``kernelize`` inside ``grad`` so that the fp8 ``custom_vjp`` supplies the gradients).
+
+A taken product's epilogue (``epilogue_match``: a bias, an elementwise activation, a cast) is
+fused into :func:`linear` / :func:`grouped_linear` (``bias=``, ``activation=``) where the bias is
+one value per output column of ``x @ w`` (the weight's free axes); else the product is taken
+without it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Callable
 
@@ -65,7 +71,32 @@ def _normal(d):
     return tuple(_normal(x) for x in d) if isinstance(d, (tuple, list)) else int(d)
 
 
-def take(eqn, weights: set, recipe: Blockwise) -> Callable | None:
+@dataclasses.dataclass(frozen=True)
+class Taken:
+    """An fp8-taken product. Called with the product's operands it computes the product; with
+    ``bias``/``activation``/``out_dtype`` its fused epilogue ``act(product + bias)``, and with
+    ``transposed`` the product's free axes swapped (an epilogue that absorbed a transpose)."""
+
+    run: Callable
+    swap: bool = False           # the weight is the first operand: computed as x @ w, transposed back
+    x_free: int | None = None    # how many free axes x has in x @ w (None: a grouped product, no bias)
+    w_free: int = 0              # and w
+
+    def __call__(self, *operands, **epilogue):
+        return self.run(*operands, **epilogue)
+
+    def fuses(self, transposed: bool, bias_shape: tuple[int, ...] | None) -> bool:
+        """Whether an epilogue whose bias has ``bias_shape`` (numpy-broadcast against the result,
+        None: no bias) fuses: the bias must vary along the weight's free axes of ``x @ w`` only."""
+        if bias_shape is None:
+            return self.x_free is not None or not transposed
+        if self.x_free is None or self.swap != transposed:
+            return False
+        over_x = len(bias_shape) - self.w_free  # the bias's (right-aligned) axes over x's free axes
+        return all(d == 1 for d in bias_shape[:max(over_x, 0)])
+
+
+def take(eqn, weights: set, recipe: Blockwise) -> Taken | None:
     """The fp8 computation replacing product ``eqn`` (a function of its operands), or None."""
     name = eqn.primitive.name
     if name not in ("dot_general", "ragged_dot_general") or len(eqn.invars) < 2:
@@ -84,13 +115,18 @@ def take(eqn, weights: set, recipe: Blockwise) -> Callable | None:
         return None
     if recipe.exclude is not None and recipe.exclude(la, ra, out):
         return None
-    out_dtype = np.dtype(out.dtype)
+    product_dtype = np.dtype(out.dtype)
     if name == "ragged_dot_general":
         rd = eqn.params["ragged_dot_dimension_numbers"]
         form = (_normal(rd.dot_dimension_numbers), _normal(rd.lhs_ragged_dimensions), _normal(rd.rhs_group_dimensions))
         if form != _RAGGED_DOT or eqn.params.get("group_offset") is not None:
             return None
-        return lambda x, w, sizes: grouped_linear(x, w, sizes, out_dtype=out_dtype, recipe=recipe)
+
+        def grouped(x, w, sizes, bias=None, activation=None, out_dtype=product_dtype, transposed=False):
+            assert bias is None and not transposed, "fuses() admits neither for a grouped product"
+            return grouped_linear(x, w, sizes, activation=activation, out_dtype=out_dtype, recipe=recipe)
+
+        return Taken(grouped)
     (lc, rc), (lb, rb) = _normal(eqn.params["dimension_numbers"])
     if lb or rb or not lc:
         return None
@@ -99,19 +135,19 @@ def take(eqn, weights: set, recipe: Blockwise) -> Callable | None:
     lf = tuple(i for i in range(la.ndim) if i not in lc)
     rf = tuple(i for i in range(ra.ndim) if i not in rc)
 
-    def run(x, w):
-        if swap:
-            y = run_ordered(w, x)
-            return jnp.transpose(y, tuple(range(len(lf), y.ndim)) + tuple(range(len(lf))))
-        return run_ordered(x, w)
-
-    def run_ordered(x, w):
-        # x to (lhs free..., K) and w to (K, rhs free...), K the contracting dims in matching order
+    def run(lhs, rhs, bias=None, activation=None, out_dtype=product_dtype, transposed=False):
+        x, w = (rhs, lhs) if swap else (lhs, rhs)
+        # x to (x free..., K) and w to (K, w free...), K the contracting dims in matching order
         xk = jnp.transpose(x, lf + lc)
         wk = jnp.transpose(w, rc + rf)
         k = math.prod(la.shape[i] for i in lc)
-        y = linear(xk.reshape(*xk.shape[:len(lf)], k), wk.reshape(k, *wk.shape[len(rc):]), out_dtype=out_dtype,
-                   recipe=recipe)
+        if bias is not None:  # fuses() checked it is 1 along x's free axes: keep the weight's part
+            bias = jnp.asarray(bias)
+            bias = jnp.reshape(bias, (1,) * (len(lf) + len(rf) - bias.ndim) + bias.shape)[(0,) * len(lf)]
+        y = linear(xk.reshape(*xk.shape[:len(lf)], k), wk.reshape(k, *wk.shape[len(rc):]), bias=bias,
+                   activation=activation, out_dtype=out_dtype, recipe=recipe)
+        if swap != transposed:  # the caller wants (w free..., x free...)
+            y = jnp.transpose(y, tuple(range(len(lf), y.ndim)) + tuple(range(len(lf))))
         return y
 
-    return run
+    return Taken(run, swap, len(lf), len(rf))
