@@ -36,6 +36,7 @@ import jax.extend as jex
 import jax.numpy as jnp
 import numpy as np
 
+from jax_cute import config
 from jax_cute.fp8.linear import Blockwise, grouped_linear, linear
 
 _SIXTEEN_BIT = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
@@ -88,8 +89,12 @@ class Taken:
     def fuses(self, transposed: bool, bias_shape: tuple[int, ...] | None) -> bool:
         """Whether an epilogue whose bias has ``bias_shape`` (numpy-broadcast against the result,
         None: no bias) fuses: the bias must vary along the weight's free axes of ``x @ w`` only."""
+        if self.x_free is None:
+            # grouped: an activation only, and opt-in (config.unverified_kernels) until the fused
+            # expert layer has run on a GPU; otherwise the product is fp8 and its epilogue XLA's
+            return bias_shape is None and not transposed and config.unverified_kernels()
         if bias_shape is None:
-            return self.x_free is not None or not transposed
+            return True
         if self.x_free is None or self.swap != transposed:
             return False
         over_x = len(bias_shape) - self.w_free  # the bias's (right-aligned) axes over x's free axes
