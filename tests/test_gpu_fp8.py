@@ -187,6 +187,30 @@ def test_linear_forward_and_gradients():
         check(got, mm(a, b), abs_product(a, b))
 
 
+def test_linear_with_bias_and_activation():
+    """fp8.linear(x, w, bias=, activation="gelu") (kernelize's fused fp8 epilogue): the forward
+    kernel adds the bias and writes the pre-activation z, gelu and its derivative run in XLA. z
+    against the recipe's dequantised operands; dgrad and wgrad against the recipe applied to
+    dz = r * gelu'(z); dbias = the sum of dz over the rows."""
+    x, w = data((1000, 768), "normal", 29), data((768, 1040), "normal", 30) * 0.05
+    b, r = data((1040,), "normal", 31), data((1000, 1040), "normal", 32)
+
+    def loss(x, w, b, r):
+        return jnp.sum(linear(x, w, bias=b, activation="gelu", out_dtype=F32) * r)
+
+    f = jax.value_and_grad(loss, (0, 1, 2))
+    assert_ours(f, x, w, b, r, calls=3)
+    (_, (dx, dw, db)) = jax.jit(f)(x, w, b, r)
+    z = jax.jit(lambda x, w, b: linear(x, w, bias=b, out_dtype=F32))(x, w, b)
+    xq, wq = quantize(x, "1x128"), quantize(w, "128x128")
+    check(z, mm(dq(xq), dq(wq)) + b, abs_product(dq(xq), dq(wq)))
+    dz = jax.vjp(jax.nn.gelu, z)[1](r)[0]
+    for got, a, c in ((dx, dq(quantize(dz, "1x128")), dq(wq).T),
+                      (dw, dq(quantize(x.T, "1x128")), dq(quantize(dz.T, "1x128")).T)):
+        check(got, mm(a, c), abs_product(a, c))
+    np.testing.assert_allclose(np.asarray(db), np.asarray(jnp.sum(dz, axis=0)), rtol=1e-4, atol=1e-3)
+
+
 SIZES = jnp.asarray([100, 300, 0, 500], jnp.int32)   # uneven, one empty; rows 900-999 past the last group
 
 
@@ -224,6 +248,20 @@ def test_grouped(b_block, out, kind):
 
     assert_ours(f, xq, wq, SIZES)
     check(jax.jit(f)(xq, wq, SIZES), grouped_ref(dq(xq), dq(wq), SIZES), grouped_abs(dq(xq), dq(wq)))
+
+
+@pytest.mark.parametrize("b_block", ["128x128", (128, 1)], ids=["w128x128", "w128x1"])
+def test_grouped_odd_group_starts(b_block):
+    """Groups starting at rows that are multiples of neither 4 nor 128 (77, 377, 900), empty
+    groups and a group of one row: each tile's first row, where its A scales start, is anywhere."""
+    m, k, n = 1000, 1000, 520
+    xq, wq = quantize(data((m, k), "normal", 27), "1x128"), quantize(data((6, k, n), "normal", 28), b_block)
+
+    def f(xq, wq, sizes):
+        return jax_cute.ragged_dot(xq, wq, sizes, preferred_element_type=F32)
+
+    assert_ours(f, xq, wq, K_SIZES)
+    check(jax.jit(f)(xq, wq, K_SIZES), grouped_ref(dq(xq), dq(wq), K_SIZES), grouped_abs(dq(xq), dq(wq)))
 
 
 @pytest.mark.parametrize("activation", ["gelu", "silu"])
