@@ -31,7 +31,7 @@ import numpy as np
 
 from jax_cute.activations import apply_activation, check_activation, derivative_times, elementwise
 from jax_cute.fp8.ops import ragged_k_dot, scaled_dot_general, scaled_ragged_dot
-from jax_cute.fp8.quantize import BLOCK, E4M3, FP8_DTYPES, group_ends, quantize, quantize_grouped
+from jax_cute.fp8.quantize import BLOCK, E4M3, FP8_DTYPES, quantize, quantize_grouped, row_groups
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,8 +217,8 @@ def _grouped_bwd(dtypes, recipe, activation, res, g):
     dw = ragged_k_dot(xq_t, recipe.q_grouped(g.T, sizes, grad=True), sizes, preferred_element_type=_grad_out(w_dtype))
     db = None
     if bias_dtype is not None:  # each group's rows summed; rows past the last group (id G) dropped
-        m, groups = g.shape[0], sizes.shape[0]
-        rows = jnp.searchsorted(group_ends(sizes, m), jnp.arange(m, dtype=jnp.int32), side="right")
+        groups = sizes.shape[0]
+        _, rows = row_groups(sizes, g.shape[0])
         db = jax.ops.segment_sum(g.astype(jnp.float32), rows, num_segments=groups + 1)[:groups].astype(bias_dtype)
     return dx.astype(x_dtype), dw.astype(w_dtype), None, db
 

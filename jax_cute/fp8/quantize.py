@@ -221,6 +221,12 @@ def group_ends(sizes, extent: int):
     return jax.lax.associative_scan(lambda a, b: a + jnp.minimum(b, extent - a), s)
 
 
+def row_groups(sizes, extent: int):
+    """(the group ends, ``group_ends``; the group of each of ``extent`` rows, G past the last)."""
+    ends = group_ends(sizes, extent)
+    return ends, jnp.searchsorted(ends, jnp.arange(extent, dtype=jnp.int32), side="right").astype(jnp.int32)
+
+
 def group_blocks(sizes, extent: int, block: int = BLOCK):
     """The block structure of group-aligned quantization of ``extent`` elements.
 
@@ -229,12 +235,11 @@ def group_blocks(sizes, extent: int, block: int = BLOCK):
     and group -1)."""
     g = sizes.shape[0]
     nb = grouped_blocks(extent, g, block)
-    ends = group_ends(sizes, extent)
+    ends, grp = row_groups(sizes, extent)                        # grp: group of element t, G past the end
     starts = ends - jnp.diff(ends, prepend=jnp.zeros((1,), ends.dtype))
     counts = (ends - starts + block - 1) // block
     first_block = jnp.cumsum(counts) - counts                    # (G,)
     t = jnp.arange(extent, dtype=jnp.int32)
-    grp = jnp.searchsorted(ends, t, side="right").astype(jnp.int32)  # group of element t, G past the end
     inside = grp < g
     gi = jnp.minimum(grp, g - 1)
     elem_block = jnp.where(inside, first_block[gi] + (t - starts[gi]) // block, -1)

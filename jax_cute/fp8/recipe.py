@@ -95,7 +95,7 @@ class Taken:
             return bias_shape is None and not transposed and config.unverified_kernels()
         if bias_shape is None:
             return True
-        if self.x_free is None or self.swap != transposed:
+        if self.swap != transposed:
             return False
         over_x = len(bias_shape) - self.w_free  # the bias's (right-aligned) axes over x's free axes
         return all(d == 1 for d in bias_shape[:max(over_x, 0)])

@@ -46,7 +46,7 @@ from jax.interpreters import ad, batching, mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jax_cute import dispatch
-from jax_cute.fp8.quantize import BLOCK, FP8_DTYPES, group_blocks, group_ends, grouped_blocks
+from jax_cute.fp8.quantize import BLOCK, FP8_DTYPES, group_blocks, group_ends, grouped_blocks, row_groups
 from jax_cute.activations import apply_activation, is_gated
 from jax_cute.layout import Layout, make_layout, stride_of
 from jax_cute.primitives import sharding
@@ -317,18 +317,12 @@ def gemm_reference(a, sa, b, sb, bias=None, *, a_block, b_block, out_dtype, acti
     return _epilogue(acc, bias, activation, out_dtype)
 
 
-def _group_of_rows(gs, m: int):
-    ends = group_ends(gs, m)
-    grp = jnp.searchsorted(ends, jnp.arange(m, dtype=jnp.int32), side="right").astype(jnp.int32)
-    return ends, grp
-
-
 def ragged_m_reference(a, sa, b, sb, gs, bias=None, *, b_block, out_dtype, activation=None, compute="float32"):
     """Rows of consecutive groups against their group's b, two-level accumulation per K block."""
     (m, k), (g, n, _) = a.shape, b.shape
     cd = np.dtype(compute)
     nk = _blocks(k, BLOCK)
-    ends, grp = _group_of_rows(gs, m)
+    ends, grp = row_groups(gs, m)
     sizes = jnp.diff(ends, prepend=jnp.zeros((1,), ends.dtype))
     inside = grp < g
     gi = jnp.minimum(grp, g - 1)
@@ -649,8 +643,7 @@ def _ragged_partition(call: _Call, mesh, arg_shapes, result_shape):
             acc = jax.lax.psum(part, plan["k"])
             if has_bias or kw["activation"]:
                 # rows past the last group stay zero: the epilogue only on rows inside a group
-                ends = group_ends(args[4], lm)
-                grp = jnp.searchsorted(ends, jnp.arange(lm, dtype=jnp.int32), side="right")
+                ends, grp = row_groups(args[4], lm)
                 inside = (grp < ends.shape[0])[:, None]
                 bias = jnp.where(inside, args[5][jnp.minimum(grp, ends.shape[0] - 1)].astype(jnp.float32), 0) \
                     if has_bias else None
