@@ -12,6 +12,7 @@ NUM_SMS = 132            # H100 SXM / H200: the persistent grid's default bound 
 SMEM_BYTES = 232448      # opt-in dynamic shared memory per block on sm_90 (227 KiB)
 ROW_BYTES = 128          # a k-tile row is one 128-byte swizzle atom: 64 16-bit or 128 8-bit elements
 ITEM = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1}
+SCALE_ALIGN = 128        # bytes between a stage's scale buffers (a TMA destination's alignment)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,9 +75,30 @@ def wg_rows(tile_m: int, pingpong: bool) -> int:
     return tile_m if pingpong else tile_m // 2
 
 
+def scale_box(tile_rows: int, block: int) -> int:
+    """float32 scales a stage holds of an operand's block scales: with 1-row blocks the tile's
+    rows (one TMA box a k-tile); with 128-row blocks none (consumers read the tile's one scale
+    from global memory)."""
+    return tile_rows if block == 1 else 0
+
+
+def scale_pitch(tile_rows: int, block: int) -> int:
+    """float32 elements between two stages' scale buffers of one operand (0: none)."""
+    per = SCALE_ALIGN // ITEM["float32"]
+    return -(-scale_box(tile_rows, block) // per) * per
+
+
+def scale_stage_bytes(tile_m: int, tile_n: int, a_block: int, b_block: int) -> int:
+    """Shared memory of one stage's block scales (the 1-row-block operands' buffers; 0 when
+    unscaled)."""
+    if not a_block:
+        return 0
+    return ITEM["float32"] * (scale_pitch(tile_m, a_block) + scale_pitch(tile_n, b_block))
+
+
 def stage_plan(tile_n: int, c_dtype: str, stages: int, pingpong: bool = False,
-                epi_n: int = 32, tile_m: int = 128, whole_c: bool = False, gated: bool = False
-                ) -> tuple[int, int]:
+                epi_n: int = 32, tile_m: int = 128, whole_c: bool = False, gated: bool = False,
+                scale_bytes: int = 0) -> tuple[int, int]:
     """(A/B stages, epilogue ring depth) for a tile_m x tile_n x tile_k tile.
 
     Each consumer warpgroup stores its own rows of output (cooperative: its half of the tile, in
@@ -84,7 +106,8 @@ def stage_plan(tile_n: int, c_dtype: str, stages: int, pingpong: bool = False,
     reused round-robin across tiles, so its depth divides a warpgroup's subtiles per tile.
     Cooperative: as deep as fits in 16 KB per warpgroup (the A/B ring keeps the rest); pingpong:
     2 deep (its A/B stages matter more). whole_c: one slot per subtile of the warpgroup's share.
-    gated: the C pass stores half the subtiles, and the depth divides that count too."""
+    gated: the C pass stores half the subtiles, and the depth divides that count too.
+    scale_bytes: a block-scaled stage's scale buffers (scale_stage_bytes), loaded with its k-tile."""
     sub_bytes = 64 * epi_n * ITEM[c_dtype]
     subtiles = (wg_rows(tile_m, pingpong) // 64) * (tile_n // epi_n)
     stored = subtiles // 2 if gated else subtiles
@@ -94,6 +117,7 @@ def stage_plan(tile_n: int, c_dtype: str, stages: int, pingpong: bool = False,
     else:
         epi_stages = max(d for d in range(1, stored + 1) if stored % d == 0 and (d == 1 or d * sub_bytes <= 16384))
         ab_bytes = (tile_m + tile_n) * ROW_BYTES
+    ab_bytes += scale_bytes
     if whole_c:
         epi_stages = subtiles
     epi_bytes = 2 * sub_bytes * epi_stages
