@@ -65,7 +65,9 @@ def _check_scale_loads(spec, cfg, ptx: str) -> None:
     bytes (multicast or not, each lands whole in every CTA) plus this CTA's own TMA scale boxes,
     and a stage takes two TMA loads plus one per 1-row-block operand."""
     tile_m, tile_n = getattr(cfg, "tile_m", 128), cfg.tile_n
-    tma = [rows for rows, block in ((tile_m, spec.a_block), (tile_n, spec.b_block)) if block == 1]
+    slack = sm90_config.scale_slack(spec)   # ragged_m: A's box starts 16-byte aligned, 4 rows longer
+    tma = [rows + extra for rows, block, extra in ((tile_m, spec.a_block, slack), (tile_n, spec.b_block, 0))
+           if block == 1]
     tx = (tile_m + tile_n) * 128 + 4 * sum(tma)
     regs = re.findall(r"mbarrier\.arrive\.expect_tx\.\S+\s+\S+\s+\[[^]]+\],\s*(%r\d+);", ptx)
     assert regs, "no stage barrier expects bytes"
@@ -76,6 +78,55 @@ def _check_scale_loads(spec, cfg, ptx: str) -> None:
     main = [b for b in re.split(r"^\$L__BB\d+_\d+:", ptx, flags=re.M) if "wgmma." in b]   # basic blocks
     assert any("ld.shared.b32" in b or "ld.shared.v2.b32" in b for b in main) == bool(tma)
     assert any(re.search(r"ld\.global(\.nc)?\.(f32|b32)", b) for b in main) == (len(tma) < 2)
+    _check_scale_box_starts(ptx, len(tma))
+
+
+def _multiple_of_4(ptx: str, reg: str, depth: int = 12) -> bool:
+    """Whether every PTX definition of ``reg`` makes a multiple of 4: a shift by 2 or more, a mask of
+    the two low bits, a product by a multiple of 4, a constant one, or sums and differences of such
+    (followed through ``depth`` definitions)."""
+    defs = re.findall(rf"^\s*(\w+(?:\.\w+)*)\s+{re.escape(reg)}, ([^;]*);", ptx, flags=re.M)
+    if not defs or depth == 0:
+        return False
+
+    def ok(x: str) -> bool:
+        x = x.strip()
+        if re.fullmatch(r"-?\d+", x):
+            return int(x) % 4 == 0
+        return x.startswith("%r") and _multiple_of_4(ptx, x, depth - 1)
+
+    for op, args in defs:
+        xs = [x.strip() for x in args.split(",")]
+        kind = op.split(".")[0]
+        if kind == "shl" and re.fullmatch(r"\d+", xs[1]) and int(xs[1]) >= 2:
+            continue
+        if kind == "and" and any(re.fullmatch(r"-\d+", x) and int(x) % 4 == 0 for x in xs):
+            continue
+        if kind == "mul" and any(ok(x) for x in xs):
+            continue
+        if kind == "mad" and any(ok(x) for x in xs[:2]) and ok(xs[2]):
+            continue
+        if kind in ("add", "sub") and all(ok(x) for x in xs):
+            continue
+        if kind == "mov" and ok(xs[0]):
+            continue
+        return False
+    return True
+
+
+def _check_scale_box_starts(ptx: str, boxes: int) -> None:
+    """Every scale box starts 16-byte aligned along the scales' contiguous mode (its first
+    coordinate a multiple of 4 rows): an unaligned TMA box start there is an illegal instruction
+    on sm_90 (ragged_m's A scales at group rows such as 77 crashed an H100). The scale buffers are
+    the shared-memory struct's last fields: the loads with the ``boxes`` largest destination offsets."""
+    loads = re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared::\w+\.global\S*\s+\[%r\d+\+(\d+)\],"
+                       r"\s*\[%rd\d+, \{(%r\d+),", ptx)
+    offsets = sorted({int(o) for o, _ in loads})
+    assert len(offsets) == 2 + boxes, offsets
+    starts = {r for o, r in loads if int(o) in offsets[2:]}
+    assert len(starts) >= boxes
+    for r in starts:
+        assert _multiple_of_4(ptx, r), f"scale box row coordinate {r} may be unaligned"
 
 
 def _nvdisasm() -> str | None:
@@ -157,6 +208,26 @@ def test_scaled_stages_fit():
                                              sm90_config.scale_stage_bytes(128, 128, a, b))
     assert sm90_gemm.stage_plan(128, BF, 0, False, wide.epi_n, 128, wide.whole_c) == (6, 2)
     assert (plan(128, 128), plan(1, 128), plan(1, 1)) == ((6, 2), (5, 2), (5, 2))
+
+
+def test_scale_boxes_start_aligned():
+    """ragged_m tiles start at any group row (77, 377: fp8.grouped_linear with [0, 77, 300, 0, 523, 1]
+    crashed an H100 with CUDA_ERROR_ILLEGAL_INSTRUCTION), and a TMA box must start 16-byte aligned
+    along the float32 scales' contiguous mode: A's box starts at the row rounded down to 4 and holds
+    the tile's 128 rows whatever their offset in it; dense and ragged_k tiles start at multiples of
+    128 and keep 128-row boxes."""
+    spec = _GROUPED[0]
+    slack = sm90_config.scale_slack(spec)
+    box = sm90_config.scale_box(128, 1, slack)
+    assert box == 132 and box * 4 % 16 == 0 and box <= 256
+    for row in list(range(0, 520)) + [2**20 + 3, 2**30 - 1]:
+        start, shift = sm90_config.scale_origin(row)
+        assert start % 4 == 0 and start + shift == row and 0 <= shift < 4 and shift + 128 <= box
+    assert sm90_config.scale_pitch(128, 1, slack) * 4 % sm90_config.SCALE_ALIGN == 0
+    assert sm90_config.scale_stage_bytes(128, 128, 1, 128, slack) == 640
+    assert sm90_config.scale_stage_bytes(128, 128, 1, 1, slack) == 640 + 512
+    for other in (scaled(1, 128), scaled(1, 1), _GROUPED_K[0]):
+        assert sm90_config.scale_slack(other) == 0
 
 
 def test_scaled_spec_signature_and_refusals():

@@ -75,25 +75,46 @@ def wg_rows(tile_m: int, pingpong: bool) -> int:
     return tile_m if pingpong else tile_m // 2
 
 
-def scale_box(tile_rows: int, block: int) -> int:
+# A TMA load's box must start 16-byte aligned along the tensor's contiguous mode: an unaligned
+# start raises CUDA_ERROR_ILLEGAL_INSTRUCTION on sm_90 (seen on an H200 for M-major bf16 A at
+# group rows, sm90_grouped; on an H100 for 16-byte scale boxes at unaligned row blocks and for
+# ragged_m's 1-row A-scale boxes at group rows such as 77). Scales are float32: 4 rows.
+SCALE_BOX_ALIGN = 16 // ITEM["float32"]
+
+
+def scale_slack(spec) -> int:
+    """Rows A's 1-row-block scale box holds beyond the tile's: ragged_m tiles start at any group
+    row, so the box starts at that row rounded down to SCALE_BOX_ALIGN (scale_origin) and holds
+    SCALE_BOX_ALIGN rows more (0 elsewhere: dense and ragged_k tiles start at multiples of 128)."""
+    return SCALE_BOX_ALIGN if getattr(spec, "mode", "") == "ragged_m" and spec.a_block == 1 else 0
+
+
+def scale_origin(row):
+    """(the box's first row, the tile's first row's offset in it) of a scale box for a tile
+    starting at ``row`` >= 0 (a Python or DSL integer): the box starts 16-byte aligned."""
+    start = row // SCALE_BOX_ALIGN * SCALE_BOX_ALIGN
+    return start, row - start
+
+
+def scale_box(tile_rows: int, block: int, slack: int = 0) -> int:
     """float32 scales a stage holds of an operand's block scales: with 1-row blocks the tile's
-    rows (one TMA box a k-tile); with 128-row blocks none (consumers read the tile's one scale
-    from global memory)."""
-    return tile_rows if block == 1 else 0
+    rows plus ``slack`` (scale_slack; one TMA box a k-tile); with 128-row blocks none (consumers
+    read the tile's one scale from global memory)."""
+    return tile_rows + slack if block == 1 else 0
 
 
-def scale_pitch(tile_rows: int, block: int) -> int:
+def scale_pitch(tile_rows: int, block: int, slack: int = 0) -> int:
     """float32 elements between two stages' scale buffers of one operand (0: none)."""
     per = SCALE_ALIGN // ITEM["float32"]
-    return -(-scale_box(tile_rows, block) // per) * per
+    return -(-scale_box(tile_rows, block, slack) // per) * per
 
 
-def scale_stage_bytes(tile_m: int, tile_n: int, a_block: int, b_block: int) -> int:
+def scale_stage_bytes(tile_m: int, tile_n: int, a_block: int, b_block: int, a_slack: int = 0) -> int:
     """Shared memory of one stage's block scales (the 1-row-block operands' buffers; 0 when
-    unscaled)."""
+    unscaled; ``a_slack``: scale_slack)."""
     if not a_block:
         return 0
-    return ITEM["float32"] * (scale_pitch(tile_m, a_block) + scale_pitch(tile_n, b_block))
+    return ITEM["float32"] * (scale_pitch(tile_m, a_block, a_slack) + scale_pitch(tile_n, b_block))
 
 
 def stage_plan(tile_n: int, c_dtype: str, stages: int, pingpong: bool = False,

@@ -110,8 +110,8 @@ from jax_cute.kernels import abi
 from jax_cute.kernels import epilogue as fused_epilogue
 from jax_cute.kernels.gemm_spec import SCALE_K, GemmSpec, GroupedSpec, Workspace
 # (Config, SMEM_BYTES and tile_k are part of the family's interface: tests and tools read them here)
-from jax_cute.kernels.sm90_config import (ITEM, NUM_SMS, SMEM_BYTES, Config, is_gated, scale_stage_bytes, stage_plan,
-                                          tile_k, wg_rows)
+from jax_cute.kernels.sm90_config import (ITEM, NUM_SMS, SMEM_BYTES, Config, is_gated, scale_slack, scale_stage_bytes,
+                                          stage_plan, tile_k, wg_rows)
 
 __all__ = ["FAMILY", "ARCH", "BATCH_MODES", "EPILOGUES", "GATED_COLUMNS", "NUM_SMS", "SMEM_BYTES", "Config",
            "unsupported", "candidate_configs", "heuristic", "signature", "workspace", "launcher", "make_launcher",
@@ -476,7 +476,8 @@ def make_launcher(spec: GemmSpec | GroupedSpec, config: Config, sms: int = NUM_S
     rows = wg_rows(config.tile_m, config.pingpong)
     ab_stages, epi_stages = stage_plan(config.tile_n, spec.c_dtype, config.stages, config.pingpong,
                                         config.epi_n, config.tile_m, config.whole_c, is_gated(spec),
-                                        scale_stage_bytes(config.tile_m, config.tile_n, spec.a_block, spec.b_block))
+                                        scale_stage_bytes(config.tile_m, config.tile_n, spec.a_block, spec.b_block,
+                                                          scale_slack(spec)))
     # (a gated C pass stores half the subtiles: stage_plan's depth divides that count too)
     assert (rows // 64) * (config.tile_n // config.epi_n) % epi_stages == 0
     if config.whole_c and ab_stages < 3:

@@ -14,7 +14,8 @@ from jax_cute.kernels.dsl import cute, cutlass, pipeline, sm90_utils, cpasync, w
 from jax_cute.kernels.dsl import memory, LayoutEnum
 from jax_cute.kernels.dsl import Int32, Int64, Float32
 from jax_cute.kernels.gemm_spec import SCALE_K, GemmSpec, GroupedSpec
-from jax_cute.kernels.sm90_config import SCALE_ALIGN, Config, is_gated, scale_stage_bytes, stage_plan, tile_k, wg_rows
+from jax_cute.kernels.sm90_config import (SCALE_ALIGN, Config, is_gated, scale_origin, scale_slack, scale_stage_bytes,
+                                          stage_plan, tile_k, wg_rows)
 from jax_cute.kernels.sm90_epilogue import Sm90Epilogue, WarpgroupEpilogue, paired_halves
 from jax_cute.kernels.launch import launcher_for
 from jax_cute.kernels.sm90_mainloop import mainloop_finish, mainloop_rest, mainloop_start
@@ -135,9 +136,11 @@ class Sm90Gemm(ScaledMainloop, Sm90Epilogue):
         # block-scaled fp8 (sm90_scaled): rows of A and of B per scale, 0 when unscaled
         self.a_block, self.b_block = getattr(spec, "a_block", 0), getattr(spec, "b_block", 0)
         self.scaled = self.a_block > 0
+        # rows A's scale box holds beyond the tile's (ragged_m: boxes start 16-byte aligned)
+        self.a_slack = scale_slack(spec) if self.scaled else 0
         self.ab_stages, self.epi_stages = stage_plan(
             config.tile_n, spec.c_dtype, config.stages, self.pp, config.epi_n, config.tile_m, config.whole_c,
-            is_gated(spec), scale_stage_bytes(config.tile_m, config.tile_n, self.a_block, self.b_block))
+            is_gated(spec), scale_stage_bytes(config.tile_m, config.tile_n, self.a_block, self.b_block, self.a_slack))
         # every consumer warpgroup stores its own 64 output rows (its own named barrier, smem
         # ring and store warp), so neither waits on the other between mainloops
         self.epi_tile = (64, config.epi_n)
@@ -481,17 +484,24 @@ class Sm90Gemm(ScaledMainloop, Sm90Epilogue):
         own rows (a tile starts at its group's first row), B's at its group; ragged_k: both at
         the group's first block (its k-range starts at 128 times it)."""
         if self.mode == "ragged_m":
-            return self.tile_scales(sc, t0 + m_t * self.bm, n_t * (self.bn // self.b_block), 0, la,
-                                    self.sched.group(g))
+            # the box starts at the tile's first row rounded down to 16 bytes (sm90_config.scale_origin:
+            # an unaligned start along sa's contiguous mode is an illegal instruction)
+            start, _ = scale_origin(t0 + m_t * self.bm)
+            return self.tile_scales(sc, start, n_t * (self.bn // self.b_block), 0, la, self.sched.group(g))
         return self.tile_scales(sc, m_t * self.bm, n_t * self.bn, t0 // SCALE_K, la, lb)
 
-    def grouped_scale_tile(self, ts, g, t0, n_t):
+    def grouped_scale_tile(self, ts, g, t0, m_t, n_t):
         """A grouped tile's first scale block and (sm90_scaled.read_scales) its 128-row-block
         operand's coordinates. ragged_m: k from 0, B's 128-column block at the tile's group (A's
-        scales have 1-row blocks); ragged_k: k from the group's first block, both operands with
+        scales have 1-row blocks: its entry is the tile's first row's offset in its box, which
+        starts 16-byte aligned); ragged_k: k from the group's first block, both operands with
         1-row blocks."""
         if const_expr(self.mode == "ragged_m"):
-            return Int32(0), self.scale_tile(ts, 0, 0, n_t * (self.bn // SCALE_K), self.sched.group(g))
+            # A's: the tile's first row's offset in its stage box (grouped_tile_scales)
+            tile = self.scale_tile(ts, 0, 0, n_t * (self.bn // SCALE_K), self.sched.group(g))
+            if const_expr(self.a_block == 1):
+                tile = (scale_origin(t0 + m_t * self.bm)[1], *tile[1:])
+            return Int32(0), tile
         return t0 // SCALE_K, (0, 0, 0, 0)
 
     @cute.jit
@@ -618,7 +628,7 @@ class Sm90Gemm(ScaledMainloop, Sm90Epilogue):
             n_k = self.sched.group_k_tiles(ext, g, t0, t1)
             if const_expr(self.scaled):
                 # (empty groups and ragged_m's tail have no k-tiles: they store zeros)
-                k0, tile = self.grouped_scale_tile(cs.ts, g, t0, n_t)
+                k0, tile = self.grouped_scale_tile(cs.ts, g, t0, m_t, n_t)
                 read, release = self.scaled_mainloop(tiled_mma, acc, tCrA, tCrB, cs.ts, ab_pipe, read, release,
                                                      k0, n_k, tile)
             else:

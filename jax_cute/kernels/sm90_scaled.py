@@ -7,7 +7,10 @@ come one of two ways, by its block (DeepGEMM's hybrid):
 - 1-row blocks (A's 1 x 128 activation scales; B's per-column scales in the weight gradient):
   the producer loads each k-tile's with TMA beside its A and B tiles, on the same stage barrier
   (its transaction bytes count them): one box of the tile's rows at (the tile's first row,
-  k-tile, batch) into a per-stage shared-memory buffer, each CTA its own (no multicast);
+  k-tile, batch) into a per-stage shared-memory buffer, each CTA its own (no multicast). A box
+  must start 16-byte aligned along the scales' contiguous mode (else an illegal instruction on
+  sm_90): ragged_m's tiles start at any group row, so A's box starts at that row rounded down to
+  4 and holds 132 rows, consumers reading from the row's offset in it (sm90_config.scale_origin);
 - 128-row blocks (the weights' 128 x 128 scales; A's with 128 x 128 blocks): the 128-row (or
   128-column) tile holds one block, so a k-tile has one scale for the whole tile; no TMA box and
   no stage buffer: each consumer thread reads it from global memory (L1/L2-resident) into a
@@ -98,15 +101,15 @@ class ScaledMainloop:
         """A's and B's scale buffers in shared memory: (box, 1, stage), stages SCALE_ALIGN apart;
         None for an operand with 128-row blocks."""
         out = []
-        for rows, block in ((self.bm, self.a_block), (self.bn, self.b_block)):
-            box = scale_box(rows, block)
-            out.append(cute.make_layout((box, 1, self.ab_stages), stride=(1, box, scale_pitch(rows, block)))
+        for rows, block, slack in ((self.bm, self.a_block, self.a_slack), (self.bn, self.b_block, 0)):
+            box = scale_box(rows, block, slack)
+            out.append(cute.make_layout((box, 1, self.ab_stages), stride=(1, box, scale_pitch(rows, block, slack)))
                        if box else None)
         return out
 
     def scale_tx_bytes(self) -> int:
         """Bytes one stage's scale boxes write into the CTA's shared memory."""
-        return ITEM["float32"] * (scale_box(self.bm, self.a_block) + scale_box(self.bn, self.b_block))
+        return ITEM["float32"] * (scale_box(self.bm, self.a_block, self.a_slack) + scale_box(self.bn, self.b_block))
 
     def scale_atoms(self, sa: cute.Tensor, sb: cute.Tensor):
         """Per operand (TMA atom, TMA tensor) of the scales (row blocks, Kb, L), boxes of (box, 1);
@@ -168,7 +171,8 @@ class ScaledMainloop:
     def scale_tile(self, ts: ThreadScales, r_a, l_a, r_b, l_b):
         """``tile`` for read_scales: the 128-row-block operands' row blocks (``r_a``, ``r_b``) and
         batches, clamped to their extents (a cluster's spare CTA past the edge reads the last
-        block; its results are never stored); ignored (0) for 1-row-block operands."""
+        block; its results are never stored); (0, 0) for a 1-row-block operand: the tile's first
+        row is the box's (ragged_m's A: see Sm90Gemm.grouped_scale_tile)."""
         out = ()
         for s, r, l, block in ((ts.s_a, r_a, l_a, self.a_block), (ts.s_b, r_b, l_b, self.b_block)):
             if const_expr(block == 1):
@@ -180,17 +184,18 @@ class ScaledMainloop:
     @cute.jit
     def read_scales(self, ts: ThreadScales, dst, stage, kt, tile):
         """The thread's scales of k-tile ``kt`` (its scale block) into ``dst``, its rows' then its
-        columns': with 1-row blocks its own rows' (columns') from ``stage`` in shared memory; with
-        128-row blocks the tile's one scale from global memory at ``tile`` = (A's row block, A's
-        batch, B's row block, B's batch)."""
+        columns': with 1-row blocks its own rows' (columns') from ``stage`` in shared memory, the
+        tile's first row at ``tile``'s row entry in the box; with 128-row blocks the tile's one
+        scale from global memory at ``tile`` = (A's row block, A's batch, B's row block, B's
+        batch)."""
         for j in range_constexpr(len(ts.rows)):
             if const_expr(self.a_block == 1):
-                dst[j] = ts.s_a[(ts.at[0] + ts.rows[j], 0, stage)]
+                dst[j] = ts.s_a[(tile[0] + ts.at[0] + ts.rows[j], 0, stage)]
             else:
                 dst[j] = ts.s_a[(tile[0], kt, tile[1])]
         for j in range_constexpr(len(ts.cols)):
             if const_expr(self.b_block == 1):
-                dst[len(ts.rows) + j] = ts.s_b[(ts.at[1] + ts.cols[j], 0, stage)]
+                dst[len(ts.rows) + j] = ts.s_b[(tile[2] + ts.at[1] + ts.cols[j], 0, stage)]
             else:
                 dst[len(ts.rows) + j] = ts.s_b[(tile[2], kt, tile[3])]
 
