@@ -198,8 +198,9 @@ class GemmRequest:
     ``scales``: a block-scaled fp8 product's (a_block, b_block), rows of A and of B per float32
     scale (docs/fp8.md). Its operands are a, b (then the group sizes), sa, sb (then the bias): sa
     (L, Kb, ceil(M/a_block)) and sb (L or G, Kb, ceil(N/b_block)), each contiguous along its row
-    blocks. Its layouts must reach the kernel as given ((L, M, K) x (L, N, K), grouped (M, K) x
-    (G, N, K), no copies), and any refusal is a fallback to the reference, its epilogue included."""
+    blocks, their count padded to a multiple of 4 (``gemm_spec.SCALE_ROWS``). Its layouts must
+    reach the kernel as given ((L, M, K) x (L, N, K), grouped (M, K) x (G, N, K), no copies), and
+    any refusal is a fallback to the reference, its epilogue included."""
 
     avals: tuple
     layouts: GemmLayouts | RaggedLayouts
@@ -489,7 +490,8 @@ def _implementation(req: GemmRequest, p: Plan, binary: KernelBinary, workspaces,
 
 
 def _scale_inputs(sa, sb) -> dict:
-    """The kernel's sa and sb: (L, Kb, row blocks) arrays read as (row blocks, Kb, L)."""
+    """The kernel's sa and sb: (L, Kb, row blocks) arrays read as (row blocks, Kb, L) (row blocks
+    padded by the caller to a multiple of SCALE_ROWS: the signature's divisibility)."""
     out = {}
     for name, s in (("sa", sa), ("sb", sb)):
         l, kb, rows = s.shape

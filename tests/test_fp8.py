@@ -764,6 +764,20 @@ def test_odd_sizes_lower_to_the_kernel(m, n, k, blocks):
     assert text.count("@jax_cute_launch") == 1
 
 
+def test_kernel_scales_are_padded_for_tma():
+    """The kernel's scales: (L, Kb, row blocks) with the row blocks zero-padded to a multiple of 4
+    (16-byte TMA strides), and the reference's first-use check reads them back unpadded."""
+    from jax_cute.fp8 import scaled
+
+    s = jnp.arange(1, 31, dtype=jnp.float32).reshape(2, 5, 3)   # (L, row blocks, Kb)
+    t = scaled._block_major(s)
+    assert t.shape == scaled._block_major_aval(s).shape == (2, 3, 8)
+    np.testing.assert_array_equal(t[:, :, :5], jnp.swapaxes(s, 1, 2))
+    assert not np.asarray(t[:, :, 5:]).any()
+    np.testing.assert_array_equal(scaled._row_major(t, 5), s)
+    assert scaled._block_major(s[0, :4]).shape == (1, 3, 4)   # an (M, Kb) operand's, already whole
+
+
 def test_batched_and_vmapped_products_lower_to_the_kernel():
     pytest.importorskip("cutlass")
     a, b = jnp.ones((3, 200, 640), jnp.float32), jnp.ones((3, 640, 300), jnp.float32)

@@ -14,7 +14,8 @@ import pytest
 import shared_result  # tests/ is on sys.path under pytest
 
 from jax_cute import arch
-from jax_cute.kernels import cubin_info, sm90_gemm, sm90_grouped
+from jax_cute.kernels import cubin_info, sm90_config, sm90_gemm, sm90_grouped
+from jax_cute.kernels.abi import Dyn
 from jax_cute.kernels.gemm_spec import GemmSpec, GroupedSpec
 
 BF, F16, F32 = "bfloat16", "float16", "float32"
@@ -45,14 +46,108 @@ def _compile(spec: GemmSpec | GroupedSpec, cfg, family=sm90_gemm):
     # waiting for the k-tile's WGMMAs: all of them, or (overlapped) all but the next k-tile's
     assert ptx.count("fma.rn.f32") >= 64 and "wgmma.wait_group.sync.aligned \t0" in ptx
     assert ("wgmma.wait_group.sync.aligned \t1" in ptx) == overlap
-    assert "ld.global.b32" in ptx                               # the scales
     assert "cp.async.bulk.tensor" in ptx and "setmaxnreg.inc" in ptx
+    _check_scale_loads(spec, cfg, ptx)
     res = cubin_info.resources(binary.obj)
-    # no spills (overlapped: no more than today's, see _OVERLAP_FRAME)
+    # no spills (overlapped: no more than today's, see _OVERLAP_FRAME), none inside the k-loop
     assert res["local_bytes"] == 0 and res["frame_bytes"] <= (_OVERLAP_FRAME if overlap else 0), res
+    _check_k_loop_spills(binary.obj, _K_LOOP_RELOADS.get((spec, overlap), 0))
     if overlap:
         _check_not_serialized(ptx)
     return binary
+
+
+def _check_scale_loads(spec, cfg, ptx: str) -> None:
+    """DeepGEMM's hybrid: an operand with 1-row scale blocks has its scales come by TMA with its
+    k-tile's A and B tiles (a 128-float box a stage, never a 16-byte one) and read from shared
+    memory; an operand with 128-row blocks has no TMA box and no stage buffer, its one scale a
+    k-tile read from global memory in the mainloop. Every stage barrier expects the A and B tiles'
+    bytes (multicast or not, each lands whole in every CTA) plus this CTA's own TMA scale boxes,
+    and a stage takes two TMA loads plus one per 1-row-block operand."""
+    tile_m, tile_n = getattr(cfg, "tile_m", 128), cfg.tile_n
+    slack = sm90_config.scale_slack(spec)   # ragged_m: A's box starts 16-byte aligned, 4 rows longer
+    tma = [rows + extra for rows, block, extra in ((tile_m, spec.a_block, slack), (tile_n, spec.b_block, 0))
+           if block == 1]
+    tx = (tile_m + tile_n) * 128 + 4 * sum(tma)
+    regs = re.findall(r"mbarrier\.arrive\.expect_tx\.\S+\s+\S+\s+\[[^]]+\],\s*(%r\d+);", ptx)
+    assert regs, "no stage barrier expects bytes"
+    for r in set(regs):
+        assert re.search(rf"mov\.b32\s+{r}, {tx};", ptx), (r, tx)
+    loads = re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared::\w+\.global", ptx)
+    assert len(loads) == (2 + len(tma)) * len(regs), (len(loads), len(regs))
+    main = [b for b in re.split(r"^\$L__BB\d+_\d+:", ptx, flags=re.M) if "wgmma." in b]   # basic blocks
+    assert any("ld.shared.b32" in b or "ld.shared.v2.b32" in b for b in main) == bool(tma)
+    assert any(re.search(r"ld\.global(\.nc)?\.(f32|b32)", b) for b in main) == (len(tma) < 2)
+    _check_scale_box_starts(ptx, len(tma))
+
+
+def _multiple_of_4(ptx: str, reg: str, depth: int = 12) -> bool:
+    """Whether every PTX definition of ``reg`` makes a multiple of 4: a shift by 2 or more, a mask of
+    the two low bits, a product by a multiple of 4, a constant one, or sums and differences of such
+    (followed through ``depth`` definitions)."""
+    defs = re.findall(rf"^\s*(\w+(?:\.\w+)*)\s+{re.escape(reg)}, ([^;]*);", ptx, flags=re.M)
+    if not defs or depth == 0:
+        return False
+
+    def ok(x: str) -> bool:
+        x = x.strip()
+        if re.fullmatch(r"-?\d+", x):
+            return int(x) % 4 == 0
+        return x.startswith("%r") and _multiple_of_4(ptx, x, depth - 1)
+
+    for op, args in defs:
+        xs = [x.strip() for x in args.split(",")]
+        kind = op.split(".")[0]
+        if kind == "shl" and re.fullmatch(r"\d+", xs[1]) and int(xs[1]) >= 2:
+            continue
+        if kind == "and" and any(re.fullmatch(r"-\d+", x) and int(x) % 4 == 0 for x in xs):
+            continue
+        if kind == "mul" and any(ok(x) for x in xs):
+            continue
+        if kind == "mad" and any(ok(x) for x in xs[:2]) and ok(xs[2]):
+            continue
+        if kind in ("add", "sub") and all(ok(x) for x in xs):
+            continue
+        if kind == "mov" and ok(xs[0]):
+            continue
+        return False
+    return True
+
+
+def _check_scale_box_starts(ptx: str, boxes: int) -> None:
+    """Every scale box starts 16-byte aligned along the scales' contiguous mode (its first
+    coordinate a multiple of 4 rows): an unaligned TMA box start there is an illegal instruction
+    on sm_90 (ragged_m's A scales at group rows such as 77 crashed an H100). The scale buffers are
+    the shared-memory struct's last fields: the loads with the ``boxes`` largest destination offsets."""
+    loads = re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared::\w+\.global\S*\s+\[%r\d+\+(\d+)\],"
+                       r"\s*\[%rd\d+, \{(%r\d+),", ptx)
+    offsets = sorted({int(o) for o, _ in loads})
+    assert len(offsets) == 2 + boxes, offsets
+    starts = {r for o, r in loads if int(o) in offsets[2:]}
+    assert len(starts) >= boxes
+    for r in starts:
+        assert _multiple_of_4(ptx, r), f"scale box row coordinate {r} may be unaligned"
+
+
+def _nvdisasm() -> str | None:
+    return shutil.which("nvdisasm") or next(iter(sorted(glob.glob("/usr/local/cuda*/bin/nvdisasm"))), None)
+
+
+def _check_k_loop_spills(obj: bytes, allowed: int) -> None:
+    """Where a CUDA toolkit's nvdisasm is installed: at most ``allowed`` local-memory accesses in
+    the mainloop, the SASS blocks (between branch targets) holding WGMMA instructions."""
+    tool = _nvdisasm()
+    if tool is None:
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.cubin")
+        with open(src, "wb") as f:
+            f.write(cubin_info._cubins(obj)[0])
+        sass = subprocess.run([tool, "-c", src], capture_output=True, text=True, check=True).stdout
+    main = [b for b in re.split(r"^\.L_x_\d+:", sass, flags=re.M) if "GMMA" in b or "WARPGROUP." in b]
+    assert main, "no WGMMA in the SASS"
+    spills = [line.strip() for b in main for line in b.splitlines() if re.search(r"\b(LDL|STL)\b", line)]
+    assert len(spills) <= allowed, spills
 
 
 _CASES = [scaled(1, 128), scaled(128, 128), scaled(1, 1, F32), scaled(128, 1, F32),
@@ -93,6 +188,48 @@ def test_scaled_heuristic_and_candidates():
     assert (small.cluster_m, small.cluster_n) == (1, 2) and small.split_k > 1
 
 
+def test_scaled_stages_fit():
+    """Each stage's scale buffers (one 128-byte aligned 128-float box per operand with 1-row
+    blocks; none for 128-row blocks, read from global) count in the shared-memory plan: the ring
+    keeps what fits beside them."""
+    for a_block, b_block in ((1, 128), (128, 128), (1, 1), (128, 1)):
+        scale = sm90_config.scale_stage_bytes(128, 128, a_block, b_block)
+        assert scale == 4 * ((128 if a_block == 1 else 0) + (128 if b_block == 1 else 0))
+        for c in (BF, F32):
+            for cfg in sm90_gemm.candidate_configs(scaled(a_block, b_block, c)):
+                ab, epi = sm90_gemm.stage_plan(cfg.tile_n, c, 0, False, cfg.epi_n, 128, cfg.whole_c, False, scale)
+                epi_bytes = 2 * epi * 64 * cfg.epi_n * sm90_config.ITEM[c]
+                assert ab >= 3 and 1024 + ab * ((128 + 128) * 128 + scale) + epi_bytes <= sm90_gemm.SMEM_BYTES
+    # a 16-bit output's 128 x 128 tile, whole-share 64-column epilogue (32 KB): 6 stages (32 KB
+    # each) unscaled and with 128 x 128 scales on both operands; one 512-byte buffer a stage
+    # (1 x 128 A scales, or per-column B scales) leaves 5
+    wide = sm90_gemm.epilogue_for(scaled(1, 128), sm90_gemm.Config(128, 128))
+    plan = lambda a, b: sm90_gemm.stage_plan(128, BF, 0, False, wide.epi_n, 128, wide.whole_c, False,  # noqa: E731
+                                             sm90_config.scale_stage_bytes(128, 128, a, b))
+    assert sm90_gemm.stage_plan(128, BF, 0, False, wide.epi_n, 128, wide.whole_c) == (6, 2)
+    assert (plan(128, 128), plan(1, 128), plan(1, 1)) == ((6, 2), (5, 2), (5, 2))
+
+
+def test_scale_boxes_start_aligned():
+    """ragged_m tiles start at any group row (77, 377: fp8.grouped_linear with [0, 77, 300, 0, 523, 1]
+    crashed an H100 with CUDA_ERROR_ILLEGAL_INSTRUCTION), and a TMA box must start 16-byte aligned
+    along the float32 scales' contiguous mode: A's box starts at the row rounded down to 4 and holds
+    the tile's 128 rows whatever their offset in it; dense and ragged_k tiles start at multiples of
+    128 and keep 128-row boxes."""
+    spec = _GROUPED[0]
+    slack = sm90_config.scale_slack(spec)
+    box = sm90_config.scale_box(128, 1, slack)
+    assert box == 132 and box * 4 % 16 == 0 and box <= 256
+    for row in list(range(0, 520)) + [2**20 + 3, 2**30 - 1]:
+        start, shift = sm90_config.scale_origin(row)
+        assert start % 4 == 0 and start + shift == row and 0 <= shift < 4 and shift + 128 <= box
+    assert sm90_config.scale_pitch(128, 1, slack) * 4 % sm90_config.SCALE_ALIGN == 0
+    assert sm90_config.scale_stage_bytes(128, 128, 1, 128, slack) == 640
+    assert sm90_config.scale_stage_bytes(128, 128, 1, 1, slack) == 640 + 512
+    for other in (scaled(1, 128), scaled(1, 1), _GROUPED_K[0]):
+        assert sm90_config.scale_slack(other) == 0
+
+
 def test_scaled_spec_signature_and_refusals():
     spec = scaled(1, 128, bias=True, activation="gelu")
     assert spec.key().endswith(".scaled1x128") and spec.key() != dataclasses.replace(spec, b_block=1).key()
@@ -100,7 +237,8 @@ def test_scaled_spec_signature_and_refusals():
     names = [a.name for a in sm90_gemm.signature(spec, cfg)]
     assert names == ["a", "b", "c", "sa", "sb", "bias", "stream"]
     sa = sm90_gemm.signature(spec, cfg)[3]
-    assert sa.dtype == F32 and sa.stride[0] == 1 and len(sa.shape) == 3
+    # (row blocks, Kb, L), the row blocks padded to 4: TMA's 16-byte strides
+    assert sa.dtype == F32 and sa.stride == (1, Dyn(4), Dyn(4)) and sa.shape[0] == Dyn(4) and sa.align == 16
     # unscaled signatures are unchanged
     assert [a.name for a in sm90_gemm.signature(GemmSpec(E4M3, E4M3, BF), cfg)] == ["a", "b", "c", "stream"]
     for bad in (GemmSpec(BF, BF, BF, a_block=1, b_block=128), scaled(1, 128, batch_modes=3),
@@ -179,9 +317,12 @@ def test_scaled_ragged_k_refusals_and_variant():
 
 
 # The overlapped promotion (Config.overlap_promote): two partial fragments (64 + 2 x 64 fp32
-# registers a consumer thread). Spill frame allowed: what the compile shows today, all of it
-# around the mainloop (see sm90_gemm.scaled_overlap).
-_OVERLAP_FRAME = 128
+# registers a consumer thread). Spill frame allowed: what the compile shows today (at most 96
+# bytes), all of it around the mainloop (see sm90_gemm.scaled_overlap).
+_OVERLAP_FRAME = 96
+# Local-memory accesses allowed in a k-loop: the fp32 128 x 128-scaled silu epilogue's overlapped
+# loop reloads one register a pair of k-tiles (sm_90a SASS).
+_K_LOOP_RELOADS = {(scaled(128, 128, F32, bias=True, activation="silu"), True): 1}
 
 
 @pytest.mark.parametrize("spec", [scaled(1, 128), scaled(128, 128, F32, bias=True, activation="silu")],

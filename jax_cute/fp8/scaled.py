@@ -21,7 +21,8 @@ once to the output dtype. A partial last K block is zero-padded.
 Dispatch: every call runs the Hopper kernel (kernels/sm90_scaled.py, a mainloop of the
 sm90_gemm kernel, its dense raster or its ragged_m / ragged_k walk) through ``dispatch.gemm``
 like every other GEMM: a ``GemmRequest`` with ``scales``, the block scales passed transposed to
-(L or G, Kb, row blocks), contiguous along the row blocks each thread reads. The ragged-K call's
+(L or G, Kb, row blocks), contiguous along the row blocks (the kernel loads 1-row-block scales
+with TMA), their count zero-padded to a multiple of 4 (16-byte strides). The ragged-K call's
 kernel has never run on a GPU: it is used only with ``JAX_CUTE_UNVERIFIED_KERNELS=1`` (checked
 against the reference on first use); without it :func:`kernel_refusal` reports the call as a
 fallback when it is traced (``dispatch.at_trace``: a log line, or :class:`jax_cute.FallbackError`
@@ -47,6 +48,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jax_cute import dispatch
 from jax_cute.fp8.quantize import BLOCK, FP8_DTYPES, group_blocks, group_ends, grouped_blocks, row_groups
+from jax_cute.kernels.gemm_spec import SCALE_ROWS
 from jax_cute.activations import apply_activation, is_gated
 from jax_cute.layout import Layout, make_layout, stride_of
 from jax_cute.primitives import sharding
@@ -78,14 +80,25 @@ def kernel_refusal(op: str, *, grouped: str | None = None, a=None, b=None, out=N
     return None
 
 
+def _padded_rows(rows: int) -> int:
+    return -(-rows // SCALE_ROWS) * SCALE_ROWS
+
+
 def _block_major(s) -> jax.Array:
     """Scales (L, row blocks, Kb) as the kernel reads them: (L, Kb, row blocks), contiguous along
-    the row blocks (an (M, Kb) operand's as L = 1)."""
-    return jnp.swapaxes(s if s.ndim == 3 else s[None], 1, 2)
+    the row blocks (an (M, Kb) operand's as L = 1), which are zero-padded to a multiple of
+    SCALE_ROWS (16-byte TMA strides; XLA fuses the pad with the transpose)."""
+    t = jnp.swapaxes(s if s.ndim == 3 else s[None], 1, 2)
+    return jnp.pad(t, ((0, 0), (0, 0), (0, _padded_rows(t.shape[2]) - t.shape[2])))
 
 
 def _block_major_aval(s) -> jax.core.ShapedArray:
-    return jax.core.ShapedArray((*(s.shape[:-2] or (1,)), s.shape[-1], s.shape[-2]), s.dtype)
+    return jax.core.ShapedArray((*(s.shape[:-2] or (1,)), s.shape[-1], _padded_rows(s.shape[-2])), s.dtype)
+
+
+def _row_major(s, rows: int) -> jax.Array:
+    """Block-major scales (L, Kb, padded row blocks) back to (L, ``rows``, Kb)."""
+    return jnp.swapaxes(s[:, :, :rows], 1, 2)
 
 
 def _dense_request(avals, params) -> dispatch.GemmRequest:
@@ -165,7 +178,7 @@ def _ragged_k_kernel(avals, params) -> Callable | None:
     def reference(x, y, sizes, sx, sy):
         """The reference of the kernel's operands: sizes rounded up to 128 as the kernel does."""
         sizes = -(-jnp.clip(sizes, 0, tp) // BLOCK) * BLOCK
-        return ragged_k_reference(x, jnp.swapaxes(sx, 1, 2)[0], y, jnp.swapaxes(sy, 1, 2)[0], sizes, **params)
+        return ragged_k_reference(x, _row_major(sx, p)[0], y, _row_major(sy, q)[0], sizes, **params)
 
     impl = dispatch.gemm(req, reference)
     if impl is None:
@@ -199,10 +212,12 @@ def _cuda_kernel(name: str, avals, params) -> Callable | None:
             x, y = _pad_k(x, 1, k), _pad_k(y, 2, k)
         return (x, y, *rest[:n_gs], _block_major(sx), _block_major(sy), *rest[n_gs:])
 
+    rows = (avals[1].shape[-2], avals[3].shape[-2])   # the primitive's sa and sb row blocks
+
     def reference(x, y, *rest):
         """The reference of the request's operands (dispatch's first-use check)."""
         gs, (sx, sy), bias = rest[:n_gs], rest[n_gs:n_gs + 2], rest[n_gs + 2:]
-        sx, sy = jnp.swapaxes(sx, 1, 2), jnp.swapaxes(sy, 1, 2)
+        sx, sy = _row_major(sx, rows[0]), _row_major(sy, rows[1])
         return _REFERENCES[name](x, sx[0] if req.grouped else sx, y, sy, *gs, *bias, **params)
 
     impl = dispatch.gemm(req, reference)

@@ -70,10 +70,15 @@ def _check_blocks(a_block: int, b_block: int) -> None:
                          f"{a_block} and {b_block}")
 
 
+SCALE_ROWS = 4  # row blocks of block scales are padded to a multiple of this: 16-byte TMA strides
+
+
 def _scale_args(scaled: bool) -> tuple[TensorArg, ...]:
     """The float32 block scales ``sa`` and ``sb``, (row blocks, Kb, batch) each, contiguous
-    along the row blocks; none for an unscaled product."""
-    return tuple(TensorArg(name, "float32", (DYN,) * 3, (1, DYN, DYN), align=4) for name in ("sa", "sb")) \
+    along the row blocks, their count padded to a multiple of SCALE_ROWS (the kernel loads them
+    with TMA, whose strides are multiples of 16 bytes); none for an unscaled product."""
+    rows = Dyn(SCALE_ROWS)
+    return tuple(TensorArg(name, "float32", (rows, DYN, DYN), (1, rows, rows), align=16) for name in ("sa", "sb")) \
         if scaled else ()
 
 
@@ -158,8 +163,9 @@ class GemmSpec:
     dact: str = ""
     # Block-scaled fp8 (docs/fp8.md): rows of A (``a_block``) and of B (``b_block``) per float32
     # scale, 1 or 128; 0 for an unscaled product. The kernel takes ``sa`` (ceil(M/a_block), Kb, L)
-    # and ``sb`` (ceil(N/b_block), Kb, L), contiguous along their row blocks, Kb = ceil(K/128),
-    # and adds each 128-K block's partial product times sa[m] * sb[n] to its float32 accumulator.
+    # and ``sb`` (ceil(N/b_block), Kb, L), contiguous along their row blocks (their count padded to
+    # a multiple of SCALE_ROWS), Kb = ceil(K/128), and adds each 128-K block's partial product times
+    # sa[m] * sb[n] to its float32 accumulator.
     a_block: int = 0
     b_block: int = 0
 
@@ -189,7 +195,8 @@ class GemmSpec:
 
     def scale_args(self) -> tuple[TensorArg, ...]:
         """The float32 block scales ``sa`` (ceil(M/a_block), Kb, L) and ``sb`` (ceil(N/b_block),
-        Kb, L) (one batch mode: see sm90_gemm.unsupported)."""
+        Kb, L), row blocks padded to a multiple of SCALE_ROWS (one batch mode: see
+        sm90_gemm.unsupported)."""
         return _scale_args(self.scaled)
 
     def bias_arg(self) -> TensorArg:
@@ -241,11 +248,12 @@ class GroupedSpec:
     pre-activation ``d`` laid out like c (with a gated activation, like c's N columns).
 
     Block-scaled fp8 (one batch; docs/fp8.md): ragged_m with ``a_block`` 1 and ``b_block`` 1 or 128
-    as GemmSpec's, ``sa`` (M, Kb, 1) and ``sb`` (ceil(N/b_block), Kb, G) after the group sizes;
-    ragged_k with ``a_block`` and ``b_block`` 1, A and B contiguous along K, ``sa`` (M, Kb, 1) and
-    ``sb`` (N, Kb, 1), where every group starts at a multiple of 128 of K: group g's k-range is
-    [128 f_g, 128 f_g + size_g), f_g = sum over h < g of ceil(size_h / 128), zero-filled up to its
-    next multiple of 128 (the caller lays K out so), and its k-tile j takes scale block f_g + j.
+    as GemmSpec's, ``sa`` (M, Kb, 1) and ``sb`` (ceil(N/b_block), Kb, G) after the group sizes
+    (row blocks padded to a multiple of SCALE_ROWS, as GemmSpec's); ragged_k with ``a_block`` and
+    ``b_block`` 1, A and B contiguous along K, ``sa`` (M, Kb, 1) and ``sb`` (N, Kb, 1), where every
+    group starts at a multiple of 128 of K: group g's k-range is [128 f_g, 128 f_g + size_g), f_g =
+    sum over h < g of ceil(size_h / 128), zero-filled up to its next multiple of 128 (the caller
+    lays K out so), and its k-tile j takes scale block f_g + j.
     """
 
     mode: str

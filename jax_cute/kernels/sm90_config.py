@@ -12,6 +12,7 @@ NUM_SMS = 132            # H100 SXM / H200: the persistent grid's default bound 
 SMEM_BYTES = 232448      # opt-in dynamic shared memory per block on sm_90 (227 KiB)
 ROW_BYTES = 128          # a k-tile row is one 128-byte swizzle atom: 64 16-bit or 128 8-bit elements
 ITEM = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1}
+SCALE_ALIGN = 128        # bytes between a stage's scale buffers (a TMA destination's alignment)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,9 +75,51 @@ def wg_rows(tile_m: int, pingpong: bool) -> int:
     return tile_m if pingpong else tile_m // 2
 
 
+# A TMA load's box must start 16-byte aligned along the tensor's contiguous mode: an unaligned
+# start raises CUDA_ERROR_ILLEGAL_INSTRUCTION on sm_90 (seen on an H200 for M-major bf16 A at
+# group rows, sm90_grouped; on an H100 for 16-byte scale boxes at unaligned row blocks and for
+# ragged_m's 1-row A-scale boxes at group rows such as 77). Scales are float32: 4 rows.
+SCALE_BOX_ALIGN = 16 // ITEM["float32"]
+
+
+def scale_slack(spec) -> int:
+    """Rows A's 1-row-block scale box holds beyond the tile's: ragged_m tiles start at any group
+    row, so the box starts at that row rounded down to SCALE_BOX_ALIGN (scale_origin) and holds
+    SCALE_BOX_ALIGN rows more (0 elsewhere: dense and ragged_k tiles start at multiples of 128)."""
+    return SCALE_BOX_ALIGN if getattr(spec, "mode", "") == "ragged_m" and spec.a_block == 1 else 0
+
+
+def scale_origin(row):
+    """(the box's first row, the tile's first row's offset in it) of a scale box for a tile
+    starting at ``row`` >= 0 (a Python or DSL integer): the box starts 16-byte aligned."""
+    start = row // SCALE_BOX_ALIGN * SCALE_BOX_ALIGN
+    return start, row - start
+
+
+def scale_box(tile_rows: int, block: int, slack: int = 0) -> int:
+    """float32 scales a stage holds of an operand's block scales: with 1-row blocks the tile's
+    rows plus ``slack`` (scale_slack; one TMA box a k-tile); with 128-row blocks none (consumers
+    read the tile's one scale from global memory)."""
+    return tile_rows + slack if block == 1 else 0
+
+
+def scale_pitch(tile_rows: int, block: int, slack: int = 0) -> int:
+    """float32 elements between two stages' scale buffers of one operand (0: none)."""
+    per = SCALE_ALIGN // ITEM["float32"]
+    return -(-scale_box(tile_rows, block, slack) // per) * per
+
+
+def scale_stage_bytes(tile_m: int, tile_n: int, a_block: int, b_block: int, a_slack: int = 0) -> int:
+    """Shared memory of one stage's block scales (the 1-row-block operands' buffers; 0 when
+    unscaled; ``a_slack``: scale_slack)."""
+    if not a_block:
+        return 0
+    return ITEM["float32"] * (scale_pitch(tile_m, a_block, a_slack) + scale_pitch(tile_n, b_block))
+
+
 def stage_plan(tile_n: int, c_dtype: str, stages: int, pingpong: bool = False,
-                epi_n: int = 32, tile_m: int = 128, whole_c: bool = False, gated: bool = False
-                ) -> tuple[int, int]:
+                epi_n: int = 32, tile_m: int = 128, whole_c: bool = False, gated: bool = False,
+                scale_bytes: int = 0) -> tuple[int, int]:
     """(A/B stages, epilogue ring depth) for a tile_m x tile_n x tile_k tile.
 
     Each consumer warpgroup stores its own rows of output (cooperative: its half of the tile, in
@@ -84,7 +127,8 @@ def stage_plan(tile_n: int, c_dtype: str, stages: int, pingpong: bool = False,
     reused round-robin across tiles, so its depth divides a warpgroup's subtiles per tile.
     Cooperative: as deep as fits in 16 KB per warpgroup (the A/B ring keeps the rest); pingpong:
     2 deep (its A/B stages matter more). whole_c: one slot per subtile of the warpgroup's share.
-    gated: the C pass stores half the subtiles, and the depth divides that count too."""
+    gated: the C pass stores half the subtiles, and the depth divides that count too.
+    scale_bytes: a block-scaled stage's scale buffers (scale_stage_bytes), loaded with its k-tile."""
     sub_bytes = 64 * epi_n * ITEM[c_dtype]
     subtiles = (wg_rows(tile_m, pingpong) // 64) * (tile_n // epi_n)
     stored = subtiles // 2 if gated else subtiles
@@ -94,6 +138,7 @@ def stage_plan(tile_n: int, c_dtype: str, stages: int, pingpong: bool = False,
     else:
         epi_stages = max(d for d in range(1, stored + 1) if stored % d == 0 and (d == 1 or d * sub_bytes <= 16384))
         ab_bytes = (tile_m + tile_n) * ROW_BYTES
+    ab_bytes += scale_bytes
     if whole_c:
         epi_stages = subtiles
     epi_bytes = 2 * sub_bytes * epi_stages

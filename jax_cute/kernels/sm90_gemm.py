@@ -41,15 +41,18 @@ Kernel shape (one persistent CTA per SM, 384 threads):
   tile_n / 2 (GATED_COLUMNS for the narrowest tile), and B takes one batch mode: its paired N
   spends three of the five dimensions of a TMA tensor (grouped: B's batch mode is dropped).
 - block-scaled fp8 (GemmSpec.a_block / b_block, docs/fp8.md): one k-tile is one 128-K scale
-  block. Each consumer warpgroup issues a k-tile's WGMMAs into a fresh fp32 fragment, waits for
-  them, hands the stage back and adds the fragment times sa[row] * sb[column] to its
-  accumulators (two-level accumulation, as DeepGEMM). Each thread reads the scales of its own
-  rows and columns (the accumulator layout's coordinates, from a partitioned identity tensor)
-  from global memory, one k-tile ahead. The overlapped mainloop (Config.overlap_promote, the
-  heuristic's with 128-column B scales) keeps a second partial fragment so that a warpgroup's
-  next k-tile's WGMMAs run under its promotion; the serial one relies on the other warpgroup's
-  WGMMAs for that. Two or three fp32 fragments per thread: 128 x 128 cooperative tiles
-  (sm90_scaled).
+  block. The producer loads each k-tile's scales of an operand with 1-row blocks with TMA into
+  the stage beside its A and B tiles, on the same barrier (each CTA its own boxes; the stage's
+  bytes count them, so the ring may hold a stage fewer); an operand with 128-row blocks has one
+  scale a k-tile for the tile, which consumers read from global memory (DeepGEMM's hybrid). Each
+  consumer warpgroup issues a k-tile's WGMMAs into a fresh fp32 fragment, reads the scales of
+  its own rows and columns (the accumulator layout's coordinates, from a partitioned identity
+  tensor) into registers, waits for the WGMMAs, hands the stage back and adds the fragment
+  times sa[row] * sb[column] to its accumulators (two-level accumulation). The overlapped mainloop
+  (Config.overlap_promote, the heuristic's with 128-column B scales) keeps a second partial
+  fragment so that a warpgroup's next k-tile's WGMMAs run under its promotion; the serial one
+  relies on the other warpgroup's WGMMAs for that. Two or three fp32 fragments per thread:
+  128 x 128 cooperative tiles (sm90_scaled).
 - TMA stores write whole 16-byte chunks, so where C's contiguous extent is not a multiple of 16
   bytes the subtiles on that edge are stored with predicated per-element stores instead.
 - work is a linear sequence of (cluster tile, batch, k-split) units in a grouped ("swizzled")
@@ -107,7 +110,8 @@ from jax_cute.kernels import abi
 from jax_cute.kernels import epilogue as fused_epilogue
 from jax_cute.kernels.gemm_spec import SCALE_K, GemmSpec, GroupedSpec, Workspace
 # (Config, SMEM_BYTES and tile_k are part of the family's interface: tests and tools read them here)
-from jax_cute.kernels.sm90_config import ITEM, NUM_SMS, SMEM_BYTES, Config, is_gated, stage_plan, tile_k, wg_rows
+from jax_cute.kernels.sm90_config import (ITEM, NUM_SMS, SMEM_BYTES, Config, is_gated, scale_slack, scale_stage_bytes,
+                                          stage_plan, tile_k, wg_rows)
 
 __all__ = ["FAMILY", "ARCH", "BATCH_MODES", "EPILOGUES", "GATED_COLUMNS", "NUM_SMS", "SMEM_BYTES", "Config",
            "unsupported", "candidate_configs", "heuristic", "signature", "workspace", "launcher", "make_launcher",
@@ -236,10 +240,10 @@ _SCALED_TILES = [(128, 128)]
 def scaled_overlap(spec) -> bool:
     """Whether the heuristic runs a block-scaled product with the overlapped promotion
     (Config.overlap_promote; sm90_scaled). With 128-column B blocks a thread's scales are three
-    floats a k-tile and its consumer registers hold both partial fragments: ptxas spills (8-104
-    bytes, sm_90a) only around each tile's mainloop, never inside it (SASS, 2026-11-27). Per-column
-    B scales (b_block 1: 32 a thread) keep the serial mainloop: beside two fragments they spilled
-    336 bytes."""
+    floats a k-tile and its consumer registers hold both partial fragments: ptxas spills (24-96
+    bytes, sm_90a) around each tile's mainloop, not inside it but for one reload with a float32
+    silu epilogue (tests/test_sm90_scaled_compile.py). Per-column B scales (b_block 1: 32 a
+    thread) keep the serial mainloop: beside two fragments they spill 360-512 bytes."""
     return spec.scaled and spec.b_block == SCALE_K
 
 
@@ -471,7 +475,9 @@ def make_launcher(spec: GemmSpec | GroupedSpec, config: Config, sms: int = NUM_S
     # the epilogue reuses its smem ring round-robin across tiles: subtiles per tile must fill it
     rows = wg_rows(config.tile_m, config.pingpong)
     ab_stages, epi_stages = stage_plan(config.tile_n, spec.c_dtype, config.stages, config.pingpong,
-                                        config.epi_n, config.tile_m, config.whole_c, is_gated(spec))
+                                        config.epi_n, config.tile_m, config.whole_c, is_gated(spec),
+                                        scale_stage_bytes(config.tile_m, config.tile_n, spec.a_block, spec.b_block,
+                                                          scale_slack(spec)))
     # (a gated C pass stores half the subtiles: stage_plan's depth divides that count too)
     assert (rows // 64) * (config.tile_n // config.epi_n) % epi_stages == 0
     if config.whole_c and ab_stages < 3:

@@ -15,7 +15,7 @@ group (tiles never mix groups; the zero tail takes no bias, and every activation
 the pre-activation output D stored with C's clipped TMA view, and swiglu's paired halves.
 
 Block-scaled fp8 (GroupedSpec.a_block / b_block): the dense kernel's scaled mainloop
-(sm90_scaled) on 128 x 128 tiles. ragged_m: A's scales read at the tile's rows (tiles start at
+(sm90_scaled) on 128 x 128 tiles. ragged_m: A's scales loaded at the tile's rows (tiles start at
 group rows), B's at the tile's group. ragged_k (the grouped weight gradient; UNVERIFIED: compiled
 for sm_90a, never run on a GPU, so routing takes it only opted in): A and B are contiguous along
 K (fp8 WGMMA), where no TMA view clips K at a group end and unaligned group starts are unaligned

@@ -14,11 +14,12 @@ from jax_cute.kernels.dsl import cute, cutlass, pipeline, sm90_utils, cpasync, w
 from jax_cute.kernels.dsl import memory, LayoutEnum
 from jax_cute.kernels.dsl import Int32, Int64, Float32
 from jax_cute.kernels.gemm_spec import SCALE_K, GemmSpec, GroupedSpec
-from jax_cute.kernels.sm90_config import Config, is_gated, stage_plan, tile_k, wg_rows
+from jax_cute.kernels.sm90_config import (SCALE_ALIGN, Config, is_gated, scale_origin, scale_slack, scale_stage_bytes,
+                                          stage_plan, tile_k, wg_rows)
 from jax_cute.kernels.sm90_epilogue import Sm90Epilogue, WarpgroupEpilogue, paired_halves
 from jax_cute.kernels.launch import launcher_for
 from jax_cute.kernels.sm90_mainloop import mainloop_finish, mainloop_rest, mainloop_start
-from jax_cute.kernels.sm90_scaled import ScaledMainloop
+from jax_cute.kernels.sm90_scaled import ScaledMainloop, ScaleLoads
 from jax_cute.kernels.sm90_schedulers import DenseRaster, ragged_tensor, scheduler_for
 
 const_expr = cutlass.const_expr
@@ -59,7 +60,7 @@ class Cta(Bundle):
         "warp_id",
         "wg",
         "cc",  # the CTA's coordinate in its cluster
-        "scales",  # block-scaled: (sa, sb), else None
+        "scales",  # block-scaled: sm90_scaled.ScaleLoads, else None
     )
 
 
@@ -132,8 +133,14 @@ class Sm90Gemm(ScaledMainloop, Sm90Epilogue):
         self.cm, self.cn = config.cluster_m, config.cluster_n
         self.split = config.split_k
         self.pp = config.pingpong
-        self.ab_stages, self.epi_stages = stage_plan(config.tile_n, spec.c_dtype, config.stages, self.pp,
-                                                      config.epi_n, config.tile_m, config.whole_c, is_gated(spec))
+        # block-scaled fp8 (sm90_scaled): rows of A and of B per scale, 0 when unscaled
+        self.a_block, self.b_block = getattr(spec, "a_block", 0), getattr(spec, "b_block", 0)
+        self.scaled = self.a_block > 0
+        # rows A's scale box holds beyond the tile's (ragged_m: boxes start 16-byte aligned)
+        self.a_slack = scale_slack(spec) if self.scaled else 0
+        self.ab_stages, self.epi_stages = stage_plan(
+            config.tile_n, spec.c_dtype, config.stages, self.pp, config.epi_n, config.tile_m, config.whole_c,
+            is_gated(spec), scale_stage_bytes(config.tile_m, config.tile_n, self.a_block, self.b_block, self.a_slack))
         # every consumer warpgroup stores its own 64 output rows (its own named barrier, smem
         # ring and store warp), so neither waits on the other between mainloops
         self.epi_tile = (64, config.epi_n)
@@ -150,9 +157,6 @@ class Sm90Gemm(ScaledMainloop, Sm90Epilogue):
         # gated activation: B's N mode paired (paired_halves); C's (and D's) tiles are half as wide
         self.glu = self.act in fused_epilogue.GATED
         self.cbn = self.bn // 2 if self.glu else self.bn
-        # block-scaled fp8 (sm90_scaled): rows of A and of B per scale, 0 when unscaled
-        self.a_block, self.b_block = getattr(spec, "a_block", 0), getattr(spec, "b_block", 0)
-        self.scaled = self.a_block > 0
         # registers per thread (setmaxnreg; 40 + 2 x 232 fill the 64K register file): the
         # overlapped promotion's two partial fragments take 8 of the producer's
         self.producer_regs, self.consumer_regs = (24, 240) if config.overlap_promote else (40, 232)
@@ -248,6 +252,8 @@ class Sm90Gemm(ScaledMainloop, Sm90Epilogue):
         if const_expr(self.preact):   # d: c's dtype and layout, so c's staging ring serves it
             tma_d, tD = cpasync.make_tiled_tma_atom(
                 cpasync.CopyBulkTensorTileS2GOp(), d_dst, cute.slice_(sc, (None, None, 0)), self.epi_tile)
+        if const_expr(self.scaled):   # (tma_sa or None, sa's TMA or global tensor, tma_sb, sb's)
+            scales = self.scale_atoms(*scales)
 
         if const_expr(self.mode == "dense"):
             # Persistent grid: one cluster per resident slot of the SMs it may fill, never more
@@ -262,23 +268,29 @@ class Sm90Gemm(ScaledMainloop, Sm90Epilogue):
             n_clusters = self.sms   # grouped work is known on the device only
             flags = a.shape[1]      # K, which the ragged_k views no longer carry
 
-        @cute.struct
-        class Storage:
-            bars: cute.struct.MemRange[cutlass.Int64, self.ab_stages * 2]
-            last: cute.struct.MemRange[cutlass.Int32, 4]
-            sA: cute.struct.Align[cute.struct.MemRange[a_t, cute.cosize(sa)], 1024]
-            sB: cute.struct.Align[cute.struct.MemRange[b_t, cute.cosize(sb)], 1024]
-            sC: cute.struct.Align[cute.struct.MemRange[c_t, cute.cosize(sc)], 1024]
-
-        self.storage = Storage
+        self.storage = self.smem_struct(a_t, b_t, c_t, sa, sb, sc)
         self.kernel(tma_a, tA, tma_b, tB, tma_c, tC, c, ws, flags, (tiled_mma, wg_mma), (sa, sb, sc),
                     (bias, tma_d, tD, d, z, scales)).launch(
             grid=[self.cm, self.cn, n_clusters], block=[self.threads, 1, 1],
             cluster=[self.cm, self.cn, 1], min_blocks_per_mp=1, stream=stream, use_pdl=self.cfg.pdl)
 
+    def smem_struct(self, a_t, b_t, c_t, sa, sb, sc):
+        """The kernel's shared memory: barriers, split-K's flag, the A/B ring, C's ring and (block
+        scaled) the stages' scale buffers."""
+        mem, align = cute.struct.MemRange, cute.struct.Align
+        fields = {"bars": mem[cutlass.Int64, self.ab_stages * 2], "last": mem[cutlass.Int32, 4],
+                  "sA": align[mem[a_t, cute.cosize(sa)], 1024], "sB": align[mem[b_t, cute.cosize(sb)], 1024],
+                  "sC": align[mem[c_t, cute.cosize(sc)], 1024]}
+        if self.scaled:   # (the 1-row-block operands')
+            for name, lay in zip(("sSA", "sSB"), self.scale_layouts()):
+                if lay is not None:
+                    fields[name] = align[mem[Float32, cute.cosize(lay)], SCALE_ALIGN]
+        return cute.struct(type("Storage", (), {"__annotations__": fields}))
+
     @cute.jit
-    def load(self, ab_pipe, prod, tma_a, tAgA_t, tAsA, a_mask, tma_b, tBgB_t, tBsB, b_mask, k0, kc):
-        """TMA loads of k-tiles [k0, k0 + kc) of one unit into the A/B ring."""
+    def load(self, ab_pipe, prod, tma_a, tAgA_t, tAsA, a_mask, tma_b, tBgB_t, tBsB, b_mask, k0, kc, ts=None):
+        """TMA loads of k-tiles [k0, k0 + kc) of one unit into the A/B ring (block-scaled: and
+        their scales, ``ts`` the unit's sm90_scaled.TileScales, on the same barrier)."""
         for kt in range(kc):
             ab_pipe.producer_acquire(prod)
             bar = ab_pipe.producer_get_barrier(prod)
@@ -286,6 +298,8 @@ class Sm90Gemm(ScaledMainloop, Sm90Epilogue):
                       tma_bar_ptr=bar, mcast_mask=a_mask)
             cute.copy(tma_b, tBgB_t[(None, k0 + kt)], tBsB[(None, prod.index)],
                       tma_bar_ptr=bar, mcast_mask=b_mask)
+            if const_expr(self.scaled):
+                self.load_scales(ts, k0 + kt, prod.index, bar)
             ab_pipe.producer_commit(prod)
             prod.advance()
         return prod
@@ -309,6 +323,10 @@ class Sm90Gemm(ScaledMainloop, Sm90Epilogue):
             cpasync.prefetch_descriptor(tma_c)
             if const_expr(self.preact):
                 cpasync.prefetch_descriptor(tma_d)
+            if const_expr(self.scaled):
+                for atom in (scales[0], scales[2]):
+                    if const_expr(atom is not None):
+                        cpasync.prefetch_descriptor(atom)
 
         cta_layout = cute.make_layout((self.cm, self.cn, 1))
         rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
@@ -321,6 +339,10 @@ class Sm90Gemm(ScaledMainloop, Sm90Epilogue):
         st = smem.allocate(self.storage)
         stage_bytes = cute.size_in_bytes(self.a_t, cute.slice_(sa_layout, (None, None, 0))) + \
             cute.size_in_bytes(self.b_t, cute.slice_(sb_layout, (None, None, 0)))
+        if const_expr(self.scaled):
+            # the A/B tiles land whole in every CTA of the cluster (multicast); each CTA loads
+            # its own scale boxes (1-row-block operands' only), so its barrier counts them once
+            stage_bytes += self.scale_tx_bytes()
         # Every consumer warp releases a stage to each CTA that multicasts into it.
         mcast = self.cm + self.cn - 1
         ab_pipe = pipeline.PipelineTmaAsync.create(
@@ -334,6 +356,10 @@ class Sm90Gemm(ScaledMainloop, Sm90Epilogue):
         sA = st.sA.get_tensor(sa_layout.outer, swizzle=sa_layout.inner)
         sB = st.sB.get_tensor(sb_layout.outer, swizzle=sb_layout.inner)
         sC = st.sC.get_tensor(sc_layout.outer, swizzle=sc_layout.inner)
+        if const_expr(self.scaled):
+            ssa, ssb = self.scale_layouts()
+            scales = ScaleLoads(scales[0], scales[1], None if const_expr(ssa is None) else st.sSA.get_tensor(ssa),
+                                scales[2], scales[3], None if const_expr(ssb is None) else st.sSB.get_tensor(ssb))
         cta = Cta(tma_a, mA, tma_b, mB, tma_c, mC, gmem_c, ws, flags, bias, tma_d, mD, gmem_d, mZ,
                   tiled_mma, wg_mma, sA, sB, sC, st, ab_pipe, a_mask, b_mask, tidx, warp_id, wg, cc, scales)
 
@@ -420,8 +446,14 @@ class Sm90Gemm(ScaledMainloop, Sm90Epilogue):
                     k0, kc = self.sched.k_range(s, k_tiles)
                     tAgA_t = tAgA[(None, tm, None, self.sched.ab_batch(l, c_ext, la_last))]
                     tBgB_t = tBgB[(None, tn, None, self.sched.ab_batch(l, c_ext, lb_last))]
+                    ts = None
+                    if const_expr(self.scaled):   # at the tile's first row blocks
+                        ts = self.tile_scales(cta.scales, tm * (self.bm // self.a_block),
+                                              tn * (self.bn // self.b_block), 0,
+                                              self.sched.ab_batch(l, c_ext, la_last),
+                                              self.sched.ab_batch(l, c_ext, lb_last))
                     prod = self.load(ab_pipe, prod, tma_a, tAgA_t, tAsA, a_mask, tma_b, tBgB_t, tBsB, b_mask,
-                                     k0, kc)
+                                     k0, kc, ts)
                     w += stride
             else:
                 gs, ext = sch.gs, sch.ext
@@ -435,13 +467,42 @@ class Sm90Gemm(ScaledMainloop, Sm90Epilogue):
                                                      cute.group_modes(g_a, 0, 2))
                     s_b, k_b = cpasync.tma_partition(tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2),
                                                      cute.group_modes(g_b, 0, 2))
+                    ts = None
+                    if const_expr(self.scaled):
+                        ts = self.grouped_tile_scales(cta.scales, g, t0, m_t, n_t, cutlass.min(cl, la_last),
+                                                      cutlass.min(cl, lb_last))
                     prod = self.load(ab_pipe, prod, tma_a, k_a, s_a, a_mask, tma_b, k_b, s_b, b_mask,
-                                     Int32(0), self.sched.group_k_tiles(ext, g, t0, t1))
+                                     Int32(0), self.sched.group_k_tiles(ext, g, t0, t1), ts)
                     w += stride
                     cl, cg0, rows0, tiles0, start, end, incl, valid, g, t0, t1, m_t, n_t = self.sched.find(
                         gs, ext, w, cl, cg0, rows0, tiles0, start, end, incl)
             # keep this CTA (its smem and barriers) alive until peers stop signalling it
             ab_pipe.producer_tail(prod)
+
+    def grouped_tile_scales(self, sc: ScaleLoads, g, t0, m_t, n_t, la, lb):
+        """A grouped tile's scale loads (sm90_scaled.tile_scales). ragged_m: A's at the tile's
+        own rows (a tile starts at its group's first row), B's at its group; ragged_k: both at
+        the group's first block (its k-range starts at 128 times it)."""
+        if self.mode == "ragged_m":
+            # the box starts at the tile's first row rounded down to 16 bytes (sm90_config.scale_origin:
+            # an unaligned start along sa's contiguous mode is an illegal instruction)
+            start, _ = scale_origin(t0 + m_t * self.bm)
+            return self.tile_scales(sc, start, n_t * (self.bn // self.b_block), 0, la, self.sched.group(g))
+        return self.tile_scales(sc, m_t * self.bm, n_t * self.bn, t0 // SCALE_K, la, lb)
+
+    def grouped_scale_tile(self, ts, g, t0, m_t, n_t):
+        """A grouped tile's first scale block and (sm90_scaled.read_scales) its 128-row-block
+        operand's coordinates. ragged_m: k from 0, B's 128-column block at the tile's group (A's
+        scales have 1-row blocks: its entry is the tile's first row's offset in its box, which
+        starts 16-byte aligned); ragged_k: k from the group's first block, both operands with
+        1-row blocks."""
+        if const_expr(self.mode == "ragged_m"):
+            # A's: the tile's first row's offset in its stage box (grouped_tile_scales)
+            tile = self.scale_tile(ts, 0, 0, n_t * (self.bn // SCALE_K), self.sched.group(g))
+            if const_expr(self.a_block == 1):
+                tile = (scale_origin(t0 + m_t * self.bm)[1], *tile[1:])
+            return Int32(0), tile
+        return t0 // SCALE_K, (0, 0, 0, 0)
 
     @cute.jit
     def consumer(self, cta: Cta, sch: Schedule):
@@ -565,17 +626,11 @@ class Sm90Gemm(ScaledMainloop, Sm90Epilogue):
             gs, ext, w, cl, cg0, rows0, tiles0, start, end, incl)
         while valid:
             n_k = self.sched.group_k_tiles(ext, g, t0, t1)
-            if const_expr(self.scaled and self.mode == "ragged_k"):
-                # both operands' scales at the group's first block (its k-range starts at 128 times it)
-                lk = cutlass.min(cl, cs.ts.sa.shape[2] - 1)
+            if const_expr(self.scaled):
+                # (empty groups and ragged_m's tail have no k-tiles: they store zeros)
+                k0, tile = self.grouped_scale_tile(cs.ts, g, t0, m_t, n_t)
                 read, release = self.scaled_mainloop(tiled_mma, acc, tCrA, tCrB, cs.ts, ab_pipe, read, release,
-                                                     t0 // SCALE_K, n_k, (m_t * self.bm, n_t, lk, lk))
-            elif const_expr(self.scaled):
-                # (ragged_m) A's scales at the tile's rows, B's at its group (the zero tail's
-                # clamped: it has no k-tiles and stores zeros)
-                tile = (t0 + m_t * self.bm, n_t, Int32(0), cutlass.min(g, ext[3] - 1))
-                read, release = self.scaled_mainloop(tiled_mma, acc, tCrA, tCrB, cs.ts, ab_pipe, read, release,
-                                                     Int32(0), n_k, tile)
+                                                     k0, n_k, tile)
             else:
                 acc.fill(0.0)      # empty groups and ragged_m's tail store these zeros
                 tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
@@ -660,9 +715,11 @@ class Sm90Gemm(ScaledMainloop, Sm90Epilogue):
             if const_expr(self.scaled):
                 # ---- block-scaled mainloop (sm90_scaled): each k-tile promoted with its scales
                 n_tm, n_tn, n_l, n_s = self.sched.work(w + step, cl_m, cl_n, batches, cc)
-                ab = (self.sched.ab_batch(l, c_ext, sch.la_last), self.sched.ab_batch(l, c_ext, sch.lb_last))
+                # the 128-row-block operands' row blocks and batches (sm90_scaled.read_scales)
+                tile = self.scale_tile(cs.ts, tm * (self.bm // SCALE_K), self.sched.ab_batch(l, c_ext, sch.la_last),
+                                       tn * (self.bn // SCALE_K), self.sched.ab_batch(l, c_ext, sch.lb_last))
                 read, release = self.scaled_mainloop(tiled_mma, acc, tCrA, tCrB, cs.ts, ab_pipe, read, release,
-                                                     k0, kc, (tm * self.bm, tn, *ab))
+                                                     k0, kc, tile)
             else:
                 # ---- mainloop (sm90_mainloop): one WGMMA batch in flight
                 acc.fill(0.0)

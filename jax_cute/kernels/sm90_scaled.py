@@ -1,61 +1,82 @@
 """The block-scaled fp8 mainloop of the Hopper GEMM (GemmSpec.a_block / b_block; docs/fp8.md):
 a mixin of sm90_kernel.Sm90Gemm. Imports the DSL: only kernel builds import it.
 
-One k-tile is one 128-K scale block (tile_k is 128 for 8-bit inputs). Per k-tile a consumer
-warpgroup issues its WGMMAs into a fresh fp32 fragment ``part`` (the first with ACCUMULATE off),
-waits for them, hands the stage back to the producer and promotes:
-``acc += part * sa[row] * sb[column]`` in registers, DeepGEMM's two-level accumulation. The
-epilogue then reads ``acc`` as for an unscaled product. Two mainloops (Config.overlap_promote):
+One k-tile is one 128-K scale block (tile_k is 128 for 8-bit inputs). The scales of an operand
+come one of two ways, by its block (DeepGEMM's hybrid):
+
+- 1-row blocks (A's 1 x 128 activation scales; B's per-column scales in the weight gradient):
+  the producer loads each k-tile's with TMA beside its A and B tiles, on the same stage barrier
+  (its transaction bytes count them): one box of the tile's rows at (the tile's first row,
+  k-tile, batch) into a per-stage shared-memory buffer, each CTA its own (no multicast). A box
+  must start 16-byte aligned along the scales' contiguous mode (else an illegal instruction on
+  sm_90): ragged_m's tiles start at any group row, so A's box starts at that row rounded down to
+  4 and holds 132 rows, consumers reading from the row's offset in it (sm90_config.scale_origin);
+- 128-row blocks (the weights' 128 x 128 scales; A's with 128 x 128 blocks): the 128-row (or
+  128-column) tile holds one block, so a k-tile has one scale for the whole tile; no TMA box and
+  no stage buffer: each consumer thread reads it from global memory (L1/L2-resident) into a
+  register as the k-tile's WGMMAs are issued.
+
+Per k-tile a consumer warpgroup waits for the stage, issues its WGMMAs into a fresh fp32 fragment
+``part`` (the first with ACCUMULATE off), reads the scales its thread needs into registers (from
+the stage, or global memory: the stage may be handed back before the promotion), waits for the
+WGMMAs and promotes: ``acc += part * sa[row] * sb[column]`` in registers, DeepGEMM's two-level
+accumulation. The epilogue then reads ``acc`` as for an unscaled product. Two mainloops (Config.overlap_promote):
 
 - serial: one fragment; each k-tile's WGMMAs drain (``wait_group(0)``) before its promotion, so
   the tensor cores idle during it unless the other warpgroup's WGMMAs run;
-- overlapped: two fragments (64 + 2 x 64 fp32 registers a thread for a 128 x 128 tile), the
-  k-loop unrolled by two: a k-tile's WGMMAs are issued into one fragment before the other
-  fragment's finished k-tile is promoted, so they run under the promotion (one
+- overlapped: two fragments and two scale buffers (64 + 2 x 64 fp32 registers a thread for a
+  128 x 128 tile), the k-loop unrolled by two: a k-tile's WGMMAs are issued into one fragment
+  before the other fragment's finished k-tile is promoted, so they run under the promotion (one
   ``wait_group(1)`` and one ``wait_group(0)`` per two k-tiles: see overlapped_mainloop).
 
 Each thread reads the scales of the rows and columns its fragment holds. Thread t's element i
 sits at (its first element's coordinates) + (thread 0's element i's coordinates): the second
 part is static, so which scale each element takes is decided when the kernel is traced, and a
-thread loads only the distinct rows and column blocks it holds (128 x 128 tile, 1 x 128 A
-scales and 128 x 128 B scales: two row scales and one column scale per k-tile). The loads come
-from global memory (L1/L2-resident: a k-tile's scales are a few hundred bytes per tile) under
-WGMMAs: a k-tile ahead where a thread holds few of them (_AHEAD: two buffers), else those of
-the k-tile about to be promoted, just before its wait (B scales per column, bn = 1: 32 column
-scales a thread, which held twice spilled registers).
+thread reads only the distinct rows and column blocks it holds (1 x 128 A scales and 128 x 128
+B scales: two row scales from the stage and one column scale from global memory per k-tile; B
+scales per column: 32 from the stage).
 """
 
 from __future__ import annotations
 
 from jax_cute.kernels.bundle import Bundle
-from jax_cute.kernels.dsl import cute, cutlass, warpgroup, Float32
+from jax_cute.kernels.dsl import cute, cutlass, cpasync, warpgroup, Float32
 from jax_cute.kernels.gemm_spec import SCALE_K
+from jax_cute.kernels.sm90_config import ITEM, scale_box, scale_pitch
 
 const_expr = cutlass.const_expr
 range_constexpr = cutlass.range_constexpr
 
-_AHEAD = 8   # most scales per thread loaded a k-tile ahead (two sets live at once)
+
+class ScaleLoads(Bundle):
+    """The CTA's block scales, per operand: with 1-row blocks its TMA atom, its TMA tensor over
+    (row blocks, Kb, L) and its shared-memory buffers (box, 1, stage); with 128-row blocks no
+    atom, the global tensor (row blocks, Kb, L) and no buffers."""
+
+    __slots__ = ("tma_a", "m_a", "s_a", "tma_b", "m_b", "s_b")
+
+
+class TileScales(Bundle):
+    """One tile's scale loads: each 1-row-block operand's TMA partitions, (box, k-tile) and
+    (box, stage) (None for a 128-row-block operand)."""
+
+    __slots__ = ("tma_a", "g_a", "s_a", "tma_b", "g_b", "s_b")
 
 
 class ThreadScales(Bundle):
     """One consumer thread's view of the block scales, built once per kernel."""
 
     __slots__ = (
-        "sa",  # A's scales (ceil(M/a_block), Kb, L)
-        "sb",  # B's scales (ceil(N/b_block), Kb, L)
+        "s_a",  # A's scales: a_block 1: the stages' (box, 1, stage) in shared memory; 128: global
+        "s_b",  # B's scales, likewise
         "parts",  # fp32 partial-product fragments laid out like the accumulators (overlap: two)
         "at",  # (row, column) of the thread's first fragment element in the tile
         "rows",  # static: the distinct row keys (a_block 1: row offsets; 128: block offsets)
         "cols",  # static: the distinct column keys, likewise
         "row_of",  # static: each fragment element's index into rows
         "col_of",  # static: each fragment element's index into cols
-        "bufs",  # scale buffers, rows then columns: two where a thread holds few (_AHEAD), else one
+        "bufs",  # each fragment's scales in registers, rows then columns
     )
-
-    @property
-    def ahead(self) -> bool:
-        """Whether a k-tile's scales are loaded a k-tile before its promotion (two buffers)."""
-        return len(self.bufs) == 2
 
 
 def _keys(offsets: list[int], block: int) -> tuple[list[int], list[int]]:
@@ -69,11 +90,67 @@ def _keys(offsets: list[int], block: int) -> tuple[list[int], list[int]]:
 
 
 class ScaledMainloop:
-    """The mainloop of a block-scaled product and the per-thread scale state it reads."""
+    """The block scales' loads and the mainloop of a block-scaled product."""
 
-    def thread_scales(self, tiled_mma: cute.TiledMma, acc, ctid, scales) -> ThreadScales | None:
-        """Thread ``ctid``'s (index among the consumers) scale state, or None when unscaled.
-        ``scales``: the kernel's (sa, sb)."""
+    # ---------------------------------------------------------------- loads (host and producer)
+    def tma_scales(self) -> tuple[bool, bool]:
+        """Which operands' scales come by TMA into the stages: those with 1-row blocks."""
+        return self.a_block == 1, self.b_block == 1
+
+    def scale_layouts(self):
+        """A's and B's scale buffers in shared memory: (box, 1, stage), stages SCALE_ALIGN apart;
+        None for an operand with 128-row blocks."""
+        out = []
+        for rows, block, slack in ((self.bm, self.a_block, self.a_slack), (self.bn, self.b_block, 0)):
+            box = scale_box(rows, block, slack)
+            out.append(cute.make_layout((box, 1, self.ab_stages), stride=(1, box, scale_pitch(rows, block, slack)))
+                       if box else None)
+        return out
+
+    def scale_tx_bytes(self) -> int:
+        """Bytes one stage's scale boxes write into the CTA's shared memory."""
+        return ITEM["float32"] * (scale_box(self.bm, self.a_block, self.a_slack) + scale_box(self.bn, self.b_block))
+
+    def scale_atoms(self, sa: cute.Tensor, sb: cute.Tensor):
+        """Per operand (TMA atom, TMA tensor) of the scales (row blocks, Kb, L), boxes of (box, 1);
+        with 128-row blocks (None, the tensor itself)."""
+        out = ()
+        for t, lay in zip((sa, sb), self.scale_layouts()):
+            if const_expr(lay is None):
+                out += (None, t)
+            else:
+                s = cute.slice_(lay, (None, None, 0))
+                atom, tensor = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), t, s, cute.shape(s))
+                out += (atom, tensor)
+        return out
+
+    def tile_scales(self, sc: ScaleLoads, r_a, r_b, k_off, l_a, l_b) -> TileScales:
+        """The scale loads of a tile whose first row blocks are ``r_a`` (A) and ``r_b`` (B), its
+        k-tile 0 at scale block ``k_off``, in batches ``l_a`` and ``l_b`` (grouped over M: B's is
+        the tile's group); only the 1-row-block operands'. TMA coordinates need no alignment;
+        past the edge it fills zeros."""
+        parts = []
+        for tma, m, s, r, l in ((sc.tma_a, sc.m_a, sc.s_a, r_a, l_a), (sc.tma_b, sc.m_b, sc.s_b, r_b, l_b)):
+            if const_expr(tma is None):
+                parts += [None, None, None]
+            else:
+                g = cute.local_tile(cute.domain_offset((r, k_off), m[(None, None, l)]), cute.shape(s)[:2], (0, None))
+                s_t, g_t = cpasync.tma_partition(tma, 0, cute.make_layout(1), cute.group_modes(s, 0, 2),
+                                                 cute.group_modes(g, 0, 2))
+                parts += [tma, g_t, s_t]
+        return TileScales(*parts)
+
+    def load_scales(self, ts: TileScales, kt, stage, bar):
+        """TMA loads of k-tile ``kt``'s scales (1-row-block operands) into ``stage``, on its
+        barrier ``bar``."""
+        if const_expr(ts.tma_a is not None):
+            cute.copy(ts.tma_a, ts.g_a[(None, kt)], ts.s_a[(None, stage)], tma_bar_ptr=bar)
+        if const_expr(ts.tma_b is not None):
+            cute.copy(ts.tma_b, ts.g_b[(None, kt)], ts.s_b[(None, stage)], tma_bar_ptr=bar)
+
+    # -------------------------------------------------------------------------- consumers
+    def thread_scales(self, tiled_mma: cute.TiledMma, acc, ctid, sc: ScaleLoads | None) -> ThreadScales | None:
+        """Thread ``ctid``'s (index among the consumers) scale state, or None when unscaled."""
         if const_expr(not self.scaled):
             return None
         crd = cute.make_identity_tensor((self.bm, self.bn))
@@ -82,30 +159,45 @@ class ScaledMainloop:
         n = cute.size(acc)
         rows, row_of = _keys([int(off[i][0]) for i in range(n)], self.a_block)
         cols, col_of = _keys([int(off[i][1]) for i in range(n)], self.b_block)
-        parts = tuple(cute.make_rmem_tensor(acc.layout, Float32) for _ in range(2 if self.cfg.overlap_promote else 1))
-        count = len(rows) + len(cols)
-        bufs = tuple(cute.make_rmem_tensor(count, Float32) for _ in range(2 if count <= _AHEAD else 1))
-        return ThreadScales(scales[0], scales[1], parts, at, rows, cols, row_of, col_of, bufs)
+        # with 128-row blocks the tile holds one block (128-row and 128-column tiles)
+        assert (self.a_block == 1 or rows == [0]) and (self.b_block == 1 or cols == [0]), (rows, cols)
+        count = 2 if self.cfg.overlap_promote else 1
+        parts = tuple(cute.make_rmem_tensor(acc.layout, Float32) for _ in range(count))
+        bufs = tuple(cute.make_rmem_tensor(len(rows) + len(cols), Float32) for _ in range(count))
+        s_a = sc.s_a if const_expr(self.a_block == 1) else sc.m_a
+        s_b = sc.s_b if const_expr(self.b_block == 1) else sc.m_b
+        return ThreadScales(s_a, s_b, parts, at, rows, cols, row_of, col_of, bufs)
+
+    def scale_tile(self, ts: ThreadScales, r_a, l_a, r_b, l_b):
+        """``tile`` for read_scales: the 128-row-block operands' row blocks (``r_a``, ``r_b``) and
+        batches, clamped to their extents (a cluster's spare CTA past the edge reads the last
+        block; its results are never stored); (0, 0) for a 1-row-block operand: the tile's first
+        row is the box's (ragged_m's A: see Sm90Gemm.grouped_scale_tile)."""
+        out = ()
+        for s, r, l, block in ((ts.s_a, r_a, l_a, self.a_block), (ts.s_b, r_b, l_b, self.b_block)):
+            if const_expr(block == 1):
+                out += (0, 0)
+            else:
+                out += (cutlass.min(r, s.shape[0] - 1), cutlass.min(l, s.shape[2] - 1))
+        return out
 
     @cute.jit
-    def load_scales(self, ts: ThreadScales, dst, kt, m0, tn, la, lb):
-        """k-tile ``kt``'s scales into ``dst`` for the tile whose first row is ``m0`` (a multiple
-        of 128 with 128-row A blocks) in column ``tn``; rows and columns past the product's edge
-        read its last scale (their results are never stored). ``la``, ``lb``: A's and B's batch
-        coordinates (grouped: B's is the tile's group)."""
-        sa, sb, at = ts.sa, ts.sb, ts.at
+    def read_scales(self, ts: ThreadScales, dst, stage, kt, tile):
+        """The thread's scales of k-tile ``kt`` (its scale block) into ``dst``, its rows' then its
+        columns': with 1-row blocks its own rows' (columns') from ``stage`` in shared memory, the
+        tile's first row at ``tile``'s row entry in the box; with 128-row blocks the tile's one
+        scale from global memory at ``tile`` = (A's row block, A's batch, B's row block, B's
+        batch)."""
         for j in range_constexpr(len(ts.rows)):
             if const_expr(self.a_block == 1):
-                r = m0 + at[0] + ts.rows[j]
+                dst[j] = ts.s_a[(tile[0] + ts.at[0] + ts.rows[j], 0, stage)]
             else:
-                r = m0 // SCALE_K + ts.rows[j]
-            dst[j] = sa[(cutlass.min(r, sa.shape[0] - 1), kt, la)]
+                dst[j] = ts.s_a[(tile[0], kt, tile[1])]
         for j in range_constexpr(len(ts.cols)):
             if const_expr(self.b_block == 1):
-                c = tn * self.bn + at[1] + ts.cols[j]
+                dst[len(ts.rows) + j] = ts.s_b[(tile[2] + ts.at[1] + ts.cols[j], 0, stage)]
             else:
-                c = tn * (self.bn // SCALE_K) + ts.cols[j]
-            dst[len(ts.rows) + j] = sb[(cutlass.min(c, sb.shape[0] - 1), kt, lb)]
+                dst[len(ts.rows) + j] = ts.s_b[(tile[2], kt, tile[3])]
 
     @cute.jit
     def promote(self, ts: ThreadScales, acc, part, cur):
@@ -119,24 +211,29 @@ class ScaledMainloop:
                 acc[i] = cute.math.fma(part[i], s, acc[i])
 
     @cute.jit
-    def issue_part(self, tiled_mma: cute.TiledMma, part, tCrA, tCrB, pipe, read):
-        """Wait for stage ``read`` and issue its WGMMAs into ``part`` (the first with ACCUMULATE
-        off) as one group. Returns ``tiled_mma``, whose ACCUMULATE field this sets: callers rebind
-        it, so that the DSL carries the new value through their loops."""
+    def issue_part(self, tiled_mma: cute.TiledMma, ts: ThreadScales, p: cutlass.Constexpr, tCrA, tCrB, pipe, read,
+                   kt, tile):
+        """Wait for stage ``read`` (k-tile ``kt``, its scale block), issue its WGMMAs into fragment
+        ``p`` (the first with ACCUMULATE off) as one group and read its scales into buffer ``p``
+        while they run (see read_scales for ``tile``). Returns ``tiled_mma``, whose ACCUMULATE
+        field this sets: callers rebind it, so that the DSL carries the new value through their
+        loops."""
+        part = ts.parts[p]
         pipe.consumer_wait(read)
         warpgroup.fence()      # the promotion read ``part``: order it before the WGMMAs write it
         for kb in range_constexpr(cute.size(tCrA, mode=[2])):
             tiled_mma.set(warpgroup.Field.ACCUMULATE, kb != 0)
             cute.gemm(tiled_mma, part, tCrA[(None, None, kb, read.index)], tCrB[(None, None, kb, read.index)], part)
         warpgroup.commit_group()
+        self.read_scales(ts, ts.bufs[p], read.index, kt, tile)
         return tiled_mma
 
     @cute.jit
     def scaled_mainloop(self, tiled_mma: cute.TiledMma, acc, tCrA, tCrB, ts: ThreadScales, pipe, read, release,
                         k0, kc, tile):
-        """k-tiles [k0, k0 + kc) of tile ``tile`` = (first row, n-tile, la, lb) (see load_scales)
-        into ``acc`` (zeroed here), each WGMMA'd into a partial fragment and promoted with its
-        scales; returns (read, release)."""
+        """The tile's ``kc`` k-tiles, scale blocks [k0, k0 + kc), into ``acc`` (zeroed here), each
+        WGMMA'd into a partial fragment and promoted with its scales (``tile``: see read_scales);
+        returns (read, release)."""
         acc.fill(0.0)
         if const_expr(self.cfg.overlap_promote):
             read, release = self.overlapped_mainloop(tiled_mma, acc, tCrA, tCrB, ts, pipe, read, release, k0, kc,
@@ -150,26 +247,11 @@ class ScaledMainloop:
                         k0, kc, tile):
         """One fragment: each k-tile's WGMMAs are waited for, then promoted (the tensor cores
         idle meanwhile unless the other warpgroup's WGMMAs run)."""
-        m0, tn, la, lb = tile
-        part = ts.parts[0]
-        cur = ts.bufs[0]
-        k_last = ts.sa.shape[1] - 1
-        if const_expr(ts.ahead):
-            self.load_scales(ts, ts.bufs[1], k0, m0, tn, la, lb)
-        for kt in range(kc):
-            if const_expr(ts.ahead):
-                for j in range_constexpr(cute.size(cur)):
-                    cur[j] = ts.bufs[1][j]
-            tiled_mma = self.issue_part(tiled_mma, part, tCrA, tCrB, pipe, read)
-            if const_expr(ts.ahead):
-                self.load_scales(ts, ts.bufs[1], cutlass.min(k0 + kt + 1, k_last), m0, tn, la, lb)
-            else:
-                self.load_scales(ts, cur, k0 + kt, m0, tn, la, lb)
-            warpgroup.wait_group(0)
-            pipe.consumer_release(release)
-            release.advance()
+        for i in range(kc):
+            tiled_mma = self.issue_part(tiled_mma, ts, 0, tCrA, tCrB, pipe, read, k0 + i, tile)
             read.advance()
-            self.promote(ts, acc, part, cur)
+            release = self.retire(pipe, release, 0)
+            self.promote(ts, acc, ts.parts[0], ts.bufs[0])
         return read, release
 
     @cute.jit
@@ -181,40 +263,33 @@ class ScaledMainloop:
         kt is in p0, done): issue p1, promote p0, issue p0, wait for p1 (``wait_group(1)``),
         promote p1, wait for p0 (``wait_group(0)``). No WGMMA is in flight where the loop starts
         over: ptxas relates a ``wait_group(1)`` to the group issued before it only within one
-        iteration, and otherwise serializes every WGMMA of the kernel. With two scale buffers
-        (``ts.ahead``) a k-tile's scales load as its WGMMAs are issued; with one, just before its
-        promotion."""
-        p0, p1 = ts.parts
+        iteration, and otherwise serializes every WGMMA of the kernel. A stage goes back to the
+        producer before its promotion: its scales were read into registers at issue."""
         for _ in range(cutlass.min(kc, 1)):        # the first k-tile, waited for: p0 is done
-            tiled_mma = self.issue_part(tiled_mma, p0, tCrA, tCrB, pipe, read)
+            tiled_mma = self.issue_part(tiled_mma, ts, 0, tCrA, tCrB, pipe, read, k0, tile)
             read.advance()
-            self.scales_at_issue(ts, 0, k0, tile)
             release = self.retire(pipe, release, 0)
         pairs = cutlass.max(kc - 1, 0) // 2
         for i in range(pairs):
             kt = k0 + 2 * i
-            tiled_mma = self.issue_part(tiled_mma, p1, tCrA, tCrB, pipe, read)
+            tiled_mma = self.issue_part(tiled_mma, ts, 1, tCrA, tCrB, pipe, read, kt + 1, tile)
             read.advance()
-            self.scales_at_issue(ts, 1, kt + 1, tile)
-            self.promote_part(ts, acc, 0, kt, tile)
-            tiled_mma = self.issue_part(tiled_mma, p0, tCrA, tCrB, pipe, read)
+            self.promote_part(ts, acc, 0)
+            tiled_mma = self.issue_part(tiled_mma, ts, 0, tCrA, tCrB, pipe, read, kt + 2, tile)
             read.advance()
-            self.scales_at_issue(ts, 0, kt + 2, tile)
             release = self.retire(pipe, release, 1)
-            self.promote_part(ts, acc, 1, kt + 1, tile)
+            self.promote_part(ts, acc, 1)
             release = self.retire(pipe, release, 0)
-        # p0 holds k-tile kt, done; one more (odd = 1) goes into p1
-        kt = k0 + 2 * pairs
+        # p0 holds a finished k-tile; one more (odd = 1) goes into p1
         odd = cutlass.min(cutlass.max(kc - 1, 0) - 2 * pairs, 1)
         for _ in range(odd):
-            tiled_mma = self.issue_part(tiled_mma, p1, tCrA, tCrB, pipe, read)
+            tiled_mma = self.issue_part(tiled_mma, ts, 1, tCrA, tCrB, pipe, read, k0 + 2 * pairs + 1, tile)
             read.advance()
-            self.scales_at_issue(ts, 1, kt + 1, tile)
-            self.promote_part(ts, acc, 0, kt, tile)
+            self.promote_part(ts, acc, 0)
             release = self.retire(pipe, release, 0)
-            self.promote_part(ts, acc, 1, kt + 1, tile)
+            self.promote_part(ts, acc, 1)
         for _ in range(cutlass.min(kc, 1) - odd):
-            self.promote_part(ts, acc, 0, kt, tile)
+            self.promote_part(ts, acc, 0)
         return read, release
 
     @cute.jit
@@ -227,16 +302,6 @@ class ScaledMainloop:
         return release
 
     @cute.jit
-    def scales_at_issue(self, ts: ThreadScales, p: cutlass.Constexpr, kt, tile):
-        """With two buffers, k-tile ``kt``'s scales into fragment ``p``'s, as its WGMMAs are issued."""
-        if const_expr(ts.ahead):
-            self.load_scales(ts, ts.bufs[p], kt, *tile)
-
-    @cute.jit
-    def promote_part(self, ts: ThreadScales, acc, p: cutlass.Constexpr, kt, tile):
-        """Promote fragment ``p``, holding k-tile ``kt``'s finished partial sums, with its scales
-        (with one buffer, loaded here)."""
-        buf = ts.bufs[p] if const_expr(ts.ahead) else ts.bufs[0]
-        if const_expr(not ts.ahead):
-            self.load_scales(ts, buf, kt, *tile)
-        self.promote(ts, acc, ts.parts[p], buf)
+    def promote_part(self, ts: ThreadScales, acc, p: cutlass.Constexpr):
+        """Promote fragment ``p``, holding a finished k-tile's partial sums, with its scales."""
+        self.promote(ts, acc, ts.parts[p], ts.bufs[p])
