@@ -5,8 +5,7 @@
 | target_arch           | JAX_CUTE_TARGET_ARCH (e.g. sm_90a)| lower for this arch instead of the device's    |
 | strict                | JAX_CUTE_STRICT=1                 | a fallback to XLA raises instead of logging    |
 | nan_fill              | JAX_CUTE_NAN_FILL=1               | fill our outputs with NaN before each launch   |
-| unverified_kernels    | JAX_CUTE_UNVERIFIED_KERNELS=1     | allow kernels never run on hardware (sm_100a,  |
-|                       |                                   | sm_90a's block-scaled fp8 ragged-K)            |
+| unverified_kernels    | JAX_CUTE_UNVERIFIED_KERNELS=1     | allow kernels never run on hardware (sm_100a)  |
 | cache_dir             | JAX_CUTE_CACHE_DIR                | where compiled kernels are kept on disk        |
 | disk_cache            | JAX_CUTE_DISK_CACHE=0             | turn the disk cache off                        |
 | autotune              | JAX_CUTE_AUTOTUNE=1               | time candidate configs on the GPU, keep best   |

@@ -298,6 +298,27 @@ def test_grouped_linear_forward_and_dgrad():
     check(dx, grouped_ref(rq, wt, SIZES), grouped_abs(rq, wt))
 
 
+def test_grouped_linear_with_activation():
+    """fp8.grouped_linear(..., activation="gelu") (kernelize's fused fp8 epilogue for ragged_dot
+    experts): the forward kernel writes the pre-activation z, gelu and its derivative run in XLA.
+    z against the recipe's dequantised operands, dgrad against the recipe applied to
+    dz = r * gelu'(z)."""
+    x, w, r = data((1000, 768), "normal", 33), data((4, 768, 512), "normal", 34) * 0.05, data((1000, 512), "normal", 35)
+
+    def loss(x, w, r):
+        return jnp.sum(grouped_linear(x, w, SIZES, activation="gelu", out_dtype=F32) * r)
+
+    f = jax.value_and_grad(loss, (0, 1))
+    assert_ours(f, x, w, r, calls=3)
+    (_, (dx, _)) = jax.jit(f)(x, w, r)
+    z = jax.jit(lambda x, w: grouped_linear(x, w, SIZES, out_dtype=F32))(x, w)
+    xq, wq = quantize(x, "1x128"), quantize(w, "128x128")
+    check(z, grouped_ref(dq(xq), dq(wq), SIZES), grouped_abs(dq(xq), dq(wq)))
+    dz = jax.vjp(jax.nn.gelu, z)[1](r)[0]
+    dzq, wt = dq(quantize(dz, "1x128")), jnp.swapaxes(dq(wq), 1, 2)
+    check(dx, grouped_ref(dzq, wt, SIZES), grouped_abs(dzq, wt))
+
+
 # -- the ragged-K weight gradient ----
 
 # empty groups (first and inside), one shorter than 128, none a multiple of 128, a last group of one

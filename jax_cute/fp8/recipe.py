@@ -36,7 +36,6 @@ import jax.extend as jex
 import jax.numpy as jnp
 import numpy as np
 
-from jax_cute import config
 from jax_cute.fp8.linear import Blockwise, grouped_linear, linear
 
 _SIXTEEN_BIT = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
@@ -90,9 +89,8 @@ class Taken:
         """Whether an epilogue whose bias has ``bias_shape`` (numpy-broadcast against the result,
         None: no bias) fuses: the bias must vary along the weight's free axes of ``x @ w`` only."""
         if self.x_free is None:
-            # grouped: an activation only, and opt-in (config.unverified_kernels) until the fused
-            # expert layer has run on a GPU; otherwise the product is fp8 and its epilogue XLA's
-            return bias_shape is None and not transposed and config.unverified_kernels()
+            # grouped: an activation only (a bias of kernelize's would vary along the groups' rows)
+            return bias_shape is None and not transposed
         if bias_shape is None:
             return True
         if self.swap != transposed:
