@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_cute.primitives.ragged_reference import group_ends, row_groups  # noqa: F401 - re-exported
+
 E4M3 = np.dtype(jnp.float8_e4m3fn)
 E5M2 = np.dtype(jnp.float8_e5m2)
 FP8_DTYPES = (E4M3, E5M2)
@@ -212,19 +214,6 @@ def expand_scales(scales, block: Sequence[int], shape: Sequence[int]):
         if b > 1:
             out = jax.lax.slice_in_dim(jnp.repeat(out, b, axis=axis), 0, n, axis=axis)
     return out
-
-
-def group_ends(sizes, extent: int):
-    """Ends of consecutive groups of ``sizes`` over ``extent`` elements: negative sizes count
-    as 0 and ends are clipped at ``extent`` (``jax_cute.ragged_dot``'s rules)."""
-    s = jnp.clip(sizes.astype(jnp.int32), 0, extent)
-    return jax.lax.associative_scan(lambda a, b: a + jnp.minimum(b, extent - a), s)
-
-
-def row_groups(sizes, extent: int):
-    """(the group ends, ``group_ends``; the group of each of ``extent`` rows, G past the last)."""
-    ends = group_ends(sizes, extent)
-    return ends, jnp.searchsorted(ends, jnp.arange(extent, dtype=jnp.int32), side="right").astype(jnp.int32)
 
 
 def group_blocks(sizes, extent: int, block: int = BLOCK):

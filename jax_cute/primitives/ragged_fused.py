@@ -37,7 +37,7 @@ from jax_cute.primitives.grouped import ragged_m_p
 from jax_cute.primitives.rules import batch_rule, epilogue_lowering, gemm_primitive
 from jax_cute.primitives.sharding import varying_aval
 from jax_cute.problem.ragged_layouts import RaggedLayouts
-from jax_cute.primitives.ragged_reference import group_ends
+from jax_cute.primitives.ragged_reference import row_groups
 from jax_cute.primitives.ragged_reference import reference as gemm_reference
 
 def _abstract_eval(a, b, gs, *bias, layouts: RaggedLayouts, activation, preact, out_dtype, acc_dtype,
@@ -64,8 +64,7 @@ def bias_rows(bias, group_sizes, m: int, dtype, lead: bool = False):
     ends clip at M)."""
     if lead:
         bias = jnp.concatenate([jnp.zeros((1, bias.shape[1]), bias.dtype), bias])
-    ends = group_ends(group_sizes, m)
-    row_group = jnp.searchsorted(ends, jnp.arange(m, dtype=jnp.int32), side="right")   # G: no group
+    _, row_group = row_groups(group_sizes, m)   # G: no group
     rows = jnp.concatenate([bias.astype(dtype), jnp.zeros((1, bias.shape[1]), dtype)])
     return jnp.take(rows, jnp.minimum(row_group, bias.shape[0]), axis=0)
 

@@ -14,8 +14,15 @@ from jax_cute.problem.ragged_layouts import RAGGED_M, RaggedLayouts
 def group_ends(sizes, extent: int):
     """Documented bad-size rules: negative sizes count as 0 and group ends are clipped at
     ``extent``. A saturating scan (``x + min(y, R - x)``) cannot overflow int32."""
-    s = jnp.clip(sizes, 0, extent)
+    s = jnp.clip(sizes.astype(jnp.int32), 0, extent)
     return jax.lax.associative_scan(lambda x, y: x + jnp.minimum(y, extent - x), s, axis=0)
+
+
+def row_groups(sizes, extent: int):
+    """(the group ends, ``group_ends``; the group of each of ``extent`` rows, G past the last)
+    for one (G,) set of sizes."""
+    ends = group_ends(sizes, extent)
+    return ends, jnp.searchsorted(ends, jnp.arange(extent, dtype=jnp.int32), side="right").astype(jnp.int32)
 
 
 def clipped_sizes(ends):
