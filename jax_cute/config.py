@@ -18,8 +18,10 @@
 |                       |                                   | transfers (Hopper kernels; 0: use them all)    |
 | float32_partial_sums  | JAX_CUTE_FLOAT32_PARTIAL_SUMS=1   | a K-sharded 16-bit product sums its per-device |
 |                       |                                   | partial products in float32 and rounds once,   |
-|                       |                                   | as one device does (twice the bytes); off by   |
-|                       |                                   | default: in the output dtype, as XLA does      |
+|                       |                                   | as one device does (twice the bytes), and a    |
+|                       |                                   | shard of an unsplit contraction splits K as    |
+|                       |                                   | one device's GEMM; off by default: sums in the |
+|                       |                                   | output dtype, as XLA does                      |
 
 Python settings win over the environment; ``None`` means "ask the environment". Values are
 checked when set from Python, and every switch in the environment is checked whenever any is
@@ -151,7 +153,10 @@ def float32_partial_sums() -> bool:
     default, as XLA partitions its own 16-bit products), each device rounds its partial product
     and the sum runs in the 16-bit dtype: half the bytes, which on 4 H100s kept the data-parallel
     GPT step at 0.914 of one GPU's tokens/s per GPU, against 0.890 with float32 sums.
-    Read when a call is lowered."""
+    On, a shard of a partitioned product whose contraction is whole (a batch-, M- or N-sharded
+    product) also splits K as the unsharded GEMM would (the kernel heuristic would pick its
+    split by the shard's smaller M and batch), so each of its elements is the same float32 sum
+    in the same order as on one device. Read when a call is lowered."""
     return _flag("float32_partial_sums")
 
 

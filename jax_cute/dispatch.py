@@ -19,6 +19,7 @@ only the device knows (its real arch, pointer alignment) is checked by the FFI h
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import math
 from typing import Callable
@@ -195,6 +196,10 @@ class GemmRequest:
     ``free_sms``: SMs the kernel leaves free for work running beside it (a collective ring's
     transfers, ``primitives/collective.py``): the heuristic ranks configs on the rest, and a
     family whose configs carry the persistent grid's SM count (``sms``) caps the grid there.
+    ``split_k``: the number of K splits the kernel takes, where its family splits K (the order in
+    which each output element's float32 partial sums are added depends on the split and K
+    alone): one shard of a partitioned product asks for the split of the whole problem
+    (``whole_split``), so it adds as one device does; None: the heuristic's pick.
     ``scales``: a block-scaled fp8 product's (a_block, b_block), rows of A and of B per float32
     scale (docs/fp8.md). Its operands are a, b (then the group sizes), sa, sb (then the bias): sa
     (L, Kb, ceil(M/a_block)) and sb (L or G, Kb, ceil(N/b_block)), each contiguous along its row
@@ -216,6 +221,7 @@ class GemmRequest:
     precision: object = None   # lax's precision or dot algorithm, as the primitive carries it
     free_sms: int = 0
     scales: tuple[int, int] | None = None
+    split_k: int | None = None   # the split-K its kernel takes, where the family splits K (see whole_split)
 
     @property
     def grouped(self) -> bool:
@@ -328,7 +334,7 @@ def gemm(request: GemmRequest, reference: Callable) -> Callable | None:
         workspaces = fam.workspace(spec, cfg, flat.m, flat.n, flat.k, flat.g, flat.l)
     else:
         _log_copies(planned)
-        cfg = fam.heuristic(spec, flat.m, flat.n, flat.k, flat.l, sms)
+        cfg = fam.heuristic(spec, flat.m, flat.n, flat.k, flat.l, sms, **_split_arg(fam, req.split_k))
         if config.autotune() and not req.epilogue and not req.scales:
             cfg = autotune.tuned_gemm_config(fam, arch, spec, flat, list(req.dtypes), cfg)
         cfg = _on_sms(cfg, sms)
@@ -340,6 +346,39 @@ def gemm(request: GemmRequest, reference: Callable) -> Callable | None:
         return None
     logger.info("jax_cute.%s: %s on %s (%s)", req.op, binary.name, arch, what)
     return impl
+
+
+def _split_arg(fam, split_k: int | None) -> dict:
+    """The heuristic's keyword for a requested split-K, for a family whose heuristic takes one."""
+    if split_k is None or "split_k" not in inspect.signature(fam.heuristic).parameters:
+        return {}
+    return {"split_k": split_k}
+
+
+def whole_split(request: GemmRequest) -> int | None:
+    """The split-K the heuristic picks for ``request``'s kernel, on all of the device's SMs (as
+    an unsharded product runs), or None: no kernel of a family that splits K takes it, or
+    autotune picks its config. Nothing is compiled or logged; a request no kernel takes is
+    ``gemm``'s to report when a call makes it."""
+    if request.grouped or config.autotune():
+        return None
+    e = request.layouts.extents()
+    if 0 in e.values():
+        return None
+    planned = plan(request.layouts, [av.shape for av in request.avals[:2]], request.dtypes,
+                   copies=not request.epilogue and not request.scales)
+    target = _target("gemm", request.epilogue)
+    if isinstance(planned, str) or target.refusal() is not None:
+        return None
+    fam, spec = target.family, _spec(request, planned)
+    if not _split_arg(fam, 1) or fam.unsupported(spec):
+        return None
+    flat = planned.flat
+    try:
+        cfg = fam.heuristic(spec, flat.m, flat.n, flat.k, flat.l, arch_info.num_sms(target.arch))
+    except ValueError:
+        return None
+    return cfg.split_k
 
 
 def _request_refusal(req: GemmRequest, e: dict) -> str | None:

@@ -278,3 +278,17 @@ def test_kernel_local_hands_the_free_sms_to_its_request(monkeypatch):
     local((), {})
     local((), {}, free_sms=16)
     assert asked == [0, 16]
+
+
+def test_a_requested_split_k_ranks_only_configs_of_that_split():
+    """The split-K sets the order of each element's float32 additions (with K alone), so a shard
+    of a partitioned product asks for the split of the whole problem (dispatch.whole_split):
+    the heuristic then ranks the configs of that split only."""
+    spec = GemmSpec("bfloat16", "bfloat16", "float32", "m", "k", "n", batch_modes=3)
+    small, whole = (64, 256, 256, 16), (64, 256, 256, 64)   # attention's probs @ v on 4 shards, on one device
+    assert sm90_gemm.heuristic(spec, *whole).split_k == 1 and sm90_gemm.heuristic(spec, *small).split_k == 4
+    assert sm90_gemm.heuristic(spec, *small, split_k=1).split_k == 1
+    assert sm90_gemm.heuristic(spec, *small, split_k=2).split_k == 2
+    # a split no candidate has (a fused pre-activation takes unsplit tiles only): the heuristic's own
+    fused = GemmSpec("bfloat16", "bfloat16", "bfloat16", "k", "n", "n", activation="gelu", preact=True)
+    assert sm90_gemm.heuristic(fused, 512, 512, 2048, 1, split_k=4).split_k == 1

@@ -3,8 +3,9 @@ kernelized and trained data parallel, fully sharded, tensor parallel, on a 2-D d
 mesh, and with an expert-parallel MoE (a ``shard_map`` that kernelize enters), each against the
 same model unsharded: the losses of 20 AdamW steps, the gradients, the collectives the
 partitioned step holds, and no XLA dot left in its lowering for sm_90a. Also: the dtype in which
-a sharded contraction is summed over devices, and the expert-parallel MoE layer alone against
-the unsharded layer.
+a sharded contraction is summed over devices, the expert-parallel MoE layer alone against
+the unsharded layer, and the kernels each device of the expert-parallel MoE step runs (after
+SPMD partitioning, for sm_90a) against one device's.
 
 The devices must be set before JAX starts, so this file runs itself in a subprocess
 (``python tests/test_training_sharded.py``) that prints every case as JSON.
@@ -138,6 +139,100 @@ def _sums_over_devices() -> dict[str, list[str]]:
     return out
 
 
+def _launches(text: str) -> list[tuple[str, tuple, str]]:
+    """(kernel name, operand shapes, result) of each jax_cute_launch of an HLO module's text."""
+    out = []
+    for line in text.splitlines():
+        if 'custom_call_target="jax_cute_launch"' not in line:
+            continue
+        name = re.search(r'name = "([^"]*)"', line).group(1)
+        operands = re.search(r"operand_layout_constraints=\{(.*?\})\}, ", line).group(1)
+        shapes = tuple(tuple(int(d) for d in dims.split(",") if d) for dims in re.findall(r"\w+\[([\d,]*)\]", operands))
+        result = line.split(" = ", 1)[1].split(" custom-call(", 1)[0]
+        out.append((name, shapes, result))
+    return out
+
+
+def _split_free_name(name: str) -> tuple[str, str]:
+    """(a kernel's name less what leaves the order of its float32 additions as it is: the tile,
+    cluster, raster, stages and epilogue ring; its split-K, which sets that order with K)."""
+    split = re.search(r"\.sk(\d+)\.", name)
+    rest = re.sub(r"\.(t\d+x\d+|c\d+x\d+|r[mn]\d+|sk\d+|st\d+|e\d+|wc|pdl|sm\d+)(?=\.|$)", "", name)
+    return rest, split.group(1) if split else "1"
+
+
+def _kernels_per_shard() -> dict:
+    """The GPT example's MoE step (d_model 512, 8 x 256 tokens, every token to every expert)
+    lowered for sm_90a on one device and expert parallel on 4 (data=4), each device's kernels
+    read from XLA's module after SPMD partitioning (compiled on the CPU, which then has no
+    handler for the launches). With float32_partial_sums on and off: each shard's dense GEMM of a
+    product whose contraction is whole (tokens, batches, heads sharded), with the split-K of the
+    one-device GEMM it is a block of (None where the one-device module has none such); and the
+    grouped (expert) kernels of both steps."""
+    import glob
+    import tempfile
+
+    import jax
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    import gpt_training as gpt
+    import jax_cute
+
+    cfg = gpt.Config(vocab=1024, d_model=512, heads=8, layers=1, seq=256, batch=8, moe=True, top_k=8)
+    params, opt_state, tx = gpt.init_train_state(jax.random.key(0), cfg)
+    tokens = gpt.batches(jax.random.key(1), cfg, n=1)[0]
+
+    def launches(mesh) -> list:
+        p, t = params, tokens
+        if mesh is not None:
+            p, _, shardings = gpt.shard_train_state(params, opt_state, tx, cfg, mesh)
+            t = gpt.place(tokens, shardings[2])
+        loss = jax_cute.kernelize(lambda p, t: gpt.loss_fn(p, t, cfg, mesh))
+        lowered = jax.jit(jax.value_and_grad(loss)).trace(p, t).lower(lowering_platforms=("cuda",))
+        with tempfile.TemporaryDirectory() as dump:
+            try:  # the CPU client has no FFI handler for the launches: compiling ends in an error,
+                # after XLA has partitioned the module and dumped it
+                lowered.compile({"xla_dump_to": dump, "xla_dump_hlo_pass_re": "spmd-partitioning"})
+            except Exception:  # noqa: BLE001 - the dump is checked below, not the error
+                pass
+            stage = "*after_spmd-partitioning*" if mesh is not None else "*before_optimizations.txt"
+            return _launches("".join(open(f).read() for f in glob.glob(f"{dump}/{stage}")))
+
+    out = {}
+    for on in (True, False):
+        with jax_cute.config.override(target_arch="sm_90a", strict=True, float32_partial_sums=on):
+            one, shards = launches(None), launches(gpt.make_mesh({"data": 4}))
+        pairs, unpaired = [], []
+        for name, shapes, result in shards:
+            if not name.startswith("sm90_gemm."):
+                continue
+            key, split = _split_free_name(name)
+            # the one-device GEMM this shard's is a block of: the same kernel but for tiles and
+            # split, operands whose extents the shard's divide, a result 4 times the shard's
+            whole = [_split_free_name(n)[1] for n, s, r in one if _split_free_name(n)[0] == key
+                     and all(len(x) == len(y) and all(g % l == 0 for g, l in zip(x, y))
+                             for x, y in zip(s[:2], shapes[:2]))
+                     and _elements(r) == 4 * _elements(result)]
+            if whole:
+                pairs.append((name, split, sorted(set(whole))))
+            else:
+                unpaired.append((name, shapes, result))
+        out["on" if on else "off"] = {
+            "pairs": pairs, "unpaired": unpaired,
+            "grouped": sorted(n for n, _, _ in one if n.startswith("sm90_grouped.")),
+            "grouped_shards": sorted(n for n, _, _ in shards if n.startswith("sm90_grouped."))}
+    return out
+
+
+def _elements(result: str) -> int:
+    """Elements of an HLO result's first array ("bf16[2,256,512]{...}" or a tuple of them)."""
+    dims = re.search(r"\w+\[([\d,]*)\]", result).group(1)
+    n = 1
+    for d in filter(None, dims.split(",")):
+        n *= int(d)
+    return n
+
+
 def _moe_layer_against_unsharded(steps: int = 20) -> dict[str, dict[str, float]]:
     """The GPT example's MoE layer expert parallel (routing, then the experts in a shard_map with
     all-to-all dispatch) against the same layer on one device, kernelized, per mesh: the largest
@@ -206,6 +301,7 @@ def _worker() -> dict:
 
     out["primitives"] = _primitives_under_grad()
     out["sums"] = _sums_over_devices()
+    out["kernels_per_shard"] = _kernels_per_shard()
     # the training comparisons below with the setting reproducible sharded training uses
     # (docs/sharding.md): sums over devices in float32
     jax_cute.config.set(float32_partial_sums=True)
@@ -314,6 +410,25 @@ def test_sharded_contraction_sums_float32_partial_products(results):
     partitions its own products; with the switch on in float32 and rounded once, as one device's
     GEMM rounds its accumulator."""
     assert results["sums"] == {"default": ["bf16"], "on": ["f32"]}, results["sums"]
+
+
+def test_each_shard_adds_as_one_device(results):
+    """The expert-parallel MoE step (data=4, lowered for sm_90a) against one device's, kernel by
+    kernel. The experts run the same grouped kernels (the fused gelu with its pre-activation,
+    the same dtypes) per shard as on one device. With float32_partial_sums on, each shard's dense
+    GEMM whose contraction is whole (attention, router and LM head; batch-sharded) splits K as
+    the one-device GEMM it is a block of, so every element is the same float32 sum in the same
+    order; only the four weight gradients summed over devices (K: the tokens) run their own
+    GEMMs, in float32. Left to itself the heuristic splits K by the shard's smaller M and L."""
+    got = results["kernels_per_shard"]
+    for case in got.values():
+        assert case["grouped"] == case["grouped_shards"] and len(case["grouped"]) == 8, case
+        assert any(".gelu.preact." in n for n in case["grouped"]), case
+    on = got["on"]
+    assert len(on["pairs"]) >= 15 and all([split] == whole for _, split, whole in on["pairs"]), on["pairs"]
+    assert len(on["unpaired"]) == 4 and all(".bfloat16.bfloat16.float32." in n for n, _, _ in on["unpaired"]), on
+    off = got["off"]
+    assert any([split] != whole for _, split, whole in off["pairs"]), off["pairs"]
 
 
 def test_expert_parallel_moe_layer_trains_like_the_unsharded_layer(results):

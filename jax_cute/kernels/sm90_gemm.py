@@ -363,7 +363,11 @@ def _estimate(config: Config, m: int, n: int, k: int, l: int, num_sms: int, bk: 
     return waves * step * (1.02 if csize == 1 else 1.0)
 
 
-def heuristic(spec, m: int, n: int, k: int, l: int, num_sms: int = NUM_SMS) -> Config:
+def heuristic(spec, m: int, n: int, k: int, l: int, num_sms: int = NUM_SMS, split_k: int | None = None) -> Config:
+    """The config to run ``spec`` on an M x N x K problem of L batches. ``split_k``: the split
+    the caller needs (the order in which each output element's float32 partial sums are added
+    depends on it alone, see the module notes), ranked among the configs of that split where
+    there are any; None: any split."""
     reason = unsupported(spec)
     if reason:
         raise ValueError(reason)
@@ -383,6 +387,8 @@ def heuristic(spec, m: int, n: int, k: int, l: int, num_sms: int = NUM_SMS) -> C
         cands = [c for c in cands if c.cluster_m == 1]
     else:
         cands = [c for c in cands if c.cluster_m == 2]
+    if split_k is not None:
+        cands = [c for c in cands if c.split_k == split_k] or cands
     bk = tile_k(spec.a_dtype)
     best = min(cands, key=lambda c: (_estimate(c, m, n, k, l, num_sms, bk), c.split_k, -c.tile_n))
     # A fused activation (bias, pre-activation output, a derivative's reads of Z) keeps the
@@ -392,7 +398,7 @@ def heuristic(spec, m: int, n: int, k: int, l: int, num_sms: int = NUM_SMS) -> C
     # cooperative tile wins: 1 s windows 3.5% (8192x4096->14336), 6% (4096^3), 11% (8192^3, where
     # it also wins short windows); GELU block forward + backward 1.5%, 2.3% with the derivative
     # chained, SwiGLU block 4%. As for plain GEMMs, the heuristic serves the sustained case.
-    if spec.a_dtype in _FP8 and tiles_m > 1 and not spec.scaled:
+    if spec.a_dtype in _FP8 and tiles_m > 1 and not spec.scaled and split_k in (None, 1):
         # 8-bit k-tiles run twice as fast, so the cooperative tile's exposed epilogue weighs twice
         # as much: the pingpong tiles win where the model says they save 3% or more
         # (a gated tile pairs halves of 64-column blocks: not 160 wide; dact: see candidate_configs)

@@ -25,7 +25,7 @@ from jax._src import dispatch as jax_dispatch  # no public API marks a primitive
 from jax.extend import core
 from jax.interpreters import batching, mlir
 
-from jax_cute.dispatch import GemmRequest, gemm
+from jax_cute.dispatch import GemmRequest, gemm, whole_split
 from jax_cute.primitives import sharding
 from jax_cute.problem.gemm_layouts import GemmLayouts, batched_gemm
 from jax_cute.problem.ragged_layouts import RaggedLayouts, batched
@@ -96,10 +96,12 @@ Request = Callable[[tuple, dict], GemmRequest]
 def kernel_local(request: Request, reference: Callable) -> sharding.Local:
     """The per-shard computation of a partitioned GEMM primitive (``sharding.lowering``): the
     kernel ``dispatch.gemm`` picks for ``request(avals, params)`` (leaving ``free_sms`` SMs free),
-    else ``reference``."""
-    def local(avals, params, free_sms: int = 0) -> Callable:
+    else ``reference``. ``whole``: (avals, params) of the unsharded problem, whose split-K the
+    kernel then takes (``dispatch.whole_split``), so that it adds as one device does."""
+    def local(avals, params, free_sms: int = 0, whole: tuple | None = None) -> Callable:
         ref = functools.partial(reference, **params)
-        req = dataclasses.replace(request(tuple(avals), params), free_sms=free_sms)
+        split = None if whole is None else whole_split(request(tuple(whole[0]), whole[1]))
+        req = dataclasses.replace(request(tuple(avals), params), free_sms=free_sms, split_k=split)
         return gemm(req, ref) or ref
     return local
 

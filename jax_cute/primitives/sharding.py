@@ -485,9 +485,10 @@ class Primitive(VaryingPrimitive):
 class Local(Protocol):
     """(input avals, params) -> the computation on the arrays. ``free_sms``: SMs its kernel
     leaves free for work running beside it (a collective ring's transfers; see
-    ``dispatch.GemmRequest.free_sms``)."""
+    ``dispatch.GemmRequest.free_sms``). ``whole``: (avals, params) of the unsharded call, whose
+    order of float32 additions a shard's kernel keeps (its split-K), or None."""
 
-    def __call__(self, avals: tuple, params: dict, free_sms: int = 0) -> Callable: ...
+    def __call__(self, avals: tuple, params: dict, free_sms: int = 0, whole: tuple | None = None) -> Callable: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -499,7 +500,8 @@ class _Call:
     # (problem, mesh shape, input specs, result spec) -> a ring that hides the call's all-gather or
     # reduce-scatter in its GEMMs, or None (primitives/collective.py; None: that switch is off)
     rings: Callable | None = None
-    # a sharded contraction with a 16-bit result sums float32 partial products (config.float32_partial_sums)
+    # config.float32_partial_sums: a sharded contraction with a 16-bit result sums float32 partial
+    # products, and a shard of a call whose contraction is whole adds as the unsharded call does
     float32_sums: bool = False
 
     @property
@@ -565,6 +567,10 @@ def _partition(call: _Call, mesh, arg_shapes, result_shape):
     out_dtype = np.dtype(params["out_dtype"])
     wide = bool(pl.reduce) and _widened_sum(call, out_dtype)
     local_params = {**params, "layouts": local, "out_dtype": "float32" if wide else params["out_dtype"]}
+    # each shard's GEMM is a block of the whole one, over all of K: with float32_partial_sums
+    # its kernel splits K as the whole problem's would (its own M, N and L may pick another
+    # split), so every element is the same float32 sum in the same order as on one device
+    whole = (plain_avals(arg_shapes), params) if call.float32_sums and not pl.reduce else None
 
     @traced_unmeshed
     def lower_fn(*args):
@@ -575,7 +581,7 @@ def _partition(call: _Call, mesh, arg_shapes, result_shape):
             ext, lext = layouts.ragged_extent(), local.ragged_extent()
             args[gs_i] = _local_group_sizes(args[gs_i], local.gs, shapes[gs_i], ext, lext,
                                             shard_index(axes, ms) * lext)
-        out = call.local(plain_avals(args), local_params)(*args)
+        out = call.local(plain_avals(args), local_params, whole=whole)(*args)
         if pl.scatter:
             rest = tuple(a for a in pl.reduce if a not in pl.scatter[1])
             if rest:
@@ -672,7 +678,7 @@ def one_shard(axis_context) -> bool:
 
 def reference_local(reference: Callable) -> Local:
     """The per-shard computation of a primitive that always runs its ``reference``."""
-    return lambda avals, params, free_sms=0: functools.partial(reference, **params)
+    return lambda avals, params, free_sms=0, whole=None: functools.partial(reference, **params)
 
 
 def constrain(x, out_sharding):
