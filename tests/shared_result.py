@@ -36,6 +36,20 @@ def once(key: str, compute: Callable[[], Any], *, dumps: Callable[[Any], bytes] 
         return result
 
 
+# A CPU test run compiles XLA's code without LLVM's optimisations (conftest adds this to
+# XLA_FLAGS unless the run selects GPU tests): the tests check what jax_cute lowers and computes,
+# not how fast XLA's CPU code runs, and XLA's CPU compiles were most of the run's time. The
+# arithmetic is still IEEE (no fast-math); only which loops LLVM vectorises, and so some
+# summation orders, change, as between machines.
+FAST_CPU_COMPILE = "--xla_backend_optimization_level=0"
+
+
+def xla_flags(*flags: str) -> str:
+    """XLA_FLAGS for a test's subprocess: ``flags``, and the run's fast CPU compiles if it has them."""
+    run = [FAST_CPU_COMPILE] if FAST_CPU_COMPILE in os.environ.get("XLA_FLAGS", "").split() else []
+    return " ".join([*run, *flags])
+
+
 _compiled: dict = {}
 
 

@@ -169,7 +169,7 @@ def test_scatter_chunk_gemms_leave_sms_free_after_the_first_sum_is_sent(n, mode,
 # -- multi-device checks (subprocess) -----------------------------------------------------------
 
 def _run(shardy: bool) -> dict:
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={DEVICES}", "JAX_PLATFORMS": "cpu",
+    env = {**os.environ, "XLA_FLAGS": shared_result.xla_flags(f"--xla_force_host_platform_device_count={DEVICES}"), "JAX_PLATFORMS": "cpu",
            "JAX_USE_SHARDY_PARTITIONER": "1" if shardy else "0"}
     env.pop("JAX_CUTE_COLLECTIVE_MATMUL", None)
     proc = subprocess.run([sys.executable, __file__], env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)

@@ -123,7 +123,7 @@ def _worker() -> dict:
 
 
 def _run() -> dict:
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": shared_result.xla_flags("--xla_force_host_platform_device_count=8"), "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, cwd=ROOT,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]

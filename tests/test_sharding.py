@@ -120,7 +120,7 @@ def test_sharded_layers_example_on_one_device(capsys):
 # -- multi-device checks (subprocess) ---------------------------------------------------------
 
 def _run_worker(devices: int, *argv: str, shardy: bool = True) -> dict:
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+    env = {**os.environ, "XLA_FLAGS": shared_result.xla_flags(f"--xla_force_host_platform_device_count={devices}"),
            "JAX_PLATFORMS": "cpu", "JAX_USE_SHARDY_PARTITIONER": "1" if shardy else "0"}
     proc = subprocess.run([sys.executable, __file__, *argv], env=env, cwd=ROOT, capture_output=True, text=True,
                           timeout=900)

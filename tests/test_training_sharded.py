@@ -249,7 +249,7 @@ def _worker() -> dict:
 # -- the tests ------------------------------------------------------------------------------------
 
 def _run() -> dict:
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={DEVICES}", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": shared_result.xla_flags(f"--xla_force_host_platform_device_count={DEVICES}"), "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run([sys.executable, __file__], env=env, cwd=ROOT, capture_output=True, text=True,
                           timeout=1200)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -335,12 +335,12 @@ def test_two_processes_through_jax_distributed_train_like_one(tmp_path):
         port = s.getsockname()[1]
     argv = ["examples/gpt_training.py", "--mesh", "data=2", "--steps", "3", "--quiet", "--no-compare", "--batch", "8"]
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = shared_result.xla_flags()
     procs = [subprocess.Popen([sys.executable, *argv, "--distributed", f"127.0.0.1:{port},2,{i}",
                                "--json", str(tmp_path / f"p{i}.json")], env=env, cwd=ROOT,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
     one = subprocess.run([sys.executable, *argv, "--json", str(tmp_path / "one.json")], cwd=ROOT, text=True,
-                         env={**env, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}, capture_output=True,
+                         env={**env, "XLA_FLAGS": shared_result.xla_flags("--xla_force_host_platform_device_count=2")}, capture_output=True,
                          timeout=600)
     for p in procs:
         _, err = p.communicate(timeout=600)
