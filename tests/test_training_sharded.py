@@ -248,22 +248,18 @@ def _worker() -> dict:
 
 # -- the tests ------------------------------------------------------------------------------------
 
-def _run() -> dict:
-    env = {**os.environ, "XLA_FLAGS": shared_result.xla_flags(f"--xla_force_host_platform_device_count={DEVICES}"), "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, __file__], env=env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=1200)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+def _script(_=None) -> shared_result.Script:
+    env = {**os.environ, "XLA_FLAGS": shared_result.xla_flags(f"--xla_force_host_platform_device_count={DEVICES}"),
+           "JAX_PLATFORMS": "cpu"}
+    return shared_result.Script("test_training_sharded", [sys.executable, __file__], env=env, cwd=ROOT, timeout=1200)
 
 
-@functools.lru_cache(maxsize=None)
-def _results() -> dict:
-    return shared_result.once("test_training_sharded", _run)
+SUBPROCESS_FIXTURES = {"results": _script}  # (conftest starts it before the first test)
 
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    return _results()
+    return _script().result()
 
 
 def test_data_parallel_weight_gradient_lowers_and_matches(results):
