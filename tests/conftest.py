@@ -15,6 +15,7 @@ import os
 import subprocess
 
 import pytest
+import shared_result  # tests/ is on sys.path
 
 from jax_cute.kernels.dsl_env import prepare_dump_dir
 
@@ -38,20 +39,67 @@ def _private_kernel_cache(tmp_path_factory):
     """Tests compile into a cache of their own, never the user's (unless one is named). Under
     pytest-xdist the workers share one (the run's directory, above each worker's own): the
     cache's per-key lock makes a kernel compile once per test run, whichever worker needs it."""
+    run = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        run = run.parent
+    # and the subprocess fixtures' results (tests/shared_result.py)
+    os.environ.setdefault("JAX_CUTE_TEST_SHARED", str(run / "shared_results"))
     if "JAX_CUTE_CACHE_DIR" not in os.environ:
         if os.environ.get("PYTEST_XDIST_WORKER"):
-            path = tmp_path_factory.getbasetemp().parent / "jax_cute_cache"
+            path = run / "jax_cute_cache"
             os.makedirs(path, mode=0o700, exist_ok=True)
-            # and the subprocess fixtures' results (tests/shared_result.py)
-            os.environ["JAX_CUTE_TEST_SHARED"] = str(tmp_path_factory.getbasetemp().parent / "shared_results")
         else:
             path = tmp_path_factory.mktemp("jax_cute_cache")
         os.environ["JAX_CUTE_CACHE_DIR"] = str(path)
     yield
 
 
+def _scripts(item) -> list:
+    """The subprocess fixtures (shared_result.Script) that ``item`` reads: those of the fixtures
+    its module names in SUBPROCESS_FIXTURES, for the item's parameter of each."""
+    fixtures = getattr(getattr(item, "module", None), "SUBPROCESS_FIXTURES", {})
+    params = item.callspec.params if hasattr(item, "callspec") else {}
+    return [script(params.get(name)) for name, script in fixtures.items() if name in getattr(item, "fixturenames", ())]
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _start_subprocess_fixtures(_private_kernel_cache, request):
+    """Start every subprocess fixture the run's tests read, in the background, before the first
+    test (shared_result.start; under pytest-xdist whichever worker comes first starts them)."""
+    scripts = {}
+    for item in request.session.items:
+        for script in _scripts(item):
+            scripts.setdefault(script.key, script)
+    if scripts:
+        shared_result.start(list(scripts.values()))
+    yield
+
+
+@pytest.hookimpl(trylast=True)  # after -m and -k deselected theirs
+def pytest_collection_modifyitems(config, items):
+    """The tests that read a subprocess fixture run last, each fixture's together: by then the
+    background run that the first test started has their results."""
+    order: dict[str, int] = {}
+    last = {}
+    for item in items:
+        keys = [s.key for s in _scripts(item)]
+        if keys:
+            last[item] = min(order.setdefault(k, len(order)) for k in keys)
+    items[:] = [i for i in items if i not in last] + sorted(last, key=last.get)
+
+
 def _gpu_run(config) -> bool:
     return "gpu" in (config.getoption("-m") or "") and "not gpu" not in (config.getoption("-m") or "")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config):
+    """A run without GPU tests compiles XLA's CPU code unoptimised (shared_result.FAST_CPU_COMPILE
+    says why), unless XLA_FLAGS sets an optimisation level. Before any test module starts a JAX
+    backend, which reads XLA_FLAGS once; pytest-xdist's workers inherit it."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if not _gpu_run(config) and "xla_backend_optimization_level" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {shared_result.FAST_CPU_COMPILE}".strip()
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import subprocess
 import sys
 
 import pytest
@@ -122,17 +121,18 @@ def _worker() -> dict:
     return out
 
 
-def _run() -> dict:
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, cwd=ROOT,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+def _script(_=None) -> shared_result.Script:
+    env = {**os.environ, "XLA_FLAGS": shared_result.xla_flags("--xla_force_host_platform_device_count=8"),
+           "JAX_PLATFORMS": "cpu"}
+    return shared_result.Script("test_fp8_sharded", [sys.executable, __file__], env=env, cwd=ROOT, timeout=600)
+
+
+SUBPROCESS_FIXTURES = {"results": _script}  # (conftest starts it before the first test)
 
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    return shared_result.once("test_fp8_sharded", _run)
+    return _script().result()
 
 
 def test_data_and_model_parallel_dense_product(results):

@@ -8,7 +8,6 @@ case and prints the results as JSON, and the tests assert on them.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import pathlib
@@ -119,24 +118,27 @@ def test_sharded_layers_example_on_one_device(capsys):
 
 # -- multi-device checks (subprocess) ---------------------------------------------------------
 
-def _run_worker(devices: int, *argv: str, shardy: bool = True) -> dict:
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+def _script(key: str, devices: int, *argv: str, shardy: bool = True) -> shared_result.Script:
+    env = {**os.environ, "XLA_FLAGS": shared_result.xla_flags(f"--xla_force_host_platform_device_count={devices}"),
            "JAX_PLATFORMS": "cpu", "JAX_USE_SHARDY_PARTITIONER": "1" if shardy else "0"}
-    proc = subprocess.run([sys.executable, __file__, *argv], env=env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return shared_result.Script(key, [sys.executable, __file__, *argv], env=env, cwd=ROOT, timeout=900)
 
 
-@functools.lru_cache(maxsize=None)
-def _results(shardy: bool) -> dict:
-    return shared_result.once(f"test_sharding-{'shardy' if shardy else 'gspmd'}",
-                              lambda: _run_worker(DEVICES, shardy=shardy))
+def _partitioner(shardy: bool) -> shared_result.Script:
+    return _script(f"test_sharding-{'shardy' if shardy else 'gspmd'}", DEVICES, shardy=shardy)
+
+
+def _types(devices: int) -> shared_result.Script:
+    return _script(f"test_sharding-types-{devices}", devices, "types")
+
+
+# each fixture's script, for its parameter (conftest starts them before the first test)
+SUBPROCESS_FIXTURES = {"results": _partitioner, "typed": _types}
 
 
 @pytest.fixture(scope="module", params=[True, False], ids=["shardy", "gspmd"])
 def results(request):
-    return _results(request.param)
+    return _partitioner(request.param).result()
 
 
 def _close(case: dict, tol: float = 1e-4):
@@ -246,7 +248,7 @@ def test_layout_that_cannot_follow_a_sharding_runs_replicated(results):
 
 @pytest.fixture(scope="module", params=[1, 2, DEVICES], ids=lambda n: f"{n}dev")
 def typed(request):
-    return shared_result.once(f"test_sharding-types-{request.param}", lambda: _run_worker(request.param, "types"))
+    return _types(request.param).result()
 
 
 @pytest.mark.parametrize("mode", ["explicit", "auto"])
@@ -430,7 +432,7 @@ def _worker() -> dict:
     rng = np.random.default_rng(0)
     rnd = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
     put = lambda x, *spec: jax.device_put(x, NamedSharding(mesh, P(*spec)))  # noqa: E731
-    mx = lambda x: float(jnp.max(jnp.abs(x)))  # noqa: E731
+    mx = lambda x: float(np.max(np.abs(np.asarray(x))))  # noqa: E731 - on the host: no compile per shape
 
     def colls(f, *args) -> dict:
         return ex.collectives(jax.jit(f).lower(*args).compile().as_text())

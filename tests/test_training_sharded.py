@@ -46,11 +46,17 @@ def _collectives(text: str) -> dict[str, int]:
 
 
 def _max_rel(a, b) -> float:
+    """The largest over the leaves of max|a - b| / max|b|, in the leaves' dtype as jnp would
+    compute it, on the host: eager jnp ops would compile a program for each leaf's shape and
+    sharding (a tenth of this worker's time)."""
     import jax
-    import jax.numpy as jnp
+    import numpy as np
 
-    diffs = jax.tree.map(lambda x, y: float(jnp.max(jnp.abs(x - y)) / (jnp.max(jnp.abs(y)) + 1e-30)), a, b)
-    return max(jax.tree.leaves(diffs))
+    def rel(x, y):
+        x, y = np.asarray(x), np.asarray(y)
+        return float(np.max(np.abs(x - y)) / (np.max(np.abs(y)) + y.dtype.type(1e-30)))
+
+    return max(jax.tree.leaves(jax.tree.map(rel, a, b)))
 
 
 def _primitives_under_grad() -> dict[str, float]:
@@ -344,22 +350,18 @@ def _worker() -> dict:
 
 # -- the tests ------------------------------------------------------------------------------------
 
-def _run() -> dict:
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={DEVICES}", "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, __file__], env=env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=1200)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+def _script(_=None) -> shared_result.Script:
+    env = {**os.environ, "XLA_FLAGS": shared_result.xla_flags(f"--xla_force_host_platform_device_count={DEVICES}"),
+           "JAX_PLATFORMS": "cpu"}
+    return shared_result.Script("test_training_sharded", [sys.executable, __file__], env=env, cwd=ROOT, timeout=1200)
 
 
-@functools.lru_cache(maxsize=None)
-def _results() -> dict:
-    return shared_result.once("test_training_sharded", _run)
+SUBPROCESS_FIXTURES = {"results": _script}  # (conftest starts it before the first test)
 
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    return _results()
+    return _script().result()
 
 
 def test_data_parallel_weight_gradient_lowers_and_matches(results):
@@ -450,12 +452,12 @@ def test_two_processes_through_jax_distributed_train_like_one(tmp_path):
         port = s.getsockname()[1]
     argv = ["examples/gpt_training.py", "--mesh", "data=2", "--steps", "3", "--quiet", "--no-compare", "--batch", "8"]
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = shared_result.xla_flags()
     procs = [subprocess.Popen([sys.executable, *argv, "--distributed", f"127.0.0.1:{port},2,{i}",
                                "--json", str(tmp_path / f"p{i}.json")], env=env, cwd=ROOT,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
     one = subprocess.run([sys.executable, *argv, "--json", str(tmp_path / "one.json")], cwd=ROOT, text=True,
-                         env={**env, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}, capture_output=True,
+                         env={**env, "XLA_FLAGS": shared_result.xla_flags("--xla_force_host_platform_device_count=2")}, capture_output=True,
                          timeout=600)
     for p in procs:
         _, err = p.communicate(timeout=600)
