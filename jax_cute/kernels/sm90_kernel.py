@@ -288,9 +288,12 @@ class Sm90Gemm(ScaledMainloop, Sm90Epilogue):
         return cute.struct(type("Storage", (), {"__annotations__": fields}))
 
     @cute.jit
-    def load(self, ab_pipe, prod, tma_a, tAgA_t, tAsA, a_mask, tma_b, tBgB_t, tBsB, b_mask, k0, kc, ts=None):
+    def load(self, ab_pipe, prod, a, b, k0, kc, ts=None):
         """TMA loads of k-tiles [k0, k0 + kc) of one unit into the A/B ring (block-scaled: and
-        their scales, ``ts`` the unit's sm90_scaled.TileScales, on the same barrier)."""
+        their scales, ``ts`` the unit's sm90_scaled.TileScales, on the same barrier). ``a``, ``b``:
+        each operand's (TMA atom, its global k-tiles, its smem stages, multicast mask)."""
+        tma_a, tAgA_t, tAsA, a_mask = a
+        tma_b, tBgB_t, tBsB, b_mask = b
         for kt in range(kc):
             ab_pipe.producer_acquire(prod)
             bar = ab_pipe.producer_get_barrier(prod)
@@ -452,7 +455,7 @@ class Sm90Gemm(ScaledMainloop, Sm90Epilogue):
                                               tn * (self.bn // self.b_block), 0,
                                               self.sched.ab_batch(l, c_ext, la_last),
                                               self.sched.ab_batch(l, c_ext, lb_last))
-                    prod = self.load(ab_pipe, prod, tma_a, tAgA_t, tAsA, a_mask, tma_b, tBgB_t, tBsB, b_mask,
+                    prod = self.load(ab_pipe, prod, (tma_a, tAgA_t, tAsA, a_mask), (tma_b, tBgB_t, tBsB, b_mask),
                                      k0, kc, ts)
                     w += stride
             else:
@@ -471,7 +474,7 @@ class Sm90Gemm(ScaledMainloop, Sm90Epilogue):
                     if const_expr(self.scaled):
                         ts = self.grouped_tile_scales(cta.scales, g, t0, m_t, n_t, cutlass.min(cl, la_last),
                                                       cutlass.min(cl, lb_last))
-                    prod = self.load(ab_pipe, prod, tma_a, k_a, s_a, a_mask, tma_b, k_b, s_b, b_mask,
+                    prod = self.load(ab_pipe, prod, (tma_a, k_a, s_a, a_mask), (tma_b, k_b, s_b, b_mask),
                                      Int32(0), self.sched.group_k_tiles(ext, g, t0, t1), ts)
                     w += stride
                     cl, cg0, rows0, tiles0, start, end, incl, valid, g, t0, t1, m_t, n_t = self.sched.find(
