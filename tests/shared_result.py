@@ -41,11 +41,10 @@ def once(key: str, compute: Callable[[], Any], *, dumps: Callable[[Any], bytes] 
         return result
 
 
-# A CPU test run compiles XLA's code without LLVM's optimisations (conftest adds this to
-# XLA_FLAGS unless the run selects GPU tests): the tests check what jax_cute lowers and computes,
-# not how fast XLA's CPU code runs, and XLA's CPU compiles were most of the run's time. The
-# arithmetic is still IEEE (no fast-math); only which loops LLVM vectorises, and so some
-# summation orders, change, as between machines.
+# XLA_FLAGS a run may set to compile XLA's CPU code without LLVM's optimisations (faster CPU
+# test runs; some summation orders change, which tests that compare two programs' roundings, such
+# as test_fp8's fused-against-unfused gradients on JAX 0.10.2, do not allow): subprocesses
+# inherit it when the run sets it.
 FAST_CPU_COMPILE = "--xla_backend_optimization_level=0"
 
 
