@@ -1,7 +1,10 @@
 """Launch overhead: per-iteration time of a tiny cute_call kernel vs the same jnp op.
 
 Both run ``iters`` times inside one jitted ``lax.fori_loop`` (each iteration depends on the
-last), so what is left per iteration is launch cost plus a few microseconds of work. Command
+last), so what is left per iteration is launch cost plus a few microseconds of work. Both
+update the loop carry in place, as XLA's fusion does (the kernel through
+``input_output_aliases``); the row *new output buffer* writes a fresh buffer that XLA then
+copies into the carry each iteration. Command
 buffers (CUDA graphs) are turned off, ``XLA_FLAGS=--xla_gpu_enable_command_buffer=``, so each
 kernel is a real launch; run.py starts this suite in its own process with that flag.
 """
@@ -40,7 +43,9 @@ def run(args: argparse.Namespace) -> list[dict]:
         mk = lambda s, n=n: (jax.random.normal(jax.random.key(s), (n,), jnp.float32),  # noqa: E731
                              jax.random.normal(jax.random.key(s + 1), (n,), jnp.float32))
         rs = measure("launch", "launch", f"a*alpha+b f32 n={n}, {iters} iterations",
-                     [Impl("jax_cute", looped(axpby_raw)), Impl("xla", looped(lambda x, b, s: x * s + b))],
+                     [Impl("jax_cute", looped(lambda x, b, s: axpby_raw(x, b, s, in_place=True))),
+                      Impl("xla", looped(lambda x, b, s: x * s + b)),
+                      Impl("jax_cute_new_buffer", looped(axpby_raw))],
                      mk, 0.0, rounds=3 if args.smoke else args.rounds, target_s=0.05,
                      meta={"n": n, "iters": iters, "xla_flags": os.environ.get("XLA_FLAGS", "")})
         for r in rs:  # per-iteration time is what this suite is about

@@ -34,6 +34,7 @@ IMPL_LABEL.update({"jax_cute_unidirectional": "jax_cute, one-way ring", "jax_cut
                    "xla_windowed": "XLA windowed einsum", "local_gemm": "local GEMM (no communication)",
                    "jax_cute_sms0": "jax_cute, ring GEMMs on every SM",
                    "jax_cute_stream": "jax_cute, launched outside CUDA graphs"})
+IMPL_LABEL["jax_cute_new_buffer"] = "jax_cute, new output buffer"  # the launch suite
 
 
 # -- running ----------------------------------------------------------------------------------
@@ -265,7 +266,9 @@ SUITE_NOTE = {
                "tokens/s per GPU against the same implementation on one GPU.",
     "launch": "A tiny `cute_call` kernel (`examples/custom_kernel.py`'s `a * alpha + b`) against the same `jnp` "
               "expression, 1000 dependent iterations in one `lax.fori_loop`, with XLA's command buffers off so "
-              "that every iteration is a real launch.",
+              "that every iteration is a real launch. Both update the loop carry in place (the kernel through "
+              "`cute_call(..., input_output_aliases={0: 0})`); *new output buffer*: the kernel writes a fresh "
+              "buffer, which XLA copies into the carry each iteration.",
     "fused": "*jax_cute fused*: `matmul(..., bias=, activation=)` / `ragged_dot(..., activation=\"swiglu\")`; "
              "*jax_cute + jnp epilogue*: the same GEMMs without the options, the bias and activation in `jnp`; XLA: "
              "the layer in `jnp`. Forward: the kernel's epilogue adds the bias and applies GELU where the Hopper "

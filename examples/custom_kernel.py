@@ -2,8 +2,8 @@
 
 Shows: a ``@cute.jit`` launcher ``(stream, *inputs, *outputs)`` with its ``@cute.kernel``,
 predicated tails (any size, not only multiples of the block), ``jax.jit``, ``jax.vmap`` (loop
-mode), a gradient through ``jax.custom_vjp``, and a ``reference=`` so the same code runs on a
-CPU. Without a GPU it also lowers the kernel for sm_90a to show it compiles.
+mode), a gradient through ``jax.custom_vjp``, an in-place update (``input_output_aliases``) in a
+``lax.fori_loop``, and a ``reference=`` so the same code runs on a CPU. Without a GPU it also lowers the kernel for sm_90a to show it compiles.
 
     python examples/custom_kernel.py
 """
@@ -69,12 +69,17 @@ def _axpby_reference(a, b, alpha):
     return (_axpby_math(a, b, alpha),)  # a reference returns the tuple of outputs
 
 
-def axpby_raw(a: jax.Array, b: jax.Array, alpha: jax.Array) -> jax.Array:
-    """``a * alpha + b`` on the CuTe kernel (any shape; a, b same dtype; alpha a f32 scalar)."""
+def axpby_raw(a: jax.Array, b: jax.Array, alpha: jax.Array, *, in_place: bool = False) -> jax.Array:
+    """``a * alpha + b`` on the CuTe kernel (any shape; a, b same dtype; alpha a f32 scalar).
+
+    ``in_place``: the result is written into a's buffer (each thread reads its elements of a
+    before writing them), which saves a buffer and, in a loop whose carry is a, a copy per
+    iteration; XLA copies a first where the caller still needs it."""
     shape = a.shape
     flat = lambda x: x.reshape(-1)  # noqa: E731 - a free view for row-major buffers
     call = jax_cute.cute_call(axpby_launcher, out_shape=jax.ShapeDtypeStruct((a.size,), a.dtype),
-                              reference=_axpby_reference, name="axpby")
+                              reference=_axpby_reference, name="axpby",
+                              input_output_aliases={0: 0} if in_place else None)
     return call(flat(a), flat(b), jnp.reshape(alpha, (1,)).astype(jnp.float32)).reshape(shape)
 
 
@@ -143,6 +148,18 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"vmap over {args.batch} problems (loop mode): max err = {verr:.2e}")
     assert verr <= 1e-5, verr
     results["vmap_err"] = verr
+
+    # In place: the loop carry is updated in its own buffer (no new buffer, no copy per step);
+    # a itself is left as it was (XLA copies it into the loop first).
+    loop = jax.jit(lambda a, b: jax.lax.fori_loop(
+        0, 10, lambda i, x: axpby_raw(x, b, jnp.float32(0.5), in_place=True), a))
+    want = a[0]
+    for _ in range(10):
+        want = want * 0.5 + b[0]
+    lerr = float(jnp.max(jnp.abs(loop(a[0], b[0]) - want)))
+    print(f"in place in a fori_loop, 10 steps: max err = {lerr:.2e}")
+    assert lerr <= 1e-5, lerr
+    results["in_place_err"] = lerr
 
     # grad through custom_vjp: d/dalpha sum(a*alpha + b) = sum(a); d/da = alpha.
     ga, gb, galpha = jax.jit(jax.grad(lambda a, b, s: jnp.sum(axpby(a, b, s)), argnums=(0, 1, 2)))(

@@ -29,13 +29,14 @@ def _fill_value(dtype) -> object:
 def kernel_call(binary: KernelBinary, inputs: Mapping[str, tuple[jax.Array, Sequence[int], Sequence[int]]],
                 outputs: Mapping[str, tuple[jax.ShapeDtypeStruct, Sequence[int], Sequence[int]]],
                 scalars: Mapping[str, object] | None = None, *,
-                zeroed: Sequence[str] = (), nan_fill: bool | None = None,
+                zeroed: Sequence[str] = (), aliases: Mapping[str, str] | None = None, nan_fill: bool | None = None,
                 command_buffer: bool | None = None) -> dict[str, jax.Array]:
     """Launch ``binary`` on XLA's stream; returns the outputs by name.
 
     ``inputs`` maps a tensor argument's name to (physical array, logical shape, logical
     stride); ``outputs`` maps a name to (physical ShapeDtypeStruct, shape, stride). Outputs
-    named in ``zeroed`` start as zeros (workspaces a kernel accumulates into); with
+    named in ``zeroed`` start as zeros (workspaces a kernel accumulates into); ``aliases`` maps an
+    input's name to the output written into its buffer (it starts as that input); with
     ``nan_fill`` (default: ``config.nan_fill()``) every other output starts as NaN (or -1 for
     integers). ``command_buffer`` (default: ``config.command_buffer()``) picks the FFI target
     XLA may record into a CUDA graph, or the one it launches on its stream every run.
@@ -44,7 +45,9 @@ def kernel_call(binary: KernelBinary, inputs: Mapping[str, tuple[jax.Array, Sequ
     in_names, out_names = list(inputs), list(outputs)
     layouts = {n: (tuple(v[1]), tuple(v[2])) for n, v in {**inputs, **outputs}.items()}
     nan_fill = config.nan_fill() if nan_fill is None else nan_fill
-    prefilled = [n for n in out_names if n in zeroed or nan_fill]
+    aliases = dict(aliases or {})
+    held = set(aliases.values())  # outputs that start as an input
+    prefilled = [n for n in out_names if (n in zeroed or nan_fill) and n not in held]
     # A prefilled output is passed in as an extra input that XLA aliases to the output.
     buffers = in_names + out_names
     physical = {n: (v[0].shape, np.dtype(v[0].dtype)) for n, v in {**inputs, **outputs}.items()}
@@ -57,11 +60,11 @@ def kernel_call(binary: KernelBinary, inputs: Mapping[str, tuple[jax.Array, Sequ
                  arch_minor=np.int64(minor), **packed.attributes())
     out_types = [outputs[n][0] for n in out_names]
     args = [inputs[n][0] for n in in_names]
-    aliases = {}
+    operand_aliases = {in_names.index(i): out_names.index(o) for i, o in aliases.items()}
     for n in prefilled:
         sds = outputs[n][0]
         fill = 0 if n in zeroed else _fill_value(sds.dtype)
-        aliases[len(args)] = out_names.index(n)
+        operand_aliases[len(args)] = out_names.index(n)
         args.append(jnp.full(sds.shape, fill, sds.dtype))
     if prefilled:
         # The aliased fill buffers are extra operands the handler must skip: they sit after
@@ -71,7 +74,7 @@ def kernel_call(binary: KernelBinary, inputs: Mapping[str, tuple[jax.Array, Sequ
         kinds[kinds >= len(in_names)] += shift
         attrs["arg_kinds"] = kinds
     graph = config.command_buffer() if command_buffer is None else command_buffer
-    call = jax.ffi.ffi_call(runtime.target_name(graph), out_types, input_output_aliases=aliases or None)
+    call = jax.ffi.ffi_call(runtime.target_name(graph), out_types, input_output_aliases=operand_aliases or None)
     results = call(*args, **attrs)
     return dict(zip(out_names, results))
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import pathlib
+import re
 
 import cutlass
 import cutlass.cute as cute
@@ -103,6 +104,43 @@ def test_nan_fill_aliases_prefilled_outputs():
     with config.override(nan_fill=True):
         text = cuda_text(call_for(64), *args(64))
     assert "output_operand_aliases" in text and "dense<0x7FC00000>" in text  # f32 NaN
+
+
+def _launch_line(text: str) -> str:
+    return next(line for line in text.splitlines() if "@jax_cute_launch" in line)
+
+
+def test_in_place_output_is_aliased_to_its_input():
+    f = lambda a, b, alpha: example.axpby_raw(a, b, alpha, in_place=True)  # noqa: E731
+    with config.override(nan_fill=True):
+        line = _launch_line(cuda_text(f, *args(64)))
+    # operand 0 (a) holds the output; no NaN-filled buffer for it, even in nan_fill mode
+    assert re.search(r"output_operand_alias<output_tuple_indices = \[\],\s*operand_index = 0,", line), line
+    assert line.count("output_operand_alias<") == 1
+    a, b, alpha = args(1000)
+    out = jax.jit(f)(a, b, alpha)
+    np.testing.assert_allclose(out, a * 1.5 + b, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(a, args(1000)[0])  # the caller's array is not written
+
+
+def test_in_place_under_vmap_in_both_batch_modes():
+    a, b, alpha = args(3 * 8)
+    a, b = a.reshape(3, 8), b.reshape(3, 8)
+    for batch_mode in (False, True):
+        f = jax.vmap(call_for(8, input_output_aliases={0: 0}, batch_mode=batch_mode), in_axes=(0, 0, None))
+        np.testing.assert_allclose(jax.jit(f)(a, b, alpha), a * 1.5 + b, rtol=1e-6, atol=1e-6)
+        assert "operand_index = 0" in _launch_line(cuda_text(f, a, b, alpha))
+
+
+@pytest.mark.parametrize("out_dtype, aliases, match", [
+    (jnp.float32, {2: 0}, r"input 2 \(float32\[1\]\) cannot hold output 0 \(float32\[8\]\)"),
+    (jnp.bfloat16, {0: 0}, r"input 0 \(float32\[8\]\) cannot hold output 0 \(bfloat16\[8\]\)"),
+    (jnp.float32, {0: 1}, r"\{0: 1\} is out of range \(3 inputs, 1 outputs\)"),
+    (jnp.float32, {0: 0, 1: 0}, "maps two inputs to one output"),
+])
+def test_bad_aliases_are_named(out_dtype, aliases, match):
+    with pytest.raises(ValueError, match=match):
+        call_for(8, dtype=out_dtype, input_output_aliases=aliases)(*args(8))
 
 
 @cute.jit

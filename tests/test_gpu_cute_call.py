@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import textwrap
@@ -68,6 +69,33 @@ def test_inside_fori_loop(example):
     for _ in range(5):
         want = ref(want, b) * 0.5
     np.testing.assert_array_equal(np.asarray(loop(a, b)), np.asarray(want))
+
+
+def _while_bodies(hlo: str) -> list[str]:
+    """The text of each while loop's body computation in compiled HLO."""
+    names = set(re.findall(r"body=%?([\w.\-]+)", hlo))
+    blocks = re.split(r"\n(?=\S)", hlo)  # a computation starts at column 0
+    return [b for b in blocks if re.match(r"%?([\w.\-]+) ", b) and re.match(r"%?([\w.\-]+) ", b).group(1) in names]
+
+
+def test_in_place_loop_carry_is_updated_in_its_buffer(example):
+    a, b = data(4099, jnp.float32, 9)
+    a_before = np.asarray(a)
+
+    def loop(steps, in_place):
+        body = lambda i, x: example.axpby_raw(x, b, ALPHA, in_place=in_place)  # noqa: E731
+        return jax.jit(lambda a, b: jax.lax.fori_loop(0, steps, body, a))
+
+    want = a
+    for _ in range(5):
+        want = ref(want, b)
+    for in_place in (False, True):
+        np.testing.assert_array_equal(np.asarray(loop(5, in_place)(a, b)), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(a), a_before)  # the caller's array is not written
+    # a long loop (not unrolled): with the carry aliased, no copy is left in the body
+    bodies = _while_bodies(loop(1000, True).lower(a, b).compile().as_text())
+    assert bodies, "no while loop in the compiled program"
+    assert not any(re.search(r"\bcopy(-start)?\(", body) for body in bodies), bodies
 
 
 def test_two_threads(example):

@@ -100,7 +100,7 @@ def _reference_lowering(ctx, *args, kernel: UserKernel, name, **_):
     return mlir.lower_fun(ref, multiple_results=True)(ctx, *args)
 
 
-def _cuda_lowering(ctx, *args, kernel: UserKernel, out_avals, in_layouts, out_layouts, name, **_):
+def _cuda_lowering(ctx, *args, kernel: UserKernel, out_avals, in_layouts, out_layouts, name, aliases=(), **_):
     sig = _signature(ctx.avals_in, out_avals, in_layouts, out_layouts)
     binary = dispatch.user_kernel(name, kernel.identity, kernel.launcher, sig, kernel.reference is not None)
     if binary is None:
@@ -110,7 +110,7 @@ def _cuda_lowering(ctx, *args, kernel: UserKernel, out_avals, in_layouts, out_la
         inputs = {f"in{i}": (x, *_perm_layout(x.shape, p)) for i, (x, p) in enumerate(zip(xs, in_layouts))}
         outputs = {f"out{i}": (jax.ShapeDtypeStruct(av.shape, av.dtype), *_perm_layout(av.shape, p))
                    for i, (av, p) in enumerate(zip(out_avals, out_layouts))}
-        res = kernel_call(binary, inputs, outputs)
+        res = kernel_call(binary, inputs, outputs, aliases={f"in{i}": f"out{o}" for i, o in aliases})
         return [res[f"out{i}"] for i in range(len(out_avals))]
 
     return mlir.lower_fun(impl, multiple_results=True)(ctx, *args)
@@ -129,7 +129,7 @@ def _no_jvp(primals, tangents, **params):
 ad.primitive_jvps[cute_call_p] = _no_jvp
 
 
-def _batch_rule(args, dims, *, kernel, out_avals, in_layouts, out_layouts, name, batch_mode=False):
+def _batch_rule(args, dims, *, kernel, out_avals, in_layouts, out_layouts, name, batch_mode=False, aliases=()):
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
     args = [jnp.moveaxis(a, d, 0) if d is not None else a for a, d in zip(args, dims)]
     if batch_mode:
@@ -138,7 +138,8 @@ def _batch_rule(args, dims, *, kernel, out_avals, in_layouts, out_layouts, name,
         outs = tuple(jax.core.ShapedArray((size, *av.shape), av.dtype) for av in out_avals)
         lift = lambda p: None if p is None else (0, *(q + 1 for q in p))  # noqa: E731
         res = cute_call_p.bind(*args, kernel=kernel, out_avals=outs, in_layouts=tuple(map(lift, in_layouts)),
-                               out_layouts=tuple(map(lift, out_layouts)), name=name, batch_mode=True)
+                               out_layouts=tuple(map(lift, out_layouts)), name=name, batch_mode=True,
+                               aliases=aliases)
         return res, [0] * len(res)
     batched = [a for a, d in zip(args, dims) if d is not None]
 
@@ -146,7 +147,7 @@ def _batch_rule(args, dims, *, kernel, out_avals, in_layouts, out_layouts, name,
         it = iter(xs)
         full = [next(it) if d is not None else a for a, d in zip(args, dims)]
         return cute_call_p.bind(*full, kernel=kernel, out_avals=out_avals, in_layouts=in_layouts,
-                                out_layouts=out_layouts, name=name, batch_mode=False)
+                                out_layouts=out_layouts, name=name, batch_mode=False, aliases=aliases)
 
     res = jax.lax.map(one, batched)
     return list(res), [0] * len(res)
@@ -157,7 +158,8 @@ batching.primitive_batchers[cute_call_p] = _batch_rule
 
 def cute_call(launcher: Callable, *, out_shape: Any, in_layouts: Sequence[Sequence[int] | None] | None = None,
               out_layouts: Sequence[Sequence[int] | None] | None = None, key: str | None = None,
-              reference: Callable | None = None, batch_mode: bool = False, name: str | None = None) -> Callable:
+              reference: Callable | None = None, batch_mode: bool = False, name: str | None = None,
+              input_output_aliases: dict[int, int] | None = None) -> Callable:
     """Wrap ``launcher(stream, *inputs, *outputs)`` as a JAX function of the inputs.
 
     ``out_shape``: a ``jax.ShapeDtypeStruct`` or a sequence of them. ``in_layouts`` /
@@ -165,6 +167,11 @@ def cute_call(launcher: Callable, *, out_shape: Any, in_layouts: Sequence[Sequen
     overrides the source hash as the launcher's identity. ``reference``: a jax.numpy function
     used where no GPU kernel can run (CPU, or no target arch). ``batch_mode``: under vmap, the
     launcher accepts every tensor with a leading batch axis (else vmap loops over the batch).
+    ``input_output_aliases``: {input index: output index}, as in ``jax.ffi.ffi_call``: that
+    output is written into the input's buffer (same shape and dtype), so a kernel that updates
+    its input in place (a loop carry, a buffer nothing else reads after) needs no new buffer
+    and no copy; XLA copies the input first where it is still needed. The launcher gets both
+    tensors over the same memory: each element must be read before it is written.
     The call has no derivative: wrap it in ``jax.custom_vjp``.
     """
     single = isinstance(out_shape, jax.ShapeDtypeStruct)
@@ -192,8 +199,9 @@ def cute_call(launcher: Callable, *, out_shape: Any, in_layouts: Sequence[Sequen
         ins = _check_layouts(label, "in_layouts", in_layouts, [a.shape for a in arrays], [p.name for p in params[1:]])
         ous = _check_layouts(label, "out_layouts", out_layouts, [o.shape for o in outs],
                              [p.name for p in params[1 + len(inputs):]])
+        aliases = _check_aliases(label, input_output_aliases, arrays, out_avals)
         res = cute_call_p.bind(*arrays, kernel=kernel, out_avals=out_avals, in_layouts=ins, out_layouts=ous,
-                               name=label, batch_mode=batch_mode)
+                               name=label, batch_mode=batch_mode, aliases=aliases)
         return res[0] if single else tuple(res)
 
     return call
@@ -214,3 +222,22 @@ def _check_layouts(label, what, layouts, shapes, names) -> tuple:
                              f"{len(shape)} axes, got {lay}")
         out.append(None if lay is None else tuple(int(i) for i in lay))
     return tuple(out)
+
+
+def _check_aliases(label, aliases, arrays, out_avals) -> tuple[tuple[int, int], ...]:
+    """``input_output_aliases`` as sorted (input, output) pairs, each pair of one shape and dtype."""
+    if not aliases:
+        return ()
+    pairs = sorted((int(i), int(o)) for i, o in dict(aliases).items())
+    outs = [o for _, o in pairs]
+    if len(set(outs)) != len(outs):
+        raise ValueError(f"jax_cute.cute_call({label}): input_output_aliases maps two inputs to one output: {aliases}")
+    for i, o in pairs:
+        if not (0 <= i < len(arrays) and 0 <= o < len(out_avals)):
+            raise ValueError(f"jax_cute.cute_call({label}): input_output_aliases {{{i}: {o}}} is out of range "
+                             f"({len(arrays)} inputs, {len(out_avals)} outputs)")
+        x, av = arrays[i], out_avals[o]
+        if tuple(x.shape) != tuple(av.shape) or np.dtype(x.dtype) != np.dtype(av.dtype):
+            raise ValueError(f"jax_cute.cute_call({label}): input {i} ({x.dtype}{list(x.shape)}) cannot hold "
+                             f"output {o} ({av.dtype}{list(av.shape)}): an aliased pair needs one shape and dtype")
+    return tuple(pairs)
