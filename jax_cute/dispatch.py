@@ -19,7 +19,6 @@ only the device knows (its real arch, pointer alignment) is checked by the FFI h
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import logging
 import math
 from typing import Callable
@@ -349,8 +348,9 @@ def gemm(request: GemmRequest, reference: Callable) -> Callable | None:
 
 
 def _split_arg(fam, split_k: int | None) -> dict:
-    """The heuristic's keyword for a requested split-K, for a family whose heuristic takes one."""
-    if split_k is None or "split_k" not in inspect.signature(fam.heuristic).parameters:
+    """The heuristic's keyword for a requested split-K, for a family whose heuristic takes one
+    (it declares ``SPLITS_K``)."""
+    if split_k is None or not getattr(fam, "SPLITS_K", False):
         return {}
     return {"split_k": split_k}
 

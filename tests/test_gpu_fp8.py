@@ -279,34 +279,19 @@ def test_grouped_bias_and_activation(activation):
           grouped_abs(dq(xq), dq(wq)))
 
 
-def test_grouped_linear_forward_and_dgrad():
+@pytest.mark.parametrize("activation, x_kind, seed", [(None, "heavy", 18), ("gelu", "normal", 33)],
+                         ids=["none", "gelu"])
+def test_grouped_linear_forward_and_dgrad(activation, x_kind, seed):
     """fp8.grouped_linear: the forward and dgrad run the grouped kernel (all three GEMMs ours),
-    each against the recipe's dequantised operands in float32."""
-    x, w, r = data((1000, 768), "heavy", 18), data((4, 768, 512), "normal", 19) * 0.05, data((1000, 512), "normal", 20)
+    each against the recipe's dequantised operands in float32. With an activation (kernelize's
+    fused fp8 epilogue for ragged_dot experts) the forward kernel writes the pre-activation z, the
+    activation and its derivative run in XLA: dgrad against the recipe applied to dz = r * act'(z);
+    without one dz = r."""
+    x = data((1000, 768), x_kind, seed)
+    w, r = data((4, 768, 512), "normal", seed + 1) * 0.05, data((1000, 512), "normal", seed + 2)
 
     def loss(x, w, r):
-        return jnp.sum(grouped_linear(x, w, SIZES, out_dtype=F32) * r)
-
-    f = jax.value_and_grad(loss, (0, 1))
-    assert_ours(f, x, w, r, calls=3)
-    (_, (dx, _)) = jax.jit(f)(x, w, r)
-    y = jax.jit(lambda x, w: grouped_linear(x, w, SIZES, out_dtype=F32))(x, w)
-    xq, wq = quantize(x, "1x128"), quantize(w, "128x128")
-    check(y, grouped_ref(dq(xq), dq(wq), SIZES), grouped_abs(dq(xq), dq(wq)))
-    # rows past the last group get a zero gradient
-    rq, wt = dq(quantize(r, "1x128")), jnp.swapaxes(dq(wq), 1, 2)
-    check(dx, grouped_ref(rq, wt, SIZES), grouped_abs(rq, wt))
-
-
-def test_grouped_linear_with_activation():
-    """fp8.grouped_linear(..., activation="gelu") (kernelize's fused fp8 epilogue for ragged_dot
-    experts): the forward kernel writes the pre-activation z, gelu and its derivative run in XLA.
-    z against the recipe's dequantised operands, dgrad against the recipe applied to
-    dz = r * gelu'(z)."""
-    x, w, r = data((1000, 768), "normal", 33), data((4, 768, 512), "normal", 34) * 0.05, data((1000, 512), "normal", 35)
-
-    def loss(x, w, r):
-        return jnp.sum(grouped_linear(x, w, SIZES, activation="gelu", out_dtype=F32) * r)
+        return jnp.sum(grouped_linear(x, w, SIZES, activation=activation, out_dtype=F32) * r)
 
     f = jax.value_and_grad(loss, (0, 1))
     assert_ours(f, x, w, r, calls=3)
@@ -314,7 +299,8 @@ def test_grouped_linear_with_activation():
     z = jax.jit(lambda x, w: grouped_linear(x, w, SIZES, out_dtype=F32))(x, w)
     xq, wq = quantize(x, "1x128"), quantize(w, "128x128")
     check(z, grouped_ref(dq(xq), dq(wq), SIZES), grouped_abs(dq(xq), dq(wq)))
-    dz = jax.vjp(jax.nn.gelu, z)[1](r)[0]
+    dz = r if activation is None else jax.vjp({"gelu": jax.nn.gelu}[activation], z)[1](r)[0]
+    # rows past the last group get a zero gradient
     dzq, wt = dq(quantize(dz, "1x128")), jnp.swapaxes(dq(wq), 1, 2)
     check(dx, grouped_ref(dzq, wt, SIZES), grouped_abs(dzq, wt))
 

@@ -113,13 +113,14 @@ from jax_cute.kernels.gemm_spec import SCALE_K, GemmSpec, GroupedSpec, Workspace
 from jax_cute.kernels.sm90_config import (ITEM, NUM_SMS, SMEM_BYTES, Config, is_gated, scale_slack, scale_stage_bytes,
                                           stage_plan, tile_k, wg_rows)
 
-__all__ = ["FAMILY", "ARCH", "BATCH_MODES", "EPILOGUES", "GATED_COLUMNS", "NUM_SMS", "SMEM_BYTES", "Config",
+__all__ = ["FAMILY", "ARCH", "BATCH_MODES", "EPILOGUES", "GATED_COLUMNS", "SPLITS_K", "NUM_SMS", "SMEM_BYTES", "Config",
            "unsupported", "candidate_configs", "heuristic", "signature", "workspace", "launcher", "make_launcher",
            "epilogue_for", "tile_k", "tiles_per_cta", "stage_plan", "DEFER"]
 
 FAMILY = "sm90_gemm"
 ARCH = "sm_90a"
 BATCH_MODES = (1, 3)    # dense GemmSpec.batch_modes taken (grouped specs: one)
+SPLITS_K = True         # heuristic takes split_k (the dispatch passes a requested one)
 # fused epilogues (GemmSpec.bias, GemmSpec.activation; dense specs): C = act(A·B + bias[n]) in
 # float32 on each register fragment before the one rounding (kernels/epilogue.py); "dact":
 # GemmSpec.dact, an activation's derivative at an input z scaling the product
