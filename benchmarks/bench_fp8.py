@@ -18,7 +18,7 @@ interleaved in one process:
 
 TFLOP/s count 2 M N K. Outputs are not compared (the three compute different products).
 
-Training steps (``BENCH_FP8_TRAIN=0`` leaves them out): the GPT example's step (``examples/gpt_training.py``
+Training steps (``BENCH_FP8_TRAIN=0`` leaves them out; ``BENCH_FP8_GEMM=0`` leaves out the GEMMs): the GPT example's step (``examples/gpt_training.py``
 at its ``h200`` size, dense and ``--moe``), timed interleaved: *jax_cute*:
 ``value_and_grad(kernelize(loss, fp8=recipe))`` (the weight products' forward and both
 gradients block-scaled fp8, quantization included); *jax_cute_bf16*: the same kernelized in
@@ -146,6 +146,8 @@ def train_steps(args: argparse.Namespace, rounds: int) -> list[dict]:
 def run(args: argparse.Namespace) -> list[dict]:
     rounds = 2 if args.smoke else args.rounds
     recs: list[dict] = train_steps(args, rounds) if os.environ.get("BENCH_FP8_TRAIN", "1") != "0" else []
+    if os.environ.get("BENCH_FP8_GEMM", "1") == "0":
+        return recs
     dense = [*_variants(_scaled, True), Impl("jax_cute_bf16", _bf16), Impl("xla", _xla_fp8)]
     for m, n, k in SMOKE_DENSE if args.smoke else DENSE:
         recs += measure("fp8", "fp8_gemm", f"{m}x{n}x{k}", dense, dense_operands(m, n, k), 2.0 * m * n * k,
