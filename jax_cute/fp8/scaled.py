@@ -150,17 +150,6 @@ def _take_aligned(x, gather: tuple[jax.Array, jax.Array]):
     return jnp.where(keep, jnp.take(x, src, axis=1), jnp.zeros((), x.dtype))
 
 
-def _take_aligned_by_rows(x, gather: tuple[jax.Array, jax.Array]):
-    """``_take_aligned`` for the kernel: x (R, T) is mostly a transposed token-major array (a
-    weight gradient's ``quantize_grouped(y.T)``), so its rows of T are gathered in that layout
-    (whole contiguous rows; the quantization fuses in) and the result transposed on its own.
-    Left to XLA, the transpose sinks into the gather and every byte is read strided: in the GPT
-    example's fp8 MoE step those fusions took 9.3 of 87 ms (H100)."""
-    src, keep = gather
-    rows = jnp.where(keep[:, None], jnp.take(x.T, src, axis=0), jnp.zeros((), x.dtype))   # (Tp, R)
-    return jax.lax.optimization_barrier(rows).T
-
-
 def group_aligned(x, group_sizes, blocks: int):
     """``x`` (R, T), quantized group-aligned (``quantize_grouped``), with T laid out as the ragged-K
     kernel reads it: (R, 128 ``blocks``), scale block j's elements at [128 j, 128 j + its length),
@@ -199,8 +188,7 @@ def _ragged_k_kernel(avals, params) -> Callable | None:
         ends = group_ends(sizes, t)
         clipped = jnp.diff(ends, prepend=jnp.zeros((1,), ends.dtype)).astype(jnp.int32)
         gather = _aligned_gather(sizes, t, tb)   # one map for both operands: they share T's groups
-        return impl(_take_aligned_by_rows(x, gather), _take_aligned_by_rows(y, gather), clipped,
-                    _block_major(sx), _block_major(sy))
+        return impl(_take_aligned(x, gather), _take_aligned(y, gather), clipped, _block_major(sx), _block_major(sy))
 
     return run
 
