@@ -133,13 +133,6 @@ checks = {
                     (r(264, 136), r(136, 72))),
     "ragged fwd+grads": (jax.grad(lambda x, w: jax_cute.ragged_dot(x, w, jnp.asarray([100, 0, 37, 120], jnp.int32))
                                   .astype(jnp.float32).sum(), (0, 1)), (r(264, 136), r(4, 136, 72))),
-    # block-scaled fp8 training products: dense (1x128 / 128x128 scales, through shared memory)
-    # forward, dgrad and wgrad; grouped over M with groups at unaligned rows, and the ragged-K wgrad
-    "fp8 blockwise linear grad": (jax.grad(lambda x, w, b: jax_cute.fp8.linear(x, w, bias=b, activation="gelu")
-                                           .astype(jnp.float32).sum(), (0, 1, 2)), (r(264, 384), r(384, 200), r(200))),
-    "fp8 blockwise grouped grad": (jax.grad(lambda x, w: jax_cute.fp8.grouped_linear(
-        x, w, jnp.asarray([77, 300, 0, 140], jnp.int32)).astype(jnp.float32).sum(), (0, 1)),
-                                   (r(520, 256), r(4, 256, 136))),
 }
 # python tools/sanitize_probe.py [WORD ...]: only the checks whose names hold one of the words
 wanted = sys.argv[1:]
