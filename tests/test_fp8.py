@@ -291,10 +291,12 @@ def test_ragged_k_lowers_to_the_hopper_kernel(caplog, monkeypatch):
         return lambda x, y: ragged_k_dot(quantize_grouped(x, sizes), quantize_grouped(y, sizes), sizes)
 
     text = _wgrad_text(fresh(), x, y, strict=True)
-    assert text.count("@jax_cute_launch") == 1 and "stablehlo.dot_general" not in text
-    assert "ragged_k" in text and "scaled1x1" in text
+    # the GEMM, and x's group-aligned layout by the transposing kernel (y's 200 rows are not whole
+    # 64-row tiles: XLA's gather)
+    assert text.count("@jax_cute_launch") == 2 and "stablehlo.dot_general" not in text
+    assert "ragged_k" in text and "scaled1x1" in text and text.count('name = "fp8_aligned_transpose"') == 1
     monkeypatch.setattr(arch, "UNVERIFIED_VARIANTS", {"sm_90a": frozenset({"scaled_ragged_k"})})
-    assert _wgrad_text(fresh(), x, y, opt_in=True, strict=True).count("@jax_cute_launch") == 1
+    assert _wgrad_text(fresh(), x, y, opt_in=True, strict=True).count("@jax_cute_launch") == 2
     logging.getLogger("jax_cute").setLevel(logging.WARNING)
     with caplog.at_level(logging.WARNING, logger="jax_cute"):
         text = _wgrad_text(fresh(), x, y)
@@ -302,6 +304,21 @@ def test_ragged_k_lowers_to_the_hopper_kernel(caplog, monkeypatch):
     assert "not yet run on hardware" in caplog.text and "JAX_CUTE_UNVERIFIED_KERNELS=1" in caplog.text
     with pytest.raises(jax_cute.FallbackError, match="not yet run on hardware"):
         _wgrad_text(fresh(), x, y, strict=True)
+
+
+def test_aligned_transpose_reference_is_the_group_aligned_gather():
+    """The transposing kernel's reference (what it must compute, from token-major values) is
+    the group-aligned layout the ragged-K lowering gathers otherwise."""
+    from jax_cute.fp8 import aligned_transpose as at
+    from jax_cute.fp8.quantize import group_blocks
+    from jax_cute.fp8.scaled import group_aligned
+
+    t, sizes = 1000, jnp.asarray([300, 0, 451, 249], jnp.int32)
+    xt = jnp.asarray(np.random.default_rng(5).integers(0, 256, (t, 192), dtype=np.uint8)).view(jnp.float8_e4m3fn)
+    _, bstart, blen, _ = group_blocks(sizes, t)
+    got, want = at.reference(xt, bstart, blen), group_aligned(xt.T, sizes, bstart.shape[0])
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8))
+    assert at.supported(192) and not at.supported(200) and not at.supported(0)
 
 
 def test_grouped_linear_and_kernelize_wgrad_reach_the_kernel():
@@ -321,8 +338,9 @@ def test_grouped_linear_and_kernelize_wgrad_reach_the_kernel():
     for loss in (linear_loss, moe_loss):
         fn = loss if loss is linear_loss else jax_cute.kernelize(loss, fp8="blockwise")
         text = _wgrad_text(jax.value_and_grad(lambda w, x: fn(w, x), (0, 1)), we, x, strict=True)
-        assert text.count("@jax_cute_launch") == 3 and "stablehlo.dot_general" not in text, loss
-        assert "ragged_k.float8_e4m3fn" in text
+        # forward, dgrad, the ragged-K wgrad and its two operands' group-aligned layouts
+        assert text.count("@jax_cute_launch") == 5 and "stablehlo.dot_general" not in text, loss
+        assert "ragged_k.float8_e4m3fn" in text and text.count('name = "fp8_aligned_transpose"') == 2
 
 
 def test_vmap_of_scaled_products():

@@ -47,6 +47,7 @@ from jax.interpreters import ad, batching, mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jax_cute import dispatch
+from jax_cute.fp8 import aligned_transpose
 from jax_cute.fp8.quantize import BLOCK, FP8_DTYPES, group_blocks, group_ends, grouped_blocks, row_groups
 from jax_cute.kernels.gemm_spec import SCALE_ROWS
 from jax_cute.activations import apply_activation, is_gated
@@ -150,6 +151,15 @@ def _take_aligned(x, gather: tuple[jax.Array, jax.Array]):
     return jnp.where(keep, jnp.take(x, src, axis=1), jnp.zeros((), x.dtype))
 
 
+def _group_aligned_operand(x, group_sizes, t: int, blocks: int):
+    """``group_aligned`` for the ragged-K kernel's operand x (R, T): by the transposing kernel
+    from x's token-major values (``x.T``, which the quantization wrote) where it takes R."""
+    if aligned_transpose.supported(x.shape[0]):
+        _, bstart, blen, _ = group_blocks(group_sizes, t)
+        return aligned_transpose.aligned_transpose(x.T, bstart, blen)
+    return _take_aligned(x, _aligned_gather(group_sizes, t, blocks))
+
+
 def group_aligned(x, group_sizes, blocks: int):
     """``x`` (R, T), quantized group-aligned (``quantize_grouped``), with T laid out as the ragged-K
     kernel reads it: (R, 128 ``blocks``), scale block j's elements at [128 j, 128 j + its length),
@@ -187,8 +197,8 @@ def _ragged_k_kernel(avals, params) -> Callable | None:
     def run(x, sx, y, sy, sizes):
         ends = group_ends(sizes, t)
         clipped = jnp.diff(ends, prepend=jnp.zeros((1,), ends.dtype)).astype(jnp.int32)
-        gather = _aligned_gather(sizes, t, tb)   # one map for both operands: they share T's groups
-        return impl(_take_aligned(x, gather), _take_aligned(y, gather), clipped, _block_major(sx), _block_major(sy))
+        return impl(_group_aligned_operand(x, sizes, t, tb), _group_aligned_operand(y, sizes, t, tb), clipped,
+                    _block_major(sx), _block_major(sy))
 
     return run
 
