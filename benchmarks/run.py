@@ -203,6 +203,13 @@ SUITE_TITLE = {"models": "Models: jax_cute.kernelize", "matmul": "Dense GEMM: ja
                "scaling": "Several GPUs: the GPT training step sharded",
                "collective": "Collective matmul: all-gather and reduce-scatter inside the GEMMs",
                "fp8": "Block-scaled fp8 GEMM: DeepGEMM's shapes"}
+# A results file holding only this table (e.g. BENCH_FP8_GEMM=0) gets this title and note.
+TABLE_SECTION = {"fp8_train": ("Block-scaled fp8 training steps: the GPT example",
+                               "The GPT example's step (`examples/gpt_training.py` at its `h200` size, dense and "
+                               "`--moe`), timed interleaved: *jax_cute fp8*: `value_and_grad(kernelize(loss, "
+                               "fp8=\"blockwise\"))`, the weight products' forward and both gradients block-scaled "
+                               "fp8, quantization included; *jax_cute bf16*: the same kernelized in bf16; *XLA*: the "
+                               "model as written (bf16 products).")}
 SUITE_LABELS = {"ragged": {"xla": "lax.ragged_dot"},   # what the "xla" rival is in that suite
                 "fp8": {"jax_cute": "jax_cute fp8, block-scaled", "jax_cute_bf16": "jax_cute bf16",
                         "jax_cute_db": "fp8, overlapped promotion", "jax_cute_serial": "fp8, serial promotion",
@@ -465,9 +472,13 @@ def report(files: list[str], md: str, plots: str) -> str:
         stem = Path(f).stem
         suites = data.get("suites") or []
         title = " + ".join(SUITE_TITLE.get(s, s) for s in suites) or stem
+        notes = [SUITE_NOTE[su] for su in suites if su in SUITE_NOTE]
+        tables = {r.get("table") for r in data.get("records", [])}
+        if len(tables) == 1 and next(iter(tables)) in TABLE_SECTION:   # a file of one table with its own story
+            title, note = TABLE_SECTION[next(iter(tables))]
+            notes = [note]
         print(f"{f}: {data.get('device', '?')}, {data.get('date', '?')}")
-        out += [f"## {title}", "", " ".join([_provenance(data, f), *(SUITE_NOTE[su] for su in suites
-                                                                   if su in SUITE_NOTE)]), ""]
+        out += [f"## {title}", "", " ".join([_provenance(data, f), *notes]), ""]
         for suite, err in (data.get("suite_errors") or {}).items():
             out += [f"- suite `{suite}` did not finish: {err}", ""]
         recs = data.get("records", [])
