@@ -47,7 +47,6 @@ from jax.interpreters import ad, batching, mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jax_cute import dispatch
-from jax_cute.fp8 import aligned_transpose
 from jax_cute.fp8.quantize import BLOCK, FP8_DTYPES, group_blocks, group_ends, grouped_blocks, row_groups
 from jax_cute.kernels.gemm_spec import SCALE_ROWS
 from jax_cute.activations import apply_activation, is_gated
@@ -154,9 +153,14 @@ def _take_aligned(x, gather: tuple[jax.Array, jax.Array]):
 def _group_aligned_operand(x, group_sizes, t: int, blocks: int):
     """``group_aligned`` for the ragged-K kernel's operand x (R, T): by the transposing kernel
     from x's token-major values (``x.T``, which the quantization wrote) where it takes R."""
-    if aligned_transpose.supported(x.shape[0]):
-        _, bstart, blen, _ = group_blocks(group_sizes, t)
-        return aligned_transpose.aligned_transpose(x.T, bstart, blen)
+    try:   # the kernel is defined with the DSL: imported here, where a kernel is lowered, not before
+        from jax_cute.fp8 import aligned_transpose
+    except ImportError as e:   # (a machine lowering from the disk cache without the DSL)
+        logger.info("jax_cute fp8 ragged-K operands: XLA's gather, the DSL is not importable (%s)", e)
+    else:
+        if aligned_transpose.supported(x.shape[0]):
+            _, bstart, blen, _ = group_blocks(group_sizes, t)
+            return aligned_transpose.aligned_transpose(x.T, bstart, blen)
     return _take_aligned(x, _aligned_gather(group_sizes, t, blocks))
 
 
