@@ -838,7 +838,9 @@ def test_lowers_for_cuda_as_xla_ops(monkeypatch):
                 lowering_platforms=("cuda",)).as_text()
 
     text = lowered()
-    assert text.count("@jax_cute_launch") == 6 and "f8E4M3FN" in text and "stablehlo.dot_general" not in text
+    # six GEMMs, and the ragged-K wgrad's two operands laid out by the transposing kernel
+    assert text.count("@jax_cute_launch") == 8 and "f8E4M3FN" in text and "stablehlo.dot_general" not in text
+    assert text.count('name = "fp8_aligned_transpose"') == 2
     monkeypatch.setattr(arch, "UNVERIFIED_VARIANTS", {"sm_90a": frozenset({"scaled_ragged_k"})})
     text = lowered()
     assert text.count("@jax_cute_launch") == 5
