@@ -204,7 +204,8 @@ def test_gated_tiles_pair_whole_blocks():
         sm90_gemm.launcher(spec, sm90_gemm.Config(128, 160, 2, 1, pingpong=True))
 
 
-@pytest.mark.parametrize("c_dtype", [BF, F32])
+# (a float32 C: sweeps, run in CI's second step; the test line keeps the 16-bit picks)
+@pytest.mark.parametrize("c_dtype", [BF, pytest.param(F32, marks=pytest.mark.sweep)])
 @pytest.mark.parametrize("bias, preact", [(True, False), (False, True), (True, True)])
 def test_every_gated_pick_compiles(c_dtype, bias, preact):
     """swiglu, with and without bias and the pre-activation output, in every config the
@@ -318,8 +319,9 @@ def test_every_dact_epilogue_compiles(dact, which):
 
 
 @pytest.mark.parametrize("which", ["coop", "pingpong"])
-@pytest.mark.parametrize("in_dt, c_dtype, majors", [(F16, F16, "kkn"), (BF, BF, "mnm"), (BF, F32, "kkn"),
-                                                    (F16, F32, "mnm")])
+@pytest.mark.parametrize("in_dt, c_dtype, majors", [(F16, F16, "kkn"), (BF, BF, "mnm"),
+                                                    *(pytest.param(*p, marks=pytest.mark.sweep)   # float32 C
+                                                      for p in ((BF, F32, "kkn"), (F16, F32, "mnm")))])
 # silu's eight compiles differ from gelu's only in the derivative's math: a sweep (CI's second step)
 @pytest.mark.parametrize("dact", ["gelu", pytest.param("silu", marks=pytest.mark.sweep)])
 def test_dact_dtypes_and_layouts_compile(dact, in_dt, c_dtype, majors, which):
