@@ -18,6 +18,7 @@ import cutlass.cute as cute
 import jax
 import jax.numpy as jnp
 
+from jax_cute.fp8.quantize import aligned_columns
 from jax_cute.primitives.cute_call import cute_call
 
 ROWS = 128   # tokens per scale block: one block per CTA
@@ -68,10 +69,7 @@ def supported(rows: int) -> bool:
 
 def reference(xt: jax.Array, start: jax.Array, length: jax.Array) -> jax.Array:
     """What the kernel computes, in jax.numpy (any dtype)."""
-    t = xt.shape[0]
-    j = jnp.arange(start.shape[0] * ROWS, dtype=jnp.int32)
-    blk, lane = j // ROWS, j % ROWS
-    src, keep = jnp.minimum(start[blk] + lane, t - 1), lane < length[blk]
+    src, keep = aligned_columns(start, length, xt.shape[0], start.shape[0], ROWS)
     return jnp.where(keep, jnp.take(xt.T, src, axis=1), jnp.zeros((), xt.dtype))
 
 

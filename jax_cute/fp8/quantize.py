@@ -241,6 +241,15 @@ def group_blocks(sizes, extent: int, block: int = BLOCK):
     return elem_block, jnp.where(valid, bstart, extent), blen, jnp.where(valid, bgroup, -1)
 
 
+def aligned_columns(bstart, blen, extent: int, blocks: int, block: int = BLOCK) -> tuple[jax.Array, jax.Array]:
+    """For the group-aligned layout (each scale block j at columns [block j, block j + its
+    length)): where each of its ``block * blocks`` columns reads along the ``extent`` axis, and
+    whether it holds an element (else a zero); ``bstart``/``blen`` as ``group_blocks`` gives them."""
+    j = jnp.arange(blocks * block, dtype=jnp.int32)
+    blk, lane = j // block, j % block
+    return jnp.minimum(bstart[blk] + lane, extent - 1), lane < blen[blk]
+
+
 def quantize_grouped(x, group_sizes, *, pow2_scales: bool = False, dtype=jnp.float8_e4m3fn) -> BlockScaled:
     """``x`` (..., T) quantized in blocks of 1 x 128 along its last axis, where the last axis is
     split into consecutive groups of ``group_sizes`` (G,) and every group starts a new block

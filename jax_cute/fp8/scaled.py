@@ -23,12 +23,12 @@ sm90_gemm kernel, its dense raster or its ragged_m / ragged_k walk) through ``di
 like every other GEMM: a ``GemmRequest`` with ``scales``, the block scales passed transposed to
 (L or G, Kb, row blocks), contiguous along the row blocks (the kernel loads 1-row-block scales
 with TMA), their count zero-padded to a multiple of 4 (16-byte strides). The ragged-K call's
-kernel has never run on a GPU: it is used only with ``JAX_CUTE_UNVERIFIED_KERNELS=1`` (checked
-against the reference on first use); without it :func:`kernel_refusal` reports the call as a
-fallback when it is traced (``dispatch.at_trace``: a log line, or :class:`jax_cute.FallbackError`
-in strict mode) and it lowers to the reference, as does a call the kernel refuses when it is
-lowered (logged the same way). Its operands reach the kernel with T laid out group-aligned
-(:func:`group_aligned`: every group from a multiple of 128, zero-filled to the next).
+kernel passed its GPU tests and runs by default; a call no kernel takes is reported by
+:func:`kernel_refusal` when it is traced (``dispatch.at_trace``: a log line, or
+:class:`jax_cute.FallbackError` in strict mode) and lowers to the reference, as does a call the
+kernel refuses when it is lowered (logged the same way). Its operands reach the kernel with T
+laid out group-aligned (every group from a multiple of 128, zero-filled to the next): by
+``fp8/aligned_transpose.py``'s kernel, or :func:`group_aligned` (an XLA gather).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from jax.interpreters import ad, batching, mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jax_cute import dispatch
-from jax_cute.fp8.quantize import BLOCK, FP8_DTYPES, group_blocks, group_ends, grouped_blocks, row_groups
+from jax_cute.fp8.quantize import BLOCK, FP8_DTYPES, aligned_columns, group_blocks, group_ends, grouped_blocks, row_groups
 from jax_cute.kernels.gemm_spec import SCALE_ROWS
 from jax_cute.activations import apply_activation, is_gated
 from jax_cute.layout import Layout, make_layout, stride_of
@@ -140,9 +140,7 @@ def _aligned_gather(group_sizes, t: int, blocks: int) -> tuple[jax.Array, jax.Ar
     """Where each of the 128 ``blocks`` columns of the group-aligned layout (``group_aligned``)
     reads along T, and whether it holds an element (else a zero)."""
     _, bstart, blen, _ = group_blocks(group_sizes, t)
-    j = jnp.arange(blocks * BLOCK, dtype=jnp.int32)
-    blk, lane = j // BLOCK, j % BLOCK
-    return jnp.minimum(bstart[blk] + lane, t - 1), lane < blen[blk]
+    return aligned_columns(bstart, blen, t, blocks)
 
 
 def _take_aligned(x, gather: tuple[jax.Array, jax.Array]):
