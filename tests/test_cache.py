@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ast
+
 import errno
 import json
 import os
@@ -159,6 +161,23 @@ def test_every_kernel_module_is_keyed():
     keyed = {p.name for p in cache_key.KERNELS_DIR.glob("*.py")}
     assert {"sm90_gemm.py", "sm90_mainloop.py", "sm90_grouped.py", "epilogue.py", "abi.py", "build.py",
             "gemm_spec.py", "dsl.py", "sm100_gemm.py"} <= keyed
+
+
+def test_jax_cute_defines_kernels_only_in_keyed_modules():
+    """A DSL kernel of jax_cute's own (a ``cute_call`` launcher too) lives in kernels/, whose
+    sources key every entry: ``cute_call`` keys a launcher by the user code it reaches and takes
+    jax_cute's modules as keyed by that digest, so a kernel defined elsewhere in the package could
+    change while its cached object did not."""
+    package = cache_key.KERNELS_DIR.parent
+
+    def kernels_in(path):
+        return [node.name for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.FunctionDef)
+                and any(ast.unparse(d).split("(")[0] in ("cute.kernel", "cute.jit") for d in node.decorator_list)]
+
+    assert kernels_in(cache_key.KERNELS_DIR / "fp8_operands.py")   # (the check sees a kernel)
+    outside = {str(p.relative_to(package)): names for p in package.rglob("*.py")
+               if p.parent != cache_key.KERNELS_DIR and (names := kernels_in(p))}
+    assert not outside, outside
 
 
 @pytest.mark.parametrize("var,value", [("CUTE_DSL_LINEINFO", "1"), ("CUTE_DSL_ENABLE_ASSERTIONS", "1"),

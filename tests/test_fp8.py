@@ -8,6 +8,7 @@ power of two, plus a few large outliers), on sizes that are not multiples of 128
 
 from __future__ import annotations
 
+import importlib
 import logging
 
 import jax
@@ -309,16 +310,75 @@ def test_ragged_k_lowers_to_the_hopper_kernel(caplog, monkeypatch):
 def test_aligned_transpose_reference_is_the_group_aligned_gather():
     """The transposing kernel's reference (what it must compute, from token-major values) is
     the group-aligned layout the ragged-K lowering gathers otherwise."""
-    from jax_cute.fp8 import aligned_transpose as at
+    from jax_cute.fp8 import wgrad_operands as wo
     from jax_cute.fp8.quantize import group_blocks
     from jax_cute.fp8.scaled import group_aligned
 
     t, sizes = 1000, jnp.asarray([300, 0, 451, 249], jnp.int32)
     xt = jnp.asarray(np.random.default_rng(5).integers(0, 256, (t, 192), dtype=np.uint8)).view(jnp.float8_e4m3fn)
     _, bstart, blen, _ = group_blocks(sizes, t)
-    got, want = at.reference(xt, bstart, blen), group_aligned(xt.T, sizes, bstart.shape[0])
+    got, want = wo.transpose_reference(xt, bstart, blen), group_aligned(xt.T, sizes, bstart.shape[0])
     np.testing.assert_array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8))
-    assert at.supported(192) and not at.supported(200) and not at.supported(0)
+    assert wo.supported(192) and not wo.supported(200) and not wo.supported(0)
+
+
+@pytest.mark.parametrize("dtype", [E4M3, np.dtype(jnp.float8_e5m2)], ids=["e4m3", "e5m2"])
+def test_quantize_tokens_reference_is_the_quantizer(dtype):
+    """The token kernel's reference (what it must compute) is the quantizer's result, in the
+    group-aligned layout: uniform blocks as ``quantize(x, (128, 1)).T`` zero-padded to whole
+    blocks, group blocks as ``quantize_grouped(x.T)`` gathered group-aligned; an all-zero block
+    (scale 1), a partial last block, an empty group and tokens past the last group."""
+    from jax_cute.fp8 import wgrad_operands as wo
+    from jax_cute.fp8.quantize import group_blocks
+    from jax_cute.fp8.scaled import group_aligned
+
+    t, r = 1000, 192
+    x = np.array(data((t, r), "heavy", 41))
+    x[128:256] = 0
+    x = jnp.asarray(x)
+    bits = lambda a: np.asarray(a).view(np.uint8)  # noqa: E731
+    values, scales = wo.quantize_reference(x, *wo.uniform_blocks(t), dtype)
+    q = quantize(x, (128, 1), dtype=dtype).T
+    assert values.shape == (r, 1024) and scales.shape == q.scales.shape
+    np.testing.assert_array_equal(bits(values[:, :t]), bits(q.values))
+    np.testing.assert_array_equal(bits(values[:, t:]), 0)
+    np.testing.assert_array_equal(np.asarray(scales), np.asarray(q.scales))
+    assert np.all(np.asarray(scales)[:, 1] == 1)
+    sizes = jnp.asarray([300, 0, 451, 199], jnp.int32)
+    _, bstart, blen, _ = group_blocks(sizes, t)
+    values, scales = wo.quantize_reference(x, bstart, blen, dtype)
+    qg = quantize_grouped(x.T, sizes, dtype=dtype)
+    np.testing.assert_array_equal(bits(values), bits(group_aligned(qg.values, sizes, bstart.shape[0])))
+    np.testing.assert_array_equal(np.asarray(scales), np.asarray(qg.scales))
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["dense", "grouped"])
+def test_wgrad_operand_kernel_path_is_the_xla_path(grouped, monkeypatch):
+    """The weight gradient with its operands quantized by the token kernel's path (its reference
+    here) equals, bit for bit, the gradient with XLA's quantization: 300 tokens (a partial block:
+    the kernel's operands are zero-padded), an empty group and tokens past the last group."""
+    pytest.importorskip("cutlass")
+    lin = importlib.import_module("jax_cute.fp8.linear")
+
+    m, k, n = 300, 192, 128
+    x, c = jnp.asarray(data((m, k), "heavy", 42), jnp.bfloat16), data((m, n), "normal", 43)
+    w = data((3, k, n) if grouped else (k, n), "normal", 44)
+    sizes = jnp.asarray([130, 0, 150], jnp.int32)
+
+    def grads():   # a new function each time: no cached trace
+        def loss(x, w):
+            y = grouped_linear(x, w, sizes, out_dtype=jnp.float32) if grouped else linear(x, w, out_dtype=jnp.float32)
+            return jnp.sum(y * c)
+        f = jax.jit(jax.grad(loss, (0, 1)))
+        return f, f(x, w)
+
+    f, by_kernel = grads()
+    assert str(jax.make_jaxpr(f)(x, w)).count("fp8_quantize_tokens") == 2
+    monkeypatch.setattr(lin, "_wgrad_kernels", lambda rows, pow2: None)
+    f, by_xla = grads()
+    assert "fp8_quantize_tokens" not in str(jax.make_jaxpr(f)(x, w))
+    for a, b in zip(by_kernel, by_xla):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_grouped_linear_and_kernelize_wgrad_reach_the_kernel():
@@ -338,9 +398,9 @@ def test_grouped_linear_and_kernelize_wgrad_reach_the_kernel():
     for loss in (linear_loss, moe_loss):
         fn = loss if loss is linear_loss else jax_cute.kernelize(loss, fp8="blockwise")
         text = _wgrad_text(jax.value_and_grad(lambda w, x: fn(w, x), (0, 1)), we, x, strict=True)
-        # forward, dgrad, the ragged-K wgrad and its two operands' group-aligned layouts
+        # forward, dgrad, the ragged-K wgrad and its two operands, quantized into the group-aligned layout
         assert text.count("@jax_cute_launch") == 5 and "stablehlo.dot_general" not in text, loss
-        assert "ragged_k.float8_e4m3fn" in text and text.count('name = "fp8_aligned_transpose"') == 2
+        assert "ragged_k.float8_e4m3fn" in text and text.count('name = "fp8_quantize_tokens"') == 2
 
 
 def test_vmap_of_scaled_products():
@@ -674,12 +734,14 @@ def test_dense_lowers_to_the_hopper_kernel():
 def test_kernelize_fp8_epilogue_lowers_to_the_hopper_kernel():
     """kernelize(fp8=...) of ``gelu(x @ w1 + b1) @ w2`` and its gradient, lowered for sm_90a in
     strict mode: five block-scaled GEMMs (two forward, two wgrad, the second layer's dgrad: x is
-    not differentiated), the first forward one with the bias in its epilogue; no XLA dot is left."""
+    not differentiated), the first forward one with the bias in its epilogue, and the two wgrads'
+    four operands quantized by the token kernel; no XLA dot is left."""
     pytest.importorskip("cutlass")
     p, x = _mlp_bias_params(50)
     f = jax_cute.kernelize(_mlp_bias_loss, fp8="blockwise")
     text = _wgrad_text(jax.value_and_grad(f), p, x, strict=True)
-    assert text.count("@jax_cute_launch") == 5 and "stablehlo.dot_general" not in text
+    assert text.count("@jax_cute_launch") == 9 and "stablehlo.dot_general" not in text
+    assert text.count('name = "fp8_quantize_tokens"') == 4
     assert f.report.products[0].epilogue == "bias + gelu"
     assert len([ln for ln in text.splitlines() if "scaled1x128" in ln and ".bias" in ln]) == 1, text
 
@@ -838,12 +900,12 @@ def test_lowers_for_cuda_as_xla_ops(monkeypatch):
                 lowering_platforms=("cuda",)).as_text()
 
     text = lowered()
-    # six GEMMs, and the ragged-K wgrad's two operands laid out by the transposing kernel
-    assert text.count("@jax_cute_launch") == 8 and "f8E4M3FN" in text and "stablehlo.dot_general" not in text
-    assert text.count('name = "fp8_aligned_transpose"') == 2
+    # six GEMMs, and the four wgrad operands quantized by the token kernel
+    assert text.count("@jax_cute_launch") == 10 and "f8E4M3FN" in text and "stablehlo.dot_general" not in text
+    assert text.count('name = "fp8_quantize_tokens"') == 4
     monkeypatch.setattr(arch, "UNVERIFIED_VARIANTS", {"sm_90a": frozenset({"scaled_ragged_k"})})
     text = lowered()
-    assert text.count("@jax_cute_launch") == 5
+    assert text.count("@jax_cute_launch") == 9
     dots = [ln for ln in text.splitlines() if "stablehlo.dot_general" in ln]
     assert dots and all("bf16" in ln and "-> tensor<" in ln and ln.rstrip().endswith("xf32>") for ln in dots), dots[:3]
 

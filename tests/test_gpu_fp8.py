@@ -169,17 +169,19 @@ def test_batched_and_e5m2():
     check(jax.jit(g)(aq, bq), mm(dq(aq), dq(bq)), abs_product(dq(aq), dq(bq)))
 
 
-def test_linear_forward_and_gradients():
+@pytest.mark.parametrize("n, calls", [(1040, 3), (1024, 5)])
+def test_linear_forward_and_gradients(n, calls):
     """fp8.linear's three GEMMs (forward 1x128 x 128x128, dgrad with w's blocks transposed, wgrad
     1x128 x 1x128 along the tokens) all run the kernel, each against the recipe's dequantised
-    operands in float32."""
-    x, w, r = data((1000, 768), "heavy", 10), data((768, 1040), "normal", 11) * 0.05, data((1000, 1040), "normal", 12)
+    operands in float32. With N = 1024 the wgrad's operands are quantized by the token kernel
+    (two more calls; 1000 tokens: zero-padded to 1024), with N = 1040 by XLA."""
+    x, w, r = data((1000, 768), "heavy", 10), data((768, n), "normal", 11) * 0.05, data((1000, n), "normal", 12)
 
     def loss(x, w, r):
         return jnp.sum(linear(x, w, out_dtype=F32) * r)
 
     f = jax.value_and_grad(loss, (0, 1))
-    assert_ours(f, x, w, r, calls=3)
+    assert_ours(f, x, w, r, calls=calls)
     (_, (dx, dw)), y = jax.jit(f)(x, w, r), jax.jit(lambda x, w: linear(x, w, out_dtype=F32))(x, w)
     xq, wq = quantize(x, "1x128"), quantize(w, "128x128")
     for got, a, b in ((y, dq(xq), dq(wq)), (dx, dq(quantize(r, "1x128")), dq(wq).T),
@@ -294,7 +296,7 @@ def test_grouped_linear_forward_and_dgrad(activation, x_kind, seed):
         return jnp.sum(grouped_linear(x, w, SIZES, activation=activation, out_dtype=F32) * r)
 
     f = jax.value_and_grad(loss, (0, 1))
-    assert_ours(f, x, w, r, calls=5)   # three GEMMs, and the wgrad operands' group-aligned layouts
+    assert_ours(f, x, w, r, calls=5)   # three GEMMs, and the wgrad operands quantized group-aligned
     (_, (dx, _)) = jax.jit(f)(x, w, r)
     z = jax.jit(lambda x, w: grouped_linear(x, w, SIZES, out_dtype=F32))(x, w)
     xq, wq = quantize(x, "1x128"), quantize(w, "128x128")
@@ -326,17 +328,51 @@ def ragged_k_ref(a, b, sizes) -> tuple[np.ndarray, np.ndarray]:
 def test_aligned_transpose_kernel_moves_every_byte(t, r, sizes):
     """The ragged-K operands' group-aligned layout by the transposing kernel: bit-equal to the
     jax.numpy reference on random bytes (zeros past each block's length, empty and odd groups)."""
-    from jax_cute.fp8 import aligned_transpose as at
+    from jax_cute.fp8 import wgrad_operands as wo
     from jax_cute.fp8.quantize import group_blocks
 
     rng = np.random.default_rng(t + r)
     xt = jnp.asarray(rng.integers(0, 256, (t, r), dtype=np.uint8)).view(jnp.float8_e4m3fn)
     _, bstart, blen, _ = group_blocks(jnp.asarray(sizes, jnp.int32), t)
-    f = jax.jit(at.aligned_transpose)
+    f = jax.jit(wo.aligned_transpose)
     assert "fp8_aligned_transpose" in f.lower(xt, bstart, blen).as_text()
     got = np.asarray(f(xt, bstart, blen)).view(np.uint8)
-    want = np.asarray(jax.jit(at.reference)(xt, bstart, blen)).view(np.uint8)
+    want = np.asarray(jax.jit(wo.transpose_reference)(xt, bstart, blen)).view(np.uint8)
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("t, r, sizes, dtype, fp8", [
+    (1000, 256, [300, 0, 450, 250], "bfloat16", "float8_e4m3fn"),
+    (16384, 2048, [5000, 77, 0, 8000, 3307], "bfloat16", "float8_e4m3fn"),
+    (130, 64, [0, 129, 0], "float32", "float8_e4m3fn"),
+    (4097, 192, None, "bfloat16", "float8_e4m3fn"),
+    (1000, 128, None, "float16", "float8_e5m2"),
+    (700, 320, [200, 500], "float32", "float8_e5m2")])
+def test_quantize_tokens_kernel_is_the_reference(t, r, sizes, dtype, fp8):
+    """The weight gradient's one-pass quantizer: values and scales bit-equal to the jax.numpy
+    reference (the quantizer's numerics) on heavy-tailed data with an all-zero block, uniform
+    blocks (None) or group blocks with empty and odd groups and tokens past the last group.
+    The reference runs on the CPU, whose conversion to fp8 rounds to nearest even as the
+    kernel's cvt does (XLA's GPU conversion rounds some subnormal halfway cases the other way)."""
+    from jax_cute.fp8 import wgrad_operands as wo
+    from jax_cute.fp8.quantize import group_blocks
+
+    x = np.array(data((t, r), "heavy", t + r), np.float32)
+    x[:128] = 0
+    x = jnp.asarray(x / np.abs(x).max() * 6e4, dtype)   # heavy-tailed, finite in float16 too
+    if sizes is None:
+        bstart, blen = wo.uniform_blocks(t)
+    else:
+        _, bstart, blen, _ = group_blocks(jnp.asarray(sizes, jnp.int32), t)
+    f = jax.jit(lambda x, s, n: wo.quantize_tokens(x, s, n, fp8))
+    assert "fp8_quantize_tokens" in f.lower(x, bstart, blen).as_text()
+    got = f(x, bstart, blen)
+    with jax.default_device(jax.devices("cpu")[0]):
+        want = jax.jit(lambda x, s, n: wo.quantize_reference(x, s, n, fp8))(
+            *(jax.device_put(a, jax.devices("cpu")[0]) for a in (x, bstart, blen)))
+    np.testing.assert_array_equal(np.asarray(got[0]).view(np.uint8), np.asarray(want[0]).view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+    assert np.any(np.asarray(got[1]) != 1)
 
 
 @pytest.mark.parametrize("kind", ["normal", "heavy", "student_t"])
@@ -367,7 +403,7 @@ def test_grouped_linear_wgrad():
         return jnp.sum(grouped_linear(x, w, K_SIZES, out_dtype=F32) * r)
 
     f = jax.value_and_grad(loss, (0, 1))
-    assert_ours(f, x, w, r, calls=5)   # three GEMMs, and the wgrad operands' group-aligned layouts
+    assert_ours(f, x, w, r, calls=5)   # three GEMMs, and the wgrad operands quantized group-aligned
     (_, (_, dw)) = jax.jit(f)(x, w, r)
     ref, absp = ragged_k_ref(dq(quantize_grouped(x.T, K_SIZES)), dq(quantize_grouped(r.T, K_SIZES)), K_SIZES)
     check(dw, ref, absp)

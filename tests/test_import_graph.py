@@ -33,7 +33,7 @@ LAZY = {
     "jax_cute.kernels.sm100_kernel": "the Blackwell kernel: imports the DSL's compiler (sm100_gemm builds launchers "
                                      "with it)",
     "jax_cute._ffi": "the native extension, which may not be built",
-    "jax_cute.fp8.aligned_transpose": "the fp8 ragged-K operands' transposing kernel: defined with the DSL",
+    "jax_cute.fp8.wgrad_operands": "the fp8 weight gradient's operand kernels: defined with the DSL",
 }
 EXTENSIONS = ("jax_cute._ffi",)
 

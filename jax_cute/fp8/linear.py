@@ -24,14 +24,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jax_cute.activations import apply_activation, check_activation, derivative_times, elementwise
-from jax_cute.fp8.ops import ragged_k_dot, scaled_dot_general, scaled_ragged_dot
-from jax_cute.fp8.quantize import BLOCK, E4M3, FP8_DTYPES, quantize, quantize_grouped, row_groups
+from jax_cute.fp8.ops import ragged_k_dot, ragged_k_dot_aligned, scaled_dot_general, scaled_ragged_dot
+from jax_cute.fp8.quantize import (BLOCK, E4M3, FP8_DTYPES, BlockScaled, group_blocks, group_ends, quantize,
+                                   quantize_grouped, row_groups)
+
+logger = logging.getLogger("jax_cute")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,16 +67,49 @@ class Blockwise:
     def q(self, x, block, grad: bool = False):
         return quantize(x, block, pow2_scales=self.pow2_scales, dtype=self.grad_dtype if grad else self.dtype)
 
-    def q_tokens(self, x, grad: bool = False):
+    def q_tokens(self, x, grad: bool = False, kernel: bool = False) -> BlockScaled:
         """``x`` (M, K) as ``q(x.T, "1x128")``: (K, M) in blocks of 128 tokens, for a weight
-        gradient. Quantized in x's own layout (a reduction over rows, then one elementwise pass)
-        and the fp8 values transposed after: reducing along the rows of a transposed operand is
-        several times slower in XLA's fusions (H100, the GPT example's fp8 step)."""
-        return quantize(x, (BLOCK, 1), pow2_scales=self.pow2_scales, dtype=self.grad_dtype if grad else self.dtype).T
+        gradient. With ``kernel`` (where ``wgrad_kernel`` says so) by
+        ``wgrad_operands.quantize_tokens``: one pass over x, the fp8 values written transposed,
+        M zero-padded to whole blocks (the product is the same). Else quantized in x's own
+        layout and the values transposed after (reducing along the rows of a transposed operand
+        is several times slower in XLA)."""
+        dt = self.grad_dtype if grad else self.dtype
+        if not kernel:
+            return quantize(x, (BLOCK, 1), pow2_scales=self.pow2_scales, dtype=dt).T
+        kernels = _wgrad_kernels(x.shape[1], self.pow2_scales)
+        values, scales = kernels.quantize_tokens(x, *kernels.uniform_blocks(x.shape[0]), dt)
+        return BlockScaled(values, scales, (BLOCK,))
 
-    def q_grouped(self, x, sizes, grad: bool = False):
-        return quantize_grouped(x, sizes, pow2_scales=self.pow2_scales,
-                                dtype=self.grad_dtype if grad else self.dtype)
+    def q_grouped(self, x, sizes, grad: bool = False, aligned: bool = False):
+        """``x`` (M, K) for a grouped weight gradient: ``quantize_grouped(x.T, sizes)``; with
+        ``aligned`` (where ``wgrad_kernel`` says so) by ``wgrad_operands.quantize_tokens``, as
+        (values, scales) already in the ragged-K kernel's group-aligned layout."""
+        dt = self.grad_dtype if grad else self.dtype
+        if not aligned:
+            return quantize_grouped(x.T, sizes, pow2_scales=self.pow2_scales, dtype=dt)
+        _, bstart, blen, _ = group_blocks(sizes, x.shape[0])
+        return _wgrad_kernels(x.shape[1], self.pow2_scales).quantize_tokens(x, bstart, blen, dt)
+
+    def wgrad_kernel(self, tokens: int, *rows: int) -> bool:
+        """Whether a weight gradient over ``tokens`` whose two operands have these column counts
+        quantizes both by the kernel (``q_tokens``/``q_grouped`` with ``kernel``/``aligned``).
+        Decided from static shapes, so the forward and backward passes decide alike."""
+        return tokens > 0 and all(_wgrad_kernels(r, self.pow2_scales) is not None for r in rows)
+
+
+def _wgrad_kernels(rows: int, pow2_scales: bool):
+    """``fp8.wgrad_operands`` where its kernels take a weight gradient's operand of ``rows``
+    columns with these scales, else None (XLA's quantization). Imported here, where a
+    gradient is traced: the module defines kernels with the DSL."""
+    if pow2_scales:   # the kernel computes amax / fmax scales only
+        return None
+    try:
+        from jax_cute.fp8 import wgrad_operands
+    except ImportError as e:   # (a machine lowering from the disk cache without the DSL)
+        logger.info("jax_cute fp8 weight-gradient operands: XLA's quantization, the DSL is not importable (%s)", e)
+        return None
+    return wgrad_operands if wgrad_operands.supported(rows) else None
 
 
 def _check_float(op: str, **xs) -> None:
@@ -153,7 +190,8 @@ def _linear_fwd(x, w, bias, dtypes, recipe, activation):
                            bias=bias)
     # wgrad contracts the tokens: x quantized along them, stored K-major (x.T) as the kernel reads it;
     # the pre-activation z (out_dtype) only where act' needs it
-    res = (recipe.q_tokens(x), wq, None if activation is None else z)
+    res = (recipe.q_tokens(x, kernel=recipe.wgrad_kernel(*x.shape, w.shape[1])), wq,
+           None if activation is None else z)
     return (z if activation is None else _activate(activation, z, out_dtype)), res
 
 
@@ -164,7 +202,8 @@ def _linear_bwd(dtypes, recipe, activation, res, g):
     # each gradient leaves its kernel in its input's dtype: the accumulator rounded once, as an f32
     # result cast afterwards would be, without writing and reading the f32 result
     dx = scaled_dot_general(gq, wq, (((1,), (1,)), ((), ())), preferred_element_type=_grad_out(x_dtype))
-    gq_t = recipe.q_tokens(g, grad=True)  # (N, M) in blocks along the tokens, wgrad's K
+    kernel = recipe.wgrad_kernel(g.shape[0], xq_t.shape[0], g.shape[1])   # as the forward pass decided
+    gq_t = recipe.q_tokens(g, grad=True, kernel=kernel)  # (N, M) in blocks along the tokens, wgrad's K
     dw = scaled_dot_general(xq_t, gq_t, (((1,), (1,)), ((), ())), preferred_element_type=_grad_out(w_dtype))
     db = None if bias_dtype is None else jnp.sum(g.astype(jnp.float32), axis=0).astype(bias_dtype)
     return dx.astype(x_dtype), dw.astype(w_dtype), db
@@ -206,7 +245,8 @@ def _grouped_fwd(x, w, sizes, bias, dtypes, recipe, activation):
     out_dtype = dtypes[0]
     wq = recipe.q(w, "128x128")  # (G, K, N): 128 x 128 blocks of each expert
     z = scaled_ragged_dot(recipe.q(x, "1x128"), wq, sizes, preferred_element_type=out_dtype, bias=bias)
-    res = (recipe.q_grouped(x.T, sizes), wq, sizes, None if activation is None else z)
+    aligned = recipe.wgrad_kernel(*x.shape, w.shape[2])
+    res = (recipe.q_grouped(x, sizes, aligned=aligned), wq, sizes, None if activation is None else z)
     return (z if activation is None else _activate(activation, z, out_dtype)), res
 
 
@@ -214,7 +254,14 @@ def _grouped_bwd(dtypes, recipe, activation, res, g):
     (_, x_dtype, w_dtype, bias_dtype), (xq_t, wq, sizes, z) = dtypes, res
     g = _dz(activation, z, g)
     dx = scaled_ragged_dot(recipe.q(g, "1x128", grad=True), wq.T, sizes, preferred_element_type=_grad_out(x_dtype))
-    dw = ragged_k_dot(xq_t, recipe.q_grouped(g.T, sizes, grad=True), sizes, preferred_element_type=_grad_out(w_dtype))
+    aligned = isinstance(xq_t, tuple)   # as the forward pass decided (values, scales)
+    gq_t = recipe.q_grouped(g, sizes, grad=True, aligned=aligned)
+    if aligned:
+        ends = group_ends(sizes, g.shape[0])
+        clipped = jnp.diff(ends, prepend=jnp.zeros((1,), ends.dtype))
+        dw = ragged_k_dot_aligned(xq_t, gq_t, clipped, preferred_element_type=_grad_out(w_dtype))
+    else:
+        dw = ragged_k_dot(xq_t, gq_t, sizes, preferred_element_type=_grad_out(w_dtype))
     db = None
     if bias_dtype is not None:  # each group's rows summed; rows past the last group (id G) dropped
         groups = sizes.shape[0]

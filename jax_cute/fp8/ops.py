@@ -213,7 +213,24 @@ def ragged_k_dot(a: BlockScaled, b: BlockScaled, group_sizes, *, preferred_eleme
                              f"{grouped_blocks(t, g)} group-aligned blocks")
     dispatch.at_trace(op, kernel_refusal(op, grouped="K", a=a.dtype, b=b.dtype, out=out))
     return scaled_ragged_k_p.bind(a.values, a.scales, b.values, b.scales, group_sizes.astype(jnp.int32),
-                                  out_dtype=out.name, compute="float32")
+                                  out_dtype=out.name, compute="float32", aligned=False)
+
+
+def ragged_k_dot_aligned(a: tuple, b: tuple, group_sizes, *, preferred_element_type=jnp.float32):
+    """:func:`ragged_k_dot` of operands already in the group-aligned layout, as
+    ``fp8.wgrad_operands.quantize_tokens`` writes them: a = (values (P, 128 nb), scales (P, nb)),
+    b likewise (Q rows), ``group_sizes`` (G,) the groups' token counts, clipped to the tokens
+    there were (``quantize.group_ends``)."""
+    op = "ragged_k_dot"
+    out = _out_dtype(op, preferred_element_type)
+    (av, sa), (bv, sb) = a, b
+    nb = sa.shape[1]
+    if av.shape != (sa.shape[0], BLOCK * nb) or bv.shape != (sb.shape[0], BLOCK * nb) or sb.shape[1] != nb:
+        raise ValueError(f"jax_cute.{op}: group-aligned operands must be (rows, 128 nb) with scales (rows, nb), got "
+                         f"{av.shape}/{sa.shape} and {bv.shape}/{sb.shape}")
+    dispatch.at_trace(op, kernel_refusal(op, grouped="K", a=av.dtype, b=bv.dtype, out=out))
+    return scaled_ragged_k_p.bind(av, sa, bv, sb, jnp.asarray(group_sizes, jnp.int32), out_dtype=out.name,
+                                  compute="float32", aligned=True)
 
 
 def is_scaled(*xs) -> bool:

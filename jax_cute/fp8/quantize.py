@@ -152,7 +152,7 @@ def grouped_blocks(extent: int, groups: int, block: int = BLOCK) -> int:
     return (extent + (block - 1) * groups) // block
 
 
-def _scale_of(amax, dtype: np.dtype, pow2: bool):
+def scale_of(amax, dtype: np.dtype, pow2: bool):
     """The block scale for a block whose largest magnitude is ``amax`` (float32)."""
     fmax = _FMAX[dtype]
     if pow2:
@@ -170,7 +170,7 @@ def _scale_of(amax, dtype: np.dtype, pow2: bool):
     return jnp.where(amax > 0, s, jnp.float32(1)).astype(jnp.float32)
 
 
-def _cast(x32, scale, dtype: np.dtype):
+def quantize_cast(x32, scale, dtype: np.dtype):
     fmax = _FMAX[dtype]
     # amax / (amax / 448) may round a hair above 448; clip so no value becomes NaN (e4m3fn has no inf)
     return jnp.clip(x32 / scale, -fmax, fmax).astype(dtype)
@@ -202,8 +202,8 @@ def quantize(x, block="1x128", *, pow2_scales: bool = False, dtype=jnp.float8_e4
     padded = jnp.pad(jnp.abs(x32), [(0, n * b - s) for n, b, s in zip(nb, blk, x.shape)])
     split = padded.reshape(tuple(d for n, b in zip(nb, blk) for d in (n, b)))
     amax = jnp.max(split, axis=tuple(range(1, 2 * x.ndim, 2))) if x.size else jnp.zeros(nb, jnp.float32)
-    scales = _scale_of(amax, dt, pow2_scales)
-    values = _cast(x32, expand_scales(scales, blk, x.shape), dt)
+    scales = scale_of(amax, dt, pow2_scales)
+    values = quantize_cast(x32, expand_scales(scales, blk, x.shape), dt)
     return BlockScaled(values, scales, _strip(blk))
 
 
@@ -274,10 +274,10 @@ def quantize_grouped(x, group_sizes, *, pow2_scales: bool = False, dtype=jnp.flo
     r = jnp.arange(BLOCK, dtype=jnp.int32)
     rows = jnp.where(r < blen[:, None], bstart[:, None] + r, t)            # (nb, 128); t: past the end
     amax = jnp.max(jnp.take(jnp.abs(xt), rows, axis=0, mode="fill", fill_value=0), axis=1)   # (nb, ...)
-    scales = _scale_of(amax, dt, pow2_scales)
+    scales = scale_of(amax, dt, pow2_scales)
     inside = (elem_block >= 0).reshape((t,) + (1,) * (x.ndim - 1))
     per_row = jnp.take(scales, jnp.maximum(elem_block, 0), axis=0)          # (T, ...)
-    values = jnp.where(inside, _cast(xt, per_row, dt), jnp.zeros((), dt))
+    values = jnp.where(inside, quantize_cast(xt, per_row, dt), jnp.zeros((), dt))
     values, scales = jnp.moveaxis(values, 0, -1), jnp.moveaxis(scales, 0, -1)
     return BlockScaled(values, scales, (BLOCK,), group_sizes.astype(jnp.int32))
 

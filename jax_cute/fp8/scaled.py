@@ -28,7 +28,7 @@ kernel passed its GPU tests and runs by default; a call no kernel takes is repor
 :class:`jax_cute.FallbackError` in strict mode) and lowers to the reference, as does a call the
 kernel refuses when it is lowered (logged the same way). Its operands reach the kernel with T
 laid out group-aligned (every group from a multiple of 128, zero-filled to the next): by
-``fp8/aligned_transpose.py``'s kernel, or :func:`group_aligned` (an XLA gather).
+``fp8/wgrad_operands.py``'s transposing kernel, or :func:`group_aligned` (an XLA gather).
 """
 
 from __future__ import annotations
@@ -152,13 +152,13 @@ def _group_aligned_operand(x, group_sizes, t: int, blocks: int):
     """``group_aligned`` for the ragged-K kernel's operand x (R, T): by the transposing kernel
     from x's token-major values (``x.T``, which the quantization wrote) where it takes R."""
     try:   # the kernel is defined with the DSL: imported here, where a kernel is lowered, not before
-        from jax_cute.fp8 import aligned_transpose
+        from jax_cute.fp8 import wgrad_operands
     except ImportError as e:   # (a machine lowering from the disk cache without the DSL)
         logger.info("jax_cute fp8 ragged-K operands: XLA's gather, the DSL is not importable (%s)", e)
     else:
-        if aligned_transpose.supported(x.shape[0]):
+        if wgrad_operands.supported(x.shape[0]):
             _, bstart, blen, _ = group_blocks(group_sizes, t)
-            return aligned_transpose.aligned_transpose(x.T, bstart, blen)
+            return wgrad_operands.aligned_transpose(x.T, bstart, blen)
     return _take_aligned(x, _aligned_gather(group_sizes, t, blocks))
 
 
@@ -175,7 +175,8 @@ def _ragged_k_kernel(avals, params) -> Callable | None:
     rounds each up to 128: a group's first block is the sum of the rounded sizes before it / 128)."""
     a, sa, b, sb, gs = avals
     (p, t), q, g, tb = a.shape, b.shape[0], gs.shape[0], sa.shape[1]
-    if t == 0 or tb != grouped_blocks(t, g):
+    aligned = params.get("aligned", False)
+    if t == 0 or tb != (t // BLOCK if aligned else grouped_blocks(t, g)):
         return None
     tp = tb * BLOCK
     one = Layout((1,), (0,))
@@ -188,15 +189,18 @@ def _ragged_k_kernel(avals, params) -> Callable | None:
                                 _block_major_aval(sb)), layouts, params["out_dtype"], "float32", scales=(1, 1))
 
     def reference(x, y, sizes, sx, sy):
-        """The reference of the kernel's operands: sizes rounded up to 128 as the kernel does."""
-        sizes = -(-jnp.clip(sizes, 0, tp) // BLOCK) * BLOCK
-        return ragged_k_reference(x, _row_major(sx, p)[0], y, _row_major(sy, q)[0], sizes, **params)
+        """The reference of the kernel's operands (group-aligned, sizes rounded up to 128 as the
+        kernel rounds them)."""
+        return ragged_k_reference(x, _row_major(sx, p)[0], y, _row_major(sy, q)[0], sizes,
+                                  **{**params, "aligned": True})
 
     impl = dispatch.gemm(req, reference)
     if impl is None:
         return None
 
     def run(x, sx, y, sy, sizes):
+        if aligned:   # laid out by the caller, the sizes clipped
+            return impl(x, y, sizes, _block_major(sx), _block_major(sy))
         ends = group_ends(sizes, t)
         clipped = jnp.diff(ends, prepend=jnp.zeros((1,), ends.dtype)).astype(jnp.int32)
         return impl(_group_aligned_operand(x, sizes, t, tb), _group_aligned_operand(y, sizes, t, tb), clipped,
@@ -288,11 +292,12 @@ def _ragged_m_abstract(a, sa, b, sb, gs, *bias, b_block, out_dtype, activation, 
     return _result((m, out_n), out_dtype, (a, sa, b, sb, gs, *bias))
 
 
-def _ragged_k_abstract(a, sa, b, sb, gs, *, out_dtype, compute):
+def _ragged_k_abstract(a, sa, b, sb, gs, *, out_dtype, compute, aligned=False):
     n = "jax_cute_scaled_ragged_k"
     (p, t), (q, tb), g = a.shape, b.shape, gs.shape[0]
     _check(n, t == tb and sa.shape[0] == p and sb.shape[0] == q and sa.shape[1] == sb.shape[1],
            f"a {a.shape}, sa {sa.shape}, b {b.shape}, sb {sb.shape}")
+    _check(n, not aligned or t == BLOCK * sa.shape[1], f"group-aligned operands {a.shape} for {sa.shape[1]} blocks")
     return _result((g, p, q), out_dtype, (a, sa, b, sb, gs))
 
 
@@ -370,9 +375,14 @@ def ragged_m_reference(a, sa, b, sb, gs, bias=None, *, b_block, out_dtype, activ
     return jnp.where(inside[:, None], out, 0).astype(out_dtype)  # rows past the last group stay zero
 
 
-def ragged_k_reference(a, sa, b, sb, gs, *, out_dtype, compute="float32"):
-    """out[g] = sum over group g's blocks of (a_blk @ b_blk^T) * sa[:, blk] * sb[:, blk] in f32."""
+def ragged_k_reference(a, sa, b, sb, gs, *, out_dtype, compute="float32", aligned=False):
+    """out[g] = sum over group g's blocks of (a_blk @ b_blk^T) * sa[:, blk] * sb[:, blk] in f32.
+    ``aligned``: a and b are already group-aligned (``group_aligned``'s layout, T = 128 Tb) and
+    ``gs`` the groups' token counts (clipped to the tokens there were): each group then spans its
+    blocks' whole 128 columns."""
     (p, t), q, g = a.shape, b.shape[0], gs.shape[0]
+    if aligned:
+        gs = -(-jnp.clip(gs, 0, t) // BLOCK) * BLOCK
     cd = np.dtype(compute)
     _, bstart, blen, bgroup = group_blocks(gs, t)
     nb = sa.shape[1]

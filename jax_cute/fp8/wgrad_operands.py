@@ -1,0 +1,82 @@
+"""The fp8 weight gradient's operands by kernels (``kernels/fp8_operands.py``, whose docstring
+gives the layout), each with its jax.numpy reference, which runs where no kernel does.
+
+Imports the DSL (the kernels' launchers): imported only where a weight gradient is traced.
+The layout: each scale block of up to 128 consecutive tokens at columns [128 j, 128 j + its
+length) of an (R, 128 nb) operand, zeros after; the blocks given by their first token and
+length (``uniform_blocks``, or ``quantize.group_blocks`` for a grouped layer).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_cute.fp8.quantize import BLOCK, FP8_DTYPES, aligned_columns, quantize_cast, scale_of
+from jax_cute.kernels import fp8_operands
+from jax_cute.primitives.cute_call import cute_call
+
+
+def supported(rows: int) -> bool:
+    """Whether the kernels take operands of ``rows`` (R): whole 64-column tiles."""
+    return rows > 0 and rows % fp8_operands.COLS == 0
+
+
+def uniform_blocks(tokens: int) -> tuple[jax.Array, jax.Array]:
+    """(first token, length) of each block of 128 consecutive tokens, the last one partial."""
+    start = jnp.arange(-(-tokens // BLOCK), dtype=jnp.int32) * BLOCK
+    return start, jnp.minimum(tokens - start, BLOCK).astype(jnp.int32)
+
+
+def _aligned_rows(x: jax.Array, start: jax.Array, length: jax.Array) -> jax.Array:
+    """x (T, R)'s rows in the layout's order (128 nb, R), zeros where no token is."""
+    src, keep = aligned_columns(start, length, x.shape[0], start.shape[0], BLOCK)
+    return jnp.where(keep[:, None], jnp.take(x, src, axis=0), jnp.zeros((), x.dtype))
+
+
+def transpose_reference(xt: jax.Array, start: jax.Array, length: jax.Array) -> jax.Array:
+    """What ``aligned_transpose`` computes, in jax.numpy (any dtype)."""
+    return _aligned_rows(xt, start, length).T
+
+
+def quantize_reference(x: jax.Array, start: jax.Array, length: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+    """What ``quantize_tokens`` computes, in jax.numpy: the quantizer's numerics on these blocks."""
+    dt, nb = np.dtype(dtype), start.shape[0]
+    xa = _aligned_rows(x.astype(jnp.float32), start, length)                # (128 nb, R)
+    scales = scale_of(jnp.max(jnp.abs(xa).reshape(nb, BLOCK, -1), axis=1), dt, False)   # (nb, R)
+    values = quantize_cast(xa, jnp.repeat(scales, BLOCK, axis=0), dt)
+    return values.T, scales.T
+
+
+def aligned_transpose(xt: jax.Array, start: jax.Array, length: jax.Array) -> jax.Array:
+    """``xt`` (T, R) fp8 token-major values -> (R, 128 nb) in the layout; ``start``/``length``
+    (nb,) each block's first token and length (zero-length blocks are all zeros). R must be a
+    multiple of 64 (``supported``)."""
+    t, r = xt.shape
+    nb = start.shape[0]
+    call = cute_call(fp8_operands.aligned_transpose, out_shape=jax.ShapeDtypeStruct((r, BLOCK * nb), jnp.uint8),
+                     reference=lambda x, s, n: (transpose_reference(x, s, n),), name="fp8_aligned_transpose")
+    out = call(jax.lax.bitcast_convert_type(xt, jnp.uint8), start.astype(jnp.int32), length.astype(jnp.int32))
+    return jax.lax.bitcast_convert_type(out, xt.dtype)
+
+
+def quantize_tokens(x: jax.Array, start: jax.Array, length: jax.Array, dtype=jnp.float8_e4m3fn
+                    ) -> tuple[jax.Array, jax.Array]:
+    """``x`` (T, R) (bfloat16, float16 or float32) -> (values (R, 128 nb) ``dtype``, scales
+    (R, nb) float32) in the layout, in one pass: each block's scale is amax / fmax, as
+    ``quantize``'s (power-of-two scales are not computed here). ``start``/``length`` (nb,) as
+    for ``aligned_transpose``; a zero-length block is zeros with scale 1. R must be a multiple
+    of 64 (``supported``)."""
+    dt = np.dtype(dtype)
+    if dt not in FP8_DTYPES:
+        raise TypeError(f"jax_cute.fp8.quantize_tokens: dtype must be float8_e4m3fn or float8_e5m2, got {dt}")
+    if x.ndim != 2 or not jnp.issubdtype(x.dtype, jnp.floating) or np.dtype(x.dtype) in FP8_DTYPES:
+        raise TypeError(f"jax_cute.fp8.quantize_tokens: x must be a 2-D 16- or 32-bit float array, got "
+                        f"{x.shape}:{x.dtype}")
+    t, r = x.shape
+    nb = start.shape[0]
+    call = cute_call(fp8_operands.quantize_tokens,
+                     out_shape=(jax.ShapeDtypeStruct((r, BLOCK * nb), dt), jax.ShapeDtypeStruct((r, nb), jnp.float32)),
+                     reference=lambda x, s, n: quantize_reference(x, s, n, dt), name="fp8_quantize_tokens")
+    return call(x, start.astype(jnp.int32), length.astype(jnp.int32))

@@ -1,0 +1,125 @@
+"""The fp8 weight gradient's operands, laid out by small SIMT kernels (called through
+``cute_call`` from ``jax_cute/fp8/wgrad_operands.py``, which holds their references).
+
+A weight gradient contracts the tokens, so its fp8 operands are read contiguous along them
+(fp8 WGMMA reads both operands K-major) and its scale blocks run along them: each block of up to
+128 consecutive tokens sits at columns [128 j, 128 j + its length) of an (R, 128 nb) operand,
+zeros after. The blocks are given by their first token and length (uniform for a dense layer,
+restarting at each group for a grouped one, the layout the ragged-K kernel reads).
+
+- ``aligned_transpose``: (T, R) token-major fp8 values -> that layout.
+- ``quantize_tokens``: (T, R) token-major 16- or 32-bit values -> that layout's e4m3/e5m2
+  values and their float32 scales (R, nb), in one pass. Numerics are the quantizer's: amax /
+  fmax as the scale (1 for an all-zero block), ``x / scale`` rounded to nearest and saturated.
+
+Each CTA takes one block and 64 columns: it stages the block's 128 rows x 64 columns in shared
+memory (whole row pieces read) and writes 64 rows of 128 bytes. Imports the DSL: only kernel
+builds import it.
+"""
+
+from __future__ import annotations
+
+from jax_cute.kernels.dsl import Constexpr, Float32, cute, cutlass, memory
+
+ROWS = 128     # tokens per scale block: one block per CTA
+COLS = 64      # columns of R per CTA
+THREADS = 128
+TINY = 1.1754943508222875e-38   # float32's smallest normal: the least scale (quantize._TINY)
+FMAX = {cutlass.Float8E4M3FN: 448.0, cutlass.Float8E5M2: 57344.0}
+_PITCH = COLS + 4   # staged float32 row pitch: 16-byte rows, fewer bank conflicts on the store
+
+
+@cute.kernel
+def _aligned_transpose_kernel(mX: cute.Tensor, mStart: cute.Tensor, mLen: cute.Tensor, mOut: cute.Tensor):
+    tidx, _, _ = cute.arch.thread_idx()
+    blk, cb, _ = cute.arch.block_idx()
+    smem = memory.SmemAllocator()
+    sT = smem.allocate_tensor(element_type=cutlass.Uint8, layout=cute.make_layout((ROWS, COLS), stride=(COLS, 1)),
+                              byte_alignment=16)
+    start = mStart[blk]
+    length = mLen[blk]
+    c0 = cb * COLS
+    # load: thread t stages row t of the block (token start + t), 64 bytes, or zeros past its length
+    frag = cute.make_rmem_tensor((COLS,), cutlass.Uint8)
+    if tidx < length:
+        src = cute.local_tile(mX, (1, COLS), (start + tidx, cb))
+        frag.store(src[0, None].load())
+    else:
+        frag.fill(0)
+    sT[tidx, None].store(frag.load())
+    cute.arch.sync_threads()
+    # store: thread t writes half t % 2 of output row c0 + t // 2 (64 tokens, contiguous)
+    c, half = tidx // 2, tidx % 2
+    out = cute.make_rmem_tensor((COLS,), cutlass.Uint8)
+    for i in cutlass.range(COLS, unroll_full=True):
+        out[i] = sT[half * COLS + i, c]
+    dst = cute.local_tile(mOut, (1, COLS), (c0 + c, blk * 2 + half))
+    dst[0, None].store(out.load())
+
+
+@cute.jit
+def aligned_transpose(stream, x: cute.Tensor, start: cute.Tensor, length: cute.Tensor, out: cute.Tensor):
+    """cute_call launcher: x (T, R) uint8, start/length (nb,) int32, out (R, 128 nb) uint8."""
+    nb = start.shape[0]
+    _aligned_transpose_kernel(x, start, length, out).launch(
+        grid=[nb, x.shape[1] // COLS, 1], block=[THREADS, 1, 1], stream=stream)
+
+
+@cute.kernel
+def _quantize_tokens_kernel(mX: cute.Tensor, mStart: cute.Tensor, mLen: cute.Tensor, mVal: cute.Tensor,
+                            mScale: cute.Tensor, fmax: Constexpr):
+    tidx, _, _ = cute.arch.thread_idx()
+    blk, cb, _ = cute.arch.block_idx()
+    smem = memory.SmemAllocator()
+    sX = smem.allocate_tensor(element_type=Float32, layout=cute.make_layout((ROWS, COLS), stride=(_PITCH, 1)),
+                              byte_alignment=16)
+    sMax = smem.allocate_tensor(element_type=Float32, layout=cute.make_layout((2, COLS), stride=(COLS, 1)),
+                                byte_alignment=16)
+    start = mStart[blk]
+    length = mLen[blk]
+    # stage in float32: a warp reads 4 rows x 64 columns per pass (8 columns a thread); rows
+    # past the block's length are zeros
+    for p in cutlass.range(ROWS // 16, unroll_full=True):
+        row = p * 16 + tidx // 8
+        chunk = tidx % 8
+        frag = cute.make_rmem_tensor((8,), Float32)
+        if row < length:
+            src = cute.local_tile(mX, (1, 8), (start + row, cb * 8 + chunk))
+            frag.store(src[0, None].load().to(Float32))
+        else:
+            frag.fill(0.0)
+        cute.local_tile(sX, (1, 8), (row, chunk))[0, None].store(frag.load())
+    cute.arch.sync_threads()
+    # thread t holds half t // 64 of column t % 64 (64 tokens); the column's amax over both
+    # halves, NaN propagating as in XLA's max
+    c, half = tidx % COLS, tidx // COLS
+    vals = cute.make_rmem_tensor((COLS,), Float32)
+    m = Float32(0.0)
+    for i in cutlass.range(COLS, unroll_full=True):
+        v = sX[half * COLS + i, c]
+        vals[i] = v
+        m = cute.arch.fmax(m, cute.arch.fmax(v, -v), nan=True)
+    sMax[half, c] = m
+    cute.arch.sync_threads()
+    amax = cute.arch.fmax(sMax[0, c], sMax[1, c], nan=True)
+    scale = Float32(1.0)
+    if amax > 0.0:   # (NaN is not: scale 1, as the quantizer's where)
+        scale = cute.arch.fmax(amax * Float32(1.0 / fmax), Float32(TINY))
+    if half == 0:
+        mScale[cb * COLS + c, blk] = scale
+    q = cute.make_rmem_tensor((COLS,), Float32)
+    for i in cutlass.range(COLS, unroll_full=True):
+        q[i] = vals[i] / scale    # div.rn.f32, as XLA divides
+    out = cute.make_rmem_tensor((COLS,), mVal.element_type)
+    out.store(q.load().to(mVal.element_type))   # cvt.rn.satfinite: the quantizer's clip and rounding
+    cute.local_tile(mVal, (1, COLS), (cb * COLS + c, blk * 2 + half))[0, None].store(out.load())
+
+
+@cute.jit
+def quantize_tokens(stream, x: cute.Tensor, start: cute.Tensor, length: cute.Tensor, values: cute.Tensor,
+                    scales: cute.Tensor):
+    """cute_call launcher: x (T, R) float, start/length (nb,) int32 -> values (R, 128 nb) fp8,
+    scales (R, nb) float32."""
+    nb = start.shape[0]
+    _quantize_tokens_kernel(x, start, length, values, scales, FMAX[values.element_type]).launch(
+        grid=[nb, x.shape[1] // COLS, 1], block=[THREADS, 1, 1], stream=stream)
