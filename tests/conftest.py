@@ -92,6 +92,16 @@ def _gpu_run(config) -> bool:
     return "gpu" in (config.getoption("-m") or "") and "not gpu" not in (config.getoption("-m") or "")
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config):
+    """A run without GPU tests compiles XLA's CPU code unoptimised (shared_result.FAST_CPU_COMPILE
+    says why), unless XLA_FLAGS sets an optimisation level. Before any test module starts a JAX
+    backend, which reads XLA_FLAGS once; pytest-xdist's workers inherit it."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if not _gpu_run(config) and "xla_backend_optimization_level" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {shared_result.FAST_CPU_COMPILE}".strip()
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield

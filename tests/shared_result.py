@@ -41,10 +41,12 @@ def once(key: str, compute: Callable[[], Any], *, dumps: Callable[[Any], bytes] 
         return result
 
 
-# XLA_FLAGS a run may set to compile XLA's CPU code without LLVM's optimisations (faster CPU
-# test runs; some summation orders change, which tests that compare two programs' roundings, such
-# as test_fp8's fused-against-unfused gradients on JAX 0.10.2, do not allow): subprocesses
-# inherit it when the run sets it.
+# A CPU test run compiles XLA's code without LLVM's optimisations (conftest adds this to
+# XLA_FLAGS unless the run selects GPU tests): the tests check what jax_cute lowers and computes,
+# not how fast XLA's CPU code runs, and XLA's CPU compiles are much of the run's time. The
+# arithmetic is still IEEE (no fast-math); which loops LLVM vectorises and which products it
+# contracts into FMAs change, and with them some float32 roundings, as between machines.
+# Subprocesses inherit it (xla_flags).
 FAST_CPU_COMPILE = "--xla_backend_optimization_level=0"
 
 

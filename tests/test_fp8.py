@@ -489,9 +489,13 @@ def test_fused_linear_is_the_unfused_recipe(activation, out_dtype, with_bias):
     val, grads = jax.jit(jax.value_and_grad(fused, argnums))(x, w, b)
     want_val, want = jax.jit(jax.value_and_grad(unfused, argnums))(x, w, b)
     assert abs(float(val) - float(want_val)) <= 1e-6 * abs(float(want_val))
+    # Both round dz = g * act'(z) once to g's dtype. The two programs form act'(z) in float32
+    # with different fusions (and FMA contractions), so in bfloat16 a few of dz's m * n elements
+    # may round the other way, each by one bf16 ulp (2^-8 relative): allow 8 such elements.
+    bound = 1e-5 + (2.0 ** -8 * np.sqrt(8 / (m * n)) if out_dtype == jnp.bfloat16 else 0)
     for got, ref in zip(grads, want):
         assert got.dtype == ref.dtype and got.shape == ref.shape
-        assert rel(got, ref) < 1e-5
+        assert rel(got, ref) < bound
 
 
 @pytest.mark.parametrize("activation", ["gelu", "relu2"])

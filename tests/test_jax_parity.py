@@ -382,7 +382,8 @@ def _grad(f, argnums):
     return jax.grad(lambda *xs: jnp.sum(f(*xs)).real.astype(np.float32), argnums)
 
 
-@pytest.mark.parametrize("pet", [None, np.float32], ids=["default", "f32"])
+# preferred_element_type=float32 over every case: a sweep (CI's second step)
+@pytest.mark.parametrize("pet", [None, pytest.param(np.float32, marks=pytest.mark.sweep)], ids=["default", "f32"])
 def test_weak_types_are_jax_s(x64, pet):
     """Result dtype and weak type as JAX's (traced, under vmap and grad) for weakly typed
     operands: a weak operand does not widen a strong one (bf16 @ weak float is bf16), an int
