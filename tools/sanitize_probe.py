@@ -57,6 +57,21 @@ def stream_chain():
     return f, args
 
 
+def fp8_operands(which: str, sizes):
+    """wgrad_operands' kernels on 973 tokens x 192 columns: uniform or group blocks."""
+    from jax_cute.fp8 import wgrad_operands
+    from jax_cute.fp8.quantize import group_blocks
+
+    t = 973
+    if sizes is None:
+        start, length = wgrad_operands.uniform_blocks(t)
+    else:
+        _, start, length, _ = group_blocks(jnp.asarray(sizes, jnp.int32), t)
+    if which == "quantize":
+        return jax.jit(wgrad_operands.quantize_tokens), (r(t, 192), start, length)
+    return jax.jit(wgrad_operands.aligned_transpose), (r(t, 192).astype(jnp.float8_e4m3fn), start, length)
+
+
 # A callable entry is built when its turn comes: the directly compiled configs only where asked
 # for, so a filtered run compiles nothing it does not launch.
 checks = {
@@ -128,6 +143,12 @@ checks = {
     "kernelized mlp dact grad large": (jax.grad(lambda x, w1, w2: jax_cute.kernelize(
         lambda x, w1, w2: jax.nn.silu(x @ w1) @ w2)(x, w1, w2).astype(jnp.float32).sum(), (0, 1, 2)),
         (r(2056, 512), r(512, 2048), r(2048, 512))),
+    # the fp8 weight gradient's operand kernels (SIMT; the block-scaled GEMMs themselves crash
+    # the sanitizer): a partial last block of 77 tokens, group blocks with an empty group, a
+    # block of one token and tokens past the last group
+    "fp8 token quantizer uniform": lambda: fp8_operands("quantize", None),
+    "fp8 token quantizer groups": lambda: fp8_operands("quantize", [0, 300, 1, 500]),
+    "fp8 aligned transpose groups": lambda: fp8_operands("transpose", [0, 300, 1, 500]),
     "matmul stream pdl chain": stream_chain,
     "matmul grad": (jax.grad(lambda a, b: jax_cute.matmul(a, b).astype(jnp.float32).sum(), (0, 1)),
                     (r(264, 136), r(136, 72))),
