@@ -257,7 +257,8 @@ SUITE_NOTE = {
               "`kernelize(loss, fuse_epilogues=False)`, the gelu and its derivative XLA passes.",
     "layouts": "XLA: the same `jnp.einsum` / `jnp.matmul` expression. Attention products read (B, T, H, D) "
                "activations and write their outputs in the einsum's order; the LM head has a 50257-word "
-               "vocabulary (rows padded to 16 bytes inside the lowering); *vmap of batched* maps axis 1 of a "
+               "vocabulary (rows of 100514 bytes: the forward's logits are stored without TMA where they lie, the "
+               "gradients read the cotangent padded to 16-byte rows); *vmap of batched* maps axis 1 of a "
                "product batched along axis 0 (two batch modes), *flat batched* is the same product with one.",
     "ragged": "lax.ragged_dot: `jax.lax.ragged_dot` compiled by XLA. Pallas: the fastest of up to four configs of "
               "Pallas' `ragged_dot_mgpu` (forward, lhs gradient) or `transposed_ragged_dot_mgpu` (rhs gradient). "

@@ -283,7 +283,7 @@ def gemm(request: GemmRequest, reference: Callable) -> Callable | None:
         return None  # nothing to launch: the reference path writes the zeros
     what = req.describe(e)
     planned = plan(req.layouts, [av.shape for av in req.avals[:2]], req.dtypes,
-                   copies=not req.epilogue and not req.grouped and not req.scales)
+                   copies=not req.epilogue and not req.grouped and not req.scales, unaligned_c=_unaligned_c(req))
     if not isinstance(planned, str) and planned.rewrite is not None:
         rw = planned.rewrite
         logger.warning("jax_cute.matmul: %swriting the output through one copy into its layout: %s (%s)",
@@ -366,7 +366,7 @@ def whole_split(request: GemmRequest) -> int | None:
     if 0 in e.values():
         return None
     planned = plan(request.layouts, [av.shape for av in request.avals[:2]], request.dtypes,
-                   copies=not request.epilogue and not request.scales)
+                   copies=not request.epilogue and not request.scales, unaligned_c=_unaligned_c(request))
     target = _target("gemm", request.epilogue)
     if isinstance(planned, str) or target.refusal() is not None:
         return None
@@ -379,6 +379,15 @@ def whole_split(request: GemmRequest) -> int | None:
     except ValueError:
         return None
     return cfg.split_k
+
+
+def _unaligned_c(req: GemmRequest) -> bool:
+    """Whether the target's kernel may store this request's C where its strides are not
+    multiples of 16 bytes (GemmSpec.c_aligned): a dense product with no second output laid out
+    like C (pre-activation, Z) and no block scales."""
+    arch, _ = target_arch()
+    return (("grouped" if req.grouped else "gemm"), arch) in kernels.UNALIGNED_C and not req.grouped \
+        and not req.two_outputs and not req.dact and not req.scales and not is_gated(req.activation)
 
 
 def _request_refusal(req: GemmRequest, e: dict) -> str | None:
@@ -463,7 +472,7 @@ def _spec(req: GemmRequest, p: Plan) -> GemmSpec | GroupedSpec:
     if req.dact:
         return GemmSpec(*dts, flat.a.major, flat.b.major, flat.c.major, req.acc_dtype, dact=req.dact)
     return GemmSpec(*dts, flat.a.major, flat.b.major, flat.c.major, req.acc_dtype, batch_modes=p.batch_modes,
-                    **(fused if req.epilogue else {}), **scales)
+                    **(fused if req.epilogue else {}), **scales, c_aligned=flat.c.aligned)
 
 
 def _log_copies(p: Plan) -> None:

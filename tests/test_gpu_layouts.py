@@ -88,6 +88,29 @@ def test_weight_gradient_form_of_dot_general():
           rand((1000, 264), 10), rand((1000, 520), 11), calls=1)
 
 
+@pytest.mark.parametrize("m, n, out, fused", [(1000, 1031, BF16, False), (777, 50257, jnp.float32, False),
+                                          (1000, 1031, BF16, True), (130, 333, jnp.float16, True)])
+def test_unaligned_output_rows_are_written_where_they_lie(m, n, out, fused):
+    """Output rows of N elements that are not a multiple of 16 bytes (N = 1031, a 50257-word
+    vocabulary): the kernel stores them without TMA, where they lie: no padded buffer and no
+    slice after it; with a fused bias and gelu too."""
+    x, w = rand((m, 776), 20), rand((776, n), 21)
+    b = rand((n,), 22, jnp.float32) if fused else None
+    act = "gelu" if fused else None
+
+    def ours(x, w):
+        return jax_cute.matmul(x, w, preferred_element_type=out, bias=b, activation=act)
+
+    def ref(x, w):
+        y = x @ w + (0 if b is None else b)
+        return jax.nn.gelu(y) if fused else y
+
+    check(ours, ref, x, w, calls=1)
+    with config.override(strict=True):
+        text = jax.jit(ours).lower(x, w).compile().as_text()
+    assert not re.search(r"= \S+ (slice|pad)\(", text), [ln for ln in text.splitlines() if "slice(" in ln or "pad(" in ln]
+
+
 def test_lm_head_with_a_50257_word_vocabulary_forward_and_backward():
     m, k, v = 2048, 768, 50257
     x, w = rand((m, k), 12), rand((v, k), 13)

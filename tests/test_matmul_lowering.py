@@ -127,18 +127,28 @@ def test_misaligned_rows_are_padded_not_copied_or_left_to_xla(caplog):
 
 
 def test_lm_head_with_a_50257_word_vocabulary_runs_the_kernel_forward_and_backward():
-    """GPT-2's vocabulary: logits (8192, 50257) are written into rows padded to 50264 and sliced
-    (a slice XLA fuses into the loss); the gradients read the padded cotangent."""
+    """GPT-2's vocabulary: the Hopper kernel writes the logits (8192, 50257) where they are (rows
+    of 100514 bytes, not a TMA stride: stored without TMA), no padded buffer and no slice; the
+    gradients read the cotangent padded to 50264 (an operand's rows must be TMA strides). The
+    Blackwell kernel stores with TMA only: its logits go through padded rows and a slice."""
     def loss(x, w):
         return jax_cute.matmul(x, w, transpose_b=True, preferred_element_type=jnp.float32).sum()
 
+    def head(x, w):
+        return jax_cute.matmul(x, w, transpose_b=True)
+
     with config.override(strict=True):
-        fwd = lowered(lambda x, w: jax_cute.matmul(x, w, transpose_b=True), (8192, 768), (50257, 768))
+        fwd = lowered(head, (8192, 768), (50257, 768))
         bwd = lowered(jax.grad(loss, (0, 1)), (8192, 768), (50257, 768))
     assert fwd.count("stablehlo.custom_call @jax_cute_launch") == 1 and "dot_general" not in fwd
-    assert "tensor<8192x50264xbf16>" in fwd and "stablehlo.transpose" not in fwd
+    assert "50264" not in fwd and "stablehlo.slice" not in fwd and "stablehlo.transpose" not in fwd
+    assert ".cunaligned" in fwd
     assert bwd.count("stablehlo.custom_call @jax_cute_launch") == 2 and "dot_general" not in bwd
-    assert "stablehlo.transpose" not in bwd
+    assert "stablehlo.transpose" not in bwd and "tensor<8192x50264xbf16>" in bwd
+    with config.override(strict=True, target_arch="sm_100a", unverified_kernels=True):
+        fwd = jax.jit(lambda x, w: head(x, w)).trace(*(jax.ShapeDtypeStruct(s, BF16) for s in ((8192, 768), (50257, 768)))
+                                                    ).lower(lowering_platforms=("cuda",)).as_text()
+    assert "tensor<8192x50264xbf16>" in fwd and "stablehlo.slice" in fwd and ".cunaligned" not in fwd
 
 
 # Switches are read when a function is lowered and JAX caches lowerings per function, so each

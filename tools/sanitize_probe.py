@@ -149,6 +149,10 @@ checks = {
     "fp8 token quantizer uniform": lambda: fp8_operands("quantize", None),
     "fp8 token quantizer groups": lambda: fp8_operands("quantize", [0, 300, 1, 500]),
     "fp8 aligned transpose groups": lambda: fp8_operands("transpose", [0, 300, 1, 500]),
+    # rows of 1031 elements (not a multiple of 16 bytes): every subtile stored per element
+    "matmul unaligned C": (jax_cute.matmul, (r(1000, 776), r(776, 1031))),
+    "fused bias gelu unaligned C": (lambda x, w, b: jax_cute.matmul(x, w, bias=b, activation="gelu"),
+                                    (r(1000, 776), r(776, 1031), jnp.asarray(rng.standard_normal(1031), jnp.float32))),
     "matmul stream pdl chain": stream_chain,
     "matmul grad": (jax.grad(lambda a, b: jax_cute.matmul(a, b).astype(jnp.float32).sum(), (0, 1)),
                     (r(264, 136), r(136, 72))),

@@ -18,6 +18,11 @@ _FAMILIES = {
 }
 
 
+# (kind, arch) of the families whose kernels store an output whose strides are not multiples of
+# 16 bytes without TMA (GemmSpec.c_aligned False): its buffer is then not padded and sliced
+UNALIGNED_C = frozenset({("gemm", "sm_90a")})
+
+
 def family(kind: str, arch: str) -> ModuleType | None:
     """The family module for (kind, arch), or None when we have none."""
     name = _FAMILIES.get((kind, arch))

@@ -82,8 +82,8 @@ def _scale_args(scaled: bool) -> tuple[TensorArg, ...]:
         if scaled else ()
 
 
-def _operand(name: str, dtype: str, rank: int, major: int) -> TensorArg:
-    stride = tuple(1 if i == major else Dyn(stride_div(dtype)) for i in range(rank))
+def _operand(name: str, dtype: str, rank: int, major: int, aligned: bool = True) -> TensorArg:
+    stride = tuple(1 if i == major else Dyn(stride_div(dtype) if aligned else 1) for i in range(rank))
     return TensorArg(name, dtype, (DYN,) * rank, stride, align=16)
 
 
@@ -168,6 +168,10 @@ class GemmSpec:
     # sa[m] * sb[n] to its float32 accumulator.
     a_block: int = 0
     b_block: int = 0
+    # C's strides are not multiples of 16 bytes (a 50257-word vocabulary's logits): the kernel
+    # stores C with per-element stores instead of TMA (families with UNALIGNED_C; one batch
+    # mode, no second output or Z read laid out like C).
+    c_aligned: bool = True
 
     def __post_init__(self):
         if self.a_major not in ("k", "m") or self.b_major not in ("k", "n") or self.c_major not in ("n", "m"):
@@ -180,6 +184,8 @@ class GemmSpec:
             raise ValueError("an activation's derivative (dact) scales the bare product: no bias, activation "
                              "or preact with it")
         _check_blocks(self.a_block, self.b_block)
+        if not self.c_aligned and (self.preact or self.dact or self.batch_modes != 1 or self.scaled):
+            raise ValueError("an unaligned C takes one batch mode, no pre-activation output, dact or block scales")
 
     @property
     def scaled(self) -> bool:
@@ -191,7 +197,8 @@ class GemmSpec:
                 + (".bias" if self.bias else "") + (f".{self.activation}" if self.activation else "")
                 + (".preact" if self.preact else "")
                 + (f".dact-{self.dact}" if self.dact else "")
-                + (f".scaled{self.a_block}x{self.b_block}" if self.scaled else ""))
+                + (f".scaled{self.a_block}x{self.b_block}" if self.scaled else "")
+                + ("" if self.c_aligned else ".cunaligned"))
 
     def scale_args(self) -> tuple[TensorArg, ...]:
         """The float32 block scales ``sa`` (ceil(M/a_block), Kb, L) and ``sb`` (ceil(N/b_block),
@@ -217,7 +224,7 @@ class GemmSpec:
         return (
             _operand("a", self.a_dtype, rank, 1 if self.a_major == "k" else 0),
             _operand("b", self.b_dtype, rank, 1 if self.b_major == "k" else 0),
-            _operand("c", self.c_dtype, rank, 1 if self.c_major == "n" else 0),
+            _operand("c", self.c_dtype, rank, 1 if self.c_major == "n" else 0, self.c_aligned),
             *extra,
             StreamArg(),
         )

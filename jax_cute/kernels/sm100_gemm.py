@@ -54,6 +54,8 @@ def unsupported(spec) -> str | None:
         return f"sm100: output dtype {spec.c_dtype} not in {_OUT_DTYPES}"
     if spec.acc_dtype != "float32":
         return "sm100: only float32 accumulation"
+    if not getattr(spec, "c_aligned", True):
+        return "sm100: C's strides must be multiples of 16 bytes (TMA stores)"
     return _epilogue_refusal(spec)
 
 

@@ -41,6 +41,19 @@ def paired_halves(t, dim: int, h: int):
     return cute.make_tensor(t.iterator, cute.make_layout(shape, stride=stride))
 
 
+def aligned_view(c, n_major: bool):
+    """C (M, N, L)'s memory viewed with its strides rounded up to multiples of 16 bytes: a tensor
+    a TMA tensor map can describe, for an output whose own strides cannot (GemmSpec.c_aligned
+    False), whose TMA atom never stores."""
+    div = 128 // c.element_type.width
+    m, n = c.shape[0], c.shape[1]
+    inner = n if n_major else m
+    row = cute.assume((cutlass.Int64(inner) + div - 1) // div * div, divby=div)
+    batch = cute.assume(row * (m if n_major else n), divby=div)
+    stride = (row, 1, batch) if n_major else (1, row, batch)
+    return cute.make_tensor(c.iterator, cute.make_layout(c.shape, stride=stride))
+
+
 class WarpgroupEpilogue(Bundle):
     """What one consumer warpgroup's epilogue uses for every tile, built once per kernel: its
     smem ring and register fragments, its barrier, store warp and ring slots."""
@@ -313,7 +326,9 @@ class Sm90Epilogue(DActEpilogue, PreactEpilogue, GatedEpilogue, ActivationEpilog
         # generic-proxy smem writes must be visible to the TMA (async proxy) store
         cute.arch.fence_proxy("async.shared", space="cta")
         epi_bar.arrive_and_wait()
-        edge = ragged and ((n0 + en > n_ext) if const_expr(c_n) else (m0 + em > m_ext))
+        edge = True   # an unaligned C: every subtile (its TMA atom never stores)
+        if const_expr(self.c_aligned):
+            edge = ragged and ((n0 + en > n_ext) if const_expr(c_n) else (m0 + em > m_ext))
         if const_expr(self.mode == "dense"):   # (grouped: never ragged, C may be rank 4)
             if edge:
                 if const_expr(self.nb > 1):

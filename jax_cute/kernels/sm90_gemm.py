@@ -255,11 +255,19 @@ def _scaled_candidates(spec) -> list[Config]:
     return [epilogue_for(spec, c) for c in out]
 
 
+# An unaligned C (GemmSpec.c_aligned False) stores every subtile element by element: beside a
+# 128 x 256 tile's accumulators that loop spills (264 bytes, sm_90a), so its tiles are 128 wide.
+_UNALIGNED_C_TILE_N = 128
+
+
 def candidate_configs(spec) -> list[Config]:
     if unsupported(spec):
         return []
     if spec.scaled:
         return _scaled_candidates(spec)
+    if not spec.c_aligned:
+        return [c for c in candidate_configs(dataclasses.replace(spec, c_aligned=True))
+                if c.tile_n == _UNALIGNED_C_TILE_N]
     out = []
     for split in (1, 2, 4):
         for tn in (256, 128):
@@ -403,7 +411,7 @@ def heuristic(spec, m: int, n: int, k: int, l: int, num_sms: int = NUM_SMS, spli
         # 8-bit k-tiles run twice as fast, so the cooperative tile's exposed epilogue weighs twice
         # as much: the pingpong tiles win where the model says they save 3% or more
         # (a gated tile pairs halves of 64-column blocks: not 160 wide; dact: see candidate_configs)
-        pps = (_PINGPONG_128,) if is_gated(spec) or _dact(spec) else (_PINGPONG_160, _PINGPONG_128)
+        pps = (_PINGPONG_128,) if is_gated(spec) or _dact(spec) or not spec.c_aligned else (_PINGPONG_160, _PINGPONG_128)
         pp = min(pps, key=lambda c: _estimate(c, m, n, k, l, num_sms, bk))
         if _estimate(pp, m, n, k, l, num_sms, bk) < 0.97 * _estimate(best, m, n, k, l, num_sms, bk):
             return pp
@@ -463,6 +471,8 @@ def launcher(spec, config: Config):
         raise ValueError(f"{FAMILY}: a deferred epilogue cannot fuse a bias or activation ({config})")
     if _preact(spec) and config.split_k != 1:
         raise ValueError(f"{FAMILY}: a pre-activation output needs unsplit tiles ({config})")
+    if not spec.c_aligned and config.tile_n != _UNALIGNED_C_TILE_N:
+        raise ValueError(f"{FAMILY}: an unaligned C takes tiles {_UNALIGNED_C_TILE_N} wide ({config})")
     if _dact(spec) and (config.split_k != 1 or config.defer):
         raise ValueError(f"{FAMILY}: an activation's derivative (dact) needs unsplit tiles and no deferred "
                          f"epilogue ({config})")

@@ -16,7 +16,7 @@ from jax_cute.kernels.dsl import Int32, Int64, Float32
 from jax_cute.kernels.gemm_spec import SCALE_K, GemmSpec, GroupedSpec
 from jax_cute.kernels.sm90_config import (SCALE_ALIGN, Config, is_gated, scale_origin, scale_slack, scale_stage_bytes,
                                           stage_plan, tile_k, wg_rows)
-from jax_cute.kernels.sm90_epilogue import Sm90Epilogue, WarpgroupEpilogue, paired_halves
+from jax_cute.kernels.sm90_epilogue import Sm90Epilogue, WarpgroupEpilogue, aligned_view, paired_halves
 from jax_cute.kernels.launch import launcher_for
 from jax_cute.kernels.sm90_mainloop import mainloop_finish, mainloop_rest, mainloop_start
 from jax_cute.kernels.sm90_scaled import ScaledMainloop, ScaleLoads
@@ -152,6 +152,8 @@ class Sm90Gemm(ScaledMainloop, Sm90Epilogue):
         self.fuse_bias = spec.bias
         self.act = spec.activation
         self.preact = spec.preact
+        # C's strides not multiples of 16 bytes: every subtile is stored per element (no TMA store)
+        self.c_aligned = getattr(spec, "c_aligned", True)
         # the derivative of this activation at z scales the product (dense, unsplit tiles)
         self.dact = getattr(spec, "dact", "")
         # gated activation: B's N mode paired (paired_halves); C's (and D's) tiles are half as wide
@@ -246,6 +248,10 @@ class Sm90Gemm(ScaledMainloop, Sm90Epilogue):
             a_src, b_src = ragged_tensor(a, 1), ragged_tensor(b, 1)
         tma_a, tA = load_atom(a_src, sa, (self.bm, self.bk), self.cn)
         tma_b, tB = load_atom(b_src, sb, (self.bn, self.bk), self.cm)
+        if const_expr(not self.c_aligned):
+            # the TMA atom is built (the epilogue's partitions take its shapes) but never stores:
+            # over a view of C's memory with its strides rounded up to 16 bytes, a legal tensor map
+            c_dst = aligned_view(c, c_n)
         tma_c, tC = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(), c_dst, cute.slice_(sc, (None, None, 0)), self.epi_tile)
         tma_d, tD = None, None
@@ -602,6 +608,7 @@ class Sm90Gemm(ScaledMainloop, Sm90Epilogue):
             cute.arch.cp_async_bulk_wait_group(0, read=True)   # smem outlives its stores
 
     def ragged_edge(self, gmem_c):
+        # (an unaligned C, c_aligned False: every subtile is an edge one; see store_subtile)
         """Whether C's contiguous extent is not a multiple of 16 bytes (a dense, ungated C).
 
         TMA stores write whole 16-byte chunks: a store clipped at such an edge would also write

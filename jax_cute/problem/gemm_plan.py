@@ -36,6 +36,7 @@ class FlatOperand:
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     major: str  # which matrix mode has unit stride: "k", "m", "n"
+    aligned: bool = True  # every stride a multiple of 16 bytes (else an output the kernel stores without TMA)
 
     @property
     def batch_modes(self) -> int:
@@ -104,15 +105,26 @@ def flat_operand(name: str, rows: Layout, cols: Layout, l_ext: int, l_stride: in
 
 
 def _operand_modes(name: str, rows: Layout, cols: Layout, batch: Sequence[tuple[int, int]], dtype: str,
-                   names: tuple[str, str]) -> FlatOperand | str:
+                   names: tuple[str, str], unaligned: bool = False) -> FlatOperand | str:
     """The flat operand over matrix modes ``rows``, ``cols`` and batch modes (extent, stride),
     or why TMA cannot address it. A broadcast batch mode (stride 0) becomes extent 1: the
-    kernels read index 0 of it for every batch."""
+    kernels read index 0 of it for every batch. ``unaligned``: strides need not be multiples
+    of 16 bytes with one batch mode (an output a kernel stores without TMA; ``aligned`` says
+    whether they are)."""
+    op = _operand_modes_tma(name, rows, cols, batch, max(1, 16 // itemsize(dtype)), names)
+    if isinstance(op, str) and unaligned:
+        loose = _operand_modes_tma(name, rows, cols, batch, 1, names)
+        if not isinstance(loose, str) and loose.batch_modes == 1:
+            return dataclasses.replace(loose, aligned=False)
+    return op
+
+
+def _operand_modes_tma(name: str, rows: Layout, cols: Layout, batch: Sequence[tuple[int, int]], div: int,
+                       names: tuple[str, str]) -> FlatOperand | str:
     r, c = single_mode(rows), single_mode(cols)
     if r is None or c is None:
         return f"operand {name}: a matrix mode does not coalesce ({rows}, {cols})"
     (rs, rd), (cs, cd) = r, c
-    div = max(1, 16 // itemsize(dtype))
     # An extent-1 mode's stride is free: give it a legal, 16-byte aligned value.
     if rs == 1:
         rd = 0
@@ -144,8 +156,9 @@ def _operand_modes(name: str, rows: Layout, cols: Layout, batch: Sequence[tuple[
     return FlatOperand((rs, cs, *(e for e, _ in modes)), (rd, cd, *(d for _, d in modes)), major)
 
 
-def flatten_gemm(g: GemmLayouts, dtypes: Sequence[str]) -> FlatGemm | str:
-    """The kernel problem for ``g``, or why no kernel can take it (then the call falls back)."""
+def flatten_gemm(g: GemmLayouts, dtypes: Sequence[str], unaligned_c: bool = False) -> FlatGemm | str:
+    """The kernel problem for ``g``, or why no kernel can take it (then the call falls back).
+    ``unaligned_c``: C's strides need not be multiples of 16 bytes (``_operand_modes``)."""
     g = refined(g)
     a_dt, b_dt, c_dt = dtypes
     ext = g.extents()
@@ -183,7 +196,7 @@ def flatten_gemm(g: GemmLayouts, dtypes: Sequence[str]) -> FlatGemm | str:
 
     if any(dc == 0 for *_, dc in lmodes):
         return "output broadcast over a batch mode"
-    c = _operand_modes("c", cm, cn, [(s, dc) for s, _, _, dc in lmodes], c_dt, ("m", "n"))
+    c = _operand_modes("c", cm, cn, [(s, dc) for s, _, _, dc in lmodes], c_dt, ("m", "n"), unaligned_c)
     if isinstance(c, str):
         return c
     srcs = {}
@@ -224,22 +237,24 @@ def _padded_shape(shape: tuple[int, ...], dtype: str) -> tuple[int, ...]:
     return shape[:i] + (-(-shape[i] // div) * div,) + shape[i + 1:]
 
 
-def plan_gemm(g: GemmLayouts, shapes: Sequence[tuple[int, ...]], dtypes: Sequence[str]
+def plan_gemm(g: GemmLayouts, shapes: Sequence[tuple[int, ...]], dtypes: Sequence[str], unaligned_c: bool = False
               ) -> tuple[FlatGemm | str, list[tuple[int, ...]]]:
     """The kernel problem for ``g`` over buffers of ``shapes`` (a, b, c), and the buffer shapes it
     needs. Where strides are not 16-byte aligned (a 50257-word vocabulary, K = 7), buffers may be
     padded along their innermost axis (the padding is never read: logical extents stay); of the
-    ways to pad, the one with the fewest copies, then the fewest padded buffers, wins."""
+    ways to pad, the one with the fewest copies, then the fewest padded buffers, wins. With
+    ``unaligned_c`` (a kernel that stores C without TMA) C is never padded: it is written where
+    it is, with no slice copy after."""
     shapes = [tuple(s) for s in shapes]
-    best = (flatten_gemm(g, dtypes), shapes)
+    best = (flatten_gemm(g, dtypes, unaligned_c), shapes)
     padded = [_padded_shape(s, dt) for s, dt in zip(shapes, dtypes)]
-    options = [i for i in range(3) if padded[i] != shapes[i]]
+    options = [i for i in range(3 if not unaligned_c else 2) if padded[i] != shapes[i]]
     for pick in itertools.chain.from_iterable(itertools.combinations(options, r) for r in range(1, len(options) + 1)):
         new = [padded[i] if i in pick else shapes[i] for i in range(3)]
         moved = [restride(lay, old, nw) for lay, old, nw in zip((g.a, g.b, g.c), shapes, new)]
         if any(m is None for m in moved):
             continue
-        flat = flatten_gemm(GemmLayouts(*moved, new[2]), dtypes)
+        flat = flatten_gemm(GemmLayouts(*moved, new[2]), dtypes, unaligned_c)
         if isinstance(flat, str):
             continue
         if isinstance(best[0], str) or len(flat.copies) < len(best[0].copies):
@@ -297,12 +312,13 @@ class Rewrite:
         return L.write(L.read(kernel(a, b), self.canonical.c), self.g.c, self.g.c_shape)
 
 
-def plan_with_copies(g: GemmLayouts, shapes: Sequence[tuple[int, ...]], dtypes: Sequence[str]
+def plan_with_copies(g: GemmLayouts, shapes: Sequence[tuple[int, ...]], dtypes: Sequence[str],
+                     unaligned_c: bool = False
                      ) -> tuple[FlatGemm | str, list[tuple[int, ...]], list[tuple[int, ...]], Rewrite | None]:
     """``plan_gemm``, and where it finds no kernel layout for the output, or more batch modes
     than the kernels take, the plan of the rewritten problem (``Rewrite``). Returns (plan, buffer
     shapes it needs, the shapes it was given, rewrite or None)."""
-    flat, padded = plan_gemm(g, shapes, dtypes)
+    flat, padded = plan_gemm(g, shapes, dtypes, unaligned_c)
     if not isinstance(flat, str) or not (flat.startswith("operand c") or "batch modes that do not coalesce" in flat):
         return flat, padded, list(shapes), None
     e = g.extents()
@@ -311,7 +327,7 @@ def plan_with_copies(g: GemmLayouts, shapes: Sequence[tuple[int, ...]], dtypes: 
         canonical = canonical_problem(g) if copy_operands else canonical_output(g)
         given = [(e["l"], e["m"], e["k"]), (e["l"], e["n"], e["k"])] if copy_operands else list(shapes[:2])
         given.append(tuple(canonical.c_shape))
-        new, new_padded = plan_gemm(canonical, given, dtypes)
+        new, new_padded = plan_gemm(canonical, given, dtypes, unaligned_c)
         if not isinstance(new, str):
             return new, new_padded, given, Rewrite(g, canonical, copy_operands, flat)
     return flat, padded, list(shapes), None

@@ -31,10 +31,11 @@ class Plan:
 
 
 def plan(layouts: GemmLayouts | RaggedLayouts, shapes: Sequence[Shape], dtypes: Sequence[str], *,
-         copies: bool) -> Plan | str:
+         copies: bool, unaligned_c: bool = False) -> Plan | str:
     """The kernel problem of a call with ``layouts`` over inputs of ``shapes`` (a, b) and the
     ``dtypes`` of a, b and c, or why there is none. ``copies``: a dense call may be rewritten
-    into copies (``gemm_plan.plan_with_copies``); otherwise its buffers may only be padded."""
+    into copies (``gemm_plan.plan_with_copies``); otherwise its buffers may only be padded.
+    ``unaligned_c``: a dense call's kernel stores C without TMA (``gemm_plan.plan_gemm``)."""
     c_shape = tuple(layouts.c_shape)
     given = [tuple(shapes[0]), tuple(shapes[1]), c_shape]
     if isinstance(layouts, RaggedLayouts):
@@ -42,9 +43,9 @@ def plan(layouts: GemmLayouts | RaggedLayouts, shapes: Sequence[Shape], dtypes: 
         return flat if isinstance(flat, str) else Plan(flat, tuple(given), tuple(given), None, 1, False)
     rewrite = None
     if copies:
-        flat, buffers, given, rewrite = plan_with_copies(layouts, given, dtypes)
+        flat, buffers, given, rewrite = plan_with_copies(layouts, given, dtypes, unaligned_c)
     else:
-        flat, buffers = plan_gemm(layouts, given, dtypes)
+        flat, buffers = plan_gemm(layouts, given, dtypes, unaligned_c)
     if isinstance(flat, str):
         return flat
     buffers, given = tuple(map(tuple, buffers)), tuple(map(tuple, given))
