@@ -385,9 +385,9 @@ def _unaligned_c(req: GemmRequest) -> bool:
     """Whether the target's kernel may store this request's C where its strides are not
     multiples of 16 bytes (GemmSpec.c_aligned): a dense product with no second output laid out
     like C (pre-activation, Z) and no block scales."""
-    arch, _ = target_arch()
-    return (("grouped" if req.grouped else "gemm"), arch) in kernels.UNALIGNED_C and not req.grouped \
-        and not req.two_outputs and not req.dact and not req.scales and not is_gated(req.activation)
+    if req.grouped or req.two_outputs or req.dact or req.scales or is_gated(req.activation):
+        return False
+    return ("gemm", target_arch()[0]) in kernels.UNALIGNED_C
 
 
 def _request_refusal(req: GemmRequest, e: dict) -> str | None:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 
 import jax
 import jax.numpy as jnp
@@ -32,10 +31,9 @@ import numpy as np
 
 from jax_cute.activations import apply_activation, check_activation, derivative_times, elementwise
 from jax_cute.fp8.ops import ragged_k_dot, ragged_k_dot_aligned, scaled_dot_general, scaled_ragged_dot
-from jax_cute.fp8.quantize import (BLOCK, E4M3, FP8_DTYPES, BlockScaled, group_blocks, group_ends, quantize,
-                                   quantize_grouped, row_groups)
-
-logger = logging.getLogger("jax_cute")
+from jax_cute.fp8.quantize import (BLOCK, E4M3, FP8_DTYPES, BlockScaled, clipped_sizes, group_blocks, group_ends,
+                                   quantize, quantize_grouped, row_groups)
+from jax_cute.fp8.scaled import wgrad_kernels
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,17 +97,9 @@ class Blockwise:
 
 
 def _wgrad_kernels(rows: int, pow2_scales: bool):
-    """``fp8.wgrad_operands`` where its kernels take a weight gradient's operand of ``rows``
-    columns with these scales, else None (XLA's quantization). Imported here, where a
-    gradient is traced: the module defines kernels with the DSL."""
-    if pow2_scales:   # the kernel computes amax / fmax scales only
-        return None
-    try:
-        from jax_cute.fp8 import wgrad_operands
-    except ImportError as e:   # (a machine lowering from the disk cache without the DSL)
-        logger.info("jax_cute fp8 weight-gradient operands: XLA's quantization, the DSL is not importable (%s)", e)
-        return None
-    return wgrad_operands if wgrad_operands.supported(rows) else None
+    """``scaled.wgrad_kernels`` where its quantizer takes an operand of ``rows`` columns with
+    these scales, else None (XLA's quantization)."""
+    return None if pow2_scales else wgrad_kernels(rows)   # (it computes amax / fmax scales only)
 
 
 def _check_float(op: str, **xs) -> None:
@@ -257,8 +247,7 @@ def _grouped_bwd(dtypes, recipe, activation, res, g):
     aligned = isinstance(xq_t, tuple)   # as the forward pass decided (values, scales)
     gq_t = recipe.q_grouped(g, sizes, grad=True, aligned=aligned)
     if aligned:
-        ends = group_ends(sizes, g.shape[0])
-        clipped = jnp.diff(ends, prepend=jnp.zeros((1,), ends.dtype))
+        clipped = clipped_sizes(group_ends(sizes, g.shape[0]))
         dw = ragged_k_dot_aligned(xq_t, gq_t, clipped, preferred_element_type=_grad_out(w_dtype))
     else:
         dw = ragged_k_dot(xq_t, gq_t, sizes, preferred_element_type=_grad_out(w_dtype))

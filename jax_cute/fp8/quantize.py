@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_cute.primitives.ragged_reference import group_ends, row_groups  # noqa: F401 - re-exported
+from jax_cute.primitives.ragged_reference import clipped_sizes, group_ends, row_groups  # noqa: F401 - re-exported
 
 E4M3 = np.dtype(jnp.float8_e4m3fn)
 E5M2 = np.dtype(jnp.float8_e5m2)
@@ -225,7 +225,7 @@ def group_blocks(sizes, extent: int, block: int = BLOCK):
     g = sizes.shape[0]
     nb = grouped_blocks(extent, g, block)
     ends, grp = row_groups(sizes, extent)                        # grp: group of element t, G past the end
-    starts = ends - jnp.diff(ends, prepend=jnp.zeros((1,), ends.dtype))
+    starts = ends - clipped_sizes(ends)
     counts = (ends - starts + block - 1) // block
     first_block = jnp.cumsum(counts) - counts                    # (G,)
     t = jnp.arange(extent, dtype=jnp.int32)

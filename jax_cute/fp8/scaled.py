@@ -47,7 +47,8 @@ from jax.interpreters import ad, batching, mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jax_cute import dispatch
-from jax_cute.fp8.quantize import BLOCK, FP8_DTYPES, aligned_columns, group_blocks, group_ends, grouped_blocks, row_groups
+from jax_cute.fp8.quantize import (BLOCK, FP8_DTYPES, aligned_columns, clipped_sizes, group_blocks, group_ends,
+                                   grouped_blocks, row_groups)
 from jax_cute.kernels.gemm_spec import SCALE_ROWS
 from jax_cute.activations import apply_activation, is_gated
 from jax_cute.layout import Layout, make_layout, stride_of
@@ -148,17 +149,25 @@ def _take_aligned(x, gather: tuple[jax.Array, jax.Array]):
     return jnp.where(keep, jnp.take(x, src, axis=1), jnp.zeros((), x.dtype))
 
 
+def wgrad_kernels(rows: int):
+    """``fp8.wgrad_operands`` (the weight gradient's operand kernels) where they take an operand
+    of ``rows`` columns, else None (XLA ops instead). Imported here, where a weight gradient is
+    traced or lowered, not before: the module defines kernels with the DSL."""
+    try:
+        from jax_cute.fp8 import wgrad_operands
+    except ImportError as e:   # (a machine lowering from the disk cache without the DSL)
+        logger.info("jax_cute fp8 weight-gradient operands: XLA ops, the DSL is not importable (%s)", e)
+        return None
+    return wgrad_operands if wgrad_operands.supported(rows) else None
+
+
 def _group_aligned_operand(x, group_sizes, t: int, blocks: int):
     """``group_aligned`` for the ragged-K kernel's operand x (R, T): by the transposing kernel
     from x's token-major values (``x.T``, which the quantization wrote) where it takes R."""
-    try:   # the kernel is defined with the DSL: imported here, where a kernel is lowered, not before
-        from jax_cute.fp8 import wgrad_operands
-    except ImportError as e:   # (a machine lowering from the disk cache without the DSL)
-        logger.info("jax_cute fp8 ragged-K operands: XLA's gather, the DSL is not importable (%s)", e)
-    else:
-        if wgrad_operands.supported(x.shape[0]):
-            _, bstart, blen, _ = group_blocks(group_sizes, t)
-            return wgrad_operands.aligned_transpose(x.T, bstart, blen)
+    kernels = wgrad_kernels(x.shape[0])
+    if kernels is not None:
+        _, bstart, blen, _ = group_blocks(group_sizes, t)
+        return kernels.aligned_transpose(x.T, bstart, blen)
     return _take_aligned(x, _aligned_gather(group_sizes, t, blocks))
 
 
@@ -201,8 +210,7 @@ def _ragged_k_kernel(avals, params) -> Callable | None:
     def run(x, sx, y, sy, sizes):
         if aligned:   # laid out by the caller, the sizes clipped
             return impl(x, y, sizes, _block_major(sx), _block_major(sy))
-        ends = group_ends(sizes, t)
-        clipped = jnp.diff(ends, prepend=jnp.zeros((1,), ends.dtype)).astype(jnp.int32)
+        clipped = clipped_sizes(group_ends(sizes, t)).astype(jnp.int32)
         return impl(_group_aligned_operand(x, sizes, t, tb), _group_aligned_operand(y, sizes, t, tb), clipped,
                     _block_major(sx), _block_major(sy))
 
@@ -355,7 +363,7 @@ def ragged_m_reference(a, sa, b, sb, gs, bias=None, *, b_block, out_dtype, activ
     cd = np.dtype(compute)
     nk = _blocks(k, BLOCK)
     ends, grp = row_groups(gs, m)
-    sizes = jnp.diff(ends, prepend=jnp.zeros((1,), ends.dtype))
+    sizes = clipped_sizes(ends)
     inside = grp < g
     gi = jnp.minimum(grp, g - 1)
     a3 = _pad_k(a.astype(cd), 1).reshape(m, nk, BLOCK)
@@ -668,7 +676,7 @@ def _ragged_partition(call: _Call, mesh, arg_shapes, result_shape):
             lm = args[0].shape[0]
             if plan["m"]:  # this shard's rows [offset, offset + lm): the groups clipped to them
                 ends = group_ends(args[4], m)
-                starts = ends - jnp.diff(ends, prepend=jnp.zeros((1,), ends.dtype))
+                starts = ends - clipped_sizes(ends)
                 off = _shard_offset(plan["m"], ms, lm)
                 clip = lambda x: jnp.clip(x - off, 0, lm)  # noqa: E731
                 args[4] = (clip(ends) - clip(starts)).astype(jnp.int32)
