@@ -28,6 +28,8 @@ from cutlass.cute.runtime import make_fake_tensor, make_fake_compact_tensor  # n
 import cuda.bindings.driver as cuda_driver  # noqa: E402
 import cutlass.memory as memory  # noqa: E402  (TMEM/SMEM allocators; cutlass.utils' copies are deprecated)
 from cutlass.tensor_utils import LayoutEnum  # noqa: E402
+from cutlass.cutlass_dsl import T  # noqa: E402
+from cutlass._mlir.dialects import llvm  # noqa: E402
 
 Int32 = cutlass.Int32
 Int64 = cutlass.Int64
@@ -73,9 +75,16 @@ def target_arch() -> str | None:
     return os.environ.get("CUTE_DSL_ARCH")
 
 
+def pin(value: Float32) -> Float32:
+    """``value`` through an empty volatile asm (CUTLASS's warpgroup_fence_operand): what computes
+    it stays before the next volatile op (a WGMMA), which LLVM may not sink it past."""
+    return Float32(llvm.inline_asm(T.f32(), [Float32(value).ir_value()], "", "=f,0", has_side_effects=True,
+                                   is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
 __all__ = [
     "cutlass", "cute", "pipeline", "utils", "sm90_utils", "sm100_utils", "cpasync", "tcgen05",
     "warpgroup", "warp", "make_fake_tensor", "make_fake_compact_tensor", "cuda_driver", "Int32",
     "Int64", "Float32", "Boolean", "Constexpr", "dsl_dtype", "sym_int32", "sym_int64",
-    "fake_stream", "target_arch", "memory", "LayoutEnum",
+    "fake_stream", "target_arch", "memory", "LayoutEnum", "pin",
 ]

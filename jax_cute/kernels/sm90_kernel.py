@@ -160,8 +160,10 @@ class Sm90Gemm(ScaledMainloop, Sm90Epilogue):
         self.glu = self.act in fused_epilogue.GATED
         self.cbn = self.bn // 2 if self.glu else self.bn
         # registers per thread (setmaxnreg; 40 + 2 x 232 fill the 64K register file): the
-        # overlapped promotion's two partial fragments take 8 of the producer's
-        self.producer_regs, self.consumer_regs = (24, 240) if config.overlap_promote else (40, 232)
+        # overlapped promotion's two partial fragments, and a 256-row block-scaled tile's partial
+        # fragment beside 128 accumulators, take 8 of the producer's
+        wide = config.overlap_promote or (self.scaled and config.tile_m == 256)
+        self.producer_regs, self.consumer_regs = (24, 240) if wide else (40, 232)
         self.threads = 384
         self.mma_threads = 256
         self.epi_threads = 128

@@ -40,7 +40,7 @@ scales per column: 32 from the stage).
 from __future__ import annotations
 
 from jax_cute.kernels.bundle import Bundle
-from jax_cute.kernels.dsl import cute, cutlass, cpasync, warpgroup, Float32
+from jax_cute.kernels.dsl import cute, cutlass, cpasync, warpgroup, Float32, pin
 from jax_cute.kernels.gemm_spec import SCALE_K
 from jax_cute.kernels.sm90_config import ITEM, scale_box, scale_pitch
 
@@ -91,6 +91,11 @@ def _keys(offsets: list[int], block: int) -> tuple[list[int], list[int]]:
 
 class ScaledMainloop:
     """The block scales' loads and the mainloop of a block-scaled product."""
+
+    def waves(self) -> int:
+        """64-row blocks of a consumer warpgroup's share promoted one at a time through one
+        partial fragment (2 for 256-row tiles: wave_mainloop; 1: the share at once)."""
+        return self.wg_rows // 64
 
     # ---------------------------------------------------------------- loads (host and producer)
     def tma_scales(self) -> tuple[bool, bool]:
@@ -162,7 +167,9 @@ class ScaledMainloop:
         # with 128-row blocks the tile holds one block (128-row and 128-column tiles)
         assert (self.a_block == 1 or rows == [0]) and (self.b_block == 1 or cols == [0]), (rows, cols)
         count = 2 if self.cfg.overlap_promote else 1
-        parts = tuple(cute.make_rmem_tensor(acc.layout, Float32) for _ in range(count))
+        # waves (256-row tiles): one 64-row block's fragment, reused by each block in turn
+        part = acc.layout if const_expr(self.waves() == 1) else cute.make_layout((cute.shape(acc)[0], 1, 1))
+        parts = tuple(cute.make_rmem_tensor(part, Float32) for _ in range(count))
         bufs = tuple(cute.make_rmem_tensor(len(rows) + len(cols), Float32) for _ in range(count))
         s_a = sc.s_a if const_expr(self.a_block == 1) else sc.m_a
         s_b = sc.s_b if const_expr(self.b_block == 1) else sc.m_b
@@ -200,15 +207,17 @@ class ScaledMainloop:
                 dst[len(ts.rows) + j] = ts.s_b[(tile[2], kt, tile[3])]
 
     @cute.jit
-    def promote(self, ts: ThreadScales, acc, part, cur):
+    def promote(self, ts: ThreadScales, acc, part, cur, wave: cutlass.Constexpr = 0):
         """``acc += part * sa[row] * sb[column]`` with the scales in ``cur``, element by element
-        (in rows of 16: the DSL warns about longer static loops)."""
+        (in rows of 16: the DSL warns about longer static loops); with waves ``part`` holds the
+        warpgroup's 64-row block ``wave``, the accumulators' elements from ``wave * size(part)``."""
         nr = len(ts.rows)
-        n = cute.size(acc)
+        n = cute.size(part)
         for r in range_constexpr(n // 16):
             for i in range_constexpr(r * 16, r * 16 + 16):
-                s = cur[ts.row_of[i]] * cur[nr + ts.col_of[i]]
-                acc[i] = cute.math.fma(part[i], s, acc[i])
+                j = wave * n + i
+                s = cur[ts.row_of[j]] * cur[nr + ts.col_of[j]]
+                acc[j] = cute.math.fma(part[i], s, acc[j])
 
     @cute.jit
     def issue_part(self, tiled_mma: cute.TiledMma, ts: ThreadScales, p: cutlass.Constexpr, tCrA, tCrB, pipe, read,
@@ -218,14 +227,26 @@ class ScaledMainloop:
         while they run (see read_scales for ``tile``). Returns ``tiled_mma``, whose ACCUMULATE
         field this sets: callers rebind it, so that the DSL carries the new value through their
         loops."""
-        part = ts.parts[p]
         pipe.consumer_wait(read)
+        tiled_mma = self.issue_wgmmas(tiled_mma, ts.parts[p], tCrA, tCrB, read.index)
+        self.read_scales(ts, ts.bufs[p], read.index, kt, tile)
+        return tiled_mma
+
+    @cute.jit
+    def issue_wgmmas(self, tiled_mma: cute.TiledMma, part, tCrA, tCrB, index, wave: cutlass.Constexpr = None):
+        """Issue stage ``index``'s WGMMAs into ``part`` (the first with ACCUMULATE off) as one
+        group: the warpgroup's whole share, or (waves) only its 64-row block ``wave``. Returns
+        ``tiled_mma`` (see issue_part)."""
         warpgroup.fence()      # the promotion read ``part``: order it before the WGMMAs write it
         for kb in range_constexpr(cute.size(tCrA, mode=[2])):
             tiled_mma.set(warpgroup.Field.ACCUMULATE, kb != 0)
-            cute.gemm(tiled_mma, part, tCrA[(None, None, kb, read.index)], tCrB[(None, None, kb, read.index)], part)
+            if const_expr(wave is None):
+                cute.gemm(tiled_mma, part, tCrA[(None, None, kb, index)], tCrB[(None, None, kb, index)], part)
+            else:   # (V, 1) x (V, 1) => (V, 1, 1): one WGMMA, A's row block ``wave``
+                a, b = tCrA[(None, wave, kb, index)], tCrB[(None, 0, kb, index)]
+                cute.gemm(tiled_mma, part, cute.make_tensor(a.iterator, cute.append(a.layout, cute.make_layout(1))),
+                          cute.make_tensor(b.iterator, cute.append(b.layout, cute.make_layout(1))), part)
         warpgroup.commit_group()
-        self.read_scales(ts, ts.bufs[p], read.index, kt, tile)
         return tiled_mma
 
     @cute.jit
@@ -235,7 +256,9 @@ class ScaledMainloop:
         WGMMA'd into a partial fragment and promoted with its scales (``tile``: see read_scales);
         returns (read, release)."""
         acc.fill(0.0)
-        if const_expr(self.cfg.overlap_promote):
+        if const_expr(self.waves() > 1):
+            read, release = self.wave_mainloop(tiled_mma, acc, tCrA, tCrB, ts, pipe, read, release, k0, kc, tile)
+        elif const_expr(self.cfg.overlap_promote):
             read, release = self.overlapped_mainloop(tiled_mma, acc, tCrA, tCrB, ts, pipe, read, release, k0, kc,
                                                      tile)
         else:
@@ -253,6 +276,41 @@ class ScaledMainloop:
             release = self.retire(pipe, release, 0)
             self.promote(ts, acc, ts.parts[0], ts.bufs[0])
         return read, release
+
+    @cute.jit
+    def wave_mainloop(self, tiled_mma: cute.TiledMma, acc, tCrA, tCrB, ts: ThreadScales, pipe, read, release,
+                      k0, kc, tile):
+        """256-row tiles (DeepGEMM's WAVE_BLOCK_M): the warpgroup's two 64-row blocks take turns
+        in one partial fragment, a second would not fit beside 128 accumulators. Per k-tile,
+        block by block: issue its WGMMAs, wait for them, promote them into its accumulators. The
+        scales are read under the first block's WGMMAs; the stage goes back once the last
+        block's are done."""
+        part, cur = ts.parts[0], ts.bufs[0]
+        for i in range(kc):
+            pipe.consumer_wait(read)
+            for w in range_constexpr(self.waves()):
+                tiled_mma = self.issue_wgmmas(tiled_mma, part, tCrA, tCrB, read.index, w)
+                if const_expr(w == 0):
+                    self.read_scales(ts, cur, read.index, k0 + i, tile)
+                if const_expr(w == self.waves() - 1):
+                    release = self.retire(pipe, release, 0)
+                else:
+                    warpgroup.wait_group(0)
+                self.promote(ts, acc, part, cur, w)
+                if const_expr(w < self.waves() - 1):
+                    # LLVM would sink this promotion below the next block's WGMMAs, which write
+                    # ``part``: a copy of it (64 registers) then spills, and ptxas serializes
+                    self.pin_block(acc, cute.size(part), w)
+            read.advance()
+        return read, release
+
+    @cute.jit
+    def pin_block(self, acc, n: cutlass.Constexpr, wave: cutlass.Constexpr):
+        """Pin the promoted accumulators of 64-row block ``wave`` (``n`` a block) in program order
+        (in rows of 16, as promote)."""
+        for r in range_constexpr(wave * n // 16, (wave + 1) * n // 16):
+            for i in range_constexpr(r * 16, r * 16 + 16):
+                acc[i] = pin(acc[i])
 
     @cute.jit
     def overlapped_mainloop(self, tiled_mma: cute.TiledMma, acc, tCrA, tCrB, ts: ThreadScales, pipe, read,
