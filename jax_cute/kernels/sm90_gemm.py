@@ -52,7 +52,9 @@ Kernel shape (one persistent CTA per SM, 384 threads):
   (Config.overlap_promote, the heuristic's with 128-column B scales) keeps a second partial
   fragment so that a warpgroup's next k-tile's WGMMAs run under its promotion; the serial one
   relies on the other warpgroup's WGMMAs for that. Two or three fp32 fragments per thread:
-  128 x 128 cooperative tiles (sm90_scaled).
+  128 x 128 cooperative tiles (sm90_scaled). 256 x 128 tiles (1 x 128 A and 128 x 128 B scales,
+  autotune only) promote each warpgroup's two 64-row blocks in turn through one partial
+  fragment (DeepGEMM's waves: 128 accumulators + 64 partial registers a thread).
 - TMA stores write whole 16-byte chunks, so where C's contiguous extent is not a multiple of 16
   bytes the subtiles on that edge are stored with predicated per-element stores instead.
 - work is a linear sequence of (cluster tile, batch, k-split) units in a grouped ("swizzled")
@@ -211,10 +213,29 @@ def _check_config(config: Config) -> None:
                          f"kernel without split-K ({config})")
 
 
-def _check_scaled_config(config: Config) -> None:
+def _check_scaled_config(spec: GemmSpec, config: Config) -> None:
     if config.pingpong or config.defer or (config.tile_m, config.tile_n) not in _SCALED_TILES:
         raise ValueError(f"{FAMILY}: block-scaled tiles are cooperative "
                          + ", ".join(f"{m}x{n}" for m, n in _SCALED_TILES) + f" without a deferred epilogue ({config})")
+    reason = _wave_refusal(spec, config)
+    if reason:
+        raise ValueError(reason)
+
+
+def _wave_refusal(spec: GemmSpec, config: Config) -> str | None:
+    """Why the 256 x 128 block-scaled tile (sm90_scaled.wave_mainloop) does not run ``spec`` with
+    ``config``, or None (also for 128-row tiles)."""
+    if config.tile_m != 256:
+        return None
+    if (spec.a_block, spec.b_block) != (1, SCALE_K):
+        # the tile spans two 128-row A blocks, and per-column B scales are 32 floats a thread
+        # beside 128 accumulators and the partial fragment: DeepGEMM's forward and dgrad only
+        return (f"{FAMILY}: the 256 x 128 block-scaled tile takes 1 x 128 A scales and 128 x 128 B scales "
+                f"(a_block 1, b_block 128), not a_block {spec.a_block}, b_block {spec.b_block}")
+    if config.overlap_promote or config.split_k != 1:
+        return (f"{FAMILY}: the 256 x 128 block-scaled tile promotes one 64-row block at a time through one "
+                f"partial fragment, unsplit (no overlap_promote or split-K: {config})")
+    return None
 
 
 DEFER = 2   # k-tiles of the next tile issued before a deferred epilogue's stores (autotune only)
@@ -234,8 +255,10 @@ def epilogue_for(spec, config: Config) -> Config:
 
 
 # block-scaled tiles: the accumulators and one or two k-tiles' partial products fit the
-# consumers' registers for 128 x 128 cooperative tiles (64 + 64, or 64 + 2 x 64, per thread)
-_SCALED_TILES = [(128, 128)]
+# consumers' registers for 128 x 128 cooperative tiles (64 + 64, or 64 + 2 x 64, per thread);
+# 256 x 128 (two 64-row blocks a warpgroup) promotes block by block through one 64-register
+# fragment beside 128 accumulators (DeepGEMM's waves; _wave_refusal says which specs it takes)
+_SCALED_TILES = [(128, 128), (256, 128)]
 
 
 def scaled_overlap(spec) -> bool:
@@ -252,7 +275,12 @@ def _scaled_candidates(spec) -> list[Config]:
     out = [Config(128, 128, cm, cn, "m", 8, split) for split in (1, 2, 4) for cm, cn in ((2, 1), (1, 2))]
     out.append(Config(128, 128, 1, 1, "m", 8, 1))
     out += [dataclasses.replace(c, overlap_promote=True) for c in out]
-    return [epilogue_for(spec, c) for c in out]
+    out = [epilogue_for(spec, c) for c in out]
+    # autotune and forced runs only (the heuristic takes 128-row tiles); a ring of 64-wide
+    # subtiles: the whole share spills 168 bytes around the mainloop (bf16, sm_90a), the ring 88
+    return out + [dataclasses.replace(epilogue_for(spec, c), whole_c=False)
+                  for c in (Config(256, 128, cm, cn, "m", 8, 1) for cm, cn in ((2, 1), (1, 2)))
+                  if not _wave_refusal(spec, c)]
 
 
 # An unaligned C (GemmSpec.c_aligned False) stores every subtile element by element: beside a
@@ -461,7 +489,7 @@ def launcher(spec, config: Config):
         raise ValueError(reason)
     _check_config(config)
     if spec.scaled:
-        _check_scaled_config(config)
+        _check_scaled_config(spec, config)
     elif config.overlap_promote:
         raise ValueError(f"{FAMILY}: overlap_promote applies to block-scaled products only ({config})")
     if config.defer and ITEM[spec.c_dtype] != 2:
