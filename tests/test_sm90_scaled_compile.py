@@ -40,19 +40,23 @@ def _compile(spec: GemmSpec | GroupedSpec, cfg, family=sm90_gemm):
     wgmma = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.{kinds[spec.a_dtype]}"
                        rf"\.{kinds[spec.b_dtype]}", ptx)
     overlap = getattr(cfg, "overlap_promote", False)
-    # overlapped: four issue sites (the first k-tile, the unrolled pair, an odd count's last)
-    assert len(wgmma) == (16 if overlap else 4), len(wgmma)
-    # the promotion: one f32 FMA per accumulator (64 per thread of a 128 x 128 tile), after
-    # waiting for the k-tile's WGMMAs: all of them, or (overlapped) all but the next k-tile's
-    assert ptx.count("fma.rn.f32") >= 64 and "wgmma.wait_group.sync.aligned \t0" in ptx
+    waves = getattr(cfg, "tile_m", 128) == 256   # two 64-row blocks a warpgroup, one partial fragment
+    # overlapped: four issue sites (the first k-tile, the unrolled pair, an odd count's last);
+    # waves: each block's four
+    assert len(wgmma) == (16 if overlap else 8 if waves else 4), len(wgmma)
+    # the promotion: one f32 FMA per accumulator (64 per thread of a 128 x 128 tile, 128 of a
+    # 256 x 128 one), after waiting for the k-tile's WGMMAs: all of them, or (overlapped) all but
+    # the next k-tile's
+    assert ptx.count("fma.rn.f32") >= (128 if waves else 64) and "wgmma.wait_group.sync.aligned \t0" in ptx
     assert ("wgmma.wait_group.sync.aligned \t1" in ptx) == overlap
     assert "cp.async.bulk.tensor" in ptx and "setmaxnreg.inc" in ptx
     _check_scale_loads(spec, cfg, ptx)
     res = cubin_info.resources(binary.obj)
-    # no spills (overlapped: no more than today's, see _OVERLAP_FRAME), none inside the k-loop
-    assert res["local_bytes"] == 0 and res["frame_bytes"] <= (_OVERLAP_FRAME if overlap else 0), res
+    # no spills (overlapped, waves: no more than today's, see _OVERLAP_FRAME), none inside the k-loop
+    frame = _OVERLAP_FRAME if overlap else _WAVE_FRAME if waves else 0
+    assert res["local_bytes"] == 0 and res["frame_bytes"] <= frame, res
     _check_k_loop_spills(binary.obj, _K_LOOP_RELOADS.get((spec, overlap), 0))
-    if overlap:
+    if overlap or waves:
         _check_not_serialized(ptx)
     return binary
 
@@ -176,10 +180,13 @@ def test_compile_scaled_configs(cfg):
 def test_scaled_heuristic_and_candidates():
     for spec in _CASES:
         cands = sm90_gemm.candidate_configs(spec)
-        assert cands and all((c.tile_m, c.tile_n, c.pingpong, c.defer) == (128, 128, False, 0) for c in cands)
+        assert cands and all((c.tile_n, c.pingpong, c.defer) == (128, False, 0) for c in cands)
+        # 256 x 128 (waves) for 1 x 128 A and 128 x 128 B scales only, never the heuristic's pick
+        wave = {(c.cluster_m, c.cluster_n) for c in cands if c.tile_m == 256}
+        assert wave == ({(2, 1), (1, 2)} if (spec.a_block, spec.b_block) == (1, 128) else set()), (spec, wave)
         for shape in SHAPES:
             cfg = sm90_gemm.heuristic(spec, *shape, 1)
-            assert cfg in cands, (spec, shape, cfg)
+            assert cfg in cands and cfg.tile_m == 128, (spec, shape, cfg)
     # the overlapped promotion wherever B's scales are per 128-column block
     assert all(sm90_gemm.heuristic(spec, 4096, 4096, 4096, 1).overlap_promote == (spec.b_block == 128)
                for spec in _CASES)
@@ -197,9 +204,14 @@ def test_scaled_stages_fit():
         assert scale == 4 * ((128 if a_block == 1 else 0) + (128 if b_block == 1 else 0))
         for c in (BF, F32):
             for cfg in sm90_gemm.candidate_configs(scaled(a_block, b_block, c)):
-                ab, epi = sm90_gemm.stage_plan(cfg.tile_n, c, 0, False, cfg.epi_n, 128, cfg.whole_c, False, scale)
+                scale = sm90_config.scale_stage_bytes(cfg.tile_m, 128, a_block, b_block)
+                ab, epi = sm90_gemm.stage_plan(cfg.tile_n, c, 0, False, cfg.epi_n, cfg.tile_m, cfg.whole_c, False,
+                                               scale)
                 epi_bytes = 2 * epi * 64 * cfg.epi_n * sm90_config.ITEM[c]
-                assert ab >= 3 and 1024 + ab * ((128 + 128) * 128 + scale) + epi_bytes <= sm90_gemm.SMEM_BYTES
+                assert ab >= 3 and 1024 + ab * ((cfg.tile_m + 128) * 128 + scale) + epi_bytes <= sm90_gemm.SMEM_BYTES
+    # 256 x 128 with 1 x 128 A scales: a 1 KB box a stage (256 rows), 3 stages beside the epilogue ring
+    assert sm90_config.scale_stage_bytes(256, 128, 1, 128) == 1024
+    assert sm90_gemm.stage_plan(128, BF, 0, False, 64, 256, False, False, 1024) == (3, 2)
     # a 16-bit output's 128 x 128 tile, whole-share 64-column epilogue (32 KB): 6 stages (32 KB
     # each) unscaled and with 128 x 128 scales on both operands; one 512-byte buffer a stage
     # (1 x 128 A scales, or per-column B scales) leaves 5
@@ -249,9 +261,14 @@ def test_scaled_spec_signature_and_refusals():
     with pytest.raises(ValueError):
         scaled(64, 128)
     for bad_cfg in (sm90_gemm.Config(), sm90_gemm.Config(128, 128, 2, 1, pingpong=True),
-                    sm90_gemm.Config(128, 128, defer=1), sm90_gemm.Config(256, 128)):
+                    sm90_gemm.Config(128, 128, defer=1), sm90_gemm.Config(256, 256),
+                    sm90_gemm.Config(256, 128, overlap_promote=True), sm90_gemm.Config(256, 128, split_k=2)):
         with pytest.raises(ValueError):
             sm90_gemm.launcher(scaled(1, 128), bad_cfg)
+    # the 256 x 128 tile: 1 x 128 A and 128 x 128 B scales only (DeepGEMM's forward and dgrad)
+    for other in (scaled(128, 128), scaled(1, 1), scaled(128, 1)):
+        with pytest.raises(ValueError, match="256 x 128"):
+            sm90_gemm.launcher(other, sm90_gemm.Config(256, 128, epi_n=64))
     with pytest.raises(ValueError):   # the overlapped promotion is a block-scaled mainloop
         sm90_gemm.launcher(GemmSpec(BF, BF, BF), sm90_gemm.Config(overlap_promote=True))
 
@@ -316,6 +333,29 @@ def test_scaled_ragged_k_refusals_and_variant():
     assert arch.unverified("sm_100a")
 
 
+# The 256 x 128 tile (sm90_scaled.wave_mainloop): 128 accumulators and one 64-register partial
+# fragment a consumer thread. Spill frame allowed: what the compile shows today (sm_90a: 24 bytes
+# f32 out, 48 with bias + silu, 80-88 bf16 / f16, 136 bf16 with bias + gelu), all of it around
+# the mainloop (_check_k_loop_spills: none inside).
+_WAVE_FRAME = 136
+_WAVE_CASES = [scaled(1, 128), scaled(1, 128, F32), scaled(1, 128, BF, bias=True, activation="gelu"),
+               scaled(1, 128, F32, bias=True, activation="silu"), scaled(1, 128, F16, E4M3, E5M2)]
+
+
+@pytest.mark.parametrize("spec", _WAVE_CASES, ids=lambda s: s.key())
+def test_compile_scaled_256x128(spec):
+    """DeepGEMM's per-wave promotion: fp8 WGMMAs of each 64-row block into one partial fragment,
+    no spill in the k-loop, ptxas serializes no WGMMA; the A-scale box holds the tile's 256 rows."""
+    cands = [c for c in sm90_gemm.candidate_configs(spec) if c.tile_m == 256]
+    assert len(cands) == 2 and all(not c.overlap_promote and c.split_k == 1 for c in cands)
+    _compile(spec, cands[0])
+
+
+def test_compile_scaled_256x128_cluster_1x2():
+    cfg = next(c for c in sm90_gemm.candidate_configs(scaled(1, 128)) if c.tile_m == 256 and c.cluster_n == 2)
+    _compile(scaled(1, 128), cfg)
+
+
 # The overlapped promotion (Config.overlap_promote): two partial fragments (64 + 2 x 64 fp32
 # registers a consumer thread). Spill frame allowed: what the compile shows today (at most 96
 # bytes), all of it around the mainloop (see sm90_gemm.scaled_overlap).
@@ -356,4 +396,5 @@ def _check_not_serialized(ptx: str) -> None:
                              capture_output=True, text=True)
     if run.returncode:
         pytest.skip(f"this ptxas does not take the kernel: {run.stderr.strip()[:200]}")
-    assert "C7514" not in run.stdout + run.stderr, run.stdout + run.stderr
+    # (C7511: serialized for want of registers, as a copy of a partial fragment once caused)
+    assert "C7514" not in run.stdout + run.stderr and "C7511" not in run.stdout + run.stderr, run.stdout + run.stderr
