@@ -12,7 +12,9 @@ interleaved in one process:
   after its WGMMAs drain; on: double-buffered partial fragments, the next k-tile's WGMMAs
   running under the promotion), whichever the heuristic picks; *jax_cute_db_c2x2* (dense): the
   overlapped mainloop on 2x2 clusters (A multicast along N as well as B along M: 16 KB of L2
-  reads per CTA and k-tile instead of 24);
+  reads per CTA and k-tile instead of 24); *jax_cute_256x128* (dense): the 256 x 128 tile on 2x1
+  clusters (each warpgroup's two 64-row blocks promoted in turn through one partial fragment,
+  DeepGEMM's waves; never the heuristic's pick);
 - *xla*: XLA's fp8 dot: ``lax.dot_general`` of the raw e4m3 values (no block scales), bf16 out
   (for the grouped case a batched dot over the 4 equal groups).
 
@@ -123,6 +125,9 @@ def _variants(fn: Callable, dense: bool) -> list[Impl]:
                 "jax_cute_db": {"overlap_promote": True}}
     if dense:
         variants["jax_cute_db_c2x2"] = {"overlap_promote": True, "cluster_m": 2, "cluster_n": 2}
+        # the 256 x 128 tile (sm90_scaled.wave_mainloop; 2x1 clusters, unsplit, a ring epilogue)
+        variants["jax_cute_256x128"] = {"tile_m": 256, "cluster_m": 2, "cluster_n": 1, "split_k": 1,
+                                        "overlap_promote": False, "whole_c": False, "epi_n": 64}
     # a function object per variant: jit caches its traces (and their kernels) by function
     return [Impl(name, lambda *args: fn(*args), context=fields and (lambda fields=fields: scaled_variant(**fields)))
             for name, fields in variants.items()]

@@ -137,6 +137,37 @@ def test_mainloop_variants(fields):
     check(out, mm(dq(xq), dq(wq)), abs_product(dq(xq), dq(wq)))
 
 
+@pytest.mark.parametrize("m,n,k", [(1000, 1040, 1000), (300, 7168, 2048), (2048, 2048, 7168), (1, 8, 128)])
+@pytest.mark.parametrize("out", [BF, F32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("kind", ["normal", "heavy"])
+def test_256x128_tile(m, n, k, out, kind):
+    """The 256 x 128 tile (sm90_scaled.wave_mainloop: each warpgroup's two 64-row blocks promoted
+    in turn through one partial fragment), its 2x1-cluster candidate forced (benchmarks/bench_fp8.py's
+    jax_cute_256x128 row), with a bias + gelu epilogue beside the plain product: M not a multiple
+    of 256, N not of 128, several k-tiles."""
+    xq, wq = quantize(data((m, k), kind, 40), "1x128"), quantize(data((k, n), kind, 41), "128x128")
+    bias = data((n,), "normal", 42)
+    pick = sm90_gemm.heuristic
+
+    def forced(spec, *args, **kwargs):
+        tile = next(c for c in sm90_gemm.candidate_configs(spec) if c.tile_m == 256 and c.cluster_m == 2)
+        return dataclasses.replace(tile, sms=pick(spec, *args, **kwargs).sms)
+
+    def f(xq, wq):
+        return jax_cute.matmul(xq, wq, preferred_element_type=out)
+
+    def g(xq, wq, bias):
+        return jax_cute.matmul(xq, wq, bias=bias, activation="gelu", preferred_element_type=out)
+
+    a, b = dq(xq), dq(wq)
+    with mock.patch.object(sm90_gemm, "heuristic", forced):
+        assert_ours(f, xq, wq)
+        assert_ours(g, xq, wq, bias)
+        got, got_g = jax.jit(f)(xq, wq), jax.jit(g)(xq, wq, bias)
+    check(got, mm(a, b), abs_product(a, b))
+    check(got_g, jax.nn.gelu(mm(a, b) + bias), abs_product(a, b))
+
+
 @pytest.mark.parametrize("activation", ["gelu", "relu", "silu"])
 @pytest.mark.parametrize("blocks", _FORMS[:3], ids=lambda b: f"{b[0]}-{b[1]}")
 def test_bias_and_activation(blocks, activation):
