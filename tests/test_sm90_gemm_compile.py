@@ -287,8 +287,9 @@ def test_ragged_edge_store_path():
 _TMA_STORE = re.compile(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared")
 
 
-# an unaligned C (a 50257-word vocabulary's logits): the heuristic's 128x256 whole-share tile and
-# a 128x128 ring, 16- and 32-bit C contiguous along N or M, a fused bias and gelu
+# an unaligned C (a 50257-word vocabulary's logits): the heuristic's pick (a deferred 128x128
+# epilogue for a plain 16-bit C, the ring with a fused epilogue) and a 128x128 ring, 16- and
+# 32-bit C contiguous along N or M, a fused bias and gelu
 @pytest.mark.parametrize("c_dt, c_major, fused, cfg", [
     (BF, "n", {}, None), (F32, "n", {}, sm90_gemm.Config(128, 128, 2, 1)), (BF, "m", {}, sm90_gemm.Config(128, 128, 1, 2)),
     (BF, "n", dict(bias=True, activation="gelu"), None)], ids=["bf16-n", "f32-n-128", "bf16-m-128", "bf16-n-bias-gelu"])
@@ -299,7 +300,9 @@ def test_unaligned_c_is_stored_without_tma(c_dt, c_major, fused, cfg):
     assert spec.key().endswith(".cunaligned") and spec != dataclasses.replace(spec, c_aligned=True)
     sig = {a.name: a for a in sm90_gemm.signature(spec, sm90_gemm.Config(128, 128, 2, 1))}
     assert all(s.div == 1 for s in sig["c"].stride if not isinstance(s, int))
-    cfg = cfg or sm90_gemm.heuristic(spec, 8192, 50257, 768, 1)
+    if cfg is None:
+        cfg = sm90_gemm.heuristic(spec, 8192, 50257, 768, 1)
+        assert cfg.defer == (0 if fused else sm90_gemm.DEFER), cfg   # (a deferred epilogue fuses nothing)
     ptx = _compile(spec, cfg).ptx
     assert not _TMA_STORE.search(ptx) and "st.global" in ptx and "cp.async.bulk.tensor" in ptx
     assert _TMA_STORE.search(_compile(dataclasses.replace(spec, c_aligned=True), cfg).ptx)

@@ -53,7 +53,7 @@ Kernel shape (one persistent CTA per SM, 384 threads):
   fragment so that a warpgroup's next k-tile's WGMMAs run under its promotion; the serial one
   relies on the other warpgroup's WGMMAs for that. Two or three fp32 fragments per thread:
   128 x 128 cooperative tiles (sm90_scaled). 256 x 128 tiles (1 x 128 A and 128 x 128 B scales,
-  autotune only) promote each warpgroup's two 64-row blocks in turn through one partial
+  the heuristic's where its time model prefers them) promote each warpgroup's two 64-row blocks in turn through one partial
   fragment (DeepGEMM's waves: 128 accumulators + 64 partial registers a thread).
 - TMA stores write whole 16-byte chunks, so where C's contiguous extent is not a multiple of 16
   bytes the subtiles on that edge are stored with predicated per-element stores instead.
@@ -72,7 +72,8 @@ Kernel shape (one persistent CTA per SM, 384 threads):
   and only waited for before the next tile's epilogue refills the ring, so the epilogue costs
   the conversion and shared-memory writes (~1.4k cycles per tile) instead of a chain of store
   round trips (~2.6k).
-- deferred epilogue (Config.defer = d > 0, cooperative, unsplit, 16-bit C; autotune only): a
+- deferred epilogue (Config.defer = d > 0, cooperative, unsplit, 16-bit C; the heuristic's for
+  an unaligned C, else autotune only): a
   warpgroup converts its finished accumulators to the output dtype in registers, issues the
   first d k-tiles of its next tile's WGMMAs, and only then stores the previous tile (the
   cooperative tile's 128 accumulator registers leave room for the 64 of a 16-bit copy, not for
@@ -214,9 +215,9 @@ def _check_config(config: Config) -> None:
 
 
 def _check_scaled_config(spec: GemmSpec, config: Config) -> None:
-    if config.pingpong or config.defer or (config.tile_m, config.tile_n) not in _SCALED_TILES:
+    if config.pingpong or config.defer or (config.tile_m, config.tile_n) not in SCALED_TILES:
         raise ValueError(f"{FAMILY}: block-scaled tiles are cooperative "
-                         + ", ".join(f"{m}x{n}" for m, n in _SCALED_TILES) + f" without a deferred epilogue ({config})")
+                         + ", ".join(f"{m}x{n}" for m, n in SCALED_TILES) + f" without a deferred epilogue ({config})")
     reason = _wave_refusal(spec, config)
     if reason:
         raise ValueError(reason)
@@ -257,8 +258,9 @@ def epilogue_for(spec, config: Config) -> Config:
 # block-scaled tiles: the accumulators and one or two k-tiles' partial products fit the
 # consumers' registers for 128 x 128 cooperative tiles (64 + 64, or 64 + 2 x 64, per thread);
 # 256 x 128 (two 64-row blocks a warpgroup) promotes block by block through one 64-register
-# fragment beside 128 accumulators (DeepGEMM's waves; _wave_refusal says which specs it takes)
-_SCALED_TILES = [(128, 128), (256, 128)]
+# fragment beside 128 accumulators (DeepGEMM's waves; _wave_refusal says which specs it takes).
+# Public so that benchmarks and tests can rank 128 x 128 tiles alone (the pick before 256 x 128).
+SCALED_TILES = [(128, 128), (256, 128)]
 
 
 def scaled_overlap(spec) -> bool:
@@ -276,11 +278,11 @@ def _scaled_candidates(spec) -> list[Config]:
     out.append(Config(128, 128, 1, 1, "m", 8, 1))
     out += [dataclasses.replace(c, overlap_promote=True) for c in out]
     out = [epilogue_for(spec, c) for c in out]
-    # autotune and forced runs only (the heuristic takes 128-row tiles); a ring of 64-wide
-    # subtiles: the whole share spills 168 bytes around the mainloop (bf16, sm_90a), the ring 88
+    # a ring of 64-wide subtiles: the whole share spills 168 bytes around the mainloop (bf16,
+    # sm_90a), the ring 88
     return out + [dataclasses.replace(epilogue_for(spec, c), whole_c=False)
                   for c in (Config(256, 128, cm, cn, "m", 8, 1) for cm, cn in ((2, 1), (1, 2)))
-                  if not _wave_refusal(spec, c)]
+                  if (256, 128) in SCALED_TILES and not _wave_refusal(spec, c)]
 
 
 # An unaligned C (GemmSpec.c_aligned False) stores every subtile element by element: beside a
@@ -334,7 +336,7 @@ def candidate_configs(spec) -> list[Config]:
 #   Kernel cycles under ncu against the deferred epilogue: -2.6% on 16384x1536x1024, -0.5% on
 #   16384x2048x2048, -1.5% on 4096^3, +0.5% on 8192^3. Deferral on top of it (3 stages) starves
 #   the mainloop.
-# - deferred epilogue (autotune only): each tile's stores run under the next tile's first 2
+# - deferred epilogue (autotune only, but for an unaligned C: see heuristic): each tile's stores run under the next tile's first 2
 #   k-tiles; it costs ~3.4k cycles once per CTA and saves ~0.5k per tile.
 # - raster: N fastest in bands of 16 reads 1477 MB of DRAM on 8192^3 and 654 MB on
 #   4096x14336x4096, against 1229 / 492 MB for M fastest in bands of 8 and 1204 / 453 MB for
@@ -408,10 +410,13 @@ def heuristic(spec, m: int, n: int, k: int, l: int, num_sms: int = NUM_SMS, spli
     reason = unsupported(spec)
     if reason:
         raise ValueError(reason)
+    # (block-scaled: the 256 x 128 wave tile too, where _scaled_candidates offers it; see SCALED_TILES)
     cands = [c for c in candidate_configs(spec)
-             if c.raster == "m" and c.group == 8 and not c.pingpong and c.tile_m == 128 and c == epilogue_for(spec, c)]
+             if c.raster == "m" and c.group == 8 and not c.pingpong
+             and (c.tile_m == 128 and c == epilogue_for(spec, c) or spec.scaled and c.tile_m == 256)]
     if spec.scaled:
-        cands = [c for c in cands if c.cluster_m * c.cluster_n > 1 and c.overlap_promote == scaled_overlap(spec)]
+        cands = [c for c in cands if c.cluster_m * c.cluster_n > 1
+                 and (c.tile_m == 256 or c.overlap_promote == scaled_overlap(spec))]
     if spec.batch_modes > 1 and ITEM[spec.c_dtype] == 4:
         # an fp32 128x256 tile split 4 ways spills registers with three batch modes (16-96 bytes)
         cands = [c for c in cands if not (c.tile_n == 256 and c.split_k == 4)]
@@ -428,6 +433,15 @@ def heuristic(spec, m: int, n: int, k: int, l: int, num_sms: int = NUM_SMS, spli
         cands = [c for c in cands if c.split_k == split_k] or cands
     bk = tile_k(spec.a_dtype)
     best = min(cands, key=lambda c: (_estimate(c, m, n, k, l, num_sms, bk), c.split_k, -c.tile_n))
+    if not spec.c_aligned and spec.a_dtype not in _FP8:
+        # Every subtile of an unaligned C is stored element by element, a long epilogue beside
+        # the short mainloops of an LM head (K = 768): the deferred epilogue issues the next
+        # tile's first k-tiles before those stores. On an H200 (2026-11-29, 8192x50257x768
+        # forward, one process) it ran 450 TFLOP/s against 422 in 50 ms windows, 438 against
+        # 429 in 1 s windows (XLA: 556, 515).
+        deferred = dataclasses.replace(best, whole_c=False, epi_n=32, defer=DEFER)
+        if deferred in candidate_configs(spec):
+            return deferred
     # A fused activation (bias, pre-activation output, a derivative's reads of Z) keeps the
     # cooperative pick too. Pingpong 128x128 hides the activation's epilogue under the other
     # warpgroup's mainloop and wins short windows (H100, 2026-11-26, bias + gelu, 50 ms: 2-12%
