@@ -7,12 +7,14 @@ interleaved in one process:
 - *jax_cute*: ``jax_cute.matmul`` (``ragged_dot`` for the grouped case) of operands quantized
   beforehand, x in 1 x 128 and w (N, K) in 128 x 128 blocks (DeepGEMM's recipe), bf16 out;
 - *jax_cute_bf16*: ``jax_cute.matmul`` / ``ragged_dot`` of the same values in bf16;
-- *jax_cute_db* / *jax_cute_serial* (dense): the 128 x 128 tile the heuristic ranks when the
-  256 x 128 tile is left out, with its overlapped promotion (double-buffered partial fragments,
-  the next k-tile's WGMMAs running under the promotion) or the serial one (each k-tile's partial
-  sums promoted after its WGMMAs drain); grouped: the heuristic's tile with either mainloop;
-  *jax_cute_256x128* (dense): the 256 x 128 tile on 2x1 clusters forced (each warpgroup's two
-  64-row blocks promoted in turn through one partial fragment, DeepGEMM's waves);
+- *jax_cute_serial* / *jax_cute_db*: the same call, traced with the block-scaled kernel's
+  mainloop variant forced (``Config.overlap_promote`` off: each k-tile's partial sums promoted
+  after its WGMMAs drain; on: double-buffered partial fragments, the next k-tile's WGMMAs
+  running under the promotion), whichever the heuristic picks; *jax_cute_db_c2x2* (dense): the
+  overlapped mainloop on 2x2 clusters (A multicast along N as well as B along M: 16 KB of L2
+  reads per CTA and k-tile instead of 24); *jax_cute_256x128* (dense): the 256 x 128 tile on 2x1
+  clusters (each warpgroup's two 64-row blocks promoted in turn through one partial fragment,
+  DeepGEMM's waves; never the heuristic's pick);
 - *xla*: XLA's fp8 dot: ``lax.dot_general`` of the raw e4m3 values (no block scales), bf16 out
   (for the grouped case a batched dot over the 4 equal groups).
 
@@ -21,9 +23,8 @@ TFLOP/s count 2 M N K. Outputs are not compared (the three compute different pro
 Training steps (``BENCH_FP8_TRAIN=0`` leaves them out; ``BENCH_FP8_GEMM=0`` leaves out the GEMMs): the GPT example's step (``examples/gpt_training.py``
 at its ``h200`` size, dense and ``--moe``), timed interleaved: *jax_cute*:
 ``value_and_grad(kernelize(loss, fp8=recipe))`` (the weight products' forward and both
-gradients block-scaled fp8, quantization included); *jax_cute_128*: the same with the dense
-products on 128 x 128 tiles alone; *jax_cute_bf16*: the same kernelized in bf16; *xla_bf16*:
-the model as written (bf16 products).
+gradients block-scaled fp8, quantization included); *jax_cute_bf16*: the same kernelized in
+bf16; *xla_bf16*: the model as written (bf16 products).
 """
 
 from __future__ import annotations
@@ -104,34 +105,29 @@ def _grouped_xla_fp8(xq, wq, x, w, sizes):
 
 
 @contextlib.contextmanager
-def scaled_variant(tiles_128: bool = False, **fields) -> Iterator[None]:
-    """Trace with ``fields`` replaced in the Hopper families' block-scaled configs; ``tiles_128``:
-    the dense heuristic ranks 128 x 128 tiles alone (its pick before the 256 x 128 tile)."""
+def scaled_variant(**fields) -> Iterator[None]:
+    """Trace with ``fields`` replaced in the Hopper families' block-scaled configs."""
     def forced(heuristic):
         def pick(spec, *args, **kwargs):
             cfg = heuristic(spec, *args, **kwargs)
             return dataclasses.replace(cfg, **fields) if spec.scaled else cfg
         return pick
 
-    tiles = [(128, 128)] if tiles_128 else sm90_gemm.SCALED_TILES
     with mock.patch.object(sm90_gemm, "heuristic", forced(sm90_gemm.heuristic)), \
-            mock.patch.object(sm90_grouped, "heuristic", forced(sm90_grouped.heuristic)), \
-            mock.patch.object(sm90_gemm, "SCALED_TILES", tiles):
+            mock.patch.object(sm90_grouped, "heuristic", forced(sm90_grouped.heuristic)):
         yield
 
 
 def _variants(fn: Callable, dense: bool) -> list[Impl]:
     """The scaled product as the heuristic picks it and with each mainloop variant forced (dense:
-    the heuristic's 128 x 128 pick, overlapped and serial, and the 256 x 128 tile forced)."""
+    also the overlapped one on 2x2 clusters, A and B both multicast)."""
+    variants = {"jax_cute": None, "jax_cute_serial": {"overlap_promote": False},
+                "jax_cute_db": {"overlap_promote": True}}
     if dense:
-        variants = {"jax_cute": None, "jax_cute_db": {"tiles_128": True},
-                    "jax_cute_serial": {"tiles_128": True, "overlap_promote": False},
-                    # the 256 x 128 tile (sm90_scaled.wave_mainloop; 2x1 clusters, unsplit, a ring epilogue)
-                    "jax_cute_256x128": {"tile_m": 256, "cluster_m": 2, "cluster_n": 1, "split_k": 1,
-                                         "overlap_promote": False, "whole_c": False, "epi_n": 64}}
-    else:
-        variants = {"jax_cute": None, "jax_cute_serial": {"overlap_promote": False},
-                    "jax_cute_db": {"overlap_promote": True}}
+        variants["jax_cute_db_c2x2"] = {"overlap_promote": True, "cluster_m": 2, "cluster_n": 2}
+        # the 256 x 128 tile (sm90_scaled.wave_mainloop; 2x1 clusters, unsplit, a ring epilogue)
+        variants["jax_cute_256x128"] = {"tile_m": 256, "cluster_m": 2, "cluster_n": 1, "split_k": 1,
+                                        "overlap_promote": False, "whole_c": False, "epi_n": 64}
     # a function object per variant: jit caches its traces (and their kernels) by function
     return [Impl(name, lambda *args: fn(*args), context=fields and (lambda fields=fields: scaled_variant(**fields)))
             for name, fields in variants.items()]
@@ -146,8 +142,6 @@ def train_steps(args: argparse.Namespace, rounds: int) -> list[dict]:
     for moe, cfg, tx, make_args, case in gpt_train_cases(gpt, args.smoke):
         recs += measure("fp8", "fp8_train", case,
                         [Impl("jax_cute", gpt.make_step(cfg, tx, kernelized=True, fp8=True)),
-                         Impl("jax_cute_128", gpt.make_step(cfg, tx, kernelized=True, fp8=True),
-                              context=lambda: scaled_variant(tiles_128=True)),
                          Impl("jax_cute_bf16", gpt.make_step(cfg, tx, kernelized=True)),
                          Impl("xla_bf16", gpt.make_step(cfg, tx, kernelized=False))],
                         make_args, 0.0, rounds=rounds, check=False, meta={"dtype": "float8_e4m3fn", "moe": moe})

@@ -214,7 +214,6 @@ SUITE_LABELS = {"ragged": {"xla": "lax.ragged_dot"},   # what the "xla" rival is
                 "fp8": {"jax_cute": "jax_cute fp8, block-scaled", "jax_cute_bf16": "jax_cute bf16",
                         "jax_cute_db": "fp8, overlapped promotion", "jax_cute_serial": "fp8, serial promotion",
                         "jax_cute_db_c2x2": "fp8, overlapped, 2x2 clusters", "jax_cute_256x128": "fp8, 256x128 tile",
-                        "jax_cute_128": "jax_cute fp8, 128x128 tiles",
                         "xla": "XLA fp8 dot (no block scales)", "xla_bf16": "XLA, bf16 model as written"},
                 "models": {"jax_cute_unfused": "jax_cute, gelu not fused"},
                 "scaling": {"jax_cute_float32_sums": "jax_cute, float32 sums over GPUs"},
@@ -223,16 +222,15 @@ SUITE_LABELS = {"ragged": {"xla": "lax.ragged_dot"},   # what the "xla" rival is
                           "jax_cute_kernelize": "kernelize(XLA layer)"}}
 SUITE_NOTE = {
     "fp8": "*jax_cute fp8*: `jax_cute.matmul` (`ragged_dot` grouped) of operands quantized beforehand, x in "
-           "1x128 and w in 128x128 blocks, bf16 out, with the heuristic's configuration (dense: the 256x128 tile "
-           "on 2x1 clusters where its time model prefers it, else 128x128 with the overlapped promotion); the "
-           "dense *overlapped* and *serial promotion* rows run the 128x128 tile the heuristic picks without the "
-           "256x128 one, the *256x128 tile* row forces that tile; grouped, they force the mainloop variant on "
-           "the heuristic's tile. *jax_cute bf16*: the same values in bf16. *XLA fp8 dot*: `lax.dot_general` of "
-           "the raw e4m3 values, no block scales (cuBLAS, fast accumulation). Training step: "
-           "`examples/gpt_training.py`'s step at its `h200` size, *jax_cute fp8* `value_and_grad(kernelize(loss, "
-           "fp8=fp8_recipe(cfg)))` (the weight products' forward, dgrad and wgrad block-scaled fp8, their "
-           "quantization included), *jax_cute fp8, 128x128 tiles* the same without the 256x128 tile, *jax_cute "
-           "bf16* the same kernelized in bf16, *XLA* the model as written, timed interleaved in one process.",
+           "1x128 and w in 128x128 blocks, bf16 out, with the heuristic's configuration (the overlapped "
+           "promotion on 2x1 clusters); the *overlapped* and *serial promotion* and *2x2 clusters* rows force "
+           "the block-scaled mainloop's variants on the heuristic's tile, so the overlapped row runs the "
+           "heuristic's own kernel: its distance from the first column is the run's variation. "
+           "*jax_cute bf16*: the same values in bf16. *XLA fp8 dot*: `lax.dot_general` of the raw e4m3 values, "
+           "no block scales (cuBLAS, fast accumulation). Training step: `examples/gpt_training.py`'s step at its "
+           "`h200` size, *jax_cute fp8* `value_and_grad(kernelize(loss, fp8=fp8_recipe(cfg)))` (the weight "
+           "products' forward, dgrad and wgrad block-scaled fp8, their quantization included), *jax_cute bf16* "
+           "the same kernelized in bf16, *XLA* the model as written, timed interleaved in one process.",
     "collective": "*jax_cute*: `JAX_CUTE_COLLECTIVE_MATMUL=1`, the partitioning rules' bidirectional ring of "
                   "collective permutes and per-chunk jax_cute GEMMs, which leave `JAX_CUTE_RING_SMS` SMs (default 16) "
                   "free for the transfers ([docs/sharding.md](docs/sharding.md)); *ring GEMMs on every SM*: the same "

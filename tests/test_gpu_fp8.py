@@ -123,16 +123,16 @@ def test_error_model():
 @pytest.mark.parametrize("fields", [{"overlap_promote": False}, {"overlap_promote": True, "cluster_m": 2, "cluster_n": 2}],
                          ids=["serial", "overlap-c2x2"])
 def test_mainloop_variants(fields):
-    """Variants of the 128 x 128 tile (the heuristic's pick here, the 256 x 128 tile left out as
-    benchmarks/bench_fp8.py does; the overlapped mainloop on 2x1 clusters): the serial mainloop
-    with 128 x 128 B scales, and the overlapped one on 2x2 clusters."""
+    """The variants benchmarks/bench_fp8.py times beside the heuristic's pick (the overlapped
+    mainloop on 2x1 clusters here): the serial mainloop with 128 x 128 B scales, and the
+    overlapped one on 2x2 clusters."""
     xq, wq = quantize(data((1000, 1000), "heavy", 22), "1x128"), quantize(data((1000, 1040), "student_t", 23), "128x128")
     pick = sm90_gemm.heuristic
 
     def forced(spec, *args, **kwargs):
         return dataclasses.replace(pick(spec, *args, **kwargs), **fields)
 
-    with mock.patch.object(sm90_gemm, "heuristic", forced), mock.patch.object(sm90_gemm, "SCALED_TILES", [(128, 128)]):
+    with mock.patch.object(sm90_gemm, "heuristic", forced):
         out = jax.jit(lambda x, w: jax_cute.matmul(x, w, preferred_element_type=F32))(xq, wq)
     check(out, mm(dq(xq), dq(wq)), abs_product(dq(xq), dq(wq)))
 

@@ -53,7 +53,7 @@ Kernel shape (one persistent CTA per SM, 384 threads):
   fragment so that a warpgroup's next k-tile's WGMMAs run under its promotion; the serial one
   relies on the other warpgroup's WGMMAs for that. Two or three fp32 fragments per thread:
   128 x 128 cooperative tiles (sm90_scaled). 256 x 128 tiles (1 x 128 A and 128 x 128 B scales,
-  the heuristic's where its time model prefers them) promote each warpgroup's two 64-row blocks in turn through one partial
+  autotune only) promote each warpgroup's two 64-row blocks in turn through one partial
   fragment (DeepGEMM's waves: 128 accumulators + 64 partial registers a thread).
 - TMA stores write whole 16-byte chunks, so where C's contiguous extent is not a multiple of 16
   bytes the subtiles on that edge are stored with predicated per-element stores instead.
@@ -215,9 +215,9 @@ def _check_config(config: Config) -> None:
 
 
 def _check_scaled_config(spec: GemmSpec, config: Config) -> None:
-    if config.pingpong or config.defer or (config.tile_m, config.tile_n) not in SCALED_TILES:
+    if config.pingpong or config.defer or (config.tile_m, config.tile_n) not in _SCALED_TILES:
         raise ValueError(f"{FAMILY}: block-scaled tiles are cooperative "
-                         + ", ".join(f"{m}x{n}" for m, n in SCALED_TILES) + f" without a deferred epilogue ({config})")
+                         + ", ".join(f"{m}x{n}" for m, n in _SCALED_TILES) + f" without a deferred epilogue ({config})")
     reason = _wave_refusal(spec, config)
     if reason:
         raise ValueError(reason)
@@ -259,8 +259,10 @@ def epilogue_for(spec, config: Config) -> Config:
 # consumers' registers for 128 x 128 cooperative tiles (64 + 64, or 64 + 2 x 64, per thread);
 # 256 x 128 (two 64-row blocks a warpgroup) promotes block by block through one 64-register
 # fragment beside 128 accumulators (DeepGEMM's waves; _wave_refusal says which specs it takes).
-# Public so that benchmarks and tests can rank 128 x 128 tiles alone (the pick before 256 x 128).
-SCALED_TILES = [(128, 128), (256, 128)]
+# The heuristic ranks the 128 x 128 tiles: on an H200 (2026-11-29, one process, bf16 out) the
+# 256 x 128 tile ran 984-1046 TFLOP/s on 4096x7168x16384 against 987 for the 128 x 128 pick
+# and 960-977 on 4096x4096x7168 against 1024, and the fp8 GPT training steps were equal.
+_SCALED_TILES = [(128, 128), (256, 128)]
 
 
 def scaled_overlap(spec) -> bool:
@@ -278,11 +280,11 @@ def _scaled_candidates(spec) -> list[Config]:
     out.append(Config(128, 128, 1, 1, "m", 8, 1))
     out += [dataclasses.replace(c, overlap_promote=True) for c in out]
     out = [epilogue_for(spec, c) for c in out]
-    # a ring of 64-wide subtiles: the whole share spills 168 bytes around the mainloop (bf16,
-    # sm_90a), the ring 88
+    # autotune and forced runs only (the heuristic takes 128-row tiles); a ring of 64-wide
+    # subtiles: the whole share spills 168 bytes around the mainloop (bf16, sm_90a), the ring 88
     return out + [dataclasses.replace(epilogue_for(spec, c), whole_c=False)
                   for c in (Config(256, 128, cm, cn, "m", 8, 1) for cm, cn in ((2, 1), (1, 2)))
-                  if (256, 128) in SCALED_TILES and not _wave_refusal(spec, c)]
+                  if not _wave_refusal(spec, c)]
 
 
 # An unaligned C (GemmSpec.c_aligned False) stores every subtile element by element: beside a
@@ -336,7 +338,7 @@ def candidate_configs(spec) -> list[Config]:
 #   Kernel cycles under ncu against the deferred epilogue: -2.6% on 16384x1536x1024, -0.5% on
 #   16384x2048x2048, -1.5% on 4096^3, +0.5% on 8192^3. Deferral on top of it (3 stages) starves
 #   the mainloop.
-# - deferred epilogue (autotune only, but for an unaligned C: see heuristic): each tile's stores run under the next tile's first 2
+# - deferred epilogue (autotune only; an unaligned C: see heuristic): stores under the next tile's first 2
 #   k-tiles; it costs ~3.4k cycles once per CTA and saves ~0.5k per tile.
 # - raster: N fastest in bands of 16 reads 1477 MB of DRAM on 8192^3 and 654 MB on
 #   4096x14336x4096, against 1229 / 492 MB for M fastest in bands of 8 and 1204 / 453 MB for
@@ -410,13 +412,10 @@ def heuristic(spec, m: int, n: int, k: int, l: int, num_sms: int = NUM_SMS, spli
     reason = unsupported(spec)
     if reason:
         raise ValueError(reason)
-    # (block-scaled: the 256 x 128 wave tile too, where _scaled_candidates offers it; see SCALED_TILES)
     cands = [c for c in candidate_configs(spec)
-             if c.raster == "m" and c.group == 8 and not c.pingpong
-             and (c.tile_m == 128 and c == epilogue_for(spec, c) or spec.scaled and c.tile_m == 256)]
+             if c.raster == "m" and c.group == 8 and not c.pingpong and c.tile_m == 128 and c == epilogue_for(spec, c)]
     if spec.scaled:
-        cands = [c for c in cands if c.cluster_m * c.cluster_n > 1
-                 and (c.tile_m == 256 or c.overlap_promote == scaled_overlap(spec))]
+        cands = [c for c in cands if c.cluster_m * c.cluster_n > 1 and c.overlap_promote == scaled_overlap(spec)]
     if spec.batch_modes > 1 and ITEM[spec.c_dtype] == 4:
         # an fp32 128x256 tile split 4 ways spills registers with three batch modes (16-96 bytes)
         cands = [c for c in cands if not (c.tile_n == 256 and c.split_k == 4)]
