@@ -53,7 +53,7 @@ Kernel shape (one persistent CTA per SM, 384 threads):
   fragment so that a warpgroup's next k-tile's WGMMAs run under its promotion; the serial one
   relies on the other warpgroup's WGMMAs for that. Two or three fp32 fragments per thread:
   128 x 128 cooperative tiles (sm90_scaled). 256 x 128 tiles (1 x 128 A and 128 x 128 B scales,
-  autotune only) promote each warpgroup's two 64-row blocks in turn through one partial
+  forced configs only) promote each warpgroup's two 64-row blocks in turn through one partial
   fragment (DeepGEMM's waves: 128 accumulators + 64 partial registers a thread).
 - TMA stores write whole 16-byte chunks, so where C's contiguous extent is not a multiple of 16
   bytes the subtiles on that edge are stored with predicated per-element stores instead.
@@ -280,8 +280,9 @@ def _scaled_candidates(spec) -> list[Config]:
     out.append(Config(128, 128, 1, 1, "m", 8, 1))
     out += [dataclasses.replace(c, overlap_promote=True) for c in out]
     out = [epilogue_for(spec, c) for c in out]
-    # autotune and forced runs only (the heuristic takes 128-row tiles); a ring of 64-wide
-    # subtiles: the whole share spills 168 bytes around the mainloop (bf16, sm_90a), the ring 88
+    # forced configs only (the heuristic takes 128-row tiles, autotune skips block-scaled
+    # products); a ring of 64-wide subtiles: the whole share spills 168 bytes around the
+    # mainloop (bf16, sm_90a), the ring 88
     return out + [dataclasses.replace(epilogue_for(spec, c), whole_c=False)
                   for c in (Config(256, 128, cm, cn, "m", 8, 1) for cm, cn in ((2, 1), (1, 2)))
                   if not _wave_refusal(spec, c)]
