@@ -239,7 +239,7 @@ def _wave_refusal(spec: GemmSpec, config: Config) -> str | None:
     return None
 
 
-DEFER = 2   # k-tiles of the next tile issued before a deferred epilogue's stores (autotune only)
+DEFER = 2   # k-tiles of the next tile issued before a deferred epilogue's stores (autotune; an unaligned C)
 
 
 def epilogue_for(spec, config: Config) -> Config:
