@@ -435,11 +435,20 @@ def test_each_shard_adds_as_one_device(results):
 
 def test_expert_parallel_moe_layer_trains_like_the_unsharded_layer(results):
     """From the same inputs the expert-parallel layer's value and gradients equal one device's up
-    to float32 rounding (the same routing and expert products, the activation fused in both, the
-    router's weight gradient and the input's two cotangents summed in float32), and so do 20
-    AdamW steps of it: no top-2 choice flips."""
+    to one bf16 rounding of the expert products' outputs (the same routing and expert products,
+    the activation fused in both, the router's weight gradient and the input's two cotangents
+    summed in float32), and so do 20 AdamW steps of it: no top-2 choice flips.
+
+    The bf16 rounding: after the all-to-all an expert's tokens arrive in another order, so its
+    weight-gradient GEMM adds the same float32 terms in another order, and where the sum lies
+    at a rounding boundary its bf16 output differs by one unit in the last place. Whether any
+    element does depends on the host's XLA CPU code: none on the AVX-512 hosts this test was
+    written on, 0.23-0.32 of 2^-8 of a gradient's largest element and 2.7e-5-3.7e-5 over the
+    20 steps on a 2-core AMD EPYC with AVX2 (2026-11-29). The bounds stay below what a real
+    difference did: before the routing moved out of the shard_map and the sums over devices
+    became float32, this layer parted by 5e-3 (gradients) and 1e-2 (20 steps)."""
     for mesh, case in results["moe_layer"].items():
-        assert case["grads"] <= 1e-5 and case["curve"] <= 1e-5, (mesh, case)
+        assert case["grads"] <= 2**-8 and case["curve"] <= 1e-4, (mesh, case)
 
 
 def test_two_processes_through_jax_distributed_train_like_one(tmp_path):
