@@ -442,9 +442,9 @@ def test_expert_parallel_moe_layer_trains_like_the_unsharded_layer(results):
     The bf16 rounding: after the all-to-all an expert's tokens arrive in another order, so its
     weight-gradient GEMM adds the same float32 terms in another order, and where the sum lies
     at a rounding boundary its bf16 output differs by one unit in the last place. Whether any
-    element does depends on the host's XLA CPU code: none on the AVX-512 hosts this test was
-    written on, 0.23-0.32 of 2^-8 of a gradient's largest element and 2.7e-5-3.7e-5 over the
-    20 steps on a 2-core AMD EPYC with AVX2 (2026-11-29). The bounds stay below what a real
+    element does depends on the host's XLA CPU code: none on the hosts this test was written on
+    (1.2e-7 and 1.7e-6), 0.23-0.32 of 2^-8 of a gradient's largest element and 2.7e-5-3.7e-5
+    over the 20 steps on a 2-core AMD EPYC with AVX2 only (2026-11-29). The bounds stay below what a real
     difference did: before the routing moved out of the shard_map and the sums over devices
     became float32, this layer parted by 5e-3 (gradients) and 1e-2 (20 steps)."""
     for mesh, case in results["moe_layer"].items():
