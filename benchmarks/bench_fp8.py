@@ -16,7 +16,10 @@ interleaved in one process:
   clusters (each warpgroup's two 64-row blocks promoted in turn through one partial fragment,
   DeepGEMM's waves; never the heuristic's pick);
 - *xla*: XLA's fp8 dot: ``lax.dot_general`` of the raw e4m3 values (no block scales), bf16 out
-  (for the grouped case a batched dot over the 4 equal groups).
+  (for the grouped case a batched dot over the 4 equal groups);
+- *jax_cute_raw* (dense): ``jax_cute.matmul`` of the same raw e4m3 values, bf16 out: XLA's
+  numerics on our unscaled fp8 kernel, the like-for-like rival of *xla* and the ceiling the
+  scaled kernel's promotion is measured against.
 
 TFLOP/s count 2 M N K. Outputs are not compared (the three compute different products).
 
@@ -86,6 +89,10 @@ def _bf16(xq, wq, x, w):
     return jax_cute.matmul(x, w, transpose_b=True)
 
 
+def _raw_fp8(xq, wq, x, w):
+    return jax_cute.matmul(xq.values, wq.values, transpose_b=True, preferred_element_type=BF)
+
+
 def _xla_fp8(xq, wq, x, w):
     return jax.lax.dot_general(xq.values, wq.values, (((1,), (1,)), ((), ())), preferred_element_type=BF)
 
@@ -153,7 +160,8 @@ def run(args: argparse.Namespace) -> list[dict]:
     recs: list[dict] = train_steps(args, rounds) if os.environ.get("BENCH_FP8_TRAIN", "1") != "0" else []
     if os.environ.get("BENCH_FP8_GEMM", "1") == "0":
         return recs
-    dense = [*_variants(_scaled, True), Impl("jax_cute_bf16", _bf16), Impl("xla", _xla_fp8)]
+    dense = [*_variants(_scaled, True), Impl("jax_cute_bf16", _bf16), Impl("jax_cute_raw", _raw_fp8),
+             Impl("xla", _xla_fp8)]
     for m, n, k in SMOKE_DENSE if args.smoke else DENSE:
         recs += measure("fp8", "fp8_gemm", f"{m}x{n}x{k}", dense, dense_operands(m, n, k), 2.0 * m * n * k,
                         rounds=rounds, meta={"m": m, "n": n, "k": k, "dtype": "float8_e4m3fn"}, check=False,

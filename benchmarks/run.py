@@ -214,6 +214,7 @@ SUITE_LABELS = {"ragged": {"xla": "lax.ragged_dot"},   # what the "xla" rival is
                 "fp8": {"jax_cute": "jax_cute fp8, block-scaled", "jax_cute_bf16": "jax_cute bf16",
                         "jax_cute_db": "fp8, overlapped promotion", "jax_cute_serial": "fp8, serial promotion",
                         "jax_cute_db_c2x2": "fp8, overlapped, 2x2 clusters", "jax_cute_256x128": "fp8, 256x128 tile",
+                        "jax_cute_raw": "jax_cute fp8 (no block scales)",
                         "xla": "XLA fp8 dot (no block scales)", "xla_bf16": "XLA, bf16 model as written"},
                 "models": {"jax_cute_unfused": "jax_cute, gelu not fused"},
                 "scaling": {"jax_cute_float32_sums": "jax_cute, float32 sums over GPUs"},
@@ -227,7 +228,8 @@ SUITE_NOTE = {
            "the block-scaled mainloop's variants on the heuristic's tile, so the overlapped row runs the "
            "heuristic's own kernel: its distance from the first column is the run's variation. "
            "*jax_cute bf16*: the same values in bf16. *XLA fp8 dot*: `lax.dot_general` of the raw e4m3 values, "
-           "no block scales (cuBLAS, fast accumulation). Training step: `examples/gpt_training.py`'s step at its "
+           "no block scales (cuBLAS, fast accumulation); *jax_cute fp8 (no block scales)*: `jax_cute.matmul` of "
+           "the same raw values (the same numerics as XLA's row, our unscaled fp8 kernel). Training step: `examples/gpt_training.py`'s step at its "
            "`h200` size, *jax_cute fp8* `value_and_grad(kernelize(loss, fp8=fp8_recipe(cfg)))` (the weight "
            "products' forward, dgrad and wgrad block-scaled fp8, their quantization included), *jax_cute bf16* "
            "the same kernelized in bf16, *XLA* the model as written, timed interleaved in one process.",

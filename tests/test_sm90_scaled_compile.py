@@ -62,27 +62,29 @@ def _compile(spec: GemmSpec | GroupedSpec, cfg, family=sm90_gemm):
 
 
 def _check_scale_loads(spec, cfg, ptx: str) -> None:
-    """DeepGEMM's hybrid: an operand with 1-row scale blocks has its scales come by TMA with its
-    k-tile's A and B tiles (a 128-float box a stage, never a 16-byte one) and read from shared
-    memory; an operand with 128-row blocks has no TMA box and no stage buffer, its one scale a
-    k-tile read from global memory in the mainloop. Every stage barrier expects the A and B tiles'
-    bytes (multicast or not, each lands whole in every CTA) plus this CTA's own TMA scale boxes,
-    and a stage takes two TMA loads plus one per 1-row-block operand."""
+    """Both operands' scales come by TMA with their k-tile's A and B tiles and are read from
+    shared memory (a 128 x 128 block's scale read from global memory by each thread left its
+    latency exposed): an operand with 1-row scale blocks in a box of the tile's rows (never a
+    16-byte one), one with 128-row blocks in a 16-byte box of 4 row blocks. No scale is read from
+    global memory in the mainloop. Every stage barrier expects the A and B tiles' bytes (multicast
+    or not, each lands whole in every CTA) plus this CTA's own scale boxes, and a stage takes four
+    TMA loads."""
     tile_m, tile_n = getattr(cfg, "tile_m", 128), cfg.tile_n
     slack = sm90_config.scale_slack(spec)   # ragged_m: A's box starts 16-byte aligned, 4 rows longer
-    tma = [rows + extra for rows, block, extra in ((tile_m, spec.a_block, slack), (tile_n, spec.b_block, 0))
-           if block == 1]
-    tx = (tile_m + tile_n) * 128 + 4 * sum(tma)
+    boxes = [rows + extra if block == 1 else 4
+             for rows, block, extra in ((tile_m, spec.a_block, slack), (tile_n, spec.b_block, 0))]
+    assert boxes == [sm90_config.scale_box(tile_m, spec.a_block, slack), sm90_config.scale_box(tile_n, spec.b_block)]
+    tx = (tile_m + tile_n) * 128 + 4 * sum(boxes)
     regs = re.findall(r"mbarrier\.arrive\.expect_tx\.\S+\s+\S+\s+\[[^]]+\],\s*(%r\d+);", ptx)
     assert regs, "no stage barrier expects bytes"
     for r in set(regs):
         assert re.search(rf"mov\.b32\s+{r}, {tx};", ptx), (r, tx)
     loads = re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared::\w+\.global", ptx)
-    assert len(loads) == (2 + len(tma)) * len(regs), (len(loads), len(regs))
+    assert len(loads) == 4 * len(regs), (len(loads), len(regs))
     main = [b for b in re.split(r"^\$L__BB\d+_\d+:", ptx, flags=re.M) if "wgmma." in b]   # basic blocks
-    assert any("ld.shared.b32" in b or "ld.shared.v2.b32" in b for b in main) == bool(tma)
-    assert any(re.search(r"ld\.global(\.nc)?\.(f32|b32)", b) for b in main) == (len(tma) < 2)
-    _check_scale_box_starts(ptx, len(tma))
+    assert any("ld.shared.b32" in b or "ld.shared.v2.b32" in b or "ld.shared.f32" in b for b in main)
+    assert not any(re.search(r"ld\.global(\.nc)?\.(f32|b32)", b) for b in main)
+    _check_scale_box_starts(ptx, 2)
 
 
 def _multiple_of_4(ptx: str, reg: str, depth: int = 12) -> bool:
@@ -196,12 +198,12 @@ def test_scaled_heuristic_and_candidates():
 
 
 def test_scaled_stages_fit():
-    """Each stage's scale buffers (one 128-byte aligned 128-float box per operand with 1-row
-    blocks; none for 128-row blocks, read from global) count in the shared-memory plan: the ring
-    keeps what fits beside them."""
+    """Each stage's scale buffers (128-byte aligned: a 128-float box per operand with 1-row
+    blocks, a 4-float one with 128-row blocks) count in the shared-memory plan: the ring keeps
+    what fits beside them."""
     for a_block, b_block in ((1, 128), (128, 128), (1, 1), (128, 1)):
         scale = sm90_config.scale_stage_bytes(128, 128, a_block, b_block)
-        assert scale == 4 * ((128 if a_block == 1 else 0) + (128 if b_block == 1 else 0))
+        assert scale == (512 if a_block == 1 else 128) + (512 if b_block == 1 else 128)
         for c in (BF, F32):
             for cfg in sm90_gemm.candidate_configs(scaled(a_block, b_block, c)):
                 scale = sm90_config.scale_stage_bytes(cfg.tile_m, 128, a_block, b_block)
@@ -209,12 +211,13 @@ def test_scaled_stages_fit():
                                                scale)
                 epi_bytes = 2 * epi * 64 * cfg.epi_n * sm90_config.ITEM[c]
                 assert ab >= 3 and 1024 + ab * ((cfg.tile_m + 128) * 128 + scale) + epi_bytes <= sm90_gemm.SMEM_BYTES
-    # 256 x 128 with 1 x 128 A scales: a 1 KB box a stage (256 rows), 3 stages beside the epilogue ring
-    assert sm90_config.scale_stage_bytes(256, 128, 1, 128) == 1024
-    assert sm90_gemm.stage_plan(128, BF, 0, False, 64, 256, False, False, 1024) == (3, 2)
+    # 256 x 128 with 1 x 128 A scales: a 1 KB box a stage (256 rows) and B's 128 bytes, 3 stages
+    # beside the epilogue ring
+    assert sm90_config.scale_stage_bytes(256, 128, 1, 128) == 1152
+    assert sm90_gemm.stage_plan(128, BF, 0, False, 64, 256, False, False, 1152) == (3, 2)
     # a 16-bit output's 128 x 128 tile, whole-share 64-column epilogue (32 KB): 6 stages (32 KB
-    # each) unscaled and with 128 x 128 scales on both operands; one 512-byte buffer a stage
-    # (1 x 128 A scales, or per-column B scales) leaves 5
+    # each) unscaled and with 128 x 128 scales on both operands (256 bytes a stage); a 512-byte
+    # buffer a stage (1 x 128 A scales, or per-column B scales) leaves 5
     wide = sm90_gemm.epilogue_for(scaled(1, 128), sm90_gemm.Config(128, 128))
     plan = lambda a, b: sm90_gemm.stage_plan(128, BF, 0, False, wide.epi_n, 128, wide.whole_c, False,  # noqa: E731
                                              sm90_config.scale_stage_bytes(128, 128, a, b))
@@ -227,7 +230,8 @@ def test_scale_boxes_start_aligned():
     crashed an H100 with CUDA_ERROR_ILLEGAL_INSTRUCTION), and a TMA box must start 16-byte aligned
     along the float32 scales' contiguous mode: A's box starts at the row rounded down to 4 and holds
     the tile's 128 rows whatever their offset in it; dense and ragged_k tiles start at multiples of
-    128 and keep 128-row boxes."""
+    128 and keep 128-row boxes. A 128-row-block operand's box holds 4 blocks from the tile's block
+    rounded down (its 16 bytes start aligned too)."""
     spec = _GROUPED[0]
     slack = sm90_config.scale_slack(spec)
     box = sm90_config.scale_box(128, 1, slack)
@@ -236,8 +240,9 @@ def test_scale_boxes_start_aligned():
         start, shift = sm90_config.scale_origin(row)
         assert start % 4 == 0 and start + shift == row and 0 <= shift < 4 and shift + 128 <= box
     assert sm90_config.scale_pitch(128, 1, slack) * 4 % sm90_config.SCALE_ALIGN == 0
-    assert sm90_config.scale_stage_bytes(128, 128, 1, 128, slack) == 640
+    assert sm90_config.scale_stage_bytes(128, 128, 1, 128, slack) == 640 + 128
     assert sm90_config.scale_stage_bytes(128, 128, 1, 1, slack) == 640 + 512
+    assert sm90_config.scale_box(128, 128) == 4 == sm90_config.SCALE_BOX_ALIGN
     for other in (scaled(1, 128), scaled(1, 1), _GROUPED_K[0]):
         assert sm90_config.scale_slack(other) == 0
 

@@ -97,21 +97,20 @@ def scale_origin(row):
 
 
 def scale_box(tile_rows: int, block: int, slack: int = 0) -> int:
-    """float32 scales a stage holds of an operand's block scales: with 1-row blocks the tile's
-    rows plus ``slack`` (scale_slack; one TMA box a k-tile); with 128-row blocks none (consumers
-    read the tile's one scale from global memory)."""
-    return tile_rows + slack if block == 1 else 0
+    """float32 scales of an operand a stage holds (one TMA box a k-tile): with 1-row blocks the
+    tile's rows plus ``slack`` (scale_slack); with 128-row blocks SCALE_BOX_ALIGN row blocks from
+    the tile's rounded down to a multiple of SCALE_BOX_ALIGN (scale_origin)."""
+    return tile_rows + slack if block == 1 else SCALE_BOX_ALIGN
 
 
 def scale_pitch(tile_rows: int, block: int, slack: int = 0) -> int:
-    """float32 elements between two stages' scale buffers of one operand (0: none)."""
+    """float32 elements between two stages' scale buffers of one operand."""
     per = SCALE_ALIGN // ITEM["float32"]
     return -(-scale_box(tile_rows, block, slack) // per) * per
 
 
 def scale_stage_bytes(tile_m: int, tile_n: int, a_block: int, b_block: int, a_slack: int = 0) -> int:
-    """Shared memory of one stage's block scales (the 1-row-block operands' buffers; 0 when
-    unscaled; ``a_slack``: scale_slack)."""
+    """Shared memory of one stage's block scales (0 when unscaled; ``a_slack``: scale_slack)."""
     if not a_block:
         return 0
     return ITEM["float32"] * (scale_pitch(tile_m, a_block, a_slack) + scale_pitch(tile_n, b_block))

@@ -41,13 +41,13 @@ Kernel shape (one persistent CTA per SM, 384 threads):
   tile_n / 2 (GATED_COLUMNS for the narrowest tile), and B takes one batch mode: its paired N
   spends three of the five dimensions of a TMA tensor (grouped: B's batch mode is dropped).
 - block-scaled fp8 (GemmSpec.a_block / b_block, docs/fp8.md): one k-tile is one 128-K scale
-  block. The producer loads each k-tile's scales of an operand with 1-row blocks with TMA into
-  the stage beside its A and B tiles, on the same barrier (each CTA its own boxes; the stage's
-  bytes count them, so the ring may hold a stage fewer); an operand with 128-row blocks has one
-  scale a k-tile for the tile, which consumers read from global memory (DeepGEMM's hybrid). Each
-  consumer warpgroup issues a k-tile's WGMMAs into a fresh fp32 fragment, reads the scales of
-  its own rows and columns (the accumulator layout's coordinates, from a partitioned identity
-  tensor) into registers, waits for the WGMMAs, hands the stage back and adds the fragment
+  block. The producer loads each k-tile's scales of both operands with TMA into the stage beside
+  its A and B tiles, on the same barrier (each CTA its own boxes; the stage's bytes count them,
+  so the ring may hold a stage fewer): the tile's rows' for 1-row blocks, a 16-byte box holding
+  the tile's one block for 128-row blocks. Each consumer warpgroup issues a k-tile's WGMMAs
+  into a fresh fp32 fragment, reads the scales of its own rows and columns (the accumulator
+  layout's coordinates, from a partitioned identity tensor) into registers, waits for the
+  WGMMAs, hands the stage back and adds the fragment
   times sa[row] * sb[column] to its accumulators (two-level accumulation). The overlapped mainloop
   (Config.overlap_promote, the heuristic's with 128-column B scales) keeps a second partial
   fragment so that a warpgroup's next k-tile's WGMMAs run under its promotion; the serial one

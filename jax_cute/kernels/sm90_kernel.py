@@ -289,10 +289,9 @@ class Sm90Gemm(ScaledMainloop, Sm90Epilogue):
         fields = {"bars": mem[cutlass.Int64, self.ab_stages * 2], "last": mem[cutlass.Int32, 4],
                   "sA": align[mem[a_t, cute.cosize(sa)], 1024], "sB": align[mem[b_t, cute.cosize(sb)], 1024],
                   "sC": align[mem[c_t, cute.cosize(sc)], 1024]}
-        if self.scaled:   # (the 1-row-block operands')
+        if self.scaled:
             for name, lay in zip(("sSA", "sSB"), self.scale_layouts()):
-                if lay is not None:
-                    fields[name] = align[mem[Float32, cute.cosize(lay)], SCALE_ALIGN]
+                fields[name] = align[mem[Float32, cute.cosize(lay)], SCALE_ALIGN]
         return cute.struct(type("Storage", (), {"__annotations__": fields}))
 
     @cute.jit
@@ -352,7 +351,7 @@ class Sm90Gemm(ScaledMainloop, Sm90Epilogue):
             cute.size_in_bytes(self.b_t, cute.slice_(sb_layout, (None, None, 0)))
         if const_expr(self.scaled):
             # the A/B tiles land whole in every CTA of the cluster (multicast); each CTA loads
-            # its own scale boxes (1-row-block operands' only), so its barrier counts them once
+            # its own scale boxes, so its barrier counts them once
             stage_bytes += self.scale_tx_bytes()
         # Every consumer warp releases a stage to each CTA that multicasts into it.
         mcast = self.cm + self.cn - 1
@@ -369,8 +368,8 @@ class Sm90Gemm(ScaledMainloop, Sm90Epilogue):
         sC = st.sC.get_tensor(sc_layout.outer, swizzle=sc_layout.inner)
         if const_expr(self.scaled):
             ssa, ssb = self.scale_layouts()
-            scales = ScaleLoads(scales[0], scales[1], None if const_expr(ssa is None) else st.sSA.get_tensor(ssa),
-                                scales[2], scales[3], None if const_expr(ssb is None) else st.sSB.get_tensor(ssb))
+            scales = ScaleLoads(scales[0], scales[1], st.sSA.get_tensor(ssa), scales[2], scales[3],
+                                st.sSB.get_tensor(ssb))
         cta = Cta(tma_a, mA, tma_b, mB, tma_c, mC, gmem_c, ws, flags, bias, tma_d, mD, gmem_d, mZ,
                   tiled_mma, wg_mma, sA, sB, sC, st, ab_pipe, a_mask, b_mask, tidx, warp_id, wg, cc, scales)
 
@@ -501,19 +500,17 @@ class Sm90Gemm(ScaledMainloop, Sm90Epilogue):
             return self.tile_scales(sc, start, n_t * (self.bn // self.b_block), 0, la, self.sched.group(g))
         return self.tile_scales(sc, m_t * self.bm, n_t * self.bn, t0 // SCALE_K, la, lb)
 
-    def grouped_scale_tile(self, ts, g, t0, m_t, n_t):
-        """A grouped tile's first scale block and (sm90_scaled.read_scales) its 128-row-block
-        operand's coordinates. ragged_m: k from 0, B's 128-column block at the tile's group (A's
-        scales have 1-row blocks: its entry is the tile's first row's offset in its box, which
-        starts 16-byte aligned); ragged_k: k from the group's first block, both operands with
-        1-row blocks."""
+    def grouped_scale_tile(self, g, t0, m_t, n_t):
+        """A grouped tile's ``tile`` for sm90_scaled.read_scales: where its first row sits in each
+        operand's stage box. ragged_m: A's (1-row blocks) box starts at the tile's first row
+        rounded down to 16 bytes (grouped_tile_scales), B's at its 128-column block rounded down;
+        ragged_k: both boxes (1-row blocks) start at the tile's first row."""
         if const_expr(self.mode == "ragged_m"):
-            # A's: the tile's first row's offset in its stage box (grouped_tile_scales)
-            tile = self.scale_tile(ts, 0, 0, n_t * (self.bn // SCALE_K), self.sched.group(g))
+            a, b = self.scale_tile(0, n_t * (self.bn // SCALE_K))
             if const_expr(self.a_block == 1):
-                tile = (scale_origin(t0 + m_t * self.bm)[1], *tile[1:])
-            return Int32(0), tile
-        return t0 // SCALE_K, (0, 0, 0, 0)
+                a = scale_origin(t0 + m_t * self.bm)[1]
+            return a, b
+        return 0, 0
 
     @cute.jit
     def consumer(self, cta: Cta, sch: Schedule):
@@ -640,9 +637,8 @@ class Sm90Gemm(ScaledMainloop, Sm90Epilogue):
             n_k = self.sched.group_k_tiles(ext, g, t0, t1)
             if const_expr(self.scaled):
                 # (empty groups and ragged_m's tail have no k-tiles: they store zeros)
-                k0, tile = self.grouped_scale_tile(cs.ts, g, t0, m_t, n_t)
                 read, release = self.scaled_mainloop(tiled_mma, acc, tCrA, tCrB, cs.ts, ab_pipe, read, release,
-                                                     k0, n_k, tile)
+                                                     n_k, self.grouped_scale_tile(g, t0, m_t, n_t))
             else:
                 acc.fill(0.0)      # empty groups and ragged_m's tail store these zeros
                 tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
@@ -727,11 +723,10 @@ class Sm90Gemm(ScaledMainloop, Sm90Epilogue):
             if const_expr(self.scaled):
                 # ---- block-scaled mainloop (sm90_scaled): each k-tile promoted with its scales
                 n_tm, n_tn, n_l, n_s = self.sched.work(w + step, cl_m, cl_n, batches, cc)
-                # the 128-row-block operands' row blocks and batches (sm90_scaled.read_scales)
-                tile = self.scale_tile(cs.ts, tm * (self.bm // SCALE_K), self.sched.ab_batch(l, c_ext, sch.la_last),
-                                       tn * (self.bn // SCALE_K), self.sched.ab_batch(l, c_ext, sch.lb_last))
+                # where the tile's first row sits in each operand's scale box (sm90_scaled.read_scales)
+                tile = self.scale_tile(tm * (self.bm // SCALE_K), tn * (self.bn // SCALE_K))
                 read, release = self.scaled_mainloop(tiled_mma, acc, tCrA, tCrB, cs.ts, ab_pipe, read, release,
-                                                     k0, kc, tile)
+                                                     kc, tile)
             else:
                 # ---- mainloop (sm90_mainloop): one WGMMA batch in flight
                 acc.fill(0.0)

@@ -1,25 +1,25 @@
 """The block-scaled fp8 mainloop of the Hopper GEMM (GemmSpec.a_block / b_block; docs/fp8.md):
 a mixin of sm90_kernel.Sm90Gemm. Imports the DSL: only kernel builds import it.
 
-One k-tile is one 128-K scale block (tile_k is 128 for 8-bit inputs). The scales of an operand
-come one of two ways, by its block (DeepGEMM's hybrid):
+One k-tile is one 128-K scale block (tile_k is 128 for 8-bit inputs). The producer loads each
+k-tile's scales of both operands with TMA beside its A and B tiles, on the same stage barrier (its
+transaction bytes count them), into per-stage shared-memory buffers, each CTA its own (no
+multicast), so consumers read them from shared memory once the stage is full. A box must start
+16-byte aligned along the scales' contiguous mode (else an illegal instruction on sm_90), so
+boxes start at a multiple of 4 rows (sm90_config.scale_origin) and consumers read from their
+row's offset in the box:
 
 - 1-row blocks (A's 1 x 128 activation scales; B's per-column scales in the weight gradient):
-  the producer loads each k-tile's with TMA beside its A and B tiles, on the same stage barrier
-  (its transaction bytes count them): one box of the tile's rows at (the tile's first row,
-  k-tile, batch) into a per-stage shared-memory buffer, each CTA its own (no multicast). A box
-  must start 16-byte aligned along the scales' contiguous mode (else an illegal instruction on
-  sm_90): ragged_m's tiles start at any group row, so A's box starts at that row rounded down to
-  4 and holds 132 rows, consumers reading from the row's offset in it (sm90_config.scale_origin);
+  a box of the tile's rows at (the tile's first row, k-tile, batch); ragged_m's tiles start at
+  any group row, so A's box starts at that row rounded down to 4 and holds 132 rows;
 - 128-row blocks (the weights' 128 x 128 scales; A's with 128 x 128 blocks): the 128-row (or
-  128-column) tile holds one block, so a k-tile has one scale for the whole tile; no TMA box and
-  no stage buffer: each consumer thread reads it from global memory (L1/L2-resident) into a
-  register as the k-tile's WGMMAs are issued.
+  128-column) tile holds one block, so a k-tile has one scale for the whole tile, in a 4-block
+  (16-byte) box from the tile's block rounded down to 4. (Read by each thread from global memory
+  instead, where the scale's latency was not hidden, the product ran 3-13% slower on an H200.)
 
 Per k-tile a consumer warpgroup waits for the stage, issues its WGMMAs into a fresh fp32 fragment
-``part`` (the first with ACCUMULATE off), reads the scales its thread needs into registers (from
-the stage, or global memory: the stage may be handed back before the promotion), waits for the
-WGMMAs and promotes: ``acc += part * sa[row] * sb[column]`` in registers, DeepGEMM's two-level
+``part`` (the first with ACCUMULATE off), reads the scales its thread needs from the stage into
+registers (the stage may be handed back before the promotion), waits for the WGMMAs and promotes: ``acc += part * sa[row] * sb[column]`` in registers, DeepGEMM's two-level
 accumulation. The epilogue then reads ``acc`` as for an unscaled product. Two mainloops (Config.overlap_promote):
 
 - serial: one fragment; each k-tile's WGMMAs drain (``wait_group(0)``) before its promotion, so
@@ -33,8 +33,7 @@ Each thread reads the scales of the rows and columns its fragment holds. Thread 
 sits at (its first element's coordinates) + (thread 0's element i's coordinates): the second
 part is static, so which scale each element takes is decided when the kernel is traced, and a
 thread reads only the distinct rows and column blocks it holds (1 x 128 A scales and 128 x 128
-B scales: two row scales from the stage and one column scale from global memory per k-tile; B
-scales per column: 32 from the stage).
+B scales: two row scales and one column scale per k-tile; B scales per column: 32).
 """
 
 from __future__ import annotations
@@ -42,23 +41,22 @@ from __future__ import annotations
 from jax_cute.kernels.bundle import Bundle
 from jax_cute.kernels.dsl import cute, cutlass, cpasync, warpgroup, Float32, pin
 from jax_cute.kernels.gemm_spec import SCALE_K
-from jax_cute.kernels.sm90_config import ITEM, scale_box, scale_pitch
+from jax_cute.kernels.sm90_config import ITEM, scale_box, scale_origin, scale_pitch
 
 const_expr = cutlass.const_expr
 range_constexpr = cutlass.range_constexpr
 
 
 class ScaleLoads(Bundle):
-    """The CTA's block scales, per operand: with 1-row blocks its TMA atom, its TMA tensor over
-    (row blocks, Kb, L) and its shared-memory buffers (box, 1, stage); with 128-row blocks no
-    atom, the global tensor (row blocks, Kb, L) and no buffers."""
+    """The CTA's block scales, per operand: its TMA atom, its TMA tensor over (row blocks, Kb, L)
+    and its shared-memory buffers (box, 1, stage)."""
 
     __slots__ = ("tma_a", "m_a", "s_a", "tma_b", "m_b", "s_b")
 
 
 class TileScales(Bundle):
-    """One tile's scale loads: each 1-row-block operand's TMA partitions, (box, k-tile) and
-    (box, stage) (None for a 128-row-block operand)."""
+    """One tile's scale loads: each operand's TMA atom and partitions, (box, k-tile) and
+    (box, stage)."""
 
     __slots__ = ("tma_a", "g_a", "s_a", "tma_b", "g_b", "s_b")
 
@@ -67,7 +65,7 @@ class ThreadScales(Bundle):
     """One consumer thread's view of the block scales, built once per kernel."""
 
     __slots__ = (
-        "s_a",  # A's scales: a_block 1: the stages' (box, 1, stage) in shared memory; 128: global
+        "s_a",  # A's scales: the stages' (box, 1, stage) in shared memory
         "s_b",  # B's scales, likewise
         "parts",  # fp32 partial-product fragments laid out like the accumulators (overlap: two)
         "at",  # (row, column) of the thread's first fragment element in the tile
@@ -98,60 +96,46 @@ class ScaledMainloop:
         return self.wg_rows // 64
 
     # ---------------------------------------------------------------- loads (host and producer)
-    def tma_scales(self) -> tuple[bool, bool]:
-        """Which operands' scales come by TMA into the stages: those with 1-row blocks."""
-        return self.a_block == 1, self.b_block == 1
-
     def scale_layouts(self):
-        """A's and B's scale buffers in shared memory: (box, 1, stage), stages SCALE_ALIGN apart;
-        None for an operand with 128-row blocks."""
-        out = []
-        for rows, block, slack in ((self.bm, self.a_block, self.a_slack), (self.bn, self.b_block, 0)):
-            box = scale_box(rows, block, slack)
-            out.append(cute.make_layout((box, 1, self.ab_stages), stride=(1, box, scale_pitch(rows, block, slack)))
-                       if box else None)
-        return out
+        """A's and B's scale buffers in shared memory: (box, 1, stage), stages SCALE_ALIGN apart."""
+        return [cute.make_layout((scale_box(rows, block, slack), 1, self.ab_stages),
+                                 stride=(1, scale_box(rows, block, slack), scale_pitch(rows, block, slack)))
+                for rows, block, slack in ((self.bm, self.a_block, self.a_slack), (self.bn, self.b_block, 0))]
 
     def scale_tx_bytes(self) -> int:
         """Bytes one stage's scale boxes write into the CTA's shared memory."""
         return ITEM["float32"] * (scale_box(self.bm, self.a_block, self.a_slack) + scale_box(self.bn, self.b_block))
 
     def scale_atoms(self, sa: cute.Tensor, sb: cute.Tensor):
-        """Per operand (TMA atom, TMA tensor) of the scales (row blocks, Kb, L), boxes of (box, 1);
-        with 128-row blocks (None, the tensor itself)."""
+        """Per operand (TMA atom, TMA tensor) of the scales (row blocks, Kb, L), boxes of (box, 1)."""
         out = ()
         for t, lay in zip((sa, sb), self.scale_layouts()):
-            if const_expr(lay is None):
-                out += (None, t)
-            else:
-                s = cute.slice_(lay, (None, None, 0))
-                atom, tensor = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), t, s, cute.shape(s))
-                out += (atom, tensor)
+            s = cute.slice_(lay, (None, None, 0))
+            atom, tensor = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), t, s, cute.shape(s))
+            out += (atom, tensor)
         return out
 
     def tile_scales(self, sc: ScaleLoads, r_a, r_b, k_off, l_a, l_b) -> TileScales:
-        """The scale loads of a tile whose first row blocks are ``r_a`` (A) and ``r_b`` (B), its
-        k-tile 0 at scale block ``k_off``, in batches ``l_a`` and ``l_b`` (grouped over M: B's is
-        the tile's group); only the 1-row-block operands'. TMA coordinates need no alignment;
-        past the edge it fills zeros."""
+        """The scale loads of a tile whose first row blocks are ``r_a`` (A) and ``r_b`` (B) (a
+        1-row-block operand's box start, already aligned; a 128-row-block operand's block, whose
+        box starts at it rounded down to SCALE_BOX_ALIGN), its k-tile 0 at scale block ``k_off``,
+        in batches ``l_a`` and ``l_b`` (grouped over M: B's is the tile's group). Past the edge
+        TMA fills zeros."""
         parts = []
-        for tma, m, s, r, l in ((sc.tma_a, sc.m_a, sc.s_a, r_a, l_a), (sc.tma_b, sc.m_b, sc.s_b, r_b, l_b)):
-            if const_expr(tma is None):
-                parts += [None, None, None]
-            else:
-                g = cute.local_tile(cute.domain_offset((r, k_off), m[(None, None, l)]), cute.shape(s)[:2], (0, None))
-                s_t, g_t = cpasync.tma_partition(tma, 0, cute.make_layout(1), cute.group_modes(s, 0, 2),
-                                                 cute.group_modes(g, 0, 2))
-                parts += [tma, g_t, s_t]
+        for tma, m, s, r, l, block in ((sc.tma_a, sc.m_a, sc.s_a, r_a, l_a, self.a_block),
+                                       (sc.tma_b, sc.m_b, sc.s_b, r_b, l_b, self.b_block)):
+            if const_expr(block != 1):
+                r = scale_origin(r)[0]
+            g = cute.local_tile(cute.domain_offset((r, k_off), m[(None, None, l)]), cute.shape(s)[:2], (0, None))
+            s_t, g_t = cpasync.tma_partition(tma, 0, cute.make_layout(1), cute.group_modes(s, 0, 2),
+                                             cute.group_modes(g, 0, 2))
+            parts += [tma, g_t, s_t]
         return TileScales(*parts)
 
     def load_scales(self, ts: TileScales, kt, stage, bar):
-        """TMA loads of k-tile ``kt``'s scales (1-row-block operands) into ``stage``, on its
-        barrier ``bar``."""
-        if const_expr(ts.tma_a is not None):
-            cute.copy(ts.tma_a, ts.g_a[(None, kt)], ts.s_a[(None, stage)], tma_bar_ptr=bar)
-        if const_expr(ts.tma_b is not None):
-            cute.copy(ts.tma_b, ts.g_b[(None, kt)], ts.s_b[(None, stage)], tma_bar_ptr=bar)
+        """TMA loads of k-tile ``kt``'s scales into ``stage``, on its barrier ``bar``."""
+        cute.copy(ts.tma_a, ts.g_a[(None, kt)], ts.s_a[(None, stage)], tma_bar_ptr=bar)
+        cute.copy(ts.tma_b, ts.g_b[(None, kt)], ts.s_b[(None, stage)], tma_bar_ptr=bar)
 
     # -------------------------------------------------------------------------- consumers
     def thread_scales(self, tiled_mma: cute.TiledMma, acc, ctid, sc: ScaleLoads | None) -> ThreadScales | None:
@@ -171,40 +155,27 @@ class ScaledMainloop:
         part = acc.layout if const_expr(self.waves() == 1) else cute.make_layout((cute.shape(acc)[0], 1, 1))
         parts = tuple(cute.make_rmem_tensor(part, Float32) for _ in range(count))
         bufs = tuple(cute.make_rmem_tensor(len(rows) + len(cols), Float32) for _ in range(count))
-        s_a = sc.s_a if const_expr(self.a_block == 1) else sc.m_a
-        s_b = sc.s_b if const_expr(self.b_block == 1) else sc.m_b
-        return ThreadScales(s_a, s_b, parts, at, rows, cols, row_of, col_of, bufs)
+        return ThreadScales(sc.s_a, sc.s_b, parts, at, rows, cols, row_of, col_of, bufs)
 
-    def scale_tile(self, ts: ThreadScales, r_a, l_a, r_b, l_b):
-        """``tile`` for read_scales: the 128-row-block operands' row blocks (``r_a``, ``r_b``) and
-        batches, clamped to their extents (a cluster's spare CTA past the edge reads the last
-        block; its results are never stored); (0, 0) for a 1-row-block operand: the tile's first
-        row is the box's (ragged_m's A: see Sm90Gemm.grouped_scale_tile)."""
-        out = ()
-        for s, r, l, block in ((ts.s_a, r_a, l_a, self.a_block), (ts.s_b, r_b, l_b, self.b_block)):
-            if const_expr(block == 1):
-                out += (0, 0)
-            else:
-                out += (cutlass.min(r, s.shape[0] - 1), cutlass.min(l, s.shape[2] - 1))
-        return out
+    def scale_tile(self, r_a, r_b):
+        """``tile`` for read_scales: per operand, where the tile's first row sits in its stage box.
+        A 128-row-block operand's is its block ``r_a`` (``r_b``) modulo SCALE_BOX_ALIGN (its box
+        starts at the block rounded down: tile_scales); a 1-row-block operand's is 0 (its box
+        starts at the tile's first row; ragged_m's A: see Sm90Gemm.grouped_scale_tile)."""
+        return tuple(0 if const_expr(block == 1) else scale_origin(r)[1]
+                     for r, block in ((r_a, self.a_block), (r_b, self.b_block)))
 
     @cute.jit
-    def read_scales(self, ts: ThreadScales, dst, stage, kt, tile):
-        """The thread's scales of k-tile ``kt`` (its scale block) into ``dst``, its rows' then its
-        columns': with 1-row blocks its own rows' (columns') from ``stage`` in shared memory, the
-        tile's first row at ``tile``'s row entry in the box; with 128-row blocks the tile's one
-        scale from global memory at ``tile`` = (A's row block, A's batch, B's row block, B's
-        batch)."""
+    def read_scales(self, ts: ThreadScales, dst, stage, tile):
+        """The thread's scales of the k-tile in ``stage`` into ``dst``, its rows' then its
+        columns': with 1-row blocks its own rows' (columns'), with 128-row blocks the tile's one
+        block's, each operand's at its ``tile`` entry (scale_tile) in its box."""
         for j in range_constexpr(len(ts.rows)):
-            if const_expr(self.a_block == 1):
-                dst[j] = ts.s_a[(tile[0] + ts.at[0] + ts.rows[j], 0, stage)]
-            else:
-                dst[j] = ts.s_a[(tile[0], kt, tile[1])]
+            row = tile[0] + ts.at[0] + ts.rows[j] if const_expr(self.a_block == 1) else tile[0]
+            dst[j] = ts.s_a[(row, 0, stage)]
         for j in range_constexpr(len(ts.cols)):
-            if const_expr(self.b_block == 1):
-                dst[len(ts.rows) + j] = ts.s_b[(tile[2] + ts.at[1] + ts.cols[j], 0, stage)]
-            else:
-                dst[len(ts.rows) + j] = ts.s_b[(tile[2], kt, tile[3])]
+            col = tile[1] + ts.at[1] + ts.cols[j] if const_expr(self.b_block == 1) else tile[1]
+            dst[len(ts.rows) + j] = ts.s_b[(col, 0, stage)]
 
     @cute.jit
     def promote(self, ts: ThreadScales, acc, part, cur, wave: cutlass.Constexpr = 0):
@@ -221,15 +192,15 @@ class ScaledMainloop:
 
     @cute.jit
     def issue_part(self, tiled_mma: cute.TiledMma, ts: ThreadScales, p: cutlass.Constexpr, tCrA, tCrB, pipe, read,
-                   kt, tile):
-        """Wait for stage ``read`` (k-tile ``kt``, its scale block), issue its WGMMAs into fragment
+                   tile):
+        """Wait for stage ``read`` (a k-tile and its scales), issue its WGMMAs into fragment
         ``p`` (the first with ACCUMULATE off) as one group and read its scales into buffer ``p``
         while they run (see read_scales for ``tile``). Returns ``tiled_mma``, whose ACCUMULATE
         field this sets: callers rebind it, so that the DSL carries the new value through their
         loops."""
         pipe.consumer_wait(read)
         tiled_mma = self.issue_wgmmas(tiled_mma, ts.parts[p], tCrA, tCrB, read.index)
-        self.read_scales(ts, ts.bufs[p], read.index, kt, tile)
+        self.read_scales(ts, ts.bufs[p], read.index, tile)
         return tiled_mma
 
     @cute.jit
@@ -251,27 +222,26 @@ class ScaledMainloop:
 
     @cute.jit
     def scaled_mainloop(self, tiled_mma: cute.TiledMma, acc, tCrA, tCrB, ts: ThreadScales, pipe, read, release,
-                        k0, kc, tile):
-        """The tile's ``kc`` k-tiles, scale blocks [k0, k0 + kc), into ``acc`` (zeroed here), each
+                        kc, tile):
+        """The tile's ``kc`` k-tiles (one scale block each) into ``acc`` (zeroed here), each
         WGMMA'd into a partial fragment and promoted with its scales (``tile``: see read_scales);
         returns (read, release)."""
         acc.fill(0.0)
         if const_expr(self.waves() > 1):
-            read, release = self.wave_mainloop(tiled_mma, acc, tCrA, tCrB, ts, pipe, read, release, k0, kc, tile)
+            read, release = self.wave_mainloop(tiled_mma, acc, tCrA, tCrB, ts, pipe, read, release, kc, tile)
         elif const_expr(self.cfg.overlap_promote):
-            read, release = self.overlapped_mainloop(tiled_mma, acc, tCrA, tCrB, ts, pipe, read, release, k0, kc,
-                                                     tile)
+            read, release = self.overlapped_mainloop(tiled_mma, acc, tCrA, tCrB, ts, pipe, read, release, kc, tile)
         else:
-            read, release = self.serial_mainloop(tiled_mma, acc, tCrA, tCrB, ts, pipe, read, release, k0, kc, tile)
+            read, release = self.serial_mainloop(tiled_mma, acc, tCrA, tCrB, ts, pipe, read, release, kc, tile)
         return read, release
 
     @cute.jit
     def serial_mainloop(self, tiled_mma: cute.TiledMma, acc, tCrA, tCrB, ts: ThreadScales, pipe, read, release,
-                        k0, kc, tile):
+                        kc, tile):
         """One fragment: each k-tile's WGMMAs are waited for, then promoted (the tensor cores
         idle meanwhile unless the other warpgroup's WGMMAs run)."""
-        for i in range(kc):
-            tiled_mma = self.issue_part(tiled_mma, ts, 0, tCrA, tCrB, pipe, read, k0 + i, tile)
+        for _ in range(kc):
+            tiled_mma = self.issue_part(tiled_mma, ts, 0, tCrA, tCrB, pipe, read, tile)
             read.advance()
             release = self.retire(pipe, release, 0)
             self.promote(ts, acc, ts.parts[0], ts.bufs[0])
@@ -279,19 +249,19 @@ class ScaledMainloop:
 
     @cute.jit
     def wave_mainloop(self, tiled_mma: cute.TiledMma, acc, tCrA, tCrB, ts: ThreadScales, pipe, read, release,
-                      k0, kc, tile):
+                      kc, tile):
         """256-row tiles (DeepGEMM's WAVE_BLOCK_M): the warpgroup's two 64-row blocks take turns
         in one partial fragment, a second would not fit beside 128 accumulators. Per k-tile,
         block by block: issue its WGMMAs, wait for them, promote them into its accumulators. The
         scales are read under the first block's WGMMAs; the stage goes back once the last
         block's are done."""
         part, cur = ts.parts[0], ts.bufs[0]
-        for i in range(kc):
+        for _ in range(kc):
             pipe.consumer_wait(read)
             for w in range_constexpr(self.waves()):
                 tiled_mma = self.issue_wgmmas(tiled_mma, part, tCrA, tCrB, read.index, w)
                 if const_expr(w == 0):
-                    self.read_scales(ts, cur, read.index, k0 + i, tile)
+                    self.read_scales(ts, cur, read.index, tile)
                 if const_expr(w == self.waves() - 1):
                     release = self.retire(pipe, release, 0)
                 else:
@@ -314,7 +284,7 @@ class ScaledMainloop:
 
     @cute.jit
     def overlapped_mainloop(self, tiled_mma: cute.TiledMma, acc, tCrA, tCrB, ts: ThreadScales, pipe, read,
-                            release, k0, kc, tile):
+                            release, kc, tile):
         """Two fragments, the k-loop unrolled by two (register tensors are static): a k-tile's
         WGMMAs are issued into one fragment before the other's finished k-tile is promoted, so the
         tensor cores run under the promotion. Per pair of k-tiles (kt + 1 into p1, kt + 2 into p0;
@@ -324,16 +294,15 @@ class ScaledMainloop:
         iteration, and otherwise serializes every WGMMA of the kernel. A stage goes back to the
         producer before its promotion: its scales were read into registers at issue."""
         for _ in range(cutlass.min(kc, 1)):        # the first k-tile, waited for: p0 is done
-            tiled_mma = self.issue_part(tiled_mma, ts, 0, tCrA, tCrB, pipe, read, k0, tile)
+            tiled_mma = self.issue_part(tiled_mma, ts, 0, tCrA, tCrB, pipe, read, tile)
             read.advance()
             release = self.retire(pipe, release, 0)
         pairs = cutlass.max(kc - 1, 0) // 2
-        for i in range(pairs):
-            kt = k0 + 2 * i
-            tiled_mma = self.issue_part(tiled_mma, ts, 1, tCrA, tCrB, pipe, read, kt + 1, tile)
+        for _ in range(pairs):
+            tiled_mma = self.issue_part(tiled_mma, ts, 1, tCrA, tCrB, pipe, read, tile)
             read.advance()
             self.promote_part(ts, acc, 0)
-            tiled_mma = self.issue_part(tiled_mma, ts, 0, tCrA, tCrB, pipe, read, kt + 2, tile)
+            tiled_mma = self.issue_part(tiled_mma, ts, 0, tCrA, tCrB, pipe, read, tile)
             read.advance()
             release = self.retire(pipe, release, 1)
             self.promote_part(ts, acc, 1)
@@ -341,7 +310,7 @@ class ScaledMainloop:
         # p0 holds a finished k-tile; one more (odd = 1) goes into p1
         odd = cutlass.min(cutlass.max(kc - 1, 0) - 2 * pairs, 1)
         for _ in range(odd):
-            tiled_mma = self.issue_part(tiled_mma, ts, 1, tCrA, tCrB, pipe, read, k0 + 2 * pairs + 1, tile)
+            tiled_mma = self.issue_part(tiled_mma, ts, 1, tCrA, tCrB, pipe, read, tile)
             read.advance()
             self.promote_part(ts, acc, 0)
             release = self.retire(pipe, release, 0)
