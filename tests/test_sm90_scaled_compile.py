@@ -41,9 +41,9 @@ def _compile(spec: GemmSpec | GroupedSpec, cfg, family=sm90_gemm):
                        rf"\.{kinds[spec.b_dtype]}", ptx)
     overlap = getattr(cfg, "overlap_promote", False)
     waves = getattr(cfg, "tile_m", 128) == 256   # two 64-row blocks a warpgroup, one partial fragment
-    # overlapped: four issue sites (the first k-tile, the unrolled pair, an odd count's last);
-    # waves: each block's four
-    assert len(wgmma) == (16 if overlap else 8 if waves else 4), len(wgmma)
+    # overlapped: eight issue sites (the first k-tile, a run of sm90_scaled.PROMOTE_UNROLL, a
+    # pair, an odd count's last); waves: each block's four
+    assert len(wgmma) == (32 if overlap else 8 if waves else 4), len(wgmma)
     # the promotion: one f32 FMA per accumulator (64 per thread of a 128 x 128 tile, 128 of a
     # 256 x 128 one), after waiting for the k-tile's WGMMAs: all of them, or (overlapped) all but
     # the next k-tile's
@@ -362,12 +362,14 @@ def test_compile_scaled_256x128_cluster_1x2():
 
 
 # The overlapped promotion (Config.overlap_promote): two partial fragments (64 + 2 x 64 fp32
-# registers a consumer thread). Spill frame allowed: what the compile shows today (at most 96
-# bytes), all of it around the mainloop (see sm90_gemm.scaled_overlap).
-_OVERLAP_FRAME = 96
-# Local-memory accesses allowed in a k-loop: the fp32 128 x 128-scaled silu epilogue's overlapped
-# loop reloads one register a pair of k-tiles (sm_90a SASS).
-_K_LOOP_RELOADS = {(scaled(128, 128, F32, bias=True, activation="silu"), True): 1}
+# registers a consumer thread). Spill frame allowed: what the compile shows today (at most 128
+# bytes), all of it around the mainloop but for the reloads below (see sm90_gemm.scaled_overlap).
+_OVERLAP_FRAME = 128
+# Local-memory accesses allowed in a k-loop (sm_90a SASS): with 128 x 128 scales on both operands
+# the overlapped loop reloads one register in its unrolled run and one in its pair (an L1 hit a few
+# k-tiles apart).
+_K_LOOP_RELOADS = {(scaled(128, 128, F32, bias=True, activation="silu"), True): 2,
+                   (scaled(128, 128), True): 2}
 
 
 @pytest.mark.parametrize("spec", [scaled(1, 128), scaled(128, 128, F32, bias=True, activation="silu")],

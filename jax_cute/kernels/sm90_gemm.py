@@ -268,9 +268,9 @@ _SCALED_TILES = [(128, 128), (256, 128)]
 def scaled_overlap(spec) -> bool:
     """Whether the heuristic runs a block-scaled product with the overlapped promotion
     (Config.overlap_promote; sm90_scaled). With 128-column B blocks a thread's scales are three
-    floats a k-tile and its consumer registers hold both partial fragments: ptxas spills (24-96
-    bytes, sm_90a) around each tile's mainloop, not inside it but for one reload with a float32
-    silu epilogue (tests/test_sm90_scaled_compile.py). Per-column B scales (b_block 1: 32 a
+    floats a k-tile and its consumer registers hold both partial fragments: ptxas spills (up to
+    128 bytes, sm_90a) around each tile's mainloop, not inside it but for two reloads with 128 x
+    128 A scales (tests/test_sm90_scaled_compile.py). Per-column B scales (b_block 1: 32 a
     thread) keep the serial mainloop: beside two fragments they spill 360-512 bytes."""
     return spec.scaled and spec.b_block == SCALE_K
 
