@@ -352,31 +352,38 @@ def test_quantize_tokens_reference_is_the_quantizer(dtype):
     np.testing.assert_array_equal(np.asarray(scales), np.asarray(qg.scales))
 
 
-@pytest.mark.parametrize("grouped", [False, True], ids=["dense", "grouped"])
-def test_wgrad_operand_kernel_path_is_the_xla_path(grouped, monkeypatch):
-    """The weight gradient with its operands quantized by the token kernel's path (its reference
-    here) equals, bit for bit, the gradient with XLA's quantization: 300 tokens (a partial block:
-    the kernel's operands are zero-padded), an empty group and tokens past the last group."""
+@pytest.mark.parametrize("grouped, k, out", [(False, 192, jnp.float32), (True, 192, jnp.float32),
+                                              (False, 256, jnp.bfloat16)], ids=["dense", "grouped", "dense-rows"])
+def test_wgrad_operand_kernel_path_is_the_xla_path(grouped, k, out, monkeypatch):
+    """The weight gradient with its operands quantized by the token kernels' path (their
+    references here) equals, bit for bit, the gradient with XLA's quantization: 300 tokens (a
+    partial block: the kernel's operands are zero-padded), an empty group and tokens past the last
+    group. A dense layer's operand whose columns are whole 1 x 128 blocks (the cotangent, N = 128;
+    x with K = 256) is quantized both ways (1 x 128 along its columns, and along the tokens) in one
+    kernel."""
     pytest.importorskip("cutlass")
     lin = importlib.import_module("jax_cute.fp8.linear")
 
-    m, k, n = 300, 192, 128
+    m, n = 300, 128
     x, c = jnp.asarray(data((m, k), "heavy", 42), jnp.bfloat16), data((m, n), "normal", 43)
     w = data((3, k, n) if grouped else (k, n), "normal", 44)
     sizes = jnp.asarray([130, 0, 150], jnp.int32)
 
     def grads():   # a new function each time: no cached trace
         def loss(x, w):
-            y = grouped_linear(x, w, sizes, out_dtype=jnp.float32) if grouped else linear(x, w, out_dtype=jnp.float32)
-            return jnp.sum(y * c)
+            y = grouped_linear(x, w, sizes, out_dtype=out) if grouped else linear(x, w, out_dtype=out)
+            return jnp.sum(y.astype(jnp.float32) * c)
         f = jax.jit(jax.grad(loss, (0, 1)))
         return f, f(x, w)
 
     f, by_kernel = grads()
-    assert str(jax.make_jaxpr(f)(x, w)).count("fp8_quantize_tokens") == 2
+    jaxpr = str(jax.make_jaxpr(f)(x, w))
+    # dense: x (K = 192 or 256) and the cotangent (N = 128) each where its columns are whole blocks
+    both = 0 if grouped else 1 + (k % 128 == 0)
+    assert (jaxpr.count("fp8_quantize_tokens"), jaxpr.count("fp8_quantize_rows_and_tokens")) == (2 - both, both)
     monkeypatch.setattr(lin, "_wgrad_kernels", lambda rows, pow2: None)
     f, by_xla = grads()
-    assert "fp8_quantize_tokens" not in str(jax.make_jaxpr(f)(x, w))
+    assert "fp8_quantize" not in str(jax.make_jaxpr(f)(x, w))
     for a, b in zip(by_kernel, by_xla):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -739,13 +746,14 @@ def test_kernelize_fp8_epilogue_lowers_to_the_hopper_kernel():
     """kernelize(fp8=...) of ``gelu(x @ w1 + b1) @ w2`` and its gradient, lowered for sm_90a in
     strict mode: five block-scaled GEMMs (two forward, two wgrad, the second layer's dgrad: x is
     not differentiated), the first forward one with the bias in its epilogue, and the two wgrads'
-    four operands quantized by the token kernel; no XLA dot is left."""
+    four operands quantized by the token kernel, each together with its 1 x 128 blocks for the
+    other product (the forward's or dgrad's), in one pass; no XLA dot is left."""
     pytest.importorskip("cutlass")
     p, x = _mlp_bias_params(50)
     f = jax_cute.kernelize(_mlp_bias_loss, fp8="blockwise")
     text = _wgrad_text(jax.value_and_grad(f), p, x, strict=True)
     assert text.count("@jax_cute_launch") == 9 and "stablehlo.dot_general" not in text
-    assert text.count('name = "fp8_quantize_tokens"') == 4
+    assert text.count('name = "fp8_quantize_rows_and_tokens"') == 4 and 'name = "fp8_quantize_tokens"' not in text
     assert f.report.products[0].epilogue == "bias + gelu"
     assert len([ln for ln in text.splitlines() if "scaled1x128" in ln and ".bias" in ln]) == 1, text
 

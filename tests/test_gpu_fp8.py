@@ -406,6 +406,35 @@ def test_quantize_tokens_kernel_is_the_reference(t, r, sizes, dtype, fp8):
     assert np.any(np.asarray(got[1]) != 1)
 
 
+@pytest.mark.parametrize("t, r, dtype, fp8", [(1000, 256, "bfloat16", "float8_e4m3fn"),
+                                              (8192, 2048, "bfloat16", "float8_e4m3fn"),
+                                              (130, 128, "float16", "float8_e4m3fn"),
+                                              (4097, 384, "bfloat16", "float8_e5m2"),
+                                              (700, 256, "float32", "float8_e4m3fn")])
+def test_quantize_rows_and_tokens_kernel_is_the_reference(t, r, dtype, fp8):
+    """The one-pass quantizer of a linear layer's input (or output gradient) in both blockings:
+    1 x 128 along the columns and 128 tokens along the rows, values and scales bit-equal to the
+    jax.numpy reference run on the CPU (``quantize``'s and ``quantize_reference``'s numerics) on
+    heavy-tailed data with an all-zero token block and an all-zero row block (in the last token), partial last token
+    blocks (1000, 130, 4097 tokens)."""
+    from jax_cute.fp8 import wgrad_operands as wo
+
+    x = np.array(data((t, r), "heavy", t + r), np.float32)
+    x[:128] = 0
+    x[t - 1, 128:256] = 0
+    x = jnp.asarray(x / np.abs(x).max() * 6e4, dtype)   # heavy-tailed, finite in float16 too
+    f = jax.jit(lambda x: wo.quantize_rows_and_tokens(x, fp8))
+    assert "fp8_quantize_rows_and_tokens" in f.lower(x).as_text()
+    rows, (values, scales) = f(x)
+    with jax.default_device(jax.devices("cpu")[0]):
+        want = jax.jit(lambda x: wo.rows_and_tokens_reference(x, fp8))(jax.device_put(x, jax.devices("cpu")[0]))
+    got = (rows.values, rows.scales, values, scales)
+    for g, w_, name in zip(got, want, ("row values", "row scales", "token values", "token scales")):
+        assert g.shape == w_.shape and g.dtype == w_.dtype, name
+        np.testing.assert_array_equal(np.asarray(g).view(np.uint8), np.asarray(w_).view(np.uint8), err_msg=name)
+    assert np.any(np.asarray(rows.scales) != 1) and np.any(np.asarray(scales) != 1)
+
+
 @pytest.mark.parametrize("kind", ["normal", "heavy", "student_t"])
 @pytest.mark.parametrize("out", [BF, F32], ids=["bf16", "f32"])
 def test_ragged_k(out, kind):

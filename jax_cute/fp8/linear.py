@@ -79,6 +79,18 @@ class Blockwise:
         values, scales = kernels.quantize_tokens(x, *kernels.uniform_blocks(x.shape[0]), dt)
         return BlockScaled(values, scales, (BLOCK,))
 
+    def q_rows_and_tokens(self, x, grad: bool = False, kernel: bool = False) -> tuple[BlockScaled, BlockScaled]:
+        """(``q(x, "1x128")``, ``q_tokens(x)``): ``x`` (M, K) for the product that contracts K and
+        for the weight gradient, which contracts the tokens. With ``kernel`` (as ``q_tokens``) and
+        where it takes x (16-bit, K a multiple of 128), both by one kernel that reads x once
+        (``wgrad_operands.quantize_rows_and_tokens``)."""
+        dt = self.grad_dtype if grad else self.dtype
+        kernels = _wgrad_kernels(x.shape[1], self.pow2_scales) if kernel else None
+        if kernels is None or not kernels.rows_and_tokens_supported(x.shape, x.dtype):
+            return self.q(x, "1x128", grad), self.q_tokens(x, grad, kernel)
+        rows, (values, scales) = kernels.quantize_rows_and_tokens(x, dt)
+        return rows, BlockScaled(values, scales, (BLOCK,))
+
     def q_grouped(self, x, sizes, grad: bool = False, aligned: bool = False):
         """``x`` (M, K) for a grouped weight gradient: ``quantize_grouped(x.T, sizes)``; with
         ``aligned`` (where ``wgrad_kernel`` says so) by ``wgrad_operands.quantize_tokens``, as
@@ -170,30 +182,35 @@ def _dz(activation, z, g):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _linear(x, w, bias, dtypes: tuple[str, str, str], recipe: Blockwise, activation: str | None):
-    return _linear_fwd(x, w, bias, dtypes, recipe, activation)[0]
+    z = _product(recipe.q(x, "1x128"), recipe.q(w, "128x128"), bias, dtypes[0])   # (no residuals to quantize)
+    return z if activation is None else _activate(activation, z, dtypes[0])
+
+
+def _product(xq, wq, bias, out_dtype):
+    return scaled_dot_general(xq, wq, (((1,), (0,)), ((), ())), preferred_element_type=out_dtype, bias=bias)
 
 
 def _linear_fwd(x, w, bias, dtypes, recipe, activation):
     out_dtype = dtypes[0]
     wq = recipe.q(w, "128x128")
-    z = scaled_dot_general(recipe.q(x, "1x128"), wq, (((1,), (0,)), ((), ())), preferred_element_type=out_dtype,
-                           bias=bias)
-    # wgrad contracts the tokens: x quantized along them, stored K-major (x.T) as the kernel reads it;
+    # wgrad contracts the tokens: x quantized along them too, stored K-major (x.T) as the kernel
+    # reads it (both from one read of x where the kernel takes it)
+    xq, xq_t = recipe.q_rows_and_tokens(x, kernel=recipe.wgrad_kernel(*x.shape, w.shape[1]))
+    z = _product(xq, wq, bias, out_dtype)
     # the pre-activation z (out_dtype) only where act' needs it
-    res = (recipe.q_tokens(x, kernel=recipe.wgrad_kernel(*x.shape, w.shape[1])), wq,
-           None if activation is None else z)
+    res = (xq_t, wq, None if activation is None else z)
     return (z if activation is None else _activate(activation, z, out_dtype)), res
 
 
 def _linear_bwd(dtypes, recipe, activation, res, g):
     (_, x_dtype, w_dtype, bias_dtype), (xq_t, wq, z) = dtypes, res
     g = _dz(activation, z, g)
-    gq = recipe.q(g, "1x128", grad=True)  # (M, N) in blocks along N, dgrad's K
+    kernel = recipe.wgrad_kernel(g.shape[0], xq_t.shape[0], g.shape[1])   # as the forward pass decided
+    # (M, N) in blocks along N, dgrad's K; (N, M) in blocks along the tokens, wgrad's K
+    gq, gq_t = recipe.q_rows_and_tokens(g, grad=True, kernel=kernel)
     # each gradient leaves its kernel in its input's dtype: the accumulator rounded once, as an f32
     # result cast afterwards would be, without writing and reading the f32 result
     dx = scaled_dot_general(gq, wq, (((1,), (1,)), ((), ())), preferred_element_type=_grad_out(x_dtype))
-    kernel = recipe.wgrad_kernel(g.shape[0], xq_t.shape[0], g.shape[1])   # as the forward pass decided
-    gq_t = recipe.q_tokens(g, grad=True, kernel=kernel)  # (N, M) in blocks along the tokens, wgrad's K
     dw = scaled_dot_general(xq_t, gq_t, (((1,), (1,)), ((), ())), preferred_element_type=_grad_out(w_dtype))
     db = None if bias_dtype is None else jnp.sum(g.astype(jnp.float32), axis=0).astype(bias_dtype)
     return dx.astype(x_dtype), dw.astype(w_dtype), db

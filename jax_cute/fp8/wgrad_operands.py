@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_cute.fp8.quantize import BLOCK, FP8_DTYPES, aligned_columns, quantize_cast, scale_of
+from jax_cute.fp8.quantize import BLOCK, FP8_DTYPES, BlockScaled, aligned_columns, quantize, quantize_cast, scale_of
 from jax_cute.kernels import fp8_operands
 from jax_cute.primitives.cute_call import cute_call
 
@@ -80,3 +80,40 @@ def quantize_tokens(x: jax.Array, start: jax.Array, length: jax.Array, dtype=jnp
                      out_shape=(jax.ShapeDtypeStruct((r, BLOCK * nb), dt), jax.ShapeDtypeStruct((r, nb), jnp.float32)),
                      reference=lambda x, s, n: quantize_reference(x, s, n, dt), name="fp8_quantize_tokens")
     return call(x, start.astype(jnp.int32), length.astype(jnp.int32))
+
+
+def rows_and_tokens_supported(x_shape: tuple[int, ...], dtype) -> bool:
+    """Whether ``quantize_rows_and_tokens`` takes x (T, R) of ``dtype``: a 16- or 32-bit float
+    with whole 1 x 128 blocks along R (R a multiple of 128)."""
+    return (len(x_shape) == 2 and x_shape[0] > 0 and x_shape[1] > 0 and x_shape[1] % fp8_operands.BLOCK_COLS == 0
+            and np.dtype(dtype) in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32)))
+
+
+def rows_and_tokens_reference(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """What ``quantize_rows_and_tokens`` computes, in jax.numpy: ``quantize(x, "1x128")``'s values and
+    scales, then ``quantize_reference``'s over uniform blocks of 128 tokens."""
+    q = quantize(x, "1x128", dtype=dtype)
+    return (q.values, q.scales, *quantize_reference(x, *uniform_blocks(x.shape[0]), dtype))
+
+
+def quantize_rows_and_tokens(x: jax.Array, dtype=jnp.float8_e4m3fn) -> tuple[BlockScaled, tuple[jax.Array, jax.Array]]:
+    """``x`` (T, R) (bfloat16, float16 or float32, R a multiple of 128: ``rows_and_tokens_supported``)
+    quantized both ways in one pass over it, as a linear layer's forward (its input) and backward
+    (the output gradient) need: ``quantize(x, "1x128")`` for the product that contracts R, and
+    ``quantize_tokens(x, *uniform_blocks(T))``'s (values, scales) for the weight gradient, which
+    contracts T. Numerics are the quantizer's (amax / fmax scales)."""
+    dt = np.dtype(dtype)
+    if dt not in FP8_DTYPES:
+        raise TypeError(f"jax_cute.fp8.quantize_rows_and_tokens: dtype must be float8_e4m3fn or float8_e5m2, got {dt}")
+    if not rows_and_tokens_supported(x.shape, x.dtype):
+        raise TypeError(f"jax_cute.fp8.quantize_rows_and_tokens: x must be (T, R) bfloat16, float16 or float32 with R a "
+                        f"multiple of {fp8_operands.BLOCK_COLS}, got {x.shape}:{x.dtype}")
+    t, r = x.shape
+    start, length = uniform_blocks(t)
+    nb = start.shape[0]
+    call = cute_call(fp8_operands.quantize_rows_and_tokens,
+                     out_shape=(jax.ShapeDtypeStruct((t, r), dt), jax.ShapeDtypeStruct((t, r // BLOCK), jnp.float32),
+                                jax.ShapeDtypeStruct((r, BLOCK * nb), dt), jax.ShapeDtypeStruct((r, nb), jnp.float32)),
+                     reference=lambda x, s, n: rows_and_tokens_reference(x, dt), name="fp8_quantize_rows_and_tokens")
+    row_values, row_scales, values, scales = call(x, start, length)
+    return BlockScaled(row_values, row_scales, (1, BLOCK)), (values, scales)

@@ -11,6 +11,9 @@ restarting at each group for a grouped one, the layout the ragged-K kernel reads
 - ``quantize_tokens``: (T, R) token-major 16- or 32-bit values -> that layout's e4m3/e5m2
   values and their float32 scales (R, nb), in one pass. Numerics are the quantizer's: amax /
   fmax as the scale (1 for an all-zero block), ``x / scale`` rounded to nearest and saturated.
+- ``quantize_rows_and_tokens``: the same, and in the same pass x's 1 x 128 blocks along R (its
+  own layout, for the product that contracts R): a linear layer's input or output gradient is
+  read once for both of its products. Each CTA stages a 128-token x 128-column tile.
 
 Each CTA takes one block and 64 columns: it stages the block's 128 rows x 64 columns in shared
 memory (whole row pieces read) and writes 64 rows of 128 bytes. Imports the DSL: only kernel
@@ -123,3 +126,95 @@ def quantize_tokens(stream, x: cute.Tensor, start: cute.Tensor, length: cute.Ten
     nb = start.shape[0]
     _quantize_tokens_kernel(x, start, length, values, scales, FMAX[values.element_type]).launch(
         grid=[nb, x.shape[1] // COLS, 1], block=[THREADS, 1, 1], stream=stream)
+
+
+ROW_THREADS = 256   # quantize_rows_and_tokens: a 128-token x 128-column tile per CTA
+BLOCK_COLS = 128    # columns of R per CTA: one 1 x 128 block of every row
+
+
+@cute.kernel
+def _quantize_rows_and_tokens_kernel(mX: cute.Tensor, mStart: cute.Tensor, mLen: cute.Tensor, mRowVal: cute.Tensor,
+                                     mRowScale: cute.Tensor, mVal: cute.Tensor, mScale: cute.Tensor, fmax: Constexpr):
+    tidx, _, _ = cute.arch.thread_idx()
+    blk, cb, _ = cute.arch.block_idx()
+    smem = memory.SmemAllocator()
+    pitch = BLOCK_COLS + 128 // mX.element_type.width   # staged rows 16 bytes apart beyond their width
+    sX = smem.allocate_tensor(element_type=mX.element_type,
+                              layout=cute.make_layout((ROWS, BLOCK_COLS), stride=(pitch, 1)), byte_alignment=16)
+    sRow = smem.allocate_tensor(element_type=Float32, layout=cute.make_layout((ROWS, 2), stride=(2, 1)),
+                                byte_alignment=16)
+    sCol = smem.allocate_tensor(element_type=Float32, layout=cute.make_layout((2, BLOCK_COLS), stride=(BLOCK_COLS, 1)),
+                                byte_alignment=16)
+    start = mStart[blk]
+    length = mLen[blk]
+    # stage the tile in its own type (exact in float32): a warp reads 2 rows x 128 columns
+    # per pass (8 columns a thread); rows past the block's length are zeros
+    for p in cutlass.range(ROWS // 16, unroll_full=True):
+        row = p * 16 + tidx // 16
+        chunk = tidx % 16
+        frag = cute.make_rmem_tensor((8,), mX.element_type)
+        if row < length:
+            frag.store(cute.local_tile(mX, (1, 8), (start + row, cb * 16 + chunk))[0, None].load())
+        else:
+            frag.fill(0.0)
+        cute.local_tile(sX, (1, 8), (row, chunk))[0, None].store(frag.load())
+    cute.arch.sync_threads()
+    # thread t takes half t % 2 of row t // 2 (a 1 x 128 block along the columns) and half t // 128
+    # of column t % 128 (a block of 128 tokens): first each block's amax over both halves (NaN
+    # propagating as in XLA's max), then its values, read again from shared memory (holding
+    # both blocks' values in registers would leave one CTA an SM: 1.7x slower)
+    r, h = tidx // 2, tidx % 2
+    c, hc = tidx % BLOCK_COLS, tidx // BLOCK_COLS
+    rm = Float32(0.0)
+    for j in cutlass.range(8, unroll_full=True):
+        chunk = cute.local_tile(sX, (1, 8), (r, h * 8 + j))[0, None].load().to(Float32)
+        for e in cutlass.range(8, unroll_full=True):
+            rm = cute.arch.fmax(rm, cute.arch.fmax(chunk[e], -chunk[e]), nan=True)
+    cm = Float32(0.0)
+    for i in cutlass.range(64, unroll_full=True):
+        v = sX[hc * 64 + i, c].to(Float32)
+        cm = cute.arch.fmax(cm, cute.arch.fmax(v, -v), nan=True)
+    sRow[r, h] = rm
+    sCol[hc, c] = cm
+    cute.arch.sync_threads()
+    # the row block: its scale (amax / fmax, 1 for an all-zero or NaN block), fp8 values in place
+    amax = cute.arch.fmax(sRow[r, 0], sRow[r, 1], nan=True)
+    scale = Float32(1.0)
+    if amax > 0.0:
+        scale = cute.arch.fmax(amax * Float32(1.0 / fmax), Float32(TINY))
+    if r < length:
+        if h == 0:
+            mRowScale[start + r, cb] = scale
+        q = cute.make_rmem_tensor((64,), Float32)
+        for j in cutlass.range(8, unroll_full=True):
+            chunk = cute.local_tile(sX, (1, 8), (r, h * 8 + j))[0, None].load().to(Float32)
+            for e in cutlass.range(8, unroll_full=True):
+                q[j * 8 + e] = chunk[e] / scale    # div.rn.f32, as XLA divides
+        out = cute.make_rmem_tensor((64,), mRowVal.element_type)
+        out.store(q.load().to(mRowVal.element_type))   # cvt.rn.satfinite: the quantizer's clip and rounding
+        cute.local_tile(mRowVal, (1, 64), (start + r, cb * 2 + h))[0, None].store(out.load())
+    # the token block: as quantize_tokens' (zeros past the block's length)
+    amax = cute.arch.fmax(sCol[0, c], sCol[1, c], nan=True)
+    scale = Float32(1.0)
+    if amax > 0.0:
+        scale = cute.arch.fmax(amax * Float32(1.0 / fmax), Float32(TINY))
+    if hc == 0:
+        mScale[cb * BLOCK_COLS + c, blk] = scale
+    q = cute.make_rmem_tensor((64,), Float32)
+    for i in cutlass.range(64, unroll_full=True):
+        q[i] = sX[hc * 64 + i, c].to(Float32) / scale
+    out = cute.make_rmem_tensor((64,), mVal.element_type)
+    out.store(q.load().to(mVal.element_type))
+    cute.local_tile(mVal, (1, 64), (cb * BLOCK_COLS + c, blk * 2 + hc))[0, None].store(out.load())
+
+
+@cute.jit
+def quantize_rows_and_tokens(stream, x: cute.Tensor, start: cute.Tensor, length: cute.Tensor, row_values: cute.Tensor,
+                             row_scales: cute.Tensor, values: cute.Tensor, scales: cute.Tensor):
+    """cute_call launcher: x (T, R) float (16 or 32 bits), start/length (nb,) int32 (blocks covering
+    every token) -> row_values (T, R) fp8 and row_scales (T, R / 128) float32 (1 x 128 blocks
+    along R), values (R, 128 nb) fp8 and scales (R, nb) float32 (as quantize_tokens')."""
+    nb = start.shape[0]
+    _quantize_rows_and_tokens_kernel(x, start, length, row_values, row_scales, values, scales,
+                                     FMAX[values.element_type]).launch(
+        grid=[nb, x.shape[1] // BLOCK_COLS, 1], block=[ROW_THREADS, 1, 1], stream=stream)
