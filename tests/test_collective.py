@@ -4,7 +4,9 @@
 The ring choice is unit-tested in-process. The multi-device checks need 8 CPU devices, which
 must be set before JAX starts: as tests/test_sharding.py, this file runs itself in a subprocess
 (once per partitioner) that computes every case on rings of 2, 4 and 8 devices and prints the
-results as JSON, and the tests assert on them.
+results as JSON, and the tests assert on them. The README's test line checks the rings of 4
+devices; those of 2 and 8 (sweeps, CI's second step) come from a second run,
+``python tests/test_collective.py rings``.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from test_sharding import spec_json  # tests/ is on sys.path: under pytest, and 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DEVICES = 8
 RINGS = (2, 4, DEVICES)
+LINE_RING = 4   # the test line's ring; the others are sweeps
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 TOL = 1e-4  # float32: max abs difference over every element, relative to the largest reference value
 
@@ -167,21 +170,37 @@ def test_scatter_chunk_gemms_leave_sms_free_after_the_first_sum_is_sent(n, mode,
 
 # -- multi-device checks (subprocess) -----------------------------------------------------------
 
-def _script(shardy: bool) -> shared_result.Script:
+def _script(shardy: bool, rings: bool = False) -> shared_result.Script:
+    """This file's run for a partitioner: every case but the other rings', or (``rings``) those."""
     env = {**os.environ, "XLA_FLAGS": shared_result.xla_flags(f"--xla_force_host_platform_device_count={DEVICES}"),
            "JAX_PLATFORMS": "cpu", "JAX_USE_SHARDY_PARTITIONER": "1" if shardy else "0"}
     env.pop("JAX_CUTE_COLLECTIVE_MATMUL", None)
-    return shared_result.Script(f"test_collective-{'shardy' if shardy else 'gspmd'}", [sys.executable, __file__],
-                                env=env, cwd=ROOT, timeout=900)
+    return shared_result.Script(f"test_collective-{'shardy' if shardy else 'gspmd'}" + ("-rings" if rings else ""),
+                                [sys.executable, __file__, *(["rings"] if rings else [])], env=env, cwd=ROOT, timeout=900)
 
 
-SUBPROCESS_FIXTURES = {"results": _script}  # (conftest starts it before the first test)
+def _ring_script(param: tuple[bool, int]) -> shared_result.Script:
+    shardy, n = param
+    return _script(shardy, rings=n != LINE_RING)
+
+
+# each fixture's script, for its parameter (conftest starts them before the first test)
+SUBPROCESS_FIXTURES = {"results": _script, "ring": _ring_script}
 
 
 @pytest.fixture(scope="module", params=[pytest.param(True, id="shardy"),   # GSPMD: CI's second step (sweep)
                                         pytest.param(False, id="gspmd", marks=pytest.mark.sweep)])
 def results(request):
     return _script(request.param).result()
+
+
+@pytest.fixture(scope="module", params=[
+    pytest.param((shardy, n), id=f"{'shardy' if shardy else 'gspmd'}-{n}",
+                 marks=() if shardy and n == LINE_RING else pytest.mark.sweep) for shardy in (True, False) for n in RINGS])
+def ring(request) -> tuple[int, dict]:
+    """(n, the cases on a ring of n devices) for a partitioner."""
+    n = request.param[1]
+    return n, _ring_script(request.param).result()[f"ring{n}"]
 
 
 def _close(case: dict, tol: float = TOL) -> None:
@@ -196,23 +215,23 @@ def _none_but_permutes(counts: dict) -> None:
     assert counts["all-gather"] == counts["reduce-scatter"] == counts["all-to-all"] == 0, counts
 
 
-@pytest.mark.parametrize("n", RINGS)
-def test_all_gather_gemm_runs_as_a_ring(results, n):
-    on, off = results[f"ring{n}"]["gather"], results[f"ring{n}"]["gather_off"]
+def test_all_gather_gemm_runs_as_a_ring(ring):
+    n, cases = ring
+    on, off = cases["gather"], cases["gather_off"]
     _close(on)
     _close(off)
     assert on["fwd"] == {**dict.fromkeys(COLLECTIVES, 0), "collective-permute": n - 1}
     assert on["out_spec"] == [None, "x"]
     assert off["fwd"]["all-gather"] >= 1 and off["fwd"]["collective-permute"] == 0  # the old plan
     _none_but_permutes(on["grad"])
-    weight = results[f"ring{n}"]["gather_weight"]
+    weight = cases["gather_weight"]
     _close(weight)
     assert weight["fwd"] == on["fwd"] and weight["out_spec"] == ["x"]
 
 
-@pytest.mark.parametrize("n", RINGS)
-def test_gemm_reduce_scatter_runs_as_a_ring(results, n):
-    on, off = results[f"ring{n}"]["scatter"], results[f"ring{n}"]["scatter_off"]
+def test_gemm_reduce_scatter_runs_as_a_ring(ring):
+    n, cases = ring
+    on, off = cases["scatter"], cases["scatter_off"]
     _close(on)
     _close(off)
     assert on["fwd"] == {**dict.fromkeys(COLLECTIVES, 0), "collective-permute": n - 1}
@@ -220,11 +239,11 @@ def test_gemm_reduce_scatter_runs_as_a_ring(results, n):
     assert off["fwd"] == {**dict.fromkeys(COLLECTIVES, 0), "reduce-scatter": 1}
 
 
-@pytest.mark.parametrize("n", RINGS)
-def test_tensor_parallel_mlp_gradients_take_the_rings_both_ways(results, n):
+def test_tensor_parallel_mlp_gradients_take_the_rings_both_ways(ring):
+    n, cases = ring
     """Column- then row-parallel MLP, sequence-parallel in and out: the backward's products (dh:
     all-gather GEMM, dx: GEMM reduce-scatter, dW1 and dW2: gathered along K) are rings too."""
-    on, off = results[f"ring{n}"]["mlp"], results[f"ring{n}"]["mlp_off"]
+    on, off = cases["mlp"], cases["mlp_off"]
     _close(on)
     _close(off)
     _none_but_permutes(on["fwd"])
@@ -236,11 +255,11 @@ def test_tensor_parallel_mlp_gradients_take_the_rings_both_ways(results, n):
     assert off["grad"]["all-gather"] >= 1 and off["grad"]["collective-permute"] == 0  # the weights gathered
 
 
-@pytest.mark.parametrize("n", RINGS)
-def test_unidirectional_ring_and_transposed_operands(results, n):
-    _close(results[f"ring{n}"]["mlp_unidirectional"])
-    assert results[f"ring{n}"]["mlp_unidirectional"]["fwd"]["collective-permute"] == 2 * (n - 1)
-    case = results[f"ring{n}"]["transposed"]  # x^T stored (K, M), w stored (N, K)
+def test_unidirectional_ring_and_transposed_operands(ring):
+    n, cases = ring
+    _close(cases["mlp_unidirectional"])
+    assert cases["mlp_unidirectional"]["fwd"]["collective-permute"] == 2 * (n - 1)
+    case = cases["transposed"]  # x^T stored (K, M), w stored (N, K)
     _close(case)
     _none_but_permutes(case["fwd"])
     _none_but_permutes(case["grad"])
@@ -329,7 +348,8 @@ def test_rings_on_all_gpus_run_our_kernels_and_match_the_unsharded_mlp():
 
 # -- the worker -----------------------------------------------------------------------------------
 
-def _worker() -> dict:
+def _worker(part: str = "") -> dict:
+    """Every case but the rings other than LINE_RING's, or (``part`` "rings") those."""
     import re
 
     import jax
@@ -381,17 +401,22 @@ def _worker() -> dict:
     mlp = lambda x, w1, w2, mm=mm: mm(jax.nn.gelu(mm(x, w1)), w2)  # noqa: E731
     ref_mm = jnp.matmul
     ref_mlp = functools.partial(mlp, mm=jnp.matmul)
+    if part not in ("", "rings"):
+        raise ValueError(f"no part {part!r}")
     r: dict = {}
     for n in RINGS:
         mesh = jax.make_mesh((n,), ("x",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:n])
         m, k, h, d = 7 * n, 13, 5 * n, 3 * n  # odd per-shard extents; d: a row-parallel output
-        x, w1, w2 = rnd(m, k), rnd(k, h), rnd(h, d)
+        # (every ring's operands drawn in one order, whichever rings this run computes)
+        x, w1, w2, scattered = rnd(m, k), rnd(k, h), rnd(h, d), {"": rnd(m, h), "_off": rnd(m, h)}
+        if (n == LINE_RING) == (part == "rings"):
+            continue
         cases = r[f"ring{n}"] = {}
         for mode, suffix in (("bidirectional", ""), (False, "_off")):
             cases["gather" + suffix] = public(case(mesh, mode, mm, ref_mm, (x, w1), [("x", None), (None, "x")],
                                                    out=(None, "x")))
-            cases["scatter" + suffix] = public(case(mesh, mode, mm, ref_mm, (rnd(m, h), w2), [(None, "x"), ("x", None)],
-                                                    out=("x", None), grad=False))
+            cases["scatter" + suffix] = public(case(mesh, mode, mm, ref_mm, (scattered[suffix], w2),
+                                                    [(None, "x"), ("x", None)], out=("x", None), grad=False))
             cases["mlp" + suffix] = public(case(mesh, mode, mlp, ref_mlp, (x, w1, w2),
                                                 [("x", None), (None, "x"), ("x", None)], out=("x", None)))
         # the result asked for with rows over x: the weight's chunks travel round the ring
@@ -403,6 +428,8 @@ def _worker() -> dict:
         tmm = lambda xt, w: mm(xt, w, transpose_a=True, transpose_b=True)  # noqa: E731
         cases["transposed"] = public(case(mesh, "bidirectional", tmm, lambda xt, w: xt.T @ w.T, (x.T, w1.T),
                                           [(None, "x"), ("x", None)]))
+    if part == "rings":
+        return r
 
     mesh = jax.make_mesh((4,), ("x",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:4])
     # (batch, tokens, features) activations, tokens sequence-parallel: the ring's factor is the
@@ -435,4 +462,4 @@ def _worker() -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(_worker()))
+    print(json.dumps(_worker(*sys.argv[1:])))

@@ -141,7 +141,8 @@ def test_block_scaled_is_a_pytree_and_transposes():
 
 # -- scaled products -----------------------------------------------------------------------
 
-@pytest.mark.parametrize("kind,m,k,n", [("normal", 200, 300, 160), ("heavy", 64, 128, 256), ("heavy", 3, 300, 130)])
+@pytest.mark.parametrize("kind,m,k,n", [("normal", 200, 300, 160), *(pytest.param(*p, marks=pytest.mark.sweep) for p in (
+    ("heavy", 64, 128, 256), ("heavy", 3, 300, 130)))])
 def test_scaled_matmul_forward(kind, m, k, n):
     x, w = data((m, k), kind, 2), data((k, n), kind, 3)
     xq, wq = quantize(x), quantize(w, "128x128")
@@ -195,7 +196,8 @@ def test_scaled_products_of_every_block_form():
     assert out.shape == ref.shape and rel(out, ref) < 1e-5
 
 
-@pytest.mark.parametrize("activation", [None, "relu", "gelu", "silu", "swiglu"])
+@pytest.mark.parametrize("activation", [None, *(pytest.param(a, marks=pytest.mark.sweep) for a in ("relu",)), "gelu",
+                                        pytest.param("silu", marks=pytest.mark.sweep), "swiglu"])
 def test_scaled_epilogue(activation):
     x, w, bias = data((100, 256), "normal", 8), data((256, 256), "normal", 9), data((256,), "normal", 10)
     xq, wq = quantize(x), quantize(w, "128x128")
@@ -205,8 +207,8 @@ def test_scaled_epilogue(activation):
     assert out.shape == ref.shape and rel(out, ref) < 1e-5
 
 
-@pytest.mark.parametrize("kind,sizes", [("heavy", [100, 0, 150, 30]), ("normal", [0, 300, 0, 0]),
-                                        ("heavy", [90, 90, 90, 90])])
+@pytest.mark.parametrize("kind,sizes", [("heavy", [100, 0, 150, 30]), *(pytest.param(*p, marks=pytest.mark.sweep) for p in (
+    ("normal", [0, 300, 0, 0]), ("heavy", [90, 90, 90, 90])))])
 def test_scaled_ragged_dot(kind, sizes):
     m, k, n = 300, 260, 136
     x, w = data((m, k), kind, 11), data((4, k, n), kind, 12)
@@ -226,7 +228,8 @@ def test_scaled_ragged_dot(kind, sizes):
     assert rel(out, np.where(inside, np.maximum(ref + bias[group], 0), 0)) < 1e-5
 
 
-@pytest.mark.parametrize("sizes", [[100, 0, 150, 30], [300, 0, 0, 0], [1, 2, 3, 4]])
+@pytest.mark.parametrize("sizes", [[100, 0, 150, 30], *(pytest.param(s, marks=pytest.mark.sweep) for s in (
+    [300, 0, 0, 0], [1, 2, 3, 4]))])
 def test_ragged_k_dot(sizes):
     t, p, q = 300, 136, 72
     a, b = data((p, t), "heavy", 14), data((q, t), "heavy", 15)
@@ -262,7 +265,8 @@ def _kernel_walk(qa: BlockScaled, qb: BlockScaled, gs) -> np.ndarray:
     return out
 
 
-@pytest.mark.parametrize("sizes", [[0, 300, 77, 0, 523, 1], [128, 256, 0], [1000], [5, 0, 0]])
+@pytest.mark.parametrize("sizes", [[0, 300, 77, 0, 523, 1], *(pytest.param(s, marks=pytest.mark.sweep) for s in (
+    [128, 256, 0], [1000])), [5, 0, 0]])
 def test_ragged_k_kernel_layout(sizes):
     """The ragged-K kernel's operands (group-aligned T, every k-tile one scale block of one group,
     zeros past each group's end) give the product the reference computes: the layout the kernel's
@@ -475,9 +479,11 @@ def _unfused(z, bias, activation, out_dtype):
     return jax_cute.activations.apply_activation(activation, z).astype(out_dtype)
 
 
-@pytest.mark.parametrize("activation,out_dtype,with_bias", [("gelu", jnp.bfloat16, True), ("gelu", jnp.float32, True),
-                                                            ("relu", jnp.bfloat16, False), ("silu", jnp.float32, True),
-                                                            (None, jnp.bfloat16, True)])
+# (the test line: gelu with the bias, relu without; the others are sweeps, CI's second step)
+@pytest.mark.parametrize("activation,out_dtype,with_bias", [
+    ("gelu", jnp.bfloat16, True), pytest.param("gelu", jnp.float32, True, marks=pytest.mark.sweep),
+    ("relu", jnp.bfloat16, False), *(pytest.param(*p, marks=pytest.mark.sweep) for p in (
+        ("silu", jnp.float32, True), (None, jnp.bfloat16, True)))])
 def test_fused_linear_is_the_unfused_recipe(activation, out_dtype, with_bias):
     """act(x @ w + bias) fused (bias in the kernel, act' formed once in the backward) against the
     same recipe unfused: linear in float32, then the bias, the rounding and the activation in jnp."""
@@ -505,7 +511,7 @@ def test_fused_linear_is_the_unfused_recipe(activation, out_dtype, with_bias):
         assert rel(got, ref) < bound
 
 
-@pytest.mark.parametrize("activation", ["gelu", "relu2"])
+@pytest.mark.parametrize("activation", ["gelu", pytest.param("relu2", marks=pytest.mark.sweep)])
 def test_fused_grouped_linear_is_the_unfused_recipe(activation):
     m, k, n, sizes = 250, 260, 136, np.asarray([100, 0, 120, 20], np.int32)
     x, w, c = data((m, k), "normal", 44), data((4, k, n), "normal", 45) * 0.06, data((m, n), "normal", 46)
@@ -833,10 +839,13 @@ def test_gpt_example_fp8_products(moe):
                                                            and s[0] != cfg.vocab and s != (d, e))
 
 
-@pytest.mark.parametrize("m,n,k,blocks", [(1, 1, 1, ("1x128", "128x128")), (1, 8, 128, ("1x128", (128, 1))),
-                                           (129, 257, 130, ("128x128", "128x128")),
+# (the test line: the activations' and weights' blocks at the smallest and a DeepGEMM size; the
+# other block forms are sweeps, run in CI's second step)
+@pytest.mark.parametrize("m,n,k,blocks", [(1, 1, 1, ("1x128", "128x128")),
+                                           pytest.param(1, 8, 128, ("1x128", (128, 1)), marks=pytest.mark.sweep),
+                                           pytest.param(129, 257, 130, ("128x128", "128x128"), marks=pytest.mark.sweep),
                                            (300, 7168, 2048, ("1x128", "128x128")),
-                                           (4096, 512, 384, ("128x128", (128, 1)))])
+                                           pytest.param(4096, 512, 384, ("128x128", (128, 1)), marks=pytest.mark.sweep)])
 def test_odd_sizes_lower_to_the_kernel(m, n, k, blocks):
     """Every size and block form the GPU tests run reaches the kernel (strict mode: no fallback)."""
     pytest.importorskip("cutlass")
@@ -877,7 +886,7 @@ def test_batched_and_vmapped_products_lower_to_the_kernel():
     assert text.count("@jax_cute_launch") == 2
 
 
-@pytest.mark.parametrize("k,b_block", [(1000, "128x128"), (1024, (128, 1))])
+@pytest.mark.parametrize("k,b_block", [(1000, "128x128"), pytest.param(1024, (128, 1), marks=pytest.mark.sweep)])
 def test_grouped_lowers_to_the_hopper_kernel(k, b_block):
     """ragged_dot of block-scaled operands (K padded to 16 bytes when it is not) and fp8.grouped_linear's
     forward and dgrad reach the grouped kernel in strict mode; its ragged-K weight gradient stays XLA's."""

@@ -141,7 +141,9 @@ def lowered(f, *shapes, dtype=jnp.bfloat16) -> str:
         return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-@pytest.mark.parametrize("activation", epilogue.ACTIVATIONS)
+# (the other activations, each a kernel of its own to compile, are sweeps)
+@pytest.mark.parametrize("activation", [a if a == "gelu" else pytest.param(a, marks=pytest.mark.sweep)
+                                        for a in epilogue.ACTIVATIONS])
 def test_fused_lowering_is_one_kernel(activation, caplog):
     f = lambda x, w, c: jax_cute.matmul(x, w, bias=c, activation=activation)  # noqa: E731
     with caplog.at_level(logging.INFO, logger="jax_cute"):
@@ -204,9 +206,11 @@ def test_gated_tiles_pair_whole_blocks():
         sm90_gemm.launcher(spec, sm90_gemm.Config(128, 160, 2, 1, pingpong=True))
 
 
-# (a float32 C: sweeps, run in CI's second step; the test line keeps the 16-bit picks)
+# (a float32 C, and swiglu without the bias or the pre-activation output: sweeps, run in CI's
+# second step; the test line keeps the 16-bit picks of the training forward's)
 @pytest.mark.parametrize("c_dtype", [BF, pytest.param(F32, marks=pytest.mark.sweep)])
-@pytest.mark.parametrize("bias, preact", [(True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("bias, preact", [*(pytest.param(*p, marks=pytest.mark.sweep) for p in ((True, False), (False, True))),
+                                          (True, True)])
 def test_every_gated_pick_compiles(c_dtype, bias, preact):
     """swiglu, with and without bias and the pre-activation output, in every config the
     heuristic picks (N-major B and C, as a weight (K, N) and its output)."""
@@ -215,7 +219,7 @@ def test_every_gated_pick_compiles(c_dtype, bias, preact):
         _compile(spec, cfg)
 
 
-@pytest.mark.parametrize("a_dtype", [BF, "float8_e4m3fn"])
+@pytest.mark.parametrize("a_dtype", [BF, pytest.param("float8_e4m3fn", marks=pytest.mark.sweep)])
 def test_gated_k_major_b_compiles(a_dtype):
     """B contiguous along K (a weight passed as (N, K); fp8's only layout): its N mode is paired
     by stride too."""
@@ -318,10 +322,10 @@ def test_every_dact_epilogue_compiles(dact, which):
     _compile_dact(spec, cfg)
 
 
-# The test line compiles each 16-bit C layout with one schedule (both schedules are covered);
-# the other schedule of each, float32 C and silu (which differs from gelu only in the
-# derivative's math) are sweeps, run in CI's second step.
-_DACT_CASES = [(F16, F16, "kkn", "pingpong"), (BF, BF, "mnm", "coop"),
+# The test line compiles the cooperative tile with C contiguous along M; the other schedule and
+# layouts, float32 C and silu (which differs from gelu only in the derivative's math) are sweeps,
+# run in CI's second step.
+_DACT_CASES = [pytest.param(F16, F16, "kkn", "pingpong", marks=pytest.mark.sweep), (BF, BF, "mnm", "coop"),
                *(pytest.param(*p, marks=pytest.mark.sweep) for p in (
                    (F16, F16, "kkn", "coop"), (BF, BF, "mnm", "pingpong"),
                    (BF, F32, "kkn", "coop"), (BF, F32, "kkn", "pingpong"),
@@ -406,7 +410,7 @@ def test_grouped_lowering_is_one_kernel(activation, caplog):
     assert not any("epilogue in XLA" in r.getMessage() for r in caplog.records)
 
 
-@pytest.mark.parametrize("activation", ["gelu", "silu"])
+@pytest.mark.parametrize("activation", ["gelu", pytest.param("silu", marks=pytest.mark.sweep)])
 def test_grouped_vmap_is_one_kernel(activation, caplog):
     """vmap of ragged_dot with an activation: the grouped kernel runs the batch with the
     activation in its epilogue (one launch, no XLA epilogue); under grad three launches. A bias

@@ -222,8 +222,9 @@ def _dask_operands(einstr, dtype):
     return [rand(tuple(sizes[c] for c in names.replace("...", "01")), dtype, i) for i, names in enumerate(ins)]
 
 
-@pytest.mark.parametrize("dtype,x64", [(np.float32, False), (np.bool_, False), (np.int32, True),
-                                       (np.complex64, True)], ids=str)
+# (bool and int32: sweeps, CI's second step)
+@pytest.mark.parametrize("dtype,x64", [(np.float32, False), pytest.param(np.bool_, False, marks=pytest.mark.sweep),
+                                       pytest.param(np.int32, True, marks=pytest.mark.sweep), (np.complex64, True)], ids=str)
 def test_einsum_dask_cases(dtype, x64):
     with jax.enable_x64(x64):
         check_all([(lambda *xs, e=e: jax_cute.einsum(e, *xs, precision="highest"),
@@ -242,6 +243,8 @@ EINSUM = [("i,j,k->ijk", [(3,), (4,), (5,)]), ("ij,j->i", [(3, 4), (4,)]), ("ijk
           ("ntk,kd,dc->nc", [(2, 6, 5), (5, 4), (4, 3)])]
 
 
+# (float32 operands: x64 changes none of it; with x64 on, a sweep)
+@pytest.mark.parametrize("x64", [False, pytest.param(True, marks=pytest.mark.sweep)], ids=["x32", "x64"], indirect=True)
 def test_einsum_cases_and_gradients(x64):
     def value_and_grads(f, spec):
         def run(*xs):
@@ -382,8 +385,10 @@ def _grad(f, argnums):
     return jax.grad(lambda *xs: jnp.sum(f(*xs)).real.astype(np.float32), argnums)
 
 
-# preferred_element_type=float32 over every case: a sweep (CI's second step)
+# preferred_element_type=float32 over every case, and every case with x64 on (weak types under x64:
+# test_weak_types_eager_and_jit, test_ragged_dot_weak_types): sweeps (CI's second step)
 @pytest.mark.parametrize("pet", [None, pytest.param(np.float32, marks=pytest.mark.sweep)], ids=["default", "f32"])
+@pytest.mark.parametrize("x64", [False, pytest.param(True, marks=pytest.mark.sweep)], ids=["x32", "x64"], indirect=True)
 def test_weak_types_are_jax_s(x64, pet):
     """Result dtype and weak type as JAX's (traced, under vmap and grad) for weakly typed
     operands: a weak operand does not widen a strong one (bf16 @ weak float is bf16), an int

@@ -107,7 +107,9 @@ def test_four_batch_indices_in_different_orders_copy_each_operand_once(caplog):
     assert sum("copying operands a and b into row-major buffers" in m for m in logs) == 1, logs
 
 
-@pytest.mark.parametrize("spec,sa,sb", EINSUMS[:8] + [FOUR_BATCH], ids=[s for s, _, _ in EINSUMS[:8] + [FOUR_BATCH]])
+# (the test line: two random einsums and the four batch indices; six more random ones: sweeps)
+@pytest.mark.parametrize("spec,sa,sb", [*EINSUMS[:2], *(pytest.param(*e, marks=pytest.mark.sweep) for e in EINSUMS[2:8]),
+                                        FOUR_BATCH], ids=[s for s, _, _ in EINSUMS[:8] + [FOUR_BATCH]])
 def test_a_rewritten_problem_is_the_product(spec, sa, sb):
     """The copies a rewritten problem makes (operands into row-major buffers, the row-major output
     into the requested layout), checked on the CPU with the reference product standing in for

@@ -136,7 +136,8 @@ def _types(devices: int) -> shared_result.Script:
 SUBPROCESS_FIXTURES = {"results": _partitioner, "typed": _types}
 
 
-@pytest.fixture(scope="module", params=[True, False], ids=["shardy", "gspmd"])
+@pytest.fixture(scope="module", params=[pytest.param(True, id="shardy"),   # GSPMD: CI's second step (sweep)
+                                        pytest.param(False, id="gspmd", marks=pytest.mark.sweep)])
 def results(request):
     return _partitioner(request.param).result()
 
@@ -246,7 +247,9 @@ def test_layout_that_cannot_follow_a_sharding_runs_replicated(results):
 
 # -- sharding in types: Explicit and Auto meshes of 1, 2 and 8 devices (subprocess) ----------------
 
-@pytest.fixture(scope="module", params=[1, 2, DEVICES], ids=lambda n: f"{n}dev")
+# (meshes of 1 and 2 devices: sweeps, CI's second step; the test line's mesh is 2 x 4)
+@pytest.fixture(scope="module", params=[pytest.param(n, id=f"{n}dev", marks=() if n == DEVICES else pytest.mark.sweep)
+                                        for n in (1, 2, DEVICES)])
 def typed(request):
     return _types(request.param).result()
 

@@ -3,8 +3,9 @@
 Every config ``candidate_configs`` can return is compiled for sm_100a and its PTX is read for
 the instructions the design depends on, fused epilogues included (the bias load, the
 activation's instructions, the output conversion), and a fused product lowered for sm_100a is
-one kernel call. Nothing here runs a kernel: these kernels have never run on hardware (see
-docs/blackwell.md).
+one kernel call. The README's test line compiles one case of each kind (a 1-CTA and a 2-CTA
+config, each mode, one epilogue of each sort); the rest are sweeps, run in CI's second step.
+Nothing here runs a kernel: these kernels have never run on hardware (see docs/blackwell.md).
 """
 
 import re
@@ -23,6 +24,13 @@ from jax_cute.kernels.gemm_spec import GemmSpec, GroupedSpec  # noqa: E402
 
 COMMON = ("tcgen05.mma", "tcgen05.alloc", "tcgen05.dealloc", "tcgen05.ld", "tcgen05.commit",
           "tcgen05.relinquish_alloc_permit", "cp.async.bulk.tensor")
+
+
+def _cases(cases, test_line, ids) -> list:
+    """``cases`` as pytest params: those at the indices ``test_line`` in the README's test line, the
+    others sweeps."""
+    return [pytest.param(*(c if isinstance(c, tuple) else (c,)), id=i,
+                         marks=() if n in test_line else pytest.mark.sweep) for n, (c, i) in enumerate(zip(cases, ids))]
 
 
 def _ptx(binary) -> str:
@@ -66,7 +74,12 @@ DENSE_SPECS = [
 _DENSE_CFGS = sm100_gemm.candidate_configs(DENSE_SPECS[0])
 
 
-@pytest.mark.parametrize("i", range(len(_DENSE_CFGS)), ids=[c.key() for c in _DENSE_CFGS])
+# (the test line: a 1-CTA and a 2-CTA config)
+_DENSE_CASES = _cases(range(len(_DENSE_CFGS)), (0, 3), [c.key() for c in _DENSE_CFGS])
+assert [_DENSE_CFGS[i].two_cta for i in (0, 3)] == [False, True]
+
+
+@pytest.mark.parametrize("i", _DENSE_CASES)
 def test_dense_compiles(i):
     spec = DENSE_SPECS[i % len(DENSE_SPECS)]
     cfg = sm100_gemm.candidate_configs(spec)[i]
@@ -79,7 +92,7 @@ B3_SPECS = [GemmSpec(i, i, o, *mj, batch_modes=3) for i, o, mj in (
     ("float16", "bfloat16", "kkm"), ("float16", "float16", "kkn"), ("bfloat16", "float32", "knn"))]
 
 
-@pytest.mark.parametrize("i", range(len(_DENSE_CFGS)), ids=[c.key() for c in _DENSE_CFGS])
+@pytest.mark.parametrize("i", _DENSE_CASES)
 def test_dense_three_batch_modes_compile(i):
     spec = B3_SPECS[i % len(B3_SPECS)]
     assert sm100_gemm.BATCH_MODES == (1, 3) and sm100_gemm.unsupported(spec) is None
@@ -101,9 +114,10 @@ _GROUPED_CASES = [(mode, i) for mode, specs in GROUPED_SPECS.items()
                   for i in range(len(sm100_grouped.candidate_configs(specs[0])))]
 
 
-@pytest.mark.parametrize("mode,i", _GROUPED_CASES,
-                         ids=[f"{m}-{sm100_grouped.candidate_configs(GROUPED_SPECS[m][0])[i].key()}"
-                              for m, i in _GROUPED_CASES])
+# (the test line: each mode's first config)
+@pytest.mark.parametrize("mode,i", _cases(_GROUPED_CASES, [_GROUPED_CASES.index((m, 0)) for m in GROUPED_SPECS],
+                                          [f"{m}-{sm100_grouped.candidate_configs(GROUPED_SPECS[m][0])[i].key()}"
+                                           for m, i in _GROUPED_CASES]))
 def test_grouped_compiles(mode, i):
     specs = GROUPED_SPECS[mode]
     spec = specs[i % len(specs)]
@@ -119,7 +133,9 @@ def test_grouped_compiles(mode, i):
 BF, F16, F32 = "bfloat16", "float16", "float32"
 # (spec, candidate index): every activation, with and without the bias, with the pre-activation
 # output and as a derivative, each output dtype, M-major C and three batch modes, spread over
-# the configs (2-CTA ones included)
+# the configs (2-CTA ones included). The test line compiles the bias alone, gelu with the bias
+# and the pre-activation output, silu's accurate form (a float32 output) and a derivative; the
+# others are sweeps.
 FUSED_CASES = [
     (GemmSpec(BF, BF, BF, bias=True), 0),
     (GemmSpec(F16, F16, F16, "m", "n", "m", bias=True, activation="relu"), 1),
@@ -178,7 +194,7 @@ def _check_fused(family, spec, cfg, plain: str) -> str:
     return ptx
 
 
-@pytest.mark.parametrize("spec,i", FUSED_CASES, ids=[f"{s.key()}-{i}" for s, i in FUSED_CASES])
+@pytest.mark.parametrize("spec,i", _cases(FUSED_CASES, (0, 6, 8, 11), [f"{s.key()}-{i}" for s, i in FUSED_CASES]))
 def test_fused_epilogue_compiles(spec, i):
     assert sm100_gemm.unsupported(spec) is None
     cfg = sm100_gemm.candidate_configs(spec)[i]
@@ -186,7 +202,7 @@ def test_fused_epilogue_compiles(spec, i):
 
 
 # ragged_m: the bias row of each tile's group; tiles crossing a group's end store D and C
-# row-predicated
+# row-predicated (the test line: the first; the others are sweeps)
 GROUPED_FUSED_CASES = [
     (GroupedSpec("ragged_m", BF, BF, BF, bias=True, activation="gelu"), 0),
     (GroupedSpec("ragged_m", BF, BF, BF, b_major="n", bias=True, activation="silu", preact=True), 2),
@@ -195,7 +211,7 @@ GROUPED_FUSED_CASES = [
 ]
 
 
-@pytest.mark.parametrize("spec,i", GROUPED_FUSED_CASES, ids=[f"{s.key()}-{i}" for s, i in GROUPED_FUSED_CASES])
+@pytest.mark.parametrize("spec,i", _cases(GROUPED_FUSED_CASES, (0,), [f"{s.key()}-{i}" for s, i in GROUPED_FUSED_CASES]))
 def test_grouped_fused_epilogue_compiles(spec, i):
     assert sm100_grouped.unsupported(spec) is None
     cfg = sm100_grouped.candidate_configs(spec)[i]

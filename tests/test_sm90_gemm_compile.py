@@ -1,6 +1,8 @@
 """Compile-only checks of the sm90_gemm family (no GPU needed; about a minute on two cores)."""
 
 import dataclasses
+import os
+import pickle
 import re
 import warnings
 
@@ -15,6 +17,12 @@ BENCH = [(8192, 8192, 8192, 1), (4096, 14336, 4096, 1), (4096, 4096, 4096, 1), (
          (4096, 4096, 14336, 1), (16384, 2048, 2048, 1), (512, 8192, 8192, 1)]
 ODD = [(1, 1, 1, 1), (64, 4096, 16384, 1), (256, 4096, 8192, 1), (1000, 1032, 776, 3), (128, 128, 65536, 1),
        (100000, 64, 64, 1), (64, 100000, 64, 2)]
+
+
+def sweeps(*cases):
+    """``cases`` as sweeps: CI's second step compiles them, the README's test line one case of each
+    kind beside them."""
+    return [pytest.param(*c, marks=pytest.mark.sweep) for c in cases]
 
 
 def _compile(spec, cfg):
@@ -127,11 +135,13 @@ def test_compile_every_candidate(spec, cfg):
 
 
 _MAIN = sm90_gemm.Config()
-_COMBOS = [(a, c, "kkn", _MAIN) for a in (BF, F16) for c in (BF, F16, F32)]
-_COMBOS += [(BF, BF, mj, _MAIN) for mj in ("knn", "mkn", "mnm")]
-_COMBOS += [(F16, F32, "knm", _MAIN), (BF, BF, "mnm", sm90_gemm.Config(raster="n"))]
-_COMBOS += [(F16, F32, "mnm", sm90_gemm.Config(128, 128, 1, 2, split_k=4)),
-            (BF, F16, "knn", sm90_gemm.Config(128, 256, 2, 1, split_k=2))]
+# the test line: bf16, and fp16 in and fp32 out of an M-major split-K tile; the other input and
+# output dtypes, majors and N-first raster are sweeps
+_COMBOS = [(BF, BF, "kkn", _MAIN), (F16, F32, "mnm", sm90_gemm.Config(128, 128, 1, 2, split_k=4)),
+           *sweeps(*[(a, c, "kkn", _MAIN) for a in (BF, F16) for c in (BF, F16, F32) if (a, c) != (BF, BF)],
+                   (F16, F32, "knm", _MAIN),
+                   *[(BF, BF, mj, _MAIN) for mj in ("knn", "mkn", "mnm")], (BF, BF, "mnm", sm90_gemm.Config(raster="n")),
+                   (BF, F16, "knn", sm90_gemm.Config(128, 256, 2, 1, split_k=2)))]
 
 
 @pytest.mark.parametrize("in_dt,out_dt,majors,cfg", _COMBOS,
@@ -162,53 +172,65 @@ def test_config_validation():
         sm90_gemm.launcher(spec, C(sms=1))
 
 
+def _budgets() -> list[dict]:
+    """A bf16 GEMM's default config on all 132 SMs and on 116, each compiled as
+    build.compile_launcher compiles it (named "budget", its PTX kept): the object, the PTX and
+    the compiled module's IR. Compiled once per test run for the two tests below (whichever
+    asks first, on any worker)."""
+    pytest.importorskip("cutlass")
+
+    def compile_both():
+        from jax_cute.kernels import abi, build, dsl_env
+
+        build.load_runtime_globally()
+        from jax_cute.kernels import dsl
+
+        spec, out = GemmSpec(BF, BF, BF), []
+        for sms in (sm90_gemm.NUM_SMS, 116):
+            cfg = sm90_gemm.Config(sms=sms)
+            with dsl_env.program_name_only():
+                compiled = dsl.cute.compile(sm90_gemm.launcher(spec, cfg), *abi.fake_args(sm90_gemm.signature(spec, cfg)),
+                                            options=f"--gpu-arch {sm90_gemm.ARCH} --keep-ptx")
+                obj = compiled.dump_to_object(build.symbol_for("budget"))
+            ptx = getattr(compiled.artifacts, "PTX", None)
+            if ptx and len(ptx) < 4096 and os.path.isfile(ptx):   # (as build.compile_launcher reads it)
+                with open(ptx) as f:
+                    ptx = f.read()
+            out.append({"obj": bytes(obj), "ptx": ptx, "ir": str(compiled.ir_module).splitlines()})
+        return out
+
+    return shared_result.once("test_sm90_gemm_compile-budgets", compile_both, dumps=pickle.dumps, loads=pickle.loads)
+
+
 def test_sm_budget_is_a_launch_parameter():
     """Config.sms caps the persistent grid in the host launcher: the kernel's PTX is the same for
     every budget, the object (its launcher) is not."""
-    pytest.importorskip("cutlass")
-    from jax_cute.kernels import build
-
-    spec = GemmSpec(BF, BF, BF)
-    got = [build.compile_launcher(sm90_gemm.launcher(spec, cfg), sm90_gemm.signature(spec, cfg), arch=sm90_gemm.ARCH,
-                                  name="budget", keep_ptx=True)
-           for cfg in (sm90_gemm.Config(), sm90_gemm.Config(sms=116))]
-    assert got[0].ptx and got[0].ptx == got[1].ptx
-    assert got[0].obj != got[1].obj
+    assert sm90_gemm.Config(sms=sm90_gemm.NUM_SMS) == sm90_gemm.Config()
+    got = _budgets()
+    assert got[0]["ptx"] and got[0]["ptx"] == got[1]["ptx"]
+    assert got[0]["obj"] != got[1]["obj"]
 
 
 def test_sm_budget_caps_the_grid_and_changes_nothing_else():
     """The compiled module (the host launcher, with the kernel's binary embedded) of a
     2x1-cluster config on 116 SMs differs from the one on all 132 in one constant: the
     persistent grid's bound of 58 clusters, not 66."""
-    pytest.importorskip("cutlass")
-    from jax_cute.kernels import abi, dsl_env
-    from jax_cute.kernels.build import load_runtime_globally
-
-    load_runtime_globally()
-    from jax_cute.kernels import dsl
-
-    spec = GemmSpec(BF, BF, BF)
-    ir = []
-    for sms in (sm90_gemm.NUM_SMS, 116):
-        cfg = sm90_gemm.Config(sms=sms)
-        with dsl_env.program_name_only():
-            compiled = dsl.cute.compile(sm90_gemm.launcher(spec, cfg), *abi.fake_args(sm90_gemm.signature(spec, cfg)),
-                                        options=f"--gpu-arch {sm90_gemm.ARCH}")
-        ir.append(str(compiled.ir_module).splitlines())
+    ir = [b["ir"] for b in _budgets()]
     assert len(ir[0]) == len(ir[1])
     changed = [(a, b) for a, b in zip(*ir) if a != b]
     assert len(changed) == 1, changed
     assert "constant(66 : i32)" in changed[0][0] and "constant(58 : i32)" in changed[0][1], changed
 
 
-_EXTRA = [(F16, BF, "mkn", sm90_gemm.Config(64, 256, 2, 1, pingpong=True)),
-          (F16, F32, "mnm", sm90_gemm.Config(64, 128, 1, 2, pingpong=True)),
+# (the test line: one pingpong tile, the 2x2 cluster and PDL; the other pingpong tiles are sweeps)
+_EXTRA = [(F16, F32, "mnm", sm90_gemm.Config(64, 128, 1, 2, pingpong=True)),
           (BF, BF, "knn", sm90_gemm.Config(128, 256, 2, 2)),
           (BF, BF, "knn", sm90_gemm.Config(pdl=True)),
-          (BF, BF, "knn", sm90_gemm.Config(128, 160, 2, 1, pingpong=True)),
-          (F16, F32, "mnm", sm90_gemm.Config(128, 128, 1, 2, pingpong=True)),
-          (BF, F16, "mkm", sm90_gemm.Config(128, 128, 1, 1, pingpong=True, epi_n=64)),
-          (F16, F16, "mnm", sm90_gemm.Config(split_k=2, epi_n=64))]
+          *sweeps((F16, BF, "mkn", sm90_gemm.Config(64, 256, 2, 1, pingpong=True)),
+                  (BF, BF, "knn", sm90_gemm.Config(128, 160, 2, 1, pingpong=True)),
+                  (F16, F32, "mnm", sm90_gemm.Config(128, 128, 1, 2, pingpong=True)),
+                  (BF, F16, "mkm", sm90_gemm.Config(128, 128, 1, 1, pingpong=True, epi_n=64)),
+                  (F16, F16, "mnm", sm90_gemm.Config(split_k=2, epi_n=64)))]
 
 
 @pytest.mark.parametrize("in_dt,out_dt,majors,cfg", _EXTRA,
@@ -222,9 +244,8 @@ def test_compile_pingpong_2x2_and_pdl(in_dt, out_dt, majors, cfg):
     assert f"m64n{cfg.tile_n}k16" in binary.ptx
 
 
-_DEFER = [(BF, BF, "knn", sm90_gemm.Config(epi_n=64, defer=2)),
-          (F16, F16, "mkm", sm90_gemm.Config(defer=1)),
-          (BF, F16, "knm", sm90_gemm.Config(128, 128, 1, 2, defer=3))]
+_DEFER = [(BF, F16, "knm", sm90_gemm.Config(128, 128, 1, 2, defer=3)),
+          *sweeps((BF, BF, "knn", sm90_gemm.Config(epi_n=64, defer=2)), (F16, F16, "mkm", sm90_gemm.Config(defer=1)))]
 
 
 @pytest.mark.parametrize("in_dt,out_dt,majors,cfg", _DEFER,
@@ -243,10 +264,10 @@ def test_compile_deferred_epilogue(in_dt, out_dt, majors, cfg):
 
 
 _WHOLE = [(BF, BF, "knn", sm90_gemm.Config(epi_n=64, whole_c=True)),
-          (F16, F16, "mkm", sm90_gemm.Config(whole_c=True)),
-          (BF, F32, "mnm", sm90_gemm.Config(128, 128, 1, 2, whole_c=True)),
-          (BF, BF, "kkn", sm90_gemm.Config(split_k=2, epi_n=64, whole_c=True)),
-          (BF, BF, "knn", sm90_gemm.Config(128, 128, 2, 1, pingpong=True, epi_n=64, whole_c=True))]
+          *sweeps((BF, BF, "knn", sm90_gemm.Config(128, 128, 2, 1, pingpong=True, epi_n=64, whole_c=True)),
+                  (F16, F16, "mkm", sm90_gemm.Config(whole_c=True)),
+                  (BF, F32, "mnm", sm90_gemm.Config(128, 128, 1, 2, whole_c=True)),
+                  (BF, BF, "kkn", sm90_gemm.Config(split_k=2, epi_n=64, whole_c=True)))]
 
 
 @pytest.mark.parametrize("in_dt,out_dt,majors,cfg", _WHOLE,
@@ -289,10 +310,11 @@ _TMA_STORE = re.compile(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared")
 
 # an unaligned C (a 50257-word vocabulary's logits): the heuristic's pick (a deferred 128x128
 # epilogue for a plain 16-bit C, the ring with a fused epilogue) and a 128x128 ring, 16- and
-# 32-bit C contiguous along N or M, a fused bias and gelu
+# 32-bit C contiguous along N or M, a fused bias and gelu (sweeps, CI's second step)
 @pytest.mark.parametrize("c_dt, c_major, fused, cfg", [
-    (BF, "n", {}, None), (F32, "n", {}, sm90_gemm.Config(128, 128, 2, 1)), (BF, "m", {}, sm90_gemm.Config(128, 128, 1, 2)),
-    (BF, "n", dict(bias=True, activation="gelu"), None)], ids=["bf16-n", "f32-n-128", "bf16-m-128", "bf16-n-bias-gelu"])
+    (BF, "n", {}, None), *sweeps((F32, "n", {}, sm90_gemm.Config(128, 128, 2, 1)), (BF, "m", {}, sm90_gemm.Config(128, 128, 1, 2)),
+                                 (BF, "n", dict(bias=True, activation="gelu"), None))],
+    ids=["bf16-n", "f32-n-128", "bf16-m-128", "bf16-n-bias-gelu"])
 def test_unaligned_c_is_stored_without_tma(c_dt, c_major, fused, cfg):
     """GemmSpec.c_aligned False: every subtile of C is written with per-element st.global (C's
     strides are not TMA's 16-byte multiples); no TMA store is left, the loads stay TMA's."""
@@ -310,7 +332,8 @@ def test_unaligned_c_is_stored_without_tma(c_dt, c_major, fused, cfg):
         GemmSpec(BF, BF, BF, "k", "k", "n", c_aligned=False, activation="gelu", preact=True)
 
 
-_FP8 = [("float8_e4m3fn", BF, sm90_gemm._PINGPONG), ("float8_e4m3fn", BF, sm90_gemm._PINGPONG_160), ("float8_e5m2", F32, sm90_gemm.Config(128, 128, 1, 2, split_k=2))]
+_FP8 = [("float8_e4m3fn", BF, sm90_gemm._PINGPONG_160),   # (the heuristic's fp8 pick; the others are sweeps)
+        *sweeps(("float8_e4m3fn", BF, sm90_gemm._PINGPONG), ("float8_e5m2", F32, sm90_gemm.Config(128, 128, 1, 2, split_k=2)))]
 
 
 @pytest.mark.parametrize("in_dt,out_dt,cfg", _FP8, ids=lambda x: x.key() if dataclasses.is_dataclass(x) else str(x))
@@ -325,7 +348,7 @@ def test_compile_fp8(in_dt, out_dt, cfg):
     assert "cp.async.bulk.tensor" in binary.ptx
 
 
-@pytest.mark.parametrize("a_dt,b_dt", [("float8_e4m3fn", "float8_e5m2"), ("float8_e5m2", "float8_e4m3fn")])
+@pytest.mark.parametrize("a_dt,b_dt", [("float8_e4m3fn", "float8_e5m2"), *sweeps(("float8_e5m2", "float8_e4m3fn"))])
 def test_compile_mixed_fp8(a_dt, b_dt):
     # WGMMA multiplies e4m3 by e5m2 in one instruction: each operand keeps its own type
     spec = GemmSpec(a_dt, b_dt, BF, "k", "k", "n")
@@ -347,18 +370,19 @@ def test_fp8_heuristic_takes_pingpong_where_waves_waste():
     assert not sm90_gemm.heuristic(GemmSpec(BF, BF, BF, "k", "k", "n"), 4096, 14336, 4096, 1).pingpong
 
 
-_WIDTHS = [(BF, BF, "knn", sm90_gemm.Config(128, 160, raster="n", group=16)),
-           (BF, F32, "kkn", sm90_gemm.Config(128, 160)),
-           (F16, F16, "mnm", sm90_gemm.Config(128, 160, 1, 2)),
-           ("float8_e4m3fn", BF, "kkn", sm90_gemm.Config(128, 160)),
+# (the test line: one tile of each width; the other dtypes and majors are sweeps)
+_WIDTHS = [(BF, F32, "kkn", sm90_gemm.Config(128, 160)),
            (BF, BF, "knn", sm90_gemm.Config(128, 192, raster="n", group=16)),
-           (BF, F32, "mkn", sm90_gemm.Config(128, 192, 1, 2))]
+           *sweeps((BF, BF, "knn", sm90_gemm.Config(128, 160, raster="n", group=16)),
+                   (F16, F16, "mnm", sm90_gemm.Config(128, 160, 1, 2)),
+                   ("float8_e4m3fn", BF, "kkn", sm90_gemm.Config(128, 160)),
+                   (BF, F32, "mkn", sm90_gemm.Config(128, 192, 1, 2)))]
 
 
 _TALL = [(BF, BF, "kkn", sm90_gemm.Config(256, 128, epi_n=64)),
-         (BF, BF, "mnm", sm90_gemm.Config(256, 128, 1, 2, epi_n=64, whole_c=True)),
-         (BF, F32, "knn", sm90_gemm.Config(256, 128, split_k=2)),
-         ("float8_e4m3fn", BF, "kkn", sm90_gemm.Config(256, 128, 1, 1, epi_n=32, defer=2))]
+         *sweeps((BF, BF, "mnm", sm90_gemm.Config(256, 128, 1, 2, epi_n=64, whole_c=True)),
+                 (BF, F32, "knn", sm90_gemm.Config(256, 128, split_k=2)),
+                 ("float8_e4m3fn", BF, "kkn", sm90_gemm.Config(256, 128, 1, 1, epi_n=32, defer=2)))]
 
 
 @pytest.mark.parametrize("in_dt,out_dt,majors,cfg", _TALL,
@@ -432,21 +456,22 @@ def test_no_optimization_warnings():
 
 # Three batch modes (rank-5 operands: attention's (B, T, H, D) activations, nested vmap): the
 # heuristic's cooperative tiles with either cluster, split-K, and autotune's pingpong and
-# deferred epilogues, over input/output dtypes and majors
+# deferred epilogues, over input/output dtypes and majors (the test line: the heuristic's tile;
+# the rest are sweeps)
 C = sm90_gemm.Config
 _B3 = [(BF, BF, "kkn", C(epi_n=64, whole_c=True)),
-       (BF, BF, "kkn", C(epi_n=64, whole_c=True, pdl=True)),
-       (F16, F32, "knn", C()),
-       (BF, F16, "mkn", C(128, 128, 2, 1, epi_n=64, whole_c=True)),
-       (F16, F16, "kkm", C(128, 256, 1, 2, epi_n=64, whole_c=True)),
-       (BF, F32, "kkm", C(128, 128, 1, 2)),
-       (F16, F16, "kkn", C(128, 128, 1, 1, epi_n=64, whole_c=True)),
-       (BF, BF, "knn", C(128, 256, 2, 1, split_k=2, epi_n=64)),
-       (F16, BF, "mkn", C(128, 256, 1, 2, split_k=4, epi_n=64)),
-       (BF, F32, "kkn", C(128, 128, 1, 2, split_k=4)),
-       (BF, BF, "kkm", sm90_gemm._PINGPONG),
-       (F16, F32, "knn", C(128, 128, 2, 1, pingpong=True)),
-       (BF, BF, "mkn", C(defer=sm90_gemm.DEFER))]
+       *sweeps((BF, F32, "kkn", C(128, 128, 1, 2, split_k=4)),
+               (BF, BF, "kkn", C(epi_n=64, whole_c=True, pdl=True)),
+               (F16, F32, "knn", C()),
+               (BF, F16, "mkn", C(128, 128, 2, 1, epi_n=64, whole_c=True)),
+               (F16, F16, "kkm", C(128, 256, 1, 2, epi_n=64, whole_c=True)),
+               (BF, F32, "kkm", C(128, 128, 1, 2)),
+               (F16, F16, "kkn", C(128, 128, 1, 1, epi_n=64, whole_c=True)),
+               (BF, BF, "knn", C(128, 256, 2, 1, split_k=2, epi_n=64)),
+               (F16, BF, "mkn", C(128, 256, 1, 2, split_k=4, epi_n=64)),
+               (BF, BF, "kkm", sm90_gemm._PINGPONG),
+               (F16, F32, "knn", C(128, 128, 2, 1, pingpong=True)),
+               (BF, BF, "mkn", C(defer=sm90_gemm.DEFER)))]
 del C
 
 

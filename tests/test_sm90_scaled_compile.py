@@ -1,6 +1,7 @@
 """Compile-only checks of the block-scaled fp8 Hopper GEMM (sm90_gemm with GemmSpec.a_block /
 b_block, and sm90_grouped's ragged_m and ragged_k with GroupedSpec's; kernels/sm90_scaled.py): no
-GPU needed, a few seconds a kernel on two cores."""
+GPU needed, a few seconds a kernel on two cores. The README's test line compiles one case of each
+kind; the other specs and configs are sweeps, run in CI's second step."""
 
 import dataclasses
 import glob
@@ -27,6 +28,12 @@ SHAPES = [(4096, 7168, 16384), (4096, 4096, 7168), (128, 7168, 16384), (1000, 10
 
 def scaled(a_block: int, b_block: int, c: str = BF, a: str = E4M3, b: str = E4M3, **fused) -> GemmSpec:
     return GemmSpec(a, b, c, a_block=a_block, b_block=b_block, **fused)
+
+
+def _line(cases, *keep: int) -> list:
+    """``cases`` as pytest params: those at the indices ``keep`` in the README's test line, the
+    others sweeps (CI's second step compiles them)."""
+    return [c if i in keep else pytest.param(c, marks=pytest.mark.sweep) for i, c in enumerate(cases)]
 
 
 def _compile(spec: GemmSpec | GroupedSpec, cfg, family=sm90_gemm):
@@ -162,18 +169,20 @@ _CASES = [scaled(1, 128), scaled(128, 128), scaled(1, 1, F32), scaled(128, 1, F3
                                                                                  activation="relu")]
 
 
-@pytest.mark.parametrize("spec", _CASES, ids=lambda s: s.key())
+# (the test line: DeepGEMM's blocks, and 128 x 128 blocks with a fused epilogue and an fp32 output)
+@pytest.mark.parametrize("spec", _line(_CASES, 0, 5), ids=lambda s: s.key())
 def test_compile_scaled(spec):
     cfg = sm90_gemm.heuristic(spec, 1000, 1040, 1000, 1)
     _compile(spec, cfg)
 
 
-@pytest.mark.parametrize("cfg", [sm90_gemm.Config(128, 128, 1, 2, split_k=2, epi_n=64),
-                                 sm90_gemm.Config(128, 128, 1, 1, split_k=4),
-                                 sm90_gemm.Config(128, 128, 2, 1, raster="n", group=16),
-                                 sm90_gemm.Config(128, 128, 2, 1, pdl=True, epi_n=64, whole_c=True),
-                                 sm90_gemm.Config(128, 128, 1, 2, split_k=4, overlap_promote=True),
-                                 sm90_gemm.Config(128, 128, 2, 2, epi_n=64, whole_c=True, overlap_promote=True)],
+@pytest.mark.parametrize("cfg", _line([sm90_gemm.Config(128, 128, 1, 2, split_k=2, epi_n=64),
+                                       sm90_gemm.Config(128, 128, 1, 1, split_k=4),
+                                       sm90_gemm.Config(128, 128, 2, 1, raster="n", group=16),
+                                       sm90_gemm.Config(128, 128, 2, 1, pdl=True, epi_n=64, whole_c=True),
+                                       sm90_gemm.Config(128, 128, 1, 2, split_k=4, overlap_promote=True),
+                                       sm90_gemm.Config(128, 128, 2, 2, epi_n=64, whole_c=True, overlap_promote=True)],
+                                      0, 3),
                          ids=lambda c: c.key())
 def test_compile_scaled_configs(cfg):
     _compile(scaled(1, 128), cfg)
@@ -282,7 +291,7 @@ _GROUPED = [GroupedSpec("ragged_m", E4M3, E4M3, BF, a_block=1, b_block=128),
             GroupedSpec("ragged_m", E4M3, E5M2, F32, a_block=1, b_block=1, bias=True, activation="gelu")]
 
 
-@pytest.mark.parametrize("spec", _GROUPED, ids=lambda s: s.key())
+@pytest.mark.parametrize("spec", _line(_GROUPED, 0), ids=lambda s: s.key())
 def test_compile_scaled_grouped(spec):
     cfg = sm90_grouped.heuristic(spec, 32768, 4096, 7168, 4, 1)
     assert cfg.tile_n == 128 and cfg in sm90_grouped.candidate_configs(spec)
@@ -311,7 +320,7 @@ _GROUPED_K = [GroupedSpec("ragged_k", E4M3, E4M3, F32, a_block=1, b_block=1),
               GroupedSpec("ragged_k", E5M2, E4M3, BF, a_block=1, b_block=1)]
 
 
-@pytest.mark.parametrize("spec", _GROUPED_K, ids=lambda s: s.key())
+@pytest.mark.parametrize("spec", _line(_GROUPED_K, 0), ids=lambda s: s.key())
 def test_compile_scaled_ragged_k(spec):
     """The serial mainloop (32 column scales a thread), the grouped walk rounding group sizes up to
     128; no ragged TMA view (K-major loads at group offsets need none)."""
@@ -347,7 +356,7 @@ _WAVE_CASES = [scaled(1, 128), scaled(1, 128, F32), scaled(1, 128, BF, bias=True
                scaled(1, 128, F32, bias=True, activation="silu"), scaled(1, 128, F16, E4M3, E5M2)]
 
 
-@pytest.mark.parametrize("spec", _WAVE_CASES, ids=lambda s: s.key())
+@pytest.mark.parametrize("spec", _line(_WAVE_CASES, 0), ids=lambda s: s.key())
 def test_compile_scaled_256x128(spec):
     """DeepGEMM's per-wave promotion: fp8 WGMMAs of each 64-row block into one partial fragment,
     no spill in the k-loop, ptxas serializes no WGMMA; the A-scale box holds the tile's 256 rows."""
@@ -372,7 +381,7 @@ _K_LOOP_RELOADS = {(scaled(128, 128, F32, bias=True, activation="silu"), True): 
                    (scaled(128, 128), True): 2}
 
 
-@pytest.mark.parametrize("spec", [scaled(1, 128), scaled(128, 128, F32, bias=True, activation="silu")],
+@pytest.mark.parametrize("spec", _line([scaled(1, 128), scaled(128, 128, F32, bias=True, activation="silu")], 0),
                          ids=lambda s: s.key())
 def test_compile_scaled_overlap(spec):
     cfg = dataclasses.replace(sm90_gemm.heuristic(spec, 4096, 7168, 16384, 1), overlap_promote=True)

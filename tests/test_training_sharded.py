@@ -8,7 +8,9 @@ the unsharded layer, and the kernels each device of the expert-parallel MoE step
 SPMD partitioning, for sm_90a) against one device's.
 
 The devices must be set before JAX starts, so this file runs itself in a subprocess
-(``python tests/test_training_sharded.py``) that prints every case as JSON.
+(``python tests/test_training_sharded.py``) that prints every case as JSON. The README's test line
+reads that run; the cases it leaves to CI's second step (``SWEEP``, marker sweep) come from a
+second run, ``python tests/test_training_sharded.py sweep``.
 """
 
 from __future__ import annotations
@@ -37,6 +39,18 @@ CASES = {
     "moe_expert_parallel": ({"data": 8}, False, True),
     "moe_data_x_model": ({"data": 2, "model": 4}, True, True),
 }
+MOE_MESHES = ({"data": 8}, {"data": 2, "model": 4})   # the expert-parallel MoE layer's, alone
+# the sweep run's share: the dense model with fully sharded weights, tensor parallel and on the
+# 2-D mesh (moe_data_x_model, on the test line, trains with fully sharded weights on that mesh,
+# its model axis splitting the dense layers as tensor_parallel's), the MoE layer alone on the
+# 2-D mesh (the whole step trains there in moe_data_x_model), and each shard's kernels with
+# float32_partial_sums off (the heuristic left to itself)
+SWEEP = {"cases": ("fully_sharded", "tensor_parallel", "data_x_model"), "moe_meshes": ("data=2,model=4",),
+         "partial_sums": (False,)}
+
+
+def _mesh_name(axes: dict) -> str:
+    return ",".join(f"{k}={v}" for k, v in axes.items())
 
 
 # -- the worker (its own process, 8 CPU devices) ------------------------------------------------
@@ -167,11 +181,11 @@ def _split_free_name(name: str) -> tuple[str, str]:
     return rest, split.group(1) if split else "1"
 
 
-def _kernels_per_shard() -> dict:
+def _kernels_per_shard(settings=(True, False)) -> dict:
     """The GPT example's MoE step (d_model 512, 8 x 256 tokens, every token to every expert)
     lowered for sm_90a on one device and expert parallel on 4 (data=4), each device's kernels
     read from XLA's module after SPMD partitioning (compiled on the CPU, which then has no
-    handler for the launches). With float32_partial_sums on and off: each shard's dense GEMM of a
+    handler for the launches). With float32_partial_sums at each of ``settings``: each shard's dense GEMM of a
     product whose contraction is whole (tokens, batches, heads sharded), with the split-K of the
     one-device GEMM it is a block of (None where the one-device module has none such); and the
     grouped (expert) kernels of both steps."""
@@ -205,7 +219,7 @@ def _kernels_per_shard() -> dict:
             return _launches("".join(open(f).read() for f in glob.glob(f"{dump}/{stage}")))
 
     out = {}
-    for on in (True, False):
+    for on in settings:
         with jax_cute.config.override(target_arch="sm_90a", strict=True, float32_partial_sums=on):
             one, shards = launches(None), launches(gpt.make_mesh({"data": 4}))
         pairs, unpaired = [], []
@@ -239,11 +253,12 @@ def _elements(result: str) -> int:
     return n
 
 
-def _moe_layer_against_unsharded(steps: int = 20) -> dict[str, dict[str, float]]:
+def _moe_layer_against_unsharded(meshes, steps: int = 20) -> dict[str, dict[str, float]]:
     """The GPT example's MoE layer expert parallel (routing, then the experts in a shard_map with
     all-to-all dispatch) against the same layer on one device, kernelized, per mesh: the largest
     relative error of its value and gradients (weights and input) from the same inputs, and of
-    the loss over ``steps`` AdamW steps of the layer alone fitting a random target."""
+    the loss over ``steps`` AdamW steps of the layer alone fitting a random target, for each of
+    ``meshes`` (names, as _mesh_name gives them, of MOE_MESHES)."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -276,14 +291,15 @@ def _moe_layer_against_unsharded(steps: int = 20) -> dict[str, dict[str, float]]
 
     want, want_losses = run(None)
     out = {}
-    for axes in ({"data": 8}, {"data": 2, "model": 4}):
+    for axes in (a for a in MOE_MESHES if _mesh_name(a) in meshes):
         got, losses = run(gpt.make_mesh(axes))
-        out[",".join(f"{k}={v}" for k, v in axes.items())] = {
+        out[_mesh_name(axes)] = {
             "grads": _max_rel(got, want), "curve": max(abs(a - b) / b for a, b in zip(losses, want_losses))}
     return out
 
 
-def _worker() -> dict:
+def _worker(part: str = "") -> dict:
+    """Every case but ``SWEEP``'s, or (``part`` "sweep") those."""
     import jax
     import jax.numpy as jnp
 
@@ -292,6 +308,13 @@ def _worker() -> dict:
     import jax_cute
 
     out: dict = {"jax": jax.__version__, "devices": len(jax.devices())}
+    if part == "sweep":
+        out["kernels_per_shard"] = _kernels_per_shard(SWEEP["partial_sums"])
+        jax_cute.config.set(float32_partial_sums=True)   # (as below)
+        out["moe_layer"] = _moe_layer_against_unsharded(SWEEP["moe_meshes"])
+        return _training_cases(out, SWEEP["cases"])
+    if part:
+        raise ValueError(f"no part {part!r}")
 
     # The snippet of a first data-parallel step: dW's contraction is batch x tokens, batch sharded.
     mesh = gpt.make_mesh({"data": 2})
@@ -307,11 +330,22 @@ def _worker() -> dict:
 
     out["primitives"] = _primitives_under_grad()
     out["sums"] = _sums_over_devices()
-    out["kernels_per_shard"] = _kernels_per_shard()
+    out["kernels_per_shard"] = _kernels_per_shard(tuple(on for on in (True, False) if on not in SWEEP["partial_sums"]))
     # the training comparisons below with the setting reproducible sharded training uses
     # (docs/sharding.md): sums over devices in float32
     jax_cute.config.set(float32_partial_sums=True)
-    out["moe_layer"] = _moe_layer_against_unsharded()
+    out["moe_layer"] = _moe_layer_against_unsharded([_mesh_name(a) for a in MOE_MESHES
+                                                     if _mesh_name(a) not in SWEEP["moe_meshes"]])
+    return _training_cases(out, [name for name in CASES if name not in SWEEP["cases"]])
+
+
+def _training_cases(out: dict, names) -> dict:
+    """``out`` with each of ``names`` (CASES) trained sharded against the unsharded model."""
+    import jax
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    import gpt_training as gpt
+    import jax_cute
 
     @functools.lru_cache(maxsize=None)
     def unsharded(moe: bool):
@@ -322,7 +356,8 @@ def _worker() -> dict:
         grads = jax.jit(jax.grad(jax_cute.kernelize(lambda p, t: gpt.loss_fn(p, t, cfg))))(params, data[0])
         return cfg, params, opt_state, tx, data, losses, grads
 
-    for name, (axes, fsdp, moe) in CASES.items():
+    for name in names:
+        axes, fsdp, moe = CASES[name]
         cfg, params, opt_state, tx, data, want_losses, want_grads = unsharded(moe)
         mesh = gpt.make_mesh(axes)
         sparams, sopt, shardings = gpt.shard_train_state(params, opt_state, tx, cfg, mesh, fsdp)
@@ -350,18 +385,28 @@ def _worker() -> dict:
 
 # -- the tests ------------------------------------------------------------------------------------
 
-def _script(_=None) -> shared_result.Script:
+def _script(part=None) -> shared_result.Script:
+    """The run of this file the README's test line reads, or (``part`` "sweep") the sweeps'."""
     env = {**os.environ, "XLA_FLAGS": shared_result.xla_flags(f"--xla_force_host_platform_device_count={DEVICES}"),
            "JAX_PLATFORMS": "cpu"}
-    return shared_result.Script("test_training_sharded", [sys.executable, __file__], env=env, cwd=ROOT, timeout=1200)
+    return shared_result.Script("test_training_sharded" + (f"-{part}" if part else ""),
+                                [sys.executable, __file__, *([part] if part else [])], env=env, cwd=ROOT, timeout=1200)
 
 
 SUBPROCESS_FIXTURES = {"results": _script}  # (conftest starts it before the first test)
 
 
 @pytest.fixture(scope="module")
-def results() -> dict:
-    return _script().result()
+def results(request) -> dict:
+    """The script's results: the test line's run, or the sweep run's where a test asks for it
+    (``indirect`` parametrization with "sweep")."""
+    return _script(getattr(request, "param", None)).result()
+
+
+def _cases() -> list:
+    """(name, results) parameters of CASES, the sweep run's marked sweep."""
+    return [pytest.param(name, "sweep", id=name, marks=pytest.mark.sweep) if name in SWEEP["cases"]
+            else pytest.param(name, None, id=name) for name in CASES]
 
 
 def test_data_parallel_weight_gradient_lowers_and_matches(results):
@@ -378,7 +423,7 @@ def test_every_primitive_partitions_under_grad(results):
     assert len(results["primitives"]) == 8
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name, results", _cases(), indirect=["results"])
 def test_sharded_training_step_matches_the_unsharded_model(results, name):
     case = results[name]
     # the first loss is the same function of the same parameters; the second follows one AdamW
@@ -393,7 +438,7 @@ def test_sharded_training_step_matches_the_unsharded_model(results, name):
     assert case["cuda_dots"] == 0 and case["cuda_products"] >= 10, case
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name, results", _cases(), indirect=["results"])
 def test_sharded_loss_curve_follows_the_unsharded_one(results, name):
     """20 AdamW steps. XLA compiles each shard's norms and softmax for its own shape, and their
     float32 results can differ from one device's in the last bit; bf16 casts and top-2 choices
@@ -414,7 +459,12 @@ def test_sharded_contraction_sums_float32_partial_products(results):
     assert results["sums"] == {"default": ["bf16"], "on": ["f32"]}, results["sums"]
 
 
-def test_each_shard_adds_as_one_device(results):
+# (the float32 sums off: the sweep run's)
+@pytest.mark.parametrize("setting, results", [
+    pytest.param(s, "sweep" if on in SWEEP["partial_sums"] else None, id=s,
+                 marks=pytest.mark.sweep if on in SWEEP["partial_sums"] else ()) for s, on in (("on", True), ("off", False))],
+    indirect=["results"])
+def test_each_shard_adds_as_one_device(results, setting):
     """The expert-parallel MoE step (data=4, lowered for sm_90a) against one device's, kernel by
     kernel. The experts run the same grouped kernels (the fused gelu with its pre-activation,
     the same dtypes) per shard as on one device. With float32_partial_sums on, each shard's dense
@@ -422,18 +472,21 @@ def test_each_shard_adds_as_one_device(results):
     the one-device GEMM it is a block of, so every element is the same float32 sum in the same
     order; only the four weight gradients summed over devices (K: the tokens) run their own
     GEMMs, in float32. Left to itself the heuristic splits K by the shard's smaller M and L."""
-    got = results["kernels_per_shard"]
-    for case in got.values():
-        assert case["grouped"] == case["grouped_shards"] and len(case["grouped"]) == 8, case
-        assert any(".gelu.preact." in n for n in case["grouped"]), case
-    on = got["on"]
-    assert len(on["pairs"]) >= 15 and all([split] == whole for _, split, whole in on["pairs"]), on["pairs"]
-    assert len(on["unpaired"]) == 4 and all(".bfloat16.bfloat16.float32." in n for n, _, _ in on["unpaired"]), on
-    off = got["off"]
-    assert any([split] != whole for _, split, whole in off["pairs"]), off["pairs"]
+    case = results["kernels_per_shard"][setting]
+    assert case["grouped"] == case["grouped_shards"] and len(case["grouped"]) == 8, case
+    assert any(".gelu.preact." in n for n in case["grouped"]), case
+    if setting == "on":
+        assert len(case["pairs"]) >= 15 and all([split] == whole for _, split, whole in case["pairs"]), case["pairs"]
+        assert len(case["unpaired"]) == 4 and all(".bfloat16.bfloat16.float32." in n for n, _, _ in case["unpaired"]), case
+    else:
+        assert any([split] != whole for _, split, whole in case["pairs"]), case["pairs"]
 
 
-def test_expert_parallel_moe_layer_trains_like_the_unsharded_layer(results):
+@pytest.mark.parametrize("mesh, results", [
+    pytest.param(_mesh_name(a), "sweep" if _mesh_name(a) in SWEEP["moe_meshes"] else None, id=_mesh_name(a),
+                 marks=pytest.mark.sweep if _mesh_name(a) in SWEEP["moe_meshes"] else ()) for a in MOE_MESHES],
+    indirect=["results"])
+def test_expert_parallel_moe_layer_trains_like_the_unsharded_layer(results, mesh):
     """From the same inputs the expert-parallel layer's value and gradients equal one device's up
     to one bf16 rounding of the expert products' outputs (the same routing and expert products,
     the activation fused in both, the router's weight gradient and the input's two cotangents
@@ -447,8 +500,8 @@ def test_expert_parallel_moe_layer_trains_like_the_unsharded_layer(results):
     over the 20 steps on a 2-core AMD EPYC with AVX2 only (2026-11-29). The bounds stay below what a real
     difference did: before the routing moved out of the shard_map and the sums over devices
     became float32, this layer parted by 5e-3 (gradients) and 1e-2 (20 steps)."""
-    for mesh, case in results["moe_layer"].items():
-        assert case["grads"] <= 2**-8 and case["curve"] <= 1e-4, (mesh, case)
+    case = results["moe_layer"][mesh]
+    assert case["grads"] <= 2**-8 and case["curve"] <= 1e-4, (mesh, case)
 
 
 def test_two_processes_through_jax_distributed_train_like_one(tmp_path):
@@ -479,14 +532,20 @@ def test_two_processes_through_jax_distributed_train_like_one(tmp_path):
         assert abs(a - b) <= 1e-5 * abs(b), (two["losses"], single["losses"])
 
 
-def test_collectives_of_each_parallelism(results):
-    dp, fsdp, tp = results["data_parallel"]["step"], results["fully_sharded"]["step"], results["tensor_parallel"]["step"]
-    assert dp["all-gather"] == 0 and dp["all-to-all"] == 0 and dp["all-reduce"] >= 1, dp  # gradients summed
-    assert fsdp["all-gather"] >= 1, fsdp  # each layer's weights gathered where they are used
-    assert tp["all-reduce"] >= 2 and tp["all-to-all"] == 0, tp  # row-parallel attention and MLP outputs
-    for name in ("moe_expert_parallel", "moe_data_x_model"):
-        assert results[name]["step"]["all-to-all"] >= 6, results[name]  # 3 forward, 3 backward
+_STEP_COLLECTIVES = {
+    "data_parallel": lambda c: c["all-gather"] == 0 and c["all-to-all"] == 0 and c["all-reduce"] >= 1,  # gradients summed
+    "fully_sharded": lambda c: c["all-gather"] >= 1,   # each layer's weights gathered where they are used
+    "tensor_parallel": lambda c: c["all-reduce"] >= 2 and c["all-to-all"] == 0,   # row-parallel attention and MLP outputs
+    "data_x_model": lambda c: c["all-reduce"] >= 2,
+    "moe_expert_parallel": lambda c: c["all-to-all"] >= 6,   # 3 forward, 3 backward
+    "moe_data_x_model": lambda c: c["all-to-all"] >= 6,
+}
 
+
+@pytest.mark.parametrize("name, results", _cases(), indirect=["results"])
+def test_collectives_of_each_parallelism(results, name):
+    step = results[name]["step"]
+    assert _STEP_COLLECTIVES[name](step), (name, step)
 
 if __name__ == "__main__":
-    print(json.dumps(_worker()))
+    print(json.dumps(_worker(*sys.argv[1:])))
