@@ -41,12 +41,13 @@ CASES = {
 }
 MOE_MESHES = ({"data": 8}, {"data": 2, "model": 4})   # the expert-parallel MoE layer's, alone
 # the sweep run's share: the dense model with fully sharded weights, tensor parallel and on the
-# 2-D mesh (moe_data_x_model, on the test line, trains with fully sharded weights on that mesh,
-# its model axis splitting the dense layers as tensor_parallel's), the MoE layer alone on the
-# 2-D mesh (the whole step trains there in moe_data_x_model), and each shard's kernels with
-# float32_partial_sums off (the heuristic left to itself)
-SWEEP = {"cases": ("fully_sharded", "tensor_parallel", "data_x_model"), "moe_meshes": ("data=2,model=4",),
-         "partial_sums": (False,)}
+# 2-D mesh, and the MoE model expert parallel over one axis (moe_data_x_model, on the test line,
+# trains the MoE model expert parallel with fully sharded weights on the 2-D mesh, its model
+# axis splitting the dense layers as tensor_parallel's), the MoE layer alone on the
+# 2-D mesh (the line checks it on data=8), and each shard's kernels lowered for sm_90a (a
+# compile-only check of the split-K each shard's GEMM takes, with float32_partial_sums on and off)
+SWEEP = {"cases": ("fully_sharded", "tensor_parallel", "data_x_model", "moe_expert_parallel"),
+         "moe_meshes": ("data=2,model=4",), "partial_sums": (True, False)}
 
 
 def _mesh_name(axes: dict) -> str:
@@ -330,7 +331,9 @@ def _worker(part: str = "") -> dict:
 
     out["primitives"] = _primitives_under_grad()
     out["sums"] = _sums_over_devices()
-    out["kernels_per_shard"] = _kernels_per_shard(tuple(on for on in (True, False) if on not in SWEEP["partial_sums"]))
+    line_sums = tuple(on for on in (True, False) if on not in SWEEP["partial_sums"])
+    if line_sums:
+        out["kernels_per_shard"] = _kernels_per_shard(line_sums)
     # the training comparisons below with the setting reproducible sharded training uses
     # (docs/sharding.md): sums over devices in float32
     jax_cute.config.set(float32_partial_sums=True)
