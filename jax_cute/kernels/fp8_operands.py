@@ -32,6 +32,23 @@ FMAX = {cutlass.Float8E4M3FN: 448.0, cutlass.Float8E5M2: 57344.0}
 _PITCH = COLS + 4   # staged float32 row pitch: 16-byte rows, fewer bank conflicts on the store
 
 
+@cute.jit
+def _absmax(m: Float32, v: Float32) -> Float32:
+    """max(m, |v|), NaN propagating as in XLA's max."""
+    return cute.arch.fmax(m, cute.arch.fmax(v, -v), nan=True)
+
+
+@cute.jit
+def _block_scale(amax: Float32, fmax: Constexpr) -> Float32:
+    """The quantizer's scale of a block whose largest magnitude is ``amax``: amax / fmax, at least
+    float32's smallest normal; 1 for an all-zero block (and a NaN one: as the quantizer's where)."""
+    scale = Float32(1.0)
+    if amax > 0.0:
+        scale = cute.arch.fmax(amax * Float32(1.0 / fmax), Float32(TINY))
+    return scale
+
+
+
 @cute.kernel
 def _aligned_transpose_kernel(mX: cute.Tensor, mStart: cute.Tensor, mLen: cute.Tensor, mOut: cute.Tensor):
     tidx, _, _ = cute.arch.thread_idx()
@@ -101,13 +118,10 @@ def _quantize_tokens_kernel(mX: cute.Tensor, mStart: cute.Tensor, mLen: cute.Ten
     for i in cutlass.range(COLS, unroll_full=True):
         v = sX[half * COLS + i, c]
         vals[i] = v
-        m = cute.arch.fmax(m, cute.arch.fmax(v, -v), nan=True)
+        m = _absmax(m, v)
     sMax[half, c] = m
     cute.arch.sync_threads()
-    amax = cute.arch.fmax(sMax[0, c], sMax[1, c], nan=True)
-    scale = Float32(1.0)
-    if amax > 0.0:   # (NaN is not: scale 1, as the quantizer's where)
-        scale = cute.arch.fmax(amax * Float32(1.0 / fmax), Float32(TINY))
+    scale = _block_scale(cute.arch.fmax(sMax[0, c], sMax[1, c], nan=True), fmax)
     if half == 0:
         mScale[cb * COLS + c, blk] = scale
     q = cute.make_rmem_tensor((COLS,), Float32)
@@ -169,19 +183,15 @@ def _quantize_rows_and_tokens_kernel(mX: cute.Tensor, mStart: cute.Tensor, mLen:
     for j in cutlass.range(8, unroll_full=True):
         chunk = cute.local_tile(sX, (1, 8), (r, h * 8 + j))[0, None].load().to(Float32)
         for e in cutlass.range(8, unroll_full=True):
-            rm = cute.arch.fmax(rm, cute.arch.fmax(chunk[e], -chunk[e]), nan=True)
+            rm = _absmax(rm, chunk[e])
     cm = Float32(0.0)
     for i in cutlass.range(64, unroll_full=True):
-        v = sX[hc * 64 + i, c].to(Float32)
-        cm = cute.arch.fmax(cm, cute.arch.fmax(v, -v), nan=True)
+        cm = _absmax(cm, sX[hc * 64 + i, c].to(Float32))
     sRow[r, h] = rm
     sCol[hc, c] = cm
     cute.arch.sync_threads()
-    # the row block: its scale (amax / fmax, 1 for an all-zero or NaN block), fp8 values in place
-    amax = cute.arch.fmax(sRow[r, 0], sRow[r, 1], nan=True)
-    scale = Float32(1.0)
-    if amax > 0.0:
-        scale = cute.arch.fmax(amax * Float32(1.0 / fmax), Float32(TINY))
+    # the row block: its scale and fp8 values, in place
+    scale = _block_scale(cute.arch.fmax(sRow[r, 0], sRow[r, 1], nan=True), fmax)
     if r < length:
         if h == 0:
             mRowScale[start + r, cb] = scale
@@ -194,10 +204,7 @@ def _quantize_rows_and_tokens_kernel(mX: cute.Tensor, mStart: cute.Tensor, mLen:
         out.store(q.load().to(mRowVal.element_type))   # cvt.rn.satfinite: the quantizer's clip and rounding
         cute.local_tile(mRowVal, (1, 64), (start + r, cb * 2 + h))[0, None].store(out.load())
     # the token block: as quantize_tokens' (zeros past the block's length)
-    amax = cute.arch.fmax(sCol[0, c], sCol[1, c], nan=True)
-    scale = Float32(1.0)
-    if amax > 0.0:
-        scale = cute.arch.fmax(amax * Float32(1.0 / fmax), Float32(TINY))
+    scale = _block_scale(cute.arch.fmax(sCol[0, c], sCol[1, c], nan=True), fmax)
     if hc == 0:
         mScale[cb * BLOCK_COLS + c, blk] = scale
     q = cute.make_rmem_tensor((64,), Float32)
