@@ -333,18 +333,26 @@ class Sm90Epilogue(DActEpilogue, PreactEpilogue, GatedEpilogue, ActivationEpilog
             if edge:
                 if const_expr(self.nb > 1):
                     gmem_t = gmem[(None, None, l)]   # one batch offset held live, not three
-                # consecutive threads walk the contiguous mode (coalesced, conflict-light)
-                for it in range_constexpr((em * en) // self.epi_threads):
+                # Consecutive threads walk the contiguous mode (coalesced, conflict-light). All
+                # of a thread's shared-memory reads come first, outside the bounds checks: read
+                # and stored one by one, each store waited for its read's latency.
+                n_it = (em * en) // self.epi_threads
+                vals, coords = [], []
+                for it in range_constexpr(n_it):
                     idx = etid + it * self.epi_threads
                     if const_expr(c_n):
                         r, q = idx // en, idx % en
                     else:
                         r, q = idx % em, idx // em
+                    vals.append(sC[(r, q, buf)])
+                    coords.append((r, q))
+                for it in range_constexpr(n_it):
+                    r, q = coords[it]
                     if m0 + r < m_ext and n0 + q < n_ext:
                         if const_expr(self.nb == 1):
-                            gmem[(m0 + r, n0 + q, l)] = sC[(r, q, buf)]
+                            gmem[(m0 + r, n0 + q, l)] = vals[it]
                         else:
-                            gmem_t[(m0 + r, n0 + q)] = sC[(r, q, buf)]
+                            gmem_t[(m0 + r, n0 + q)] = vals[it]
         if warp_id == store_warp:
             if not edge:
                 cute.copy(tma, bSG_sC[(None, buf)], bSG_g[(None, (blk, e_n))])
