@@ -239,7 +239,7 @@ def _wave_refusal(spec: GemmSpec, config: Config) -> str | None:
     return None
 
 
-DEFER = 2   # k-tiles of the next tile issued before a deferred epilogue's stores (autotune; an unaligned C)
+DEFER = 2   # k-tiles of the next tile issued before a deferred epilogue's stores (autotune)
 
 
 def epilogue_for(spec, config: Config) -> Config:
@@ -288,9 +288,11 @@ def _scaled_candidates(spec) -> list[Config]:
                   if not _wave_refusal(spec, c)]
 
 
-# An unaligned C (GemmSpec.c_aligned False) stores every subtile element by element: beside a
-# 128 x 256 tile's accumulators that loop spills (264 bytes, sm_90a), so its tiles are 128 wide.
-_UNALIGNED_C_TILE_N = 128
+def _unaligned_widths(spec) -> tuple[int, ...]:
+    """Tile widths for an unaligned C (GemmSpec.c_aligned False), whose subtiles the consumers
+    store element by element: beside a 128 x 256 tile's fp32 accumulators that loop fits a
+    16-bit C's 32-wide subtiles only (sm_90a: 16 bytes of stack; 104 with 64-wide ones)."""
+    return (128, 256) if ITEM[spec.c_dtype] == 2 else (128,)
 
 
 def candidate_configs(spec) -> list[Config]:
@@ -299,8 +301,11 @@ def candidate_configs(spec) -> list[Config]:
     if spec.scaled:
         return _scaled_candidates(spec)
     if not spec.c_aligned:
-        return [c for c in candidate_configs(dataclasses.replace(spec, c_aligned=True))
-                if c.tile_n == _UNALIGNED_C_TILE_N]
+        aligned = candidate_configs(dataclasses.replace(spec, c_aligned=True))
+        out = [c for c in aligned if c.tile_n == 128]
+        if 256 in _unaligned_widths(spec):
+            out += [dataclasses.replace(c, whole_c=False, epi_n=32) for c in aligned if c.tile_n == 256]
+        return list(dict.fromkeys(out))
     out = []
     for split in (1, 2, 4):
         for tn in (256, 128):
@@ -435,13 +440,14 @@ def heuristic(spec, m: int, n: int, k: int, l: int, num_sms: int = NUM_SMS, spli
     best = min(cands, key=lambda c: (_estimate(c, m, n, k, l, num_sms, bk), c.split_k, -c.tile_n))
     if not spec.c_aligned and spec.a_dtype not in _FP8:
         # Every subtile of an unaligned C is stored element by element, a long epilogue beside
-        # the short mainloops of an LM head (K = 768): the deferred epilogue issues the next
-        # tile's first k-tiles before those stores. On an H200 (2026-11-29, 8192x50257x768
-        # forward, one process) it ran 450 TFLOP/s against 422 in 50 ms windows, 438 against
-        # 429 in 1 s windows (XLA: 556, 515).
-        deferred = dataclasses.replace(best, whole_c=False, epi_n=32, defer=DEFER)
-        if deferred in candidate_configs(spec):
-            return deferred
+        # the short mainloops of an LM head (K = 768). The 128 x 256 tile stores half as many
+        # subtiles per FLOP as 128 x 128: on an H200 (2026-11-29, 8192x50257x768 forward, one
+        # process, 50 ms windows) 510-531 TFLOP/s against 477-494 for 128 x 128 and 424-436 for
+        # its deferred epilogue (XLA: 548-583).
+        # (a fused epilogue's extra live state beside that loop spills 40 bytes: 128 x 128 there)
+        wide = dataclasses.replace(best, tile_n=256, whole_c=False, epi_n=32, defer=0)
+        if not _fused(spec) and wide in candidate_configs(spec):
+            return wide
     # A fused activation (bias, pre-activation output, a derivative's reads of Z) keeps the
     # cooperative pick too. Pingpong 128x128 hides the activation's epilogue under the other
     # warpgroup's mainloop and wins short windows (H100, 2026-11-26, bias + gelu, 50 ms: 2-12%
@@ -513,8 +519,9 @@ def launcher(spec, config: Config):
         raise ValueError(f"{FAMILY}: a deferred epilogue cannot fuse a bias or activation ({config})")
     if _preact(spec) and config.split_k != 1:
         raise ValueError(f"{FAMILY}: a pre-activation output needs unsplit tiles ({config})")
-    if not spec.c_aligned and config.tile_n != _UNALIGNED_C_TILE_N:
-        raise ValueError(f"{FAMILY}: an unaligned C takes tiles {_UNALIGNED_C_TILE_N} wide ({config})")
+    if not spec.c_aligned and config.tile_n not in _unaligned_widths(spec):
+        raise ValueError(f"{FAMILY}: an unaligned {spec.c_dtype} C takes tiles "
+                         + " or ".join(map(str, _unaligned_widths(spec))) + f" wide ({config})")
     if _dact(spec) and (config.split_k != 1 or config.defer):
         raise ValueError(f"{FAMILY}: an activation's derivative (dact) needs unsplit tiles and no deferred "
                          f"epilogue ({config})")
