@@ -309,8 +309,8 @@ def test_ragged_edge_store_path():
 _TMA_STORE = re.compile(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared")
 
 
-# an unaligned C (a 50257-word vocabulary's logits): the heuristic's pick (a 128x256 tile's ring
-# of 32-wide subtiles for a plain 16-bit C, 128x128 with a fused epilogue) and a 128x128 ring,
+# an unaligned C (a 50257-word vocabulary's logits): the heuristic's pick (pingpong 64x256 tiles'
+# rings of 32-wide subtiles for a plain 16-bit C, 128x128 with a fused epilogue) and a 128x128 ring,
 # 16- and 32-bit C contiguous along N or M, a fused bias and gelu (sweeps, CI's second step)
 @pytest.mark.parametrize("c_dt, c_major, fused, cfg", [
     (BF, "n", {}, None), *sweeps((F32, "n", {}, sm90_gemm.Config(128, 128, 2, 1)), (BF, "m", {}, sm90_gemm.Config(128, 128, 1, 2)),
@@ -325,7 +325,7 @@ def test_unaligned_c_is_stored_without_tma(c_dt, c_major, fused, cfg):
     assert all(s.div == 1 for s in sig["c"].stride if not isinstance(s, int))
     if cfg is None:
         cfg = sm90_gemm.heuristic(spec, 8192, 50257, 768, 1)
-        assert (cfg.tile_n, cfg.epi_n, cfg.defer, cfg.whole_c) == ((128, 64, 0, True) if fused else (256, 32, 0, False)), cfg
+        assert (cfg.tile_n, cfg.epi_n, cfg.pingpong, cfg.whole_c) == ((128, 64, False, True) if fused else (256, 32, True, False)), cfg
     ptx = _compile(spec, cfg).ptx
     assert not _TMA_STORE.search(ptx) and "st.global" in ptx and "cp.async.bulk.tensor" in ptx
     assert _TMA_STORE.search(_compile(dataclasses.replace(spec, c_aligned=True), cfg).ptx)

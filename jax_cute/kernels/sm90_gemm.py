@@ -305,6 +305,7 @@ def candidate_configs(spec) -> list[Config]:
         out = [c for c in aligned if c.tile_n == 128]
         if 256 in _unaligned_widths(spec):
             out += [dataclasses.replace(c, whole_c=False, epi_n=32) for c in aligned if c.tile_n == 256]
+            out.append(_UNALIGNED_PINGPONG)
         return list(dict.fromkeys(out))
     out = []
     for split in (1, 2, 4):
@@ -375,6 +376,8 @@ _PINGPONG = Config(64, 256, 2, 1, "n", 8, 1, pingpong=True)
 _PINGPONG_160 = Config(128, 160, 2, 1, pingpong=True)
 _PINGPONG_128 = Config(128, 128, 2, 1, pingpong=True)
 # pingpong tiles (one warpgroup's accumulators: tile_m * tile_n / 128 fp32 registers per thread)
+# an unaligned 16-bit C's pick (see heuristic): M fastest, 32-wide subtiles (64-wide spill)
+_UNALIGNED_PINGPONG = dataclasses.replace(_PINGPONG, raster="m", epi_n=32)
 _PINGPONG_TILES = [(64, 128), (64, 256), (128, 128), (128, 160)]
 
 
@@ -440,12 +443,15 @@ def heuristic(spec, m: int, n: int, k: int, l: int, num_sms: int = NUM_SMS, spli
     best = min(cands, key=lambda c: (_estimate(c, m, n, k, l, num_sms, bk), c.split_k, -c.tile_n))
     if not spec.c_aligned and spec.a_dtype not in _FP8:
         # Every subtile of an unaligned C is stored element by element, a long epilogue beside
-        # the short mainloops of an LM head (K = 768). The 128 x 256 tile stores half as many
-        # subtiles per FLOP as 128 x 128: on an H200 (2026-11-29, 8192x50257x768 forward, one
-        # process, 50 ms windows) 510-531 TFLOP/s against 477-494 for 128 x 128 and 424-436 for
-        # its deferred epilogue (XLA: 548-583).
+        # the short mainloops of an LM head (K = 768). Pingpong 64 x 256 tiles run one warpgroup's
+        # stores under the other's mainloop: on an H200 (2026-11-29, 8192x50257x768 forward, one
+        # process, 50 ms windows) 587 TFLOP/s against 489-531 for the cooperative 128 x 256 tile
+        # (half as many subtiles per FLOP as 128 x 128: 477-494), 411 for pingpong 128 x 128 and
+        # 533-583 for XLA. One row of tiles (M <= 128) keeps the cooperative tile on a 1 x 2 cluster.
         # (a fused epilogue's extra live state beside that loop spills 40 bytes: 128 x 128 there)
         wide = dataclasses.replace(best, tile_n=256, whole_c=False, epi_n=32, defer=0)
+        if tiles_m > 1:
+            wide = _UNALIGNED_PINGPONG
         if not _fused(spec) and wide in candidate_configs(spec):
             return wide
     # A fused activation (bias, pre-activation output, a derivative's reads of Z) keeps the
