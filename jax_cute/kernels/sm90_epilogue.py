@@ -310,6 +310,14 @@ class Sm90Epilogue(DActEpilogue, PreactEpilogue, GatedEpilogue, ActivationEpilog
                 self.scale_by_dact(z, tRS_z, tRS_r32, src, n_rd)
         wge.tRS_rC.store(tRS_r32.load().to(self.c_t))
 
+    def subtile_coord(self, idx, c_n: bool):
+        """(row, column) in a subtile of its ``idx``-th element, consecutive ones along C's
+        contiguous mode (N if ``c_n``, else M): how the element-wise stores walk a subtile."""
+        em, en = self.epi_tile
+        if c_n:
+            return idx // en, idx % en
+        return idx % em, idx // em
+
     @cute.jit
     def store_subtile(self, wge: WarpgroupEpilogue, tma, bSG_sC, bSG_g, gmem, pos: cutlass.Constexpr, blk, e_n,
                       m0, n0, l):
@@ -333,26 +341,33 @@ class Sm90Epilogue(DActEpilogue, PreactEpilogue, GatedEpilogue, ActivationEpilog
             if edge:
                 if const_expr(self.nb > 1):
                     gmem_t = gmem[(None, None, l)]   # one batch offset held live, not three
-                # Consecutive threads walk the contiguous mode (coalesced, conflict-light). All
-                # of a thread's shared-memory reads come first, outside the bounds checks: read
-                # and stored one by one, each store waited for its read's latency.
                 n_it = (em * en) // self.epi_threads
-                vals, coords = [], []
-                for it in range_constexpr(n_it):
-                    idx = etid + it * self.epi_threads
-                    if const_expr(c_n):
-                        r, q = idx // en, idx % en
-                    else:
-                        r, q = idx % em, idx // em
-                    vals.append(sC[(r, q, buf)])
-                    coords.append((r, q))
-                for it in range_constexpr(n_it):
-                    r, q = coords[it]
-                    if m0 + r < m_ext and n0 + q < n_ext:
-                        if const_expr(self.nb == 1):
-                            gmem[(m0 + r, n0 + q, l)] = vals[it]
-                        else:
-                            gmem_t[(m0 + r, n0 + q)] = vals[it]
+                if const_expr(self.c_aligned):
+                    # a ragged edge: each value read where it is stored (fewest registers: beside
+                    # a deferred epilogue, reading ahead spills)
+                    for it in range_constexpr(n_it):
+                        r, q = self.subtile_coord(etid + it * self.epi_threads, c_n)
+                        if m0 + r < m_ext and n0 + q < n_ext:
+                            if const_expr(self.nb == 1):
+                                gmem[(m0 + r, n0 + q, l)] = sC[(r, q, buf)]
+                            else:
+                                gmem_t[(m0 + r, n0 + q)] = sC[(r, q, buf)]
+                else:
+                    # every subtile: all of a thread's values read from shared memory first,
+                    # outside the bounds checks (read and stored one by one, each store waited
+                    # for its read's latency)
+                    vals, coords = [], []
+                    for it in range_constexpr(n_it):
+                        r, q = self.subtile_coord(etid + it * self.epi_threads, c_n)
+                        vals.append(sC[(r, q, buf)])
+                        coords.append((r, q))
+                    for it in range_constexpr(n_it):
+                        r, q = coords[it]
+                        if m0 + r < m_ext and n0 + q < n_ext:
+                            if const_expr(self.nb == 1):
+                                gmem[(m0 + r, n0 + q, l)] = vals[it]
+                            else:
+                                gmem_t[(m0 + r, n0 + q)] = vals[it]
         if warp_id == store_warp:
             if not edge:
                 cute.copy(tma, bSG_sC[(None, buf)], bSG_g[(None, (blk, e_n))])
