@@ -48,7 +48,6 @@ def _block_scale(amax: Float32, fmax: Constexpr) -> Float32:
     return scale
 
 
-
 @cute.kernel
 def _aligned_transpose_kernel(mX: cute.Tensor, mStart: cute.Tensor, mLen: cute.Tensor, mOut: cute.Tensor):
     tidx, _, _ = cute.arch.thread_idx()

@@ -449,9 +449,8 @@ def heuristic(spec, m: int, n: int, k: int, l: int, num_sms: int = NUM_SMS, spli
         # (half as many subtiles per FLOP as 128 x 128: 477-494), 411 for pingpong 128 x 128 and
         # 533-583 for XLA. One row of tiles (M <= 128) keeps the cooperative tile on a 1 x 2 cluster.
         # (a fused epilogue's extra live state beside that loop spills 40 bytes: 128 x 128 there)
-        wide = dataclasses.replace(best, tile_n=256, whole_c=False, epi_n=32, defer=0)
-        if tiles_m > 1:
-            wide = _UNALIGNED_PINGPONG
+        wide = (_UNALIGNED_PINGPONG if tiles_m > 1
+                else dataclasses.replace(best, tile_n=256, whole_c=False, epi_n=32, defer=0))
         if not _fused(spec) and wide in candidate_configs(spec):
             return wide
     # A fused activation (bias, pre-activation output, a derivative's reads of Z) keeps the
