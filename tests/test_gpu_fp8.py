@@ -297,6 +297,31 @@ def test_grouped_odd_group_starts(b_block):
     check(jax.jit(f)(xq, wq, K_SIZES), grouped_ref(dq(xq), dq(wq), K_SIZES), grouped_abs(dq(xq), dq(wq)))
 
 
+@pytest.mark.parametrize("b_block", ["128x128", (128, 1)], ids=["w128x128", "w128x1"])
+@pytest.mark.parametrize("out", [BF, F32], ids=["bf16", "f32"])
+def test_grouped_on_1x2_clusters(b_block, out):
+    """The grouped kernel's 1x2-cluster candidate forced (A multicast to two n-tiles of one
+    m-tile; N = 520 is five 128-wide tiles, so the last cluster's second tile is out of bounds):
+    odd group starts, empty groups, a bias and gelu."""
+    from jax_cute.kernels import sm90_grouped
+    m, k, n = 1000, 1000, 520
+    xq, wq = quantize(data((m, k), "heavy", 41), "1x128"), quantize(data((6, k, n), "normal", 42), b_block)
+    bias = data((6, n), "normal", 43)
+    pick = sm90_grouped.heuristic
+
+    def forced(spec, *args, **kwargs):
+        return dataclasses.replace(pick(spec, *args, **kwargs), overlap_promote=b_block == "128x128", cluster_n=2)
+
+    def f(xq, wq, sizes, bias):
+        return jax_cute.ragged_dot(xq, wq, sizes, bias=bias, activation="gelu", preferred_element_type=out)
+
+    with mock.patch.object(sm90_grouped, "heuristic", forced):
+        assert_ours(f, xq, wq, K_SIZES, bias)
+        got = jax.jit(f)(xq, wq, K_SIZES, bias)
+    check(got, grouped_ref(dq(xq), dq(wq), K_SIZES, bias, jax.nn.gelu),
+          grouped_ref(jnp.abs(dq(xq)), jnp.abs(dq(wq)), K_SIZES))
+
+
 @pytest.mark.parametrize("activation", ["gelu", "silu"])
 def test_grouped_bias_and_activation(activation):
     m, k, n = 1000, 1024, 512

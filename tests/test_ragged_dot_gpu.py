@@ -81,6 +81,56 @@ def test_forward_and_grads(m, k, g, n, kind):
     _close(dw, rdw)
 
 
+@pytest.mark.parametrize("m,k,g,n", SHAPES)
+@pytest.mark.parametrize("epilogue", [None, "gelu", "swiglu"])
+def test_forward_and_grads_on_1x2_clusters(m, k, g, n, epilogue):
+    """ragged_m tiles on 1x2 clusters (A multicast to n-tiles of one m-tile; an odd n-tile count
+    leaves the last cluster's second tile out of bounds), forced for every grouped product:
+    forward (with a bias and an activation, the pre-activation output under grad) and lhs gradient
+    on skewed sizes with empty groups and rows past the last group."""
+    import dataclasses
+    from unittest import mock
+
+    from jax_cute.kernels import sm90_grouped
+    pick = sm90_grouped.heuristic
+
+    def forced(spec, *args, **kwargs):
+        cfg = pick(spec, *args, **kwargs)
+        return dataclasses.replace(cfg, cluster_n=2) if spec.mode == "ragged_m" else cfg
+
+    rng = np.random.default_rng(m + g + 5)
+    x, w = _data(m, k, g, 2 * n if epilogue == "swiglu" else n, seed=m * g + 1)
+    bias = (jax.random.normal(jax.random.key(9), (g, w.shape[2]), jnp.float32) * 0.5).astype(jnp.bfloat16)
+    gs = _sizes("empty" if epilogue else "skewed", m, g, rng)
+    act = {None: lambda z: z, "gelu": jax.nn.gelu,
+           "swiglu": lambda z: jax.nn.silu(z[:, :n]) * z[:, n:]}[epilogue]
+
+    def f(x, w, gs):
+        if epilogue is None:
+            return ragged_dot(x, w, gs)
+        return ragged_dot(x, w, gs, bias=bias, activation=epilogue)
+
+    def ref(x, w, gs):
+        z = ref_f32(x, w, gs)
+        if epilogue is not None:   # bias on the rows of a group only (the zero tail stays 0)
+            ends = jnp.minimum(jnp.cumsum(jnp.maximum(gs, 0)), x.shape[0])
+            gid = jnp.sum(jnp.arange(x.shape[0])[:, None] >= ends[None, :], axis=1)
+            z = z + jnp.where((gid < g)[:, None], bias.astype(jnp.float32)[jnp.minimum(gid, g - 1)], 0.0)
+        return act(z)
+
+    ct = jax.random.normal(jax.random.key(8), (m, n), jnp.float32).astype(jnp.bfloat16)
+    vjp = jax.jit(lambda x, w, ct: jax.vjp(lambda x, w: f(x, w, gs), x, w)[1](ct))
+    with mock.patch.object(sm90_grouped, "heuristic", forced):
+        _assert_kernel(f, x, w, gs)
+        _close(jax.jit(f)(x, w, gs), ref(x, w, gs))
+        _assert_kernel(vjp, x, w, ct)
+        dx, dw = vjp(x, w, ct)
+    rdx, rdw = jax.vjp(lambda x, w: ref(x, w, gs), x.astype(jnp.float32), w.astype(jnp.float32))[1](
+        ct.astype(jnp.float32))
+    _close(dx, rdx)
+    _close(dw, rdw)
+
+
 def test_vmap_lhs_and_sizes():
     b, m, k, g, n = 3, 512, 256, 4, 256
     rng = np.random.default_rng(1)

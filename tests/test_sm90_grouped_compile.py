@@ -84,6 +84,7 @@ def test_compiles(spec, cfg):
     assert "shfl.sync" in ptx                                   # device-side group scan
     assert f"n{cfg.tile_n}k16" in ptx                           # the configured WGMMA tile
     assert "Sm90Gemm" in ptx                                    # the dense family's kernel
+    assert ("multicast::cluster" in ptx) == (cfg.cluster_n > 1)  # A shared along a 1x2 cluster
 
 
 def test_launcher_is_the_shared_kernel(monkeypatch):

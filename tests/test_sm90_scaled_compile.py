@@ -396,6 +396,20 @@ def test_compile_scaled_grouped_overlap():
     _compile(spec, cfg, sm90_grouped)
 
 
+def test_compile_scaled_grouped_cluster_1x2():
+    """ragged_m on a 1x2 cluster: A's k-tiles multicast to both CTAs (n-tiles of one m-tile)."""
+    spec = _GROUPED[0]
+    cfg = dataclasses.replace(sm90_grouped.heuristic(spec, 32768, 4096, 7168, 4, 1), overlap_promote=True,
+                              cluster_n=2)
+    assert cfg in sm90_grouped.candidate_configs(spec)
+    binary = _compile(spec, cfg, sm90_grouped)
+    assert ".multicast::cluster" in binary.ptx
+    with pytest.raises(ValueError):
+        sm90_grouped.launcher(spec, dataclasses.replace(cfg, sms=131))
+    with pytest.raises(ValueError):
+        sm90_grouped.launcher(_GROUPED_K[0], dataclasses.replace(sm90_grouped.Config(tile_n=128), cluster_n=2))
+
+
 def _check_not_serialized(ptx: str) -> None:
     """ptxas's own verdict on the overlapped mainloop, where a CUDA toolkit's ptxas is installed:
     it serializes every WGMMA of a kernel (warning C7514) when it cannot prove a fragment's WGMMAs

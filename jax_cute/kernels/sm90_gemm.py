@@ -538,11 +538,14 @@ def launcher(spec, config: Config):
 def make_launcher(spec: GemmSpec | GroupedSpec, config: Config, sms: int = NUM_SMS):
     """The @cute.jit launcher of the kernel with the tile scheduler ``spec`` asks for: the dense
     raster on at most ``sms`` SMs for a GemmSpec, the ragged_m / ragged_k walk on ``sms`` CTAs for
-    a GroupedSpec (a cooperative 128-row tile on one CTA, unsplit; sm90_grouped checks the spec)."""
+    a GroupedSpec (a cooperative 128-row tile, unsplit, on one CTA or, ragged_m, a 1x2 cluster;
+    sm90_grouped checks the spec)."""
     grouped = isinstance(spec, GroupedSpec)
     if grouped and (config.tile_m != 128 or config.pingpong or config.split_k != 1 or config.defer or config.pdl
-                    or (config.cluster_m, config.cluster_n) != (1, 1)):
-        raise ValueError(f"{FAMILY}: grouped tiles are cooperative 128-row tiles on one CTA, unsplit ({config})")
+                    or config.cluster_m != 1 or config.cluster_n not in (1, 2)
+                    or (config.cluster_n > 1 and spec.mode != "ragged_m")):
+        raise ValueError(f"{FAMILY}: grouped tiles are cooperative 128-row tiles on one CTA (ragged_m: or a 1x2 "
+                         f"cluster), unsplit ({config})")
     # the epilogue reuses its smem ring round-robin across tiles: subtiles per tile must fill it
     rows = wg_rows(config.tile_m, config.pingpong)
     ab_stages, epi_stages = stage_plan(config.tile_n, spec.c_dtype, config.stages, config.pingpong,

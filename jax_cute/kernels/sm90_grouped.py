@@ -53,9 +53,14 @@ class Config:
     raster: int = 8       # m-tiles per raster panel (L2 reuse of B)
     sms: int = 132        # persistent grid size
     overlap_promote: bool = False   # block-scaled: sm90_gemm.Config's overlapped promotion
+    # ragged_m: CTAs of a cluster along N (1 or 2), on n-tiles of one m-tile (one group), which
+    # multicast each A k-tile: half of A's L2 reads (B's cannot be shared: tiles along M start
+    # at group rows, and neighbours may be in different groups)
+    cluster_n: int = 1
 
     def key(self) -> str:
-        return f"n{self.tile_n}.r{self.raster}.sm{self.sms}" + (".op" if self.overlap_promote else "")
+        return (f"n{self.tile_n}.r{self.raster}.sm{self.sms}" + (".op" if self.overlap_promote else "")
+                + (f".c1x{self.cluster_n}" if self.cluster_n != 1 else ""))
 
 
 def unsupported(spec) -> str | None:
@@ -110,7 +115,10 @@ def candidate_configs(spec) -> list[Config]:
     if spec.scaled and spec.mode == "ragged_k":
         return [Config(tile_n=128)]   # per-column B scales: the serial mainloop (see sm90_gemm.scaled_overlap)
     if spec.scaled:
-        return [Config(tile_n=128), Config(tile_n=128, overlap_promote=True)]
+        return [Config(tile_n=128), Config(tile_n=128, overlap_promote=True),
+                Config(tile_n=128, overlap_promote=True, cluster_n=2)]
+    if spec.mode == "ragged_m":
+        return [Config(tile_n=256), Config(tile_n=128), Config(tile_n=256, cluster_n=2)]
     return [Config(tile_n=256), Config(tile_n=128)]
 
 
@@ -146,12 +154,12 @@ def workspace(spec, config, m, n, k, g, l) -> list[Workspace]:
 
 
 def kernel_config(spec, config: Config) -> sm90_gemm.Config:
-    """The shared kernel's config: a cooperative 128 x tile_n tile on one CTA (tiles start at
-    group rows, so no two CTAs share a slice to multicast), panels of `raster` m-tiles, and the
+    """The shared kernel's config: a cooperative 128 x tile_n tile on a 1 x cluster_n cluster
+    (tiles start at group rows, so only CTAs along N share a slice to multicast), panels of `raster` m-tiles, and the
     dense kernel's epilogue for the output dtype (16-bit: the whole share of 64-wide subtiles;
     measured on an H200 against the 32-wide ring, 1.02x geometric mean over the grouped suite,
     2026-11-24)."""
-    cfg = sm90_gemm.epilogue_for(spec, sm90_gemm.Config(TILE_M, config.tile_n, 1, 1, "m", config.raster,
+    cfg = sm90_gemm.epilogue_for(spec, sm90_gemm.Config(TILE_M, config.tile_n, 1, config.cluster_n, "m", config.raster,
                                                         overlap_promote=config.overlap_promote))
     # the pre-activation output's two passes over the whole share (or a ring of 64-wide
     # subtiles) leave the walker's registers short for elementwise activations (an 8-16 byte
@@ -170,4 +178,8 @@ def launcher(spec, config: Config):
         raise ValueError(f"{FAMILY}: overlap_promote applies to block-scaled products only ({config})")
     if spec.scaled and config.tile_n != 128:
         raise ValueError(f"{FAMILY}: block-scaled tiles are 128 x 128 ({config})")
+    if config.cluster_n not in (1, 2) or (config.cluster_n > 1 and spec.mode != "ragged_m"):
+        raise ValueError(f"{FAMILY}: clusters of 1 or 2 CTAs along N, ragged_m only ({config})")
+    if config.sms % config.cluster_n:
+        raise ValueError(f"{FAMILY}: a grid of {config.sms} CTAs does not divide into clusters of {config.cluster_n}")
     return sm90_gemm.make_launcher(spec, kernel_config(spec, config), config.sms)

@@ -273,7 +273,7 @@ class Sm90Gemm(ScaledMainloop, Sm90Epilogue):
             slots = self.sms // (self.cm * self.cn)
             n_clusters = cutlass.max(cutlass.min(units, slots), 1)
         else:
-            n_clusters = self.sms   # grouped work is known on the device only
+            n_clusters = self.sms // (self.cm * self.cn)   # grouped work is known on the device only
             flags = a.shape[1]      # K, which the ragged_k views no longer carry
 
         self.storage = self.smem_struct(a_t, b_t, c_t, sa, sb, sc)
@@ -470,11 +470,11 @@ class Sm90Gemm(ScaledMainloop, Sm90Epilogue):
                 cl, cg0, rows0, tiles0 = Int32(0), Int32(0), Int32(0), Int32(0)
                 start, end, incl = self.sched.load_chunk(gs, ext, cl, cg0, rows0, tiles0)
                 cl, cg0, rows0, tiles0, start, end, incl, valid, g, t0, t1, m_t, n_t = self.sched.find(
-                    gs, ext, w, cl, cg0, rows0, tiles0, start, end, incl)
+                    gs, ext, w, cl, cg0, rows0, tiles0, start, end, incl, cc)
                 while valid:
                     g_a, g_b = self.sched.group_ab(mA, mB, cl, g, t0, t1, m_t, n_t, la_last, lb_last)
-                    s_a, k_a = cpasync.tma_partition(tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2),
-                                                     cute.group_modes(g_a, 0, 2))
+                    s_a, k_a = cpasync.tma_partition(tma_a, cc[1], cute.make_layout(self.cn),
+                                                     cute.group_modes(sA, 0, 2), cute.group_modes(g_a, 0, 2))
                     s_b, k_b = cpasync.tma_partition(tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2),
                                                      cute.group_modes(g_b, 0, 2))
                     ts = None
@@ -485,7 +485,7 @@ class Sm90Gemm(ScaledMainloop, Sm90Epilogue):
                                      Int32(0), self.sched.group_k_tiles(ext, g, t0, t1), ts)
                     w += stride
                     cl, cg0, rows0, tiles0, start, end, incl, valid, g, t0, t1, m_t, n_t = self.sched.find(
-                        gs, ext, w, cl, cg0, rows0, tiles0, start, end, incl)
+                        gs, ext, w, cl, cg0, rows0, tiles0, start, end, incl, cc)
             # keep this CTA (its smem and barriers) alive until peers stop signalling it
             ab_pipe.producer_tail(prod)
 
@@ -628,11 +628,11 @@ class Sm90Gemm(ScaledMainloop, Sm90Epilogue):
         tiled_mma, acc, tCrA, tCrB, tRS_acc, wge = cs.tiled_mma, cs.acc, cs.tCrA, cs.tCrB, cs.tRS_acc, cs.wge
         ab_pipe, tma_c, mC, tma_d, mD, gmem_d, bias = cta.ab_pipe, cta.tma_c, cta.mC, cta.tma_d, cta.mD, \
             cta.gmem_d, cta.bias
-        gs, ext, stride = sch.gs, sch.ext, sch.stride
+        gs, ext, stride, cc = sch.gs, sch.ext, sch.stride, cta.cc
         cl, cg0, rows0, tiles0 = Int32(0), Int32(0), Int32(0), Int32(0)
         start, end, incl = self.sched.load_chunk(gs, ext, cl, cg0, rows0, tiles0)
         cl, cg0, rows0, tiles0, start, end, incl, valid, g, t0, t1, m_t, n_t = self.sched.find(
-            gs, ext, w, cl, cg0, rows0, tiles0, start, end, incl)
+            gs, ext, w, cl, cg0, rows0, tiles0, start, end, incl, cc)
         while valid:
             n_k = self.sched.group_k_tiles(ext, g, t0, t1)
             if const_expr(self.scaled):
@@ -664,7 +664,7 @@ class Sm90Gemm(ScaledMainloop, Sm90Epilogue):
                           cl, bias=g_bias, pre=pre)
             w += stride
             cl, cg0, rows0, tiles0, start, end, incl, valid, g, t0, t1, m_t, n_t = self.sched.find(
-                gs, ext, w, cl, cg0, rows0, tiles0, start, end, incl)
+                gs, ext, w, cl, cg0, rows0, tiles0, start, end, incl, cc)
 
     @cute.jit
     def consume_deferred(self, cta: Cta, sch: Schedule, cs: Consumer, read, release, w, step):

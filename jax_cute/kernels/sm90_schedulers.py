@@ -117,6 +117,9 @@ class RaggedWalk:
         # ragged_k groups laid out at multiples of k_align (block-scaled: 128, GroupedSpec; 0: none)
         self.k_align = k_align
         self.bm, self.bn, self.bk = config.tile_m, config.tile_n, tile_k(in_dtype)
+        # ragged_m on a 1 x cn cluster: a walk tile is cn n-tiles of one m-tile (one group, so
+        # the cluster's CTAs run the same k-loop on a multicast A slice)
+        self.cn = config.cluster_n
         self.glu = gated
         self.cbn = self.bn // 2 if gated else self.bn   # C's tile width
 
@@ -150,7 +153,7 @@ class RaggedWalk:
             xe = Int32(0)
         start = rows0 + cutlass.min(xe, R - rows0)
         end = rows0 + cutlass.min(x, R - rows0)
-        nt = (N + self.cbn - 1) // self.cbn   # (N: C's columns)
+        nt = self.cluster_cols(N)
         t = Int32(0)
         if const_expr(self.mode == "ragged_m"):
             t = (end - start + self.bm - 1) // self.bm * nt
@@ -169,11 +172,17 @@ class RaggedWalk:
         incl = tiles0 + t
         return start, end, incl
 
+    def cluster_cols(self, N):
+        """Walk tiles along N: C's n-tiles (N: its columns) in clusters of ``cn``."""
+        return ((N + self.cbn - 1) // self.cbn + self.cn - 1) // self.cn
+
     @cute.jit
-    def find(self, gs, ext, w, cl, cg0, rows0, tiles0, start, end, incl):
+    def find(self, gs, ext, w, cl, cg0, rows0, tiles0, start, end, incl, cc):
         """Advance the walker (chunks only move forward) until tile ``w`` lies in the current
         chunk or the batches run out; returns the new state, whether ``w`` is a tile, its
-        group, the group's row range [t0, t1) and the tile's (m, n) index in the group."""
+        group, the group's row range [t0, t1) and this CTA's (m, n) tile index in the group
+        (``cc``: its coordinate in the cluster; an n-tile past C's last is loaded and stored
+        out of bounds: zeros in, nothing out)."""
         M, N, K, G, L, lg_n = ext
         E = G + 1 if const_expr(self.mode == "ragged_m") else G
         last = cute.arch.shuffle_sync(incl, 31)
@@ -196,7 +205,7 @@ class RaggedWalk:
         if sel == 0:
             excl = tiles0
         local = w - excl
-        nt = (N + self.cbn - 1) // self.cbn
+        nt = self.cluster_cols(N)
         mt = (M + self.bm - 1) // self.bm
         if const_expr(self.mode == "ragged_m"):
             mt = (t1 - t0 + self.bm - 1) // self.bm
@@ -207,6 +216,8 @@ class RaggedWalk:
         h = cutlass.max(cutlass.min(mt - panel * panel_h, panel_h), 1)
         n_t = rem // h
         m_t = panel * panel_h + rem - n_t * h
+        if const_expr(self.cn > 1):
+            n_t = n_t * self.cn + cc[1]
         return cl, cg0, rows0, tiles0, start, end, incl, cl < L, g, t0, t1, m_t, n_t
 
     @cute.jit
