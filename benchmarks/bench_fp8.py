@@ -14,7 +14,8 @@ interleaved in one process:
   overlapped mainloop on 2x2 clusters (A multicast along N as well as B along M: 16 KB of L2
   reads per CTA and k-tile instead of 24); *jax_cute_256x128* (dense): the 256 x 128 tile on 2x1
   clusters (each warpgroup's two 64-row blocks promoted in turn through one partial fragment,
-  DeepGEMM's waves; never the heuristic's pick);
+  DeepGEMM's waves; never the heuristic's pick); *jax_cute_1cta* (grouped): the heuristic's
+  config on one CTA instead of its 1x2 cluster (A not multicast);
 - *xla*: XLA's fp8 dot: ``lax.dot_general`` of the raw e4m3 values (no block scales), bf16 out
   (for the grouped case a batched dot over the 4 equal groups);
 - *jax_cute_raw* (dense): ``jax_cute.matmul`` of the same raw e4m3 values, bf16 out: XLA's
@@ -135,6 +136,8 @@ def _variants(fn: Callable, dense: bool) -> list[Impl]:
         # the 256 x 128 tile (sm90_scaled.wave_mainloop; 2x1 clusters, unsplit, a ring epilogue)
         variants["jax_cute_256x128"] = {"tile_m": 256, "cluster_m": 2, "cluster_n": 1, "split_k": 1,
                                         "overlap_promote": False, "whole_c": False, "epi_n": 64}
+    else:
+        variants["jax_cute_1cta"] = {"cluster_n": 1}
     # a function object per variant: jit caches its traces (and their kernels) by function
     return [Impl(name, lambda *args: fn(*args), context=fields and (lambda fields=fields: scaled_variant(**fields)))
             for name, fields in variants.items()]

@@ -214,6 +214,7 @@ SUITE_LABELS = {"ragged": {"xla": "lax.ragged_dot"},   # what the "xla" rival is
                 "fp8": {"jax_cute": "jax_cute fp8, block-scaled", "jax_cute_bf16": "jax_cute bf16",
                         "jax_cute_db": "fp8, overlapped promotion", "jax_cute_serial": "fp8, serial promotion",
                         "jax_cute_db_c2x2": "fp8, overlapped, 2x2 clusters", "jax_cute_256x128": "fp8, 256x128 tile",
+                        "jax_cute_1cta": "fp8, one CTA (no cluster)",
                         "jax_cute_raw": "jax_cute fp8 (no block scales)",
                         "xla": "XLA fp8 dot (no block scales)", "xla_bf16": "XLA, bf16 model as written"},
                 "models": {"jax_cute_unfused": "jax_cute, gelu not fused"},
@@ -224,10 +225,11 @@ SUITE_LABELS = {"ragged": {"xla": "lax.ragged_dot"},   # what the "xla" rival is
 SUITE_NOTE = {
     "fp8": "*jax_cute fp8*: `jax_cute.matmul` (`ragged_dot` grouped) of operands quantized beforehand, x in "
            "1x128 and w in 128x128 blocks, bf16 out, with the heuristic's configuration (the overlapped "
-           "promotion on 2x1 clusters); the *overlapped* and *serial promotion* and *2x2 clusters* rows force "
+           "promotion on 2x1 clusters, grouped on 1x2 clusters); the *overlapped* and *serial promotion* and *2x2 clusters* rows force "
            "the block-scaled mainloop's variants on the heuristic's tile, so the overlapped row runs the "
            "heuristic's own kernel: its distance from the first column is the run's variation; *256x128 tile*: "
-           "the 256 x 128 tile on 2x1 clusters, forced (never the heuristic's pick). "
+           "the 256 x 128 tile on 2x1 clusters, forced (never the heuristic's pick); *one CTA*: the grouped "
+           "pick without its cluster (A not multicast). "
            "*jax_cute bf16*: the same values in bf16. *XLA fp8 dot*: `lax.dot_general` of the raw e4m3 values, "
            "no block scales (cuBLAS, fast accumulation); *jax_cute fp8 (no block scales)*: `jax_cute.matmul` of "
            "the same raw values (the same numerics as XLA's row, our unscaled fp8 kernel). Training step: `examples/gpt_training.py`'s step at its "

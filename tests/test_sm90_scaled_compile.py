@@ -293,11 +293,13 @@ _GROUPED = [GroupedSpec("ragged_m", E4M3, E4M3, BF, a_block=1, b_block=128),
 
 @pytest.mark.parametrize("spec", _line(_GROUPED, 0), ids=lambda s: s.key())
 def test_compile_scaled_grouped(spec):
+    """The heuristic's pick for DeepGEMM's grouped shape: 128 x 128 tiles on 1x2 clusters."""
     cfg = sm90_grouped.heuristic(spec, 32768, 4096, 7168, 4, 1)
-    assert cfg.tile_n == 128 and cfg in sm90_grouped.candidate_configs(spec)
+    assert cfg.tile_n == 128 and cfg.cluster_n == 2 and cfg in sm90_grouped.candidate_configs(spec)
     names = [a.name for a in sm90_grouped.signature(spec, cfg)]
     assert names[:6] == ["a", "b", "c", "group_sizes", "sa", "sb"] and names[-1] == "stream"
-    _compile(spec, cfg, sm90_grouped)
+    binary = _compile(spec, cfg, sm90_grouped)
+    assert ".multicast::cluster" in binary.ptx
 
 
 def test_scaled_grouped_refusals():
@@ -389,21 +391,28 @@ def test_compile_scaled_overlap(spec):
     _compile(spec, cfg)
 
 
-def test_compile_scaled_grouped_overlap():
+def test_compile_scaled_grouped_one_cta():
+    """The overlapped mainloop on one CTA (no multicast): the pick where N has few, odd tiles."""
     spec = _GROUPED[0]
-    cfg = dataclasses.replace(sm90_grouped.heuristic(spec, 32768, 4096, 7168, 4, 1), overlap_promote=True)
-    assert cfg in sm90_grouped.candidate_configs(spec)
-    _compile(spec, cfg, sm90_grouped)
-
-
-def test_compile_scaled_grouped_cluster_1x2():
-    """ragged_m on a 1x2 cluster: A's k-tiles multicast to both CTAs (n-tiles of one m-tile)."""
-    spec = _GROUPED[0]
-    cfg = dataclasses.replace(sm90_grouped.heuristic(spec, 32768, 4096, 7168, 4, 1), overlap_promote=True,
-                              cluster_n=2)
-    assert cfg in sm90_grouped.candidate_configs(spec)
+    cfg = sm90_grouped.heuristic(spec, 32768, 520, 7168, 4, 1)
+    assert cfg.overlap_promote and cfg.cluster_n == 1 and cfg in sm90_grouped.candidate_configs(spec)
     binary = _compile(spec, cfg, sm90_grouped)
-    assert ".multicast::cluster" in binary.ptx
+    assert ".multicast::cluster" not in binary.ptx
+
+
+def test_scaled_grouped_clusters():
+    """ragged_m on 1x2 clusters (A multicast to two n-tiles of one m-tile) where N's tile count is
+    even or at least 9 and the grid divides into pairs; one CTA otherwise, and for 16-bit and
+    ragged_k products."""
+    spec = _GROUPED[0]
+    picks = {n: sm90_grouped.heuristic(spec, 32768, n, 7168, 4, 1).cluster_n
+             for n in (128, 256, 384, 520, 1040, 1152, 4096, 7168)}   # 520: 5 tiles, 1040: 9
+    assert picks == {128: 1, 256: 2, 384: 1, 520: 1, 1040: 2, 1152: 2, 4096: 2, 7168: 2}
+    assert sm90_grouped.heuristic(spec, 32768, 4096, 7168, 4, 1, num_sms=131).cluster_n == 1
+    assert sm90_grouped.heuristic(_GROUPED_K[0], 4096, 4096, 7168, 4, 1).cluster_n == 1
+    bf16 = GroupedSpec("ragged_m", BF, BF, BF)
+    assert sm90_grouped.heuristic(bf16, 32768, 4096, 7168, 4, 1).cluster_n == 1
+    cfg = sm90_grouped.heuristic(spec, 32768, 4096, 7168, 4, 1)
     with pytest.raises(ValueError):
         sm90_grouped.launcher(spec, dataclasses.replace(cfg, sms=131))
     with pytest.raises(ValueError):
