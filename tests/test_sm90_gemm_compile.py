@@ -519,3 +519,15 @@ def test_launcher_takes_the_signature_in_order():
         assert [p.annotation for p in params.values()] == [launch.annotation(a) for a in sig]
     with pytest.raises(ValueError, match="distinct"):
         launch.launcher_for((abi.StreamArg(), abi.StreamArg()), lambda **kw: None)
+
+
+def test_persistent_grid_holds_only_co_resident_clusters():
+    """A 2x2 cluster's four CTAs share a GPC: 30 of the 33 that 132 SMs would hold run at once on
+    an H200 (cudaOccupancyMaxActiveClusters), so the grid (and the time model's tiles a CTA)
+    counts 30; the rest would run as a second wave. 1- and 2-CTA clusters all fit."""
+    from jax_cute.kernels.sm90_config import co_resident_clusters
+    assert [co_resident_clusters(132, s) for s in (1, 2, 4)] == [132, 66, 30]
+    assert co_resident_clusters(116, 4) == 26 and co_resident_clusters(116, 2) == 58
+    c21, c22 = sm90_gemm.Config(128, 256, 2, 1), sm90_gemm.Config(128, 256, 2, 2)
+    assert sm90_gemm.tiles_per_cta(c21, 8192, 8192, 1) == 16      # 2048 tiles on 132 CTAs
+    assert sm90_gemm.tiles_per_cta(c22, 8192, 8192, 1) == 18      # 2048 tiles on 120 CTAs

@@ -60,6 +60,15 @@ class Config:
                 + (f".sm{self.sms}" if self.sms != NUM_SMS else "") + (".op" if self.overlap_promote else ""))
 
 
+def co_resident_clusters(sms: int, size: int) -> int:
+    """Clusters of ``size`` CTAs (one CTA an SM) that run at once on ``sms`` SMs. A cluster's CTAs
+    share a GPC, and Hopper's GPCs place 4-CTA clusters on pairs of TPCs, some with a TPC left
+    over: cudaOccupancyMaxActiveClusters gives 66 of 66 2-CTA clusters and 30 of 33 4-CTA ones on
+    an H200 (2026-11-29). A persistent grid of more clusters than fit runs the rest as a second
+    wave (a 2x2 grid of 33 clusters took twice the time of the 30 that fit)."""
+    return sms // size if size <= 2 else sms // size * 10 // 11
+
+
 def is_gated(spec) -> bool:
     return spec.activation in fused_epilogue.GATED
 

@@ -113,8 +113,8 @@ from jax_cute.kernels import abi
 from jax_cute.kernels import epilogue as fused_epilogue
 from jax_cute.kernels.gemm_spec import SCALE_K, GemmSpec, GroupedSpec, Workspace
 # (Config, SMEM_BYTES and tile_k are part of the family's interface: tests and tools read them here)
-from jax_cute.kernels.sm90_config import (ITEM, NUM_SMS, SMEM_BYTES, Config, is_gated, scale_slack, scale_stage_bytes,
-                                          stage_plan, tile_k, wg_rows)
+from jax_cute.kernels.sm90_config import (ITEM, NUM_SMS, SMEM_BYTES, Config, co_resident_clusters, is_gated,
+                                          scale_slack, scale_stage_bytes, stage_plan, tile_k, wg_rows)
 
 __all__ = ["FAMILY", "ARCH", "BATCH_MODES", "EPILOGUES", "GATED_COLUMNS", "SPLITS_K", "NUM_SMS", "SMEM_BYTES", "Config",
            "unsupported", "candidate_configs", "heuristic", "signature", "workspace", "launcher", "make_launcher",
@@ -475,7 +475,7 @@ def tiles_per_cta(config: Config, m: int, n: int, l: int, num_sms: int = NUM_SMS
     """Most output tiles (units, with split-K) one CTA of the persistent grid runs."""
     tm, tn, _ = _tile_grid(config, m, n, l)
     csize = config.cluster_m * config.cluster_n
-    return -(-(tm * tn * l * config.split_k) // ((num_sms // csize) * csize))
+    return -(-(tm * tn * l * config.split_k) // (co_resident_clusters(num_sms, csize) * csize))
 
 
 # --- arguments and workspace ----------------------------------------------------------------

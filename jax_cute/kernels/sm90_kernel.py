@@ -14,8 +14,8 @@ from jax_cute.kernels.dsl import cute, cutlass, pipeline, sm90_utils, cpasync, w
 from jax_cute.kernels.dsl import memory, LayoutEnum
 from jax_cute.kernels.dsl import Int32, Int64, Float32
 from jax_cute.kernels.gemm_spec import SCALE_K, GemmSpec, GroupedSpec
-from jax_cute.kernels.sm90_config import (SCALE_ALIGN, Config, is_gated, scale_origin, scale_slack, scale_stage_bytes,
-                                          stage_plan, tile_k, wg_rows)
+from jax_cute.kernels.sm90_config import (SCALE_ALIGN, Config, co_resident_clusters, is_gated, scale_origin,
+                                          scale_slack, scale_stage_bytes, stage_plan, tile_k, wg_rows)
 from jax_cute.kernels.sm90_epilogue import Sm90Epilogue, WarpgroupEpilogue, aligned_view, paired_halves
 from jax_cute.kernels.launch import launcher_for
 from jax_cute.kernels.sm90_mainloop import mainloop_finish, mainloop_rest, mainloop_start
@@ -270,7 +270,7 @@ class Sm90Gemm(ScaledMainloop, Sm90Epilogue):
             tiles_n = (c.shape[1] + self.cbn - 1) // self.cbn
             units = ((tiles_m + self.cm - 1) // self.cm) * ((tiles_n + self.cn - 1) // self.cn) \
                 * self.sched.batch_count(c) * self.split
-            slots = self.sms // (self.cm * self.cn)
+            slots = co_resident_clusters(self.sms, self.cm * self.cn)
             n_clusters = cutlass.max(cutlass.min(units, slots), 1)
         else:
             n_clusters = self.sms // (self.cm * self.cn)   # grouped work is known on the device only
