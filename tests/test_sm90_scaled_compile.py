@@ -317,7 +317,7 @@ def test_scaled_grouped_refusals():
 
 
 # The grouped weight gradient (ragged_k): per-row A and per-column B scales, K-major operands whose
-# groups start at multiples of 128 (GroupedSpec); never run on a GPU (sm90_grouped.unverified)
+# groups start at multiples of 128 (GroupedSpec); a named variant (sm90_grouped.unverified), run-verified
 _GROUPED_K = [GroupedSpec("ragged_k", E4M3, E4M3, F32, a_block=1, b_block=1),
               GroupedSpec("ragged_k", E5M2, E4M3, BF, a_block=1, b_block=1)]
 

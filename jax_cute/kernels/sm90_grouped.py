@@ -16,9 +16,9 @@ the pre-activation output D stored with C's clipped TMA view, and swiglu's paire
 
 Block-scaled fp8 (GroupedSpec.a_block / b_block): the dense kernel's scaled mainloop
 (sm90_scaled) on 128 x 128 tiles. ragged_m: A's scales loaded at the tile's rows (tiles start at
-group rows), B's at the tile's group. ragged_k (the grouped weight gradient; UNVERIFIED: compiled
-for sm_90a, never run on a GPU, so routing takes it only opted in): A and B are contiguous along
-K (fp8 WGMMA), where no TMA view clips K at a group end and unaligned group starts are unaligned
+group rows), B's at the tile's group; the heuristic runs these tiles on 1x2 clusters (Config.cluster_n:
+two n-tiles of one m-tile share each A k-tile by multicast). ragged_k (the grouped weight gradient):
+A and B are contiguous along K (fp8 WGMMA), where no TMA view clips K at a group end and unaligned group starts are unaligned
 box coordinates along the contiguous mode; so the caller lays K out with every group starting at
 a multiple of 128 and zero-filled to the next one (GroupedSpec), and the walk rounds each group
 size up to 128: group g's k-range starts at 128 f_g, f_g its first scale block, and its k-tile j
