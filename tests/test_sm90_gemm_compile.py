@@ -325,7 +325,8 @@ def test_unaligned_c_is_stored_without_tma(c_dt, c_major, fused, cfg):
     assert all(s.div == 1 for s in sig["c"].stride if not isinstance(s, int))
     if cfg is None:
         cfg = sm90_gemm.heuristic(spec, 8192, 50257, 768, 1)
-        assert (cfg.tile_n, cfg.epi_n, cfg.pingpong, cfg.whole_c) == ((128, 64, False, True) if fused else (256, 32, True, False)), cfg
+        want = (128, 64, False, True) if fused else (256, 32, True, False)
+        assert (cfg.tile_n, cfg.epi_n, cfg.pingpong, cfg.whole_c) == want, cfg
     ptx = _compile(spec, cfg).ptx
     assert not _TMA_STORE.search(ptx) and "st.global" in ptx and "cp.async.bulk.tensor" in ptx
     assert _TMA_STORE.search(_compile(dataclasses.replace(spec, c_aligned=True), cfg).ptx)

@@ -273,7 +273,8 @@ class Sm90Gemm(ScaledMainloop, Sm90Epilogue):
             slots = co_resident_clusters(self.sms, self.cm * self.cn)
             n_clusters = cutlass.max(cutlass.min(units, slots), 1)
         else:
-            n_clusters = self.sms // (self.cm * self.cn)   # grouped work is known on the device only
+            # grouped work is known on the device only: every cluster that fits
+            n_clusters = co_resident_clusters(self.sms, self.cm * self.cn)
             flags = a.shape[1]      # K, which the ragged_k views no longer carry
 
         self.storage = self.smem_struct(a_t, b_t, c_t, sa, sb, sc)
