@@ -10,9 +10,12 @@ forward + backward.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 from typing import Callable
 import os
 import sys
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -93,6 +96,20 @@ def pallas_impls(kind: str, n_out: int) -> list[Impl]:
     return out
 
 
+@contextlib.contextmanager
+def no_tail_split():
+    """jax_cute with the ragged_m walk's tail split off (sm90_grouped.Config.tail_split = 1):
+    the like-for-like baseline of the scheduler that splits the last, partial round of tiles."""
+    from jax_cute.kernels import sm90_grouped
+    pick = sm90_grouped.heuristic
+
+    def forced(spec, *args, **kwargs):
+        return dataclasses.replace(pick(spec, *args, **kwargs), tail_split=1)
+
+    with mock.patch.object(sm90_grouped, "heuristic", forced):
+        yield
+
+
 def passes(rdot) -> dict[str, Callable]:
     """The three GEMMs of a ragged_dot layer, each as a function of (lhs, rhs, gs, ct)."""
     def fwd(lhs, rhs, gs, ct):
@@ -118,6 +135,8 @@ def run(args: argparse.Namespace) -> list[dict]:
             for kind in ("fwd", "dlhs", "drhs"):
                 rivals = pallas_impls(kind, k if kind == "dlhs" else n) if on_gpu else []
                 impls = [Impl("jax_cute", ours[kind]), Impl("xla", xla[kind]), *rivals]
+                if kind != "drhs" and on_gpu:   # (a function object of its own: jit caches by function)
+                    impls.insert(1, Impl("jax_cute_no_tail", lambda *a, f=ours[kind]: f(*a), context=no_tail_split))
                 recs += measure("ragged", "ragged", f"{kind} G={g} M={m} K={k} N={n} {dist}", impls, mk,
                                 2.0 * m * k * n, rounds=rounds,
                                 meta={"pass": kind, "g": g, "m": m, "k": k, "n": n, "dist": dist, "dtype": "bfloat16"})

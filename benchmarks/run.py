@@ -210,7 +210,8 @@ TABLE_SECTION = {"fp8_train": ("Block-scaled fp8 training steps: the GPT example
                                "fp8=\"blockwise\"))`, the weight products' forward and both gradients block-scaled "
                                "fp8, quantization included; *jax_cute bf16*: the same kernelized in bf16; *XLA*: the "
                                "model as written (bf16 products).")}
-SUITE_LABELS = {"ragged": {"xla": "lax.ragged_dot"},   # what the "xla" rival is in that suite
+SUITE_LABELS = {"ragged": {"xla": "lax.ragged_dot",   # what the "xla" rival is in that suite
+                           "jax_cute_no_tail": "jax_cute, no tail split"},
                 "fp8": {"jax_cute": "jax_cute fp8, block-scaled", "jax_cute_bf16": "jax_cute bf16",
                         "jax_cute_db": "fp8, overlapped promotion", "jax_cute_serial": "fp8, serial promotion",
                         "jax_cute_db_c2x2": "fp8, overlapped, 2x2 clusters", "jax_cute_256x128": "fp8, 256x128 tile",

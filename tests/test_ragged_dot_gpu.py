@@ -131,6 +131,56 @@ def test_forward_and_grads_on_1x2_clusters(m, k, g, n, epilogue):
     _close(dw, rdw)
 
 
+@pytest.mark.parametrize("sms", [132, 16])
+@pytest.mark.parametrize("kind", ["uniform", "skewed", "empty"])
+@pytest.mark.parametrize("m,k,g,n", [(1000, 2048, 8, 384), (3000, 1536, 5, 520)])
+def test_tail_split(m, k, g, n, kind, sms):
+    """The ragged_m walk's last, partial round of tiles split along K into up to four units whose
+    fp32 partials the last to arrive folds (Config.tail_split), forced for every ragged_m product
+    it takes: on the full grid (every tile in the tail) and on 16 CTAs (whole rounds first),
+    forward with and without a fused bias + gelu, and the lhs gradient; the same bits on a second
+    run (the fold sums in split order)."""
+    import dataclasses
+    from unittest import mock
+
+    from jax_cute.kernels import sm90_grouped
+    pick = sm90_grouped.heuristic
+    taken = []
+
+    def forced(spec, *args, **kwargs):
+        cfg = pick(spec, *args, **kwargs)
+        if spec.mode == "ragged_m" and not spec.preact:
+            taken.append(spec)
+            return dataclasses.replace(cfg, tail_split=4, sms=sms, cluster_n=1)
+        return cfg
+
+    rng = np.random.default_rng(m + g + 11)
+    x, w = _data(m, k, g, n, seed=m * g + 3)
+    bias = (jax.random.normal(jax.random.key(4), (g, n), jnp.float32) * 0.5).astype(jnp.bfloat16)
+    gs = _sizes(kind, m, g, rng)
+    ends = jnp.minimum(jnp.cumsum(jnp.maximum(gs, 0)), m)
+    gid = jnp.sum(jnp.arange(m)[:, None] >= ends[None, :], axis=1)
+    fused = lambda x, w, gs: ragged_dot(x, w, gs, bias=bias, activation="gelu")  # noqa: E731
+    ref_fused = jax.nn.gelu(ref_f32(x, w, gs) + jnp.where((gid < g)[:, None],
+                                                           bias.astype(jnp.float32)[jnp.minimum(gid, g - 1)], 0.0))
+    ct = jax.random.normal(jax.random.key(6), (m, n), jnp.float32).astype(jnp.bfloat16)
+    dlhs = jax.jit(lambda x, w, ct: jax.vjp(lambda x: ragged_dot(x, w, gs), x)[1](ct)[0])
+    plain = lambda x, w, gs: ragged_dot(x, w, gs)  # noqa: E731  (this test's own jit cache entries)
+    with mock.patch.object(sm90_grouped, "heuristic", forced):
+        _assert_kernel(plain, x, w, gs)
+        got = jax.jit(plain)(x, w, gs)
+        again = jax.jit(plain)(x, w, gs)
+        got_fused = jax.jit(fused)(x, w, gs)
+        _assert_kernel(dlhs, x, w, ct)
+        dx = dlhs(x, w, ct)
+    assert len(taken) >= 3
+    _close(got, ref_f32(x, w, gs))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(again))
+    _close(got_fused, ref_fused)
+    rdx = jax.vjp(lambda x: ref_f32(x, w.astype(jnp.float32), gs), x.astype(jnp.float32))[1](ct.astype(jnp.float32))[0]
+    _close(dx, rdx)
+
+
 def test_vmap_lhs_and_sizes():
     b, m, k, g, n = 3, 512, 256, 4, 256
     rng = np.random.default_rng(1)

@@ -37,7 +37,8 @@ def _specs():
 _TEST_LINE = {("ragged_m.bfloat16.bfloat16.bfloat16.accfloat32.knn", "n256.r8.sm132"),
               ("ragged_k.bfloat16.bfloat16.bfloat16.accfloat32.mnn", "n128.r8.sm132"),
               ("ragged_m.bfloat16.bfloat16.float32.accfloat32.kkn", "n128.r8.sm132"),
-              ("ragged_m.bfloat16.bfloat16.bfloat16.accfloat32.knn.bias.silu.lead", "n128.r8.sm132")}
+              ("ragged_m.bfloat16.bfloat16.bfloat16.accfloat32.knn.bias.silu.lead", "n128.r8.sm132"),
+              ("ragged_m.bfloat16.bfloat16.bfloat16.accfloat32.knn", "n256.r8.sm132.ts4")}
 CASES = [pytest.param(s, c, id=f"{s.key()}-{c.key()}",
                       marks=() if (s.key(), c.key()) in _TEST_LINE else pytest.mark.sweep)
          for s in _specs() for c in fam.candidate_configs(s)]
@@ -48,8 +49,11 @@ def test_contract():
     assert fam.FAMILY == "sm90_grouped" and fam.ARCH == "sm_90a"
     spec = GroupedSpec("ragged_m", "bfloat16", "bfloat16", "bfloat16", b_major="n")
     cfg = fam.heuristic(spec, 16384, 14336, 4096, 8, 1)
-    assert cfg in fam.candidate_configs(spec)
-    assert fam.workspace(spec, cfg, 16384, 14336, 4096, 8, 1) == []
+    assert cfg in fam.candidate_configs(spec) and cfg.tail_split == fam.TAIL_SPLIT
+    # the tail split's partials (a 128 x tile_n fp32 tile per CTA) and zeroed arrival counters
+    assert [(w.name, w.nbytes, w.zeroed) for w in fam.workspace(spec, cfg, 16384, 14336, 4096, 8, 1)] == [
+        ("splitk_partials", 4 * 132 * 128 * 256, False), ("splitk_flags", 16 * 33, True)]
+    assert fam.workspace(spec, fam.Config(256), 16384, 14336, 4096, 8, 1) == []
     assert fam.unsupported(spec) is None
     # documented limits of the clipped-TMA design
     assert fam.unsupported(GroupedSpec("ragged_k", "bfloat16", "bfloat16", "bfloat16")) is not None
@@ -71,6 +75,18 @@ def test_heuristic_tile_n():
     assert fam.heuristic(drhs, 256, 512, 16384, 2, 1).tile_n == 128
 
 
+def test_heuristic_tail_split():
+    """The tail split where K holds two splits of TAIL_MIN_K_TILES k-tiles or more, on one-CTA
+    16-bit ragged_m products without a pre-activation output."""
+    fwd = GroupedSpec("ragged_m", "bfloat16", "bfloat16", "bfloat16", b_major="n")
+    assert [fam.heuristic(fwd, 16384, 4096, k, 8, 1).tail_split for k in (512, 960, 1000, 14336)] == [1, 1, 4, 4]
+    for spec in (GroupedSpec("ragged_m", "bfloat16", "bfloat16", "bfloat16", activation="gelu", preact=True),
+                 GroupedSpec("ragged_k", "bfloat16", "bfloat16", "bfloat16", a_major="m", b_major="n"),
+                 GroupedSpec("ragged_m", "float8_e4m3fn", "float8_e4m3fn", "bfloat16", a_block=1, b_block=128)):
+        assert fam.heuristic(spec, 16384, 4096, 4096, 8, 1).tail_split == 1, spec.key()
+        assert all(c.tail_split == 1 for c in fam.candidate_configs(spec))
+
+
 @pytest.mark.parametrize("spec,cfg", CASES)
 def test_compiles(spec, cfg):
     assert fam.unsupported(spec) is None
@@ -85,6 +101,8 @@ def test_compiles(spec, cfg):
     assert f"n{cfg.tile_n}k16" in ptx                           # the configured WGMMA tile
     assert "Sm90Gemm" in ptx                                    # the dense family's kernel
     assert ("multicast::cluster" in ptx) == (cfg.cluster_n > 1)  # A shared along a 1x2 cluster
+    # a tail split counts each split tile's arrivals with an acquire-release atomic add
+    assert ("atom.global.acq_rel.add" in ptx) == (cfg.tail_split > 1)
 
 
 def test_launcher_is_the_shared_kernel(monkeypatch):
@@ -96,11 +114,21 @@ def test_launcher_is_the_shared_kernel(monkeypatch):
     assert fam.launcher(spec, cfg) == "launch"
     # with the dense kernel's epilogue for a 16-bit output: the whole share of 64-wide subtiles
     assert calls == [(spec, sm90_gemm.Config(128, 128, 1, 1, "m", 4, epi_n=64, whole_c=True), 100)]
+    calls.clear()
+    # a tail split keeps the unsplit walk's epilogue (it stores whole tiles)
+    assert fam.launcher(spec, fam.Config(tile_n=256, tail_split=4)) == "launch"
+    assert calls == [(spec, sm90_gemm.Config(128, 256, 1, 1, "m", 8, 4, epi_n=64, whole_c=True), 132)]
     monkeypatch.undo()
-    for bad in (sm90_gemm.Config(128, 128, 1, 1, split_k=2), sm90_gemm.Config(128, 128, 2, 1),
-                sm90_gemm.Config(64, 256, 1, 1, pingpong=True)):
-        with pytest.raises(ValueError):   # grouped tiles: cooperative, unsplit, one CTA
+    for bad in (sm90_gemm.Config(128, 128, 1, 1, split_k=8), sm90_gemm.Config(128, 128, 1, 2, split_k=2),
+                sm90_gemm.Config(128, 128, 2, 1), sm90_gemm.Config(64, 256, 1, 1, pingpong=True)):
+        with pytest.raises(ValueError):   # grouped tiles: cooperative, one CTA to split the tail 2-4 ways
             sm90_gemm.make_launcher(spec, bad)
+    # the tail split: 16-bit ragged_m without a pre-activation output
+    for other in (GroupedSpec("ragged_k", "bfloat16", "bfloat16", "bfloat16", a_major="m", b_major="n"),
+                  GroupedSpec("ragged_m", "bfloat16", "bfloat16", "bfloat16", activation="silu", preact=True),
+                  GroupedSpec("ragged_m", "float8_e4m3fn", "float8_e4m3fn", "bfloat16", a_block=1, b_block=128)):
+        with pytest.raises(ValueError, match="tail split"):
+            sm90_gemm.make_launcher(other, sm90_gemm.Config(128, 128, 1, 1, split_k=2))
 
 
 def test_no_optimization_warnings():

@@ -13,6 +13,9 @@ SMEM_BYTES = 232448      # opt-in dynamic shared memory per block on sm_90 (227 
 ROW_BYTES = 128          # a k-tile row is one 128-byte swizzle atom: 64 16-bit or 128 8-bit elements
 ITEM = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1}
 SCALE_ALIGN = 128        # bytes between a stage's scale buffers (a TMA destination's alignment)
+# a grouped tail-split unit's fewest k-tiles (sm90_schedulers.RaggedWalk.tail_plan): with fewer,
+# publishing and folding the fp32 partial tiles would cost about what the split saves
+TAIL_MIN_K_TILES = 8
 
 
 @dataclasses.dataclass(frozen=True)

@@ -541,11 +541,16 @@ def make_launcher(spec: GemmSpec | GroupedSpec, config: Config, sms: int = NUM_S
     a GroupedSpec (a cooperative 128-row tile, unsplit, on one CTA or, ragged_m, a 1x2 cluster;
     sm90_grouped checks the spec)."""
     grouped = isinstance(spec, GroupedSpec)
-    if grouped and (config.tile_m != 128 or config.pingpong or config.split_k != 1 or config.defer or config.pdl
+    if grouped and (config.tile_m != 128 or config.pingpong or config.defer or config.pdl
                     or config.cluster_m != 1 or config.cluster_n not in (1, 2)
                     or (config.cluster_n > 1 and spec.mode != "ragged_m")):
         raise ValueError(f"{FAMILY}: grouped tiles are cooperative 128-row tiles on one CTA (ragged_m: or a 1x2 "
-                         f"cluster), unsplit ({config})")
+                         f"cluster) ({config})")
+    if grouped and config.split_k != 1 and (spec.mode != "ragged_m" or spec.scaled or spec.preact
+                                            or config.cluster_n != 1 or not 2 <= config.split_k <= 4):
+        # (RaggedWalk.tail_plan: the last round's tiles split 2 to 4 ways along K)
+        raise ValueError(f"{FAMILY}: a grouped tail split (2 to 4 ways) runs 16-bit ragged_m products on one "
+                         f"CTA without a pre-activation output ({config})")
     # the epilogue reuses its smem ring round-robin across tiles: subtiles per tile must fill it
     rows = wg_rows(config.tile_m, config.pingpong)
     ab_stages, epi_stages = stage_plan(config.tile_n, spec.c_dtype, config.stages, config.pingpong,
@@ -561,4 +566,5 @@ def make_launcher(spec: GemmSpec | GroupedSpec, config: Config, sms: int = NUM_S
     # imported here: the kernel module imports the DSL's compiler, which routing must not need
     from jax_cute.kernels import sm90_kernel
 
-    return sm90_kernel.make_launcher(spec, config, sms, spec.signature() if grouped else signature(spec, config))
+    return sm90_kernel.make_launcher(spec, config, sms, spec.signature(_ws_args(config)) if grouped
+                                     else signature(spec, config))

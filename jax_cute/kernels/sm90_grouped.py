@@ -35,6 +35,7 @@ import dataclasses
 from jax_cute.kernels import abi, sm90_gemm
 from jax_cute.kernels.epilogue import GATED
 from jax_cute.kernels.gemm_spec import GroupedSpec, Workspace
+from jax_cute.kernels.sm90_config import TAIL_MIN_K_TILES
 
 FAMILY = "sm90_grouped"
 ARCH = "sm_90a"
@@ -43,6 +44,8 @@ _IN_DTYPES = ("bfloat16", "float16")
 _FP8 = ("float8_e4m3fn", "float8_e5m2")
 _OUT_DTYPES = ("bfloat16", "float16", "float32")
 TILE_M = 128
+# ragged_m's tail split: the last round's tiles cut into up to this many units along K
+TAIL_SPLIT = 4
 # ragged_m only (see unsupported); an activation's derivative (dact) is the dense kernel's alone
 EPILOGUES = tuple(e for e in sm90_gemm.EPILOGUES if e != "dact")
 GATED_COLUMNS = sm90_gemm.GATED_COLUMNS
@@ -58,10 +61,15 @@ class Config:
     # multicast each A k-tile: half of A's L2 reads (B's cannot be shared: tiles along M start
     # at group rows, and neighbours may be in different groups)
     cluster_n: int = 1
+    # ragged_m, 16-bit: the tiles of the walk's last, partial round of the grid are each split
+    # along K into up to this many units (sm90_schedulers.RaggedWalk.tail_plan), so that round
+    # fills the SMs; 1: none
+    tail_split: int = 1
 
     def key(self) -> str:
         return (f"n{self.tile_n}.r{self.raster}.sm{self.sms}" + (".op" if self.overlap_promote else "")
-                + (f".c1x{self.cluster_n}" if self.cluster_n != 1 else ""))
+                + (f".c1x{self.cluster_n}" if self.cluster_n != 1 else "")
+                + (f".ts{self.tail_split}" if self.tail_split != 1 else ""))
 
 
 def unsupported(spec) -> str | None:
@@ -119,7 +127,8 @@ def candidate_configs(spec) -> list[Config]:
         cands = [Config(tile_n=128), Config(tile_n=128, overlap_promote=True)]
         return cands + [dataclasses.replace(c, cluster_n=2) for c in cands]
     if spec.mode == "ragged_m":
-        return [Config(tile_n=256), Config(tile_n=128), Config(tile_n=256, cluster_n=2)]
+        tails = [] if spec.preact else [Config(tile_n=256, tail_split=TAIL_SPLIT), Config(tile_n=128, tail_split=TAIL_SPLIT)]
+        return [Config(tile_n=256), Config(tile_n=128), *tails, Config(tile_n=256, cluster_n=2)]
     return [Config(tile_n=256), Config(tile_n=128)]
 
 
@@ -143,8 +152,17 @@ def heuristic(spec, m, n, k, g, l, num_sms: int = 132) -> Config:
         tile_n = 128
     if spec.mode == "ragged_k" and -(-m // TILE_M) * -(-n // 256) * g * l < 2 * num_sms:
         tile_n = 128
-    return Config(tile_n=tile_n, sms=num_sms, overlap_promote=sm90_gemm.scaled_overlap(spec),
-                  cluster_n=2 if _multicast_pays(spec, n, tile_n, num_sms) else 1)
+    cluster_n = 2 if _multicast_pays(spec, n, tile_n, num_sms) else 1
+    return Config(tile_n=tile_n, sms=num_sms, overlap_promote=sm90_gemm.scaled_overlap(spec), cluster_n=cluster_n,
+                  tail_split=TAIL_SPLIT if _tail_split_pays(spec, k, cluster_n) else 1)
+
+
+def _tail_split_pays(spec, k, cluster_n) -> bool:
+    """The tail split (Config.tail_split) for 16-bit ragged_m products on one CTA whose K holds
+    two splits' worth of k-tiles at least: the kernel splits only a last, partial round of
+    tiles (at most half the grid), so uniform sizes whose tiles fill whole rounds run as unsplit."""
+    return (spec.mode == "ragged_m" and not spec.scaled and not spec.preact and cluster_n == 1
+            and -(-k // 64) >= 2 * TAIL_MIN_K_TILES)
 
 
 def _multicast_pays(spec, n, tile_n, num_sms) -> bool:
@@ -159,11 +177,16 @@ def _multicast_pays(spec, n, tile_n, num_sms) -> bool:
 
 
 def signature(spec, config) -> abi.Signature:
-    return spec.signature()
+    return spec.signature(sm90_gemm._ws_args(kernel_config(spec, config)))
 
 
 def workspace(spec, config, m, n, k, g, l) -> list[Workspace]:
-    return []
+    """A tail split's: a 128 x tile_n fp32 partial tile per CTA of the grid (the tail has at most
+    as many units) and an arrival counter per tail tile (zeroed; the kernel resets what it uses)."""
+    if config.tail_split == 1:
+        return []
+    return [Workspace("splitk_partials", 4 * config.sms * TILE_M * config.tile_n, False),
+            Workspace("splitk_flags", 16 * (-(-config.sms // 4)), True)]
 
 
 def kernel_config(spec, config: Config) -> sm90_gemm.Config:
@@ -174,6 +197,8 @@ def kernel_config(spec, config: Config) -> sm90_gemm.Config:
     2026-11-24)."""
     cfg = sm90_gemm.epilogue_for(spec, sm90_gemm.Config(TILE_M, config.tile_n, 1, config.cluster_n, "m", config.raster,
                                                         overlap_promote=config.overlap_promote))
+    # (a tail split stores whole tiles as the unsplit walk does: the same epilogue)
+    cfg = dataclasses.replace(cfg, split_k=config.tail_split)
     # the pre-activation output's two passes over the whole share (or a ring of 64-wide
     # subtiles) leave the walker's registers short for elementwise activations (an 8-16 byte
     # stack frame with silu): those tiles take the ring of 32-wide subtiles. A gated epilogue's

@@ -61,6 +61,8 @@ class Cta(Bundle):
         "wg",
         "cc",  # the CTA's coordinate in its cluster
         "scales",  # block-scaled: sm90_scaled.ScaleLoads, else None
+        "tail_ws",  # grouped tail split (Config.split_k > 1): the tail units' fp32 partials, else None
+        "tail_flags",  # its per-tile arrival counters, else None
     )
 
 
@@ -177,17 +179,17 @@ class Sm90Gemm(ScaledMainloop, Sm90Epilogue):
         if isinstance(self.sched, DenseRaster):
             self.run(a, b, c, splitk_partials, splitk_flags, stream, bias, d, z, scales)
         else:
-            self.run(a, b, c, group_sizes, None, stream, bias, d, None, scales)
+            self.run(a, b, c, group_sizes, None, stream, bias, d, None, scales, (splitk_partials, splitk_flags))
 
     @cute.jit
     def run(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, ws, flags, stream, bias=None, d=None,
-            z=None, scales=None):
+            z=None, scales=None, tail=(None, None)):
         """Dense: ``ws``/``flags`` are the split-K partials and arrival counters (or None),
         ``bias`` the fused epilogue's float32 (N,) bias (or None), ``d`` its pre-activation
         output (or None), ``z`` a dact epilogue's pre-activation input (or None), ``scales``
         a block-scaled product's (sa, sb) (or None).
         Grouped: ``ws`` holds the group sizes; the kernel gets K in ``flags``; ``bias`` is
-        (N, G, L or 1)."""
+        (N, G, L or 1); ``tail`` the tail split's (partials, counters) (or Nones)."""
         if const_expr(self.glu):
             b = paired_halves(b, 0, self.bn // 2)
             if const_expr(self.mode != "dense"):
@@ -279,7 +281,7 @@ class Sm90Gemm(ScaledMainloop, Sm90Epilogue):
 
         self.storage = self.smem_struct(a_t, b_t, c_t, sa, sb, sc)
         self.kernel(tma_a, tA, tma_b, tB, tma_c, tC, c, ws, flags, (tiled_mma, wg_mma), (sa, sb, sc),
-                    (bias, tma_d, tD, d, z, scales)).launch(
+                    (bias, tma_d, tD, d, z, scales) + (tuple(tail) if const_expr(self.mode != "dense" and self.split > 1) else ())).launch(
             grid=[self.cm, self.cn, n_clusters], block=[self.threads, 1, 1],
             cluster=[self.cm, self.cn, 1], min_blocks_per_mp=1, stream=stream, use_pdl=self.cfg.pdl)
 
@@ -321,10 +323,11 @@ class Sm90Gemm(ScaledMainloop, Sm90Epilogue):
         (TMA loads) and warpgroups 1 and 2 consume (WGMMA and the epilogue). ``mmas``: (the
         consumers' tiled MMA, one warpgroup's); ``smem_layouts``: A's, B's and C's staged smem
         layouts; ``fused``: (bias, D's TMA atom and tensor, D, Z, block scales), each None when
-        unused."""
+        unused, then a grouped tail split's partials and counters."""
         tiled_mma, wg_mma = mmas
         sa_layout, sb_layout, sc_layout = smem_layouts
-        bias, tma_d, mD, gmem_d, mZ, scales = fused
+        bias, tma_d, mD, gmem_d, mZ, scales = fused[:6]
+        tail_ws, tail_flags = fused[6:] if const_expr(len(fused) > 6) else (None, None)
         tidx, _, _ = cute.arch.thread_idx()
         warp_id = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg = cute.arch.make_warp_uniform(tidx // 128)
@@ -372,7 +375,8 @@ class Sm90Gemm(ScaledMainloop, Sm90Epilogue):
             scales = ScaleLoads(scales[0], scales[1], st.sSA.get_tensor(ssa), scales[2], scales[3],
                                 st.sSB.get_tensor(ssb))
         cta = Cta(tma_a, mA, tma_b, mB, tma_c, mC, gmem_c, ws, flags, bias, tma_d, mD, gmem_d, mZ,
-                  tiled_mma, wg_mma, sA, sB, sC, st, ab_pipe, a_mask, b_mask, tidx, warp_id, wg, cc, scales)
+                  tiled_mma, wg_mma, sA, sB, sC, st, ab_pipe, a_mask, b_mask, tidx, warp_id, wg, cc, scales,
+                  tail_ws, tail_flags)
 
         if const_expr(self.mode == "dense"):
             sch = self.dense_schedule(cta)
@@ -468,10 +472,14 @@ class Sm90Gemm(ScaledMainloop, Sm90Epilogue):
                     w += stride
             else:
                 gs, ext = sch.gs, sch.ext
+                t, s, parts, full, tail_parts = w, Int32(0), Int32(1), Int32(0), Int32(1)
+                if const_expr(self.split > 1):
+                    full, tail_parts = self.sched.tail_plan(gs, ext, stride)
+                    t, s, parts = self.sched.tail_unit(w, full, tail_parts)
                 cl, cg0, rows0, tiles0 = Int32(0), Int32(0), Int32(0), Int32(0)
                 start, end, incl = self.sched.load_chunk(gs, ext, cl, cg0, rows0, tiles0)
                 cl, cg0, rows0, tiles0, start, end, incl, valid, g, t0, t1, m_t, n_t = self.sched.find(
-                    gs, ext, w, cl, cg0, rows0, tiles0, start, end, incl, cc)
+                    gs, ext, t, cl, cg0, rows0, tiles0, start, end, incl, cc)
                 while valid:
                     g_a, g_b = self.sched.group_ab(mA, mB, cl, g, t0, t1, m_t, n_t, la_last, lb_last)
                     s_a, k_a = cpasync.tma_partition(tma_a, cc[1], cute.make_layout(self.cn),
@@ -482,11 +490,16 @@ class Sm90Gemm(ScaledMainloop, Sm90Epilogue):
                     if const_expr(self.scaled):
                         ts = self.grouped_tile_scales(cta.scales, g, t0, m_t, n_t, cutlass.min(cl, la_last),
                                                       cutlass.min(cl, lb_last))
+                    k0, kc = Int32(0), self.sched.group_k_tiles(ext, g, t0, t1)
+                    if const_expr(self.split > 1):
+                        k0, kc = self.sched.split_range(kc, s, parts)
                     prod = self.load(ab_pipe, prod, (tma_a, k_a, s_a, a_mask), (tma_b, k_b, s_b, b_mask),
-                                     Int32(0), self.sched.group_k_tiles(ext, g, t0, t1), ts)
+                                     k0, kc, ts)
                     w += stride
+                    if const_expr(self.split > 1):
+                        t, s, parts = self.sched.tail_unit(w, full, tail_parts)
                     cl, cg0, rows0, tiles0, start, end, incl, valid, g, t0, t1, m_t, n_t = self.sched.find(
-                        gs, ext, w, cl, cg0, rows0, tiles0, start, end, incl, cc)
+                        gs, ext, t if const_expr(self.split > 1) else w, cl, cg0, rows0, tiles0, start, end, incl, cc)
             # keep this CTA (its smem and barriers) alive until peers stop signalling it
             ab_pipe.producer_tail(prod)
 
@@ -630,12 +643,18 @@ class Sm90Gemm(ScaledMainloop, Sm90Epilogue):
         ab_pipe, tma_c, mC, tma_d, mD, gmem_d, bias = cta.ab_pipe, cta.tma_c, cta.mC, cta.tma_d, cta.mD, \
             cta.gmem_d, cta.bias
         gs, ext, stride, cc = sch.gs, sch.ext, sch.stride, cta.cc
+        t, s, parts, full, tail_parts = w, Int32(0), Int32(1), Int32(0), Int32(1)
+        if const_expr(self.split > 1):
+            full, tail_parts = self.sched.tail_plan(gs, ext, stride)
+            t, s, parts = self.sched.tail_unit(w, full, tail_parts)
         cl, cg0, rows0, tiles0 = Int32(0), Int32(0), Int32(0), Int32(0)
         start, end, incl = self.sched.load_chunk(gs, ext, cl, cg0, rows0, tiles0)
         cl, cg0, rows0, tiles0, start, end, incl, valid, g, t0, t1, m_t, n_t = self.sched.find(
-            gs, ext, w, cl, cg0, rows0, tiles0, start, end, incl, cc)
+            gs, ext, t, cl, cg0, rows0, tiles0, start, end, incl, cc)
         while valid:
             n_k = self.sched.group_k_tiles(ext, g, t0, t1)
+            if const_expr(self.split > 1):
+                n_k = self.sched.split_range(n_k, s, parts)[1]
             if const_expr(self.scaled):
                 # (empty groups and ragged_m's tail have no k-tiles: they store zeros)
                 read, release = self.scaled_mainloop(tiled_mma, acc, tCrA, tCrB, cs.ts, ab_pipe, read, release,
@@ -661,11 +680,21 @@ class Sm90Gemm(ScaledMainloop, Sm90Epilogue):
                           cutlass.select_(g < ext[3], Float32(1.0), Float32(0.0)))
                 if const_expr(self.sched.lead):
                     g_bias = (g_bias[0], cutlass.select_(g > 0, g_bias[1], Float32(0.0)))
-            self.epilogue(wge, tma_c, self.sched.group_c(mC, cl, g, t0, t1, m_t, n_t, self.cbn), tRS_acc, m_t, n_t,
-                          cl, bias=g_bias, pre=pre)
+            if const_expr(self.split > 1):
+                stores = parts == 1
+                if parts > 1:
+                    stores = self.tail_fold(cta, cs, w - full, parts)
+                if stores:
+                    self.epilogue(wge, tma_c, self.sched.group_c(mC, cl, g, t0, t1, m_t, n_t, self.cbn), tRS_acc,
+                                  m_t, n_t, cl, bias=g_bias, pre=pre)
+            else:
+                self.epilogue(wge, tma_c, self.sched.group_c(mC, cl, g, t0, t1, m_t, n_t, self.cbn), tRS_acc,
+                              m_t, n_t, cl, bias=g_bias, pre=pre)
             w += stride
+            if const_expr(self.split > 1):
+                t, s, parts = self.sched.tail_unit(w, full, tail_parts)
             cl, cg0, rows0, tiles0, start, end, incl, valid, g, t0, t1, m_t, n_t = self.sched.find(
-                gs, ext, w, cl, cg0, rows0, tiles0, start, end, incl, cc)
+                gs, ext, t if const_expr(self.split > 1) else w, cl, cg0, rows0, tiles0, start, end, incl, cc)
 
     @cute.jit
     def consume_deferred(self, cta: Cta, sch: Schedule, cs: Consumer, read, release, w, step):
@@ -771,32 +800,13 @@ class Sm90Gemm(ScaledMainloop, Sm90Epilogue):
         """Split-K: publish this unit's partial tile; the last of the S arrivals folds them in
         split order (deterministic), runs the epilogue and resets the tile's counter."""
         tm, tn, l, s = unit
-        ws, flags, st, tma_c, bias = cta.ws, cta.flags, cta.st, cta.tma_c, cta.bias
-        ctid, frag, acc_flat, both_bar, tRS_acc, wge = cs.ctid, cs.frag, cs.acc_flat, cs.both_bar, cs.tRS_acc, \
-            cs.wge
+        ws, tma_c, bias = cta.ws, cta.tma_c, cta.bias
+        ctid, frag, acc_flat, tRS_acc, wge = cs.ctid, cs.frag, cs.acc_flat, cs.tRS_acc, cs.wge
         cl_m, cl_n, batches, c_ext, gC = sch.cl_m, sch.cl_n, sch.batches, sch.c_ext, sch.gC
         tile_id = (Int64(l) * (cl_n * self.cn) + tn) * (cl_m * self.cm) + tm
         n_tiles = Int64(cl_m * self.cm) * (cl_n * self.cn) * batches
         tile_elems = self.bm * self.bn
-        mine = cute.make_tensor(ws.iterator + ((s * n_tiles + tile_id) * tile_elems + ctid),
-                                cute.make_layout(frag, stride=self.mma_threads))
-        # static loops in rows of 16: the DSL warns from 64 iterations up, and
-        # cutlass.range(unroll_full=True) or tensor copies emit other code
-        for r in range_constexpr(frag // 16):
-            for v in range_constexpr(r * 16, r * 16 + 16):
-                mine[v] = acc_flat[v]
-        cute.arch.fence_acq_rel_gpu()      # partial visible before the count
-        both_bar.arrive_and_wait()
-        last = st.last.get_tensor(cute.make_layout(1))
-        if ctid == 0:
-            old = cute.arch.atomic_add(flags.iterator + tile_id, Int32(1),
-                                       sem="acq_rel", scope="gpu")
-            is_last = old == self.split - 1
-            last[0] = Int32(is_last)
-            if is_last:
-                flags[tile_id] = Int32(0)  # ready for the next launch
-        both_bar.arrive_and_wait()
-        if last[0] != 0:
+        if self.publish_partial(cta, cs, ws, cta.flags, s * n_tiles + tile_id, tile_id, self.split):
             cute.arch.fence_acq_rel_gpu()  # see every other split's partial
             for sp in range_constexpr(self.split):
                 part = cute.make_tensor(
@@ -815,6 +825,54 @@ class Sm90Gemm(ScaledMainloop, Sm90Epilogue):
                 lc_s = self.sched.c_batch(l, c_ext)
                 gC_s = gC[(None, None, tm, tn, lc_s)]
             self.epilogue(wge, tma_c, gC_s, tRS_acc, tm, tn, lc_s, bias=bias)
+
+    @cute.jit
+    def publish_partial(self, cta: Cta, cs: Consumer, ws, flags, slot, counter, arrivals):
+        """Split units: write this unit's fp32 partial tile into partial slot ``slot`` of ``ws``
+        (each consumer thread its fragment, the threads interleaved) and count the arrival on
+        ``flags[counter]``; returns whether the unit arrived last of ``arrivals``, which then
+        folds the partials (it resets the counter for the next launch)."""
+        ctid, frag, acc_flat, both_bar = cs.ctid, cs.frag, cs.acc_flat, cs.both_bar
+        mine = cute.make_tensor(ws.iterator + (slot * (self.bm * self.bn) + ctid),
+                                cute.make_layout(frag, stride=self.mma_threads))
+        # static loops in rows of 16: the DSL warns from 64 iterations up, and
+        # cutlass.range(unroll_full=True) or tensor copies emit other code
+        for r in range_constexpr(frag // 16):
+            for v in range_constexpr(r * 16, r * 16 + 16):
+                mine[v] = acc_flat[v]
+        cute.arch.fence_acq_rel_gpu()      # partial visible before the count
+        both_bar.arrive_and_wait()
+        last = cta.st.last.get_tensor(cute.make_layout(1))
+        if ctid == 0:
+            old = cute.arch.atomic_add(flags.iterator + counter, Int32(1),
+                                       sem="acq_rel", scope="gpu")
+            is_last = old == arrivals - 1
+            last[0] = Int32(is_last)
+            if is_last:
+                flags[counter] = Int32(0)  # ready for the next launch
+        both_bar.arrive_and_wait()
+        return last[0] != 0
+
+    @cute.jit
+    def tail_fold(self, cta: Cta, cs: Consumer, j, parts):
+        """A grouped tail-split unit (RaggedWalk.tail_plan), ``j``-th of the tail, its tile cut
+        into ``parts``: publish the partial; the last to arrive sums the tile's partials in split
+        order (deterministic) into its accumulators. Returns whether this unit stores the tile."""
+        frag, acc_flat = cs.frag, cs.acc_flat
+        tile = j // parts
+        last = self.publish_partial(cta, cs, cta.tail_ws, cta.tail_flags, j, tile, parts)
+        if last:
+            cute.arch.fence_acq_rel_gpu()  # see every other split's partial
+            for r in range_constexpr(frag // 16):
+                for v in range_constexpr(r * 16, r * 16 + 16):
+                    acc_flat[v] = Float32(0.0)
+            for sp in range(parts):
+                part = cute.make_tensor(cta.tail_ws.iterator + ((tile * parts + sp) * (self.bm * self.bn) + cs.ctid),
+                                        cute.make_layout(frag, stride=self.mma_threads))
+                for r in range_constexpr(frag // 16):
+                    for v in range_constexpr(r * 16, r * 16 + 16):
+                        acc_flat[v] = acc_flat[v] + part[v]
+        return last
 
 
 def make_launcher(spec: GemmSpec | GroupedSpec, config: Config, sms: int, signature: abi.Signature):

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from jax_cute.kernels.dsl import cute, cutlass, Int32, Int64
 from jax_cute.kernels.gemm_spec import SCALE_K, GemmSpec, GroupedSpec
-from jax_cute.kernels.sm90_config import Config, is_gated, tile_k
+from jax_cute.kernels.sm90_config import TAIL_MIN_K_TILES, Config, is_gated, tile_k
 
 const_expr = cutlass.const_expr
 range_constexpr = cutlass.range_constexpr
@@ -175,6 +175,54 @@ class RaggedWalk:
     def cluster_cols(self, N):
         """Walk tiles along N: C's n-tiles (N: its columns) in clusters of ``cn``."""
         return ((N + self.cbn - 1) // self.cbn + self.cn - 1) // self.cn
+
+    @cute.jit
+    def total_tiles(self, gs, ext):
+        """Walk tiles of every batch and group (the whole scan, chunk by chunk)."""
+        M, N, K, G, L, lg_n = ext
+        E = G + 1 if const_expr(self.mode == "ragged_m") else G
+        cl, cg0, rows0, tiles0 = Int32(0), Int32(0), Int32(0), Int32(0)
+        while cl < L:
+            _, end, incl = self.load_chunk(gs, ext, cl, cg0, rows0, tiles0)
+            rows0 = cute.arch.shuffle_sync(end, 31)
+            tiles0 = cute.arch.shuffle_sync(incl, 31)
+            cg0 = cg0 + 32
+            if cg0 >= E:
+                cg0 = Int32(0)
+                rows0 = Int32(0)
+                cl = cl + 1
+        return tiles0
+
+    @cute.jit
+    def tail_plan(self, gs, ext, grid):
+        """Tail split (Config.split_k = S > 1, ragged_m): the walk's tiles fill whole rounds of
+        the ``grid`` CTAs but the last; that round's tiles are each cut into up to S units along K
+        (as many as the round then fills, each of at least TAIL_MIN_K_TILES k-tiles), so the
+        round takes 1/S of a tile's time instead of a whole one. Returns (full: the tiles of the
+        whole rounds, parts: units per tail tile)."""
+        M, N, K, G, L, lg_n = ext
+        total = self.total_tiles(gs, ext)
+        full = total // grid * grid
+        rem = total - full
+        parts = Int32(1)
+        if rem > 0:
+            k_tiles = (K + self.bk - 1) // self.bk
+            parts = cutlass.max(cutlass.min(cutlass.min(grid // rem, k_tiles // TAIL_MIN_K_TILES),
+                                            self.cfg.split_k), 1)
+        return full, parts
+
+    def split_range(self, n_k, s, parts):
+        """(first k-tile, count) of split ``s`` of a tile's ``n_k`` k-tiles cut into ``parts``."""
+        k0 = s * n_k // parts
+        return k0, (s + 1) * n_k // parts - k0
+
+    def tail_unit(self, w, full, parts):
+        """Unit ``w`` of a tail-split walk -> (walk tile, its k-split, the tile's splits)."""
+        j = cutlass.max(w - full, 0)
+        q = j // parts
+        whole = w < full
+        return (cutlass.select_(whole, w, full + q), cutlass.select_(whole, Int32(0), j - q * parts),
+                cutlass.select_(whole, Int32(1), parts))
 
     @cute.jit
     def find(self, gs, ext, w, cl, cg0, rows0, tiles0, start, end, incl, cc):
