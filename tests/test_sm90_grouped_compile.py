@@ -79,7 +79,8 @@ def test_heuristic_tail_split():
     """The tail split where K holds two splits of TAIL_MIN_K_TILES k-tiles or more, on one-CTA
     16-bit ragged_m products without a pre-activation output."""
     fwd = GroupedSpec("ragged_m", "bfloat16", "bfloat16", "bfloat16", b_major="n")
-    assert [fam.heuristic(fwd, 16384, 4096, k, 8, 1).tail_split for k in (512, 960, 1000, 14336)] == [1, 1, 4, 4]
+    assert [fam.heuristic(fwd, 16384, 4096, k, 8, 1).tail_split for k in (512, 1984, 2000, 14336)] == [1, 1, 4, 4]
+    assert [fam.heuristic(fwd, 16384, 4096, 4096, g, 1).tail_split for g in (64, 65)] == [4, 1]
     for spec in (GroupedSpec("ragged_m", "bfloat16", "bfloat16", "bfloat16", activation="gelu", preact=True),
                  GroupedSpec("ragged_k", "bfloat16", "bfloat16", "bfloat16", a_major="m", b_major="n"),
                  GroupedSpec("ragged_m", "float8_e4m3fn", "float8_e4m3fn", "bfloat16", a_block=1, b_block=128)):

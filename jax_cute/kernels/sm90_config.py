@@ -13,9 +13,10 @@ SMEM_BYTES = 232448      # opt-in dynamic shared memory per block on sm_90 (227 
 ROW_BYTES = 128          # a k-tile row is one 128-byte swizzle atom: 64 16-bit or 128 8-bit elements
 ITEM = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1}
 SCALE_ALIGN = 128        # bytes between a stage's scale buffers (a TMA destination's alignment)
-# a grouped tail-split unit's fewest k-tiles (sm90_schedulers.RaggedWalk.tail_plan): with fewer,
-# publishing and folding the fp32 partial tiles would cost about what the split saves
-TAIL_MIN_K_TILES = 8
+# a grouped tail-split unit's fewest k-tiles (sm90_schedulers.RaggedWalk.tail_plan): on an H200
+# (2026-11-29) units of 8 to 11 k-tiles (K = 2048, 128 x 128 tiles) ran 2-3% slower than unsplit,
+# publishing and folding their fp32 partials costing what the split saved
+TAIL_MIN_K_TILES = 16
 
 
 @dataclasses.dataclass(frozen=True)

@@ -154,15 +154,16 @@ def heuristic(spec, m, n, k, g, l, num_sms: int = 132) -> Config:
         tile_n = 128
     cluster_n = 2 if _multicast_pays(spec, n, tile_n, num_sms) else 1
     return Config(tile_n=tile_n, sms=num_sms, overlap_promote=sm90_gemm.scaled_overlap(spec), cluster_n=cluster_n,
-                  tail_split=TAIL_SPLIT if _tail_split_pays(spec, k, cluster_n) else 1)
+                  tail_split=TAIL_SPLIT if _tail_split_pays(spec, k, g, cluster_n) else 1)
 
 
-def _tail_split_pays(spec, k, cluster_n) -> bool:
+def _tail_split_pays(spec, k, g, cluster_n) -> bool:
     """The tail split (Config.tail_split) for 16-bit ragged_m products on one CTA whose K holds
-    two splits' worth of k-tiles at least: the kernel splits only a last, partial round of
-    tiles (at most half the grid), so uniform sizes whose tiles fill whole rounds run as unsplit."""
+    two splits' worth of k-tiles at least, with at most 64 groups. The kernel splits only a last,
+    partial round of tiles (at most half the grid); to know it, every warp first scans all group
+    sizes, 32 a step: with 128 groups that scan cost 1.5% (H200, 2026-11-29)."""
     return (spec.mode == "ragged_m" and not spec.scaled and not spec.preact and cluster_n == 1
-            and -(-k // 64) >= 2 * TAIL_MIN_K_TILES)
+            and -(-k // 64) >= 2 * TAIL_MIN_K_TILES and g <= 64)
 
 
 def _multicast_pays(spec, n, tile_n, num_sms) -> bool:
