@@ -3,8 +3,9 @@
 Per (G, M, K, N) and group-size distribution (uniform, Dirichlet(0.3)-skewed): the forward
 ``lhs (M,K) x rhs (G,K,N)``, the lhs gradient and the rhs gradient (each through ``jax.vjp`` for
 jax_cute and XLA; Pallas' ``ragged_dot_mgpu`` with ``transpose_rhs`` and
-``transposed_ragged_dot_mgpu``). Then the MoE layer of examples/moe_training.py, forward and
-forward + backward.
+``transposed_ragged_dot_mgpu``), and for the forward and lhs gradient jax_cute with the grouped
+walk's tail split off (*jax_cute, no tail split*). Then the MoE layer of examples/moe_training.py,
+forward and forward + backward.
 """
 
 from __future__ import annotations

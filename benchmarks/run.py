@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -52,8 +53,9 @@ def _commit() -> str:
     return head + ("+uncommitted-changes" if dirty else "")
 
 
-def run_suites(suites: list[str], out: str, extra: list[str]) -> dict:
+def run_suites(suites: list[str], out: str, extra: list[str], time_limit: float | None = None) -> dict:
     # No jax backend in this process: it would take the GPU memory the suites need.
+    start = time.monotonic()
     result = {"device": None, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "commit": _commit(), "suites": suites, "records": [], "suite_errors": {}}
     try:
@@ -65,7 +67,21 @@ def run_suites(suites: list[str], out: str, extra: list[str]) -> dict:
         with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
             path = tmp.name
         print(f"== suite {suite}", flush=True)
-        proc = subprocess.run([sys.executable, str(HERE / SUITES[suite]), "--records", path, *extra])
+        proc = subprocess.Popen([sys.executable, str(HERE / SUITES[suite]), "--records", path, *extra])
+        stopped = False
+        try:
+            proc.wait(None if time_limit is None else max(time_limit - (time.monotonic() - start), 1))
+        except subprocess.TimeoutExpired:
+            # the suite writes the cases it finished on SIGTERM (common.suite_main)
+            stopped = True
+            proc.terminate()
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if stopped:
+            result["suite_errors"][suite] = f"stopped at the time limit ({time_limit:.0f} s); later cases did not run"
         try:
             got = json.loads(Path(path).read_text())
             result["records"] += got["records"]
@@ -269,7 +285,9 @@ SUITE_NOTE = {
     "ragged": "lax.ragged_dot: `jax.lax.ragged_dot` compiled by XLA. Pallas: the fastest of up to four configs of "
               "Pallas' `ragged_dot_mgpu` (forward, lhs gradient) or `transposed_ragged_dot_mgpu` (rhs gradient). "
               "Group sizes are uniform or drawn from Dirichlet(0.3) (a few large groups, many small or empty "
-              "ones). The MoE layer is `examples/moe_training.py`'s (router, top-2 of 8 experts, two grouped GEMMs).",
+              "ones). *jax_cute, no tail split*: the forward and lhs gradient with the grouped walk's tail split off "
+              "(the last, partial round of tiles split along K; docs/performance.md). The MoE layer is "
+              "`examples/moe_training.py`'s (router, top-2 of 8 experts, two grouped GEMMs).",
     "scaling": "The training step of `examples/gpt_training.py` at its `h200` size on a mesh of 1, 2 and 4 GPUs "
                "of one host (`--mesh data=N`), 16 sequences of 1024 tokens per GPU: the dense model data parallel "
                "(the batch split, gradients summed), the MoE model expert parallel (its layer a `shard_map` "
@@ -519,6 +537,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", help="results JSON (with --suite)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes: checks the scripts, not speed")
     p.add_argument("--rounds", type=int, help="timed rounds per case (default 7)")
+    p.add_argument("--time-limit", type=float, metavar="S",
+                   help="stop the suites after S seconds in all, keeping the cases they finished")
     p.add_argument("--report", nargs="+", metavar="JSON", help="write BENCHMARKS.md and plots from these files")
     p.add_argument("--md", default=str(ROOT / "BENCHMARKS.md"))
     p.add_argument("--plots", default=str(HERE / "plots"))
@@ -536,7 +556,7 @@ def main(argv: list[str] | None = None) -> None:
         if unknown or not args.out:
             p.error(f"unknown suites {unknown}" if unknown else "--out is required with --suite")
         extra = (["--smoke"] if args.smoke else []) + (["--rounds", str(args.rounds)] if args.rounds else [])
-        run_suites(suites, args.out, extra)
+        run_suites(suites, args.out, extra, args.time_limit)
     else:
         p.error("give --suite ... --out ..., or --report FILES")
 

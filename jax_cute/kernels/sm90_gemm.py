@@ -93,6 +93,12 @@ Grouped scheduling (GroupedSpec ragged_m / ragged_k; cooperative 128-row tiles o
   to a tile itself with a warp-wide prefix scan of the group sizes, 32 groups at a time, keeping
   the current chunk's scan in registers: nothing is precomputed, no workspace is needed, and
   replays with new sizes are exact (CUDA-graph safe).
+- tail split (ragged_m, 16-bit, Config.split_k = S > 1, sm90_grouped.Config.tail_split): the
+  tiles fill whole rounds of the grid but a last, partial one, whose tiles stay on as many SMs
+  and leave the rest idle. Each warp first scans every group size for the tile count; where the
+  last round fills at most half the grid, its tiles are cut along K into up to S units of at
+  least TAIL_MIN_K_TILES k-tiles, published and folded as split-K's (a workspace of one fp32 tile
+  a CTA, counters reset by the last arrival).
 - ragged_m tiles start at their group's first row, so a tile never mixes groups; rows past the
   last group are a pseudo-group with no K loop whose tiles store zeros. ragged_k tiles are
   (group, m-tile, n-tile) with the K loop over the group's rows; empty groups store zeros.
