@@ -123,8 +123,8 @@ from jax_cute.kernels.sm90_config import (ITEM, NUM_SMS, SMEM_BYTES, Config, co_
                                           scale_slack, scale_stage_bytes, stage_plan, tile_k, wg_rows)
 
 __all__ = ["FAMILY", "ARCH", "BATCH_MODES", "EPILOGUES", "GATED_COLUMNS", "SPLITS_K", "NUM_SMS", "SMEM_BYTES", "Config",
-           "unsupported", "candidate_configs", "heuristic", "signature", "workspace", "launcher", "make_launcher",
-           "epilogue_for", "tile_k", "tiles_per_cta", "stage_plan", "DEFER"]
+           "unsupported", "candidate_configs", "heuristic", "signature", "workspace", "workspace_args", "launcher",
+           "make_launcher", "epilogue_for", "tile_k", "tiles_per_cta", "stage_plan", "DEFER"]
 
 FAMILY = "sm90_gemm"
 ARCH = "sm_90a"
@@ -486,7 +486,9 @@ def tiles_per_cta(config: Config, m: int, n: int, l: int, num_sms: int = NUM_SMS
 
 # --- arguments and workspace ----------------------------------------------------------------
 
-def _ws_args(config: Config) -> tuple:
+def workspace_args(config: Config) -> tuple:
+    """The split-K (dense) or tail-split (grouped) workspaces' arguments: fp32 partial tiles
+    and int32 arrival counters, or none when K is not split."""
     if config.split_k == 1:
         return ()
     return (abi.TensorArg("splitk_partials", "float32", (abi.DYN,), (1,), align=16),
@@ -502,7 +504,7 @@ def signature(spec, config: Config) -> abi.Signature:
         return spec.signature((spec.dact_arg(),))
     bias = (spec.bias_arg(),) if spec.bias else ()
     d = (spec.preact_arg(),) if _preact(spec) else ()
-    return spec.signature(spec.scale_args() + bias + d + _ws_args(config))
+    return spec.signature(spec.scale_args() + bias + d + workspace_args(config))
 
 
 def workspace(spec, config: Config, m: int, n: int, k: int, l: int) -> list[Workspace]:
@@ -572,5 +574,5 @@ def make_launcher(spec: GemmSpec | GroupedSpec, config: Config, sms: int = NUM_S
     # imported here: the kernel module imports the DSL's compiler, which routing must not need
     from jax_cute.kernels import sm90_kernel
 
-    return sm90_kernel.make_launcher(spec, config, sms, spec.signature(_ws_args(config)) if grouped
+    return sm90_kernel.make_launcher(spec, config, sms, spec.signature(workspace_args(config)) if grouped
                                      else signature(spec, config))

@@ -127,7 +127,7 @@ def candidate_configs(spec) -> list[Config]:
         cands = [Config(tile_n=128), Config(tile_n=128, overlap_promote=True)]
         return cands + [dataclasses.replace(c, cluster_n=2) for c in cands]
     if spec.mode == "ragged_m":
-        tails = [] if spec.preact else [Config(tile_n=256, tail_split=TAIL_SPLIT), Config(tile_n=128, tail_split=TAIL_SPLIT)]
+        tails = [] if spec.preact else [Config(tile_n=tn, tail_split=TAIL_SPLIT) for tn in (256, 128)]
         return [Config(tile_n=256), Config(tile_n=128), *tails, Config(tile_n=256, cluster_n=2)]
     return [Config(tile_n=256), Config(tile_n=128)]
 
@@ -178,7 +178,7 @@ def _multicast_pays(spec, n, tile_n, num_sms) -> bool:
 
 
 def signature(spec, config) -> abi.Signature:
-    return spec.signature(sm90_gemm._ws_args(kernel_config(spec, config)))
+    return spec.signature(sm90_gemm.workspace_args(kernel_config(spec, config)))
 
 
 def workspace(spec, config, m, n, k, g, l) -> list[Workspace]:

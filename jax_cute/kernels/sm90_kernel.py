@@ -280,8 +280,9 @@ class Sm90Gemm(ScaledMainloop, Sm90Epilogue):
             flags = a.shape[1]      # K, which the ragged_k views no longer carry
 
         self.storage = self.smem_struct(a_t, b_t, c_t, sa, sb, sc)
+        tail = tuple(tail) if const_expr(self.mode != "dense" and self.split > 1) else ()
         self.kernel(tma_a, tA, tma_b, tB, tma_c, tC, c, ws, flags, (tiled_mma, wg_mma), (sa, sb, sc),
-                    (bias, tma_d, tD, d, z, scales) + (tuple(tail) if const_expr(self.mode != "dense" and self.split > 1) else ())).launch(
+                    (bias, tma_d, tD, d, z, scales) + tail).launch(
             grid=[self.cm, self.cn, n_clusters], block=[self.threads, 1, 1],
             cluster=[self.cm, self.cn, 1], min_blocks_per_mp=1, stream=stream, use_pdl=self.cfg.pdl)
 
