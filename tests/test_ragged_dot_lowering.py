@@ -68,3 +68,15 @@ def test_a_group_past_the_tma_extent_falls_back_with_the_reason(caplog):
     with jax_cute.config.override(target_arch="sm_90a"), caplog.at_level("WARNING", logger="jax_cute"):
         text = jax.jit(ragged_dot).trace(big, W, GS).lower(lowering_platforms=("cuda",)).as_text()
     assert "@jax_cute_launch" not in text and "TMA extent" in caplog.text
+
+
+def test_tail_split_workspace():
+    """Where K holds enough k-tiles, the forward runs the walk's tail split: the launch takes a
+    128 x 256 fp32 partial tile per CTA (132 on sm_90a) and 132 int32 arrival counters, which
+    start zeroed; with a short K it takes neither."""
+    x, w = jax.ShapeDtypeStruct((M, 2048), jnp.bfloat16), jax.ShapeDtypeStruct((G, 2048, 512), jnp.bfloat16)
+    text = _lower(ragged_dot, x, w, GS)
+    assert f"tensor<{132 * 128 * 256}xf32>" in text and "tensor<132xi32>" in text
+    assert "dense<0> : tensor<i32>" in text        # the counters' zero fill (broadcast)
+    short = _lower(ragged_dot, X, jax.ShapeDtypeStruct((G, K, 512), jnp.bfloat16), GS)
+    assert f"tensor<{132 * 128 * 256}xf32>" not in short and "tensor<132xi32>" not in short
