@@ -50,7 +50,7 @@ for step in "$@"; do
     examples) for ex in "mlp_training.py --steps 8" "moe_training.py --steps 8" "custom_kernel.py"; do
                timeout 120 python3 examples/$ex 2>&1 | grep -v "^\[" | tee -a "$OUT/examples.log" | tail -6
              done ;;
-    bench-*) timeout 560 python3 benchmarks/run.py --suite "${step#bench-}" --out "$OUT/${step#bench-}.json" --time-limit 500 \
+    bench-*) timeout 560 python3 benchmarks/run.py --suite "${step#bench-}" --out "$OUT/${step#bench-}.json" --time-limit 480 \
                ${BENCH_ROUNDS:+--rounds $BENCH_ROUNDS} 2>&1 | tee "$OUT/${step}.log" | tail -40 ;;
     first-call-warm) python3 benchmarks/bench_first_call.py --cache .device/cache --out "$OUT/first_call.jsonl" ;;
     first-call-cold) python3 benchmarks/bench_first_call.py --cache /tmp/jc_cold --cold --out "$OUT/first_call.jsonl" ;;
