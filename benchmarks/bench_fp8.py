@@ -34,12 +34,9 @@ bf16; *xla_bf16*: the model as written (bf16 products).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import dataclasses
 import os
 import sys
-from typing import Callable, Iterator
-from unittest import mock
+from typing import Callable, ContextManager
 
 import jax
 import jax.numpy as jnp
@@ -47,7 +44,7 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax_cute  # noqa: E402
-from common import Impl, gpt_train_cases, measure, suite_main  # noqa: E402
+from common import Impl, forced_configs, gpt_train_cases, measure, suite_main  # noqa: E402
 from jax_cute.fp8 import quantize  # noqa: E402
 from jax_cute.kernels import sm90_gemm, sm90_grouped  # noqa: E402
 
@@ -112,18 +109,9 @@ def _grouped_xla_fp8(xq, wq, x, w, sizes):
     return jax.lax.dot_general(a, wq.values, (((2,), (1,)), ((0,), (0,))), preferred_element_type=BF).reshape(-1, n)
 
 
-@contextlib.contextmanager
-def scaled_variant(**fields) -> Iterator[None]:
+def scaled_variant(**fields) -> ContextManager[None]:
     """Trace with ``fields`` replaced in the Hopper families' block-scaled configs."""
-    def forced(heuristic):
-        def pick(spec, *args, **kwargs):
-            cfg = heuristic(spec, *args, **kwargs)
-            return dataclasses.replace(cfg, **fields) if spec.scaled else cfg
-        return pick
-
-    with mock.patch.object(sm90_gemm, "heuristic", forced(sm90_gemm.heuristic)), \
-            mock.patch.object(sm90_grouped, "heuristic", forced(sm90_grouped.heuristic)):
-        yield
+    return forced_configs((sm90_gemm, sm90_grouped), lambda spec: spec.scaled, **fields)
 
 
 def _variants(fn: Callable, dense: bool) -> list[Impl]:

@@ -11,12 +11,9 @@ forward and forward + backward.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import dataclasses
-from typing import Callable
+from typing import Callable, ContextManager
 import os
 import sys
-from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 
 import jax_cute  # noqa: E402
-from common import Impl, best_of, measure, suite_main  # noqa: E402
+from common import Impl, best_of, forced_configs, measure, suite_main  # noqa: E402
 
 SHAPES = [(8, 16384, 4096, 14336), (64, 32768, 2048, 1408), (16, 16384, 2048, 16384), (128, 16384, 4096, 1536)]
 SMOKE_SHAPES = [(4, 256, 64, 128)]
@@ -97,18 +94,11 @@ def pallas_impls(kind: str, n_out: int) -> list[Impl]:
     return out
 
 
-@contextlib.contextmanager
-def no_tail_split():
+def no_tail_split() -> ContextManager[None]:
     """jax_cute with the ragged_m walk's tail split off (sm90_grouped.Config.tail_split = 1):
     the like-for-like baseline of the scheduler that splits the last, partial round of tiles."""
     from jax_cute.kernels import sm90_grouped
-    pick = sm90_grouped.heuristic
-
-    def forced(spec, *args, **kwargs):
-        return dataclasses.replace(pick(spec, *args, **kwargs), tail_split=1)
-
-    with mock.patch.object(sm90_grouped, "heuristic", forced):
-        yield
+    return forced_configs((sm90_grouped,), lambda spec: True, tail_split=1)
 
 
 def passes(rdot) -> dict[str, Callable]:

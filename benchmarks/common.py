@@ -27,6 +27,7 @@ import sys
 import time
 import traceback
 from typing import Callable, ContextManager, Iterator, Sequence
+from unittest import mock
 
 import jax
 import numpy as np
@@ -181,6 +182,22 @@ MEASURED: list[dict] = []
 class _Stopped(BaseException):
     """SIGTERM (run.py's --time-limit) inside a suite: a BaseException, so that measure() does
     not take it for a failing implementation."""
+
+
+@contextlib.contextmanager
+def forced_configs(families: Sequence, applies: Callable[[object], bool], **fields) -> Iterator[None]:
+    """Trace with ``fields`` replaced in the configs the kernel ``families``' heuristics pick for
+    the specs ``applies`` accepts (a variant of the heuristic's kernel, timed beside it)."""
+    def forced(heuristic):
+        def pick(spec, *args, **kwargs):
+            cfg = heuristic(spec, *args, **kwargs)
+            return dataclasses.replace(cfg, **fields) if applies(spec) else cfg
+        return pick
+
+    with contextlib.ExitStack() as stack:
+        for fam in families:
+            stack.enter_context(mock.patch.object(fam, "heuristic", forced(fam.heuristic)))
+        yield
 
 
 def best_of(records: list[dict], impl: str) -> list[dict]:

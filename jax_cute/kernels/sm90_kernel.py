@@ -20,7 +20,7 @@ from jax_cute.kernels.sm90_epilogue import Sm90Epilogue, WarpgroupEpilogue, alig
 from jax_cute.kernels.launch import launcher_for
 from jax_cute.kernels.sm90_mainloop import mainloop_finish, mainloop_rest, mainloop_start
 from jax_cute.kernels.sm90_scaled import ScaledMainloop, ScaleLoads
-from jax_cute.kernels.sm90_schedulers import DenseRaster, ragged_tensor, scheduler_for
+from jax_cute.kernels.sm90_schedulers import DenseRaster, ragged_tensor, scheduler_for, split_range
 
 const_expr = cutlass.const_expr
 range_constexpr = cutlass.range_constexpr
@@ -493,7 +493,7 @@ class Sm90Gemm(ScaledMainloop, Sm90Epilogue):
                                                       cutlass.min(cl, lb_last))
                     k0, kc = Int32(0), self.sched.group_k_tiles(ext, g, t0, t1)
                     if const_expr(self.split > 1):
-                        k0, kc = self.sched.split_range(kc, s, parts)
+                        k0, kc = split_range(kc, s, parts)
                     prod = self.load(ab_pipe, prod, (tma_a, k_a, s_a, a_mask), (tma_b, k_b, s_b, b_mask),
                                      k0, kc, ts)
                     w += stride
@@ -655,7 +655,7 @@ class Sm90Gemm(ScaledMainloop, Sm90Epilogue):
         while valid:
             n_k = self.sched.group_k_tiles(ext, g, t0, t1)
             if const_expr(self.split > 1):
-                n_k = self.sched.split_range(n_k, s, parts)[1]
+                n_k = split_range(n_k, s, parts)[1]
             if const_expr(self.scaled):
                 # (empty groups and ragged_m's tail have no k-tiles: they store zeros)
                 read, release = self.scaled_mainloop(tiled_mma, acc, tCrA, tCrB, cs.ts, ab_pipe, read, release,

@@ -41,6 +41,12 @@ def ragged_view(t, dim: int, start, length):
     return cute.domain_offset(tuple(_BIG - length if i == dim else None for i in range(3)), sub)
 
 
+def split_range(n_k, s, parts):
+    """(first k-tile, count) of split ``s`` of ``n_k`` k-tiles cut into ``parts`` contiguous ones."""
+    k0 = (s * n_k) // parts
+    return k0, ((s + 1) * n_k) // parts - k0
+
+
 class DenseRaster:
     """Units (cluster tile, batch, k-split) of a dense GEMM in a grouped raster order; every CTA
     strides through them by the number of resident clusters."""
@@ -101,8 +107,7 @@ class DenseRaster:
         """Contiguous k-tiles [k0, k0 + count) of split s."""
         if const_expr(self.split == 1):
             return Int32(0), k_tiles
-        k0 = (s * k_tiles) // self.split
-        return k0, ((s + 1) * k_tiles) // self.split - k0
+        return split_range(k_tiles, s, self.split)
 
 
 class RaggedWalk:
@@ -210,11 +215,6 @@ class RaggedWalk:
             parts = cutlass.max(cutlass.min(cutlass.min(grid // rem, k_tiles // TAIL_MIN_K_TILES),
                                             self.cfg.split_k), 1)
         return full, parts
-
-    def split_range(self, n_k, s, parts):
-        """(first k-tile, count) of split ``s`` of a tile's ``n_k`` k-tiles cut into ``parts``."""
-        k0 = s * n_k // parts
-        return k0, (s + 1) * n_k // parts - k0
 
     def tail_unit(self, w, full, parts):
         """Unit ``w`` of a tail-split walk -> (walk tile, its k-split, the tile's splits)."""
