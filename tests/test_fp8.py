@@ -326,6 +326,29 @@ def test_aligned_transpose_reference_is_the_group_aligned_gather():
     assert wo.supported(192) and not wo.supported(200) and not wo.supported(0)
 
 
+@pytest.mark.parametrize("launcher, dtype, values", [("quantize_rows_and_tokens", "bfloat16", 128),
+                                                     ("quantize_tokens", "float32", 64)])
+def test_quantizer_kernels_divide_by_a_corrected_reciprocal(launcher, dtype, values):
+    """The one-pass quantizers (kernels/fp8_operands.py) compile for sm_90a with each value's
+    quotient a multiply by the block's reciprocal and two FMAs (div.rn kept for extreme scales),
+    without spills, in at most 64 registers a thread (four CTAs of 256 threads an SM)."""
+    pytest.importorskip("cutlass")
+    from jax_cute.kernels import abi, build, cubin_info, fp8_operands
+
+    t, r, nb = 1024, 256, 8
+    def arg(name, dt, shape):
+        return abi.TensorArg(name, dt, shape, tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape))), align=16)
+    both = launcher == "quantize_rows_and_tokens"   # (values: a thread's, 64 a block)
+    outs = [arg("out0", "float8_e4m3fn", (t, r)), arg("out1", "float32", (t, r // 128))] if both else []
+    sig = (abi.StreamArg(), arg("in0", dtype, (t, r)), arg("in1", "int32", (nb,)), arg("in2", "int32", (nb,)),
+           *outs, arg(f"out{len(outs)}", "float8_e4m3fn", (r, 128 * nb)), arg(f"out{len(outs) + 1}", "float32", (r, nb)))
+    binary = build.compile_launcher(getattr(fp8_operands, launcher), sig, arch="sm_90a", name=launcher, keep_ptx=True)
+    res = cubin_info.resources(binary.obj)
+    assert res["local_bytes"] == 0 and res["registers"] <= 64, res
+    ptx = binary.ptx
+    assert ptx.count("fma.rn.f32") == 2 * values and ptx.count("mul.f32") >= values and "div.rn.f32" in ptx
+
+
 @pytest.mark.parametrize("dtype", [E4M3, np.dtype(jnp.float8_e5m2)], ids=["e4m3", "e5m2"])
 def test_quantize_tokens_reference_is_the_quantizer(dtype):
     """The token kernel's reference (what it must compute) is the quantizer's result, in the

@@ -460,6 +460,46 @@ def test_quantize_rows_and_tokens_kernel_is_the_reference(t, r, dtype, fp8):
     assert np.any(np.asarray(rows.scales) != 1) and np.any(np.asarray(scales) != 1)
 
 
+@pytest.mark.parametrize("fp8", ["float8_e4m3fn", "float8_e5m2"])
+def test_quantize_kernels_at_extreme_scales(fp8):
+    """The one-pass quantizers divide by a block's scale through a reciprocal and one exact
+    correction where the scale is in [2^-80, 2^100], and by div.rn elsewhere: both bit-equal to the
+    reference run on the CPU, on float32 blocks whose scales sit at and around both ends, blocks
+    of values near fp8's rounding midpoints, negative zeros and subnormal inputs."""
+    from jax_cute.fp8 import wgrad_operands as wo
+
+    t, r = 2048, 256
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((t, r)).astype(np.float32)
+    # one exponent per 128 x 128 tile, so row and token blocks alike take scales at each end
+    # (about 2^(e - 8) for e4m3, 2^(e - 14) for e5m2)
+    exps = np.array([-100, -90, -75, -73, -72, -71, -70, -67, -66, -65, -64, -60, -20, 0, 20, 60,
+                     98, 106, 107, 108, 109, 110, 112, 113, 114, 115, 116, -30, 40, -5, 5, 80])
+    for i in range(t // 128):
+        for j in range(r // 128):
+            x[128 * i:128 * (i + 1), 128 * j:128 * (j + 1)] *= np.float32(2.0 ** exps[(2 * i + j) % len(exps)])
+    mids = (rng.integers(8, 16, (128, 64)) + 0.5) * 2.0 ** rng.integers(-8, 5, (128, 64))
+    x[:128, :64] = (mids * (1 + rng.integers(-2, 3, (128, 64)) * 2.0 ** -23)).astype(np.float32)
+    x[:128, 64] = 448.0                    # row scales about 1: quotients at fp8's midpoints
+    x[200:210, :] = -0.0
+    x[300, :50] = np.float32(1e-40)        # subnormal inputs inside a normal block
+    x = jnp.asarray(x)
+    cpu = jax.devices("cpu")[0]
+    rows, (values, scales) = jax.jit(lambda x: wo.quantize_rows_and_tokens(x, fp8))(x)
+    tok = jax.jit(lambda x, s, n: wo.quantize_tokens(x, s, n, fp8))(x, *wo.uniform_blocks(t))
+    with jax.default_device(cpu):
+        xc = jax.device_put(x, cpu)
+        want = jax.jit(lambda x: wo.rows_and_tokens_reference(x, fp8))(xc)
+    got = (rows.values, rows.scales, values, scales)
+    for g, w_, name in zip(got + tok, want + want[2:], ("row values", "row scales", "token values", "token scales",
+                                                       "token kernel's values", "token kernel's scales")):
+        np.testing.assert_array_equal(np.asarray(g).view(np.uint8), np.asarray(w_).view(np.uint8), err_msg=name)
+    assert np.signbit(np.asarray(rows.values[205]).astype(np.float32)).all()
+    for sc in (np.asarray(rows.scales), np.asarray(scales)):   # both paths ran, each near both ends
+        assert all(((sc >= lo) & (sc < hi)).any() for lo, hi in ((0, 2.0 ** -80), (2.0 ** -82, 2.0 ** -80),
+                   (2.0 ** -80, 2.0 ** -78), (2.0 ** 98, 2.0 ** 100), (2.0 ** 100, 2.0 ** 102), (2.0 ** 102, np.inf)))
+
+
 @pytest.mark.parametrize("kind", ["normal", "heavy", "student_t"])
 @pytest.mark.parametrize("out", [BF, F32], ids=["bf16", "f32"])
 def test_ragged_k(out, kind):

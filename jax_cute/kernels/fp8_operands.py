@@ -30,12 +30,34 @@ THREADS = 128
 TINY = 1.1754943508222875e-38   # float32's smallest normal: the least scale (quantize._TINY)
 FMAX = {cutlass.Float8E4M3FN: 448.0, cutlass.Float8E5M2: 57344.0}
 _PITCH = COLS + 4   # staged float32 row pitch: 16-byte rows, fewer bank conflicts on the store
+# scales whose quotients take _quotients' fast path: a quotient an fp8 value can hold (at least
+# e5m2's half-smallest 2^-17) then has a dividend of 2^-97 or more, whose residual is exact
+FAST_MIN, FAST_MAX = 2.0 ** -80, 2.0 ** 100
 
 
 @cute.jit
 def _absmax(m: Float32, v: Float32) -> Float32:
     """max(m, |v|), NaN propagating as in XLA's max."""
     return cute.arch.fmax(m, cute.arch.fmax(v, -v), nan=True)
+
+
+@cute.jit
+def _quotients(src: cute.Tensor, dst: cute.Tensor, scale: Float32, inv: Float32):
+    """dst[i] = src[i] / scale, rounded to nearest as div.rn.f32 rounds it, for a block's values
+    (each at most its amax, so no quotient overflows). div.rn is a dozen instructions and made
+    these kernels issue-bound; with ``inv`` = RN(1 / scale), the quotient RN(src * inv) is within
+    an ulp, and one correction by the exact residual (an FMA) makes it the correctly rounded one
+    (Markstein's theorem), provided nothing underflows: scales in [FAST_MIN, FAST_MAX] (any
+    realistic block) take that path, others divide; smaller quotients round to fp8 zero either way. The residual is formed as scale * q - src so
+    that a negative zero keeps its sign."""
+    if scale >= Float32(FAST_MIN) and scale <= Float32(FAST_MAX):
+        for i in cutlass.range_constexpr(cute.size(src)):
+            q = src[i] * inv
+            err = cute.math.fma(scale, q, -src[i])
+            dst[i] = cute.math.fma(-err, inv, q)
+    else:
+        for i in cutlass.range_constexpr(cute.size(src)):
+            dst[i] = src[i] / scale    # div.rn.f32, as XLA divides
 
 
 @cute.jit
@@ -112,23 +134,24 @@ def _quantize_tokens_kernel(mX: cute.Tensor, mStart: cute.Tensor, mLen: cute.Ten
     # thread t holds half t // 64 of column t % 64 (64 tokens); the column's amax over both
     # halves, NaN propagating as in XLA's max
     c, half = tidx % COLS, tidx // COLS
-    vals = cute.make_rmem_tensor((COLS,), Float32)
     m = Float32(0.0)
     for i in cutlass.range(COLS, unroll_full=True):
-        v = sX[half * COLS + i, c]
-        vals[i] = v
-        m = _absmax(m, v)
+        m = _absmax(m, sX[half * COLS + i, c])
     sMax[half, c] = m
     cute.arch.sync_threads()
     scale = _block_scale(cute.arch.fmax(sMax[0, c], sMax[1, c], nan=True), fmax)
+    inv = Float32(1.0) / scale
     if half == 0:
         mScale[cb * COLS + c, blk] = scale
-    q = cute.make_rmem_tensor((COLS,), Float32)
-    for i in cutlass.range(COLS, unroll_full=True):
-        q[i] = vals[i] / scale    # div.rn.f32, as XLA divides
-    out = cute.make_rmem_tensor((COLS,), mVal.element_type)
-    out.store(q.load().to(mVal.element_type))   # cvt.rn.satfinite: the quantizer's clip and rounding
-    cute.local_tile(mVal, (1, COLS), (cb * COLS + c, blk * 2 + half))[0, None].store(out.load())
+    for j in cutlass.range(4, unroll_full=True):   # 16 values, one 16-byte store, at a time
+        x = cute.make_rmem_tensor((16,), Float32)
+        for i in cutlass.range(16, unroll_full=True):
+            x[i] = sX[half * COLS + j * 16 + i, c]
+        q = cute.make_rmem_tensor((16,), Float32)
+        _quotients(x, q, scale, inv)
+        out = cute.make_rmem_tensor((16,), mVal.element_type)
+        out.store(q.load().to(mVal.element_type))   # cvt.rn.satfinite: the quantizer's clip and rounding
+        cute.local_tile(mVal, (1, 16), (cb * COLS + c, blk * 8 + half * 4 + j))[0, None].store(out.load())
 
 
 @cute.jit
@@ -189,29 +212,35 @@ def _quantize_rows_and_tokens_kernel(mX: cute.Tensor, mStart: cute.Tensor, mLen:
     sRow[r, h] = rm
     sCol[hc, c] = cm
     cute.arch.sync_threads()
-    # the row block: its scale and fp8 values, in place
+    # the row block: its scale and fp8 values, in place; 16 values (one 16-byte store) at a time
+    # keep the registers low enough for four CTAs an SM
     scale = _block_scale(cute.arch.fmax(sRow[r, 0], sRow[r, 1], nan=True), fmax)
+    inv = Float32(1.0) / scale
     if r < length:
         if h == 0:
             mRowScale[start + r, cb] = scale
-        q = cute.make_rmem_tensor((64,), Float32)
-        for j in cutlass.range(8, unroll_full=True):
-            chunk = cute.local_tile(sX, (1, 8), (r, h * 8 + j))[0, None].load().to(Float32)
-            for e in cutlass.range(8, unroll_full=True):
-                q[j * 8 + e] = chunk[e] / scale    # div.rn.f32, as XLA divides
-        out = cute.make_rmem_tensor((64,), mRowVal.element_type)
-        out.store(q.load().to(mRowVal.element_type))   # cvt.rn.satfinite: the quantizer's clip and rounding
-        cute.local_tile(mRowVal, (1, 64), (start + r, cb * 2 + h))[0, None].store(out.load())
+        for j in cutlass.range(4, unroll_full=True):
+            x = cute.make_rmem_tensor((16,), Float32)
+            x.store(cute.local_tile(sX, (1, 16), (r, h * 4 + j))[0, None].load().to(Float32))
+            q = cute.make_rmem_tensor((16,), Float32)
+            _quotients(x, q, scale, inv)
+            out = cute.make_rmem_tensor((16,), mRowVal.element_type)
+            out.store(q.load().to(mRowVal.element_type))   # cvt.rn.satfinite: the quantizer's clip and rounding
+            cute.local_tile(mRowVal, (1, 16), (start + r, cb * 8 + h * 4 + j))[0, None].store(out.load())
     # the token block: as quantize_tokens' (zeros past the block's length)
     scale = _block_scale(cute.arch.fmax(sCol[0, c], sCol[1, c], nan=True), fmax)
+    inv = Float32(1.0) / scale
     if hc == 0:
         mScale[cb * BLOCK_COLS + c, blk] = scale
-    q = cute.make_rmem_tensor((64,), Float32)
-    for i in cutlass.range(64, unroll_full=True):
-        q[i] = sX[hc * 64 + i, c].to(Float32) / scale
-    out = cute.make_rmem_tensor((64,), mVal.element_type)
-    out.store(q.load().to(mVal.element_type))
-    cute.local_tile(mVal, (1, 64), (cb * BLOCK_COLS + c, blk * 2 + hc))[0, None].store(out.load())
+    for j in cutlass.range(4, unroll_full=True):
+        x = cute.make_rmem_tensor((16,), Float32)
+        for i in cutlass.range(16, unroll_full=True):
+            x[i] = sX[hc * 64 + j * 16 + i, c].to(Float32)
+        q = cute.make_rmem_tensor((16,), Float32)
+        _quotients(x, q, scale, inv)
+        out = cute.make_rmem_tensor((16,), mVal.element_type)
+        out.store(q.load().to(mVal.element_type))
+        cute.local_tile(mVal, (1, 16), (cb * BLOCK_COLS + c, blk * 8 + hc * 4 + j))[0, None].store(out.load())
 
 
 @cute.jit
