@@ -21,6 +21,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import re
 import signal
 import statistics
 import sys
@@ -91,6 +92,8 @@ def measure(suite: str, table: str, case: str, impls: Sequence[Impl], make_args:
     ``chain`` > 1 times each call as ``chain`` independent products in one jit (``ms`` is per
     product). ``shuffle`` (default): see round_order; False gives the plain rotation.
     """
+    if CASES is not None and not CASES.search(case):
+        return []
     base = {"suite": suite, "table": table, "case": case, "flops": flops, "chain": chain, **(meta or {})}
     records: dict[int, dict] = {}
     jitted: dict[int, Callable] = {}
@@ -177,6 +180,7 @@ def measure(suite: str, table: str, case: str, impls: Sequence[Impl], make_args:
 # every record measure() has returned in this process: what a suite stopped at its time limit
 # still writes (suite_main)
 MEASURED: list[dict] = []
+CASES: re.Pattern | None = None   # suite_main's --cases: measure only the cases it matches
 
 
 class _Stopped(BaseException):
@@ -241,7 +245,10 @@ def suite_main(run: Callable[[argparse.Namespace], list[dict]], description: str
     p.add_argument("--records", help="write the records here as JSON (run.py reads them)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, a few rounds: checks the script, not speed")
     p.add_argument("--rounds", type=int, default=7, help="timed rounds per case (median is reported)")
+    p.add_argument("--cases", metavar="REGEX", help="measure only the cases whose label this matches (re.search)")
     args = p.parse_args()
+    global CASES
+    CASES = re.compile(args.cases) if args.cases else None
 
     def stop(*_):
         raise _Stopped()

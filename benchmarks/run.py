@@ -53,11 +53,14 @@ def _commit() -> str:
     return head + ("+uncommitted-changes" if dirty else "")
 
 
-def run_suites(suites: list[str], out: str, extra: list[str], time_limit: float | None = None) -> dict:
+def run_suites(suites: list[str], out: str, extra: list[str], time_limit: float | None = None,
+               cases: str | None = None) -> dict:
     # No jax backend in this process: it would take the GPU memory the suites need.
     start = time.monotonic()
     result = {"device": None, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "commit": _commit(), "suites": suites, "records": [], "suite_errors": {}}
+    if cases:
+        result["cases"] = cases   # only the cases whose labels this matches were measured
     try:
         from importlib.metadata import version
         result["cutlass_dsl_version"] = version("nvidia-cutlass-dsl-libs-base")
@@ -537,6 +540,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", help="results JSON (with --suite)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes: checks the scripts, not speed")
     p.add_argument("--rounds", type=int, help="timed rounds per case (default 7)")
+    p.add_argument("--cases", metavar="REGEX", help="measure only the cases whose label this matches (re.search)")
     p.add_argument("--time-limit", type=float, metavar="S",
                    help="stop the suites after S seconds in all, keeping the cases they finished")
     p.add_argument("--report", nargs="+", metavar="JSON", help="write BENCHMARKS.md and plots from these files")
@@ -555,8 +559,9 @@ def main(argv: list[str] | None = None) -> None:
         unknown = [s for s in suites if s not in SUITES]
         if unknown or not args.out:
             p.error(f"unknown suites {unknown}" if unknown else "--out is required with --suite")
-        extra = (["--smoke"] if args.smoke else []) + (["--rounds", str(args.rounds)] if args.rounds else [])
-        run_suites(suites, args.out, extra, args.time_limit)
+        extra = ((["--smoke"] if args.smoke else []) + (["--rounds", str(args.rounds)] if args.rounds else [])
+                 + (["--cases", args.cases] if args.cases else []))
+        run_suites(suites, args.out, extra, args.time_limit, args.cases)
     else:
         p.error("give --suite ... --out ..., or --report FILES")
 
