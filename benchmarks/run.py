@@ -394,7 +394,8 @@ def scaling_table(recs: list[dict]) -> list[str]:
 
 SUMMARY_RIVALS = ("xla", "xla_bf16_grads", "pallas")  # the rivals the README's summary names
 SUMMARY_TABLE = {"gemm": "single products", "gemm_loop": "small products in a loop",
-                 "gemm_sustained": "1 s windows", "e2e": "MLP training step"}
+                 "gemm_sustained": "1 s windows", "e2e": "MLP training step", "ragged": "single products",
+                 "fp8_gemm": "dense", "fp8_grouped": "grouped", ("ragged", "e2e"): "MoE layer"}   # (suite, table): where a suite names a table its own way
 # other processes' tables, beside the suite's own (bench_collective.py's flag sets)
 SUMMARY_SKIP = ("collective_windowed", "collective_lhs", "collective_memcpy_p2p", "collective_lhs_memcpy_p2p",
                 "collective_lhs_overlap2", "collective_lhs_windowed")
@@ -437,7 +438,8 @@ def summary(files: list[str]) -> list[str]:
         ours = next((SUMMARY_OURS[su] for su in suites if su in SUMMARY_OURS), "jax_cute")
         for tbl, key, _, hb, sub, _ in tables:
             rs = [r for r in recs if r.get("table") == tbl]
-            name = title if len(tables) == 1 else f"{title}, {SUMMARY_TABLE.get(tbl, tbl)}"
+            label = SUMMARY_TABLE.get((suites[0] if len(suites) == 1 else None, tbl), SUMMARY_TABLE.get(tbl, tbl))
+            name = title if len(tables) == 1 else f"{title}, {label}"
             parts = []
             for rival in SUMMARY_RIVALS:
                 ratios = _ratios(rs, key, hb, rival)
