@@ -59,6 +59,14 @@ def test_lowers_to_our_custom_call_for_sm90(n):
     assert "arch_major = 9" in text
 
 
+def test_partitioned_reference_needs_a_reference():
+    # (its lowering under a partitioned jit: tests/test_fp8_sharded.py, on 8 host devices)
+    with pytest.raises(ValueError, match="partitioned_reference=True needs a reference"):
+        jax_cute.cute_call(example.axpby_launcher, out_shape=jax.ShapeDtypeStruct((8,), jnp.float32),
+                           partitioned_reference=True)
+    assert call_for(8, partitioned_reference=True) is not None
+
+
 def test_permuted_layout_reaches_the_kernel_as_strides():
     f = jax_cute.cute_call(example.axpby_launcher, out_shape=jax.ShapeDtypeStruct((16,), jnp.float32),
                            in_layouts=[(0,), (0,), None], reference=example._axpby_reference)

@@ -118,6 +118,21 @@ def _worker() -> dict:
                     "grad_err": {k: float(jnp.linalg.norm(grads[k] - want[k]) / jnp.linalg.norm(want[k]))
                                  for k in params},
                     "w1_grad_spec": [None if s is None else str(s) for s in grads["w1"].sharding.spec]}
+
+    # the operand quantizers (cute_call kernels, no partitioning rule), lowered for sm_90a: their
+    # references where jit partitions them, the kernel on one device and inside shard_map
+    from jax_cute import config
+    from jax_cute.fp8 import wgrad_operands as wo
+
+    x = jnp.asarray(rng.standard_normal((2048, 256)), jnp.bfloat16)
+    q = lambda x: wo.quantize_rows_and_tokens(x)[1][0]  # noqa: E731
+    sm = jax.shard_map(q, mesh=mesh, in_specs=P(("data", "model"), None), out_specs=P(None, ("data", "model")))
+    with config.override(target_arch="sm_90a"):
+        out["quantizer_launches"] = {
+            name: jax.jit(fn).trace(a).lower(lowering_platforms=("cuda",)).as_text().count("@jax_cute_launch")
+            for name, fn, a in (("partitioned", q, jax.device_put(x, NamedSharding(mesh, P("data", None)))),
+                                ("one_device", q, x),
+                                ("shard_map", sm, jax.device_put(x, NamedSharding(mesh, P(("data", "model"), None)))))}
     return out
 
 
@@ -133,6 +148,10 @@ SUBPROCESS_FIXTURES = {"results": _script}  # (conftest starts it before the fir
 @pytest.fixture(scope="module")
 def results() -> dict:
     return _script().result()
+
+
+def test_quantizer_kernels_lower_to_their_references_when_partitioned(results):
+    assert results["quantizer_launches"] == {"partitioned": 0, "one_device": 1, "shard_map": 1}
 
 
 def test_data_and_model_parallel_dense_product(results):

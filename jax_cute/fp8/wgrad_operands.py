@@ -56,7 +56,7 @@ def aligned_transpose(xt: jax.Array, start: jax.Array, length: jax.Array) -> jax
     t, r = xt.shape
     nb = start.shape[0]
     call = cute_call(fp8_operands.aligned_transpose, out_shape=jax.ShapeDtypeStruct((r, BLOCK * nb), jnp.uint8),
-                     reference=lambda x, s, n: (transpose_reference(x, s, n),), name="fp8_aligned_transpose")
+                     reference=lambda x, s, n: (transpose_reference(x, s, n),), name="fp8_aligned_transpose", partitioned_reference=True)
     out = call(jax.lax.bitcast_convert_type(xt, jnp.uint8), start.astype(jnp.int32), length.astype(jnp.int32))
     return jax.lax.bitcast_convert_type(out, xt.dtype)
 
@@ -78,7 +78,7 @@ def quantize_tokens(x: jax.Array, start: jax.Array, length: jax.Array, dtype=jnp
     nb = start.shape[0]
     call = cute_call(fp8_operands.quantize_tokens,
                      out_shape=(jax.ShapeDtypeStruct((r, BLOCK * nb), dt), jax.ShapeDtypeStruct((r, nb), jnp.float32)),
-                     reference=lambda x, s, n: quantize_reference(x, s, n, dt), name="fp8_quantize_tokens")
+                     reference=lambda x, s, n: quantize_reference(x, s, n, dt), name="fp8_quantize_tokens", partitioned_reference=True)
     return call(x, start.astype(jnp.int32), length.astype(jnp.int32))
 
 
@@ -91,9 +91,14 @@ def rows_and_tokens_supported(x_shape: tuple[int, ...], dtype) -> bool:
 
 def rows_and_tokens_reference(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """What ``quantize_rows_and_tokens`` computes, in jax.numpy: ``quantize(x, "1x128")``'s values and
-    scales, then ``quantize_reference``'s over uniform blocks of 128 tokens."""
+    scales, then ``quantize_reference``'s over uniform blocks of 128 tokens: as ``quantize``'s
+    (128, 1) blocks of x zero-padded to whole blocks (zeros leave a block's amax as it is),
+    transposed. XLA partitions it (cute_call's partitioned_reference) as fast as its own
+    quantization, where the general reference's gathers would not be."""
     q = quantize(x, "1x128", dtype=dtype)
-    return (q.values, q.scales, *quantize_reference(x, *uniform_blocks(x.shape[0]), dtype))
+    t = x.shape[0]
+    tq = quantize(jnp.pad(x, ((0, -t % BLOCK), (0, 0))), (BLOCK, 1), dtype=dtype)
+    return q.values, q.scales, tq.values.T, tq.scales.T
 
 
 def quantize_rows_and_tokens(x: jax.Array, dtype=jnp.float8_e4m3fn) -> tuple[BlockScaled, tuple[jax.Array, jax.Array]]:
@@ -114,6 +119,6 @@ def quantize_rows_and_tokens(x: jax.Array, dtype=jnp.float8_e4m3fn) -> tuple[Blo
     call = cute_call(fp8_operands.quantize_rows_and_tokens,
                      out_shape=(jax.ShapeDtypeStruct((t, r), dt), jax.ShapeDtypeStruct((t, r // BLOCK), jnp.float32),
                                 jax.ShapeDtypeStruct((r, BLOCK * nb), dt), jax.ShapeDtypeStruct((r, nb), jnp.float32)),
-                     reference=lambda x, s, n: rows_and_tokens_reference(x, dt), name="fp8_quantize_rows_and_tokens")
+                     reference=lambda x, s, n: rows_and_tokens_reference(x, dt), name="fp8_quantize_rows_and_tokens", partitioned_reference=True)
     row_values, row_scales, values, scales = call(x, start, length)
     return BlockScaled(row_values, row_scales, (1, BLOCK)), (values, scales)

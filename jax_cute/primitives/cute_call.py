@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import hashlib
 import inspect
+import logging
 from typing import Any, Callable, Sequence
 
 import jax
@@ -25,7 +26,10 @@ from jax_cute import dispatch
 from jax_cute.custom_call import kernel_call
 from jax_cute.kernels import abi
 from jax_cute.layout import row_major
+from jax_cute.primitives import sharding
 from jax_cute.primitives.rules import eager
+
+logger = logging.getLogger("jax_cute")
 
 cute_call_p = core.Primitive("jax_cute_call")
 cute_call_p.multiple_results = True
@@ -33,17 +37,20 @@ cute_call_p.multiple_results = True
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class UserKernel:
-    """A launcher and its stable identity. Equality and hashing use the identity only."""
+    """A launcher and its stable identity. Equality and hashing use the identity (and how the
+    call lowers when partitioned) only."""
 
     launcher: Callable
     identity: str
     reference: Callable | None = None
+    partitioned_reference: bool = False
 
     def __eq__(self, other):
-        return isinstance(other, UserKernel) and other.identity == self.identity
+        return (isinstance(other, UserKernel) and other.identity == self.identity
+                and other.partitioned_reference == self.partitioned_reference)
 
     def __hash__(self):
-        return hash(self.identity)
+        return hash((self.identity, self.partitioned_reference))
 
 
 def _identity(launcher: Callable, key: str | None) -> str:
@@ -101,6 +108,10 @@ def _reference_lowering(ctx, *args, kernel: UserKernel, name, **_):
 
 
 def _cuda_lowering(ctx, *args, kernel: UserKernel, out_avals, in_layouts, out_layouts, name, aliases=(), **_):
+    if kernel.partitioned_reference and not sharding.one_shard(ctx.module_context.axis_context):
+        # (no partitioning rule: the kernel would run on operands gathered onto every device)
+        logger.info("jax_cute.cute_call(%s): partitioned over several devices, lowered to its reference", name)
+        return _reference_lowering(ctx, *args, kernel=kernel, name=name)
     sig = _signature(ctx.avals_in, out_avals, in_layouts, out_layouts)
     binary = dispatch.user_kernel(name, kernel.identity, kernel.launcher, sig, kernel.reference is not None)
     if binary is None:
@@ -159,7 +170,7 @@ batching.primitive_batchers[cute_call_p] = _batch_rule
 def cute_call(launcher: Callable, *, out_shape: Any, in_layouts: Sequence[Sequence[int] | None] | None = None,
               out_layouts: Sequence[Sequence[int] | None] | None = None, key: str | None = None,
               reference: Callable | None = None, batch_mode: bool = False, name: str | None = None,
-              input_output_aliases: dict[int, int] | None = None) -> Callable:
+              input_output_aliases: dict[int, int] | None = None, partitioned_reference: bool = False) -> Callable:
     """Wrap ``launcher(stream, *inputs, *outputs)`` as a JAX function of the inputs.
 
     ``out_shape``: a ``jax.ShapeDtypeStruct`` or a sequence of them. ``in_layouts`` /
@@ -172,13 +183,20 @@ def cute_call(launcher: Callable, *, out_shape: Any, in_layouts: Sequence[Sequen
     its input in place (a loop carry, a buffer nothing else reads after) needs no new buffer
     and no copy; XLA copies the input first where it is still needed. The launcher gets both
     tensors over the same memory: each element must be read before it is written.
+    ``partitioned_reference``: where the call is lowered as part of a computation partitioned over
+    several devices (``jit`` of sharded operands; not inside ``shard_map``, where each shard runs
+    the kernel), lower ``reference`` instead, which XLA partitions: the kernel has no
+    partitioning rule, so XLA would gather its operands onto every device and run it on the
+    whole. For kernels whose outputs follow their inputs' sharding (elementwise or blockwise).
     The call has no derivative: wrap it in ``jax.custom_vjp``.
     """
+    if partitioned_reference and reference is None:
+        raise ValueError("jax_cute.cute_call: partitioned_reference=True needs a reference")
     single = isinstance(out_shape, jax.ShapeDtypeStruct)
     outs = [out_shape] if single else list(out_shape)
     fn = inspect.unwrap(launcher)
     label = name or getattr(fn, "__qualname__", "kernel")
-    kernel = UserKernel(launcher, _identity(launcher, key), reference)
+    kernel = UserKernel(launcher, _identity(launcher, key), reference, partitioned_reference)
     params = [p for p in inspect.signature(fn).parameters.values()
               if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     out_avals = tuple(jax.core.ShapedArray(tuple(o.shape), np.dtype(o.dtype)) for o in outs)
