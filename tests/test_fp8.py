@@ -349,6 +349,25 @@ def test_quantizer_kernels_divide_by_a_corrected_reciprocal(launcher, dtype, val
     assert ptx.count("fma.rn.f32") == 2 * values and ptx.count("mul.f32") >= values and "div.rn.f32" in ptx
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_weight_quantizer_kernel_compiles_for_sm90(dtype):
+    """The weights' one-pass quantizer (kernels/fp8_operands.quantize_weight) compiles for sm_90a:
+    a stack of weights, the block's amax reduced across the warp by shuffles, each thread's 64
+    values of a row and 64 of a column divided as the other quantizers divide, no spills."""
+    pytest.importorskip("cutlass")
+    from jax_cute.kernels import abi, build, cubin_info, fp8_operands
+
+    def arg(name, dt, shape):
+        return abi.TensorArg(name, dt, shape, tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape))), align=16)
+    sig = (abi.StreamArg(), arg("in0", dtype, (2, 256, 384)), arg("out0", "float8_e4m3fn", (2, 256, 384)),
+           arg("out1", "float8_e4m3fn", (2, 384, 256)), arg("out2", "float32", (2, 2, 3)))
+    binary = build.compile_launcher(fp8_operands.quantize_weight, sig, arch="sm_90a", name="quantize_weight",
+                                    keep_ptx=True)
+    assert cubin_info.resources(binary.obj)["local_bytes"] == 0
+    ptx = binary.ptx
+    assert ptx.count("fma.rn.f32") == 2 * 128 and "shfl.sync.bfly" in ptx and "div.rn.f32" in ptx
+
+
 @pytest.mark.parametrize("dtype", [E4M3, np.dtype(jnp.float8_e5m2)], ids=["e4m3", "e5m2"])
 def test_quantize_tokens_reference_is_the_quantizer(dtype):
     """The token kernel's reference (what it must compute) is the quantizer's result, in the
@@ -382,8 +401,8 @@ def test_quantize_tokens_reference_is_the_quantizer(dtype):
 @pytest.mark.parametrize("grouped, k, out", [(False, 192, jnp.float32), (True, 192, jnp.float32),
                                               (False, 256, jnp.bfloat16)], ids=["dense", "grouped", "dense-rows"])
 def test_wgrad_operand_kernel_path_is_the_xla_path(grouped, k, out, monkeypatch):
-    """The weight gradient with its operands quantized by the token kernels' path (their
-    references here) equals, bit for bit, the gradient with XLA's quantization: 300 tokens (a
+    """The gradients with the operands quantized by the kernels' path (the token kernels' and the
+    weight kernel's; their references here) equal, bit for bit, those with XLA's quantization: 300 tokens (a
     partial block: the kernel's operands are zero-padded), an empty group and tokens past the last
     group. A dense layer's operand whose columns are whole 1 x 128 blocks (the cotangent, N = 128;
     x with K = 256) is quantized both ways (1 x 128 along its columns, and along the tokens) in one
@@ -408,7 +427,10 @@ def test_wgrad_operand_kernel_path_is_the_xla_path(grouped, k, out, monkeypatch)
     # dense: x (K = 192 or 256) and the cotangent (N = 128) each where its columns are whole blocks
     both = 0 if grouped else 1 + (k % 128 == 0)
     assert (jaxpr.count("fp8_quantize_tokens"), jaxpr.count("fp8_quantize_rows_and_tokens")) == (2 - both, both)
+    # the weight's two layouts by one kernel where K and N are whole 128 x 128 blocks
+    assert jaxpr.count("fp8_quantize_weight") == (k % 128 == 0)
     monkeypatch.setattr(lin, "_wgrad_kernels", lambda rows, pow2: None)
+    monkeypatch.setattr(lin, "weight_kernel", lambda shape, dtype: None)
     f, by_xla = grads()
     assert "fp8_quantize" not in str(jax.make_jaxpr(f)(x, w))
     for a, b in zip(by_kernel, by_xla):
@@ -432,9 +454,11 @@ def test_grouped_linear_and_kernelize_wgrad_reach_the_kernel():
     for loss in (linear_loss, moe_loss):
         fn = loss if loss is linear_loss else jax_cute.kernelize(loss, fp8="blockwise")
         text = _wgrad_text(jax.value_and_grad(lambda w, x: fn(w, x), (0, 1)), we, x, strict=True)
-        # forward, dgrad, the ragged-K wgrad and its two operands, quantized into the group-aligned layout
-        assert text.count("@jax_cute_launch") == 5 and "stablehlo.dot_general" not in text, loss
+        # forward, dgrad, the ragged-K wgrad and its two operands, quantized into the group-aligned
+        # layout, and the experts' weights in both layouts
+        assert text.count("@jax_cute_launch") == 6 and "stablehlo.dot_general" not in text, loss
         assert "ragged_k.float8_e4m3fn" in text and text.count('name = "fp8_quantize_tokens"') == 2
+        assert text.count('name = "fp8_quantize_weight"') == 1
 
 
 def test_vmap_of_scaled_products():
@@ -774,15 +798,17 @@ def test_dense_lowers_to_the_hopper_kernel():
 def test_kernelize_fp8_epilogue_lowers_to_the_hopper_kernel():
     """kernelize(fp8=...) of ``gelu(x @ w1 + b1) @ w2`` and its gradient, lowered for sm_90a in
     strict mode: five block-scaled GEMMs (two forward, two wgrad, the second layer's dgrad: x is
-    not differentiated), the first forward one with the bias in its epilogue, and the two wgrads'
+    not differentiated), the first forward one with the bias in its epilogue, the two wgrads'
     four operands quantized by the token kernel, each together with its 1 x 128 blocks for the
-    other product (the forward's or dgrad's), in one pass; no XLA dot is left."""
+    other product (the forward's or dgrad's), in one pass, and each weight's two layouts by the
+    weight kernel; no XLA dot is left."""
     pytest.importorskip("cutlass")
     p, x = _mlp_bias_params(50)
     f = jax_cute.kernelize(_mlp_bias_loss, fp8="blockwise")
     text = _wgrad_text(jax.value_and_grad(f), p, x, strict=True)
-    assert text.count("@jax_cute_launch") == 9 and "stablehlo.dot_general" not in text
+    assert text.count("@jax_cute_launch") == 11 and "stablehlo.dot_general" not in text
     assert text.count('name = "fp8_quantize_rows_and_tokens"') == 4 and 'name = "fp8_quantize_tokens"' not in text
+    assert text.count('name = "fp8_quantize_weight"') == 2
     assert f.report.products[0].epilogue == "bias + gelu"
     assert len([ln for ln in text.splitlines() if "scaled1x128" in ln and ".bias" in ln]) == 1, text
 
@@ -944,13 +970,15 @@ def test_lowers_for_cuda_as_xla_ops(monkeypatch):
                 lowering_platforms=("cuda",)).as_text()
 
     text = lowered()
-    # six GEMMs, and the four wgrad operands quantized by the token kernels (the dense layer's
-    # together with their 1 x 128 blocks for the forward product and dgrad)
-    assert text.count("@jax_cute_launch") == 10 and "f8E4M3FN" in text and "stablehlo.dot_general" not in text
+    # six GEMMs, the four wgrad operands quantized by the token kernels (the dense layer's
+    # together with their 1 x 128 blocks for the forward product and dgrad), and the two weights'
+    # layouts by the weight kernel
+    assert text.count("@jax_cute_launch") == 12 and "f8E4M3FN" in text and "stablehlo.dot_general" not in text
     assert text.count('name = "fp8_quantize_tokens"') == 2 and text.count('name = "fp8_quantize_rows_and_tokens"') == 2
+    assert text.count('name = "fp8_quantize_weight"') == 2
     monkeypatch.setattr(arch, "UNVERIFIED_VARIANTS", {"sm_90a": frozenset({"scaled_ragged_k"})})
     text = lowered()
-    assert text.count("@jax_cute_launch") == 9
+    assert text.count("@jax_cute_launch") == 11
     dots = [ln for ln in text.splitlines() if "stablehlo.dot_general" in ln]
     assert dots and all("bf16" in ln and "-> tensor<" in ln and ln.rstrip().endswith("xf32>") for ln in dots), dots[:3]
 

@@ -500,6 +500,38 @@ def test_quantize_kernels_at_extreme_scales(fp8):
                    (2.0 ** -80, 2.0 ** -78), (2.0 ** 98, 2.0 ** 100), (2.0 ** 100, 2.0 ** 102), (2.0 ** 102, np.inf)))
 
 
+@pytest.mark.parametrize("shape, dtype, fp8", [((256, 384), "float32", "float8_e4m3fn"),
+                                               ((3, 512, 256), "bfloat16", "float8_e4m3fn"),
+                                               ((1024, 2048), "bfloat16", "float8_e5m2"),
+                                               ((2, 128, 128), "float16", "float8_e4m3fn")])
+def test_quantize_weight_kernel_is_the_reference(shape, dtype, fp8):
+    """The weights' one-pass quantizer: its values, the same values transposed and its scales
+    bit-equal to ``quantize(w, "128x128")`` run on the CPU, on heavy-tailed data with an all-zero
+    block, a block of negative zeros and a block scaled to 2^-90 (the division's exact path)."""
+    from jax_cute.fp8 import weight_operands as wop
+
+    w = np.array(data(shape, "heavy", sum(shape)), np.float32)
+    w = w / np.abs(w).max() * 6e4   # finite in float16 too
+    if shape[-1] > 128:
+        w[..., :128, -128:] = 0
+    if shape[-2] > 128:
+        w[..., -128:, :128] = -0.0
+    if dtype == "float32":
+        w[..., :128, 128:256] *= np.float32(2.0 ** -90)
+    w = jnp.asarray(w, dtype)
+    f = jax.jit(lambda w: wop.quantize_weight(w, fp8))
+    assert "fp8_quantize_weight" in f.lower(w).as_text()
+    wq, wq_fwd = f(w)
+    cpu = jax.devices("cpu")[0]
+    with jax.default_device(cpu):
+        want = jax.jit(lambda w: quantize(w, "128x128", dtype=fp8))(jax.device_put(w, cpu))
+    for got, name in ((wq, "values"), (wq_fwd, "the forward operand (values stored transposed)")):
+        np.testing.assert_array_equal(np.asarray(got.values).view(np.uint8), np.asarray(want.values).view(np.uint8),
+                                      err_msg=name)
+        np.testing.assert_array_equal(np.asarray(got.scales), np.asarray(want.scales), err_msg=name)
+    assert np.any(np.asarray(wq.scales) != 1)
+
+
 @pytest.mark.parametrize("kind", ["normal", "heavy", "student_t"])
 @pytest.mark.parametrize("out", [BF, F32], ids=["bf16", "f32"])
 def test_ragged_k(out, kind):

@@ -34,6 +34,7 @@ LAZY = {
                                      "with it)",
     "jax_cute._ffi": "the native extension, which may not be built",
     "jax_cute.fp8.wgrad_operands": "the fp8 weight gradient's operand kernels: defined with the DSL",
+    "jax_cute.fp8.weight_operands": "the fp8 weights' operand kernel: defined with the DSL",
 }
 EXTENSIONS = ("jax_cute._ffi",)
 

@@ -33,7 +33,7 @@ from jax_cute.activations import apply_activation, check_activation, derivative_
 from jax_cute.fp8.ops import ragged_k_dot, ragged_k_dot_aligned, scaled_dot_general, scaled_ragged_dot
 from jax_cute.fp8.quantize import (BLOCK, E4M3, FP8_DTYPES, BlockScaled, clipped_sizes, group_blocks, group_ends,
                                    quantize, quantize_grouped, row_groups)
-from jax_cute.fp8.scaled import wgrad_kernels
+from jax_cute.fp8.scaled import weight_kernel, wgrad_kernels
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +64,17 @@ class Blockwise:
 
     def q(self, x, block, grad: bool = False):
         return quantize(x, block, pow2_scales=self.pow2_scales, dtype=self.grad_dtype if grad else self.dtype)
+
+    def q_weight(self, w) -> tuple[BlockScaled, BlockScaled]:
+        """``q(w, "128x128")`` for w (K, N) or (G, K, N), twice: for dgrad, and for the forward
+        product with its values stored transposed, K-major as that kernel reads them. By one
+        kernel that reads w once (``weight_operands.quantize_weight``) where it takes w (amax /
+        fmax scales, K and N multiples of 128); else one quantization serves both."""
+        kernel = None if self.pow2_scales else weight_kernel(w.shape, w.dtype)
+        if kernel is None:
+            wq = self.q(w, "128x128")
+            return wq, wq
+        return kernel.quantize_weight(w, self.dtype)
 
     def q_tokens(self, x, grad: bool = False, kernel: bool = False) -> BlockScaled:
         """``x`` (M, K) as ``q(x.T, "1x128")``: (K, M) in blocks of 128 tokens, for a weight
@@ -182,7 +193,7 @@ def _dz(activation, z, g):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _linear(x, w, bias, dtypes: tuple[str, str, str], recipe: Blockwise, activation: str | None):
-    z = _product(recipe.q(x, "1x128"), recipe.q(w, "128x128"), bias, dtypes[0])   # (no residuals to quantize)
+    z = _product(recipe.q(x, "1x128"), recipe.q_weight(w)[1], bias, dtypes[0])   # (no residuals to quantize)
     return z if activation is None else _activate(activation, z, dtypes[0])
 
 
@@ -192,11 +203,11 @@ def _product(xq, wq, bias, out_dtype):
 
 def _linear_fwd(x, w, bias, dtypes, recipe, activation):
     out_dtype = dtypes[0]
-    wq = recipe.q(w, "128x128")
+    wq, wq_fwd = recipe.q_weight(w)
     # wgrad contracts the tokens: x quantized along them too, stored K-major (x.T) as the kernel
     # reads it (both from one read of x where the kernel takes it)
     xq, xq_t = recipe.q_rows_and_tokens(x, kernel=recipe.wgrad_kernel(*x.shape, w.shape[1]))
-    z = _product(xq, wq, bias, out_dtype)
+    z = _product(xq, wq_fwd, bias, out_dtype)
     # the pre-activation z (out_dtype) only where act' needs it
     res = (xq_t, wq, None if activation is None else z)
     return (z if activation is None else _activate(activation, z, out_dtype)), res
@@ -250,8 +261,8 @@ def _grouped(x, w, sizes, bias, dtypes: tuple, recipe: Blockwise, activation: st
 
 def _grouped_fwd(x, w, sizes, bias, dtypes, recipe, activation):
     out_dtype = dtypes[0]
-    wq = recipe.q(w, "128x128")  # (G, K, N): 128 x 128 blocks of each expert
-    z = scaled_ragged_dot(recipe.q(x, "1x128"), wq, sizes, preferred_element_type=out_dtype, bias=bias)
+    wq, wq_fwd = recipe.q_weight(w)  # (G, K, N): 128 x 128 blocks of each expert
+    z = scaled_ragged_dot(recipe.q(x, "1x128"), wq_fwd, sizes, preferred_element_type=out_dtype, bias=bias)
     aligned = recipe.wgrad_kernel(*x.shape, w.shape[2])
     res = (recipe.q_grouped(x, sizes, aligned=aligned), wq, sizes, None if activation is None else z)
     return (z if activation is None else _activate(activation, z, out_dtype)), res

@@ -161,6 +161,17 @@ def wgrad_kernels(rows: int):
     return wgrad_operands if wgrad_operands.supported(rows) else None
 
 
+def weight_kernel(shape: tuple[int, ...], dtype):
+    """``fp8.weight_operands`` (a weight's two operands by one kernel) where it takes a weight
+    of ``shape`` and ``dtype``, else None (XLA ops instead). Imported here, as wgrad_kernels."""
+    try:
+        from jax_cute.fp8 import weight_operands
+    except ImportError as e:   # (a machine lowering from the disk cache without the DSL)
+        logger.info("jax_cute fp8 weight operands: XLA ops, the DSL is not importable (%s)", e)
+        return None
+    return weight_operands if weight_operands.supported(shape, dtype) else None
+
+
 def _group_aligned_operand(x, group_sizes, t: int, blocks: int):
     """``group_aligned`` for the ragged-K kernel's operand x (R, T): by the transposing kernel
     from x's token-major values (``x.T``, which the quantization wrote) where it takes R."""

@@ -14,6 +14,9 @@ restarting at each group for a grouped one, the layout the ragged-K kernel reads
 - ``quantize_rows_and_tokens``: the same, and in the same pass x's 1 x 128 blocks along R (its
   own layout, for the product that contracts R): a linear layer's input or output gradient is
   read once for both of its products. Each CTA stages a 128-token x 128-column tile.
+- ``quantize_weight``: a weight's (or a stack of them) 128 x 128 blocks, in one pass, its fp8
+  values written in its own layout (dgrad reads them K-major) and transposed (the forward
+  product's K-major operand), with one scale a block.
 
 Each CTA takes one block and 64 columns: it stages the block's 128 rows x 64 columns in shared
 memory (whole row pieces read) and writes 64 rows of 128 bytes. Imports the DSL: only kernel
@@ -167,23 +170,11 @@ ROW_THREADS = 256   # quantize_rows_and_tokens: a 128-token x 128-column tile pe
 BLOCK_COLS = 128    # columns of R per CTA: one 1 x 128 block of every row
 
 
-@cute.kernel
-def _quantize_rows_and_tokens_kernel(mX: cute.Tensor, mStart: cute.Tensor, mLen: cute.Tensor, mRowVal: cute.Tensor,
-                                     mRowScale: cute.Tensor, mVal: cute.Tensor, mScale: cute.Tensor, fmax: Constexpr):
-    tidx, _, _ = cute.arch.thread_idx()
-    blk, cb, _ = cute.arch.block_idx()
-    smem = memory.SmemAllocator()
-    pitch = BLOCK_COLS + 128 // mX.element_type.width   # staged rows 16 bytes apart beyond their width
-    sX = smem.allocate_tensor(element_type=mX.element_type,
-                              layout=cute.make_layout((ROWS, BLOCK_COLS), stride=(pitch, 1)), byte_alignment=16)
-    sRow = smem.allocate_tensor(element_type=Float32, layout=cute.make_layout((ROWS, 2), stride=(2, 1)),
-                                byte_alignment=16)
-    sCol = smem.allocate_tensor(element_type=Float32, layout=cute.make_layout((2, BLOCK_COLS), stride=(BLOCK_COLS, 1)),
-                                byte_alignment=16)
-    start = mStart[blk]
-    length = mLen[blk]
-    # stage the tile in its own type (exact in float32): a warp reads 2 rows x 128 columns
-    # per pass (8 columns a thread); rows past the block's length are zeros
+@cute.jit
+def _stage_tile(mX: cute.Tensor, sX: cute.Tensor, start, length, cb, tidx):
+    """Rows [start, start + 128) x columns [128 cb, 128 cb + 128) of ``mX`` into ``sX`` in their own
+    type (exact in float32), 256 threads: a warp reads 2 rows x 128 columns per pass (8 columns a
+    thread); rows past ``length`` are zeros."""
     for p in cutlass.range(ROWS // 16, unroll_full=True):
         row = p * 16 + tidx // 16
         chunk = tidx % 16
@@ -193,6 +184,71 @@ def _quantize_rows_and_tokens_kernel(mX: cute.Tensor, mStart: cute.Tensor, mLen:
         else:
             frag.fill(0.0)
         cute.local_tile(sX, (1, 8), (row, chunk))[0, None].store(frag.load())
+
+
+@cute.jit
+def _row_half_amax(sX: cute.Tensor, r, h) -> Float32:
+    """The largest magnitude in half ``h`` (64 values) of staged row ``r``, NaN propagating."""
+    rm = Float32(0.0)
+    for j in cutlass.range(8, unroll_full=True):
+        chunk = cute.local_tile(sX, (1, 8), (r, h * 8 + j))[0, None].load().to(Float32)
+        for e in cutlass.range(8, unroll_full=True):
+            rm = _absmax(rm, chunk[e])
+    return rm
+
+
+@cute.jit
+def _store_row_half(sX: cute.Tensor, r, h, scale: Float32, dst: cute.Tensor, row, cb):
+    """Half ``h`` of staged row ``r`` divided by ``scale`` into fp8 ``dst[row, 128 cb + 64 h ...]``.
+    The 64 values are read, divided and stored as one batch: in batches of 16 (38 registers, not
+    90, so three times the CTAs an SM) the kernel ran 12-19% slower on an H200."""
+    xs = cute.make_rmem_tensor((64,), Float32)
+    for j in cutlass.range(8, unroll_full=True):
+        chunk = cute.local_tile(sX, (1, 8), (r, h * 8 + j))[0, None].load().to(Float32)
+        for e in cutlass.range(8, unroll_full=True):
+            xs[j * 8 + e] = chunk[e]
+    q = cute.make_rmem_tensor((64,), Float32)
+    _quotients(xs, q, scale, Float32(1.0) / scale)
+    out = cute.make_rmem_tensor((64,), dst.element_type)
+    out.store(q.load().to(dst.element_type))   # cvt.rn.satfinite: the quantizer's clip and rounding
+    cute.local_tile(dst, (1, 64), (row, cb * 2 + h))[0, None].store(out.load())
+
+
+@cute.jit
+def _store_column_half(sX: cute.Tensor, c, hc, scale: Float32, dst: cute.Tensor, row, blk):
+    """Half ``hc`` (64 rows) of staged column ``c`` divided by ``scale`` into fp8
+    ``dst[row, 128 blk + 64 hc ...]``: the tile written transposed."""
+    xs = cute.make_rmem_tensor((64,), Float32)
+    for i in cutlass.range(64, unroll_full=True):
+        xs[i] = sX[hc * 64 + i, c].to(Float32)
+    q = cute.make_rmem_tensor((64,), Float32)
+    _quotients(xs, q, scale, Float32(1.0) / scale)
+    out = cute.make_rmem_tensor((64,), dst.element_type)
+    out.store(q.load().to(dst.element_type))
+    cute.local_tile(dst, (1, 64), (row, blk * 2 + hc))[0, None].store(out.load())
+
+
+def _staging(smem, element_type):
+    """The staged 128 x 128 tile, rows 16 bytes apart beyond their width (fewer bank conflicts)."""
+    pitch = BLOCK_COLS + 128 // element_type.width
+    return smem.allocate_tensor(element_type=element_type, layout=cute.make_layout((ROWS, BLOCK_COLS), stride=(pitch, 1)),
+                                byte_alignment=16)
+
+
+@cute.kernel
+def _quantize_rows_and_tokens_kernel(mX: cute.Tensor, mStart: cute.Tensor, mLen: cute.Tensor, mRowVal: cute.Tensor,
+                                     mRowScale: cute.Tensor, mVal: cute.Tensor, mScale: cute.Tensor, fmax: Constexpr):
+    tidx, _, _ = cute.arch.thread_idx()
+    blk, cb, _ = cute.arch.block_idx()
+    smem = memory.SmemAllocator()
+    sX = _staging(smem, mX.element_type)
+    sRow = smem.allocate_tensor(element_type=Float32, layout=cute.make_layout((ROWS, 2), stride=(2, 1)),
+                                byte_alignment=16)
+    sCol = smem.allocate_tensor(element_type=Float32, layout=cute.make_layout((2, BLOCK_COLS), stride=(BLOCK_COLS, 1)),
+                                byte_alignment=16)
+    start = mStart[blk]
+    length = mLen[blk]
+    _stage_tile(mX, sX, start, length, cb, tidx)
     cute.arch.sync_threads()
     # thread t takes half t % 2 of row t // 2 (a 1 x 128 block along the columns) and half t // 128
     # of column t % 128 (a block of 128 tokens): first each block's amax over both halves (NaN
@@ -200,46 +256,24 @@ def _quantize_rows_and_tokens_kernel(mX: cute.Tensor, mStart: cute.Tensor, mLen:
     # both blocks' values in registers would leave one CTA an SM: 1.7x slower)
     r, h = tidx // 2, tidx % 2
     c, hc = tidx % BLOCK_COLS, tidx // BLOCK_COLS
-    rm = Float32(0.0)
-    for j in cutlass.range(8, unroll_full=True):
-        chunk = cute.local_tile(sX, (1, 8), (r, h * 8 + j))[0, None].load().to(Float32)
-        for e in cutlass.range(8, unroll_full=True):
-            rm = _absmax(rm, chunk[e])
+    rm = _row_half_amax(sX, r, h)
     cm = Float32(0.0)
     for i in cutlass.range(64, unroll_full=True):
         cm = _absmax(cm, sX[hc * 64 + i, c].to(Float32))
     sRow[r, h] = rm
     sCol[hc, c] = cm
     cute.arch.sync_threads()
-    # the row block: its scale and fp8 values, in place. Each half block's 64 values are read,
-    # divided and stored as one batch: in batches of 16 (38 registers, not 90, so three times the
-    # CTAs an SM) the kernel ran 12-19% slower on an H200
+    # the row block: its scale and fp8 values, in place
     scale = _block_scale(cute.arch.fmax(sRow[r, 0], sRow[r, 1], nan=True), fmax)
     if r < length:
         if h == 0:
             mRowScale[start + r, cb] = scale
-        xs = cute.make_rmem_tensor((64,), Float32)
-        for j in cutlass.range(8, unroll_full=True):
-            chunk = cute.local_tile(sX, (1, 8), (r, h * 8 + j))[0, None].load().to(Float32)
-            for e in cutlass.range(8, unroll_full=True):
-                xs[j * 8 + e] = chunk[e]
-        q = cute.make_rmem_tensor((64,), Float32)
-        _quotients(xs, q, scale, Float32(1.0) / scale)
-        out = cute.make_rmem_tensor((64,), mRowVal.element_type)
-        out.store(q.load().to(mRowVal.element_type))   # cvt.rn.satfinite: the quantizer's clip and rounding
-        cute.local_tile(mRowVal, (1, 64), (start + r, cb * 2 + h))[0, None].store(out.load())
+        _store_row_half(sX, r, h, scale, mRowVal, start + r, cb)
     # the token block: as quantize_tokens' (zeros past the block's length)
     scale = _block_scale(cute.arch.fmax(sCol[0, c], sCol[1, c], nan=True), fmax)
     if hc == 0:
         mScale[cb * BLOCK_COLS + c, blk] = scale
-    xs = cute.make_rmem_tensor((64,), Float32)
-    for i in cutlass.range(64, unroll_full=True):
-        xs[i] = sX[hc * 64 + i, c].to(Float32)
-    q = cute.make_rmem_tensor((64,), Float32)
-    _quotients(xs, q, scale, Float32(1.0) / scale)
-    out = cute.make_rmem_tensor((64,), mVal.element_type)
-    out.store(q.load().to(mVal.element_type))
-    cute.local_tile(mVal, (1, 64), (cb * BLOCK_COLS + c, blk * 2 + hc))[0, None].store(out.load())
+    _store_column_half(sX, c, hc, scale, mVal, cb * BLOCK_COLS + c, blk)
 
 
 @cute.jit
@@ -252,3 +286,44 @@ def quantize_rows_and_tokens(stream, x: cute.Tensor, start: cute.Tensor, length:
     _quantize_rows_and_tokens_kernel(x, start, length, row_values, row_scales, values, scales,
                                      FMAX[values.element_type]).launch(
         grid=[nb, x.shape[1] // BLOCK_COLS, 1], block=[ROW_THREADS, 1, 1], stream=stream)
+
+
+@cute.kernel
+def _quantize_weight_kernel(mX: cute.Tensor, mVal: cute.Tensor, mValT: cute.Tensor, mScale: cute.Tensor,
+                            fmax: Constexpr):
+    tidx, _, _ = cute.arch.thread_idx()
+    kb, nb, l = cute.arch.block_idx()
+    x, val, val_t, sc = mX[(l, None, None)], mVal[(l, None, None)], mValT[(l, None, None)], mScale[(l, None, None)]
+    smem = memory.SmemAllocator()
+    sX = _staging(smem, mX.element_type)
+    sWarp = smem.allocate_tensor(element_type=Float32, layout=cute.make_layout((ROW_THREADS // 32,)), byte_alignment=16)
+    _stage_tile(x, sX, kb * ROWS, ROWS, nb, tidx)
+    cute.arch.sync_threads()
+    # the block's amax: each thread's half row, then across the warp, then across the 8 warps
+    # (NaN propagating as in XLA's max)
+    r, h = tidx // 2, tidx % 2
+    m = _row_half_amax(sX, r, h)
+    for k in cutlass.range_constexpr(5):
+        m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, 1 << k), nan=True)
+    if tidx % 32 == 0:
+        sWarp[tidx // 32] = m
+    cute.arch.sync_threads()
+    amax = sWarp[0]
+    for w in cutlass.range_constexpr(1, ROW_THREADS // 32):
+        amax = cute.arch.fmax(amax, sWarp[w], nan=True)
+    scale = _block_scale(amax, fmax)
+    if tidx == 0:
+        sc[kb, nb] = scale
+    # the values in the weight's layout (thread t: half t % 2 of row t // 2) and transposed
+    # (half t // 128 of column t % 128)
+    _store_row_half(sX, r, h, scale, val, kb * ROWS + r, nb)
+    _store_column_half(sX, tidx % BLOCK_COLS, tidx // BLOCK_COLS, scale, val_t, nb * BLOCK_COLS + tidx % BLOCK_COLS, kb)
+
+
+@cute.jit
+def quantize_weight(stream, x: cute.Tensor, values: cute.Tensor, values_t: cute.Tensor, scales: cute.Tensor):
+    """cute_call launcher: x (L, K, N) float (16 or 32 bits; K and N multiples of 128) -> its
+    128 x 128 blocks' fp8 values (L, K, N), the same values transposed (L, N, K) and the float32
+    scales (L, K / 128, N / 128), in one pass (the quantizer's numerics)."""
+    _quantize_weight_kernel(x, values, values_t, scales, FMAX[values.element_type]).launch(
+        grid=[x.shape[1] // ROWS, x.shape[2] // BLOCK_COLS, x.shape[0]], block=[ROW_THREADS, 1, 1], stream=stream)
