@@ -427,8 +427,8 @@ def test_wgrad_operand_kernel_path_is_the_xla_path(grouped, k, out, monkeypatch)
     # dense: x (K = 192 or 256) and the cotangent (N = 128) each where its columns are whole blocks
     both = 0 if grouped else 1 + (k % 128 == 0)
     assert (jaxpr.count("fp8_quantize_tokens"), jaxpr.count("fp8_quantize_rows_and_tokens")) == (2 - both, both)
-    # the weight's two layouts by one kernel where K and N are whole 128 x 128 blocks
-    assert jaxpr.count("fp8_quantize_weight") == (k % 128 == 0)
+    # (no weight kernel: a single weight, or experts' weights with K not whole blocks)
+    assert "fp8_quantize_weight" not in jaxpr
     monkeypatch.setattr(lin, "_wgrad_kernels", lambda rows, pow2: None)
     monkeypatch.setattr(lin, "weight_kernel", lambda shape, dtype: None)
     f, by_xla = grads()
@@ -800,15 +800,13 @@ def test_kernelize_fp8_epilogue_lowers_to_the_hopper_kernel():
     strict mode: five block-scaled GEMMs (two forward, two wgrad, the second layer's dgrad: x is
     not differentiated), the first forward one with the bias in its epilogue, the two wgrads'
     four operands quantized by the token kernel, each together with its 1 x 128 blocks for the
-    other product (the forward's or dgrad's), in one pass, and each weight's two layouts by the
-    weight kernel; no XLA dot is left."""
+    other product (the forward's or dgrad's), in one pass; no XLA dot is left."""
     pytest.importorskip("cutlass")
     p, x = _mlp_bias_params(50)
     f = jax_cute.kernelize(_mlp_bias_loss, fp8="blockwise")
     text = _wgrad_text(jax.value_and_grad(f), p, x, strict=True)
-    assert text.count("@jax_cute_launch") == 11 and "stablehlo.dot_general" not in text
+    assert text.count("@jax_cute_launch") == 9 and "stablehlo.dot_general" not in text
     assert text.count('name = "fp8_quantize_rows_and_tokens"') == 4 and 'name = "fp8_quantize_tokens"' not in text
-    assert text.count('name = "fp8_quantize_weight"') == 2
     assert f.report.products[0].epilogue == "bias + gelu"
     assert len([ln for ln in text.splitlines() if "scaled1x128" in ln and ".bias" in ln]) == 1, text
 
@@ -971,14 +969,14 @@ def test_lowers_for_cuda_as_xla_ops(monkeypatch):
 
     text = lowered()
     # six GEMMs, the four wgrad operands quantized by the token kernels (the dense layer's
-    # together with their 1 x 128 blocks for the forward product and dgrad), and the two weights'
-    # layouts by the weight kernel
-    assert text.count("@jax_cute_launch") == 12 and "f8E4M3FN" in text and "stablehlo.dot_general" not in text
+    # together with their 1 x 128 blocks for the forward product and dgrad), and the experts'
+    # weights in both layouts by the weight kernel
+    assert text.count("@jax_cute_launch") == 11 and "f8E4M3FN" in text and "stablehlo.dot_general" not in text
     assert text.count('name = "fp8_quantize_tokens"') == 2 and text.count('name = "fp8_quantize_rows_and_tokens"') == 2
-    assert text.count('name = "fp8_quantize_weight"') == 2
+    assert text.count('name = "fp8_quantize_weight"') == 1
     monkeypatch.setattr(arch, "UNVERIFIED_VARIANTS", {"sm_90a": frozenset({"scaled_ragged_k"})})
     text = lowered()
-    assert text.count("@jax_cute_launch") == 11
+    assert text.count("@jax_cute_launch") == 10
     dots = [ln for ln in text.splitlines() if "stablehlo.dot_general" in ln]
     assert dots and all("bf16" in ln and "-> tensor<" in ln and ln.rstrip().endswith("xf32>") for ln in dots), dots[:3]
 
