@@ -399,10 +399,12 @@ def test_quantize_tokens_reference_is_the_quantizer(dtype):
 
 
 @pytest.mark.parametrize("grouped, k, out", [(False, 192, jnp.float32), (True, 192, jnp.float32),
-                                              (False, 256, jnp.bfloat16)], ids=["dense", "grouped", "dense-rows"])
+                                              (False, 256, jnp.bfloat16), (True, 256, jnp.bfloat16)],
+                         ids=["dense", "grouped", "dense-rows", "grouped-weights"])
 def test_wgrad_operand_kernel_path_is_the_xla_path(grouped, k, out, monkeypatch):
     """The gradients with the operands quantized by the kernels' path (the token kernels' and the
-    weight kernel's; their references here) equal, bit for bit, those with XLA's quantization: 300 tokens (a
+    experts' weight kernel's, whose forward operand is its transposed copy read back transposed;
+    their references here) equal, bit for bit, those with XLA's quantization: 300 tokens (a
     partial block: the kernel's operands are zero-padded), an empty group and tokens past the last
     group. A dense layer's operand whose columns are whole 1 x 128 blocks (the cotangent, N = 128;
     x with K = 256) is quantized both ways (1 x 128 along its columns, and along the tokens) in one
@@ -427,8 +429,8 @@ def test_wgrad_operand_kernel_path_is_the_xla_path(grouped, k, out, monkeypatch)
     # dense: x (K = 192 or 256) and the cotangent (N = 128) each where its columns are whole blocks
     both = 0 if grouped else 1 + (k % 128 == 0)
     assert (jaxpr.count("fp8_quantize_tokens"), jaxpr.count("fp8_quantize_rows_and_tokens")) == (2 - both, both)
-    # (no weight kernel: a single weight, or experts' weights with K not whole blocks)
-    assert "fp8_quantize_weight" not in jaxpr
+    # the experts' weights by the weight kernel where K and N are whole blocks (a single weight: XLA)
+    assert jaxpr.count("fp8_quantize_weight") == (grouped and k % 128 == 0)
     monkeypatch.setattr(lin, "_wgrad_kernels", lambda rows, pow2: None)
     monkeypatch.setattr(lin, "weight_kernel", lambda shape, dtype: None)
     f, by_xla = grads()

@@ -1,5 +1,6 @@
-"""The fp8 weight gradient's operands, laid out by small SIMT kernels (called through
-``cute_call`` from ``jax_cute/fp8/wgrad_operands.py``, which holds their references).
+"""fp8 operands XLA lays out in several passes, by small SIMT kernels: the weight gradient's
+(called through ``cute_call`` from ``jax_cute/fp8/wgrad_operands.py``) and the weights' two
+layouts (from ``jax_cute/fp8/weight_operands.py``); those modules hold their references.
 
 A weight gradient contracts the tokens, so its fp8 operands are read contiguous along them
 (fp8 WGMMA reads both operands K-major) and its scale blocks run along them: each block of up to
@@ -18,8 +19,9 @@ restarting at each group for a grouped one, the layout the ragged-K kernel reads
   values written in its own layout (dgrad reads them K-major) and transposed (the forward
   product's K-major operand), with one scale a block.
 
-Each CTA takes one block and 64 columns: it stages the block's 128 rows x 64 columns in shared
-memory (whole row pieces read) and writes 64 rows of 128 bytes. Imports the DSL: only kernel
+``aligned_transpose`` and ``quantize_tokens``: each CTA takes one block and 64 columns, stages
+the block's 128 rows x 64 columns in shared memory (whole row pieces read) and writes 64 rows of
+128 bytes; the other two stage a 128 x 128 tile a CTA. Imports the DSL: only kernel
 builds import it.
 """
 
