@@ -170,6 +170,14 @@ def scale_of(amax, dtype: np.dtype, pow2: bool):
     return jnp.where(amax > 0, s, jnp.float32(1)).astype(jnp.float32)
 
 
+def fp8_dtype(dtype, op: str) -> np.dtype:
+    """``dtype`` as e4m3 or e5m2; a TypeError naming ``op`` for anything else."""
+    dt = np.dtype(dtype)
+    if dt not in FP8_DTYPES:
+        raise TypeError(f"{op}: dtype must be float8_e4m3fn or float8_e5m2, got {dt}")
+    return dt
+
+
 def quantize_cast(x32, scale, dtype: np.dtype):
     fmax = _FMAX[dtype]
     # amax / (amax / 448) may round a hair above 448; clip so no value becomes NaN (e4m3fn has no inf)
@@ -189,9 +197,7 @@ def quantize(x, block="1x128", *, pow2_scales: bool = False, dtype=jnp.float8_e4
     with what produced ``x``; jit-able and vmap-able.
     """
     x = jnp.asarray(x)
-    dt = np.dtype(dtype)
-    if dt not in FP8_DTYPES:
-        raise TypeError(f"jax_cute.quantize: dtype must be float8_e4m3fn or float8_e5m2, got {dt}")
+    dt = fp8_dtype(dtype, "jax_cute.quantize")
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(f"jax_cute.quantize: x must be floating point, got {x.dtype}")
     if x.ndim == 0:
@@ -259,9 +265,7 @@ def quantize_grouped(x, group_sizes, *, pow2_scales: bool = False, dtype=jnp.flo
     unused trailing ones are 1."""
     x = jnp.asarray(x)
     group_sizes = jnp.asarray(group_sizes)
-    dt = np.dtype(dtype)
-    if dt not in FP8_DTYPES:
-        raise TypeError(f"jax_cute.quantize_grouped: dtype must be float8_e4m3fn or float8_e5m2, got {dt}")
+    dt = fp8_dtype(dtype, "jax_cute.quantize_grouped")
     if x.ndim < 1 or group_sizes.ndim != 1 or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
         raise ValueError(f"jax_cute.quantize_grouped: expected x (..., T) and integer group_sizes (G,), got "
                          f"{x.shape} and {group_sizes.shape}:{group_sizes.dtype}")

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_cute.fp8.quantize import BLOCK, FP8_DTYPES, WEIGHT, BlockScaled, quantize
+from jax_cute.fp8.quantize import BLOCK, WEIGHT, BlockScaled, fp8_dtype, quantize
 from jax_cute.kernels import fp8_operands
 from jax_cute.primitives.cute_call import cute_call
 
@@ -42,9 +42,7 @@ def quantize_weight(w: jax.Array, dtype=jnp.float8_e4m3fn) -> tuple[BlockScaled,
     its values in w's layout (dgrad's operand) and as the same operand whose values are stored
     transposed (``BlockScaled(values_t, scales_t).T``: what the forward product reads K-major, so
     the transpose it would take cancels). One kernel reads w once and writes both."""
-    dt = np.dtype(dtype)
-    if dt not in FP8_DTYPES:
-        raise TypeError(f"jax_cute.fp8.quantize_weight: dtype must be float8_e4m3fn or float8_e5m2, got {dt}")
+    dt = fp8_dtype(dtype, "jax_cute.fp8.quantize_weight")
     if not supported(w.shape, w.dtype):
         raise TypeError(f"jax_cute.fp8.quantize_weight: w must be (K, N) or (L, K, N) bfloat16, float16 or float32 "
                         f"with K and N multiples of {BLOCK}, got {w.shape}:{w.dtype}")

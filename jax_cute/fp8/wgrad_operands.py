@@ -13,7 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_cute.fp8.quantize import BLOCK, FP8_DTYPES, BlockScaled, aligned_columns, quantize, quantize_cast, scale_of
+from jax_cute.fp8.quantize import (BLOCK, FP8_DTYPES, BlockScaled, aligned_columns, fp8_dtype, quantize, quantize_cast,
+                                   scale_of)
 from jax_cute.kernels import fp8_operands
 from jax_cute.primitives.cute_call import cute_call
 
@@ -68,9 +69,7 @@ def quantize_tokens(x: jax.Array, start: jax.Array, length: jax.Array, dtype=jnp
     ``quantize``'s (power-of-two scales are not computed here). ``start``/``length`` (nb,) as
     for ``aligned_transpose``; a zero-length block is zeros with scale 1. R must be a multiple
     of 64 (``supported``)."""
-    dt = np.dtype(dtype)
-    if dt not in FP8_DTYPES:
-        raise TypeError(f"jax_cute.fp8.quantize_tokens: dtype must be float8_e4m3fn or float8_e5m2, got {dt}")
+    dt = fp8_dtype(dtype, "jax_cute.fp8.quantize_tokens")
     if x.ndim != 2 or not jnp.issubdtype(x.dtype, jnp.floating) or np.dtype(x.dtype) in FP8_DTYPES:
         raise TypeError(f"jax_cute.fp8.quantize_tokens: x must be a 2-D 16- or 32-bit float array, got "
                         f"{x.shape}:{x.dtype}")
@@ -107,9 +106,7 @@ def quantize_rows_and_tokens(x: jax.Array, dtype=jnp.float8_e4m3fn) -> tuple[Blo
     (the output gradient) need: ``quantize(x, "1x128")`` for the product that contracts R, and
     ``quantize_tokens(x, *uniform_blocks(T))``'s (values, scales) for the weight gradient, which
     contracts T. Numerics are the quantizer's (amax / fmax scales)."""
-    dt = np.dtype(dtype)
-    if dt not in FP8_DTYPES:
-        raise TypeError(f"jax_cute.fp8.quantize_rows_and_tokens: dtype must be float8_e4m3fn or float8_e5m2, got {dt}")
+    dt = fp8_dtype(dtype, "jax_cute.fp8.quantize_rows_and_tokens")
     if not rows_and_tokens_supported(x.shape, x.dtype):
         raise TypeError(f"jax_cute.fp8.quantize_rows_and_tokens: x must be (T, R) bfloat16, float16 or float32 with R a "
                         f"multiple of {fp8_operands.BLOCK_COLS}, got {x.shape}:{x.dtype}")
