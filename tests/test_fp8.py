@@ -327,7 +327,7 @@ def test_aligned_transpose_reference_is_the_group_aligned_gather():
 
 
 @pytest.mark.parametrize("launcher, dtype, values", [("quantize_rows_and_tokens", "bfloat16", 128),
-                                                     ("quantize_tokens", "float32", 64)])
+                                                     pytest.param("quantize_tokens", "float32", 64, marks=pytest.mark.sweep)])
 def test_quantizer_kernels_divide_by_a_corrected_reciprocal(launcher, dtype, values):
     """The one-pass quantizers (kernels/fp8_operands.py) compile for sm_90a with each value's
     quotient a multiply by the block's reciprocal and two FMAs (div.rn kept for extreme scales),
@@ -349,7 +349,7 @@ def test_quantizer_kernels_divide_by_a_corrected_reciprocal(launcher, dtype, val
     assert ptx.count("fma.rn.f32") == 2 * values and ptx.count("mul.f32") >= values and "div.rn.f32" in ptx
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("dtype", ["bfloat16", pytest.param("float32", marks=pytest.mark.sweep)])
 def test_weight_quantizer_kernel_compiles_for_sm90(dtype):
     """The weights' one-pass quantizer (kernels/fp8_operands.quantize_weight) compiles for sm_90a:
     a stack of weights, the block's amax reduced across the warp by shuffles, each thread's 64
