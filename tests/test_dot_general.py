@@ -145,6 +145,7 @@ def test_one_batch_mode_keeps_the_rank_3_problem():
     assert flat.batch_modes == 1 and flat.a.shape == (16, 32, 4) and flat.c.stride == (24, 1, 16 * 24)
 
 
+@pytest.mark.sweep   # (15-22 s of compiles; CI's second step: the README's line stays under 10 min)
 def test_a_mode_listed_slowest_first_still_coalesces():
     """The output projection of attention, bthd,hde->bte: its weight gradient contracts (b, t)
     and its input gradient writes (h, d) sub-modes; whatever order autodiff lists them in, each

@@ -439,6 +439,7 @@ def test_wgrad_operand_kernel_path_is_the_xla_path(grouped, k, out, monkeypatch)
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.sweep   # (15-22 s of compiles; CI's second step: the README's line stays under 10 min)
 def test_grouped_linear_and_kernelize_wgrad_reach_the_kernel():
     """fp8.grouped_linear's weight gradient, and kernelize(fp8="blockwise") of a MoE's ragged_dot,
     lowered for sm_90a in strict mode: all three grouped products are our kernels (forward, dgrad
@@ -797,6 +798,7 @@ def test_dense_lowers_to_the_hopper_kernel():
     assert "scaled1x128" in text and ".bias.gelu" in text
 
 
+@pytest.mark.sweep   # (15-22 s of compiles; CI's second step: the README's line stays under 10 min)
 def test_kernelize_fp8_epilogue_lowers_to_the_hopper_kernel():
     """kernelize(fp8=...) of ``gelu(x @ w1 + b1) @ w2`` and its gradient, lowered for sm_90a in
     strict mode: five block-scaled GEMMs (two forward, two wgrad, the second layer's dgrad: x is

@@ -415,6 +415,7 @@ def test_cuda_lowering_xla_epilogue_is_logged(caplog):
     assert any("epilogue in XLA" in r.getMessage() and "blocks of 64" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.sweep   # (15-22 s of compiles; CI's second step: the README's line stays under 10 min)
 def test_cuda_lowering_of_a_fused_einsum(caplog):
     """A projection into heads with a per-(head, column) bias: one kernel with the epilogue
     inside, and three under grad."""
