@@ -76,6 +76,18 @@ def test_permuted_layout_reaches_the_kernel_as_strides():
                            in_layouts=[(1,), None, None])(*args(16))
 
 
+def test_an_extent_one_axis_keeps_its_compact_stride():
+    """A kernel sees row-major strides, an extent-1 axis included (its index is always 0, but a
+    stride of 1 there would leave a slice along it without provable 16-byte alignment)."""
+    from jax_cute.primitives.cute_call import _perm_layout, _signature
+
+    assert _perm_layout((1, 256, 384), None) == ((1, 256, 384), (256 * 384, 384, 1))
+    assert _perm_layout((4, 1, 8), (2, 0, 1)) == ((8, 4, 1), (1, 8, 8))
+    assert _perm_layout((3, 0, 5), None) == ((3, 0, 5), (1, 5, 1))
+    sig = _signature([jax.ShapeDtypeStruct((1, 16, 1), jnp.float32)], [], [None], [])
+    assert sig[1].stride == (16, 1, 1)
+
+
 def test_wrong_number_of_arguments_names_the_counts():
     with pytest.raises(TypeError, match=r"takes 5 arguments .* 2 inputs"):
         call_for(8)(*args(8)[:2])

@@ -351,21 +351,24 @@ def test_quantizer_kernels_divide_by_a_corrected_reciprocal(launcher, dtype, val
 
 @pytest.mark.parametrize("dtype", ["bfloat16", pytest.param("float32", marks=pytest.mark.sweep)])
 def test_weight_quantizer_kernel_compiles_for_sm90(dtype):
-    """The weights' one-pass quantizer (kernels/fp8_operands.quantize_weight) compiles for sm_90a:
-    a stack of weights, the block's amax reduced across the warp by shuffles, each thread's 64
-    values of a row and 64 of a column divided as the other quantizers divide, no spills."""
+    """The weights' one-pass quantizer (kernels/fp8_operands.quantize_weight) compiles for sm_90a
+    with the signature cute_call gives a single weight (a (1, K, N) stack): the block's amax
+    reduced across the warp by shuffles, each thread's 64 values of a row and 64 of a column
+    divided as the other quantizers divide, no spills, and 16-byte global loads and stores (with
+    a stride of 1 on the extent-1 axis they compiled to single bytes, 5.6x slower on an H200)."""
     pytest.importorskip("cutlass")
-    from jax_cute.kernels import abi, build, cubin_info, fp8_operands
+    from jax_cute.kernels import build, cubin_info, fp8_operands
+    from jax_cute.primitives.cute_call import _signature
 
-    def arg(name, dt, shape):
-        return abi.TensorArg(name, dt, shape, tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape))), align=16)
-    sig = (abi.StreamArg(), arg("in0", dtype, (2, 256, 384)), arg("out0", "float8_e4m3fn", (2, 256, 384)),
-           arg("out1", "float8_e4m3fn", (2, 384, 256)), arg("out2", "float32", (2, 2, 3)))
+    S = jax.ShapeDtypeStruct
+    outs = [S((1, 256, 384), E4M3), S((1, 384, 256), E4M3), S((1, 2, 3), np.float32)]
+    sig = _signature([S((1, 256, 384), dtype)], outs, [None], [None] * 3)
     binary = build.compile_launcher(fp8_operands.quantize_weight, sig, arch="sm_90a", name="quantize_weight",
                                     keep_ptx=True)
     assert cubin_info.resources(binary.obj)["local_bytes"] == 0
     ptx = binary.ptx
     assert ptx.count("fma.rn.f32") == 2 * 128 and "shfl.sync.bfly" in ptx and "div.rn.f32" in ptx
+    assert "ld.global.v4" in ptx and "st.global.v4" in ptx and "st.global.b8" not in ptx
 
 
 @pytest.mark.parametrize("dtype", [E4M3, np.dtype(jnp.float8_e5m2)], ids=["e4m3", "e5m2"])
@@ -429,8 +432,8 @@ def test_wgrad_operand_kernel_path_is_the_xla_path(grouped, k, out, monkeypatch)
     # dense: x (K = 192 or 256) and the cotangent (N = 128) each where its columns are whole blocks
     both = 0 if grouped else 1 + (k % 128 == 0)
     assert (jaxpr.count("fp8_quantize_tokens"), jaxpr.count("fp8_quantize_rows_and_tokens")) == (2 - both, both)
-    # the experts' weights by the weight kernel where K and N are whole blocks (a single weight: XLA)
-    assert jaxpr.count("fp8_quantize_weight") == (grouped and k % 128 == 0)
+    # the weights by the weight kernel where K and N are whole blocks
+    assert jaxpr.count("fp8_quantize_weight") == (k % 128 == 0)
     monkeypatch.setattr(lin, "_wgrad_kernels", lambda rows, pow2: None)
     monkeypatch.setattr(lin, "weight_kernel", lambda shape, dtype: None)
     f, by_xla = grads()
@@ -804,12 +807,14 @@ def test_kernelize_fp8_epilogue_lowers_to_the_hopper_kernel():
     strict mode: five block-scaled GEMMs (two forward, two wgrad, the second layer's dgrad: x is
     not differentiated), the first forward one with the bias in its epilogue, the two wgrads'
     four operands quantized by the token kernel, each together with its 1 x 128 blocks for the
-    other product (the forward's or dgrad's), in one pass; no XLA dot is left."""
+    other product (the forward's or dgrad's), in one pass, and each weight in both its layouts by
+    the weight kernel; no XLA dot is left."""
     pytest.importorskip("cutlass")
     p, x = _mlp_bias_params(50)
     f = jax_cute.kernelize(_mlp_bias_loss, fp8="blockwise")
     text = _wgrad_text(jax.value_and_grad(f), p, x, strict=True)
-    assert text.count("@jax_cute_launch") == 9 and "stablehlo.dot_general" not in text
+    assert text.count("@jax_cute_launch") == 11 and "stablehlo.dot_general" not in text
+    assert text.count('name = "fp8_quantize_weight"') == 2
     assert text.count('name = "fp8_quantize_rows_and_tokens"') == 4 and 'name = "fp8_quantize_tokens"' not in text
     assert f.report.products[0].epilogue == "bias + gelu"
     assert len([ln for ln in text.splitlines() if "scaled1x128" in ln and ".bias" in ln]) == 1, text
@@ -973,14 +978,14 @@ def test_lowers_for_cuda_as_xla_ops(monkeypatch):
 
     text = lowered()
     # six GEMMs, the four wgrad operands quantized by the token kernels (the dense layer's
-    # together with their 1 x 128 blocks for the forward product and dgrad), and the experts'
+    # together with their 1 x 128 blocks for the forward product and dgrad), and both layers'
     # weights in both layouts by the weight kernel
-    assert text.count("@jax_cute_launch") == 11 and "f8E4M3FN" in text and "stablehlo.dot_general" not in text
+    assert text.count("@jax_cute_launch") == 12 and "f8E4M3FN" in text and "stablehlo.dot_general" not in text
     assert text.count('name = "fp8_quantize_tokens"') == 2 and text.count('name = "fp8_quantize_rows_and_tokens"') == 2
-    assert text.count('name = "fp8_quantize_weight"') == 1
+    assert text.count('name = "fp8_quantize_weight"') == 2
     monkeypatch.setattr(arch, "UNVERIFIED_VARIANTS", {"sm_90a": frozenset({"scaled_ragged_k"})})
     text = lowered()
-    assert text.count("@jax_cute_launch") == 10
+    assert text.count("@jax_cute_launch") == 11
     dots = [ln for ln in text.splitlines() if "stablehlo.dot_general" in ln]
     assert dots and all("bf16" in ln and "-> tensor<" in ln and ln.rstrip().endswith("xf32>") for ln in dots), dots[:3]
 

@@ -67,13 +67,10 @@ class Blockwise:
 
     def q_weight(self, w) -> tuple[BlockScaled, BlockScaled]:
         """``q(w, "128x128")`` for w (K, N) or (G, K, N), twice: for dgrad, and for the forward
-        product with its values stored transposed, K-major as that kernel reads them. For a stack
-        of experts' weights by one kernel that reads w once (``weight_operands.quantize_weight``)
-        where it takes w (amax / fmax scales, K and N multiples of 128); else one quantization
-        serves both. (On an H200 the kernel ran a (8, 2048, 4096) float32 stack in 165 us against
-        300 for XLA's passes, but a single (4096, 4096) weight in 464 against 81: not yet
-        understood, so single weights keep XLA's.)"""
-        kernel = None if self.pow2_scales or w.ndim != 3 else weight_kernel(w.shape, w.dtype)
+        product with its values stored transposed, K-major as that kernel reads them. By one
+        kernel that reads w once (``weight_operands.quantize_weight``) where it takes w (amax /
+        fmax scales, K and N multiples of 128); else one quantization serves both."""
+        kernel = None if self.pow2_scales else weight_kernel(w.shape, w.dtype)
         if kernel is None:
             wq = self.q(w, "128x128")
             return wq, wq

@@ -14,6 +14,7 @@ import functools
 import hashlib
 import inspect
 import logging
+import math
 from typing import Any, Callable, Sequence
 
 import jax
@@ -25,7 +26,6 @@ from jax.interpreters import ad, batching, mlir
 from jax_cute import dispatch
 from jax_cute.custom_call import kernel_call
 from jax_cute.kernels import abi
-from jax_cute.layout import row_major
 from jax_cute.primitives import sharding
 from jax_cute.primitives.rules import eager
 
@@ -68,8 +68,10 @@ def _identity(launcher: Callable, key: str | None) -> str:
 
 def _perm_layout(shape: Sequence[int], perm: Sequence[int] | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(shape, stride) the kernel sees for an array of ``shape`` viewed through ``perm``."""
-    stride = row_major(tuple(shape)).stride
-    stride = tuple(1 if s == 1 and d == 0 else d for s, d in zip(shape, stride))  # keep legal strides
+    # an extent-1 axis keeps its compact stride (not row_major's normalised 0): an offset along it
+    # then stays a multiple of the inner extents, so the DSL can still prove 16-byte alignment of
+    # a slice taken there (with stride 1 a (1, K, N) operand's accesses compiled to single bytes)
+    stride = tuple(max(1, math.prod(shape[i + 1:])) for i in range(len(shape)))
     if perm is None:
         return tuple(shape), tuple(stride)
     return tuple(shape[p] for p in perm), tuple(stride[p] for p in perm)
