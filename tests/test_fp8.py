@@ -37,6 +37,10 @@ def _quiet():
 data = fp8_bound.data
 
 
+def bits(a) -> np.ndarray:
+    return np.asarray(a).view(np.uint8)
+
+
 # -- numpy references -------------------------------------------------------------------------
 
 def np_quantize(x: np.ndarray, block: tuple[int, ...], pow2: bool = False):
@@ -385,7 +389,6 @@ def test_quantize_tokens_reference_is_the_quantizer(dtype):
     x = np.array(data((t, r), "heavy", 41))
     x[128:256] = 0
     x = jnp.asarray(x)
-    bits = lambda a: np.asarray(a).view(np.uint8)  # noqa: E731
     values, scales = wo.quantize_reference(x, *wo.uniform_blocks(t), dtype)
     q = quantize(x, (128, 1), dtype=dtype).T
     assert values.shape == (r, 1024) and scales.shape == q.scales.shape
@@ -401,17 +404,49 @@ def test_quantize_tokens_reference_is_the_quantizer(dtype):
     np.testing.assert_array_equal(np.asarray(scales), np.asarray(qg.scales))
 
 
+def test_rows_and_group_tokens_reference():
+    """What the grouped layer's one-pass quantizer computes (its reference, which runs here):
+    ``quantize(x, "1x128")``'s rows inside the groups, zeros with scale 1 past the last group, and
+    the token kernel's group-aligned blocks."""
+    from jax_cute.fp8 import wgrad_operands as wo
+    from jax_cute.fp8.quantize import group_blocks
+
+    x, sizes = data((300, 256), "heavy", 7), jnp.asarray([130, 0, 150], jnp.int32)   # 20 tokens past the end
+    rows, (values, scales) = jax.jit(wo.quantize_rows_and_group_tokens)(x, sizes)
+    q = quantize(x, "1x128")
+    np.testing.assert_array_equal(bits(rows.values[:280]), bits(q.values[:280]))
+    np.testing.assert_array_equal(np.asarray(rows.scales[:280]), np.asarray(q.scales[:280]))
+    assert not bits(rows.values[280:]).any() and (np.asarray(rows.scales[280:]) == 1).all()
+    want = wo.quantize_reference(x, *group_blocks(sizes, 300)[1:3], E4M3)
+    np.testing.assert_array_equal(bits(values), bits(want[0]))
+    np.testing.assert_array_equal(np.asarray(scales), np.asarray(want[1]))
+
+
+@pytest.mark.sweep   # (a kernel compile: CI's second step)
+def test_rows_and_group_tokens_lowers_to_one_launch_into_its_prefilled_rows():
+    """For sm_90a the grouped layer's quantizer is one launch whose row outputs are written into
+    its zeros and ones inputs (aliased: the rows no group holds keep them)."""
+    pytest.importorskip("cutlass")
+    from jax_cute.fp8 import wgrad_operands as wo
+
+    x, sizes = jnp.ones((300, 256), jnp.bfloat16), jnp.asarray([130, 0, 150], jnp.int32)
+    with config.override(target_arch="sm_90a", strict=True):
+        text = jax.jit(wo.quantize_rows_and_group_tokens).trace(x, sizes).lower(lowering_platforms=("cuda",)).as_text()
+    line = next(ln for ln in text.splitlines() if "@jax_cute_launch" in ln)
+    assert text.count("@jax_cute_launch") == 1 and line.count("output_operand_alias<") == 2, line
+
+
 @pytest.mark.parametrize("grouped, k, out", [(False, 192, jnp.float32), (True, 192, jnp.float32),
                                               (False, 256, jnp.bfloat16), (True, 256, jnp.bfloat16)],
                          ids=["dense", "grouped", "dense-rows", "grouped-weights"])
 def test_wgrad_operand_kernel_path_is_the_xla_path(grouped, k, out, monkeypatch):
     """The gradients with the operands quantized by the kernels' path (the token kernels' and the
-    experts' weight kernel's, whose forward operand is its transposed copy read back transposed;
-    their references here) equal, bit for bit, those with XLA's quantization: 300 tokens (a
-    partial block: the kernel's operands are zero-padded), an empty group and tokens past the last
-    group. A dense layer's operand whose columns are whole 1 x 128 blocks (the cotangent, N = 128;
-    x with K = 256) is quantized both ways (1 x 128 along its columns, and along the tokens) in one
-    kernel."""
+    weight kernel's, whose forward operand is its transposed copy read back transposed; their
+    references here) equal, bit for bit, those with XLA's quantization: 300 tokens (a partial
+    block: the kernel's operands are zero-padded), an empty group and tokens past the last group
+    (which the grouped kernel's rows quantize as zeros). An operand whose columns are whole 1 x 128
+    blocks (the cotangent, N = 128; x with K = 256) is quantized both ways (1 x 128 along its
+    columns, and along the tokens) in one kernel."""
     pytest.importorskip("cutlass")
     lin = importlib.import_module("jax_cute.fp8.linear")
 
@@ -429,9 +464,11 @@ def test_wgrad_operand_kernel_path_is_the_xla_path(grouped, k, out, monkeypatch)
 
     f, by_kernel = grads()
     jaxpr = str(jax.make_jaxpr(f)(x, w))
-    # dense: x (K = 192 or 256) and the cotangent (N = 128) each where its columns are whole blocks
-    both = 0 if grouped else 1 + (k % 128 == 0)
-    assert (jaxpr.count("fp8_quantize_tokens"), jaxpr.count("fp8_quantize_rows_and_tokens")) == (2 - both, both)
+    # x (K = 192 or 256) and the cotangent (N = 128) each both ways in one kernel where its columns
+    # are whole blocks (a grouped layer's over its group blocks)
+    both = 1 + (k % 128 == 0)
+    counts = [jaxpr.count(f"fp8_quantize_{name}") for name in ("tokens", "rows_and_tokens", "rows_and_group_tokens")]
+    assert counts == ([2 - both, 0, both] if grouped else [2 - both, both, 0])
     # the weights by the weight kernel where K and N are whole blocks
     assert jaxpr.count("fp8_quantize_weight") == (k % 128 == 0)
     monkeypatch.setattr(lin, "_wgrad_kernels", lambda rows, pow2: None)
@@ -461,9 +498,10 @@ def test_grouped_linear_and_kernelize_wgrad_reach_the_kernel():
         fn = loss if loss is linear_loss else jax_cute.kernelize(loss, fp8="blockwise")
         text = _wgrad_text(jax.value_and_grad(lambda w, x: fn(w, x), (0, 1)), we, x, strict=True)
         # forward, dgrad, the ragged-K wgrad and its two operands, quantized into the group-aligned
-        # layout, and the experts' weights in both layouts
+        # layout each with its 1 x 128 blocks for the forward product or dgrad, and the experts'
+        # weights in both layouts
         assert text.count("@jax_cute_launch") == 6 and "stablehlo.dot_general" not in text, loss
-        assert "ragged_k.float8_e4m3fn" in text and text.count('name = "fp8_quantize_tokens"') == 2
+        assert "ragged_k.float8_e4m3fn" in text and text.count('name = "fp8_quantize_rows_and_group_tokens"') == 2
         assert text.count('name = "fp8_quantize_weight"') == 1
 
 
@@ -977,11 +1015,12 @@ def test_lowers_for_cuda_as_xla_ops(monkeypatch):
                 lowering_platforms=("cuda",)).as_text()
 
     text = lowered()
-    # six GEMMs, the four wgrad operands quantized by the token kernels (the dense layer's
-    # together with their 1 x 128 blocks for the forward product and dgrad), and both layers'
-    # weights in both layouts by the weight kernel
+    # six GEMMs, the four wgrad operands quantized by the token kernels, each together with its
+    # 1 x 128 blocks for the forward product or dgrad (the grouped layer's over its group blocks),
+    # and both layers' weights in both layouts by the weight kernel
     assert text.count("@jax_cute_launch") == 12 and "f8E4M3FN" in text and "stablehlo.dot_general" not in text
-    assert text.count('name = "fp8_quantize_tokens"') == 2 and text.count('name = "fp8_quantize_rows_and_tokens"') == 2
+    assert text.count('name = "fp8_quantize_rows_and_group_tokens"') == 2
+    assert text.count('name = "fp8_quantize_rows_and_tokens"') == 2 and 'name = "fp8_quantize_tokens"' not in text
     assert text.count('name = "fp8_quantize_weight"') == 2
     monkeypatch.setattr(arch, "UNVERIFIED_VARIANTS", {"sm_90a": frozenset({"scaled_ragged_k"})})
     text = lowered()

@@ -112,6 +112,17 @@ class Blockwise:
         _, bstart, blen, _ = group_blocks(sizes, x.shape[0])
         return _wgrad_kernels(x.shape[1], self.pow2_scales).quantize_tokens(x, bstart, blen, dt)
 
+    def q_rows_and_grouped(self, x, sizes, grad: bool = False, aligned: bool = False):
+        """(``q(x, "1x128")``, ``q_grouped(x, sizes, aligned=aligned)``): x (M, K) for the grouped
+        product that contracts K and for the weight gradient. With ``aligned`` and where it takes
+        x, both by one kernel that reads x once (``wgrad_operands.quantize_rows_and_group_tokens``),
+        which quantizes the rows past the last group, which no grouped product reads, as zeros."""
+        dt = self.grad_dtype if grad else self.dtype
+        kernels = _wgrad_kernels(x.shape[1], self.pow2_scales) if aligned else None
+        if kernels is None or not kernels.rows_and_tokens_supported(x.shape, x.dtype):
+            return self.q(x, "1x128", grad), self.q_grouped(x, sizes, grad, aligned)
+        return kernels.quantize_rows_and_group_tokens(x, sizes, dt)
+
     def wgrad_kernel(self, tokens: int, *rows: int) -> bool:
         """Whether a weight gradient over ``tokens`` whose two operands have these column counts
         quantizes both by the kernel (``q_tokens``/``q_grouped`` with ``kernel``/``aligned``).
@@ -256,24 +267,26 @@ def grouped_linear(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, bias=N
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
 def _grouped(x, w, sizes, bias, dtypes: tuple, recipe: Blockwise, activation: str | None):
-    return _grouped_fwd(x, w, sizes, bias, dtypes, recipe, activation)[0]
+    z = scaled_ragged_dot(recipe.q(x, "1x128"), recipe.q_weight(w)[1], sizes, preferred_element_type=dtypes[0],
+                          bias=bias)   # (no residuals to quantize)
+    return z if activation is None else _activate(activation, z, dtypes[0])
 
 
 def _grouped_fwd(x, w, sizes, bias, dtypes, recipe, activation):
     out_dtype = dtypes[0]
     wq, wq_fwd = recipe.q_weight(w)  # (G, K, N): 128 x 128 blocks of each expert
-    z = scaled_ragged_dot(recipe.q(x, "1x128"), wq_fwd, sizes, preferred_element_type=out_dtype, bias=bias)
-    aligned = recipe.wgrad_kernel(*x.shape, w.shape[2])
-    res = (recipe.q_grouped(x, sizes, aligned=aligned), wq, sizes, None if activation is None else z)
+    xq, xq_t = recipe.q_rows_and_grouped(x, sizes, aligned=recipe.wgrad_kernel(*x.shape, w.shape[2]))
+    z = scaled_ragged_dot(xq, wq_fwd, sizes, preferred_element_type=out_dtype, bias=bias)
+    res = (xq_t, wq, sizes, None if activation is None else z)
     return (z if activation is None else _activate(activation, z, out_dtype)), res
 
 
 def _grouped_bwd(dtypes, recipe, activation, res, g):
     (_, x_dtype, w_dtype, bias_dtype), (xq_t, wq, sizes, z) = dtypes, res
     g = _dz(activation, z, g)
-    dx = scaled_ragged_dot(recipe.q(g, "1x128", grad=True), wq.T, sizes, preferred_element_type=_grad_out(x_dtype))
     aligned = isinstance(xq_t, tuple)   # as the forward pass decided (values, scales)
-    gq_t = recipe.q_grouped(g, sizes, grad=True, aligned=aligned)
+    gq, gq_t = recipe.q_rows_and_grouped(g, sizes, grad=True, aligned=aligned)
+    dx = scaled_ragged_dot(gq, wq.T, sizes, preferred_element_type=_grad_out(x_dtype))
     if aligned:
         clipped = clipped_sizes(group_ends(sizes, g.shape[0]))
         dw = ragged_k_dot_aligned(xq_t, gq_t, clipped, preferred_element_type=_grad_out(w_dtype))

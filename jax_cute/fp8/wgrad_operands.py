@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_cute.fp8.quantize import (BLOCK, FP8_DTYPES, BlockScaled, aligned_columns, fp8_dtype, quantize, quantize_cast,
-                                   scale_of)
+from jax_cute.fp8.quantize import (BLOCK, FP8_DTYPES, BlockScaled, aligned_columns, fp8_dtype, group_blocks, quantize,
+                                   quantize_cast, scale_of)
 from jax_cute.kernels import fp8_operands
 from jax_cute.primitives.cute_call import cute_call
 
@@ -118,4 +118,39 @@ def quantize_rows_and_tokens(x: jax.Array, dtype=jnp.float8_e4m3fn) -> tuple[Blo
                                 jax.ShapeDtypeStruct((r, BLOCK * nb), dt), jax.ShapeDtypeStruct((r, nb), jnp.float32)),
                      reference=lambda x, s, n: rows_and_tokens_reference(x, dt), name="fp8_quantize_rows_and_tokens", partitioned_reference=True)
     row_values, row_scales, values, scales = call(x, start, length)
+    return BlockScaled(row_values, row_scales, (1, BLOCK)), (values, scales)
+
+
+def rows_and_group_tokens_reference(x: jax.Array, start: jax.Array, length: jax.Array, dtype
+                                    ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """What ``quantize_rows_and_group_tokens`` computes, in jax.numpy: ``quantize(x, "1x128")`` of x
+    with its rows past the last block zeroed (values 0, scales 1), then ``quantize_reference``'s."""
+    end = jnp.max(jnp.where(length > 0, start + length, 0), initial=0)
+    rows = jnp.where(jnp.arange(x.shape[0])[:, None] < end, x, jnp.zeros((), x.dtype))
+    q = quantize(rows, "1x128", dtype=dtype)
+    return (q.values, q.scales, *quantize_reference(x, start, length, dtype))
+
+
+def quantize_rows_and_group_tokens(x: jax.Array, sizes: jax.Array, dtype=jnp.float8_e4m3fn
+                                   ) -> tuple[BlockScaled, tuple[jax.Array, jax.Array]]:
+    """``x`` (T, R) (as ``quantize_rows_and_tokens`` takes it) for a grouped layer whose groups
+    have ``sizes`` (G,), in one pass: ``quantize(x, "1x128")`` for the grouped product that
+    contracts R, with the rows past the last group (which no grouped product reads) quantized as
+    zeros, and ``quantize_tokens(x, *group_blocks(sizes, T)[1:3])``'s (values, scales), the
+    group-aligned layout of the ragged-K weight gradient."""
+    dt = fp8_dtype(dtype, "jax_cute.fp8.quantize_rows_and_group_tokens")
+    if not rows_and_tokens_supported(x.shape, x.dtype):
+        raise TypeError(f"jax_cute.fp8.quantize_rows_and_group_tokens: x must be (T, R) bfloat16, float16 or float32 "
+                        f"with R a multiple of {fp8_operands.BLOCK_COLS}, got {x.shape}:{x.dtype}")
+    t, r = x.shape
+    _, start, length, _ = group_blocks(sizes, t)
+    nb = start.shape[0]
+    call = cute_call(fp8_operands.quantize_rows_and_group_tokens,
+                     out_shape=(jax.ShapeDtypeStruct((t, r), dt), jax.ShapeDtypeStruct((t, r // BLOCK), jnp.float32),
+                                jax.ShapeDtypeStruct((r, BLOCK * nb), dt), jax.ShapeDtypeStruct((r, nb), jnp.float32)),
+                     reference=lambda x, s, n, *_: rows_and_group_tokens_reference(x, s, n, dt),
+                     name="fp8_quantize_rows_and_group_tokens", input_output_aliases={3: 0, 4: 1},
+                     partitioned_reference=True)
+    row_values, row_scales, values, scales = call(x, start, length, jnp.zeros((t, r), dt),
+                                                  jnp.ones((t, r // BLOCK), jnp.float32))
     return BlockScaled(row_values, row_scales, (1, BLOCK)), (values, scales)

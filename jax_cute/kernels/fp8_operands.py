@@ -15,6 +15,7 @@ restarting at each group for a grouped one, the layout the ragged-K kernel reads
 - ``quantize_rows_and_tokens``: the same, and in the same pass x's 1 x 128 blocks along R (its
   own layout, for the product that contracts R): a linear layer's input or output gradient is
   read once for both of its products. Each CTA stages a 128-token x 128-column tile.
+  ``quantize_rows_and_group_tokens``: the same over a grouped layer's blocks.
 - ``quantize_weight``: a weight's (or a stack of them) 128 x 128 blocks, in one pass, its fp8
   values written in its own layout (dgrad reads them K-major) and transposed (the forward
   product's K-major operand), with one scale a block.
@@ -283,6 +284,22 @@ def quantize_rows_and_tokens(stream, x: cute.Tensor, start: cute.Tensor, length:
     """cute_call launcher: x (T, R) float (16 or 32 bits), start/length (nb,) int32 (blocks covering
     every token) -> row_values (T, R) fp8 and row_scales (T, R / 128) float32 (1 x 128 blocks
     along R), values (R, 128 nb) fp8 and scales (R, nb) float32 (as quantize_tokens')."""
+    _launch_rows_and_tokens(stream, x, start, length, row_values, row_scales, values, scales)
+
+
+@cute.jit
+def quantize_rows_and_group_tokens(stream, x: cute.Tensor, start: cute.Tensor, length: cute.Tensor,
+                                   rows_init: cute.Tensor, row_scales_init: cute.Tensor, row_values: cute.Tensor,
+                                   row_scales: cute.Tensor, values: cute.Tensor, scales: cute.Tensor):
+    """quantize_rows_and_tokens over a grouped layer's blocks, which need not cover every token:
+    row_values / row_scales are written into rows_init / row_scales_init's buffers (aliased
+    inputs: zeros and ones), so the rows no block holds (past the last group) keep those."""
+    _launch_rows_and_tokens(stream, x, start, length, row_values, row_scales, values, scales)
+
+
+@cute.jit
+def _launch_rows_and_tokens(stream, x: cute.Tensor, start: cute.Tensor, length: cute.Tensor, row_values: cute.Tensor,
+                            row_scales: cute.Tensor, values: cute.Tensor, scales: cute.Tensor):
     nb = start.shape[0]
     _quantize_rows_and_tokens_kernel(x, start, length, row_values, row_scales, values, scales,
                                      FMAX[values.element_type]).launch(
