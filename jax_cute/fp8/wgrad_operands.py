@@ -121,12 +121,11 @@ def quantize_rows_and_tokens(x: jax.Array, dtype=jnp.float8_e4m3fn) -> tuple[Blo
     return BlockScaled(row_values, row_scales, (1, BLOCK)), (values, scales)
 
 
-def rows_and_group_tokens_reference(x: jax.Array, start: jax.Array, length: jax.Array, dtype
+def rows_and_group_tokens_reference(x: jax.Array, start: jax.Array, length: jax.Array, end: jax.Array, dtype
                                     ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """What ``quantize_rows_and_group_tokens`` computes, in jax.numpy: ``quantize(x, "1x128")`` of x
-    with its rows past the last block zeroed (values 0, scales 1), then ``quantize_reference``'s."""
-    end = jnp.max(jnp.where(length > 0, start + length, 0), initial=0)
-    rows = jnp.where(jnp.arange(x.shape[0])[:, None] < end, x, jnp.zeros((), x.dtype))
+    with its rows from ``end[0]`` on zeroed (values 0, scales 1), then ``quantize_reference``'s."""
+    rows = jnp.where(jnp.arange(x.shape[0])[:, None] < end[0], x, jnp.zeros((), x.dtype))
     q = quantize(rows, "1x128", dtype=dtype)
     return (q.values, q.scales, *quantize_reference(x, start, length, dtype))
 
@@ -145,12 +144,11 @@ def quantize_rows_and_group_tokens(x: jax.Array, sizes: jax.Array, dtype=jnp.flo
     t, r = x.shape
     _, start, length, _ = group_blocks(sizes, t)
     nb = start.shape[0]
+    end = jnp.max(jnp.where(length > 0, start + length, 0), initial=0, keepdims=True).astype(jnp.int32)
     call = cute_call(fp8_operands.quantize_rows_and_group_tokens,
                      out_shape=(jax.ShapeDtypeStruct((t, r), dt), jax.ShapeDtypeStruct((t, r // BLOCK), jnp.float32),
                                 jax.ShapeDtypeStruct((r, BLOCK * nb), dt), jax.ShapeDtypeStruct((r, nb), jnp.float32)),
-                     reference=lambda x, s, n, *_: rows_and_group_tokens_reference(x, s, n, dt),
-                     name="fp8_quantize_rows_and_group_tokens", input_output_aliases={3: 0, 4: 1},
-                     partitioned_reference=True)
-    row_values, row_scales, values, scales = call(x, start, length, jnp.zeros((t, r), dt),
-                                                  jnp.ones((t, r // BLOCK), jnp.float32))
+                     reference=lambda x, s, n, e: rows_and_group_tokens_reference(x, s, n, e, dt),
+                     name="fp8_quantize_rows_and_group_tokens", partitioned_reference=True)
+    row_values, row_scales, values, scales = call(x, start, length, end)
     return BlockScaled(row_values, row_scales, (1, BLOCK)), (values, scales)

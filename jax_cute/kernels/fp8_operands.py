@@ -15,7 +15,8 @@ restarting at each group for a grouped one, the layout the ragged-K kernel reads
 - ``quantize_rows_and_tokens``: the same, and in the same pass x's 1 x 128 blocks along R (its
   own layout, for the product that contracts R): a linear layer's input or output gradient is
   read once for both of its products. Each CTA stages a 128-token x 128-column tile.
-  ``quantize_rows_and_group_tokens``: the same over a grouped layer's blocks.
+  ``quantize_rows_and_group_tokens``: the same over a grouped layer's blocks (the rows past the
+  last group zeros).
 - ``quantize_weight``: a weight's (or a stack of them) 128 x 128 blocks, in one pass, its fp8
   values written in its own layout (dgrad reads them K-major) and transposed (the forward
   product's K-major operand), with one scale a block.
@@ -288,13 +289,32 @@ def quantize_rows_and_tokens(stream, x: cute.Tensor, start: cute.Tensor, length:
 
 
 @cute.jit
-def quantize_rows_and_group_tokens(stream, x: cute.Tensor, start: cute.Tensor, length: cute.Tensor,
-                                   rows_init: cute.Tensor, row_scales_init: cute.Tensor, row_values: cute.Tensor,
-                                   row_scales: cute.Tensor, values: cute.Tensor, scales: cute.Tensor):
-    """quantize_rows_and_tokens over a grouped layer's blocks, which need not cover every token:
-    row_values / row_scales are written into rows_init / row_scales_init's buffers (aliased
-    inputs: zeros and ones), so the rows no block holds (past the last group) keep those."""
+def quantize_rows_and_group_tokens(stream, x: cute.Tensor, start: cute.Tensor, length: cute.Tensor, end: cute.Tensor,
+                                   row_values: cute.Tensor, row_scales: cute.Tensor, values: cute.Tensor,
+                                   scales: cute.Tensor):
+    """quantize_rows_and_tokens over a grouped layer's blocks, which cover tokens [0, end[0])
+    (end (1,) int32): the rows past them (past the last group) are written as zeros with scale 1
+    by a second kernel, a CTA per 128 rows (one that holds none returns at once)."""
     _launch_rows_and_tokens(stream, x, start, length, row_values, row_scales, values, scales)
+    _zero_rows_kernel(end, row_values, row_scales).launch(
+        grid=[(x.shape[0] + ROWS - 1) // ROWS, 1, 1], block=[ROW_THREADS, 1, 1], stream=stream)
+
+
+@cute.kernel
+def _zero_rows_kernel(mEnd: cute.Tensor, mRowVal: cute.Tensor, mRowScale: cute.Tensor):
+    tidx, _, _ = cute.arch.thread_idx()
+    rb, _, _ = cute.arch.block_idx()
+    # thread t: half t % 2 of row t // 2 of this CTA's 128, in every 1 x 128 block of the row
+    row, h = rb * ROWS + tidx // 2, tidx % 2
+    if row >= mEnd[0] and row < mRowVal.shape[0]:
+        zeros = cute.make_rmem_tensor((64,), Float32)
+        zeros.fill(0.0)
+        out = cute.make_rmem_tensor((64,), mRowVal.element_type)
+        out.store(zeros.load().to(mRowVal.element_type))
+        for cb in cutlass.range(mRowVal.shape[1] // BLOCK_COLS, unroll=1):
+            cute.local_tile(mRowVal, (1, 64), (row, cb * 2 + h))[0, None].store(out.load())
+            if h == 0:
+                mRowScale[row, cb] = Float32(1.0)
 
 
 @cute.jit
