@@ -2,7 +2,7 @@
 
 The model is plain JAX with optax: token and position embeddings, pre-norm blocks of causal
 multi-head attention (``jnp.einsum``) and a GELU MLP, layers stacked under ``lax.scan`` with
-``jax.checkpoint``, a tied LM head. Parameters are f32 master weights; every product runs in
+``jax.checkpoint`` (saving only an fp8 run's quantized weights), a tied LM head. Parameters are f32 master weights; every product runs in
 bf16 and returns f32 (``preferred_element_type``), as mixed-precision training does. AdamW.
 ``--moe`` replaces each MLP by a mixture of experts (top-2 of 8, tokens sorted by expert, two
 ``lax.ragged_dot``s). ``--fp8`` trains the kernelized run with block-scaled fp8 weight products
@@ -202,6 +202,10 @@ def logits(params: Params, h: jax.Array, cfg: Config) -> jax.Array:
     return mm("btd,vd->btv", h, params["embed"])
 
 
+# nothing else saved: without fp8 (no value of that name) as jax.checkpoint's default
+KEEP_FP8_WEIGHTS = jax.checkpoint_policies.save_only_these_names(jax_cute.fp8.WEIGHTS)
+
+
 def forward(params: Params, tokens: jax.Array, cfg: Config, mesh: Mesh | None = None) -> jax.Array:
     x = params["embed"][tokens] + params["pos"][: tokens.shape[1]]  # f32 residual stream
     ffn = moe if cfg.moe else mlp
@@ -210,7 +214,8 @@ def forward(params: Params, tokens: jax.Array, cfg: Config, mesh: Mesh | None = 
         def block(x):
             x = x + attention(p, norm(x, p["ln1"]), cfg)
             return x + ffn(p, norm(x, p["ln2"]), cfg, mesh)
-        return jax.checkpoint(block)(x), None  # recompute the block in the backward pass
+        # recompute the block in the backward pass; an fp8 run keeps its quantized weights
+        return jax.checkpoint(block, policy=KEEP_FP8_WEIGHTS)(x), None
 
     x, _ = lax.scan(layer, x, params["layers"])
     return logits(params, norm(x, params["ln_f"]), cfg)

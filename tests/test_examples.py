@@ -185,3 +185,27 @@ def test_gpt_training_noise_replaces_that_fraction_of_tokens():
     assert 0.08 < changed[..., 1:].mean() < 0.11          # 10% redrawn, a few land on the same token
     with pytest.raises(SystemExit, match="--noise"):
         gpt.main(["--size", "tiny", "--steps", "1", "--noise", "1.5"])
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_gpt_fp8_step_quantizes_each_weight_once(moe, monkeypatch):
+    """The GPT example's fp8 step keeps its layers' quantized weights through ``checkpoint``
+    (``KEEP_FP8_WEIGHTS``): the backward pass's recomputation quantizes no weight again, where
+    the default policy quantizes each twice."""
+    pytest.importorskip("optax")
+    import dataclasses
+
+    import gpt_training as gpt
+
+    cfg = dataclasses.replace(gpt.SIZES["tiny"], moe=moe)
+    params, opt, tx = gpt.init_train_state(jax.random.key(0), cfg)
+    tokens = gpt.batches(jax.random.key(1), cfg)[0]
+
+    def named_weights(policy) -> int:
+        monkeypatch.setattr(gpt, "KEEP_FP8_WEIGHTS", policy)
+        step = gpt.make_step(cfg, tx, kernelized=True, fp8=True)
+        return str(jax.make_jaxpr(step)(params, opt, tokens)).count("name=jax_cute.fp8.weights")
+
+    # attention's two weight products and the MLP's (or the experts') two, their values and scales
+    # named once in the scanned layer (twice with the default policy: the recomputation's too)
+    assert (named_weights(gpt.KEEP_FP8_WEIGHTS), named_weights(None)) == (4 * 2, 4 * 2 * 2)

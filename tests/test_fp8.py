@@ -20,8 +20,8 @@ import pytest
 import fp8_bound  # tests/ is on sys.path under pytest
 import jax_cute
 from jax_cute import arch, config
-from jax_cute.fp8 import (BlockScaled, Blockwise, dequantize, grouped_linear, linear, quantize, quantize_grouped,
-                          ragged_k_dot)
+from jax_cute.fp8 import (WEIGHTS, BlockScaled, Blockwise, dequantize, grouped_linear, linear, quantize,
+                          quantize_grouped, ragged_k_dot)
 
 E4M3 = np.dtype(jnp.float8_e4m3fn)
 
@@ -512,6 +512,30 @@ def test_grouped_linear_and_kernelize_wgrad_reach_the_kernel():
         assert text.count("@jax_cute_launch") == 6 and "stablehlo.dot_general" not in text, loss
         assert "ragged_k.float8_e4m3fn" in text and text.count('name = "fp8_quantize_rows_and_group_tokens"') == 2
         assert text.count('name = "fp8_quantize_weight"') == 1
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["weight-kernel", "xla"])
+def test_a_checkpoint_policy_keeps_the_quantized_weights(kernel):
+    """Under ``jax.checkpoint`` saving ``fp8.WEIGHTS``, the backward pass's recomputation reads the
+    forward pass's fp8 weights: the weight is quantized once (twice with the default policy),
+    by the weight kernel or by XLA (power-of-two scales), and the gradients are the same bits."""
+    if kernel:
+        pytest.importorskip("cutlass")
+    recipe = Blockwise(pow2_scales=not kernel)
+    x, w = data((256, 256), "normal", 3), data((256, 384), "normal", 4)
+
+    def grad(policy):
+        def loss(x, w):
+            block = lambda x: jnp.tanh(linear(x, w, recipe=recipe, out_dtype=jnp.float32))  # noqa: E731
+            return jnp.sum(jax.checkpoint(block, policy=policy)(x))
+        g = jax.jit(jax.grad(loss, (0, 1)))
+        text = str(jax.make_jaxpr(g)(x, w))
+        return text.count("fp8_quantize_weight") if kernel else text.count("reduce_max"), g(x, w)
+
+    (default, by_default), (kept, by_policy) = grad(None), grad(jax.checkpoint_policies.save_only_these_names(WEIGHTS))
+    assert (default, kept) == (2, 1) if kernel else default - kept == 1
+    for a, b in zip(by_default, by_policy):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_vmap_of_scaled_products():

@@ -31,9 +31,15 @@ import numpy as np
 
 from jax_cute.activations import apply_activation, check_activation, derivative_times, elementwise
 from jax_cute.fp8.ops import ragged_k_dot, ragged_k_dot_aligned, scaled_dot_general, scaled_ragged_dot
-from jax_cute.fp8.quantize import (BLOCK, E4M3, FP8_DTYPES, BlockScaled, clipped_sizes, group_blocks, group_ends,
-                                   quantize, quantize_grouped, row_groups)
+from jax_cute.fp8.quantize import (BLOCK, E4M3, FP8_DTYPES, BlockScaled, checkpoint_named, clipped_sizes, group_blocks,
+                                   group_ends, quantize, quantize_grouped, row_groups)
 from jax_cute.fp8.scaled import weight_kernel, wgrad_kernels
+
+# The name (``jax.ad_checkpoint.checkpoint_name``) of the layers' quantized weights: under
+# ``jax.checkpoint(..., policy=jax.checkpoint_policies.save_only_these_names(WEIGHTS))`` the
+# backward pass's recomputation reads the forward pass's fp8 weights (1 byte a value in each of
+# their two layouts) instead of quantizing the weights again.
+WEIGHTS = "jax_cute.fp8.weights"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,12 +75,13 @@ class Blockwise:
         """``q(w, "128x128")`` for w (K, N) or (G, K, N), twice: for dgrad, and for the forward
         product with its values stored transposed, K-major as that kernel reads them. By one
         kernel that reads w once (``weight_operands.quantize_weight``) where it takes w (amax /
-        fmax scales, K and N multiples of 128); else one quantization serves both."""
+        fmax scales, K and N multiples of 128); else one quantization serves both. Named
+        ``WEIGHTS`` for checkpoint policies."""
         kernel = None if self.pow2_scales else weight_kernel(w.shape, w.dtype)
         if kernel is None:
-            wq = self.q(w, "128x128")
+            wq = checkpoint_named(self.q(w, "128x128"), WEIGHTS)
             return wq, wq
-        return kernel.quantize_weight(w, self.dtype)
+        return kernel.quantize_weight(w, self.dtype, name=WEIGHTS)
 
     def q_tokens(self, x, grad: bool = False, kernel: bool = False) -> BlockScaled:
         """``x`` (M, K) as ``q(x.T, "1x128")``: (K, M) in blocks of 128 tokens, for a weight

@@ -21,6 +21,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 from jax_cute.primitives.ragged_reference import clipped_sizes, group_ends, row_groups  # noqa: F401 - re-exported
 
@@ -176,6 +177,18 @@ def fp8_dtype(dtype, op: str) -> np.dtype:
     if dt not in FP8_DTYPES:
         raise TypeError(f"{op}: dtype must be float8_e4m3fn or float8_e5m2, got {dt}")
     return dt
+
+
+def checkpoint_named(tree, name: str):
+    """``jax.ad_checkpoint.checkpoint_name(tree, name)``, fp8 arrays named through their bits: a
+    checkpoint policy that saves a residual rounds it with ``reduce_precision`` to its dtype's
+    exponent and mantissa widths (jax 0.12), which takes e4m3fn (no infinities) for IEEE-like
+    e4m3 and turns its values of 256 and more into NaN."""
+    def named(x):
+        if np.dtype(x.dtype) not in FP8_DTYPES:
+            return checkpoint_name(x, name)
+        return jax.lax.bitcast_convert_type(checkpoint_name(jax.lax.bitcast_convert_type(x, jnp.uint8), name), x.dtype)
+    return jax.tree_util.tree_map(named, tree)
 
 
 def quantize_cast(x32, scale, dtype: np.dtype):

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_cute.fp8.quantize import BLOCK, WEIGHT, BlockScaled, fp8_dtype, quantize
+from jax_cute.fp8.quantize import BLOCK, WEIGHT, BlockScaled, checkpoint_named, fp8_dtype, quantize
 from jax_cute.kernels import fp8_operands
 from jax_cute.primitives.cute_call import cute_call
 
@@ -37,11 +37,14 @@ def reference(w: jax.Array, dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
     return q.values, jnp.swapaxes(q.values, 1, 2), q.scales
 
 
-def quantize_weight(w: jax.Array, dtype=jnp.float8_e4m3fn) -> tuple[BlockScaled, BlockScaled]:
+def quantize_weight(w: jax.Array, dtype=jnp.float8_e4m3fn, name: str | None = None
+                    ) -> tuple[BlockScaled, BlockScaled]:
     """``quantize(w, "128x128")`` for w (K, N) or a stack (L, K, N) (``supported``), twice: with
     its values in w's layout (dgrad's operand) and as the same operand whose values are stored
     transposed (``BlockScaled(values_t, scales_t).T``: what the forward product reads K-major, so
-    the transpose it would take cancels). One kernel reads w once and writes both."""
+    the transpose it would take cancels). One kernel reads w once and writes both. ``name``: a
+    ``checkpoint_name`` for the kernel's outputs (as stored: a checkpoint policy that saves them
+    keeps no transposed copy)."""
     dt = fp8_dtype(dtype, "jax_cute.fp8.quantize_weight")
     if not supported(w.shape, w.dtype):
         raise TypeError(f"jax_cute.fp8.quantize_weight: w must be (K, N) or (L, K, N) bfloat16, float16 or float32 "
@@ -54,6 +57,8 @@ def quantize_weight(w: jax.Array, dtype=jnp.float8_e4m3fn) -> tuple[BlockScaled,
                      reference=lambda x: reference(x, dt), name="fp8_quantize_weight",
                      partitioned_reference=True)
     values, values_t, scales = call(w3)
+    if name is not None:
+        values, values_t, scales = checkpoint_named((values, values_t, scales), name)
     if w.ndim == 2:
         values, values_t, scales = values[0], values_t[0], scales[0]
     blocks = (BLOCK, BLOCK)
