@@ -187,6 +187,7 @@ def test_gpt_training_noise_replaces_that_fraction_of_tokens():
         gpt.main(["--size", "tiny", "--steps", "1", "--noise", "1.5"])
 
 
+@pytest.mark.sweep   # (8 s of tracing: CI's second step, so the README's line stays under 10 minutes)
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
 def test_gpt_fp8_step_quantizes_each_weight_once(moe, monkeypatch):
     """The GPT example's fp8 step keeps its layers' quantized weights through ``checkpoint``
