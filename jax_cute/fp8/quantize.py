@@ -182,7 +182,7 @@ def fp8_dtype(dtype, op: str) -> np.dtype:
 def checkpoint_named(tree, name: str):
     """``jax.ad_checkpoint.checkpoint_name(tree, name)``, fp8 arrays named through their bits: a
     checkpoint policy that saves a residual rounds it with ``reduce_precision`` to its dtype's
-    exponent and mantissa widths (jax 0.12), which takes e4m3fn (no infinities) for IEEE-like
+    exponent and mantissa widths (jax 0.11, 0.12), which takes e4m3fn (no infinities) for IEEE-like
     e4m3 and turns its values of 256 and more into NaN."""
     def named(x):
         if np.dtype(x.dtype) not in FP8_DTYPES:
