@@ -1000,6 +1000,7 @@ def test_kernel_scales_are_padded_for_tma():
     assert scaled._block_major(s[0, :4]).shape == (1, 3, 4)   # an (M, Kb) operand's, already whole
 
 
+@pytest.mark.sweep   # (11 s: CI's second step, so the README's test line stays under 10 minutes)
 def test_batched_and_vmapped_products_lower_to_the_kernel():
     pytest.importorskip("cutlass")
     a, b = jnp.ones((3, 200, 640), jnp.float32), jnp.ones((3, 640, 300), jnp.float32)
@@ -1029,6 +1030,7 @@ def test_grouped_lowers_to_the_hopper_kernel(k, b_block):
     assert text.count("@jax_cute_launch") == 1 and "stablehlo.dot_general" not in text
 
 
+@pytest.mark.sweep   # (25 s: CI's second step, so the README's test line stays under 10 minutes)
 def test_lowers_for_cuda_as_xla_ops(monkeypatch):
     """Lowered for a GPU (no device needed): the dense and grouped layers' six fp8 GEMMs (forward,
     dgrad, wgrad) are our kernels; a product no kernel takes (here the ragged-K wgrad, listed as

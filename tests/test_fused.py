@@ -429,6 +429,7 @@ def test_cuda_lowering_of_a_fused_einsum(caplog):
     assert text.count("stablehlo.custom_call @jax_cute_launch") == 3 and "dot_general" not in text
 
 
+@pytest.mark.sweep   # (16 s: CI's second step, so the README's test line stays under 10 minutes)
 def test_cuda_lowering_of_gradients():
     """Forward with the pre-activation, then two gradient GEMMs: three kernel launches."""
     f = lambda a, b, c: jnp.sum(jax_cute.matmul(a, b, bias=c, activation="gelu").astype(jnp.float32))  # noqa: E731

@@ -74,6 +74,7 @@ def _einsum_lowering(f, sa, sb, caplog) -> tuple[str, list[str]]:
     return text, [r.getMessage() for r in caplog.records]
 
 
+@pytest.mark.sweep   # (16 s: CI's second step, so the README's test line stays under 10 minutes)
 def test_random_einsums_run_our_kernel_with_at_most_one_copy_per_operand(caplog):
     """Where the layouts do not coalesce into the kernel's (M, N, K, L) modes, an operand is
     copied once (and an output that cannot be written as it lies is written row-major and

@@ -254,6 +254,7 @@ def test_fused_product_lowers_to_one_kernel_for_sm100():
     assert "dot_general" not in text and "tanh" not in text and "erf" not in text
 
 
+@pytest.mark.sweep   # (13 s: CI's second step, so the README's test line stays under 10 minutes)
 def test_fused_grouped_product_lowers_to_one_kernel_for_sm100():
     """The same for ragged_dot with a bias per group, and under grad: the forward stores the
     pre-activation, then the two gradient GEMMs (ragged_k, ragged_m)."""
