@@ -156,6 +156,7 @@ def test_chain_outside_autodiff_costs_nothing():
     assert len(fused[1].invars) == 2   # (y, w2): Z is gone (a lone bias stays an XLA add)
 
 
+@pytest.mark.sweep   # (12 s: CI's second step, so the README's test line stays under 10 minutes)
 def test_chain_under_vmap_jvp_and_second_order():
     """Chains compose: vmap of the gradient, forward mode, and a Hessian-vector product equal
     the unchained model's (the chain's operands in f32 here, so no kernel rounding differs)."""

@@ -385,10 +385,11 @@ def _grad(f, argnums):
     return jax.grad(lambda *xs: jnp.sum(f(*xs)).real.astype(np.float32), argnums)
 
 
-# preferred_element_type=float32 over every case, and every case with x64 on (weak types under x64:
-# test_weak_types_eager_and_jit, test_ragged_dot_weak_types): sweeps (CI's second step)
-@pytest.mark.parametrize("pet", [None, pytest.param(np.float32, marks=pytest.mark.sweep)], ids=["default", "f32"])
-@pytest.mark.parametrize("x64", [False, pytest.param(True, marks=pytest.mark.sweep)], ids=["x32", "x64"], indirect=True)
+# every case with and without preferred_element_type=float32 and x64 (weak types under x64:
+# test_weak_types_eager_and_jit, test_ragged_dot_weak_types): sweeps (CI's second step; 12 s a case)
+@pytest.mark.parametrize("pet", [None, np.float32], ids=["default", "f32"])
+@pytest.mark.parametrize("x64", [False, True], ids=["x32", "x64"], indirect=True)
+@pytest.mark.sweep
 def test_weak_types_are_jax_s(x64, pet):
     """Result dtype and weak type as JAX's (traced, under vmap and grad) for weakly typed
     operands: a weak operand does not widen a strong one (bf16 @ weak float is bf16), an int

@@ -126,6 +126,7 @@ def test_misaligned_rows_are_padded_not_copied_or_left_to_xla(caplog):
     assert any("padding a from (256, 127) to (256, 128)" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.sweep   # (12 s: CI's second step, so the README's test line stays under 10 minutes)
 def test_lm_head_with_a_50257_word_vocabulary_runs_the_kernel_forward_and_backward():
     """GPT-2's vocabulary: the Hopper kernel writes the logits (8192, 50257) where they are (rows
     of 100514 bytes, not a TMA stride: stored without TMA), no padded buffer and no slice; the
