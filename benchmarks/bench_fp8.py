@@ -25,7 +25,7 @@ interleaved in one process:
 TFLOP/s count 2 M N K. Outputs are not compared (the three compute different products).
 
 Training steps (``BENCH_FP8_TRAIN=0`` leaves them out; ``BENCH_FP8_GEMM=0`` leaves out the GEMMs): the GPT example's step (``examples/gpt_training.py``
-at its ``h200`` size, dense and ``--moe``), timed interleaved: *jax_cute*:
+at its ``h200`` and ``h200-wide`` sizes (d_model 2048 and 4096), dense and ``--moe``), timed interleaved: *jax_cute*:
 ``value_and_grad(kernelize(loss, fp8=recipe))`` (the weight products' forward and both
 gradients block-scaled fp8, quantization included); *jax_cute_bf16*: the same kernelized in
 bf16; *xla_bf16*: the model as written (bf16 products).
@@ -137,7 +137,7 @@ def train_steps(args: argparse.Namespace, rounds: int) -> list[dict]:
     import gpt_training as gpt
 
     recs: list[dict] = []
-    for moe, cfg, tx, make_args, case in gpt_train_cases(gpt, args.smoke):
+    for moe, cfg, tx, make_args, case in gpt_train_cases(gpt, args.smoke, ("h200", "h200-wide")):
         recs += measure("fp8", "fp8_train", case,
                         [Impl("jax_cute", gpt.make_step(cfg, tx, kernelized=True, fp8=True)),
                          Impl("jax_cute_bf16", gpt.make_step(cfg, tx, kernelized=True)),

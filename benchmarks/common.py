@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import itertools
 import json
 import re
 import signal
@@ -226,11 +227,11 @@ def best_of(records: list[dict], impl: str) -> list[dict]:
     return out
 
 
-def gpt_train_cases(gpt, smoke: bool) -> Iterator[tuple]:
-    """The GPT example's (``gpt``, examples/gpt_training.py) training cases, dense then MoE, at its
-    GPU size (tiny with ``smoke``): (moe, cfg, tx, make_args for measure, case label)."""
-    for moe in (False, True):
-        cfg = dataclasses.replace(gpt.SIZES["tiny" if smoke else "h200"], moe=moe)
+def gpt_train_cases(gpt, smoke: bool, sizes: tuple[str, ...] = ("h200",)) -> Iterator[tuple]:
+    """The GPT example's (``gpt``, examples/gpt_training.py) training cases, dense then MoE, at each
+    of its ``sizes`` (tiny once with ``smoke``): (moe, cfg, tx, make_args for measure, case label)."""
+    for size, moe in itertools.product(("tiny",) if smoke else sizes, (False, True)):
+        cfg = dataclasses.replace(gpt.SIZES[size], moe=moe)
         params, opt_state, tx = gpt.init_train_state(jax.random.key(0), cfg)
         data = gpt.batches(jax.random.key(1), cfg)
         ffn = f"MoE top-{cfg.top_k} of {cfg.experts}" if moe else "dense MLP"

@@ -224,7 +224,7 @@ SUITE_TITLE = {"models": "Models: jax_cute.kernelize", "matmul": "Dense GEMM: ja
                "fp8": "Block-scaled fp8 GEMM: DeepGEMM's shapes"}
 # A results file holding only this table (e.g. BENCH_FP8_GEMM=0) gets this title and note.
 TABLE_SECTION = {"fp8_train": ("Block-scaled fp8 training steps: the GPT example",
-                               "The GPT example's step (`examples/gpt_training.py` at its `h200` size, dense and "
+                               "The GPT example's step (`examples/gpt_training.py` at its `h200` and `h200-wide` sizes (d_model 2048 and 4096), dense and "
                                "`--moe`), timed interleaved: *jax_cute fp8*: `value_and_grad(kernelize(loss, "
                                "fp8=\"blockwise\"))`, the weight products' forward and both gradients block-scaled "
                                "fp8, quantization included; *jax_cute bf16*: the same kernelized in bf16; *XLA*: the "
@@ -253,7 +253,7 @@ SUITE_NOTE = {
            "*jax_cute bf16*: the same values in bf16. *XLA fp8 dot*: `lax.dot_general` of the raw e4m3 values, "
            "no block scales (cuBLAS, fast accumulation); *jax_cute fp8 (no block scales)*: `jax_cute.matmul` of "
            "the same raw values (the same numerics as XLA's row, our unscaled fp8 kernel). Training step: `examples/gpt_training.py`'s step at its "
-           "`h200` size, *jax_cute fp8* `value_and_grad(kernelize(loss, fp8=fp8_recipe(cfg)))` (the weight "
+           "`h200` and `h200-wide` sizes, *jax_cute fp8* `value_and_grad(kernelize(loss, fp8=fp8_recipe(cfg)))` (the weight "
            "products' forward, dgrad and wgrad block-scaled fp8, their quantization included), *jax_cute bf16* "
            "the same kernelized in bf16, *XLA* the model as written, timed interleaved in one process.",
     "collective": "*jax_cute*: `JAX_CUTE_COLLECTIVE_MATMUL=1`, the partitioning rules' bidirectional ring of "

@@ -26,6 +26,7 @@ model's gradient products on the f32 cotangent). On a CPU both runs are plain XL
 
     python examples/gpt_training.py                 # tiny on CPU, h200 on a GPU
     python examples/gpt_training.py --size h200 --moe --steps 20
+    python examples/gpt_training.py --size h200-wide --fp8 --steps 20
     python examples/gpt_training.py --mesh data=2,model=2 --moe
 """
 
@@ -78,6 +79,8 @@ class Config:
 SIZES = {
     "tiny": Config(vocab=256, d_model=64, heads=2, layers=2, seq=32, batch=4, lr=3e-3),
     "h200": Config(vocab=32000, d_model=2048, heads=16, layers=4, seq=1024, batch=8, lr=3e-4),
+    # a 7B-class width (4 layers of it): where fp8's weight products are most of the step
+    "h200-wide": Config(vocab=32000, d_model=4096, heads=32, layers=4, seq=1024, batch=8, lr=3e-4),
 }
 
 Params = dict
