@@ -110,6 +110,7 @@ def test_disk_cache_switch(tmp_path):
     assert not list(tmp_path.glob("*/*"))
 
 
+@pytest.mark.sweep   # (38 s: CI's second step, so the README's test line stays under 10 minutes)
 def test_precompile_then_lower_in_a_fresh_process_without_the_dsl_compiler(tmp_path):
     """The CLI fills the cache for sm_90a; a new process lowers from it without importing cutlass."""
     env = dict(os.environ, JAX_CUTE_CACHE_DIR=str(tmp_path), JAX_PLATFORMS="cpu")

@@ -144,6 +144,7 @@ with config.override(cache_dir=root):
 """
 
 
+@pytest.mark.sweep   # (7 s: CI's second step, so the README's test line stays under 10 minutes)
 def test_autotune_records_from_several_processes_keep_every_winner(tmp_path):
     """Writes are read-update-replace under a lock: concurrent processes lose nothing, and the
     table is always whole JSON."""

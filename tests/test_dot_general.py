@@ -92,8 +92,8 @@ def test_einsum_matches_jnp(spec, sa, sb):
         np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("spec,sa,sb", [("ii,ij->j", (4, 4), (4, 3)), ("ii,ij->ij", (4, 4), (4, 3)),
-                                         ("iji,jk->ik", (3, 2, 3), (2, 5))])
+@pytest.mark.parametrize("spec,sa,sb", [("ii,ij->j", (4, 4), (4, 3)), *(pytest.param(*p, marks=pytest.mark.sweep) for p in (   # (7-9 s)
+                                             ("ii,ij->ij", (4, 4), (4, 3)), ("iji,jk->ik", (3, 2, 3), (2, 5))))])
 def test_einsum_diagonal_is_masked_then_a_gemm(spec, sa, sb):
     """A repeated index within an operand is a diagonal: masked and summed as jnp.einsum does,
     and the product is still our GEMM (lowered for sm_90a: no XLA dot)."""

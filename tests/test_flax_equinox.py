@@ -57,6 +57,7 @@ def test_flax_linen_mlp():
     assert [p.epilogue for p in report.products] == ["bias + gelu", ""]
 
 
+@pytest.mark.sweep   # (14 s: CI's second step, so the README's test line stays under 10 minutes)
 def test_flax_linen_attention_block():
     model = AttentionBlock()
     # q, k, v projections, scores, weighted values, output projection, two MLP layers

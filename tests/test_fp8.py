@@ -269,8 +269,8 @@ def _kernel_walk(qa: BlockScaled, qb: BlockScaled, gs) -> np.ndarray:
     return out
 
 
-@pytest.mark.parametrize("sizes", [[0, 300, 77, 0, 523, 1], *(pytest.param(s, marks=pytest.mark.sweep) for s in (
-    [128, 256, 0], [1000])), [5, 0, 0]])
+@pytest.mark.parametrize("sizes", [*(pytest.param(s, marks=pytest.mark.sweep) for s in (
+    [0, 300, 77, 0, 523, 1], [128, 256, 0], [1000])), [5, 0, 0]])
 def test_ragged_k_kernel_layout(sizes):
     """The ragged-K kernel's operands (group-aligned T, every k-tile one scale block of one group,
     zeros past each group's end) give the product the reference computes: the layout the kernel's
@@ -793,6 +793,7 @@ def test_kernelize_fp8_epilogue_of_a_weight_on_the_left():
         assert rel(got, ref) < 1e-5
 
 
+@pytest.mark.sweep   # (12 s: CI's second step, so the README's test line stays under 10 minutes)
 def test_kernelize_fp8_ragged_dot():
     rng = np.random.default_rng(26)
     sizes = jnp.asarray([40, 0, 70, 18], jnp.int32)
@@ -856,6 +857,7 @@ def test_fallback_is_logged_and_strict_mode_raises(caplog, monkeypatch):
             jax_cute.ragged_dot(xq, we, sizes, activation="swiglu")
 
 
+@pytest.mark.sweep   # (10 s: CI's second step, so the README's test line stays under 10 minutes)
 def test_dense_lowers_to_the_hopper_kernel():
     """Lowered for sm_90a on the CPU (no device needed) in strict mode: the dense scaled product
     is our custom call, with its epilogue, and no XLA dot is left; odd sizes are padded to the
@@ -971,7 +973,7 @@ def test_gpt_example_fp8_products(moe):
 @pytest.mark.parametrize("m,n,k,blocks", [(1, 1, 1, ("1x128", "128x128")),
                                            pytest.param(1, 8, 128, ("1x128", (128, 1)), marks=pytest.mark.sweep),
                                            pytest.param(129, 257, 130, ("128x128", "128x128"), marks=pytest.mark.sweep),
-                                           (300, 7168, 2048, ("1x128", "128x128")),
+                                           pytest.param(300, 7168, 2048, ("1x128", "128x128"), marks=pytest.mark.sweep),
                                            pytest.param(4096, 512, 384, ("128x128", (128, 1)), marks=pytest.mark.sweep)])
 def test_odd_sizes_lower_to_the_kernel(m, n, k, blocks):
     """Every size and block form the GPU tests run reaches the kernel (strict mode: no fallback)."""

@@ -507,6 +507,7 @@ def test_expert_parallel_moe_layer_trains_like_the_unsharded_layer(results, mesh
     assert case["grads"] <= 2**-8 and case["curve"] <= 1e-4, (mesh, case)
 
 
+@pytest.mark.sweep   # (21 s: CI's second step, so the README's test line stays under 10 minutes)
 def test_two_processes_through_jax_distributed_train_like_one(tmp_path):
     """The example's multi-process path (one process per device, as across hosts): two CPU
     processes joined by jax.distributed train to the losses of one process with two devices."""
