@@ -968,8 +968,8 @@ def test_gpt_example_fp8_products(moe):
                                                            and s[0] != cfg.vocab and s != (d, e))
 
 
-# (the test line: the activations' and weights' blocks at the smallest and a DeepGEMM size; the
-# other block forms are sweeps, run in CI's second step)
+# (the test line: the activations' and weights' blocks at the smallest size; the DeepGEMM size
+# and the other block forms are sweeps, run in CI's second step)
 @pytest.mark.parametrize("m,n,k,blocks", [(1, 1, 1, ("1x128", "128x128")),
                                            pytest.param(1, 8, 128, ("1x128", (128, 1)), marks=pytest.mark.sweep),
                                            pytest.param(129, 257, 130, ("128x128", "128x128"), marks=pytest.mark.sweep),

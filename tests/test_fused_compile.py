@@ -207,7 +207,7 @@ def test_gated_tiles_pair_whole_blocks():
 
 
 # (every case 14 s: a sweep, run in CI's second step, so the README's test line stays under 10
-# minutes; test_gated_lowering_is_one_kernel keeps the gated kernel's lowering in that line)
+# minutes; test_gated_k_major_b_compiles keeps a gated kernel's compile in that line)
 @pytest.mark.parametrize("c_dtype", [BF, F32])
 @pytest.mark.parametrize("bias, preact", [(True, False), (False, True), (True, True)])
 @pytest.mark.sweep

@@ -106,7 +106,7 @@ def test_nested_vmap_and_transposes():
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-# the test line keeps both transposed and the batched, broadcast, transposed case; the plain and
+# the test line keeps both transposed; the batched, broadcast, transposed case, the plain and the
 # one-sided batched cases are sweeps (CI's second step)
 @pytest.mark.parametrize("sa,sb,ta,tb", [
     ((4, 5), (3, 4), True, True),
