@@ -70,15 +70,19 @@ def _quotients(src: cute.Tensor, dst: cute.Tensor, scale: Float32):
 
 
 @cute.jit
-def _store_quantized(xs: cute.Tensor, scale: Float32, dst: cute.Tensor, row, col64):
-    """The 64 values ``xs`` divided by ``scale`` into fp8 ``dst[row, 64 col64 ...]``, one batch:
-    in batches of 16 (38 registers, not 90, so three times the CTAs an SM) the quantizers ran
-    12-19% slower on an H200."""
-    q = cute.make_rmem_tensor((64,), Float32)
+def _store_quantized(xs: cute.Tensor, scale: Float32, dst: cute.Tensor, row, base16, h):
+    """The 64 values ``xs`` divided by ``scale`` into fp8 row ``row`` of ``dst``, as four 16-value
+    pieces at 16-byte columns ``base16 + 2 i + h`` (i < 4): the thread with the other ``h`` writes
+    the pieces between, so each store instruction of the pair fills whole 32-byte sectors (64
+    contiguous bytes a thread wrote half sectors: L2 throughput, not DRAM, bound the quantizers).
+    One batch of 64: in batches of 16 (38 registers, not 90, so three times the CTAs an SM) the
+    quantizers ran 12-19% slower on an H200."""
+    q = cute.make_rmem_tensor(cute.make_layout((16, 4)), Float32)
     _quotients(xs, q, scale)
-    out = cute.make_rmem_tensor((64,), dst.element_type)
+    out = cute.make_rmem_tensor(cute.make_layout((16, 4)), dst.element_type)
     out.store(q.load().to(dst.element_type))   # cvt.rn.satfinite: the quantizer's clip and rounding
-    cute.local_tile(dst, (1, 64), (row, col64))[0, None].store(out.load())
+    for i in cutlass.range_constexpr(4):
+        cute.local_tile(dst, (1, 16), (row, base16 + 2 * i + h))[0, None].store(out[None, i].load())
 
 
 @cute.jit
@@ -139,34 +143,31 @@ def _quantize_tokens_kernel(mX: cute.Tensor, mStart: cute.Tensor, mLen: cute.Ten
                                 byte_alignment=16)
     start = mStart[blk]
     length = mLen[blk]
-    # stage in float32: a warp reads 4 rows x 64 columns per pass (8 columns a thread); rows
-    # past the block's length are zeros
-    for p in cutlass.range(ROWS // 16, unroll_full=True):
+    # stage in float32: a warp reads 4 rows x 64 columns per pass (8 columns a thread), every
+    # pass's load issued before the first store (as _stage_tile's); rows past the block's
+    # length are zeros
+    frags = cute.make_rmem_tensor(cute.make_layout((8, ROWS // 16)), mX.element_type)
+    last = mX.shape[0] - 1
+    for p in cutlass.range_constexpr(ROWS // 16):
+        row = cutlass.min(start + p * 16 + tidx // 8, last)
+        frags[None, p].store(cute.local_tile(mX, (1, 8), (row, cb * 8 + tidx % 8))[0, None].load())
+    for p in cutlass.range_constexpr(ROWS // 16):
         row = p * 16 + tidx // 8
-        chunk = tidx % 8
-        frag = cute.make_rmem_tensor((8,), Float32)
-        if row < length:
-            src = cute.local_tile(mX, (1, 8), (start + row, cb * 8 + chunk))
-            frag.store(src[0, None].load().to(Float32))
-        else:
-            frag.fill(0.0)
-        cute.local_tile(sX, (1, 8), (row, chunk))[0, None].store(frag.load())
+        if row >= length:
+            frags[None, p].fill(0.0)
+        cute.local_tile(sX, (1, 8), (row, (tidx % 8) ^ _chunk_xor(row)))[0, None].store(frags[None, p].load().to(Float32))
     cute.arch.sync_threads()
-    # thread t holds half t // 64 of column t % 64 (64 tokens); the column's amax over both
-    # halves, NaN propagating as in XLA's max
-    c, half = tidx % COLS, tidx // COLS
-    vals = cute.make_rmem_tensor((COLS,), Float32)
-    m = Float32(0.0)
-    for i in cutlass.range(COLS, unroll_full=True):
-        v = sX[half * COLS + i, c]
-        vals[i] = v
-        m = _absmax(m, v)
-    sMax[half, c] = m
+    # thread t holds half t % 2 of column t // 2 (64 tokens, as _column_chunks reads them); the
+    # column's amax over both halves, NaN propagating as in XLA's max
+    c, half = tidx // 2, tidx % 2
+    vals = cute.make_rmem_tensor((64,), Float32)
+    _column_chunks(sX, c, half, vals)
+    sMax[half, c] = _amax(vals)
     cute.arch.sync_threads()
     scale = _block_scale(cute.arch.fmax(sMax[0, c], sMax[1, c], nan=True), fmax)
     if half == 0:
         mScale[cb * COLS + c, blk] = scale
-    _store_quantized(vals, scale, mVal, cb * COLS + c, blk * 2 + half)
+    _store_quantized(vals, scale, mVal, cb * COLS + c, blk * 8, half)
 
 
 @cute.jit
@@ -184,55 +185,68 @@ BLOCK_COLS = 128    # columns of R per CTA: one 1 x 128 block of every row
 
 
 @cute.jit
+def _chunk_xor(row):
+    """The staged tiles' swizzle: rows 16-31 of every 32 keep their 8-value chunks pairwise swapped
+    two apart (chunk ^ 2), so the two halves of a column a warp reads, 16 rows apart (the same
+    banks in a 16-byte-aligned pitch), fall in different banks."""
+    return ((row >> 4) & 1) * 2
+
+
+@cute.jit
 def _stage_tile(mX: cute.Tensor, sX: cute.Tensor, start, length, cb, tidx):
     """Rows [start, start + 128) x columns [128 cb, 128 cb + 128) of ``mX`` into ``sX`` in their own
     type (exact in float32), 256 threads: a warp reads 2 rows x 128 columns per pass (8 columns a
-    thread); rows past ``length`` are zeros."""
-    for p in cutlass.range(ROWS // 16, unroll_full=True):
+    thread); rows past ``length`` are zeros. Every pass's load is issued before the first store
+    (a row past the block reads the tensor's last row, then is zeroed): a load behind a branch
+    waited for its predecessor's store, one 16-byte load in flight a thread."""
+    frags = cute.make_rmem_tensor(cute.make_layout((8, ROWS // 16)), mX.element_type)
+    last = mX.shape[0] - 1
+    for p in cutlass.range_constexpr(ROWS // 16):
+        row = cutlass.min(start + p * 16 + tidx // 16, last)
+        frags[None, p].store(cute.local_tile(mX, (1, 8), (row, cb * 16 + tidx % 16))[0, None].load())
+    for p in cutlass.range_constexpr(ROWS // 16):
         row = p * 16 + tidx // 16
-        chunk = tidx % 16
-        frag = cute.make_rmem_tensor((8,), mX.element_type)
-        if row < length:
-            frag.store(cute.local_tile(mX, (1, 8), (start + row, cb * 16 + chunk))[0, None].load())
-        else:
-            frag.fill(0.0)
-        cute.local_tile(sX, (1, 8), (row, chunk))[0, None].store(frag.load())
+        if row >= length:
+            frags[None, p].fill(0.0)
+        cute.local_tile(sX, (1, 8), (row, (tidx % 16) ^ _chunk_xor(row)))[0, None].store(frags[None, p].load())
 
 
 @cute.jit
-def _row_half_amax(sX: cute.Tensor, r, h) -> Float32:
-    """The largest magnitude in half ``h`` (64 values) of staged row ``r``, NaN propagating."""
-    rm = Float32(0.0)
-    for j in cutlass.range(8, unroll_full=True):
-        chunk = cute.local_tile(sX, (1, 8), (r, h * 8 + j))[0, None].load().to(Float32)
-        for e in cutlass.range(8, unroll_full=True):
-            rm = _absmax(rm, chunk[e])
-    return rm
+def _row_chunks(sX: cute.Tensor, r, h, xs: cute.Tensor):
+    """Half ``h`` of staged row ``r`` into ``xs`` (64 float32s): its 16-value pieces 2 i + h (i < 4),
+    as _store_quantized writes them."""
+    for i in cutlass.range_constexpr(4):
+        for e in cutlass.range_constexpr(2):
+            chunk = cute.local_tile(sX, (1, 8), (r, (4 * i + 2 * h + e) ^ _chunk_xor(r)))[0, None].load().to(Float32)
+            for k in cutlass.range_constexpr(8):
+                xs[16 * i + 8 * e + k] = chunk[k]
 
 
 @cute.jit
-def _store_row_half(sX: cute.Tensor, r, h, scale: Float32, dst: cute.Tensor, row, cb):
-    """Half ``h`` of staged row ``r`` divided by ``scale`` into fp8 ``dst[row, 128 cb + 64 h ...]``."""
-    xs = cute.make_rmem_tensor((64,), Float32)
-    for j in cutlass.range(8, unroll_full=True):
-        chunk = cute.local_tile(sX, (1, 8), (r, h * 8 + j))[0, None].load().to(Float32)
-        for e in cutlass.range(8, unroll_full=True):
-            xs[j * 8 + e] = chunk[e]
-    _store_quantized(xs, scale, dst, row, cb * 2 + h)
+def _column_chunks(sX: cute.Tensor, c, hc, xs: cute.Tensor):
+    """Half ``hc`` of staged column ``c`` into ``xs`` (64 float32s): rows 32 i + 16 hc + j (i < 4,
+    j < 16), the pieces _store_quantized writes; those rows' swizzle is hc's."""
+    col = c ^ (hc * 16)
+    for i in cutlass.range_constexpr(4):
+        for j in cutlass.range(16, unroll_full=True):
+            xs[16 * i + j] = sX[32 * i + 16 * hc + j, col].to(Float32)
 
 
 @cute.jit
-def _store_column_half(sX: cute.Tensor, c, hc, scale: Float32, dst: cute.Tensor, row, blk):
-    """Half ``hc`` (64 rows) of staged column ``c`` divided by ``scale`` into fp8
-    ``dst[row, 128 blk + 64 hc ...]``: the tile written transposed."""
-    xs = cute.make_rmem_tensor((64,), Float32)
-    for i in cutlass.range(64, unroll_full=True):
-        xs[i] = sX[hc * 64 + i, c].to(Float32)
-    _store_quantized(xs, scale, dst, row, blk * 2 + hc)
+def _amax(xs: cute.Tensor) -> Float32:
+    """The largest magnitude in ``xs`` (64 values), NaN propagating as in XLA's max: four
+    independent chains, then their max (a shorter dependency chain; max is associative)."""
+    m = cute.make_rmem_tensor((4,), Float32)
+    m.fill(0.0)
+    for i in cutlass.range(16, unroll_full=True):
+        for k in cutlass.range_constexpr(4):
+            m[k] = _absmax(m[k], xs[4 * i + k])
+    return cute.arch.fmax(cute.arch.fmax(m[0], m[1], nan=True), cute.arch.fmax(m[2], m[3], nan=True), nan=True)
 
 
 def _staging(smem, element_type):
-    """The staged 128 x 128 tile, rows 16 bytes apart beyond their width (fewer bank conflicts)."""
+    """The staged 128 x 128 tile, rows 16 bytes apart beyond their width (fewer bank conflicts),
+    swizzled (_chunk_xor)."""
     pitch = BLOCK_COLS + 128 // element_type.width
     return smem.allocate_tensor(element_type=element_type, layout=cute.make_layout((ROWS, BLOCK_COLS), stride=(pitch, 1)),
                                 byte_alignment=16)
@@ -253,30 +267,30 @@ def _quantize_rows_and_tokens_kernel(mX: cute.Tensor, mStart: cute.Tensor, mLen:
     length = mLen[blk]
     _stage_tile(mX, sX, start, length, cb, tidx)
     cute.arch.sync_threads()
-    # thread t takes half t % 2 of row t // 2 (a 1 x 128 block along the columns) and half t // 128
-    # of column t % 128 (a block of 128 tokens): first each block's amax over both halves (NaN
+    # thread t takes half t % 2 of row t // 2 (a 1 x 128 block along the columns) and half t % 2
+    # of column t // 2 (a block of 128 tokens): first each block's amax over both halves (NaN
     # propagating as in XLA's max), then its values, read again from shared memory (holding
     # both blocks' values in registers would leave one CTA an SM: 1.7x slower)
     r, h = tidx // 2, tidx % 2
-    c, hc = tidx % BLOCK_COLS, tidx // BLOCK_COLS
-    rm = _row_half_amax(sX, r, h)
-    cm = Float32(0.0)
-    for i in cutlass.range(64, unroll_full=True):
-        cm = _absmax(cm, sX[hc * 64 + i, c].to(Float32))
-    sRow[r, h] = rm
-    sCol[hc, c] = cm
+    xs = cute.make_rmem_tensor((64,), Float32)
+    _row_chunks(sX, r, h, xs)
+    sRow[r, h] = _amax(xs)
+    _column_chunks(sX, r, h, xs)
+    sCol[h, r] = _amax(xs)
     cute.arch.sync_threads()
-    # the row block: its scale and fp8 values, in place
+    # the row block: its scale and fp8 values
     scale = _block_scale(cute.arch.fmax(sRow[r, 0], sRow[r, 1], nan=True), fmax)
     if r < length:
         if h == 0:
             mRowScale[start + r, cb] = scale
-        _store_row_half(sX, r, h, scale, mRowVal, start + r, cb)
+        _row_chunks(sX, r, h, xs)
+        _store_quantized(xs, scale, mRowVal, start + r, cb * 8, h)
     # the token block: as quantize_tokens' (zeros past the block's length)
-    scale = _block_scale(cute.arch.fmax(sCol[0, c], sCol[1, c], nan=True), fmax)
-    if hc == 0:
-        mScale[cb * BLOCK_COLS + c, blk] = scale
-    _store_column_half(sX, c, hc, scale, mVal, cb * BLOCK_COLS + c, blk)
+    scale = _block_scale(cute.arch.fmax(sCol[0, r], sCol[1, r], nan=True), fmax)
+    if h == 0:
+        mScale[cb * BLOCK_COLS + r, blk] = scale
+    _column_chunks(sX, r, h, xs)
+    _store_quantized(xs, scale, mVal, cb * BLOCK_COLS + r, blk * 8, h)
 
 
 @cute.jit
@@ -340,7 +354,9 @@ def _quantize_weight_kernel(mX: cute.Tensor, mVal: cute.Tensor, mValT: cute.Tens
     # the block's amax: each thread's half row, then across the warp, then across the 8 warps
     # (NaN propagating as in XLA's max)
     r, h = tidx // 2, tidx % 2
-    m = _row_half_amax(sX, r, h)
+    xs = cute.make_rmem_tensor((64,), Float32)
+    _row_chunks(sX, r, h, xs)
+    m = _amax(xs)
     for k in cutlass.range_constexpr(5):
         m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, 1 << k), nan=True)
     if tidx % 32 == 0:
@@ -353,9 +369,10 @@ def _quantize_weight_kernel(mX: cute.Tensor, mVal: cute.Tensor, mValT: cute.Tens
     if tidx == 0:
         sc[kb, nb] = scale
     # the values in the weight's layout (thread t: half t % 2 of row t // 2) and transposed
-    # (half t // 128 of column t % 128)
-    _store_row_half(sX, r, h, scale, val, kb * ROWS + r, nb)
-    _store_column_half(sX, tidx % BLOCK_COLS, tidx // BLOCK_COLS, scale, val_t, nb * BLOCK_COLS + tidx % BLOCK_COLS, kb)
+    # (half t % 2 of column t // 2)
+    _store_quantized(xs, scale, val, kb * ROWS + r, nb * 8, h)
+    _column_chunks(sX, r, h, xs)
+    _store_quantized(xs, scale, val_t, nb * BLOCK_COLS + r, kb * 8, h)
 
 
 @cute.jit
