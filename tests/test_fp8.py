@@ -335,8 +335,8 @@ def test_aligned_transpose_reference_is_the_group_aligned_gather():
 def test_quantizer_kernels_divide_by_a_corrected_reciprocal(launcher, dtype, values):
     """The one-pass quantizers (kernels/fp8_operands.py) compile for sm_90a with each value's
     quotient a multiply by the block's reciprocal and two FMAs (div.rn kept for extreme scales),
-    without spills, and every 16-byte load of the staged tile issued before its first store to
-    shared memory (loads behind per-row branches kept one in flight a thread)."""
+    without spills, every 16-byte load of the staged tile issued before its first store to shared
+    memory (loads behind per-row branches kept one in flight a thread), and 16-byte fp8 stores."""
     pytest.importorskip("cutlass")
     from jax_cute.kernels import abi, build, cubin_info, fp8_operands
 
@@ -352,6 +352,8 @@ def test_quantizer_kernels_divide_by_a_corrected_reciprocal(launcher, dtype, val
     assert res["local_bytes"] == 0, res
     ptx = binary.ptx
     assert ptx.count("fma.rn.f32") == 2 * values and ptx.count("mul.f32") >= values and "div.rn.f32" in ptx
+    # four 16-byte stores for each 64-value block a thread writes (_store_quantized), no byte stores
+    assert ptx.count("st.global.v4") == 4 * (2 if both else 1) and "st.global.b8" not in ptx
     staging = ptx.split("st.shared")[0]
     assert staging.count("ld.global.v4") == 8 * (2 if dtype == "float32" else 1) and "bra" not in staging.split("ld.global.v4")[-1]
 
