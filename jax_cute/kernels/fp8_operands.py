@@ -143,19 +143,8 @@ def _quantize_tokens_kernel(mX: cute.Tensor, mStart: cute.Tensor, mLen: cute.Ten
                                 byte_alignment=16)
     start = mStart[blk]
     length = mLen[blk]
-    # stage in float32: a warp reads 4 rows x 64 columns per pass (8 columns a thread), every
-    # pass's load issued before the first store (as _stage_tile's); rows past the block's
-    # length are zeros
-    frags = cute.make_rmem_tensor(cute.make_layout((8, ROWS // 16)), mX.element_type)
-    last = mX.shape[0] - 1
-    for p in cutlass.range_constexpr(ROWS // 16):
-        row = cutlass.min(start + p * 16 + tidx // 8, last)
-        frags[None, p].store(cute.local_tile(mX, (1, 8), (row, cb * 8 + tidx % 8))[0, None].load())
-    for p in cutlass.range_constexpr(ROWS // 16):
-        row = p * 16 + tidx // 8
-        if row >= length:
-            frags[None, p].fill(0.0)
-        cute.local_tile(sX, (1, 8), (row, (tidx % 8) ^ _chunk_xor(row)))[0, None].store(frags[None, p].load().to(Float32))
+    # staged in float32, 16 rows x 64 columns a pass
+    _stage_tile(mX, sX, start, length, cb, tidx, COLS // 8)
     cute.arch.sync_threads()
     # thread t holds half t % 2 of column t // 2 (64 tokens, as _column_chunks reads them); the
     # column's amax over both halves, NaN propagating as in XLA's max
@@ -193,22 +182,23 @@ def _chunk_xor(row):
 
 
 @cute.jit
-def _stage_tile(mX: cute.Tensor, sX: cute.Tensor, start, length, cb, tidx):
-    """Rows [start, start + 128) x columns [128 cb, 128 cb + 128) of ``mX`` into ``sX`` in their own
-    type (exact in float32), 256 threads: a warp reads 2 rows x 128 columns per pass (8 columns a
-    thread); rows past ``length`` are zeros. Every pass's load is issued before the first store
-    (a row past the block reads the tensor's last row, then is zeroed): a load behind a branch
-    waited for its predecessor's store, one 16-byte load in flight a thread."""
+def _stage_tile(mX: cute.Tensor, sX: cute.Tensor, start, length, cb, tidx, chunks: Constexpr):
+    """Rows [start, start + 128) x the ``chunks`` 8-column chunks from chunk ``chunks * cb`` of ``mX``
+    into ``sX`` (in its element type: exact in float32), 16 rows a pass (``16 * chunks`` threads,
+    8 columns a thread); rows past ``length`` are zeros. Every pass's load is issued before the
+    first store (a row past the block reads the tensor's last row, then is zeroed): a load behind
+    a branch waited for its predecessor's store, one 16-byte load in flight a thread."""
     frags = cute.make_rmem_tensor(cute.make_layout((8, ROWS // 16)), mX.element_type)
     last = mX.shape[0] - 1
     for p in cutlass.range_constexpr(ROWS // 16):
-        row = cutlass.min(start + p * 16 + tidx // 16, last)
-        frags[None, p].store(cute.local_tile(mX, (1, 8), (row, cb * 16 + tidx % 16))[0, None].load())
+        row = cutlass.min(start + p * 16 + tidx // chunks, last)
+        frags[None, p].store(cute.local_tile(mX, (1, 8), (row, cb * chunks + tidx % chunks))[0, None].load())
     for p in cutlass.range_constexpr(ROWS // 16):
-        row = p * 16 + tidx // 16
+        row = p * 16 + tidx // chunks
         if row >= length:
             frags[None, p].fill(0.0)
-        cute.local_tile(sX, (1, 8), (row, (tidx % 16) ^ _chunk_xor(row)))[0, None].store(frags[None, p].load())
+        chunk = cute.local_tile(sX, (1, 8), (row, (tidx % chunks) ^ _chunk_xor(row)))[0, None]
+        chunk.store(frags[None, p].load().to(sX.element_type))
 
 
 @cute.jit
@@ -265,7 +255,7 @@ def _quantize_rows_and_tokens_kernel(mX: cute.Tensor, mStart: cute.Tensor, mLen:
                                 byte_alignment=16)
     start = mStart[blk]
     length = mLen[blk]
-    _stage_tile(mX, sX, start, length, cb, tidx)
+    _stage_tile(mX, sX, start, length, cb, tidx, BLOCK_COLS // 8)
     cute.arch.sync_threads()
     # thread t takes half t % 2 of row t // 2 (a 1 x 128 block along the columns) and half t % 2
     # of column t // 2 (a block of 128 tokens): first each block's amax over both halves (NaN
@@ -349,7 +339,7 @@ def _quantize_weight_kernel(mX: cute.Tensor, mVal: cute.Tensor, mValT: cute.Tens
     smem = memory.SmemAllocator()
     sX = _staging(smem, mX.element_type)
     sWarp = smem.allocate_tensor(element_type=Float32, layout=cute.make_layout((ROW_THREADS // 32,)), byte_alignment=16)
-    _stage_tile(x, sX, kb * ROWS, ROWS, nb, tidx)
+    _stage_tile(x, sX, kb * ROWS, ROWS, nb, tidx, BLOCK_COLS // 8)
     cute.arch.sync_threads()
     # the block's amax: each thread's half row, then across the warp, then across the 8 warps
     # (NaN propagating as in XLA's max)
