@@ -73,8 +73,9 @@ def _quotients(src: cute.Tensor, dst: cute.Tensor, scale: Float32):
 def _store_quantized(xs: cute.Tensor, scale: Float32, dst: cute.Tensor, row, base16, h):
     """The 64 values ``xs`` divided by ``scale`` into fp8 row ``row`` of ``dst``, as four 16-value
     pieces at 16-byte columns ``base16 + 2 i + h`` (i < 4): the thread with the other ``h`` writes
-    the pieces between, so each store instruction of the pair fills whole 32-byte sectors (64
-    contiguous bytes a thread wrote half sectors: L2 throughput, not DRAM, bound the quantizers).
+    the pieces between, so each store instruction of the pair fills whole 32-byte sectors (a
+    thread writing 64 contiguous bytes half-fills them, and L2 throughput, not DRAM, bounds the
+    quantizers).
     One batch of 64: in batches of 16 (38 registers, not 90, so three times the CTAs an SM) the
     quantizers ran 12-19% slower on an H200."""
     q = cute.make_rmem_tensor(cute.make_layout((16, 4)), Float32)
@@ -215,8 +216,8 @@ def _row_chunks(sX: cute.Tensor, r, h, xs: cute.Tensor):
 @cute.jit
 def _column_chunks(sX: cute.Tensor, c, hc, xs: cute.Tensor):
     """Half ``hc`` of staged column ``c`` into ``xs`` (64 float32s): rows 32 i + 16 hc + j (i < 4,
-    j < 16), the pieces _store_quantized writes; those rows' swizzle is hc's."""
-    col = c ^ (hc * 16)
+    j < 16), the pieces _store_quantized writes. All of them share row 16 hc's swizzle."""
+    col = c ^ (8 * _chunk_xor(16 * hc))
     for i in cutlass.range_constexpr(4):
         for j in cutlass.range(16, unroll_full=True):
             xs[16 * i + j] = sX[32 * i + 16 * hc + j, col].to(Float32)
