@@ -58,7 +58,8 @@ def stream_chain():
 
 
 def fp8_operands(which: str, sizes):
-    """wgrad_operands' kernels on 973 tokens x 192 columns: uniform or group blocks."""
+    """wgrad_operands' kernels on 973 tokens (x 192 columns, the rows-and-tokens ones 384): uniform or
+    group blocks (the groups end before the last token)."""
     from jax_cute.fp8 import wgrad_operands
     from jax_cute.fp8.quantize import group_blocks
 
@@ -69,7 +70,19 @@ def fp8_operands(which: str, sizes):
         _, start, length, _ = group_blocks(jnp.asarray(sizes, jnp.int32), t)
     if which == "quantize":
         return jax.jit(wgrad_operands.quantize_tokens), (r(t, 192), start, length)
+    if which == "rows and tokens":
+        return jax.jit(wgrad_operands.quantize_rows_and_tokens), (r(t, 384),)
+    if which == "rows and group tokens":
+        return (jax.jit(wgrad_operands.quantize_rows_and_group_tokens),
+                (r(t, 384).astype(jnp.float32), jnp.asarray(sizes, jnp.int32)))
     return jax.jit(wgrad_operands.aligned_transpose), (r(t, 192).astype(jnp.float8_e4m3fn), start, length)
+
+
+def fp8_weight():
+    """The weight quantizer on a stack of two 384 x 256 weights: both layouts and the scales."""
+    from jax_cute.fp8 import weight_operands
+
+    return jax.jit(weight_operands.quantize_weight), (r(2, 384, 256).astype(jnp.float32),)
 
 
 # A callable entry is built when its turn comes: the directly compiled configs only where asked
@@ -143,12 +156,15 @@ checks = {
     "kernelized mlp dact grad large": (jax.grad(lambda x, w1, w2: jax_cute.kernelize(
         lambda x, w1, w2: jax.nn.silu(x @ w1) @ w2)(x, w1, w2).astype(jnp.float32).sum(), (0, 1, 2)),
         (r(2056, 512), r(512, 2048), r(2048, 512))),
-    # the fp8 weight gradient's operand kernels (SIMT; the block-scaled GEMMs themselves crash
-    # the sanitizer): a partial last block of 77 tokens, group blocks with an empty group, a
+    # the fp8 quantizers and the weight gradient's operand kernels (SIMT; the block-scaled GEMMs crash
+    # the sanitizer itself): a partial last block of 77 tokens, group blocks with an empty group, a
     # block of one token and tokens past the last group
     "fp8 token quantizer uniform": lambda: fp8_operands("quantize", None),
     "fp8 token quantizer groups": lambda: fp8_operands("quantize", [0, 300, 1, 500]),
     "fp8 aligned transpose groups": lambda: fp8_operands("transpose", [0, 300, 1, 500]),
+    "fp8 rows and tokens quantizer": lambda: fp8_operands("rows and tokens", None),
+    "fp8 rows and group tokens quantizer": lambda: fp8_operands("rows and group tokens", [0, 300, 1, 500]),
+    "fp8 weight quantizer": fp8_weight,
     # rows of 1031 elements (not a multiple of 16 bytes): every subtile stored per element
     "matmul unaligned C": (jax_cute.matmul, (r(1000, 776), r(776, 1031))),
     "fused bias gelu unaligned C": (lambda x, w, b: jax_cute.matmul(x, w, bias=b, activation="gelu"),
