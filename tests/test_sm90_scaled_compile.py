@@ -49,8 +49,10 @@ def _compile(spec: GemmSpec | GroupedSpec, cfg, family=sm90_gemm):
     overlap = getattr(cfg, "overlap_promote", False)
     waves = getattr(cfg, "tile_m", 128) == 256   # two 64-row blocks a warpgroup, one partial fragment
     # overlapped: eight issue sites (the first k-tile, a run of sm90_scaled.PROMOTE_UNROLL, a
-    # pair, an odd count's last); waves: each block's four
-    assert len(wgmma) == (32 if overlap else 8 if waves else 4), len(wgmma)
+    # pair, an odd count's last); waves: each block's four; serial: three with 1-row A blocks (its
+    # loop unrolled by two, and an odd count's last), else one
+    serial = 12 if spec.a_block == 1 else 4
+    assert len(wgmma) == (32 if overlap else 8 if waves else serial), len(wgmma)
     # the promotion: one f32 FMA per accumulator (64 per thread of a 128 x 128 tile, 128 of a
     # 256 x 128 one), after waiting for the k-tile's WGMMAs: all of them, or (overlapped) all but
     # the next k-tile's

@@ -249,8 +249,10 @@ class ScaledMainloop:
         """One fragment: each k-tile's WGMMAs are waited for, then promoted (the tensor cores
         idle meanwhile unless the other warpgroup's WGMMAs run)."""
         # unrolled by 2: on an H200 (2026-11-30, bits unchanged) 1-5% faster dense and 3-8%
-        # ragged-K (the MoE weight gradient) than the rolled loop; by 4 no better than by 2
-        for _ in cutlass.range(kc, unroll=2):
+        # ragged-K (the MoE weight gradient) than the rolled loop; by 4 no better than by 2.
+        # Rolled with 128 x 128 A blocks: unrolled, their fp32-output kernels spill 48-56 bytes.
+        unroll = 2 if const_expr(self.a_block == 1) else 0
+        for _ in cutlass.range(kc, unroll=unroll):
             tiled_mma = self.issue_part(tiled_mma, ts, 0, tCrA, tCrB, pipe, read, tile)
             read.advance()
             release = self.retire(pipe, release, 0)
