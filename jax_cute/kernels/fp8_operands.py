@@ -70,12 +70,12 @@ def _quotients(src: cute.Tensor, dst: cute.Tensor, scale: Float32):
 
 
 @cute.jit
-def _store_quantized(xs: cute.Tensor, scale: Float32, dst: cute.Tensor, row, base16, h):
-    """The 64 values ``xs`` divided by ``scale`` into fp8 row ``row`` of ``dst``, as four 16-value
-    pieces at 16-byte columns ``base16 + 2 i + h`` (i < 4): the thread with the other ``h`` writes
-    the pieces between, so each store instruction of the pair fills whole 32-byte sectors (a
-    thread writing 64 contiguous bytes half-fills them, and L2 throughput, not DRAM, bounds the
-    quantizers).
+def _store_quantized(xs: cute.Tensor, scale: Float32, dst: cute.Tensor, row, block, h):
+    """The 64 values ``xs`` divided by ``scale`` into fp8 row ``row`` of ``dst``, half ``h`` of its
+    128-value block ``block``: four 16-value pieces at 16-byte columns ``8 block + 2 i + h``
+    (i < 4). The thread with the other ``h`` writes the pieces between, so each store instruction
+    of the pair fills whole 32-byte sectors (a thread writing 64 contiguous bytes half-fills them,
+    and L2 throughput, not DRAM, bounds the quantizers).
     One batch of 64: in batches of 16 (38 registers, not 90, so three times the CTAs an SM) the
     quantizers ran 12-19% slower on an H200."""
     q = cute.make_rmem_tensor(cute.make_layout((16, 4)), Float32)
@@ -83,7 +83,7 @@ def _store_quantized(xs: cute.Tensor, scale: Float32, dst: cute.Tensor, row, bas
     out = cute.make_rmem_tensor(cute.make_layout((16, 4)), dst.element_type)
     out.store(q.load().to(dst.element_type))   # cvt.rn.satfinite: the quantizer's clip and rounding
     for i in cutlass.range_constexpr(4):
-        cute.local_tile(dst, (1, 16), (row, base16 + 2 * i + h))[0, None].store(out[None, i].load())
+        cute.local_tile(dst, (1, 16), (row, 8 * block + 2 * i + h))[0, None].store(out[None, i].load())
 
 
 @cute.jit
@@ -157,7 +157,7 @@ def _quantize_tokens_kernel(mX: cute.Tensor, mStart: cute.Tensor, mLen: cute.Ten
     scale = _block_scale(cute.arch.fmax(sMax[0, c], sMax[1, c], nan=True), fmax)
     if half == 0:
         mScale[cb * COLS + c, blk] = scale
-    _store_quantized(vals, scale, mVal, cb * COLS + c, blk * 8, half)
+    _store_quantized(vals, scale, mVal, cb * COLS + c, blk, half)
 
 
 @cute.jit
@@ -275,13 +275,13 @@ def _quantize_rows_and_tokens_kernel(mX: cute.Tensor, mStart: cute.Tensor, mLen:
         if h == 0:
             mRowScale[start + r, cb] = scale
         _row_chunks(sX, r, h, xs)
-        _store_quantized(xs, scale, mRowVal, start + r, cb * 8, h)
+        _store_quantized(xs, scale, mRowVal, start + r, cb, h)
     # the token block: as quantize_tokens' (zeros past the block's length)
     scale = _block_scale(cute.arch.fmax(sCol[0, r], sCol[1, r], nan=True), fmax)
     if h == 0:
         mScale[cb * BLOCK_COLS + r, blk] = scale
     _column_chunks(sX, r, h, xs)
-    _store_quantized(xs, scale, mVal, cb * BLOCK_COLS + r, blk * 8, h)
+    _store_quantized(xs, scale, mVal, cb * BLOCK_COLS + r, blk, h)
 
 
 @cute.jit
@@ -361,9 +361,9 @@ def _quantize_weight_kernel(mX: cute.Tensor, mVal: cute.Tensor, mValT: cute.Tens
         sc[kb, nb] = scale
     # the values in the weight's layout (thread t: half t % 2 of row t // 2) and transposed
     # (half t % 2 of column t // 2)
-    _store_quantized(xs, scale, val, kb * ROWS + r, nb * 8, h)
+    _store_quantized(xs, scale, val, kb * ROWS + r, nb, h)
     _column_chunks(sX, r, h, xs)
-    _store_quantized(xs, scale, val_t, nb * BLOCK_COLS + r, kb * 8, h)
+    _store_quantized(xs, scale, val_t, nb * BLOCK_COLS + r, kb, h)
 
 
 @cute.jit
