@@ -58,8 +58,7 @@ def stream_chain():
 
 
 def fp8_operands(which: str, sizes):
-    """wgrad_operands' kernels on 973 tokens (x 192 columns, the rows-and-tokens ones 384): uniform or
-    group blocks (the groups end before the last token)."""
+    """wgrad_operands' kernels on 973 tokens x 192 columns: uniform or group blocks."""
     from jax_cute.fp8 import wgrad_operands
     from jax_cute.fp8.quantize import group_blocks
 
@@ -70,12 +69,18 @@ def fp8_operands(which: str, sizes):
         _, start, length, _ = group_blocks(jnp.asarray(sizes, jnp.int32), t)
     if which == "quantize":
         return jax.jit(wgrad_operands.quantize_tokens), (r(t, 192), start, length)
-    if which == "rows and tokens":
-        return jax.jit(wgrad_operands.quantize_rows_and_tokens), (r(t, 384),)
-    if which == "rows and group tokens":
-        return (jax.jit(wgrad_operands.quantize_rows_and_group_tokens),
-                (r(t, 384).astype(jnp.float32), jnp.asarray(sizes, jnp.int32)))
     return jax.jit(wgrad_operands.aligned_transpose), (r(t, 192).astype(jnp.float8_e4m3fn), start, length)
+
+
+def fp8_rows_and_tokens(sizes):
+    """The one-pass quantizers of a linear layer's input on 973 tokens x 384 columns: uniform
+    128-token blocks (bf16) or the groups ``sizes`` (float32), which end before the last token."""
+    from jax_cute.fp8 import wgrad_operands
+
+    x = r(973, 384)
+    if sizes is None:
+        return jax.jit(wgrad_operands.quantize_rows_and_tokens), (x,)
+    return jax.jit(wgrad_operands.quantize_rows_and_group_tokens), (x.astype(jnp.float32), jnp.asarray(sizes, jnp.int32))
 
 
 def fp8_weight():
@@ -162,8 +167,8 @@ checks = {
     "fp8 token quantizer uniform": lambda: fp8_operands("quantize", None),
     "fp8 token quantizer groups": lambda: fp8_operands("quantize", [0, 300, 1, 500]),
     "fp8 aligned transpose groups": lambda: fp8_operands("transpose", [0, 300, 1, 500]),
-    "fp8 rows and tokens quantizer": lambda: fp8_operands("rows and tokens", None),
-    "fp8 rows and group tokens quantizer": lambda: fp8_operands("rows and group tokens", [0, 300, 1, 500]),
+    "fp8 rows and tokens quantizer": lambda: fp8_rows_and_tokens(None),
+    "fp8 rows and group tokens quantizer": lambda: fp8_rows_and_tokens([0, 300, 1, 500]),
     "fp8 weight quantizer": fp8_weight,
     # rows of 1031 elements (not a multiple of 16 bytes): every subtile stored per element
     "matmul unaligned C": (jax_cute.matmul, (r(1000, 776), r(776, 1031))),
