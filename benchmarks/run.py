@@ -245,7 +245,7 @@ SUITE_LABELS = {"ragged": {"xla": "lax.ragged_dot",   # what the "xla" rival is 
 SUITE_NOTE = {
     "fp8": "*jax_cute fp8*: `jax_cute.matmul` (`ragged_dot` grouped) of operands quantized beforehand, x in "
            "1x128 and w in 128x128 blocks, bf16 out, with the heuristic's configuration (the overlapped "
-           "promotion on 2x1 clusters, grouped on 1x2 clusters); the *overlapped* and *serial promotion* and "
+           "promotion on 2x1 clusters, grouped on 1x2 clusters); the *overlapped*, *serial promotion* (where measured) and "
            "*2x2 clusters* rows force the block-scaled mainloop's variants on the heuristic's tile, so the overlapped row runs the "
            "heuristic's own kernel: its distance from the first column is the run's variation; *256x128 tile*: "
            "the 256 x 128 tile on 2x1 clusters, forced (never the heuristic's pick); *one CTA*: the grouped "
