@@ -237,6 +237,8 @@ def _wave_refusal(spec: GemmSpec, config: Config) -> str | None:
     if (spec.a_block, spec.b_block) != (1, SCALE_K):
         # the tile spans two 128-row A blocks, and per-column B scales are 32 floats a thread
         # beside 128 accumulators and the partial fragment: DeepGEMM's forward and dgrad only
+        # (1 x 128 both, the weight gradient: 0.98-1.04x the 128 x 128 pick on an H200,
+        # 2026-11-30, spilling 152-216 bytes around the mainloop)
         return (f"{FAMILY}: the 256 x 128 block-scaled tile takes 1 x 128 A scales and 128 x 128 B scales "
                 f"(a_block 1, b_block 128), not a_block {spec.a_block}, b_block {spec.b_block}")
     if config.overlap_promote or config.split_k != 1:
@@ -368,6 +370,9 @@ def candidate_configs(spec) -> list[Config]:
 #   energy per FLOP sets the rate. A training loop runs at that cap, so the heuristic serves the
 #   sustained case. 128x128 with 6 stages takes 2-6% fewer cycles than the pick at K <= 2048
 #   but runs 3-4% lower clocks and loses 1.6-3.7% sustained; 64x256 loses in both windows.
+#   At K = 1024 (16384x1536x1024, 8 x 2048x1536x1024, 8192x4096x1024, 8192x14336x1024; H200,
+#   2026-11-30, single products) 128x128 won 2-6% in 50 ms windows and tied in 1 s ones (within
+#   0.7%), and no candidate beat the pick sustained; cuBLAS led both windows by 2-6% there.
 
 # Cooperative tile widths. 160 and 192 could leave fewer SMs idle in the last wave on some
 # shapes (cuBLAS runs 4096x14336x4096 with 128x160 tiles; N-major B then takes 64-byte swizzle
