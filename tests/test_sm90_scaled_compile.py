@@ -203,10 +203,11 @@ def test_scaled_heuristic_and_candidates():
     # the overlapped promotion wherever B's scales are per 128-column block
     assert all(sm90_gemm.heuristic(spec, 4096, 4096, 4096, 1).overlap_promote == (spec.b_block == 128)
                for spec in _CASES)
-    # the serial mainloop (per-column B scales) unsplit on one CTA; the overlapped one on clusters
+    # the weight gradient's (1 x 128 scales both) unsplit on one CTA; the other forms on clusters
     for spec in _CASES:
         cfg = sm90_gemm.heuristic(spec, 4096, 16384, 8192, 1)
-        assert cfg.split_k == 1 and (cfg.cluster_m * cfg.cluster_n == 1) == (spec.b_block == 1), (spec, cfg)
+        one_cta = (spec.a_block, spec.b_block) == (1, 1)
+        assert cfg.split_k == 1 and (cfg.cluster_m * cfg.cluster_n == 1) == one_cta, (spec, cfg)
     # a single row of tiles shares A along N and splits K over idle SMs
     small = sm90_gemm.heuristic(scaled(1, 128), 128, 7168, 16384, 1)
     assert (small.cluster_m, small.cluster_n) == (1, 2) and small.split_k > 1

@@ -471,12 +471,14 @@ def heuristic(spec, m: int, n: int, k: int, l: int, num_sms: int = NUM_SMS, spli
     # cooperative tile wins: 1 s windows 3.5% (8192x4096->14336), 6% (4096^3), 11% (8192^3, where
     # it also wins short windows); GELU block forward + backward 1.5%, 2.3% with the derivative
     # chained, SwiGLU block 4%. As for plain GEMMs, the heuristic serves the sustained case.
-    if spec.scaled and not scaled_overlap(spec) and best.split_k == 1:
-        # The serial mainloop (per-column B scales, the weight gradient's 1 x 128 x 1 x 128) runs
-        # on one CTA: on a cluster a multicast stage is refilled only once both CTAs' consumers
-        # have released it, so each CTA's promotion stalls its partner's loads. On an H200
-        # (2026-11-30, one process, bits equal) one CTA ran 1.09-1.11x the 2x1 cluster on
-        # 4096x16384x8192, 16384x4096x8192 and 4096^3 (bf16 out); 1x2 ran as 2x1, 2x2 5-7% slower.
+    if spec.scaled and (spec.a_block, spec.b_block) == (1, 1) and best.split_k == 1:
+        # The weight gradient's serial mainloop (1 x 128 scales on both operands) runs on one CTA:
+        # on a cluster a multicast stage is refilled only once both CTAs' consumers have released
+        # it, so each CTA's promotion stalls its partner's loads. On an H200 (2026-11-30, two
+        # runs, one process each, bits equal) one CTA ran 1.02-1.11x the 2x1 cluster on
+        # 4096x16384x8192, 16384x4096x8192 and 4096^3 with a bf16 output (the training step's;
+        # f32 within the runs' noise), 1x2 as 2x1, 2x2 5-7% slower. With 128 x 128 A blocks
+        # (and per-column B scales) the cluster ran 1.07x one CTA (f32 out, one run): kept.
         return dataclasses.replace(best, cluster_m=1, cluster_n=1)
     if spec.a_dtype in _FP8 and tiles_m > 1 and not spec.scaled and split_k in (None, 1):
         # 8-bit k-tiles run twice as fast, so the cooperative tile's exposed epilogue weighs twice
