@@ -95,6 +95,7 @@ def test_flax_nnx_model_through_kernelize():
     _check_model(loss, state, X, products=2)
 
 
+@pytest.mark.sweep   # (10 s: CI's second step, so the README's test line stays under 10 minutes; the flax test stays in it)
 def test_equinox_mlp():
     mlp = eqx.nn.MLP(32, 16, 64, depth=2, activation=jax.nn.gelu, key=jax.random.key(4), dtype=BF16)
     x = X[0].astype(BF16)

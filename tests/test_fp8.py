@@ -451,7 +451,8 @@ def test_rows_and_group_tokens_kernel_compiles_for_sm90():
 
 
 @pytest.mark.parametrize("grouped, k, out", [(False, 192, jnp.float32), (True, 192, jnp.float32),
-                                              (False, 256, jnp.bfloat16), (True, 256, jnp.bfloat16)],
+                                              *(pytest.param(*c, marks=pytest.mark.sweep)   # (5 s each)
+                                                for c in ((False, 256, jnp.bfloat16), (True, 256, jnp.bfloat16)))],
                          ids=["dense", "grouped", "dense-rows", "grouped-weights"])
 def test_wgrad_operand_kernel_path_is_the_xla_path(grouped, k, out, monkeypatch):
     """The gradients with the operands quantized by the kernels' path (the token kernels' and the
