@@ -320,9 +320,11 @@ def shard_train_state(params: Params, opt_state, tx, cfg: Config, mesh: Mesh, fs
     specs = param_specs(params, cfg, mesh, fsdp)
     p_sh = jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs, is_leaf=lambda x: isinstance(x, P))
     params = place(params, p_sh)
-    # the optimizer state takes its parameters' shardings; its scalars are replicated
-    o_sh = jax.tree.map(lambda s: s if isinstance(s, NamedSharding) else NamedSharding(mesh, P()),
-                        jax.jit(tx.init).lower(params).compile().output_shardings)
+    # AdamW's moments take their parameters' shardings, the step count is replicated (the
+    # compiler would replicate every leaf of tx.init's zeros: each device would then hold all
+    # of them, and each step would gather its shards of the new moments from every device)
+    o_sh = optax.tree_map_params(tx, lambda _, s: s, jax.eval_shape(tx.init, params), p_sh,
+                                 transform_non_params=lambda _: NamedSharding(mesh, P()))
     opt_state = jax.jit(tx.init, out_shardings=o_sh)(params)
     batch = NamedSharding(mesh, P("data") if "data" in mesh.axis_names else P())
     return params, opt_state, (p_sh, o_sh, batch)

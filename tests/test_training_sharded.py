@@ -345,6 +345,7 @@ def _worker(part: str = "") -> dict:
 def _training_cases(out: dict, names) -> dict:
     """``out`` with each of ``names`` (CASES) trained sharded against the unsharded model."""
     import jax
+    import optax
 
     sys.path.insert(0, str(ROOT / "examples"))
     import gpt_training as gpt
@@ -378,6 +379,10 @@ def _training_cases(out: dict, names) -> dict:
             "losses": losses, "want_losses": want_losses, "grad_rel": _max_rel(grads, want_grads),
             "grad_specs_kept": all(g.sharding.is_equivalent_to(s, g.ndim) for g, s in
                                    zip(jax.tree.leaves(grads), jax.tree.leaves(shardings[0]))),
+            # AdamW's moments live where their parameters do (not replicated on every device)
+            "moments_sharded_as_params": all(jax.tree.leaves(optax.tree_map_params(
+                tx, lambda m, p: m.sharding.is_equivalent_to(p.sharding, p.ndim), sopt, sparams,
+                transform_non_params=lambda _: True))),
             "step": _collectives(step.as_text()),
             "cuda_dots": len(re.findall(r"stablehlo\.dot_general", cuda)),
             "cuda_products": cuda.count("CustomSPMDPartitioning") + cuda.count("@jax_cute_launch"),
@@ -437,6 +442,7 @@ def test_sharded_training_step_matches_the_unsharded_model(results, name):
     # device's in the last float32 bit, which a bf16 cast turns into one bf16 step
     assert case["grad_rel"] <= 2e-2, case
     assert case["grad_specs_kept"], case
+    assert case["moments_sharded_as_params"], case
     assert all(case["report"]) and case["report"], case  # every product on jax_cute
     assert case["cuda_dots"] == 0 and case["cuda_products"] >= 10, case
 
