@@ -291,10 +291,11 @@ SUITE_NOTE = {
               "ones). *jax_cute, no tail split*: the forward and lhs gradient with the grouped walk's tail split off "
               "(the last, partial round of tiles split along K; docs/performance.md). The MoE layer is "
               "`examples/moe_training.py`'s (router, top-2 of 8 experts, two grouped GEMMs).",
-    "scaling": "The training step of `examples/gpt_training.py` at its `h200` size on a mesh of 1, 2 and 4 GPUs "
-               "of one host (`--mesh data=N`), 16 sequences of 1024 tokens per GPU: the dense model data parallel "
+    "scaling": "The training step of `examples/gpt_training.py` at its `h200` size on a mesh of 1, 2, "
+               "4, ... GPUs of one host, up to all it has (`--mesh data=N`), 16 sequences of 1024 tokens per GPU: the dense model data parallel "
                "(the batch split, gradients summed), the MoE model expert parallel (its layer a `shard_map` "
-               "with all-to-all token dispatch, 8 experts split over the GPUs). *jax_cute*: "
+               "with all-to-all token dispatch, 8 experts split over the GPUs; AdamW's moments "
+               "sharded as the weights). *jax_cute*: "
                "`value_and_grad(kernelize(loss))`, its weight gradients summed over GPUs in bf16 (the default); "
                "*float32 sums over GPUs*: the same with `JAX_CUTE_FLOAT32_PARTIAL_SUMS=1` (where measured); "
                "*XLA*: the same model and shardings as written. *Scaling*: "
@@ -372,7 +373,7 @@ def traffic_table(recs: list[dict], labels: dict | None) -> list[str]:
 ONE_GPU_AS = {"jax_cute_float32_sums": "jax_cute"}   # rows with no one-GPU run of their own (no sums there)
 
 
-def scaling_table(recs: list[dict]) -> list[str]:
+def scaling_table(recs: list[dict], labels: dict[str, str] | None = None) -> list[str]:
     """Markdown: each implementation's tokens/s per GPU as a fraction of its own on one GPU."""
     base = {(r["impl"], r["moe"]): r["tokens_per_s_per_device"] for r in recs
             if r.get("table") == "scaling" and r.get("devices") == 1 and r.get("tokens_per_s_per_device")}
@@ -381,7 +382,7 @@ def scaling_table(recs: list[dict]) -> list[str]:
     if not rows or not base:
         return []
     out = ["### Scaling: tokens/s per GPU against one GPU", "",
-           "| case | " + " | ".join(_label(i) for i in impls) + " |", "|---|" + "---|" * len(impls)]
+           "| case | " + " | ".join(_label(i, labels) for i in impls) + " |", "|---|" + "---|" * len(impls)]
     for case, by in _by_case(rows).items():
         cells = []
         for i in impls:
@@ -529,7 +530,7 @@ def report(files: list[str], md: str, plots: str) -> str:
                 out += ["<details><summary>failures</summary>", ""]
                 out += [f"- {r['case']} / {r['impl']}: {r['error']}" for r in fails] + ["", "</details>", ""]
         out += traffic_table(recs, SUITE_LABELS.get(suites[0]) if len(suites) == 1 else None)
-        out += scaling_table(recs)
+        out += scaling_table(recs, SUITE_LABELS.get(suites[0]) if len(suites) == 1 else None)
     text = "\n".join(out).rstrip() + "\n"
     Path(md).write_text(text)
     print(f"wrote {md} ({len(text.encode())} bytes) and plots under {plots}")

@@ -63,6 +63,11 @@ def test_scaling_table_divides_each_implementation_by_its_own_one_gpu_rate():
     assert lines[2] == "| case | jax_cute | XLA |"
     assert lines[4] == "| dense, 4 GPUs | 0.900 | 0.950 |"
     assert run.scaling_table([rec("jax_cute", 4, 180.0)]) == []  # no one-GPU rate: no table
+    # the suite's own labels; a variant measured on several GPUs only, against jax_cute's one-GPU rate
+    lines = run.scaling_table([rec("jax_cute", 1, 200.0), rec("jax_cute", 4, 180.0),
+                               rec("jax_cute_float32_sums", 4, 170.0)], run.SUITE_LABELS["scaling"])
+    assert lines[2] == "| case | jax_cute | jax_cute, float32 sums over GPUs |"
+    assert lines[4] == "| dense, 4 GPUs | 0.900 | 0.850 |"
 
 
 def test_summary_is_the_geometric_mean_over_cases_where_jax_cute_ran_its_kernel(tmp_path):
