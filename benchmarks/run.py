@@ -292,8 +292,8 @@ SUITE_NOTE = {
               "(the last, partial round of tiles split along K; docs/performance.md). The MoE layer is "
               "`examples/moe_training.py`'s (router, top-2 of 8 experts, two grouped GEMMs).",
     "scaling": "The training step of `examples/gpt_training.py` at its `h200` size on a mesh of 1, 2, "
-               "4, ... GPUs of one host, up to all it has (`--mesh data=N`), 16 sequences of 1024 tokens per GPU: the dense model data parallel "
-               "(the batch split, gradients summed), the MoE model expert parallel (its layer a `shard_map` "
+               "4, ... GPUs of one host, up to all it has (`--mesh data=N`), 16 sequences of 1024 tokens "
+               "per GPU: the dense model data parallel (the batch split, gradients summed), the MoE model expert parallel (its layer a `shard_map` "
                "with all-to-all token dispatch, 8 experts split over the GPUs; AdamW's moments "
                "sharded as the weights). *jax_cute*: "
                "`value_and_grad(kernelize(loss))`, its weight gradients summed over GPUs in bf16 (the default); "
