@@ -116,6 +116,11 @@ def _label(impl: str, labels: dict[str, str] | None = None) -> str:
     return (labels or {}).get(impl) or IMPL_LABEL.get(impl, impl)
 
 
+def _suite_labels(suites: list[str]) -> dict[str, str] | None:
+    """The implementation labels of a results file's suite (none for a file of several suites)."""
+    return SUITE_LABELS.get(suites[0]) if len(suites) == 1 else None
+
+
 def _impls(recs: list[dict]) -> list[str]:
     seen = {r["impl"] for r in recs}
     return [i for i in IMPL_ORDER if i in seen] + sorted(seen - set(IMPL_ORDER))
@@ -432,7 +437,7 @@ def summary(files: list[str]) -> list[str]:
         count = data.get("device_count") or 1
         where = f"{f'{count} x ' if count > 1 else ''}{data.get('device', '?')}, {str(data.get('date', '?'))[:10]}"
         suites = data.get("suites") or []
-        labels = SUITE_LABELS.get(suites[0]) if len(suites) == 1 else None
+        labels = _suite_labels(suites)
         tables = [t for t in SECTIONS if any(r.get("table") == t[0] for r in recs)]
         tables = [t for t in tables if t[0] not in SUMMARY_SKIP]
         title = " + ".join(SUITE_TITLE.get(su, su).split(":")[0] for su in suites) or Path(f).stem
@@ -517,8 +522,7 @@ def report(files: list[str], md: str, plots: str) -> str:
             rs = [r for r in recs if r.get("table") == tbl]
             if not rs:
                 continue
-            rs_suites = {r.get("suite") for r in rs}
-            labels = SUITE_LABELS.get(rs_suites.pop()) if len(rs_suites) == 1 else None
+            labels = _suite_labels(list({r.get("suite") for r in rs}))
             out += [f"### {sub}", ""] + table(rs, key, unit, hb, digits, labels) + [""]
             png = Path(plots) / f"{stem}_{tbl}.png"
             if plot(rs, key, unit, f"{sub} — {data.get('device', '?')}, {str(data.get('date', '?'))[:10]}", png,
@@ -529,8 +533,8 @@ def report(files: list[str], md: str, plots: str) -> str:
             if fails:
                 out += ["<details><summary>failures</summary>", ""]
                 out += [f"- {r['case']} / {r['impl']}: {r['error']}" for r in fails] + ["", "</details>", ""]
-        out += traffic_table(recs, SUITE_LABELS.get(suites[0]) if len(suites) == 1 else None)
-        out += scaling_table(recs, SUITE_LABELS.get(suites[0]) if len(suites) == 1 else None)
+        file_labels = _suite_labels(suites)
+        out += traffic_table(recs, file_labels) + scaling_table(recs, file_labels)
     text = "\n".join(out).rstrip() + "\n"
     Path(md).write_text(text)
     print(f"wrote {md} ({len(text.encode())} bytes) and plots under {plots}")
