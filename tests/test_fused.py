@@ -24,6 +24,13 @@ ACTS = (None,) + ACTIVATIONS
 BIASES = ("none", "row", "full")
 
 
+def crossed(xs, ys) -> list:
+    """Every (x, y) pair: the README's test line takes each x and each y at least once (x i with
+    y i mod len(ys), and y j with x j mod len(xs)); the other pairs are sweeps (CI's second step)."""
+    return [pytest.param(x, y, marks=() if j == i % len(ys) or i == j % len(xs) else pytest.mark.sweep)
+            for i, x in enumerate(xs) for j, y in enumerate(ys)]
+
+
 def _data(*shapes, scale=0.3, seed=0, dtype=jnp.float32):
     keys = jax.random.split(jax.random.PRNGKey(seed), len(shapes))
     return [(scale * jax.random.normal(k, s)).astype(dtype) for k, s in zip(keys, shapes)]
@@ -50,8 +57,7 @@ def _close(got, want, tol=2e-5):
 
 # -- values -------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("activation", ACTS)
-@pytest.mark.parametrize("bias_kind", BIASES)
+@pytest.mark.parametrize("activation, bias_kind", crossed(ACTS, BIASES))
 def test_matmul_values(activation, bias_kind):
     a, b = _data((5, 2, 9, 7), (7, 12))
     bias = _bias(bias_kind, (5, 2, 9, 12))
@@ -96,8 +102,9 @@ def test_one_dimensional_operands():
 
 # -- vmap ---------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("activation", ("relu", "gelu_exact", "swiglu"))
-@pytest.mark.parametrize("axes", [(0, None, None), (None, 0, None), (None, None, 0), (0, 0, 0), (1, None, 0)])
+@pytest.mark.parametrize("activation, axes", crossed(("relu", "gelu_exact", "swiglu"),
+                                                   [(0, None, None), (None, 0, None), (None, None, 0), (0, 0, 0),
+                                                    (1, None, 0)]))
 def test_matmul_vmap(activation, axes):
     a_shape, b_shape, c_shape = (9, 7), (7, 8), (8,)
 
@@ -147,8 +154,7 @@ def test_matmul_check_grads(activation, bias_kind):
     check_grads(jax.jit(f), args, order=2, modes=("fwd", "rev"))
 
 
-@pytest.mark.parametrize("activation", ACTS)
-@pytest.mark.parametrize("bias_kind", BIASES)
+@pytest.mark.parametrize("activation, bias_kind", crossed(ACTS, BIASES))
 def test_matmul_grad_equals_unfused(activation, bias_kind):
     a, b = _data((2, 5, 6), (6, 8))
     bias = _bias(bias_kind, (2, 5, 8))
@@ -289,8 +295,8 @@ def test_ragged_nested_vmap_with_bias():
 PROJ = (((2,), (0,)), ((), ()))  # x (B, T, D) . w (D, H, K) -> (B, T, H, K): two rhs free dims
 
 
-@pytest.mark.parametrize("activation", (None, "relu", "gelu", "gelu_exact", "silu"))
-@pytest.mark.parametrize("bias_shape", [None, (3, 4), (1, 1, 3, 4), (2, 5, 3, 4), (5, 1, 1)])
+@pytest.mark.parametrize("activation, bias_shape", crossed((None, "relu", "gelu", "gelu_exact", "silu"),
+                                                         [None, (3, 4), (1, 1, 3, 4), (2, 5, 3, 4), (5, 1, 1)]))
 def test_dot_general_epilogue(activation, bias_shape):
     x, w = _data((2, 5, 7), (7, 3, 4))
     bias = None if bias_shape is None else _data(bias_shape, seed=5)[0]

@@ -374,6 +374,7 @@ def test_compile_scaled_256x128(spec):
     _compile(spec, cands[0])
 
 
+@pytest.mark.sweep   # (6 s of compile, the same mainloop as above on another cluster: CI's second step)
 def test_compile_scaled_256x128_cluster_1x2():
     cfg = next(c for c in sm90_gemm.candidate_configs(scaled(1, 128)) if c.tile_m == 256 and c.cluster_n == 2)
     _compile(scaled(1, 128), cfg)
