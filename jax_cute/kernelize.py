@@ -36,10 +36,9 @@ import contextlib
 import dataclasses
 import functools
 import logging
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import jax
-import jax.extend as jex
 import jax.numpy as jnp
 import numpy as np
 from jax._src import source_info_util
@@ -50,6 +49,14 @@ from jax_cute import config
 from jax_cute.dispatch import FallbackError, target_arch
 from jax_cute.epilogue_match import Epilogue, find_chains, find_epilogues
 from jax_cute.fp8 import recipe as fp8_recipe
+from jax_cute.fp8 import scan_weights
+from jax_cute.fp8.quantize import weight_pair
+from jax_cute.jaxprs import UNIFIED_JAXPR as _UNIFIED_JAXPR
+from jax_cute.jaxprs import ClosedJaxpr, Literal
+from jax_cute.jaxprs import is_jaxpr as _is_jaxpr
+from jax_cute.jaxprs import open_jaxpr as _open
+from jax_cute.jaxprs import scan_counts
+from jax_cute.jaxprs import sub_jaxprs as _sub_jaxprs
 from jax_cute.kernels.gemm_spec import algorithm_refusal
 from jax_cute.primitives.dot_dtypes import acc_dtype
 from jax_cute.primitives.dot_general import chained_dot_general
@@ -59,9 +66,6 @@ from jax_cute.problem.ragged_layouts import cotangent, ragged_dot_layouts
 
 logger = logging.getLogger("jax_cute")
 
-Jaxpr, ClosedJaxpr, Literal = jex.core.Jaxpr, jex.core.ClosedJaxpr, jex.core.Literal
-# JAX 0.12 folded ClosedJaxpr into Jaxpr (a Jaxpr carries its consts); 0.10 has both types.
-_UNIFIED_JAXPR = ClosedJaxpr is Jaxpr
 
 # Higher-order primitives whose bodies are rewritten (names across JAX 0.10-0.12).
 ENTERED = frozenset({"jit", "pjit", "closed_call", "core_call", "call", "eval_jaxpr", "remat2", "checkpoint",
@@ -249,23 +253,6 @@ class _Keep(Exception):
     """A body could not be rewritten faithfully; the equation is bound as written."""
 
 
-def _open(j) -> tuple[Any, list]:
-    """(jaxpr whose constvars take ``consts``, consts) of a jaxpr-valued parameter."""
-    if _UNIFIED_JAXPR:  # JAX 0.12: a Jaxpr carries its consts
-        return j, list(j.consts)
-    if isinstance(j, ClosedJaxpr):
-        return j.jaxpr, list(j.consts)
-    return j, []
-
-
-def _is_jaxpr(v) -> bool:
-    return isinstance(v, (Jaxpr, ClosedJaxpr))
-
-
-def _sub_jaxprs(params) -> list:
-    return [s for v in params.values() for s in (v if isinstance(v, tuple) else (v,)) if _is_jaxpr(s)]
-
-
 def _avals_match(a: Sequence, b: Sequence) -> bool:
     key = lambda x: (tuple(x.shape), np.dtype(x.dtype), getattr(x, "weak_type", False))  # noqa: E731
     return len(a) == len(b) and all(key(x) == key(y) for x, y in zip(a, b))
@@ -285,6 +272,9 @@ class _Interpreter:
         self.where: list[str] = []
         self.fuse = fuse
         self.fp8 = fp8
+        # fp8 products whose weights a scan around them quantized already (``scan_weights``):
+        # id(equation) -> the weight kernel's outputs for this layer, values of the current trace
+        self.given: dict[int, tuple] = {}
 
     # bookkeeping
     def _record(self, eqn, kernelized: bool, reason: str | None = None, epilogue: Epilogue | None = None,
@@ -343,7 +333,7 @@ class _Interpreter:
                     ins = [read(v) for v in eqn.invars]
                     if q in taken:   # the fp8 product with its epilogue (never chained: no act_operand)
                         env[ep.out] = taken[q](*ins, bias=bias, activation=ep.activation, out_dtype=ep.out_dtype,
-                                               transposed=ep.swap)
+                                               transposed=ep.swap, w_quantized=self._given(eqn))
                     elif eqn.primitive.name == "ragged_dot_general":
                         env[ep.out] = ragged_dot(*ins[:2], ins[2].astype(jnp.int32), preferred_element_type=ep.out_dtype,
                                                  activation=ep.activation)
@@ -361,7 +351,7 @@ class _Interpreter:
             if i in taken:   # the fp8 recipe's product (custom_vjp: its gradients in fp8 too)
                 with _context(eqn):
                     self._record(eqn, True, fp8=True)
-                    env[eqn.outvars[0]] = taken[i](*invals)
+                    env[eqn.outvars[0]] = taken[i](*invals, w_quantized=self._given(eqn))
                 continue
             if chain is not None:   # a plain product with a chained operand
                 with _context(eqn):
@@ -423,10 +413,21 @@ class _Interpreter:
             return self._higher_order(eqn, invals)
         return eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
 
+    def _given(self, eqn) -> tuple | None:
+        """The product's weight operands where a scan quantized its weight (``scan_weights``)."""
+        raw = self.given.get(id(eqn))
+        return None if raw is None else weight_pair(*raw)
+
     def _higher_order(self, eqn, invals: list):
         name, params = eqn.primitive.name, eqn.params
         if name == "shard_map":
             return self._shard_map(eqn, invals)
+        if name == "scan" and self.fp8 is not None:
+            hoisted = self._quantize_before(eqn, invals)
+            if hoisted:
+                return self._scan(eqn, invals, hoisted)
+        if name in scan_weights.CHECKPOINTS and scan_weights.holds(params["jaxpr"], set(self.given)):
+            return self._checkpoint(eqn, invals)
         if name not in ENTERED:
             for sub in _sub_jaxprs(params):
                 self._record_untouched(sub, f"inside {name}, which kernelize does not enter")
@@ -444,6 +445,58 @@ class _Interpreter:
         finally:
             self.where.pop()
         return eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(new))
+
+    def _quantize_before(self, eqn, invals: list) -> list[tuple[scan_weights.Target, tuple, bool]]:
+        """The weights of the products in scan ``eqn`` that can be quantized before it, quantized:
+        (target, the weight kernel's outputs, whether they are stacked along the scan)."""
+        scanned_from = sum(scan_counts(eqn.params))
+        hoisted = []
+        for t in scan_weights.targets(eqn, self.fp8):
+            w, stacked = invals[t.source], t.source >= scanned_from
+            w = jax.lax.stop_gradient(jax.vmap(t.weight)(w) if stacked else t.weight(w))
+            raw = self.fp8.q_weight_stack(w)
+            if raw is not None:
+                hoisted.append((t, raw, stacked))
+        return hoisted
+
+    def _scan(self, eqn, invals: list, hoisted: list):
+        """Scan ``eqn`` bound again through ``lax.scan`` over its rewritten body, which also scans
+        the quantized weight stacks (a loop constant's quantization is closed over)."""
+        p = eqn.params
+        nc, ncar = scan_counts(p)
+        consts, init, xs = invals[:nc], invals[nc:nc + ncar], invals[nc + ncar:]
+        inner, body_consts = _open(p["jaxpr"])
+        stacks = [(t, raw) for t, raw, stacked in hoisted if stacked]
+        fixed = [(t, raw) for t, raw, stacked in hoisted if not stacked]
+
+        def body(carry, x):
+            xs_i, raws = x
+            for t, raw in [*zip([t for t, _ in stacks], raws), *fixed]:
+                self.given[id(t.product)] = raw
+            outs = self.eval(inner, body_consts, [*consts, *carry, *xs_i])
+            return outs[:ncar], outs[ncar:]
+
+        self.where.append("scan")
+        try:
+            carry, ys = jax.lax.scan(body, list(init), (list(xs), [raw for _, raw in stacks]), length=p["length"],
+                                     reverse=p["reverse"], unroll=p["unroll"])
+        finally:
+            self.where.pop()
+            for t, _, _ in hoisted:
+                self.given.pop(id(t.product), None)
+        return [*carry, *ys]
+
+    def _checkpoint(self, eqn, invals: list):
+        """A checkpoint holding products whose quantized weights the scan around it passes in:
+        bound again through ``jax.checkpoint``, which takes those (closed-over) values as inputs."""
+        p = eqn.params
+        inner, consts = _open(p["jaxpr"])
+        self.where.append(eqn.primitive.name)
+        try:
+            body = lambda *args: self.eval(inner, consts, args)  # noqa: E731
+            return jax.checkpoint(body, prevent_cse=p["prevent_cse"], policy=p["policy"])(*invals)
+        finally:
+            self.where.pop()
 
     def _shard_map(self, eqn, invals: list):
         """A shard_map bound again through ``jax.shard_map`` over the rewritten body: JAX then

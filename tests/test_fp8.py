@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import fp8_bound  # tests/ is on sys.path under pytest
+import scanned_stack
 import jax_cute
 from jax_cute import arch, config
 from jax_cute.fp8 import (WEIGHTS, BlockScaled, Blockwise, dequantize, grouped_linear, linear, quantize,
@@ -723,6 +724,36 @@ def test_kernelize_fp8_trains_weight_products_in_fp8():
     assert [q.fp8 for q in keep.report.products] == [True, False, False]
 
 
+@pytest.mark.parametrize("grouped", [False, True], ids=["dense", "grouped"])
+def test_kernelize_quantizes_a_scanned_stack_once(grouped, monkeypatch):
+    """kernelize(fp8=...) quantizes a scanned stack's weights (and a weight the scan closes over)
+    once, before the scan, by one weight-kernel call each, through a transpose and a checkpoint;
+    the loss and every gradient are the same bits as quantizing each layer's weights in the body."""
+    pytest.importorskip("cutlass")   # (the weight kernel; without it XLA quantizes in the body)
+    from jax_cute.fp8 import scan_weights
+    p, x, sizes = scanned_stack.case(grouped, layers=3, d=128, f=256, tokens=96, sizes=(40, 50))  # (6 rows in no group)
+    loss = lambda p, x: scanned_stack.loss(p, x, sizes)  # noqa: E731
+
+    def run():
+        f = jax_cute.kernelize(loss, fp8="blockwise")
+        calls = scanned_stack.weight_kernel_calls(jax.make_jaxpr(jax.value_and_grad(f))(p, x))
+        return calls, f.report, jax.jit(jax.value_and_grad(f))(p, x)
+
+    calls, report, (val, grads) = run()
+    assert calls == {0: 3}, calls   # w1, w2 (transposed), shared: before the scan
+    assert [q.fp8 for q in report.products] == [True] * 3, report
+    assert all(q.where.startswith("scan/") for q in report.products), report   # (inside the checkpoint)
+    monkeypatch.setattr(scan_weights, "targets", lambda *a: [])   # each layer's weights in the body
+    per_layer_calls, _, (per_layer_val, per_layer) = run()
+    assert per_layer_calls.get(1, 0) >= 2, per_layer_calls   # (JAX hoists the loop constant's itself)
+    np.testing.assert_array_equal(np.asarray(val), np.asarray(per_layer_val))
+    for name in p:
+        np.testing.assert_array_equal(np.asarray(grads[name]), np.asarray(per_layer[name]), err_msg=name)
+    want_val, want = jax.value_and_grad(loss)(p, x)   # (bf16 products)
+    assert abs(float(val) - float(want_val)) < 0.05 * abs(float(want_val))
+    assert all(rel(grads[n], want[n]) < 0.1 for n in p)
+
+
 def _mlp_bias_loss(p, x, hand_written: bool = False):
     """A dense MLP whose first product has a bias and gelu after it (the GPT example's shape of it)."""
     x, w1, w2 = x.astype(jnp.bfloat16), p["w1"].astype(jnp.bfloat16), p["w2"].astype(jnp.bfloat16)
@@ -937,6 +968,10 @@ def test_errors():
         jax_cute.kernelize(_mlp_loss, fp8="tensorwise")
     with pytest.raises(TypeError, match="16- or 32-bit"):
         linear(x.values, jnp.ones((256, 4)))
+    with pytest.raises(TypeError, match="w_quantized must be the pair"):
+        linear(jnp.ones((4, 256)), jnp.ones((256, 128)), w_quantized=w)
+    with pytest.raises(ValueError, match=r"w_quantized must be float8_e4m3fn \(256, 128\)"):
+        linear(jnp.ones((4, 256)), jnp.ones((256, 128)), w_quantized=(w, x))
     with pytest.raises(ValueError, match="share K"):
         linear(jnp.ones((4, 8)), jnp.ones((9, 4)))
     with pytest.raises(ValueError, match="bias must broadcast"):

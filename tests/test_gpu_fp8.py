@@ -30,6 +30,7 @@ from jax_cute.fp8 import dequantize, grouped_linear, linear, quantize, quantize_
 from jax_cute.kernels import sm90_gemm
 
 import fp8_bound
+import scanned_stack
 from fp8_bound import C_ACC, TOL, abs_product, check  # tests/ is on sys.path under pytest
 
 pytestmark = pytest.mark.gpu
@@ -220,6 +221,37 @@ def test_linear_forward_and_gradients(n, calls):
     for got, a, b in ((y, dq(xq), dq(wq)), (dx, dq(quantize(r, "1x128")), dq(wq).T),
                       (dw, dq(quantize(x.T, "1x128")), dq(quantize(r.T, "1x128")).T)):
         check(got, mm(a, b), abs_product(a, b))
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["dense", "grouped"])
+def test_kernelize_quantizes_a_scanned_stack_once(grouped):
+    """kernelize(fp8=...) of a scanned, checkpointed layer stack: each weight stack (and the weight
+    the scan closes over) is quantized by one weight-kernel call before the scan, every product
+    runs our kernels (strict mode, no cuBLAS), and the loss and gradients are the same bits as
+    quantizing each layer's weights in the body; against the bf16 model within fp8's error."""
+    from jax_cute.fp8 import scan_weights
+    p, x, sizes = scanned_stack.case(grouped, layers=3, d=256, f=512, tokens=1000, sizes=(300, 650))
+    loss = lambda p, x: scanned_stack.loss(p, x, sizes)  # noqa: E731
+
+    def run():
+        g = jax.value_and_grad(jax_cute.kernelize(loss, fp8="blockwise"))
+        assert "cublas" not in jax.jit(g).lower(p, x).compile().as_text().lower()
+        return scanned_stack.weight_kernel_calls(jax.make_jaxpr(g)(p, x)), jax.jit(g)(p, x)
+
+    calls, (val, grads) = run()
+    assert calls == {0: 3}, calls
+    with mock.patch.object(scan_weights, "targets", lambda *a: []):
+        per_layer_calls, (per_layer_val, per_layer) = run()
+    assert per_layer_calls.get(1, 0) >= 2, per_layer_calls
+    np.testing.assert_array_equal(np.asarray(val), np.asarray(per_layer_val))
+    for name in p:
+        np.testing.assert_array_equal(np.asarray(grads[name]), np.asarray(per_layer[name]), err_msg=name)
+    with config.override(strict=False):
+        want_val, want = jax.jit(jax.value_and_grad(loss))(p, x)   # XLA, bf16 products
+    assert abs(float(val) - float(want_val)) < 0.02 * abs(float(want_val))
+    for name in p:
+        err = float(jnp.linalg.norm(grads[name] - want[name]) / jnp.linalg.norm(want[name]))
+        assert err < 0.1, (name, err)
 
 
 def test_linear_with_bias_and_activation():

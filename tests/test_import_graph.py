@@ -9,7 +9,7 @@
              custom call, which packs the descriptors of a kernel's signature (kernels/abi.py)
   kernels    kernels/: the CuTe DSL families, their specs, build and ABI
   base       leaves every layer reads: layout algebra, config, arch, the activation registry,
-             the runtime and the native extension
+             jaxpr helpers, the runtime and the native extension
 
 A module imports only modules of its own layer or of layers below it, and never a private
 (underscore) name of another module. The graph counts every import of a jax_cute module, at
@@ -47,7 +47,7 @@ LAYERS = (
                                    "jax_cute.launcher_code", "jax_cute.custom_call")),
     ("kernels", ("jax_cute.kernels",)),
     ("base", ("jax_cute.layout", "jax_cute.config", "jax_cute.arch", "jax_cute.activations", "jax_cute.runtime",
-              "jax_cute.version", "jax_cute._ffi")),
+              "jax_cute.version", "jax_cute.jaxprs", "jax_cute._ffi")),
 )
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -82,6 +83,20 @@ class Blockwise:
             wq = checkpoint_named(self.q(w, "128x128"), WEIGHTS)
             return wq, wq
         return kernel.quantize_weight(w, self.dtype, name=WEIGHTS)
+
+    def q_weight_stack(self, w) -> tuple[jax.Array, jax.Array, jax.Array] | None:
+        """Weights w (..., K, N), each quantized as ``q_weight`` quantizes it, by one launch of
+        the weight kernel (``kernelize`` quantizes a scanned stack of layer weights so, once,
+        before the scan): the kernel's outputs, values (..., K, N), the same values transposed
+        (..., N, K) and scales (..., K / 128, N / 128), whose slices ``quantize.weight_pair``
+        turns into one weight's operands; None where the kernel does not take w."""
+        lead, (k, n) = w.shape[:-2], w.shape[-2:]
+        flat = (math.prod(lead), k, n)
+        kernel = None if self.pow2_scales else weight_kernel(flat, w.dtype)
+        if kernel is None:
+            return None
+        values, values_t, scales = kernel.stored(w.reshape(flat), self.dtype)
+        return values.reshape(w.shape), values_t.reshape(*lead, n, k), scales.reshape(*lead, k // BLOCK, n // BLOCK)
 
     def q_tokens(self, x, grad: bool = False, kernel: bool = False) -> BlockScaled:
         """``x`` (M, K) as ``q(x.T, "1x128")``: (K, M) in blocks of 128 tokens, for a weight
@@ -166,13 +181,17 @@ def _check_epilogue(op: str, bias, activation) -> None:
 
 
 def linear(x: jax.Array, w: jax.Array, *, bias=None, activation: str | None = None, out_dtype=None,
-           recipe: Blockwise = Blockwise()) -> jax.Array:
+           recipe: Blockwise = Blockwise(), w_quantized: tuple[BlockScaled, BlockScaled] | None = None) -> jax.Array:
     """``act(x @ w + bias)`` for x (..., K) and w (K, ...), its forward and both gradient GEMMs
     block-scaled fp8 (the module docstring). The result is (..., *w.shape[1:]) in ``out_dtype``
     (default: x's dtype; bfloat16, float16 or float32). ``bias`` broadcasts to ``w.shape[1:]``
     (one value per output column); ``activation``: an elementwise activation of
     ``jax_cute.activations`` (not a gated one), or None. Differentiable in x, w and bias
-    (``custom_vjp``)."""
+    (``custom_vjp``).
+
+    ``w_quantized``: w's two operands as ``recipe.q_weight`` gives them for w as (K, N), where the
+    caller quantized w already (``kernelize`` quantizes a scanned stack of layer weights once,
+    before the scan); then w is not read, only its gradient is formed, and these get none."""
     x, w = jnp.asarray(x), jnp.asarray(w)
     _check_float("linear", x=x, w=w)
     if x.ndim < 1 or w.ndim < 1 or x.shape[-1] != w.shape[0]:
@@ -189,8 +208,27 @@ def linear(x: jax.Array, w: jax.Array, *, bias=None, activation: str | None = No
         # one entry per column of the (M, N) product, in float32 (the kernel adds it in float32):
         # autodiff then sums a broadcast bias's gradient in float32 before rounding it to its dtype
         bias = jnp.broadcast_to(bias.astype(jnp.float32), w.shape[1:]).reshape(-1)
-    y = _linear(x.reshape(-1, k), w.reshape(k, -1), bias, _dtypes(out, x, w, bias), recipe, activation)
+    w2 = w.reshape(k, -1)
+    _check_quantized("linear", w_quantized, w2.shape, recipe)
+    y = _linear(x.reshape(-1, k), w2, bias, w_quantized, _dtypes(out, x, w, bias), recipe, activation)
     return y.reshape(*x.shape[:-1], *w.shape[1:])
+
+
+def _check_quantized(op: str, wq, shape: tuple[int, ...], recipe: Blockwise) -> None:
+    """``w_quantized`` must be two BlockScaled operands of ``shape`` in the recipe's fp8 type."""
+    if wq is None:
+        return
+    if not (isinstance(wq, tuple) and len(wq) == 2 and all(isinstance(q, BlockScaled) for q in wq)):
+        raise TypeError(f"jax_cute.fp8.{op}: w_quantized must be the pair Blockwise.q_weight returns, got {wq!r}")
+    for q in wq:
+        if q.shape != tuple(shape) or q.dtype != recipe.dtype or q.blocks[-2:] != (BLOCK, BLOCK):
+            raise ValueError(f"jax_cute.fp8.{op}: w_quantized must be {recipe.dtype} {shape} in {BLOCK} x {BLOCK} "
+                             f"blocks, got {q.dtype} {q.shape} in blocks {q.blocks}")
+
+
+def _weight(recipe: Blockwise, w, wq):
+    """w's two operands (dgrad's, the forward product's): given, or quantized here."""
+    return recipe.q_weight(w) if wq is None else wq
 
 
 def _dtypes(out, x, w, bias) -> tuple:
@@ -209,9 +247,9 @@ def _dz(activation, z, g):
     return g if activation is None else derivative_times(activation, z, g, jnp.float32).astype(g.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _linear(x, w, bias, dtypes: tuple[str, str, str], recipe: Blockwise, activation: str | None):
-    z = _product(recipe.q(x, "1x128"), recipe.q_weight(w)[1], bias, dtypes[0])   # (no residuals to quantize)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _linear(x, w, bias, wq, dtypes: tuple[str, str, str], recipe: Blockwise, activation: str | None):
+    z = _product(recipe.q(x, "1x128"), _weight(recipe, w, wq)[1], bias, dtypes[0])   # (no residuals to quantize)
     return z if activation is None else _activate(activation, z, dtypes[0])
 
 
@@ -219,9 +257,9 @@ def _product(xq, wq, bias, out_dtype):
     return scaled_dot_general(xq, wq, (((1,), (0,)), ((), ())), preferred_element_type=out_dtype, bias=bias)
 
 
-def _linear_fwd(x, w, bias, dtypes, recipe, activation):
+def _linear_fwd(x, w, bias, given, dtypes, recipe, activation):
     out_dtype = dtypes[0]
-    wq, wq_fwd = recipe.q_weight(w)
+    wq, wq_fwd = _weight(recipe, w, given)
     # wgrad contracts the tokens: x quantized along them too, stored K-major (x.T) as the kernel
     # reads it (both from one read of x where the kernel takes it)
     xq, xq_t = recipe.q_rows_and_tokens(x, kernel=recipe.wgrad_kernel(*x.shape, w.shape[1]))
@@ -242,19 +280,21 @@ def _linear_bwd(dtypes, recipe, activation, res, g):
     dx = scaled_dot_general(gq, wq, (((1,), (1,)), ((), ())), preferred_element_type=_grad_out(x_dtype))
     dw = scaled_dot_general(xq_t, gq_t, (((1,), (1,)), ((), ())), preferred_element_type=_grad_out(w_dtype))
     db = None if bias_dtype is None else jnp.sum(g.astype(jnp.float32), axis=0).astype(bias_dtype)
-    return dx.astype(x_dtype), dw.astype(w_dtype), db
+    return dx.astype(x_dtype), dw.astype(w_dtype), db, None   # (given operands: no gradient)
 
 
 _linear.defvjp(_linear_fwd, _linear_bwd)
 
 
 def grouped_linear(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, bias=None, activation: str | None = None,
-                   out_dtype=None, recipe: Blockwise = Blockwise()) -> jax.Array:
+                   out_dtype=None, recipe: Blockwise = Blockwise(),
+                   w_quantized: tuple[BlockScaled, BlockScaled] | None = None) -> jax.Array:
     """``act(lax.ragged_dot(x, w, group_sizes) + bias[group])`` (x (M, K), w (G, K, N), bias (G, N)
     or None, ``activation`` as :func:`linear`'s) with its forward, dgrad and wgrad GEMMs
     block-scaled fp8: forward and dgrad grouped over M, wgrad over K (the tokens, in blocks that
     restart at each group). Rows past the last group are zero (no bias; the activations are zero
-    at zero) and get a zero gradient. Differentiable in x, w and bias."""
+    at zero) and get a zero gradient. Differentiable in x, w and bias; ``w_quantized`` as
+    :func:`linear`'s, for w (G, K, N)."""
     x, w, group_sizes = jnp.asarray(x), jnp.asarray(w), jnp.asarray(group_sizes)
     _check_float("grouped_linear", x=x, w=w)
     if x.ndim != 2 or w.ndim != 3 or group_sizes.shape != (w.shape[0],) or x.shape[1] != w.shape[1]:
@@ -269,19 +309,21 @@ def grouped_linear(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, bias=N
                              f"got {bias.shape}")
     _check_epilogue("grouped_linear", bias, activation)
     out = np.dtype(x.dtype if out_dtype is None else out_dtype)
-    return _grouped(x, w, group_sizes.astype(jnp.int32), bias, _dtypes(out, x, w, bias), recipe, activation)
+    _check_quantized("grouped_linear", w_quantized, w.shape, recipe)
+    return _grouped(x, w, group_sizes.astype(jnp.int32), bias, w_quantized, _dtypes(out, x, w, bias), recipe,
+                    activation)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _grouped(x, w, sizes, bias, dtypes: tuple, recipe: Blockwise, activation: str | None):
-    z = scaled_ragged_dot(recipe.q(x, "1x128"), recipe.q_weight(w)[1], sizes, preferred_element_type=dtypes[0],
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _grouped(x, w, sizes, bias, wq, dtypes: tuple, recipe: Blockwise, activation: str | None):
+    z = scaled_ragged_dot(recipe.q(x, "1x128"), _weight(recipe, w, wq)[1], sizes, preferred_element_type=dtypes[0],
                           bias=bias)   # (no residuals to quantize)
     return z if activation is None else _activate(activation, z, dtypes[0])
 
 
-def _grouped_fwd(x, w, sizes, bias, dtypes, recipe, activation):
+def _grouped_fwd(x, w, sizes, bias, given, dtypes, recipe, activation):
     out_dtype = dtypes[0]
-    wq, wq_fwd = recipe.q_weight(w)  # (G, K, N): 128 x 128 blocks of each expert
+    wq, wq_fwd = _weight(recipe, w, given)  # (G, K, N): 128 x 128 blocks of each expert
     xq, xq_t = recipe.q_rows_and_grouped(x, sizes, aligned=recipe.wgrad_kernel(*x.shape, w.shape[2]))
     z = scaled_ragged_dot(xq, wq_fwd, sizes, preferred_element_type=out_dtype, bias=bias)
     res = (xq_t, wq, sizes, None if activation is None else z)
@@ -304,7 +346,7 @@ def _grouped_bwd(dtypes, recipe, activation, res, g):
         groups = sizes.shape[0]
         _, rows = row_groups(sizes, g.shape[0])
         db = jax.ops.segment_sum(g.astype(jnp.float32), rows, num_segments=groups + 1)[:groups].astype(bias_dtype)
-    return dx.astype(x_dtype), dw.astype(w_dtype), None, db
+    return dx.astype(x_dtype), dw.astype(w_dtype), None, db, None
 
 
 _grouped.defvjp(_grouped_fwd, _grouped_bwd)

@@ -191,6 +191,15 @@ def checkpoint_named(tree, name: str):
     return jax.tree_util.tree_map(named, tree)
 
 
+def weight_pair(values, values_t, scales) -> tuple[BlockScaled, BlockScaled]:
+    """A weight's two fp8 operands from the weight kernel's outputs for it (K, N) or (G, K, N):
+    ``values`` in its layout with ``scales`` (dgrad's operand), and the same operand with its
+    values stored transposed, ``values_t`` (..., N, K), seen through ``.T`` (the forward product's,
+    which reads it K-major, so the transpose it would take cancels)."""
+    blocks = (BLOCK, BLOCK)
+    return BlockScaled(values, scales, blocks), BlockScaled(values_t, jnp.swapaxes(scales, -1, -2), blocks).T
+
+
 def quantize_cast(x32, scale, dtype: np.dtype):
     fmax = _FMAX[dtype]
     # amax / (amax / 448) may round a hair above 448; clip so no value becomes NaN (e4m3fn has no inf)

@@ -81,6 +81,9 @@ class Taken:
     swap: bool = False           # the weight is the first operand: computed as x @ w, transposed back
     x_free: int | None = None    # how many free axes x has in x @ w (None: a grouped product, no bias)
     w_free: int = 0              # and w
+    # the weight operand as the layer quantizes it, (K, N) or (G, K, N): what ``w_quantized=``
+    # (``Blockwise.q_weight_stack``'s slice, ``weight_pair``) stands for
+    weight: Callable = lambda w: w
 
     def __call__(self, *operands, **epilogue):
         return self.run(*operands, **epilogue)
@@ -125,9 +128,11 @@ def take(eqn, weights: set, recipe: Blockwise) -> Taken | None:
         if form != _RAGGED_DOT or eqn.params.get("group_offset") is not None:
             return None
 
-        def grouped(x, w, sizes, bias=None, activation=None, out_dtype=product_dtype, transposed=False):
+        def grouped(x, w, sizes, bias=None, activation=None, out_dtype=product_dtype, transposed=False,
+                    w_quantized=None):
             assert bias is None and not transposed, "fuses() admits neither for a grouped product"
-            return grouped_linear(x, w, sizes, activation=activation, out_dtype=out_dtype, recipe=recipe)
+            return grouped_linear(x, w, sizes, activation=activation, out_dtype=out_dtype, recipe=recipe,
+                                  w_quantized=w_quantized)
 
         return Taken(grouped)
     (lc, rc), (lb, rb) = _normal(eqn.params["dimension_numbers"])
@@ -137,20 +142,22 @@ def take(eqn, weights: set, recipe: Blockwise) -> Taken | None:
         (lc, rc), (la, ra) = (rc, lc), (ra, la)
     lf = tuple(i for i in range(la.ndim) if i not in lc)
     rf = tuple(i for i in range(ra.ndim) if i not in rc)
+    k = math.prod(la.shape[i] for i in lc)
 
-    def run(lhs, rhs, bias=None, activation=None, out_dtype=product_dtype, transposed=False):
-        x, w = (rhs, lhs) if swap else (lhs, rhs)
-        # x to (x free..., K) and w to (K, w free...), K the contracting dims in matching order
-        xk = jnp.transpose(x, lf + lc)
+    def weight(w):  # w to (K, w free...), K the contracting dims in x's order
         wk = jnp.transpose(w, rc + rf)
-        k = math.prod(la.shape[i] for i in lc)
+        return wk.reshape(k, *wk.shape[len(rc):])
+
+    def run(lhs, rhs, bias=None, activation=None, out_dtype=product_dtype, transposed=False, w_quantized=None):
+        x, w = (rhs, lhs) if swap else (lhs, rhs)
+        xk = jnp.transpose(x, lf + lc)   # (x free..., K)
         if bias is not None:  # fuses() checked it is 1 along x's free axes: keep the weight's part
             bias = jnp.asarray(bias)
             bias = jnp.reshape(bias, (1,) * (len(lf) + len(rf) - bias.ndim) + bias.shape)[(0,) * len(lf)]
-        y = linear(xk.reshape(*xk.shape[:len(lf)], k), wk.reshape(k, *wk.shape[len(rc):]), bias=bias,
-                   activation=activation, out_dtype=out_dtype, recipe=recipe)
+        y = linear(xk.reshape(*xk.shape[:len(lf)], k), weight(w), bias=bias, activation=activation,
+                   out_dtype=out_dtype, recipe=recipe, w_quantized=w_quantized)
         if swap != transposed:  # the caller wants (w free..., x free...)
             y = jnp.transpose(y, tuple(range(len(lf), y.ndim)) + tuple(range(len(lf))))
         return y
 
-    return Taken(run, swap, len(lf), len(rf))
+    return Taken(run, swap, len(lf), len(rf), lambda w: weight(w).reshape(k, -1))

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_cute.fp8.quantize import BLOCK, WEIGHT, BlockScaled, checkpoint_named, fp8_dtype, quantize
+from jax_cute.fp8.quantize import BLOCK, WEIGHT, BlockScaled, checkpoint_named, fp8_dtype, quantize, weight_pair
 from jax_cute.kernels import fp8_operands
 from jax_cute.primitives.cute_call import cute_call
 
@@ -41,25 +41,35 @@ def quantize_weight(w: jax.Array, dtype=jnp.float8_e4m3fn, name: str | None = No
                     ) -> tuple[BlockScaled, BlockScaled]:
     """``quantize(w, "128x128")`` for w (K, N) or a stack (L, K, N) (``supported``), twice: with
     its values in w's layout (dgrad's operand) and as the same operand whose values are stored
-    transposed (``BlockScaled(values_t, scales_t).T``: what the forward product reads K-major, so
-    the transpose it would take cancels). One kernel reads w once and writes both. ``name``: a
+    transposed (``quantize.weight_pair``). One kernel reads w once and writes both. ``name``: a
     ``checkpoint_name`` for the kernel's outputs (as stored: a checkpoint policy that saves them
     keeps no transposed copy)."""
-    dt = fp8_dtype(dtype, "jax_cute.fp8.quantize_weight")
+    _check(w, "jax_cute.fp8.quantize_weight")
+    values, values_t, scales = stored(w if w.ndim == 3 else w[None], dtype)
+    if name is not None:
+        values, values_t, scales = checkpoint_named((values, values_t, scales), name)
+    if w.ndim == 2:
+        values, values_t, scales = values[0], values_t[0], scales[0]
+    return weight_pair(values, values_t, scales)
+
+
+def _check(w, op: str) -> None:
     if not supported(w.shape, w.dtype):
-        raise TypeError(f"jax_cute.fp8.quantize_weight: w must be (K, N) or (L, K, N) bfloat16, float16 or float32 "
-                        f"with K and N multiples of {BLOCK}, got {w.shape}:{w.dtype}")
-    w3 = w if w.ndim == 3 else w[None]
-    l, k, n = w3.shape
+        raise TypeError(f"{op}: w must be (K, N) or (L, K, N) bfloat16, float16 or float32 with K and N "
+                        f"multiples of {BLOCK}, got {w.shape}:{w.dtype}")
+
+
+def stored(w: jax.Array, dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The kernel's outputs for w (L, K, N): each weight's values (L, K, N), the same values
+    transposed (L, N, K) and its scales (L, K / 128, N / 128)."""
+    dt = fp8_dtype(dtype, "jax_cute.fp8.quantize_weight")
+    if w.ndim != 3:
+        raise TypeError(f"jax_cute.fp8.weight_operands.stored: w must be a stack (L, K, N), got {w.shape}")
+    _check(w, "jax_cute.fp8.quantize_weight")
+    l, k, n = w.shape
     call = cute_call(fp8_operands.quantize_weight,
                      out_shape=(jax.ShapeDtypeStruct((l, k, n), dt), jax.ShapeDtypeStruct((l, n, k), dt),
                                 jax.ShapeDtypeStruct((l, k // BLOCK, n // BLOCK), jnp.float32)),
                      reference=lambda x: reference(x, dt), name="fp8_quantize_weight",
                      partitioned_reference=True)
-    values, values_t, scales = call(w3)
-    if name is not None:
-        values, values_t, scales = checkpoint_named((values, values_t, scales), name)
-    if w.ndim == 2:
-        values, values_t, scales = values[0], values_t[0], scales[0]
-    blocks = (BLOCK, BLOCK)
-    return BlockScaled(values, scales, blocks), BlockScaled(values_t, jnp.swapaxes(scales, -1, -2), blocks).T
+    return call(w)
