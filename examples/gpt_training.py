@@ -2,8 +2,10 @@
 
 The model is plain JAX with optax: token and position embeddings, pre-norm blocks of causal
 multi-head attention (``jnp.einsum``) and a GELU MLP, layers stacked under ``lax.scan`` with
-``jax.checkpoint`` (saving only an fp8 run's quantized weights), a tied LM head. Parameters are f32 master weights; every product runs in
-bf16 and returns f32 (``preferred_element_type``), as mixed-precision training does. AdamW.
+``jax.checkpoint`` (saving only the fp8 weights an fp8 run quantizes in the body: kernelize
+quantizes the stacks before the scan where its weight kernel takes them), a tied LM head.
+Parameters are f32 master weights; every product runs in bf16 and returns f32
+(``preferred_element_type``), as mixed-precision training does. AdamW.
 ``--moe`` replaces each MLP by a mixture of experts (top-2 of 8, tokens sorted by expert, two
 ``lax.ragged_dot``s). ``--fp8`` trains the kernelized run with block-scaled fp8 weight products
 (``kernelize(loss, fp8=...)``: DeepSeek-V3's recipe, forward and both gradients; attention's
@@ -217,7 +219,7 @@ def forward(params: Params, tokens: jax.Array, cfg: Config, mesh: Mesh | None = 
         def block(x):
             x = x + attention(p, norm(x, p["ln1"]), cfg)
             return x + ffn(p, norm(x, p["ln2"]), cfg, mesh)
-        # recompute the block in the backward pass; an fp8 run keeps its quantized weights
+        # recompute the block in the backward pass; an fp8 run keeps the weights it quantized here
         return jax.checkpoint(block, policy=KEEP_FP8_WEIGHTS)(x), None
 
     x, _ = lax.scan(layer, x, params["layers"])

@@ -581,7 +581,8 @@ def kernelize(fn: Callable, *, report: bool = False, fuse_epilogues: bool = True
     put it inside ``grad``. Their epilogue (a bias per output column, an elementwise activation)
     is fused as ``jax_cute.fp8.linear``'s: the bias in the kernel, the activation in XLA on the
     pre-activation, its derivative formed once in the backward pass (no derivative epilogue is
-    chained into the next product's GEMM).
+    chained into the next product's GEMM). Layers stacked under ``lax.scan`` have their weights
+    quantized once, before the scan (``jax_cute.fp8.scan_weights``).
     """
     recipe = fp8_recipe.resolve(fp8)
 
