@@ -1,7 +1,8 @@
 """Block-scaled fp8 products on a mesh of 8 CPU devices: the dense product's partitioning rules
 (scales sharded with their blocks: data-parallel M, model-parallel N, a sharded K summed), a
-dimension that does not split into whole blocks replicated with a log line, and a training step
-of an fp8 MLP and an fp8 MoE layer sharded against the same step on one device.
+dimension that does not split into whole blocks replicated with a log line, and training steps
+sharded against the same step on one device: an fp8 MLP and an fp8 MoE layer, and a kernelized
+layer stack under scan, whose weights are quantized before it.
 
 The devices must be set before JAX starts, so this file runs itself in a subprocess
 (``python tests/test_fp8_sharded.py``) that prints its results as JSON.
@@ -119,6 +120,21 @@ def _worker() -> dict:
                                  for k in params},
                     "w1_grad_spec": [None if s is None else str(s) for s in grads["w1"].sharding.spec]}
 
+    # kernelize(fp8=...) of a scanned layer stack, its weights sharded over model and the tokens
+    # over data: the stacks quantized before the scan as on one device (scanned_stack)
+    import scanned_stack
+    p, x, _ = scanned_stack.case(False, layers=2, d=512, f=1024, tokens=256, sizes=())   # (whole blocks a shard)
+    g = jax.jit(jax.value_and_grad(jax_cute.kernelize(scanned_stack.loss, fp8="blockwise")))
+    want_val, want = g(p, x)
+    specs = {"w1": P(None, None, "model"), "w2": P(None, None, "model"), "shared": P(None, "model")}
+    sp = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in p.items()}
+    sx = jax.device_put(x, NamedSharding(mesh, P("data", None)))
+    val, grads = g(sp, sx)
+    out["scanned"] = {"loss_err": abs(float(val) - float(want_val)) / abs(float(want_val)),
+                      "grad_err": {k: float(jnp.linalg.norm(grads[k] - want[k]) / jnp.linalg.norm(want[k]))
+                                   for k in p},
+                      "calls": scanned_stack.weight_kernel_calls(jax.make_jaxpr(g)(sp, sx))}
+
     # the operand quantizers (cute_call kernels, no partitioning rule), lowered for sm_90a: their
     # references where jit partitions them, the kernel inside shard_map (as on one device)
     from jax_cute import config
@@ -191,6 +207,12 @@ def test_sharded_fp8_training_step(results):
     r = results["train"]
     assert r["loss_err"] < 1e-5 and max(r["grad_err"].values()) < 2e-3, r
     assert r["w1_grad_spec"] == [None, "model"]
+
+
+def test_sharded_scanned_stack_quantized_before_the_scan(results):
+    r = results["scanned"]
+    assert r["calls"] == {"0": 3}, r   # (JSON keys: strings)
+    assert r["loss_err"] < 1e-5 and max(r["grad_err"].values()) < 2e-3, r
 
 
 if __name__ == "__main__":
