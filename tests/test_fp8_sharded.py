@@ -107,33 +107,31 @@ def _worker() -> dict:
         e = grouped_linear(y.astype(jnp.bfloat16), p["e1"].astype(jnp.bfloat16), sizes, out_dtype=jnp.float32)
         return jnp.mean(y ** 2) + jnp.mean(e ** 2)
 
-    step = jax.jit(jax.value_and_grad(loss))
-    want_val, want = step(params, tokens)
-    specs = {"w1": P(None, "model"), "w2": P("model", None), "e1": P()}
-    sp = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in params.items()}
-    st = jax.device_put(tokens, NamedSharding(mesh, P("data", None)))
-    val, grads = step(sp, st)
-    out["train"] = {"loss_err": abs(float(val) - float(want_val)) / abs(float(want_val)),
-                    # norm-relative: a partial sum summed in another order may move a value across an
-                    # fp8 rounding boundary downstream (one e4m3 step, 6 %), so no elementwise bound
-                    "grad_err": {k: float(jnp.linalg.norm(grads[k] - want[k]) / jnp.linalg.norm(want[k]))
-                                 for k in params},
-                    "w1_grad_spec": [None if s is None else str(s) for s in grads["w1"].sharding.spec]}
+    def sharded_step(step, params, specs, tokens) -> tuple[dict, dict, tuple]:
+        """The step's loss and gradient errors with params sharded by ``specs`` and the tokens over
+        data, against one device; the sharded gradients; the sharded arguments."""
+        want_val, want = step(params, tokens)
+        sp = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in params.items()}
+        st = jax.device_put(tokens, NamedSharding(mesh, P("data", None)))
+        val, grads = step(sp, st)
+        return ({"loss_err": abs(float(val) - float(want_val)) / abs(float(want_val)),
+                 # norm-relative: a partial sum summed in another order may move a value across an
+                 # fp8 rounding boundary downstream (one e4m3 step, 6 %), so no elementwise bound
+                 "grad_err": {k: float(jnp.linalg.norm(grads[k] - want[k]) / jnp.linalg.norm(want[k]))
+                              for k in params}}, grads, (sp, st))
+
+    out["train"], grads, _ = sharded_step(jax.jit(jax.value_and_grad(loss)), params,
+                                          {"w1": P(None, "model"), "w2": P("model", None), "e1": P()}, tokens)
+    out["train"]["w1_grad_spec"] = [None if s is None else str(s) for s in grads["w1"].sharding.spec]
 
     # kernelize(fp8=...) of a scanned layer stack, its weights sharded over model and the tokens
     # over data: the stacks quantized before the scan as on one device (scanned_stack)
     import scanned_stack
     p, x, _ = scanned_stack.case(False, layers=2, d=512, f=1024, tokens=256, sizes=())   # (whole blocks a shard)
     g = jax.jit(jax.value_and_grad(jax_cute.kernelize(scanned_stack.loss, fp8="blockwise")))
-    want_val, want = g(p, x)
-    specs = {"w1": P(None, None, "model"), "w2": P(None, None, "model"), "shared": P(None, "model")}
-    sp = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in p.items()}
-    sx = jax.device_put(x, NamedSharding(mesh, P("data", None)))
-    val, grads = g(sp, sx)
-    out["scanned"] = {"loss_err": abs(float(val) - float(want_val)) / abs(float(want_val)),
-                      "grad_err": {k: float(jnp.linalg.norm(grads[k] - want[k]) / jnp.linalg.norm(want[k]))
-                                   for k in p},
-                      "calls": scanned_stack.weight_kernel_calls(jax.make_jaxpr(g)(sp, sx))}
+    out["scanned"], _, args = sharded_step(
+        g, p, {"w1": P(None, None, "model"), "w2": P(None, None, "model"), "shared": P(None, "model")}, x)
+    out["scanned"]["calls"] = scanned_stack.weight_kernel_calls(jax.make_jaxpr(g)(*args))
 
     # the operand quantizers (cute_call kernels, no partitioning rule), lowered for sm_90a: their
     # references where jit partitions them, the kernel inside shard_map (as on one device)
