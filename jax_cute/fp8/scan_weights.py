@@ -62,7 +62,7 @@ def _walk(jaxpr, sources: dict, recipe, found: list) -> None:
     weights = weight_vars(jaxpr)
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
-        if name in _CHAIN_OPS and len(eqn.invars) == 1 and known(eqn.invars[0]):
+        if name in _CHAIN_OPS and len(eqn.invars) == 1 and known(eqn.invars[0]) and _plain(eqn):
             source, chain = sources[eqn.invars[0]]
             sources[eqn.outvars[0]] = (source, chain + (eqn,))
         elif name in CHECKPOINTS and not eqn.params.get("differentiated", False):
@@ -74,6 +74,12 @@ def _walk(jaxpr, sources: dict, recipe, found: list) -> None:
                 w = eqn.invars[0] if taken.swap else eqn.invars[1]
                 if known(w):
                     found.append(Target(eqn, *sources[w], taken))
+
+
+def _plain(eqn) -> bool:
+    """A layout op that vmap over the stack applies as it stands: no sharding of its own (the
+    per-layer one would not fit the stack) and no reshape order."""
+    return eqn.params.get("sharding") is None and eqn.params.get("dimensions") is None
 
 
 def holds(jaxpr, products: set[int]) -> bool:

@@ -44,7 +44,7 @@ def quantize_weight(w: jax.Array, dtype=jnp.float8_e4m3fn, name: str | None = No
     transposed (``quantize.weight_pair``). One kernel reads w once and writes both. ``name``: a
     ``checkpoint_name`` for the kernel's outputs (as stored: a checkpoint policy that saves them
     keeps no transposed copy)."""
-    _check(w, "jax_cute.fp8.quantize_weight")
+    _check(w)
     values, values_t, scales = stored(w if w.ndim == 3 else w[None], dtype)
     if name is not None:
         values, values_t, scales = checkpoint_named((values, values_t, scales), name)
@@ -53,10 +53,10 @@ def quantize_weight(w: jax.Array, dtype=jnp.float8_e4m3fn, name: str | None = No
     return weight_pair(values, values_t, scales)
 
 
-def _check(w, op: str) -> None:
+def _check(w) -> None:
     if not supported(w.shape, w.dtype):
-        raise TypeError(f"{op}: w must be (K, N) or (L, K, N) bfloat16, float16 or float32 with K and N "
-                        f"multiples of {BLOCK}, got {w.shape}:{w.dtype}")
+        raise TypeError(f"jax_cute.fp8.quantize_weight: w must be (K, N) or (L, K, N) bfloat16, float16 "
+                        f"or float32 with K and N multiples of {BLOCK}, got {w.shape}:{w.dtype}")
 
 
 def stored(w: jax.Array, dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -65,7 +65,7 @@ def stored(w: jax.Array, dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
     dt = fp8_dtype(dtype, "jax_cute.fp8.quantize_weight")
     if w.ndim != 3:
         raise TypeError(f"jax_cute.fp8.weight_operands.stored: w must be a stack (L, K, N), got {w.shape}")
-    _check(w, "jax_cute.fp8.quantize_weight")
+    _check(w)
     l, k, n = w.shape
     call = cute_call(fp8_operands.quantize_weight,
                      out_shape=(jax.ShapeDtypeStruct((l, k, n), dt), jax.ShapeDtypeStruct((l, n, k), dt),
