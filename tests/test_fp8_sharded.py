@@ -2,7 +2,8 @@
 (scales sharded with their blocks: data-parallel M, model-parallel N, a sharded K summed), a
 dimension that does not split into whole blocks replicated with a log line, and training steps
 sharded against the same step on one device: an fp8 MLP and an fp8 MoE layer, and a kernelized
-layer stack under scan, whose weights are quantized before it.
+layer stack under scan, whose weights are quantized before it (on whole blocks a shard, and on
+weights whose shards hold part blocks).
 
 The devices must be set before JAX starts, so this file runs itself in a subprocess
 (``python tests/test_fp8_sharded.py``) that prints its results as JSON.
@@ -133,6 +134,14 @@ def _worker() -> dict:
         g, p, {"w1": P(None, None, "model"), "w2": P(None, None, "model"), "shared": P(None, "model")}, x)
     out["scanned"]["calls"] = scanned_stack.weight_kernel_calls(jax.make_jaxpr(g)(*args))
 
+    # the same with d=256: 2 scale blocks on the 4-way model axis, so the quantizer's reshape
+    # would shard the block axis with a sub-axis of model; replicated instead, with a log line
+    p, x, _ = scanned_stack.case(False, layers=2, d=256, f=512, tokens=256, sizes=())
+    del messages[:]
+    out["split_blocks"], _, _ = sharded_step(
+        g, p, {"w1": P(None, None, "model"), "w2": P(None, "model", None), "shared": P(None, "model")}, x)
+    out["split_blocks"]["replicated_log"] = sorted({s for s in messages if "replicated" in s})
+
     # the operand quantizers (cute_call kernels, no partitioning rule), lowered for sm_90a: their
     # references where jit partitions them, the kernel inside shard_map (as on one device)
     from jax_cute import config
@@ -211,6 +220,12 @@ def test_sharded_scanned_stack_quantized_before_the_scan(results):
     r = results["scanned"]
     assert r["calls"] == {"0": 3}, r   # (JSON keys: strings)
     assert r["loss_err"] < 1e-5 and max(r["grad_err"].values()) < 2e-3, r
+
+
+def test_scale_blocks_a_mesh_axis_would_split_are_replicated(results):
+    r = results["split_blocks"]
+    assert r["loss_err"] < 1e-5 and max(r["grad_err"].values()) < 2e-3, r
+    assert any("N=256 does not split into 4 shards" in s for s in r["replicated_log"]), r
 
 
 if __name__ == "__main__":

@@ -239,6 +239,13 @@ def test_out_sharding(results):
         assert case["spec"] == case["want"], (name, case)
 
 
+def test_operand_sharded_over_a_sub_axis_is_read_as_replicated(results):
+    case = results["sub_axis"]
+    _close(case)
+    assert max(case["grad_diffs"]) <= 1e-4 * case["grad_scale"], case
+    assert case["log"], case
+
+
 def test_layout_that_cannot_follow_a_sharding_runs_replicated(results):
     case = results["unlocalizable"]
     _close(case)
@@ -560,6 +567,18 @@ def _worker() -> dict:
     prim = lambda a, b: matmul_p.bind(a, b, layouts=lay, out_dtype="float32", acc_dtype="float32")  # noqa: E731
     perm = np.array([2 * (i % 4) + i // 4 for i in range(8)])  # row i of C is row perm[i] of A
     r["unlocalizable"] = case(prim, lambda a, b: a[perm] @ b, (put(rnd(8, k), "model", None), put(rnd(k, n))))
+
+    # a reshape splits w's N (128 over 4 shards) into (2, 64): Shardy shards the 2 over half of
+    # model (a sub-axis), which no PartitionSpec expresses: read as replicated, with a log line
+    import logging
+    seen: list[str] = []
+    keep = type("Keep", (logging.Handler,), {"emit": lambda self, rec: seen.append(rec.getMessage())})()
+    logging.getLogger("jax_cute").addHandler(keep)
+    split = lambda a, b: jax_cute.dot_general(a, b.reshape(64, 2, 64), (((1,), (0,)), ((), ())))  # noqa: E731
+    ref = lambda a, b: jnp.einsum("mk,kgn->mgn", a, b.reshape(64, 2, 64))  # noqa: E731
+    r["sub_axis"] = case(split, ref, (put(x, "data", None), put(w, None, "model")), grad_of=2)
+    logging.getLogger("jax_cute").removeHandler(keep)
+    r["sub_axis"]["log"] = [m for m in seen if "splits a mesh axis" in m]
     return r
 
 

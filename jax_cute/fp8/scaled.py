@@ -483,13 +483,6 @@ for _p in (scaled_gemm_p, scaled_ragged_m_p, scaled_ragged_k_p):
 # otherwise it is replicated, with a log line saying why. A sharded K is summed (psum) in f32
 # before the epilogue.
 
-def _spec(sharding, ndim: int) -> tuple[tuple[str, ...], ...] | None:
-    if not isinstance(sharding, NamedSharding):
-        return None
-    parts = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
-    return tuple(() if x is None else (x,) if isinstance(x, str) else tuple(x) for x in parts[:ndim])
-
-
 def _count(axes: Sequence[str], mesh_shape) -> int:
     return int(np.prod([mesh_shape[x] for x in axes])) if axes else 1
 
@@ -544,10 +537,9 @@ def _gemm_shardings(mesh, plan, has_bias: bool):
 
 def _plan_for(call: _Call, mesh, arg_shapes, warn: bool):
     kw = call.kwargs
-    specs = [_spec(s.sharding, len(s.shape)) for s in arg_shapes]
-    specs = [specs[0], specs[1], specs[2], specs[3]]
-    return gemm_plan([tuple(s.shape) for s in arg_shapes], specs, dict(mesh.shape), kw["a_block"], kw["b_block"],
-                     warn, is_gated(kw["activation"]))
+    a, b = (sharding.spec_of(arg_shapes[i].sharding, 3, mesh) for i in (0, 2))  # (the scales shard with them)
+    return gemm_plan([tuple(s.shape) for s in arg_shapes], [a, None, b, None], dict(mesh.shape), kw["a_block"],
+                     kw["b_block"], warn, is_gated(kw["activation"]))
 
 
 def _partition(call: _Call, mesh, arg_shapes, result_shape):
@@ -637,7 +629,8 @@ _gemm_body = _body("jax_cute_scaled_gemm")
 
 
 _partitioned_gemm = custom_partitioning(_gemm_body, static_argnums=(0,))
-_partitioned_gemm.def_partition(partition=_partition, infer_sharding_from_operands=_infer, sharding_rule=_sdy_rule)
+_partitioned_gemm.def_partition(partition=_partition, infer_sharding_from_operands=_infer, sharding_rule=_sdy_rule,
+                                decode_shardings=False)
 
 
 # -- partitioning rules of the call grouped over M ----------------------------------------------------
@@ -649,11 +642,12 @@ _partitioned_gemm.def_partition(partition=_partition, infer_sharding_from_operan
 def _ragged_plan(call: _Call, mesh, arg_shapes, warn: bool) -> dict[str, tuple[str, ...]]:
     kw = call.kwargs
     shapes = [tuple(s.shape) for s in arg_shapes]
-    specs = [_spec(s.sharding, len(s.shape)) or ((),) * len(s.shape) for s in arg_shapes]
+    a, b = (sharding.spec_of(arg_shapes[i].sharding, len(shapes[i]), mesh) or ((),) * len(shapes[i])
+            for i in (0, 2))
     (m, k), n = shapes[0], shapes[2][1]
     # as the dense plan over (L=1, M, K) x (L=1, N, K): a's M and K, b's N and K
     fake = [(1, m, k), None, (1, n, k)]
-    dense = gemm_plan(fake, [((),) + tuple(specs[0]), None, ((),) + tuple(specs[2][1:]), None], dict(mesh.shape),
+    dense = gemm_plan(fake, [((),) + tuple(a), None, ((),) + tuple(b[1:]), None], dict(mesh.shape),
                       1, kw["b_block"], warn, is_gated(kw["activation"]))
     return {"m": dense["m"], "n": dense["n"], "k": dense["k"]}
 
@@ -735,7 +729,7 @@ _ragged_body = _body("jax_cute_scaled_ragged_m")
 
 _partitioned_ragged_m = custom_partitioning(_ragged_body, static_argnums=(0,))
 _partitioned_ragged_m.def_partition(partition=_ragged_partition, infer_sharding_from_operands=_ragged_infer,
-                                    sharding_rule=_ragged_sdy_rule)
+                                    sharding_rule=_ragged_sdy_rule, decode_shardings=False)
 _PARTITIONED = {"jax_cute_scaled_gemm": _partitioned_gemm, "jax_cute_scaled_ragged_m": _partitioned_ragged_m}
 
 

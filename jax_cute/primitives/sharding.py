@@ -46,6 +46,7 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import functools
+import logging
 import math
 import weakref
 from typing import Callable, Mapping, Protocol, Sequence
@@ -59,6 +60,7 @@ from jax.extend import core as extend_core
 # its operand vma matching and its sharding type error.
 from jax._src import core as jax_core
 from jax._src import dispatch as jax_dispatch
+from jax._src import sharding_impls
 from jax._src.interpreters import mlir as jax_mlir
 from jax.interpreters import mlir
 from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec
@@ -69,6 +71,8 @@ from jax_cute.layout import Layout, make_layout
 from jax_cute.problem.gemm_layouts import GemmLayouts, refine
 from jax_cute.problem.ragged_layouts import RAGGED_K, RAGGED_M, RaggedLayouts
 from jax_cute.primitives.ragged_reference import clipped_sizes, group_ends
+
+logger = logging.getLogger(__name__)
 
 # Logical modes of each operand's layout, in mode order; the last name is the result.
 MODES = {
@@ -317,12 +321,30 @@ def sharding_rule(p: Problem) -> SdyShardingRule:
 Spec = tuple[tuple[str, ...], ...]
 
 
-def spec_of(sharding, ndim: int) -> Spec | None:
-    """Per buffer axis, the mesh axes it is sharded over; None for a sharding we cannot read."""
+def spec_of(sharding, ndim: int, mesh=None) -> Spec | None:
+    """Per buffer axis, the mesh axes it is sharded over; None for a sharding we cannot read.
+    ``mesh``: a partition rule's, to read XLA's shardings it is handed undecoded."""
     if not isinstance(sharding, NamedSharding):
-        return None
+        sharding = decoded(sharding, mesh) if mesh is not None else None
+        if sharding is None:
+            return None
     parts = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
     return tuple(() if x is None else (x,) if isinstance(x, str) else tuple(x) for x in parts[:ndim])
+
+
+def decoded(sharding, mesh) -> NamedSharding | None:
+    """XLA's ``sharding`` of an operand as a NamedSharding of ``mesh``; None (with a log line)
+    where none expresses it. Shardy shards an axis over part of a mesh axis (a sub-axis) where
+    a reshape splits a sharded axis unevenly, as (N,) -> (2, N/2) does to an N over 4 shards;
+    custom_partitioning's own decoding raises on those, so the partition rules are handed
+    shardings undecoded (``decode_shardings=False``) and decode them here."""
+    try:
+        parts = sharding_impls.parse_flatten_op_sharding(sharding._hlo_sharding, mesh)[0]
+    except Exception:  # noqa: BLE001 (a sub-axis: JAX raises KeyError or IndivisibleError)
+        logger.warning("jax_cute: an operand sharded as %s splits a mesh axis of %s, which no partition "
+                       "spec expresses: read as replicated", sharding, dict(mesh.shape))
+        return None
+    return NamedSharding(mesh, PartitionSpec(*parts))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -517,8 +539,8 @@ def _mesh_shape(mesh) -> dict[str, int]:
     return dict(mesh.shape)
 
 
-def _input_specs(p: Problem, arg_shapes) -> list[Spec | None]:
-    return [spec_of(s.sharding, len(s.shape)) for s in arg_shapes]
+def _input_specs(mesh, arg_shapes) -> list[Spec | None]:
+    return [spec_of(s.sharding, len(s.shape), mesh) for s in arg_shapes]
 
 
 def shard_index(axes: Sequence[str], mesh_shape: Mapping[str, int]):
@@ -555,10 +577,10 @@ def _partition(call: _Call, mesh, arg_shapes, result_shape):
     layouts = params["layouts"]
     p = problem(layouts, [s.shape for s in arg_shapes])
     ms = _mesh_shape(mesh)
-    specs = _input_specs(p, arg_shapes)
+    specs = _input_specs(mesh, arg_shapes)
     if any(s is None for s in specs):  # shardings we cannot read: run replicated
         specs = [None] * len(specs)
-    result_spec = spec_of(result_shape.sharding, len(result_shape.shape))
+    result_spec = spec_of(result_shape.sharding, len(result_shape.shape), mesh)
     ring = call.rings(p, ms, specs, result_spec) if call.rings and all(s is not None for s in specs) else None
     if ring is not None:
         return ring.partition(call, mesh)
@@ -597,7 +619,7 @@ def _partition(call: _Call, mesh, arg_shapes, result_shape):
 
 def _infer(call: _Call, mesh, arg_shapes, result_shape):
     p = problem(call.kwargs["layouts"], [s.shape for s in arg_shapes])
-    specs = _input_specs(p, arg_shapes)
+    specs = _input_specs(mesh, arg_shapes)
     ring = call.rings(p, _mesh_shape(mesh), specs, None) if call.rings and all(s is not None for s in specs) else None
     if ring is not None:
         return NamedSharding(mesh, ring.result_spec)
@@ -608,7 +630,7 @@ def _infer(call: _Call, mesh, arg_shapes, result_shape):
 def _propagate_user(call: _Call, mesh, user_shape):
     # Keep the user's sharding of each result axis that can follow one (its slowest factor).
     c = result_operand(call.kwargs["layouts"])
-    spec = spec_of(user_shape.sharding, len(user_shape.shape))
+    spec = spec_of(user_shape.sharding, len(user_shape.shape), mesh)
     if spec is None:
         return user_shape.sharding
     parts = [axes if fs and axes else () for fs, axes in zip(c.axes, spec)]
@@ -629,7 +651,7 @@ def _body(call: _Call, *args):
 
 _partitioned = custom_partitioning(_body, static_argnums=(0,))
 _partitioned.def_partition(partition=_partition, infer_sharding_from_operands=_infer,
-                           propagate_user_sharding=_propagate_user, sharding_rule=_rule)
+                           propagate_user_sharding=_propagate_user, sharding_rule=_rule, decode_shardings=False)
 
 
 def lowering(primitive, local: Local, rings: Callable[[], Callable | None] | None = None) -> Callable:
