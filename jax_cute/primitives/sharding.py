@@ -338,9 +338,10 @@ def decoded(sharding, mesh) -> NamedSharding | None:
     a reshape splits a sharded axis unevenly, as (N,) -> (2, N/2) does to an N over 4 shards;
     custom_partitioning's own decoding raises on those, so the partition rules are handed
     shardings undecoded (``decode_shardings=False``) and decode them here."""
+    hlo = sharding._hlo_sharding  # (GSPMDSharding's; outside the try: a rename must fail loudly)
     try:
-        parts = sharding_impls.parse_flatten_op_sharding(sharding._hlo_sharding, mesh)[0]
-    except Exception:  # noqa: BLE001 (a sub-axis: JAX raises KeyError or IndivisibleError)
+        parts = sharding_impls.parse_flatten_op_sharding(hlo, mesh)[0]
+    except (KeyError, ValueError):  # a sub-axis (JAX raises KeyError, or IndivisibleError: a ValueError)
         logger.warning("jax_cute: an operand sharded as %s splits a mesh axis of %s, which no partition "
                        "spec expresses: read as replicated", sharding, dict(mesh.shape))
         return None
