@@ -244,6 +244,7 @@ def test_operand_sharded_over_a_sub_axis_is_read_as_replicated(results):
     _close(case)
     assert max(case["grad_diffs"]) <= 1e-4 * case["grad_scale"], case
     assert case["log"], case
+    assert case["out_spec"][0] == "data", case   # x's rows, which it can read, stay sharded
 
 
 def test_layout_that_cannot_follow_a_sharding_runs_replicated(results):

@@ -325,7 +325,8 @@ def spec_of(sharding, ndim: int, mesh=None) -> Spec | None:
     """Per buffer axis, the mesh axes it is sharded over; None for a sharding we cannot read.
     ``mesh``: a partition rule's, to read XLA's shardings it is handed undecoded."""
     if not isinstance(sharding, NamedSharding):
-        sharding = decoded(sharding, mesh) if mesh is not None else None
+        # (custom_partitioning finds no mesh where the jit has none: nothing to decode against)
+        sharding = decoded(sharding, mesh) if mesh is not None and not mesh.empty else None
         if sharding is None:
             return None
     parts = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
@@ -366,7 +367,8 @@ class Plan:
 
 def plan(p: Problem, mesh_shape: Mapping[str, int], inputs: Sequence[Spec | None], result: Spec | None = None) -> Plan:
     """Which factors are sharded over which mesh axes, from the inputs' shardings (first
-    operand first), then the requested result sharding; and the reduction that follows."""
+    operand first; None, a sharding we cannot read, proposes nothing), then the requested
+    result sharding; and the reduction that follows."""
     assignment: dict[str, tuple[str, ...]] = {}
     taken: set[str] = set()
 
@@ -578,9 +580,7 @@ def _partition(call: _Call, mesh, arg_shapes, result_shape):
     layouts = params["layouts"]
     p = problem(layouts, [s.shape for s in arg_shapes])
     ms = _mesh_shape(mesh)
-    specs = _input_specs(mesh, arg_shapes)
-    if any(s is None for s in specs):  # shardings we cannot read: run replicated
-        specs = [None] * len(specs)
+    specs = _input_specs(mesh, arg_shapes)  # (one we cannot read proposes nothing: plan)
     result_spec = spec_of(result_shape.sharding, len(result_shape.shape), mesh)
     ring = call.rings(p, ms, specs, result_spec) if call.rings and all(s is not None for s in specs) else None
     if ring is not None:
@@ -624,7 +624,7 @@ def _infer(call: _Call, mesh, arg_shapes, result_shape):
     ring = call.rings(p, _mesh_shape(mesh), specs, None) if call.rings and all(s is not None for s in specs) else None
     if ring is not None:
         return NamedSharding(mesh, ring.result_spec)
-    pl = plan(p, _mesh_shape(mesh), specs if all(s is not None for s in specs) else [None] * len(specs))
+    pl = plan(p, _mesh_shape(mesh), specs)
     return NamedSharding(mesh, pl.spec(p.operands[-1]))
 
 
