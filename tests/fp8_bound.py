@@ -80,3 +80,25 @@ def check(out, ref, abs_prod) -> None:
             f"median {float(np.median(ratio)):.1f}")
     diff = 1.0 - 2.0 * float((o * r).sum()) / max(float((o * o + r * r).sum()), 1e-300)
     assert diff <= TOL, f"DeepGEMM's difference {diff:.2e}"
+
+
+def check_swiglu(out, z, abs_prod) -> None:
+    """``out`` = swiglu(z) = silu(g) * u, z = [g | u] the product's float32 pre-activation (bias
+    included) and ``abs_prod`` its sum_k |a_k b_k|. The kernel applies swiglu to its float32
+    accumulators, each off from z by at most e = TOL * (its row's max |z|) + C_ACC * sum|a b|
+    (as ``check``); so |out - ref| <= 1.1 |u| e_g + |silu(g)| e_u + e_g e_u (|silu'| < 1.1), plus
+    the output's rounding; and DeepGEMM's global measure."""
+    o = np.asarray(jnp.asarray(out).astype(jnp.float32), np.float64)
+    z, s = np.asarray(z, np.float64), np.asarray(abs_prod, np.float64)
+    h = z.shape[-1] // 2
+    e = TOL * np.abs(z).max(axis=-1, keepdims=True) + C_ACC * s
+    g, u, eg, eu = z[..., :h], z[..., h:], e[..., :h], e[..., h:]
+    silu = 0.5 * g * (1.0 + np.tanh(0.5 * g))   # (g * sigmoid(g), without overflow)
+    r = silu * u
+    assert o.shape == r.shape and np.isfinite(o).all(), "non-finite or unwritten output elements"
+    bound = 1.1 * np.abs(u) * eg + np.abs(silu) * eu + eg * eu + _HALF_ULP[np.dtype(out.dtype)] * np.abs(r) + 1e-30
+    bad = np.abs(o - r) > bound
+    assert not bad.any(), (f"{bad.sum()} of {bad.size} elements off (worst {float((np.abs(o - r) / bound).max()):.2f} "
+                           f"of the bound), e.g. {np.argwhere(bad)[:3].tolist()}")
+    diff = 1.0 - 2.0 * float((o * r).sum()) / max(float((o * o + r * r).sum()), 1e-300)
+    assert diff <= TOL, f"DeepGEMM's difference {diff:.2e}"

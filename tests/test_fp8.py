@@ -861,8 +861,8 @@ def test_kernelize_fp8_ragged_dot():
 # -- dispatch and errors ----------------------------------------------------------------------
 
 def test_fallback_is_logged_and_strict_mode_raises(caplog, monkeypatch):
-    """Products no kernel takes (a gated epilogue; a kernel variant listed as never run on a GPU,
-    unless opted in: here the ragged-K weight gradient's) are fallbacks when traced; the products
+    """Products no kernel takes (a kernel variant listed as never run on a GPU, unless opted in:
+    here the ragged-K weight gradient's) are fallbacks when traced; the products
     the Hopper kernels take are not (on the CPU they run the reference unlogged)."""
     xq, wq = quantize(data((8, 128), "normal")), quantize(data((128, 128), "normal"), "128x128")
     we = quantize(data((2, 128, 128), "normal"), "128x128")
@@ -888,10 +888,8 @@ def test_fallback_is_logged_and_strict_mode_raises(caplog, monkeypatch):
             ragged_k_dot(xt, yt, sizes)
         monkeypatch.setattr(arch, "UNVERIFIED_VARIANTS", {})
         ragged_k_dot(xt, yt, sizes)
-        with pytest.raises(jax_cute.FallbackError, match="gated"):
-            jax_cute.matmul(xq, wq, activation="swiglu")
-        with pytest.raises(jax_cute.FallbackError, match="gated"):
-            jax_cute.ragged_dot(xq, we, sizes, activation="swiglu")
+        jax_cute.matmul(xq, wq, activation="swiglu")   # (gated: test_gated_lowers_to_the_hopper_kernel)
+        jax_cute.ragged_dot(xq, we, sizes, activation="swiglu")
 
 
 @pytest.mark.sweep   # (10 s: CI's second step, so the README's test line stays under 10 minutes)
@@ -909,6 +907,32 @@ def test_dense_lowers_to_the_hopper_kernel():
         text = jax.jit(f).trace(x, w, jnp.ones((1040,))).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("@jax_cute_launch") == 1 and "stablehlo.dot_general" not in text
     assert "scaled1x128" in text and ".bias.gelu" in text
+
+
+def test_gated_lowers_to_the_hopper_kernel(caplog):
+    """swiglu pairs column j with j + N/2, in different 128-column weight blocks: lowered for
+    sm_90a in strict mode, the dense and grouped products with 128 x 128 weight blocks are our
+    kernel reading B's scales per column (each block's repeated), no XLA dot left; an N/2 no
+    kernel tile pairs (not a multiple of 64) falls back, logged with the reason."""
+    pytest.importorskip("cutlass")
+    x, w, we = data((300, 256), "normal"), data((256, 640), "normal", 1), data((3, 256, 640), "normal", 2)
+    sizes = jnp.asarray([100, 0, 150], jnp.int32)
+
+    def dense(x, w, bias):
+        return jax_cute.matmul(quantize(x, "1x128"), quantize(w, "128x128"), bias=bias, activation="swiglu")
+
+    def grouped(x, we):
+        return jax_cute.ragged_dot(quantize(x, "1x128"), quantize(we, "128x128"), sizes, activation="swiglu")
+
+    with config.override(target_arch="sm_90a", strict=True):
+        for f, args in ((dense, (x, w, jnp.ones((640,)))), (grouped, (x, we))):
+            text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+            assert text.count("@jax_cute_launch") == 1 and "stablehlo.dot_general" not in text
+            assert "scaled1x1" in text and "swiglu" in text
+    with config.override(target_arch="sm_90a"), caplog.at_level(logging.WARNING, logger="jax_cute"):
+        text = jax.jit(dense).trace(x, w[:, :96], jnp.ones((96,))).lower(lowering_platforms=("cuda",)).as_text()
+    assert "@jax_cute_launch" not in text
+    assert "pair gate and up columns in blocks of 64" in caplog.text
 
 
 @pytest.mark.sweep   # (15-22 s of compiles; CI's second step: the README's line stays under 10 min)

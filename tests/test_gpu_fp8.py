@@ -185,6 +185,25 @@ def test_bias_and_activation(blocks, activation):
     check(jax.jit(f)(xq, wq, bias), fn(mm(dq(xq), dq(wq)) + bias), abs_product(dq(xq), dq(wq)))
 
 
+@pytest.mark.parametrize("out", [BF, F32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("blocks", [("1x128", "128x128"), ("128x128", "128x128"), ("1x128", (128, 1))],
+                         ids=lambda b: f"{b[0]}-{b[1]}")
+def test_swiglu(blocks, out):
+    """swiglu pairs gate column j with up column j + N/2: N/2 = 576 puts a tile's two halves in
+    128-column weight blocks at different offsets (the kernel reads B's scales per column), with
+    a bias, M and K not multiples of the tiles."""
+    m, n, k = 1000, 1152, 1000
+    xq, wq = quantize(data((m, k), "normal", 51), blocks[0]), quantize(data((k, n), "heavy", 52), blocks[1])
+    bias = data((n,), "normal", 53)
+
+    def f(xq, wq, bias):
+        return jax_cute.matmul(xq, wq, bias=bias, activation="swiglu", preferred_element_type=out)
+
+    assert_ours(f, xq, wq, bias)
+    a, b = dq(xq), dq(wq)
+    fp8_bound.check_swiglu(jax.jit(f)(xq, wq, bias), mm(a, b) + bias, abs_product(a, b))
+
+
 def test_batched_and_e5m2():
     """Batched operands (L = 3), e5m2 on one side and both, and a vmapped product."""
     a, b = data((3, 200, 640), "heavy", 8), data((3, 640, 300), "normal", 9)
@@ -369,6 +388,22 @@ def test_grouped_bias_and_activation(activation):
     fn = {"gelu": jax.nn.gelu, "silu": jax.nn.silu}[activation]
     check(jax.jit(f)(xq, wq, SIZES, bias), grouped_ref(dq(xq), dq(wq), SIZES, bias, fn),
           grouped_abs(dq(xq), dq(wq)))
+
+
+@pytest.mark.parametrize("b_block", ["128x128", (128, 1)], ids=["w128x128", "w128x1"])
+def test_grouped_swiglu(b_block):
+    """ragged_dot's experts with swiglu (N/2 = 576: each tile's gate and up halves in different
+    128-column blocks), a bias per group, uneven and empty groups, rows past the last group."""
+    m, k, n = 1000, 1000, 1152
+    xq, wq = quantize(data((m, k), "normal", 54), "1x128"), quantize(data((4, k, n), "normal", 55), b_block)
+    bias = data((4, n), "normal", 56)
+
+    def f(xq, wq, sizes, bias):
+        return jax_cute.ragged_dot(xq, wq, sizes, bias=bias, activation="swiglu")
+
+    assert_ours(f, xq, wq, SIZES, bias)
+    x, w = dq(xq), dq(wq)
+    fp8_bound.check_swiglu(jax.jit(f)(xq, wq, SIZES, bias), grouped_ref(x, w, SIZES, bias), grouped_abs(x, w))
 
 
 @pytest.mark.parametrize("activation, x_kind, seed", [(None, "heavy", 18), ("gelu", "normal", 33)],

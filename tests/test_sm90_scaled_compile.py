@@ -168,13 +168,15 @@ def _check_k_loop_spills(obj: bytes, allowed: int) -> None:
 _CASES = [scaled(1, 128), scaled(128, 128), scaled(1, 1, F32), scaled(128, 1, F32),
           scaled(1, 128, BF, bias=True, activation="gelu"), scaled(128, 128, F32, bias=True, activation="silu"),
           scaled(1, 128, F16, E5M2, E5M2), scaled(1, 128, BF, E4M3, E5M2), scaled(1, 1, BF, E5M2, E4M3, bias=True,
-                                                                                 activation="relu")]
+                                                                                 activation="relu"),
+          # swiglu: per-column B scales, paired like B's columns (a tile's halves are in two blocks)
+          scaled(1, 1, BF, bias=True, activation="swiglu")]
 
 
-# (the test line: DeepGEMM's blocks, and 128 x 128 blocks with a fused epilogue and an fp32 output)
-@pytest.mark.parametrize("spec", _line(_CASES, 0, 5), ids=lambda s: s.key())
+# (the test line: DeepGEMM's blocks, 128 x 128 blocks with a fused epilogue and an fp32 output, swiglu)
+@pytest.mark.parametrize("spec", _line(_CASES, 0, 5, 9), ids=lambda s: s.key())
 def test_compile_scaled(spec):
-    cfg = sm90_gemm.heuristic(spec, 1000, 1040, 1000, 1)
+    cfg = sm90_gemm.heuristic(spec, 1000, 1024 if spec.activation == "swiglu" else 1040, 1000, 1)
     _compile(spec, cfg)
 
 
@@ -198,6 +200,10 @@ def test_scaled_heuristic_and_candidates():
         wave = {(c.cluster_m, c.cluster_n) for c in cands if c.tile_m == 256}
         assert wave == ({(2, 1), (1, 2)} if (spec.a_block, spec.b_block) == (1, 128) else set()), (spec, wave)
         for shape in SHAPES:
+            if spec.activation == "swiglu" and shape[1] // 2 % sm90_gemm.GATED_COLUMNS:
+                with pytest.raises(ValueError, match="N/2 a multiple of 64"):
+                    sm90_gemm.heuristic(spec, *shape, 1)
+                continue
             cfg = sm90_gemm.heuristic(spec, *shape, 1)
             assert cfg in cands and cfg.tile_m == 128, (spec, shape, cfg)
     # the overlapped promotion wherever B's scales are per 128-column block
@@ -295,10 +301,11 @@ def test_scaled_spec_signature_and_refusals():
 
 
 _GROUPED = [GroupedSpec("ragged_m", E4M3, E4M3, BF, a_block=1, b_block=128),
-            GroupedSpec("ragged_m", E4M3, E5M2, F32, a_block=1, b_block=1, bias=True, activation="gelu")]
+            GroupedSpec("ragged_m", E4M3, E5M2, F32, a_block=1, b_block=1, bias=True, activation="gelu"),
+            GroupedSpec("ragged_m", E4M3, E4M3, BF, a_block=1, b_block=1, bias=True, activation="swiglu")]
 
 
-@pytest.mark.parametrize("spec", _line(_GROUPED, 0), ids=lambda s: s.key())
+@pytest.mark.parametrize("spec", _line(_GROUPED, 0, 2), ids=lambda s: s.key())
 def test_compile_scaled_grouped(spec):
     """The heuristic's pick for DeepGEMM's grouped shape: 128 x 128 tiles on 1x2 clusters."""
     cfg = sm90_grouped.heuristic(spec, 32768, 4096, 7168, 4, 1)

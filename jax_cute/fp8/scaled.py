@@ -67,7 +67,7 @@ def kernel_refusal(op: str, *, grouped: str | None = None, a=None, b=None, out=N
     """Why no kernel of any arch takes this scaled call, or None (checked when it is traced;
     what only the target knows, its arch and the operands' layout, is checked when it is lowered).
     ``grouped``: "M" or "K" for the grouped calls ("K": a kernel never run on hardware, opt-in)."""
-    del op
+    del op, activation   # (every activation has a kernel: a gated one reads B's scales per column)
     # the ragged-K kernel's gate is dispatch's (arch.UNVERIFIED_VARIANTS), asked here at trace time
     if grouped == "K" and (why := dispatch.variant_allowed("sm_90a", "scaled_ragged_k")):
         return (f"block-scaled fp8 ragged-K (grouped weight gradient): {why}; the scaled product runs as XLA ops "
@@ -76,8 +76,6 @@ def kernel_refusal(op: str, *, grouped: str | None = None, a=None, b=None, out=N
         return f"the block-scaled kernel takes fp8 operands into {'/'.join(d.name for d in OUT_DTYPES)}"
     if a_block not in KERNEL_BLOCKS or b_block not in KERNEL_BLOCKS:
         return f"the block-scaled kernel reads 1 or {BLOCK} rows per scale, not {a_block} and {b_block}"
-    if is_gated(activation):
-        return f"the block-scaled kernel fuses no gated activation ({activation})"
     return None
 
 
@@ -232,6 +230,13 @@ def _cuda_kernel(name: str, avals, params) -> Callable | None:
     """The kernel for one shard's call (a function of its operands emitting the custom call),
     or None for the reference: every call asks ``dispatch.gemm``, which logs a refusal as a
     fallback (strict mode raises); the ragged-K call's kernel is opt-in (unverified)."""
+    per_column = is_gated(params.get("activation")) and params.get("b_block") != 1
+    if per_column:
+        # A gated tile pairs column j with j + N/2, which lie in different 128-column blocks: the
+        # kernel reads B's scales per column (b_block 1), each block's scale repeated.
+        n, sb = avals[2].shape[-2], avals[3]
+        avals = (*avals[:3], sb.update(shape=(*sb.shape[:-2], n, sb.shape[-1])), *avals[4:])
+        params = {**params, "b_block": 1}
     if name == "jax_cute_scaled_gemm":
         req = _dense_request(avals, params)
     elif name == "jax_cute_scaled_ragged_m":
@@ -245,6 +250,8 @@ def _cuda_kernel(name: str, avals, params) -> Callable | None:
         if req.grouped:
             k = _k16(x.shape[1])
             x, y = _pad_k(x, 1, k), _pad_k(y, 2, k)
+        if per_column:
+            sy = jnp.repeat(sy, BLOCK, axis=-2)[..., :y.shape[-2], :]
         return (x, y, *rest[:n_gs], _block_major(sx), _block_major(sy), *rest[n_gs:])
 
     rows = (avals[1].shape[-2], avals[3].shape[-2])   # the primitive's sa and sb row blocks

@@ -182,9 +182,12 @@ def _scaled_unsupported(spec: GemmSpec) -> str | None:
         return f"{FAMILY}: block scales take fp8 operands, not {spec.a_dtype}"
     if spec.batch_modes != 1:
         return f"{FAMILY}: a block-scaled product takes one batch mode"
-    if is_gated(spec) or spec.preact:
-        return (f"{FAMILY}: a block-scaled product fuses bias and elementwise activations only (no gated "
-                f"activation or pre-activation output)")
+    if spec.preact:
+        return f"{FAMILY}: a block-scaled product writes no pre-activation output"
+    if is_gated(spec) and spec.b_block != 1:
+        # (a tile's gate and up halves sit in different 128-column blocks: per-column scales,
+        # read through the same pairing as B's columns)
+        return f"{FAMILY}: a gated block-scaled product takes per-column B scales (b_block 1), not {spec.b_block}"
     return None
 
 

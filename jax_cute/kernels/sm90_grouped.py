@@ -115,8 +115,10 @@ def _scaled_unsupported(spec: GroupedSpec) -> str | None:
         return "a block-scaled grouped product reads A and B contiguous along K and writes C contiguous along N"
     if spec.c_dtype not in _OUT_DTYPES or spec.acc_dtype != "float32":
         return f"output dtype {spec.c_dtype} (accumulating in {spec.acc_dtype}) not supported"
-    if spec.activation in GATED or spec.preact or (spec.activation and spec.activation not in EPILOGUES):
-        return "a block-scaled grouped product fuses bias and elementwise activations only"
+    if spec.preact or (spec.activation and spec.activation not in EPILOGUES):
+        return "a block-scaled grouped product fuses a bias and activations, and writes no pre-activation output"
+    if spec.activation in GATED and spec.b_block != 1:
+        return f"a gated block-scaled grouped product takes per-column B scales (b_block 1), not {spec.b_block}"
     return None
 
 

@@ -198,6 +198,8 @@ class Sm90Gemm(ScaledMainloop, Sm90Epilogue):
                 b = b[(None, None, None, 0)]
             if const_expr(self.fuse_bias):
                 bias = paired_halves(bias, 0, self.bn // 2)
+            if const_expr(self.scaled):   # per-column B scales (b_block 1), paired as B's columns
+                scales = (scales[0], paired_halves(scales[1], 0, self.bn // 2))
         if const_expr(self.nb > 1):
             # (rows, cols, L0, L1, L2) -> (rows, cols, (L0, L1, L2)): tiles and TMA views see
             # one (nested) batch mode; the TMA tensor maps still span all five dimensions
