@@ -54,7 +54,9 @@ Kernel shape (one persistent CTA per SM, 384 threads):
   relies on the other warpgroup's WGMMAs for that. Two or three fp32 fragments per thread:
   128 x 128 cooperative tiles (sm90_scaled). 256 x 128 tiles (1 x 128 A and 128 x 128 B scales,
   forced configs only) promote each warpgroup's two 64-row blocks in turn through one partial
-  fragment (DeepGEMM's waves: 128 accumulators + 64 partial registers a thread).
+  fragment (DeepGEMM's waves: 128 accumulators + 64 partial registers a thread). A gated
+  activation reads per-column B scales (b_block 1) paired like B's N mode: a tile's gate and up
+  halves lie in different 128-column blocks.
 - TMA stores write whole 16-byte chunks, so where C's contiguous extent is not a multiple of 16
   bytes the subtiles on that edge are stored with predicated per-element stores instead.
 - work is a linear sequence of (cluster tile, batch, k-split) units in a grouped ("swizzled")
