@@ -61,6 +61,12 @@ def abs_product(a, b) -> jax.Array:
     return jnp.matmul(jnp.abs(a), jnp.abs(b), precision=jax.lax.Precision.HIGHEST)
 
 
+def _check_global(o: np.ndarray, r: np.ndarray) -> None:
+    """DeepGEMM's global measure 1 - 2 sum(o r) / sum(o^2 + r^2) <= TOL."""
+    diff = 1.0 - 2.0 * float((o * r).sum()) / max(float((o * o + r * r).sum()), 1e-300)
+    assert diff <= TOL, f"DeepGEMM's difference {diff:.2e}"
+
+
 def check(out, ref, abs_prod) -> None:
     """Assert the bound above on every element and DeepGEMM's global measure."""
     o = np.asarray(jnp.asarray(out).astype(jnp.float32), np.float64)
@@ -78,8 +84,7 @@ def check(out, ref, abs_prod) -> None:
             f"{bad.sum()} of {bad.size} elements off (worst {float((err / bound).max()):.2f} of the bound), e.g. "
             f"{np.argwhere(bad)[:3].tolist()}; sum|a b| / row max there {np.round(ratio[bad][:3], 1).tolist()}, "
             f"median {float(np.median(ratio)):.1f}")
-    diff = 1.0 - 2.0 * float((o * r).sum()) / max(float((o * o + r * r).sum()), 1e-300)
-    assert diff <= TOL, f"DeepGEMM's difference {diff:.2e}"
+    _check_global(o, r)
 
 
 def check_swiglu(out, z, abs_prod) -> None:
@@ -100,5 +105,4 @@ def check_swiglu(out, z, abs_prod) -> None:
     bad = np.abs(o - r) > bound
     assert not bad.any(), (f"{bad.sum()} of {bad.size} elements off (worst {float((np.abs(o - r) / bound).max()):.2f} "
                            f"of the bound), e.g. {np.argwhere(bad)[:3].tolist()}")
-    diff = 1.0 - 2.0 * float((o * r).sum()) / max(float((o * o + r * r).sum()), 1e-300)
-    assert diff <= TOL, f"DeepGEMM's difference {diff:.2e}"
+    _check_global(o, r)

@@ -115,8 +115,7 @@ def scaled_dot_general(lhs: BlockScaled, rhs: BlockScaled, dimension_numbers, *,
         args.append(jnp.broadcast_to(bias, (n,)))
     if is_gated(activation) and (len(rf) != 1 or n % 2):
         raise ValueError(f"jax_cute.{op}: {activation} needs one rhs free dimension of even extent, got {rhs.shape}")
-    dispatch.at_trace(op, kernel_refusal(op, a=a.dtype, b=b.dtype, out=out, a_block=a_block, b_block=b_block,
-                                         activation=activation))
+    dispatch.at_trace(op, kernel_refusal(op, a=a.dtype, b=b.dtype, out=out, a_block=a_block, b_block=b_block))
     res = scaled_gemm_p.bind(*args, a_block=a_block, b_block=b_block, out_dtype=out.name, activation=activation,
                              compute="float32")
     last = [rhs.shape[i] for i in rf]
@@ -182,7 +181,7 @@ def scaled_ragged_dot(lhs: BlockScaled, rhs: BlockScaled, group_sizes, *, prefer
     if is_gated(activation) and n % 2:
         raise ValueError(f"jax_cute.ragged_dot: {activation} needs an even N, got {n}")
     dispatch.at_trace(op, kernel_refusal(op, grouped="M", a=lhs.dtype, b=rhs.dtype, out=out, a_block=1,
-                                         b_block=rhs.blocks[2], activation=activation))
+                                         b_block=rhs.blocks[2]))
     return scaled_ragged_m_p.bind(*args, b_block=rhs.blocks[2], out_dtype=out.name, activation=activation,
                                   compute="float32")
 
