@@ -24,6 +24,15 @@ interleaved in one process:
 
 TFLOP/s count 2 M N K. Outputs are not compared (the three compute different products).
 
+SwiGLU (``BENCH_FP8_SWIGLU=0`` leaves it out): the gate-and-up product of a SwiGLU MLP with a
+bias, N = 2 x the hidden width, dense (M, N, K) and grouped (G x rows, N, K), operands quantized
+beforehand as above: *jax_cute*: ``matmul`` / ``ragged_dot(..., bias=, activation="swiglu")``
+of the block-scaled operands (B's scales read per 64 paired columns, the overlapped promotion);
+*jax_cute_serial*: the same with the serial promotion forced; *jax_cute_gelu*: the same fp8
+operands with gelu instead (no pairing: the unscaled-epilogue ceiling); *jax_cute_bf16*: our
+bf16 swiglu product of the same values; *xla_bf16*: XLA's bf16 layer as written (dot, bias,
+``silu(gate) * up``); *xla*: XLA's fp8 dot of the raw e4m3 values, the bias and swiglu in XLA.
+
 Training steps (``BENCH_FP8_TRAIN=0`` leaves them out; ``BENCH_FP8_GEMM=0`` leaves out the GEMMs): the GPT example's step (``examples/gpt_training.py``
 at its ``h200`` and ``h200-wide`` sizes (d_model 2048 and 4096), dense and ``--moe``), timed interleaved: *jax_cute*:
 ``value_and_grad(kernelize(loss, fp8=recipe))`` (the weight products' forward and both
@@ -52,6 +61,8 @@ DENSE = [(4096, 7168, 16384), (4096, 4096, 7168), (128, 7168, 16384)]   # (M, N,
 GROUPED = (4, 8192, 4096, 7168)                                          # (G, rows per group, N, K)
 SMOKE_DENSE = [(256, 256, 384)]
 SMOKE_GROUPED = (2, 128, 256, 256)
+SWIGLU_DENSE = [(8192, 2 * 14336, 4096), (16384, 2 * 4096, 7168)]   # (M, 2 x hidden, K)
+SWIGLU_GROUPED = (8, 2048, 2 * 14336, 4096)    # 8192 tokens top-2 over 8 experts, 4096 -> 14336
 BF, E4M3 = jnp.bfloat16, jnp.float8_e4m3fn
 
 
@@ -109,6 +120,76 @@ def _grouped_xla_fp8(xq, wq, x, w, sizes):
     return jax.lax.dot_general(a, wq.values, (((2,), (1,)), ((0,), (0,))), preferred_element_type=BF).reshape(-1, n)
 
 
+def _swiglu_bf16_xla(z, bias):
+    g, u = jnp.split(z.astype(jnp.float32) + bias, 2, axis=-1)
+    return (jax.nn.silu(g) * u).astype(BF)
+
+
+def _swiglu_scaled(xq, wq, x, w, bias, act="swiglu"):
+    return jax_cute.matmul(xq, wq, transpose_b=True, bias=bias, activation=act)
+
+
+def _swiglu_bf16(xq, wq, x, w, bias):
+    return jax_cute.matmul(x, w, transpose_b=True, bias=bias, activation="swiglu")
+
+
+def _swiglu_xla(xq, wq, x, w, bias):
+    return _swiglu_bf16_xla(jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=BF), bias)
+
+
+def _swiglu_xla_fp8(xq, wq, x, w, bias):
+    return _swiglu_bf16_xla(_xla_fp8(xq, wq, x, w), bias)
+
+
+def _grouped_swiglu_scaled(xq, wq, x, w, sizes, bias, act="swiglu"):
+    return jax_cute.ragged_dot(xq, wq, sizes, bias=bias, activation=act)
+
+
+def _grouped_swiglu_bf16(xq, wq, x, w, sizes, bias):
+    return jax_cute.ragged_dot(x, w, sizes, bias=bias, activation="swiglu")
+
+
+def _grouped_swiglu_xla(xq, wq, x, w, sizes, bias):
+    g, k, n = w.shape
+    z = jax.lax.dot_general(x.reshape(g, -1, k), w, (((2,), (1,)), ((0,), (0,))), preferred_element_type=BF)
+    return _swiglu_bf16_xla(z, bias[:, None, :]).reshape(-1, n // 2)
+
+
+def _grouped_swiglu_xla_fp8(xq, wq, x, w, sizes, bias):
+    g, k, n = wq.shape
+    return _swiglu_bf16_xla(_grouped_xla_fp8(xq, wq, x, w, sizes).reshape(g, -1, n), bias[:, None, :]).reshape(-1, n // 2)
+
+
+def with_bias(make: Callable[[int], tuple], shape: tuple[int, ...]) -> Callable[[int], tuple]:
+    """``make``'s operands and a float32 bias of ``shape`` drawn from the same seed."""
+    bias = jax.jit(lambda key: jax.random.normal(key, shape, jnp.float32))
+    return lambda seed: (*make(seed), bias(jax.random.key(seed + 7919)))
+
+
+def swiglu(rounds: int, smoke: bool) -> list[dict]:
+    """The SwiGLU gate-and-up products (see the module notes)."""
+    recs: list[dict] = []
+    serial = lambda fields={"overlap_promote": False}: scaled_variant(**fields)  # noqa: E731
+    dense = [Impl("jax_cute", lambda *a: _swiglu_scaled(*a)), Impl("jax_cute_serial", lambda *a: _swiglu_scaled(*a),
+                                                                    context=serial),
+             Impl("jax_cute_gelu", lambda *a: _swiglu_scaled(*a, act="gelu")), Impl("jax_cute_bf16", _swiglu_bf16),
+             Impl("xla_bf16", _swiglu_xla), Impl("xla", _swiglu_xla_fp8)]
+    for m, n, k in SMOKE_DENSE if smoke else SWIGLU_DENSE:
+        recs += measure("fp8", "fp8_swiglu", f"{m}x{n}x{k}", dense, with_bias(dense_operands(m, n, k), (n,)),
+                        2.0 * m * n * k, rounds=rounds, meta={"m": m, "n": n, "k": k, "dtype": "float8_e4m3fn"},
+                        check=False)
+    g, rows, n, k = SMOKE_GROUPED if smoke else SWIGLU_GROUPED
+    grouped = [Impl("jax_cute", lambda *a: _grouped_swiglu_scaled(*a)),
+               Impl("jax_cute_serial", lambda *a: _grouped_swiglu_scaled(*a), context=serial),
+               Impl("jax_cute_gelu", lambda *a: _grouped_swiglu_scaled(*a, act="gelu")),
+               Impl("jax_cute_bf16", _grouped_swiglu_bf16), Impl("xla_bf16", _grouped_swiglu_xla),
+               Impl("xla", _grouped_swiglu_xla_fp8)]
+    recs += measure("fp8", "fp8_swiglu", f"{g}x{rows}x{n}x{k}", grouped, with_bias(grouped_operands(g, rows, n, k), (g, n)),
+                    2.0 * g * rows * n * k, rounds=rounds,
+                    meta={"g": g, "m": g * rows, "n": n, "k": k, "dtype": "float8_e4m3fn"}, check=False)
+    return recs
+
+
 def scaled_variant(**fields) -> ContextManager[None]:
     """Trace with ``fields`` replaced in the Hopper families' block-scaled configs."""
     return forced_configs((sm90_gemm, sm90_grouped), lambda spec: spec.scaled, **fields)
@@ -149,6 +230,8 @@ def train_steps(args: argparse.Namespace, rounds: int) -> list[dict]:
 def run(args: argparse.Namespace) -> list[dict]:
     rounds = 2 if args.smoke else args.rounds
     recs: list[dict] = train_steps(args, rounds) if os.environ.get("BENCH_FP8_TRAIN", "1") != "0" else []
+    if os.environ.get("BENCH_FP8_SWIGLU", "1") != "0":
+        recs += swiglu(rounds, args.smoke)
     if os.environ.get("BENCH_FP8_GEMM", "1") == "0":
         return recs
     dense = [*_variants(_scaled, True), Impl("jax_cute_bf16", _bf16), Impl("jax_cute_raw", _raw_fp8),

@@ -207,6 +207,8 @@ SECTIONS = [  # (table, record key, unit, higher is better, title, digits)
     ("ragged", "tflops", "TFLOP/s", True, "Grouped GEMM (ragged_dot), bf16: forward, lhs and rhs gradients", 1),
     ("fp8_gemm", "tflops", "TFLOP/s", True, "Block-scaled fp8 GEMM (M×N×K, 1×128 / 128×128 scales, bf16 out)", 1),
     ("fp8_grouped", "tflops", "TFLOP/s", True, "Block-scaled fp8 grouped GEMM, contiguous groups (G×rows×N×K)", 1),
+    ("fp8_swiglu", "tflops", "TFLOP/s", True,
+     "Block-scaled fp8 SwiGLU gate-and-up product with a bias (M×N×K; grouped G×rows×N×K), bf16 out", 1),
     ("fp8_train", "ms", "ms", False, "GPT training step, weight products in block-scaled fp8 (time per step)", 2),
     ("e2e", "ms", "ms", False, "End-to-end steps (time per call)", 2),
     ("launch", "us_per_iter", "µs/iter", False, "Tiny kernel in a fori_loop (command buffers off)", 2),
@@ -228,7 +230,17 @@ SUITE_TITLE = {"models": "Models: jax_cute.kernelize", "matmul": "Dense GEMM: ja
                "collective": "Collective matmul: all-gather and reduce-scatter inside the GEMMs",
                "fp8": "Block-scaled fp8 GEMM: DeepGEMM's shapes"}
 # A results file holding only this table (e.g. BENCH_FP8_GEMM=0) gets this title and note.
-TABLE_SECTION = {"fp8_train": ("Block-scaled fp8 training steps: the GPT example",
+TABLE_SECTION = {"fp8_swiglu": ("Block-scaled fp8 SwiGLU products",
+                                "The gate-and-up product of a SwiGLU MLP with a bias (N = 2 x the hidden width), "
+                                "operands quantized beforehand (x in 1x128, w in 128x128 blocks), timed interleaved: "
+                                "*jax_cute fp8*: `matmul` / `ragged_dot(..., bias=, activation=\"swiglu\")` of the "
+                                "block-scaled operands, the SwiGLU in the kernel's epilogue (B's scales read per 64 "
+                                "paired columns, the overlapped promotion); *serial promotion*: the same kernel with "
+                                "the serial promotion forced; *fp8 gelu*: the same fp8 operands with gelu (no "
+                                "gate-and-up pairing); *jax_cute bf16*: our bf16 SwiGLU product of the same values; "
+                                "*XLA bf16*: the layer as written in bf16 (dot, bias, `silu(gate) * up`); *XLA fp8 "
+                                "dot*: XLA's dot of the raw e4m3 values (no block scales), the bias and SwiGLU in XLA."),
+                 "fp8_train": ("Block-scaled fp8 training steps: the GPT example",
                                "The GPT example's step (`examples/gpt_training.py` at its `h200` and `h200-wide` sizes (d_model 2048 and 4096), dense and "
                                "`--moe`), timed interleaved: *jax_cute fp8*: `value_and_grad(kernelize(loss, "
                                "fp8=\"blockwise\"))`, the weight products' forward and both gradients block-scaled "
@@ -239,9 +251,9 @@ SUITE_LABELS = {"ragged": {"xla": "lax.ragged_dot",   # what the "xla" rival is 
                 "fp8": {"jax_cute": "jax_cute fp8, block-scaled", "jax_cute_bf16": "jax_cute bf16",
                         "jax_cute_db": "fp8, overlapped promotion", "jax_cute_serial": "fp8, serial promotion",
                         "jax_cute_db_c2x2": "fp8, overlapped, 2x2 clusters", "jax_cute_256x128": "fp8, 256x128 tile",
-                        "jax_cute_1cta": "fp8, one CTA (no cluster)",
+                        "jax_cute_1cta": "fp8, one CTA (no cluster)", "jax_cute_gelu": "fp8 gelu, same operands",
                         "jax_cute_raw": "jax_cute fp8 (no block scales)",
-                        "xla": "XLA fp8 dot (no block scales)", "xla_bf16": "XLA, bf16 model as written"},
+                        "xla": "XLA fp8 dot (no block scales)", "xla_bf16": "XLA bf16, as written"},
                 "models": {"jax_cute_unfused": "jax_cute, gelu not fused"},
                 "scaling": {"jax_cute_float32_sums": "jax_cute, float32 sums over GPUs"},
                 "fused": {"jax_cute": "jax_cute fused", "jax_cute_remat": "jax_cute fused, jax.checkpoint",

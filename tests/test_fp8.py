@@ -912,8 +912,9 @@ def test_dense_lowers_to_the_hopper_kernel():
 def test_gated_lowers_to_the_hopper_kernel(caplog):
     """swiglu pairs column j with j + N/2, in different 128-column weight blocks: lowered for
     sm_90a in strict mode, the dense and grouped products with 128 x 128 weight blocks are our
-    kernel reading B's scales per column (each block's repeated), no XLA dot left; an N/2 no
-    kernel tile pairs (not a multiple of 64) falls back, logged with the reason."""
+    kernel reading B's scales per 64 paired columns (two a tile, gathered from the blocks' in
+    XLA), and with 128 x 1 weight blocks per column, no XLA dot left; an N/2 no kernel tile
+    pairs (not a multiple of 64) falls back, logged with the reason."""
     pytest.importorskip("cutlass")
     x, w, we = data((300, 256), "normal"), data((256, 640), "normal", 1), data((3, 256, 640), "normal", 2)
     sizes = jnp.asarray([100, 0, 150], jnp.int32)
@@ -924,11 +925,15 @@ def test_gated_lowers_to_the_hopper_kernel(caplog):
     def grouped(x, we):
         return jax_cute.ragged_dot(quantize(x, "1x128"), quantize(we, "128x128"), sizes, activation="swiglu")
 
+    def dense_columns(x, w, bias):   # 128 x 1 weight blocks: scales per column
+        return jax_cute.matmul(quantize(x, "1x128"), quantize(w, "128x1"), bias=bias, activation="swiglu")
+
     with config.override(target_arch="sm_90a", strict=True):
-        for f, args in ((dense, (x, w, jnp.ones((640,)))), (grouped, (x, we))):
+        for f, args, blocks in ((dense, (x, w, jnp.ones((640,))), "scaled1x64"), (grouped, (x, we), "scaled1x64"),
+                                (dense_columns, (x, w, jnp.ones((640,))), "scaled1x1")):
             text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
             assert text.count("@jax_cute_launch") == 1 and "stablehlo.dot_general" not in text
-            assert "scaled1x1" in text and "swiglu" in text
+            assert f"{blocks}." in text and "swiglu" in text
     with config.override(target_arch="sm_90a"), caplog.at_level(logging.WARNING, logger="jax_cute"):
         text = jax.jit(dense).trace(x, w[:, :96], jnp.ones((96,))).lower(lowering_platforms=("cuda",)).as_text()
     assert "@jax_cute_launch" not in text

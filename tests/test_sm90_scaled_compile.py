@@ -170,11 +170,14 @@ _CASES = [scaled(1, 128), scaled(128, 128), scaled(1, 1, F32), scaled(128, 1, F3
           scaled(1, 128, F16, E5M2, E5M2), scaled(1, 128, BF, E4M3, E5M2), scaled(1, 1, BF, E5M2, E4M3, bias=True,
                                                                                  activation="relu"),
           # swiglu: per-column B scales, paired like B's columns (a tile's halves are in two blocks)
-          scaled(1, 1, BF, bias=True, activation="swiglu")]
+          scaled(1, 1, BF, bias=True, activation="swiglu"),
+          # swiglu: B scales per 64 paired columns (two a tile: its gate and up halves' blocks)
+          scaled(1, 64, BF, bias=True, activation="swiglu")]
 
 
-# (the test line: DeepGEMM's blocks, 128 x 128 blocks with a fused epilogue and an fp32 output, swiglu)
-@pytest.mark.parametrize("spec", _line(_CASES, 0, 5, 9), ids=lambda s: s.key())
+# (the test line: DeepGEMM's blocks, 128 x 128 blocks with a fused epilogue and an fp32 output,
+# swiglu with paired 64-column B scales)
+@pytest.mark.parametrize("spec", _line(_CASES, 0, 5, 10), ids=lambda s: s.key())
 def test_compile_scaled(spec):
     cfg = sm90_gemm.heuristic(spec, 1000, 1024 if spec.activation == "swiglu" else 1040, 1000, 1)
     _compile(spec, cfg)
@@ -206,8 +209,8 @@ def test_scaled_heuristic_and_candidates():
                 continue
             cfg = sm90_gemm.heuristic(spec, *shape, 1)
             assert cfg in cands and cfg.tile_m == 128, (spec, shape, cfg)
-    # the overlapped promotion wherever B's scales are per 128-column block
-    assert all(sm90_gemm.heuristic(spec, 4096, 4096, 4096, 1).overlap_promote == (spec.b_block == 128)
+    # the overlapped promotion wherever B's scales are per 128-column block or 64 paired columns
+    assert all(sm90_gemm.heuristic(spec, 4096, 4096, 4096, 1).overlap_promote == (spec.b_block in (64, 128))
                for spec in _CASES)
     # the weight gradient's (1 x 128 scales both) unsplit on one CTA; the other forms on clusters
     for spec in _CASES:
@@ -287,6 +290,10 @@ def test_scaled_spec_signature_and_refusals():
         GemmSpec(E4M3, E4M3, BF, a_block=1)          # both operands scaled, or neither
     with pytest.raises(ValueError):
         scaled(64, 128)
+    # B scales per 64 paired columns: a gated product's only
+    with pytest.raises(ValueError, match="gated"):
+        scaled(1, 64, BF, activation="gelu")
+    assert sm90_gemm.unsupported(scaled(1, 64, BF, activation="swiglu")) is None
     for bad_cfg in (sm90_gemm.Config(), sm90_gemm.Config(128, 128, 2, 1, pingpong=True),
                     sm90_gemm.Config(128, 128, defer=1), sm90_gemm.Config(256, 256),
                     sm90_gemm.Config(256, 128, overlap_promote=True), sm90_gemm.Config(256, 128, split_k=2)):
@@ -302,10 +309,11 @@ def test_scaled_spec_signature_and_refusals():
 
 _GROUPED = [GroupedSpec("ragged_m", E4M3, E4M3, BF, a_block=1, b_block=128),
             GroupedSpec("ragged_m", E4M3, E5M2, F32, a_block=1, b_block=1, bias=True, activation="gelu"),
-            GroupedSpec("ragged_m", E4M3, E4M3, BF, a_block=1, b_block=1, bias=True, activation="swiglu")]
+            GroupedSpec("ragged_m", E4M3, E4M3, BF, a_block=1, b_block=1, bias=True, activation="swiglu"),
+            GroupedSpec("ragged_m", E4M3, E4M3, BF, a_block=1, b_block=64, bias=True, activation="swiglu")]
 
 
-@pytest.mark.parametrize("spec", _line(_GROUPED, 0, 2), ids=lambda s: s.key())
+@pytest.mark.parametrize("spec", _line(_GROUPED, 0, 3), ids=lambda s: s.key())
 def test_compile_scaled_grouped(spec):
     """The heuristic's pick for DeepGEMM's grouped shape: 128 x 128 tiles on 1x2 clusters."""
     cfg = sm90_grouped.heuristic(spec, 32768, 4096, 7168, 4, 1)

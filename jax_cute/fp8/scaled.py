@@ -49,7 +49,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jax_cute import dispatch
 from jax_cute.fp8.quantize import (BLOCK, FP8_DTYPES, aligned_columns, clipped_sizes, group_blocks, group_ends,
                                    grouped_blocks, row_groups)
-from jax_cute.kernels.gemm_spec import SCALE_ROWS
+from jax_cute.kernels.gemm_spec import PAIRED_BLOCK, SCALE_ROWS
 from jax_cute.activations import apply_activation, is_gated
 from jax_cute.layout import Layout, make_layout, stride_of
 from jax_cute.primitives import sharding
@@ -226,17 +226,36 @@ def _ragged_k_kernel(avals, params) -> Callable | None:
     return run
 
 
+def _paired_scale_rows(activation: str | None, b_block: int | None, n: int) -> np.ndarray | None:
+    """For a gated product with 128 x 128 B scales, which of B's scale rows (its 128-column
+    blocks) the kernel reads per 64 paired columns (gemm_spec.PAIRED_BLOCK): row 2 t + h holds
+    the block of columns h N/2 + 64 t (h: 0 gate, 1 up); None for other products (B's scales as
+    given). The kernel's gated tiles need N/2 a multiple of 64 (else it refuses the call), so
+    each 64 paired columns lie in one block."""
+    if not is_gated(activation) or b_block == 1:
+        return None
+    t, h = np.divmod(np.arange(n // PAIRED_BLOCK), 2)
+    return (h * (n // 2) + PAIRED_BLOCK * t) // BLOCK
+
+
+def _paired_row_of_column(n: int) -> np.ndarray:
+    """Each column's row among the scales per 64 paired columns (_paired_scale_rows)."""
+    h, c = np.divmod(np.arange(n), n // 2)
+    return 2 * (c // PAIRED_BLOCK) + h
+
+
 def _cuda_kernel(name: str, avals, params) -> Callable | None:
     """The kernel for one shard's call (a function of its operands emitting the custom call),
     or None for the reference: every call asks ``dispatch.gemm``, which logs a refusal as a
     fallback (strict mode raises); the ragged-K call's kernel is opt-in (unverified)."""
-    per_column = is_gated(params.get("activation")) and params.get("b_block") != 1
-    if per_column:
-        # A gated tile pairs column j with j + N/2, which lie in different 128-column blocks: the
-        # kernel reads B's scales per column (b_block 1), each block's scale repeated.
-        n, sb = avals[2].shape[-2], avals[3]
-        avals = (*avals[:3], sb.update(shape=(*sb.shape[:-2], n, sb.shape[-1])), *avals[4:])
-        params = {**params, "b_block": 1}
+    # A gated tile pairs column j with j + N/2, which lie in different 128-column blocks: the
+    # kernel reads B's 128-column scales per 64 paired columns, two a tile (gate and up), which
+    # XLA gathers from B's (per-column scales, b_block 1, the kernel pairs itself).
+    n, sb = avals[2].shape[-2], avals[3]
+    b_rows = _paired_scale_rows(params.get("activation"), params.get("b_block"), n)
+    if b_rows is not None:
+        avals = (*avals[:3], sb.update(shape=(*sb.shape[:-2], len(b_rows), sb.shape[-1])), *avals[4:])
+        params = {**params, "b_block": PAIRED_BLOCK}
     if name == "jax_cute_scaled_gemm":
         req = _dense_request(avals, params)
     elif name == "jax_cute_scaled_ragged_m":
@@ -250,8 +269,8 @@ def _cuda_kernel(name: str, avals, params) -> Callable | None:
         if req.grouped:
             k = _k16(x.shape[1])
             x, y = _pad_k(x, 1, k), _pad_k(y, 2, k)
-        if per_column:
-            sy = jnp.repeat(sy, BLOCK, axis=-2)[..., :y.shape[-2], :]
+        if b_rows is not None:
+            sy = jnp.take(sy, b_rows, axis=-2)
         return (x, y, *rest[:n_gs], _block_major(sx), _block_major(sy), *rest[n_gs:])
 
     rows = (avals[1].shape[-2], avals[3].shape[-2])   # the primitive's sa and sb row blocks
@@ -260,7 +279,10 @@ def _cuda_kernel(name: str, avals, params) -> Callable | None:
         """The reference of the request's operands (dispatch's first-use check)."""
         gs, (sx, sy), bias = rest[:n_gs], rest[n_gs:n_gs + 2], rest[n_gs + 2:]
         sx, sy = _row_major(sx, rows[0]), _row_major(sy, rows[1])
-        return _REFERENCES[name](x, sx[0] if req.grouped else sx, y, sy, *gs, *bias, **params)
+        ref_params = params
+        if params.get("b_block") == PAIRED_BLOCK:   # back to per-column scales
+            sy, ref_params = jnp.take(sy, _paired_row_of_column(n), axis=-2), {**params, "b_block": 1}
+        return _REFERENCES[name](x, sx[0] if req.grouped else sx, y, sy, *gs, *bias, **ref_params)
 
     impl = dispatch.gemm(req, reference)
     if impl is None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from jax_cute.kernels import epilogue as fused_epilogue
 from jax_cute.kernels.abi import DYN, Dyn, Signature, StreamArg, TensorArg
 
 # Dtypes some family of some arch takes: a product outside them has no kernel anywhere, which
@@ -64,10 +65,21 @@ def stride_div(dtype: str) -> int:
 SCALE_K = 128  # K (and a weight's row) extent of one block scale (docs/fp8.md)
 
 
-def _check_blocks(a_block: int, b_block: int) -> None:
-    if (a_block == 0) != (b_block == 0) or {a_block, b_block} - {0, 1, SCALE_K}:
+# A gated product's B scales per 64 columns of its paired view (``b_block`` PAIRED_BLOCK): a
+# scaled tile's 128 columns are 64 gate and 64 up columns, each inside one 128 x 128 weight block
+# when N / 2 is a multiple of 64, so the tile reads two scales a k-tile instead of 128 per-column
+# ones. Row 2 t + h of ``sb`` scales columns [h N/2 + 64 t, h N/2 + 64 t + 64) (h: 0 gate, 1 up).
+PAIRED_BLOCK = 64
+
+
+def _check_blocks(a_block: int, b_block: int, activation: str) -> None:
+    if (a_block == 0) != (b_block == 0) or a_block not in (0, 1, SCALE_K) \
+            or b_block not in (0, 1, SCALE_K, PAIRED_BLOCK):
         raise ValueError(f"block scales take a_block and b_block in (1, {SCALE_K}) together, not "
                          f"{a_block} and {b_block}")
+    if b_block == PAIRED_BLOCK and activation not in fused_epilogue.GATED:
+        raise ValueError(f"B scales per {PAIRED_BLOCK} paired columns (b_block {PAIRED_BLOCK}) take a gated "
+                         f"activation, not {activation!r}")
 
 
 SCALE_ROWS = 4  # row blocks of block scales are padded to a multiple of this: 16-byte TMA strides
@@ -162,7 +174,8 @@ class GemmSpec:
     preact: bool = False
     dact: str = ""
     # Block-scaled fp8 (docs/fp8.md): rows of A (``a_block``) and of B (``b_block``) per float32
-    # scale, 1 or 128; 0 for an unscaled product. The kernel takes ``sa`` (ceil(M/a_block), Kb, L)
+    # scale, 1 or 128 (a gated product's B: also PAIRED_BLOCK, in paired order); 0 for an
+    # unscaled product. The kernel takes ``sa`` (ceil(M/a_block), Kb, L)
     # and ``sb`` (ceil(N/b_block), Kb, L), contiguous along their row blocks (their count padded to
     # a multiple of SCALE_ROWS), Kb = ceil(K/128), and adds each 128-K block's partial product times
     # sa[m] * sb[n] to its float32 accumulator.
@@ -183,7 +196,7 @@ class GemmSpec:
         if self.dact and (self.bias or self.activation or self.preact):
             raise ValueError("an activation's derivative (dact) scales the bare product: no bias, activation "
                              "or preact with it")
-        _check_blocks(self.a_block, self.b_block)
+        _check_blocks(self.a_block, self.b_block, self.activation)
         if not self.c_aligned and (self.preact or self.dact or self.batch_modes != 1 or self.scaled):
             raise ValueError("an unaligned C takes one batch mode, no pre-activation output, dact or block scales")
 
@@ -255,7 +268,7 @@ class GroupedSpec:
     pre-activation ``d`` laid out like c (with a gated activation, like c's N columns).
 
     Block-scaled fp8 (one batch; docs/fp8.md): ragged_m with ``a_block`` 1 and ``b_block`` 1 or 128
-    as GemmSpec's, ``sa`` (M, Kb, 1) and ``sb`` (ceil(N/b_block), Kb, G) after the group sizes
+    (gated: or PAIRED_BLOCK) as GemmSpec's, ``sa`` (M, Kb, 1) and ``sb`` (ceil(N/b_block), Kb, G) after the group sizes
     (row blocks padded to a multiple of SCALE_ROWS, as GemmSpec's); ragged_k with ``a_block`` and
     ``b_block`` 1, A and B contiguous along K, ``sa`` (M, Kb, 1) and ``sb`` (N, Kb, 1), where every
     group starts at a multiple of 128 of K: group g's k-range is [128 f_g, 128 f_g + size_g), f_g =
@@ -281,7 +294,7 @@ class GroupedSpec:
     def __post_init__(self):
         if (self.bias or self.activation) and self.mode != "ragged_m":
             raise ValueError(f"a fused grouped epilogue needs mode ragged_m, not {self.mode}")
-        _check_blocks(self.a_block, self.b_block)
+        _check_blocks(self.a_block, self.b_block, self.activation)
         if self.a_block and (self.a_block != 1 or (self.mode == "ragged_k" and self.b_block != 1)):
             raise ValueError(f"a block-scaled grouped product takes 1 x 128 A scales (ragged_k: B's too), not {self}")
         if self.preact and not self.activation:

@@ -55,8 +55,9 @@ Kernel shape (one persistent CTA per SM, 384 threads):
   128 x 128 cooperative tiles (sm90_scaled). 256 x 128 tiles (1 x 128 A and 128 x 128 B scales,
   forced configs only) promote each warpgroup's two 64-row blocks in turn through one partial
   fragment (DeepGEMM's waves: 128 accumulators + 64 partial registers a thread). A gated
-  activation reads per-column B scales (b_block 1) paired like B's N mode: a tile's gate and up
-  halves lie in different 128-column blocks.
+  activation's tile pairs gate and up halves from different 128-column blocks: it reads B's
+  scales per column (b_block 1), paired like B's N mode (serial mainloop), or per 64 paired
+  columns (gemm_spec.PAIRED_BLOCK: two a k-tile, given in the paired order; overlapped).
 - TMA stores write whole 16-byte chunks, so where C's contiguous extent is not a multiple of 16
   bytes the subtiles on that edge are stored with predicated per-element stores instead.
 - work is a linear sequence of (cluster tile, batch, k-split) units in a grouped ("swizzled")
@@ -119,7 +120,7 @@ import dataclasses
 
 from jax_cute.kernels import abi
 from jax_cute.kernels import epilogue as fused_epilogue
-from jax_cute.kernels.gemm_spec import SCALE_K, GemmSpec, GroupedSpec, Workspace
+from jax_cute.kernels.gemm_spec import PAIRED_BLOCK, SCALE_K, GemmSpec, GroupedSpec, Workspace
 # (Config, SMEM_BYTES and tile_k are part of the family's interface: tests and tools read them here)
 from jax_cute.kernels.sm90_config import (ITEM, NUM_SMS, SMEM_BYTES, Config, co_resident_clusters, is_gated,
                                           scale_slack, scale_stage_bytes, stage_plan, tile_k, wg_rows)
@@ -186,10 +187,11 @@ def _scaled_unsupported(spec: GemmSpec) -> str | None:
         return f"{FAMILY}: a block-scaled product takes one batch mode"
     if spec.preact:
         return f"{FAMILY}: a block-scaled product writes no pre-activation output"
-    if is_gated(spec) and spec.b_block != 1:
-        # (a tile's gate and up halves sit in different 128-column blocks: per-column scales,
-        # read through the same pairing as B's columns)
-        return f"{FAMILY}: a gated block-scaled product takes per-column B scales (b_block 1), not {spec.b_block}"
+    if is_gated(spec) and spec.b_block == SCALE_K:
+        # (a tile's gate and up halves sit in different 128-column blocks: per-column scales read
+        # through the same pairing as B's columns, or two a tile, per 64 paired columns)
+        return (f"{FAMILY}: a gated block-scaled product takes B scales per column or per {PAIRED_BLOCK} "
+                f"paired columns (b_block 1 or {PAIRED_BLOCK}), not {spec.b_block}")
     return None
 
 
@@ -284,8 +286,9 @@ def scaled_overlap(spec) -> bool:
     floats a k-tile and its consumer registers hold both partial fragments: ptxas spills (up to
     128 bytes, sm_90a) around each tile's mainloop, not inside it but for two reloads with 128 x
     128 A scales (tests/test_sm90_scaled_compile.py). Per-column B scales (b_block 1: 32 a
-    thread) keep the serial mainloop: beside two fragments they spill 360-512 bytes."""
-    return spec.scaled and spec.b_block == SCALE_K
+    thread) keep the serial mainloop: beside two fragments they spill 360-512 bytes. A gated
+    product's scales per 64 paired columns are four floats a k-tile: overlapped."""
+    return spec.scaled and spec.b_block in (SCALE_K, PAIRED_BLOCK)
 
 
 def _scaled_candidates(spec) -> list[Config]:

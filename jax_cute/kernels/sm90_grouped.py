@@ -34,7 +34,7 @@ import dataclasses
 
 from jax_cute.kernels import abi, sm90_gemm
 from jax_cute.kernels.epilogue import GATED
-from jax_cute.kernels.gemm_spec import GroupedSpec, Workspace
+from jax_cute.kernels.gemm_spec import PAIRED_BLOCK, SCALE_K, GroupedSpec, Workspace
 from jax_cute.kernels.sm90_config import TAIL_MIN_K_TILES
 
 FAMILY = "sm90_grouped"
@@ -117,8 +117,9 @@ def _scaled_unsupported(spec: GroupedSpec) -> str | None:
         return f"output dtype {spec.c_dtype} (accumulating in {spec.acc_dtype}) not supported"
     if spec.preact or (spec.activation and spec.activation not in EPILOGUES):
         return "a block-scaled grouped product fuses a bias and activations, and writes no pre-activation output"
-    if spec.activation in GATED and spec.b_block != 1:
-        return f"a gated block-scaled grouped product takes per-column B scales (b_block 1), not {spec.b_block}"
+    if spec.activation in GATED and spec.b_block == SCALE_K:
+        return (f"a gated block-scaled grouped product takes B scales per column or per {PAIRED_BLOCK} paired "
+                f"columns (b_block 1 or {PAIRED_BLOCK}), not {spec.b_block}")
     return None
 
 

@@ -198,7 +198,8 @@ class Sm90Gemm(ScaledMainloop, Sm90Epilogue):
                 b = b[(None, None, None, 0)]
             if const_expr(self.fuse_bias):
                 bias = paired_halves(bias, 0, self.bn // 2)
-            if const_expr(self.scaled):   # per-column B scales (b_block 1), paired as B's columns
+            if const_expr(self.scaled and self.b_block == 1):   # per-column B scales, paired as B's columns
+                # (per 64 paired columns, gemm_spec.PAIRED_BLOCK, they come in the paired order)
                 scales = (scales[0], paired_halves(scales[1], 0, self.bn // 2))
         if const_expr(self.nb > 1):
             # (rows, cols, L0, L1, L2) -> (rows, cols, (L0, L1, L2)): tiles and TMA views see
@@ -520,10 +521,10 @@ class Sm90Gemm(ScaledMainloop, Sm90Epilogue):
     def grouped_scale_tile(self, g, t0, m_t, n_t):
         """A grouped tile's ``tile`` for sm90_scaled.read_scales: where its first row sits in each
         operand's stage box. ragged_m: A's (1-row blocks) box starts at the tile's first row
-        rounded down to 16 bytes (grouped_tile_scales), B's at its 128-column block rounded down;
+        rounded down to 16 bytes (grouped_tile_scales), B's at its first column block rounded down;
         ragged_k: both boxes (1-row blocks) start at the tile's first row."""
         if const_expr(self.mode == "ragged_m"):
-            a, b = self.scale_tile(0, n_t * (self.bn // SCALE_K))
+            a, b = self.scale_tile(0, n_t * (self.bn // self.b_block))
             if const_expr(self.a_block == 1):
                 a = scale_origin(t0 + m_t * self.bm)[1]
             return a, b
@@ -757,7 +758,7 @@ class Sm90Gemm(ScaledMainloop, Sm90Epilogue):
                 # ---- block-scaled mainloop (sm90_scaled): each k-tile promoted with its scales
                 n_tm, n_tn, n_l, n_s = self.sched.work(w + step, cl_m, cl_n, batches, cc)
                 # where the tile's first row sits in each operand's scale box (sm90_scaled.read_scales)
-                tile = self.scale_tile(tm * (self.bm // SCALE_K), tn * (self.bn // SCALE_K))
+                tile = self.scale_tile(tm * (self.bm // self.a_block), tn * (self.bn // self.b_block))
                 read, release = self.scaled_mainloop(tiled_mma, acc, tCrA, tCrB, cs.ts, ab_pipe, read, release,
                                                      kc, tile)
             else:

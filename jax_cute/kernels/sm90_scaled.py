@@ -14,7 +14,9 @@ row's offset in the box:
   any group row, so A's box starts at that row rounded down to 4 and holds 132 rows;
 - 128-row blocks (the weights' 128 x 128 scales; A's with 128 x 128 blocks): the 128-row (or
   128-column) tile holds one block, so a k-tile has one scale for the whole tile, in a 4-block
-  (16-byte) box from the tile's block rounded down to 4. (Read by each thread from global memory
+  (16-byte) box from the tile's block rounded down to 4. A gated product's B scales per 64
+  paired columns (gemm_spec.PAIRED_BLOCK) are two a tile (its gate and up halves), blocks 2 t
+  and 2 t + 1 of tile t, in the same 4-block box. (Read by each thread from global memory
   instead, where the scale's latency was not hidden, the product ran 3-13% slower on an H200.)
 
 Per k-tile a consumer warpgroup waits for the stage, issues its WGMMAs into a fresh fp32 fragment
@@ -34,15 +36,15 @@ Each thread reads the scales of the rows and columns its fragment holds. Thread 
 sits at (its first element's coordinates) + (thread 0's element i's coordinates): the second
 part is static, so which scale each element takes is decided when the kernel is traced, and a
 thread reads only the distinct rows and column blocks it holds (1 x 128 A scales and 128 x 128
-B scales: two row scales and one column scale per k-tile; B scales per column: 32).
+B scales: two row scales and one column scale per k-tile, two with 64 paired columns; B
+scales per column: 32).
 """
 
 from __future__ import annotations
 
 from jax_cute.kernels.bundle import Bundle
 from jax_cute.kernels.dsl import cute, cutlass, cpasync, warpgroup, Float32, pin
-from jax_cute.kernels.gemm_spec import SCALE_K
-from jax_cute.kernels.sm90_config import ITEM, scale_box, scale_origin, scale_pitch
+from jax_cute.kernels.sm90_config import ITEM, SCALE_BOX_ALIGN, scale_box, scale_origin, scale_pitch
 
 const_expr = cutlass.const_expr
 range_constexpr = cutlass.range_constexpr
@@ -86,11 +88,12 @@ class ThreadScales(Bundle):
 
 
 def _keys(offsets: list[int], block: int) -> tuple[list[int], list[int]]:
-    """The distinct keys of static tile offsets (the offset itself, or its 128-block) and each
-    offset's index among them. With 128-blocks an element's block in the tile is its offset's:
-    the thread's part of a coordinate and the offset modulo 128 occupy different bits of the
-    WGMMA layout's coordinates inside a 128 block, so their sum stays below 128."""
-    keys = [o if block == 1 else o // SCALE_K for o in offsets]
+    """The distinct keys of static tile offsets (the offset itself, or its block: 128, or 64
+    paired columns) and each offset's index among them. With blocks an element's block in the
+    tile is its offset's: the thread's part of a coordinate (below 8 along N, 64 along M) and the
+    offset modulo the block occupy different bits of the WGMMA layout's coordinates inside a
+    block, so their sum stays below the block."""
+    keys = [o if block == 1 else o // block for o in offsets]
     distinct = sorted(set(keys))
     return distinct, [distinct.index(k) for k in keys]
 
@@ -156,8 +159,11 @@ class ScaledMainloop:
         n = cute.size(acc)
         rows, row_of = _keys([int(off[i][0]) for i in range(n)], self.a_block)
         cols, col_of = _keys([int(off[i][1]) for i in range(n)], self.b_block)
-        # with 128-row blocks the tile holds one block (128-row and 128-column tiles)
-        assert (self.a_block == 1 or rows == [0]) and (self.b_block == 1 or cols == [0]), (rows, cols)
+        # with 128-row blocks the tile holds one block (128-row and 128-column tiles); with 64
+        # paired columns two, which its 4-block box holds from either even offset (scale_tile)
+        tile_blocks = 1 if self.b_block == 1 else self.bn // self.b_block
+        assert (self.a_block == 1 or rows == [0]) and (self.b_block == 1 or cols == list(range(tile_blocks))) \
+            and SCALE_BOX_ALIGN % tile_blocks == 0, (rows, cols)
         count = 2 if self.cfg.overlap_promote else 1
         # waves (256-row tiles): one 64-row block's fragment, reused by each block in turn
         part = acc.layout if const_expr(self.waves() == 1) else cute.make_layout((cute.shape(acc)[0], 1, 1))
@@ -177,12 +183,13 @@ class ScaledMainloop:
     def read_scales(self, ts: ThreadScales, dst, stage, tile):
         """The thread's scales of the k-tile in ``stage`` into ``dst``, its rows' then its
         columns': with 1-row blocks its own rows' (columns'), with 128-row blocks the tile's one
-        block's, each operand's at its ``tile`` entry (scale_tile) in its box."""
+        block's (64 paired columns: the tile's two, gate and up), each operand's at its ``tile``
+        entry (scale_tile) in its box."""
         for j in range_constexpr(len(ts.rows)):
             row = tile[0] + ts.at[0] + ts.rows[j] if const_expr(self.a_block == 1) else tile[0]
             dst[j] = ts.s_a[(row, 0, stage)]
         for j in range_constexpr(len(ts.cols)):
-            col = tile[1] + ts.at[1] + ts.cols[j] if const_expr(self.b_block == 1) else tile[1]
+            col = tile[1] + ts.at[1] + ts.cols[j] if const_expr(self.b_block == 1) else tile[1] + ts.cols[j]
             dst[len(ts.rows) + j] = ts.s_b[(col, 0, stage)]
 
     @cute.jit
