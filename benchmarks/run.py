@@ -410,7 +410,7 @@ def scaling_table(recs: list[dict], labels: dict[str, str] | None = None) -> lis
     return out + [""]
 
 
-SUMMARY_RIVALS = ("xla", "xla_bf16_grads", "pallas")  # the rivals the README's summary names
+SUMMARY_RIVALS = ("xla", "xla_bf16", "xla_bf16_grads", "pallas", "jax_cute_bf16")  # the rivals the README's summary names
 SUMMARY_TABLE = {"gemm": "single products", "gemm_loop": "small products in a loop",
                  "gemm_sustained": "1 s windows", "e2e": "MLP training step", "ragged": "single products",
                  "fp8_gemm": "dense", "fp8_grouped": "grouped", ("ragged", "e2e"): "MoE layer"}   # (suite, table): where a suite names a table its own way
@@ -453,6 +453,8 @@ def summary(files: list[str]) -> list[str]:
         tables = [t for t in SECTIONS if any(r.get("table") == t[0] for r in recs)]
         tables = [t for t in tables if t[0] not in SUMMARY_SKIP]
         title = " + ".join(SUITE_TITLE.get(su, su).split(":")[0] for su in suites) or Path(f).stem
+        if len(tables) == 1 and tables[0][0] in TABLE_SECTION:   # a file of one table with its own story
+            title = TABLE_SECTION[tables[0][0]][0].split(":")[0]
         ours = next((SUMMARY_OURS[su] for su in suites if su in SUMMARY_OURS), "jax_cute")
         for tbl, key, _, hb, sub, _ in tables:
             rs = [r for r in recs if r.get("table") == tbl]
