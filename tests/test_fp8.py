@@ -667,6 +667,43 @@ def test_fused_grouped_linear_is_the_unfused_recipe(activation):
     np.testing.assert_array_equal(np.asarray(grads[0])[ends[-1]:], 0)
 
 
+@pytest.mark.parametrize("grouped", [False, True], ids=["linear", "grouped_linear"])
+def test_swiglu_linear_is_the_unfused_recipe(grouped):
+    """swiglu(x @ w + bias) (w's gate columns, then its up columns) against the same recipe
+    unfused: the product in float32, then the bias, the rounding and swiglu in jnp; the backward
+    pass's dz is swiglu's vector-Jacobian product, twice the output's width. Grouped: rows past
+    the last group are zero, with a zero gradient."""
+    m, k, n, sizes = 250, 260, 2 * 136, np.asarray([100, 0, 120, 20], np.int32)
+    x = jnp.asarray(data((m, k), "normal", 48), jnp.bfloat16)
+    w = data((4, k, n) if grouped else (k, n), "normal", 49) * 0.06
+    b = data((4, n) if grouped else (n,), "normal", 50)
+    c = data((m, n // 2), "normal", 51)
+    ends = np.minimum(np.cumsum(sizes), m)
+    group = np.searchsorted(ends, np.arange(m), side="right")
+
+    def product(x, w, **kw):
+        return grouped_linear(x, w, sizes, **kw) if grouped else linear(x, w, **kw)
+
+    def fused(x, w, b):
+        y = product(x, w, bias=b, activation="swiglu", out_dtype=jnp.bfloat16)
+        assert y.shape == (m, n // 2)
+        return jnp.sum(y.astype(jnp.float32) * c)
+
+    def unfused(x, w, b):
+        bias = jnp.where((group < 4)[:, None], b[np.minimum(group, 3)], 0) if grouped else b
+        return jnp.sum(_unfused(product(x, w, out_dtype=jnp.float32), bias, "swiglu", jnp.bfloat16).astype(jnp.float32)
+                       * c)
+
+    val, grads = jax.jit(jax.value_and_grad(fused, (0, 1, 2)))(x, w, b)
+    want_val, want = jax.jit(jax.value_and_grad(unfused, (0, 1, 2)))(x, w, b)
+    assert abs(float(val) - float(want_val)) <= 1e-6 * abs(float(want_val))
+    bound = 1e-5 + 2.0 ** -8 * np.sqrt(8 / (m * n))   # (dz's bf16 rounding: test_fused_linear_is_the_unfused_recipe)
+    for got, ref in zip(grads, want):
+        assert got.dtype == ref.dtype and got.shape == ref.shape and rel(got, ref) < bound
+    if grouped:
+        np.testing.assert_array_equal(np.asarray(grads[0])[ends[-1]:], 0)
+
+
 def _mlp_loss(p, x):
     """A small transformer-ish block: two weight products and an attention-like batched product."""
     h = jnp.einsum("btd,df->btf", x.astype(jnp.bfloat16), p["w1"].astype(jnp.bfloat16),
@@ -1005,8 +1042,9 @@ def test_errors():
         linear(jnp.ones((4, 8)), jnp.ones((9, 4)))
     with pytest.raises(ValueError, match="bias must broadcast"):
         linear(jnp.ones((4, 8)), jnp.ones((8, 4)), bias=jnp.ones((5,)))
-    with pytest.raises(ValueError, match="elementwise"):
-        linear(jnp.ones((4, 8)), jnp.ones((8, 4)), activation="swiglu")
+    for w_shape in ((8, 5), (8, 2, 4)):   # a gated activation pairs the halves of one even N
+        with pytest.raises(ValueError, match="one even N"):
+            linear(jnp.ones((4, 8)), jnp.ones(w_shape), activation="swiglu")
     with pytest.raises(ValueError, match=r"bias must be \(G, N\)"):
         grouped_linear(jnp.ones((4, 8)), jnp.ones((2, 8, 4)), jnp.asarray([2, 2]), bias=jnp.ones((4,)))
 

@@ -273,16 +273,19 @@ def test_kernelize_quantizes_a_scanned_stack_once(grouped):
         assert err < 0.1, (name, err)
 
 
-def test_linear_with_bias_and_activation():
-    """fp8.linear(x, w, bias=, activation="gelu") (kernelize's fused fp8 epilogue): the forward
-    kernel adds the bias and writes the pre-activation z, gelu and its derivative run in XLA. z
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_linear_with_bias_and_activation(activation):
+    """fp8.linear(x, w, bias=, activation=) (gelu: kernelize's fused fp8 epilogue; swiglu: gate
+    and up columns side by side in w, half as many outputs): the forward kernel adds the bias and
+    writes the pre-activation z, the activation and its vector-Jacobian product run in XLA. z
     against the recipe's dequantised operands; dgrad and wgrad against the recipe applied to
-    dz = r * gelu'(z); dbias = the sum of dz over the rows."""
+    dz = r * act'(z); dbias = the sum of dz over the rows."""
+    act = {"gelu": jax.nn.gelu, "swiglu": jax_cute.activations.REGISTRY["swiglu"].function}[activation]
     x, w = data((1000, 768), "normal", 29), data((768, 1040), "normal", 30) * 0.05
-    b, r = data((1040,), "normal", 31), data((1000, 1040), "normal", 32)
+    b, r = data((1040,), "normal", 31), data((1000, 520 if activation == "swiglu" else 1040), "normal", 32)
 
     def loss(x, w, b, r):
-        return jnp.sum(linear(x, w, bias=b, activation="gelu", out_dtype=F32) * r)
+        return jnp.sum(linear(x, w, bias=b, activation=activation, out_dtype=F32) * r)
 
     f = jax.value_and_grad(loss, (0, 1, 2))
     assert_ours(f, x, w, b, r, calls=3)
@@ -290,7 +293,7 @@ def test_linear_with_bias_and_activation():
     z = jax.jit(lambda x, w, b: linear(x, w, bias=b, out_dtype=F32))(x, w, b)
     xq, wq = quantize(x, "1x128"), quantize(w, "128x128")
     check(z, mm(dq(xq), dq(wq)) + b, abs_product(dq(xq), dq(wq)))
-    dz = jax.vjp(jax.nn.gelu, z)[1](r)[0]
+    dz = jax.vjp(act, z)[1](r)[0]
     for got, a, c in ((dx, dq(quantize(dz, "1x128")), dq(wq).T),
                       (dw, dq(quantize(x.T, "1x128")), dq(quantize(dz.T, "1x128")).T)):
         check(got, mm(a, c), abs_product(a, c))
@@ -406,8 +409,8 @@ def test_grouped_swiglu(b_block):
     fp8_bound.check_swiglu(jax.jit(f)(xq, wq, SIZES, bias), grouped_ref(x, w, SIZES, bias), grouped_abs(x, w))
 
 
-@pytest.mark.parametrize("activation, x_kind, seed", [(None, "heavy", 18), ("gelu", "normal", 33)],
-                         ids=["none", "gelu"])
+@pytest.mark.parametrize("activation, x_kind, seed", [(None, "heavy", 18), ("gelu", "normal", 33),
+                                                      ("swiglu", "normal", 36)], ids=["none", "gelu", "swiglu"])
 def test_grouped_linear_forward_and_dgrad(activation, x_kind, seed):
     """fp8.grouped_linear: the forward and dgrad run the grouped kernel (all three GEMMs ours),
     each against the recipe's dequantised operands in float32. With an activation (kernelize's
@@ -415,7 +418,8 @@ def test_grouped_linear_forward_and_dgrad(activation, x_kind, seed):
     activation and its derivative run in XLA: dgrad against the recipe applied to dz = r * act'(z);
     without one dz = r."""
     x = data((1000, 768), x_kind, seed)
-    w, r = data((4, 768, 512), "normal", seed + 1) * 0.05, data((1000, 512), "normal", seed + 2)
+    w = data((4, 768, 512), "normal", seed + 1) * 0.05
+    r = data((1000, 256 if activation == "swiglu" else 512), "normal", seed + 2)
 
     def loss(x, w, r):
         return jnp.sum(grouped_linear(x, w, SIZES, activation=activation, out_dtype=F32) * r)
@@ -426,7 +430,7 @@ def test_grouped_linear_forward_and_dgrad(activation, x_kind, seed):
     z = jax.jit(lambda x, w: grouped_linear(x, w, SIZES, out_dtype=F32))(x, w)
     xq, wq = quantize(x, "1x128"), quantize(w, "128x128")
     check(z, grouped_ref(dq(xq), dq(wq), SIZES), grouped_abs(dq(xq), dq(wq)))
-    dz = r if activation is None else jax.vjp({"gelu": jax.nn.gelu}[activation], z)[1](r)[0]
+    dz = r if activation is None else jax.vjp(jax_cute.activations.REGISTRY[activation].function, z)[1](r)[0]
     # rows past the last group get a zero gradient
     dzq, wt = dq(quantize(dz, "1x128")), jnp.swapaxes(dq(wq), 1, 2)
     check(dx, grouped_ref(dzq, wt, SIZES), grouped_abs(dzq, wt))

@@ -17,7 +17,9 @@ gradient is returned in ``w``'s dtype, ``dx`` in ``x``'s.
 An epilogue ``act(x @ w + bias)``: the bias is added in the kernel, which writes the
 pre-activation ``z`` (kept as a residual); the activation runs in XLA in float32, where it fuses
 into whatever reads ``y`` (e.g. the next layer's quantization). The backward pass forms
-``dz = dy * act'(z)`` once, in ``dy``'s dtype, and runs both gradient GEMMs on it.
+``dz = dy * act'(z)`` once, in ``dy``'s dtype, and runs both gradient GEMMs on it. A gated
+activation (swiglu: ``y = silu(z[:, :N/2]) * z[:, N/2:]``) takes the gate and up columns side by
+side in one weight (K, N) and gives N/2 columns; ``dz`` is its vector-Jacobian product.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_cute.activations import apply_activation, check_activation, derivative_times, elementwise
+from jax_cute.activations import apply_activation, check_activation, derivative_times, is_gated
 from jax_cute.fp8.ops import ragged_k_dot, ragged_k_dot_aligned, scaled_dot_general, scaled_ragged_dot
 from jax_cute.fp8.quantize import (BLOCK, E4M3, FP8_DTYPES, BlockScaled, checkpoint_named, clipped_sizes, group_blocks,
                                    group_ends, quantize, quantize_grouped, row_groups)
@@ -172,10 +174,12 @@ def _grad_out(dtype: str) -> str:
     return dtype if dtype in ("bfloat16", "float16", "float32") else "float32"
 
 
-def _check_epilogue(op: str, bias, activation) -> None:
+def _check_epilogue(op: str, bias, activation, n_shape: tuple[int, ...]) -> None:
+    """``n_shape``: w's output axes (a gated activation pairs the halves of one even axis)."""
     check_activation(f"fp8.{op}", activation)
-    if activation is not None and not elementwise(activation):
-        raise ValueError(f"jax_cute.fp8.{op}: activation must be elementwise, got the gated {activation!r}")
+    if is_gated(activation) and (len(n_shape) != 1 or n_shape[0] % 2):
+        raise ValueError(f"jax_cute.fp8.{op}: the gated {activation!r} pairs the two halves of one output axis "
+                         f"(gate, then up): w's output axes must be one even N, got {n_shape}")
     if bias is not None and not jnp.issubdtype(bias.dtype, jnp.floating):
         raise TypeError(f"jax_cute.fp8.{op}: bias must be floating point, got {bias.dtype}")
 
@@ -185,9 +189,9 @@ def linear(x: jax.Array, w: jax.Array, *, bias=None, activation: str | None = No
     """``act(x @ w + bias)`` for x (..., K) and w (K, ...), its forward and both gradient GEMMs
     block-scaled fp8 (the module docstring). The result is (..., *w.shape[1:]) in ``out_dtype``
     (default: x's dtype; bfloat16, float16 or float32). ``bias`` broadcasts to ``w.shape[1:]``
-    (one value per output column); ``activation``: an elementwise activation of
-    ``jax_cute.activations`` (not a gated one), or None. Differentiable in x, w and bias
-    (``custom_vjp``).
+    (one value per output column); ``activation``: an activation of ``jax_cute.activations``, or
+    None; a gated one (swiglu) takes w (K, N) with the gate columns, then the up columns, and
+    gives (..., N/2). Differentiable in x, w and bias (``custom_vjp``).
 
     ``w_quantized``: w's two operands as ``recipe.q_weight`` gives them for w as (K, N), where the
     caller quantized w already (``kernelize`` quantizes a scanned stack of layer weights once,
@@ -201,7 +205,7 @@ def linear(x: jax.Array, w: jax.Array, *, bias=None, activation: str | None = No
         if bias.ndim > w.ndim - 1 or any(b not in (1, n) for b, n in zip(bias.shape[::-1], w.shape[:0:-1])):
             raise ValueError(f"jax_cute.fp8.linear: bias must broadcast to w.shape[1:] = {w.shape[1:]}, "
                              f"got {bias.shape}")
-    _check_epilogue("linear", bias, activation)
+    _check_epilogue("linear", bias, activation, w.shape[1:])
     out = np.dtype(x.dtype if out_dtype is None else out_dtype)
     k = x.shape[-1]
     if bias is not None:
@@ -211,7 +215,7 @@ def linear(x: jax.Array, w: jax.Array, *, bias=None, activation: str | None = No
     w2 = w.reshape(k, -1)
     _check_quantized("linear", w_quantized, w2.shape, recipe)
     y = _linear(x.reshape(-1, k), w2, bias, w_quantized, _dtypes(out, x, w, bias), recipe, activation)
-    return y.reshape(*x.shape[:-1], *w.shape[1:])
+    return y.reshape(*x.shape[:-1], *(w.shape[1] // 2,) if is_gated(activation) else w.shape[1:])
 
 
 def _check_quantized(op: str, wq, shape: tuple[int, ...], recipe: Blockwise) -> None:
@@ -242,9 +246,15 @@ def _activate(activation, z, out_dtype):
 
 
 def _dz(activation, z, g):
-    """The pre-activation's cotangent ``g * act'(z)`` (float32, rounded to g's dtype): formed once
-    for both gradient GEMMs and the bias."""
-    return g if activation is None else derivative_times(activation, z, g, jnp.float32).astype(g.dtype)
+    """The pre-activation's cotangent ``g * act'(z)`` (float32, rounded to g's dtype; a gated
+    activation's vector-Jacobian product, twice g's width): formed once for both gradient GEMMs
+    and the bias."""
+    if activation is None:
+        return g
+    if is_gated(activation):
+        _, vjp = jax.vjp(lambda z: apply_activation(activation, z), z.astype(jnp.float32))
+        return vjp(g.astype(jnp.float32))[0].astype(g.dtype)
+    return derivative_times(activation, z, g, jnp.float32).astype(g.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
@@ -290,7 +300,7 @@ def grouped_linear(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, bias=N
                    out_dtype=None, recipe: Blockwise = Blockwise(),
                    w_quantized: tuple[BlockScaled, BlockScaled] | None = None) -> jax.Array:
     """``act(lax.ragged_dot(x, w, group_sizes) + bias[group])`` (x (M, K), w (G, K, N), bias (G, N)
-    or None, ``activation`` as :func:`linear`'s) with its forward, dgrad and wgrad GEMMs
+    or None, ``activation`` as :func:`linear`'s: a gated one gives (M, N/2)) with its forward, dgrad and wgrad GEMMs
     block-scaled fp8: forward and dgrad grouped over M, wgrad over K (the tokens, in blocks that
     restart at each group). Rows past the last group are zero (no bias; the activations are zero
     at zero) and get a zero gradient. Differentiable in x, w and bias; ``w_quantized`` as
@@ -307,7 +317,7 @@ def grouped_linear(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, bias=N
         if bias.shape != (w.shape[0], w.shape[2]):
             raise ValueError(f"jax_cute.fp8.grouped_linear: bias must be (G, N) = {(w.shape[0], w.shape[2])}, "
                              f"got {bias.shape}")
-    _check_epilogue("grouped_linear", bias, activation)
+    _check_epilogue("grouped_linear", bias, activation, w.shape[2:])
     out = np.dtype(x.dtype if out_dtype is None else out_dtype)
     _check_quantized("grouped_linear", w_quantized, w.shape, recipe)
     return _grouped(x, w, group_sizes.astype(jnp.int32), bias, w_quantized, _dtypes(out, x, w, bias), recipe,
