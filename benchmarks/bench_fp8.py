@@ -157,7 +157,8 @@ def _grouped_swiglu_xla(xq, wq, x, w, sizes, bias):
 
 def _grouped_swiglu_xla_fp8(xq, wq, x, w, sizes, bias):
     g, k, n = wq.shape
-    return _swiglu_bf16_xla(_grouped_xla_fp8(xq, wq, x, w, sizes).reshape(g, -1, n), bias[:, None, :]).reshape(-1, n // 2)
+    z = _grouped_xla_fp8(xq, wq, x, w, sizes).reshape(g, -1, n)
+    return _swiglu_bf16_xla(z, bias[:, None, :]).reshape(-1, n // 2)
 
 
 def with_bias(make: Callable[[int], tuple], shape: tuple[int, ...]) -> Callable[[int], tuple]:
@@ -184,8 +185,8 @@ def swiglu(rounds: int, smoke: bool) -> list[dict]:
                Impl("jax_cute_gelu", lambda *a: _grouped_swiglu_scaled(*a, act="gelu")),
                Impl("jax_cute_bf16", _grouped_swiglu_bf16), Impl("xla_bf16", _grouped_swiglu_xla),
                Impl("xla", _grouped_swiglu_xla_fp8)]
-    recs += measure("fp8", "fp8_swiglu", f"{g}x{rows}x{n}x{k}", grouped, with_bias(grouped_operands(g, rows, n, k), (g, n)),
-                    2.0 * g * rows * n * k, rounds=rounds,
+    recs += measure("fp8", "fp8_swiglu", f"{g}x{rows}x{n}x{k}", grouped,
+                    with_bias(grouped_operands(g, rows, n, k), (g, n)), 2.0 * g * rows * n * k, rounds=rounds,
                     meta={"g": g, "m": g * rows, "n": n, "k": k, "dtype": "float8_e4m3fn"}, check=False)
     return recs
 

@@ -410,7 +410,8 @@ def scaling_table(recs: list[dict], labels: dict[str, str] | None = None) -> lis
     return out + [""]
 
 
-SUMMARY_RIVALS = ("xla", "xla_bf16", "xla_bf16_grads", "pallas", "jax_cute_bf16")  # the rivals the README's summary names
+# the rivals the README's summary names
+SUMMARY_RIVALS = ("xla", "xla_bf16", "xla_bf16_grads", "pallas", "jax_cute_bf16")
 SUMMARY_TABLE = {"gemm": "single products", "gemm_loop": "small products in a loop",
                  "gemm_sustained": "1 s windows", "e2e": "MLP training step", "ragged": "single products",
                  "fp8_gemm": "dense", "fp8_grouped": "grouped", ("ragged", "e2e"): "MoE layer"}   # (suite, table): where a suite names a table its own way

@@ -950,8 +950,8 @@ def test_gated_lowers_to_the_hopper_kernel(caplog):
     """swiglu pairs column j with j + N/2, in different 128-column weight blocks: lowered for
     sm_90a in strict mode, the dense and grouped products with 128 x 128 weight blocks are our
     kernel reading B's scales per 64 paired columns (two a tile, gathered from the blocks' in
-    XLA), and with 128 x 1 weight blocks per column, no XLA dot left; an N/2 no kernel tile
-    pairs (not a multiple of 64) falls back, logged with the reason."""
+    XLA), no XLA dot left; an N/2 no kernel tile pairs (not a multiple of 64) falls back, logged
+    with the reason. (128 x 1 weight blocks: test_gated_per_column_scales_lower_to_the_hopper_kernel.)"""
     pytest.importorskip("cutlass")
     x, w, we = data((300, 256), "normal"), data((256, 640), "normal", 1), data((3, 256, 640), "normal", 2)
     sizes = jnp.asarray([100, 0, 150], jnp.int32)
@@ -962,19 +962,31 @@ def test_gated_lowers_to_the_hopper_kernel(caplog):
     def grouped(x, we):
         return jax_cute.ragged_dot(quantize(x, "1x128"), quantize(we, "128x128"), sizes, activation="swiglu")
 
-    def dense_columns(x, w, bias):   # 128 x 1 weight blocks: scales per column
-        return jax_cute.matmul(quantize(x, "1x128"), quantize(w, "128x1"), bias=bias, activation="swiglu")
-
     with config.override(target_arch="sm_90a", strict=True):
-        for f, args, blocks in ((dense, (x, w, jnp.ones((640,))), "scaled1x64"), (grouped, (x, we), "scaled1x64"),
-                                (dense_columns, (x, w, jnp.ones((640,))), "scaled1x1")):
+        for f, args in ((dense, (x, w, jnp.ones((640,)))), (grouped, (x, we))):
             text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
             assert text.count("@jax_cute_launch") == 1 and "stablehlo.dot_general" not in text
-            assert f"{blocks}." in text and "swiglu" in text
+            assert "scaled1x64." in text and "swiglu" in text
     with config.override(target_arch="sm_90a"), caplog.at_level(logging.WARNING, logger="jax_cute"):
         text = jax.jit(dense).trace(x, w[:, :96], jnp.ones((96,))).lower(lowering_platforms=("cuda",)).as_text()
     assert "@jax_cute_launch" not in text
     assert "pair gate and up columns in blocks of 64" in caplog.text
+
+
+@pytest.mark.sweep   # (a compile; CI's second step: the README's line stays under 10 min)
+def test_gated_per_column_scales_lower_to_the_hopper_kernel():
+    """swiglu of 128 x 1 weight blocks (scales per column) lowered for sm_90a in strict mode: our
+    kernel reads B's scales per column through the same pairing as B's columns."""
+    pytest.importorskip("cutlass")
+    x, w = data((300, 256), "normal"), data((256, 640), "normal", 1)
+
+    def dense(x, w, bias):
+        return jax_cute.matmul(quantize(x, "1x128"), quantize(w, "128x1"), bias=bias, activation="swiglu")
+
+    with config.override(target_arch="sm_90a", strict=True):
+        text = jax.jit(dense).trace(x, w, jnp.ones((640,))).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("@jax_cute_launch") == 1 and "stablehlo.dot_general" not in text
+    assert "scaled1x1." in text and "swiglu" in text
 
 
 @pytest.mark.sweep   # (15-22 s of compiles; CI's second step: the README's line stays under 10 min)
