@@ -190,8 +190,9 @@ def test_bias_and_activation(blocks, activation):
                          ids=lambda b: f"{b[0]}-{b[1]}")
 def test_swiglu(blocks, out):
     """swiglu pairs gate column j with up column j + N/2: N/2 = 576 puts a tile's two halves in
-    128-column weight blocks at different offsets (the kernel reads B's scales per column), with
-    a bias, M and K not multiples of the tiles."""
+    128-column weight blocks at different offsets (the kernel reads 128 x 128 blocks' scales per
+    64 paired columns, 128 x 1 blocks' per column), with a bias, M and K not multiples of the
+    tiles."""
     m, n, k = 1000, 1152, 1000
     xq, wq = quantize(data((m, k), "normal", 51), blocks[0]), quantize(data((k, n), "heavy", 52), blocks[1])
     bias = data((n,), "normal", 53)
