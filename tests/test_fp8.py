@@ -667,7 +667,9 @@ def test_fused_grouped_linear_is_the_unfused_recipe(activation):
     np.testing.assert_array_equal(np.asarray(grads[0])[ends[-1]:], 0)
 
 
-@pytest.mark.parametrize("grouped", [False, True], ids=["linear", "grouped_linear"])
+# (the grouped layer is a sweep, CI's second step: the README's line stays under 10 min)
+@pytest.mark.parametrize("grouped", [False, pytest.param(True, marks=pytest.mark.sweep)],
+                         ids=["linear", "grouped_linear"])
 def test_swiglu_linear_is_the_unfused_recipe(grouped):
     """swiglu(x @ w + bias) (w's gate columns, then its up columns) against the same recipe
     unfused: the product in float32, then the bias, the rounding and swiglu in jnp; the backward
@@ -761,7 +763,8 @@ def test_kernelize_fp8_trains_weight_products_in_fp8():
     assert [q.fp8 for q in keep.report.products] == [True, False, False]
 
 
-@pytest.mark.parametrize("grouped", [False, True], ids=["dense", "grouped"])
+# (the grouped stack is a sweep, CI's second step: the README's line stays under 10 min)
+@pytest.mark.parametrize("grouped", [False, pytest.param(True, marks=pytest.mark.sweep)], ids=["dense", "grouped"])
 def test_kernelize_quantizes_a_scanned_stack_once(grouped, monkeypatch):
     """kernelize(fp8=...) quantizes a scanned stack's weights (and a weight the scan closes over)
     once, before the scan, by one weight-kernel call each, through a transpose and a checkpoint;
