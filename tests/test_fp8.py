@@ -283,9 +283,16 @@ def test_ragged_k_kernel_layout(sizes):
     assert rel(_kernel_walk(qa, qb, gs), want) < 1e-6
 
 
-def _wgrad_text(f, *args, opt_in: bool = False, strict: bool = False) -> str:
+def _sm90_text(f, *args, opt_in: bool = False, strict: bool = False) -> str:
+    """``f``'s StableHLO lowered for sm_90a on this machine."""
     with config.override(target_arch="sm_90a", unverified_kernels=opt_in, strict=strict):
         return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _assert_one_kernel(text: str, *marks: str) -> None:
+    """One launch of our kernel (its name holding ``marks``) and no XLA dot in ``text``."""
+    assert text.count("@jax_cute_launch") == 1 and "stablehlo.dot_general" not in text
+    assert all(m in text for m in marks), marks
 
 
 def test_ragged_k_lowers_to_the_hopper_kernel(caplog, monkeypatch):
@@ -300,20 +307,20 @@ def test_ragged_k_lowers_to_the_hopper_kernel(caplog, monkeypatch):
     def fresh():   # a new function each time: no cached lowering
         return lambda x, y: ragged_k_dot(quantize_grouped(x, sizes), quantize_grouped(y, sizes), sizes)
 
-    text = _wgrad_text(fresh(), x, y, strict=True)
+    text = _sm90_text(fresh(), x, y, strict=True)
     # the GEMM, and x's group-aligned layout by the transposing kernel (y's 200 rows are not whole
     # 64-row tiles: XLA's gather)
     assert text.count("@jax_cute_launch") == 2 and "stablehlo.dot_general" not in text
     assert "ragged_k" in text and "scaled1x1" in text and text.count('name = "fp8_aligned_transpose"') == 1
     monkeypatch.setattr(arch, "UNVERIFIED_VARIANTS", {"sm_90a": frozenset({"scaled_ragged_k"})})
-    assert _wgrad_text(fresh(), x, y, opt_in=True, strict=True).count("@jax_cute_launch") == 2
+    assert _sm90_text(fresh(), x, y, opt_in=True, strict=True).count("@jax_cute_launch") == 2
     logging.getLogger("jax_cute").setLevel(logging.WARNING)
     with caplog.at_level(logging.WARNING, logger="jax_cute"):
-        text = _wgrad_text(fresh(), x, y)
+        text = _sm90_text(fresh(), x, y)
     assert "@jax_cute_launch" not in text and "stablehlo.dot_general" in text
     assert "not yet run on hardware" in caplog.text and "JAX_CUTE_UNVERIFIED_KERNELS=1" in caplog.text
     with pytest.raises(jax_cute.FallbackError, match="not yet run on hardware"):
-        _wgrad_text(fresh(), x, y, strict=True)
+        _sm90_text(fresh(), x, y, strict=True)
 
 
 def test_aligned_transpose_reference_is_the_group_aligned_gather():
@@ -512,7 +519,7 @@ def test_grouped_linear_and_kernelize_wgrad_reach_the_kernel():
 
     for loss in (linear_loss, moe_loss):
         fn = loss if loss is linear_loss else jax_cute.kernelize(loss, fp8="blockwise")
-        text = _wgrad_text(jax.value_and_grad(lambda w, x: fn(w, x), (0, 1)), we, x, strict=True)
+        text = _sm90_text(jax.value_and_grad(lambda w, x: fn(w, x), (0, 1)), we, x, strict=True)
         # forward, dgrad, the ragged-K wgrad and its two operands, quantized into the group-aligned
         # layout each with its 1 x 128 blocks for the forward product or dgrad, and the experts'
         # weights in both layouts
@@ -943,10 +950,7 @@ def test_dense_lowers_to_the_hopper_kernel():
     def f(x, w, bias):
         return jax_cute.matmul(quantize(x, "1x128"), quantize(w, "128x128"), bias=bias, activation="gelu")
 
-    with config.override(target_arch="sm_90a", strict=True):
-        text = jax.jit(f).trace(x, w, jnp.ones((1040,))).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("@jax_cute_launch") == 1 and "stablehlo.dot_general" not in text
-    assert "scaled1x128" in text and ".bias.gelu" in text
+    _assert_one_kernel(_sm90_text(f, x, w, jnp.ones((1040,)), strict=True), "scaled1x128", ".bias.gelu")
 
 
 def test_gated_lowers_to_the_hopper_kernel(caplog):
@@ -965,11 +969,8 @@ def test_gated_lowers_to_the_hopper_kernel(caplog):
     def grouped(x, we):
         return jax_cute.ragged_dot(quantize(x, "1x128"), quantize(we, "128x128"), sizes, activation="swiglu")
 
-    with config.override(target_arch="sm_90a", strict=True):
-        for f, args in ((dense, (x, w, jnp.ones((640,)))), (grouped, (x, we))):
-            text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-            assert text.count("@jax_cute_launch") == 1 and "stablehlo.dot_general" not in text
-            assert "scaled1x64." in text and "swiglu" in text
+    for f, args in ((dense, (x, w, jnp.ones((640,)))), (grouped, (x, we))):
+        _assert_one_kernel(_sm90_text(f, *args, strict=True), "scaled1x64.", "swiglu")
     with config.override(target_arch="sm_90a"), caplog.at_level(logging.WARNING, logger="jax_cute"):
         text = jax.jit(dense).trace(x, w[:, :96], jnp.ones((96,))).lower(lowering_platforms=("cuda",)).as_text()
     assert "@jax_cute_launch" not in text
@@ -986,10 +987,7 @@ def test_gated_per_column_scales_lower_to_the_hopper_kernel():
     def dense(x, w, bias):
         return jax_cute.matmul(quantize(x, "1x128"), quantize(w, "128x1"), bias=bias, activation="swiglu")
 
-    with config.override(target_arch="sm_90a", strict=True):
-        text = jax.jit(dense).trace(x, w, jnp.ones((640,))).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("@jax_cute_launch") == 1 and "stablehlo.dot_general" not in text
-    assert "scaled1x1." in text and "swiglu" in text
+    _assert_one_kernel(_sm90_text(dense, x, w, jnp.ones((640,)), strict=True), "scaled1x1.", "swiglu")
 
 
 @pytest.mark.sweep   # (15-22 s of compiles; CI's second step: the README's line stays under 10 min)
@@ -1003,7 +1001,7 @@ def test_kernelize_fp8_epilogue_lowers_to_the_hopper_kernel():
     pytest.importorskip("cutlass")
     p, x = _mlp_bias_params(50)
     f = jax_cute.kernelize(_mlp_bias_loss, fp8="blockwise")
-    text = _wgrad_text(jax.value_and_grad(f), p, x, strict=True)
+    text = _sm90_text(jax.value_and_grad(f), p, x, strict=True)
     assert text.count("@jax_cute_launch") == 11 and "stablehlo.dot_general" not in text
     assert text.count('name = "fp8_quantize_weight"') == 2
     assert text.count('name = "fp8_quantize_rows_and_tokens"') == 4 and 'name = "fp8_quantize_tokens"' not in text
