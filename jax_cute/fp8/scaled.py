@@ -67,7 +67,7 @@ def kernel_refusal(op: str, *, grouped: str | None = None, a=None, b=None, out=N
     """Why no kernel of any arch takes this scaled call, or None (checked when it is traced;
     what only the target knows, its arch and the operands' layout, is checked when it is lowered).
     ``grouped``: "M" or "K" for the grouped calls ("K": a kernel never run on hardware, opt-in)."""
-    del op   # (every activation has a kernel: a gated one reads B's scales per column)
+    del op   # (every activation has a kernel: a gated one reads B's scales per 64 paired columns or per column)
     # the ragged-K kernel's gate is dispatch's (arch.UNVERIFIED_VARIANTS), asked here at trace time
     if grouped == "K" and (why := dispatch.variant_allowed("sm_90a", "scaled_ragged_k")):
         return (f"block-scaled fp8 ragged-K (grouped weight gradient): {why}; the scaled product runs as XLA ops "
