@@ -254,7 +254,10 @@ class ScaledMainloop:
     def serial_mainloop(self, tiled_mma: cute.TiledMma, acc, tCrA, tCrB, ts: ThreadScales, pipe, read, release,
                         kc, tile):
         """One fragment: each k-tile's WGMMAs are waited for, then promoted (the tensor cores
-        idle meanwhile unless the other warpgroup's WGMMAs run)."""
+        idle meanwhile unless the other warpgroup's WGMMAs run). Making the two warpgroups issue
+        each k-tile's WGMMAs in turn (two named barriers), so that one's promotion would run
+        under the other's WGMMAs, ran 3-8% slower on an H200 (2026-12-02, the weight gradient's
+        1 x 128 scales on both operands, dense and ragged-K, bits equal)."""
         # unrolled by 2: on an H200 (2026-11-30, bits unchanged) 1-5% faster dense and 3-8%
         # ragged-K (the MoE weight gradient) than the rolled loop; by 4 no better than by 2.
         # Rolled with 128 x 128 A blocks: unrolled, their fp32-output kernels spill 48-56 bytes.
