@@ -282,6 +282,15 @@ def test_bf16_mlp_within_rounding_of_the_float32_product(results):
     assert case["vs_off"] <= 2e-2 * case["scale"] and max(case["grad_vs_off"]) <= 3e-2
 
 
+def test_fused_epilogue_keeps_the_ring(results):
+    """With collective_matmul on, a product with a fused activation runs the plain GEMM's rules
+    (its ring, then the epilogue) rather than the fused call's own partitioning."""
+    case = results["bf16_fused"]
+    _close(case, tol=3e-2)
+    _none_but_permutes(case["fwd"])
+    _none_but_permutes(case["grad"])
+
+
 def test_data_and_model_axes_ring_over_model_only(results):
     case = results["data_model"]
     _close(case)
@@ -448,6 +457,10 @@ def _worker(part: str = "") -> dict:
     rel = lambda a, b: mx(a.astype(jnp.float32) - b.astype(jnp.float32)) / mx(b)  # noqa: E731
     r["bf16"] = {**public(on), "vs_off": mx(on["got"].astype(jnp.float32) - off["got"].astype(jnp.float32)),
                  "grad_vs_off": [rel(a, b) for a, b in zip(on["grads"], off["grads"])]}
+    # gelu fused into the first product: with the switch on its GEMM takes the ring as a plain one
+    fused_mlp = lambda x, w1, w2: mm(mm(x, w1, activation="gelu"), w2)  # noqa: E731
+    r["bf16_fused"] = public(case(mesh, "bidirectional", fused_mlp, ref_mlp, args, specs, out=("x", None),
+                                  dtype=jnp.bfloat16))
 
     # Tokens over (data, model). Shardy may keep the hidden activation's rows sharded (and gather
     # the weights) on such a mesh; the constraint asks for Megatron's layout, rows over data only.

@@ -14,7 +14,7 @@ reads it back with ``z`` to multiply; here that GEMM multiplies in its epilogue 
   its own at C's (M, N, L) coordinates, in float32 on the accumulator and rounded once. It is
   ``operand_p``'s transpose with respect to ``X``: on CUDA the GEMM kernel's epilogue reads
   ``Z`` (``dispatch.gemm``); elsewhere the GEMM with a float32 output, then the multiply
-  in XLA.
+  in XLA. Partitioned (``epilogue_sharding.py``), Z shards with the C blocks it is read at.
 
 Both are linear in the GEMM's operands; their JVP in ``Z`` is that of the XLA form. Batching
 composes layouts as ``jax_cute_matmul``'s does, ``Z`` kept aligned with what it is read as. Each
@@ -38,8 +38,9 @@ from jax_cute import layout as L
 from jax_cute.activations import derivative_times, epilogue_dtype
 from jax_cute.layout import Layout
 from jax_cute.primitives.gemm import matmul_p
-from jax_cute.primitives.rules import batch_rule, epilogue_lowering, gemm_primitive
-from jax_cute.primitives.sharding import varying_aval
+from jax_cute.primitives import epilogue_sharding
+from jax_cute.primitives.rules import batch_rule, composed_local, epilogue_local, gemm_primitive
+from jax_cute.primitives.sharding import result_aval
 from jax_cute.problem.gemm_layouts import GemmLayouts, batched_layout, cotangent_a, cotangent_b
 
 def _z_in_c(z, z_layout: Layout, layouts: GemmLayouts, dtype):
@@ -59,18 +60,25 @@ def _dact_abstract_eval(a, b, z, *, layouts: GemmLayouts, z_layout: Layout, acti
     for name, x, lay in (("a", a, layouts.a), ("b", b, layouts.b), ("z", z, z_layout)):
         if int(np.prod(x.shape)) < lay.cosize():
             raise ValueError(f"jax_cute_matmul_dact: layout {lay} of {name} reaches past its buffer {x.shape}")
-    return varying_aval(layouts.c_shape, out_dtype, (a, b, z))
+    return result_aval("jax_cute_matmul_dact", layouts, (a, b, z), np.dtype(out_dtype), {"z": z_layout})
 
 
 dact_p = gemm_primitive("jax_cute_matmul_dact", _dact_abstract_eval)
 
 
-def dact_composed(a, b, z, *, layouts: GemmLayouts, z_layout: Layout, activation, out_dtype, acc_dtype,
-                  precision=None):
-    """The GEMM primitive with a float32 (epilogue dtype) output, then the multiply in XLA."""
+def dact_finish(acc, z, *, layouts: GemmLayouts, z_layout: Layout, activation, out_dtype, acc_dtype,
+                precision=None) -> list:
+    """The multiply in XLA on the GEMM's float32 (epilogue dtype) result ``acc``."""
+    del precision
     epi = epilogue_dtype(acc_dtype)
-    acc = matmul_p.bind(a, b, layouts=layouts, out_dtype=epi.name, acc_dtype=acc_dtype, precision=precision)
-    return derivative_times(activation, _z_in_c(z, z_layout, layouts, epi), acc, epi).astype(out_dtype)
+    return [derivative_times(activation, _z_in_c(z, z_layout, layouts, epi), acc, epi).astype(out_dtype)]
+
+
+def dact_composed(a, b, z, *, layouts: GemmLayouts, acc_dtype, precision=None, **params):
+    """The GEMM primitive with a float32 (epilogue dtype) output, then the multiply in XLA."""
+    acc = matmul_p.bind(a, b, layouts=layouts, out_dtype=epilogue_dtype(acc_dtype).name, acc_dtype=acc_dtype,
+                        precision=precision)
+    return dact_finish(acc, z, layouts=layouts, acc_dtype=acc_dtype, **params)[0]
 
 
 def _request(avals: tuple, params: dict) -> GemmRequest:
@@ -79,10 +87,13 @@ def _request(avals: tuple, params: dict) -> GemmRequest:
                        precision=params.get("precision"))
 
 
-mlir.register_lowering(dact_p, mlir.lower_fun(dact_composed, multiple_results=False))
-# On one shard, the GEMM kernel with the derivative in its epilogue where dispatch picks one;
-# otherwise (a partitioned call too: the GEMM primitive partitions itself) ``dact_composed``.
-mlir.register_lowering(dact_p, epilogue_lowering(_request, dact_composed, dact_composed, multiple_results=False),
+# Both lowerings go through the partitioning rules (primitives/epilogue_sharding.py); on CUDA
+# each shard runs the GEMM kernel with the derivative in its epilogue where dispatch picks one,
+# otherwise ``dact_composed``.
+mlir.register_lowering(dact_p, epilogue_sharding.lowering(composed_local(dact_composed), dact_finish, dact_composed,
+                                                          "z_layout"))
+mlir.register_lowering(dact_p, epilogue_sharding.lowering(epilogue_local(_request, dact_composed, dact_composed),
+                                                          dact_finish, dact_composed, "z_layout"),
                        platform="cuda")
 
 

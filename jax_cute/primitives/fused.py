@@ -10,9 +10,12 @@ One place for each rule, as in ``matmul.py``:
 - abstract evaluation: ``y`` (and, with ``preact``, the pre-activation ``z``);
 - lowering (CPU, and wherever no fused kernel runs): the GEMM primitive with a float32 output,
   then the epilogue in XLA (``composed``), which XLA fuses into one elementwise pass;
-- CUDA: ``dispatch.gemm``'s kernel on one device, whose epilogue adds the bias and
-  applies the activation (swiglu: each tile holds gate columns and the up columns they pair
-  with) and, with ``preact``, also writes ``z``; otherwise ``composed``, logged at INFO;
+- CUDA: ``dispatch.gemm``'s kernel, whose epilogue adds the bias and applies the activation
+  (swiglu: each tile holds gate columns and the up columns they pair with) and, with
+  ``preact``, also writes ``z``; otherwise ``composed``;
+- partitioning (both lowerings, ``epilogue_sharding.py``): the bias shards with the C blocks it
+  is read at; each shard runs the call on its blocks, and a sharded K sums float32 partial
+  products before the epilogue (``finish``);
 - batching: ``rules.batch_rule``, a vmapped axis an L sub-mode of every operand, the bias
   included (stride 0 where it is unbatched);
 - autodiff: the JVP binds the primitive with ``preact=True``, so the forward also writes the
@@ -47,8 +50,9 @@ from jax_cute.dispatch import GemmRequest
 from jax_cute.layout import Layout
 from jax_cute.primitives.dact import align_batch, operand_p
 from jax_cute.primitives.gemm import matmul_p
-from jax_cute.primitives.rules import batch_rule, epilogue_lowering, gemm_primitive
-from jax_cute.primitives.sharding import varying_aval
+from jax_cute.primitives import epilogue_sharding
+from jax_cute.primitives.rules import batch_rule, composed_local, epilogue_local, gemm_primitive
+from jax_cute.primitives.sharding import result_aval
 from jax_cute.problem.gemm_layouts import GemmLayouts, batched_layout
 
 
@@ -95,10 +99,11 @@ def _abstract_eval(a, b, *rest, layouts: GemmLayouts, bias_layout, activation, p
         n_mode = layouts.c.mode(1).coalesce().flat_modes()
         if n_mode != ((layouts.c_shape[-1], 1),):
             raise ValueError(f"jax_cute_matmul_fused: {activation} needs N as C's last buffer axis ({layouts.c})")
-    avals = (a, b, *rest)
-    out = [varying_aval(_y_shape(layouts, activation), out_dtype, avals)]
+    typed = functools.partial(result_aval, "jax_cute_matmul_fused", layouts, (a, b, *bias), np.dtype(out_dtype),
+                              {"bias": bias_layout} if bias else None, "n" if is_gated(activation) else "")
+    out = [typed(shape=_y_shape(layouts, activation))]
     if preact:
-        out.append(varying_aval(layouts.c_shape, out_dtype, avals))
+        out.append(typed())
     return out
 
 
@@ -108,6 +113,22 @@ fused_p = gemm_primitive("jax_cute_matmul_fused", _abstract_eval, multiple_resul
 def _bias_in_c(bias, bias_layout: Layout, layouts: GemmLayouts, dtype):
     """The bias as a buffer shaped like C (broadcast where its layout has stride 0)."""
     return L.write(L.read(bias, bias_layout).astype(dtype), layouts.c, layouts.c_shape)
+
+
+def _bias_term(bias, bias_layout: Layout, layouts: GemmLayouts, dtype, like):
+    """``_bias_in_c``, typed as ``like`` (a result shaped like C): where the bias broadcasts
+    along whole axes of C by numpy's rules, one broadcast whose transpose sums each shard's
+    block before summing across shards (``L.read``'s reshapes, typed replicated under Explicit
+    mesh axes, would gather C's whole cotangent onto every device for the bias gradient)."""
+    c_shape, nd = tuple(layouts.c_shape), bias.ndim
+    if nd > len(c_shape) or any(x not in (1, y) for x, y in zip(bias.shape, c_shape[len(c_shape) - nd:])):
+        return _bias_in_c(bias, bias_layout, layouts, dtype)
+    own = L.row_major(tuple(bias.shape)).stride
+    strides = [0] * (len(c_shape) - nd) + [s if x > 1 else 0 for x, s in zip(bias.shape, own)]
+    if L.reindex(layouts.c, c_shape, strides) != bias_layout:
+        return _bias_in_c(bias, bias_layout, layouts, dtype)
+    return jax.lax.broadcast_in_dim(bias.astype(dtype), c_shape, tuple(range(len(c_shape) - nd, len(c_shape))),
+                                    out_sharding=jax.typeof(like).sharding)
 
 
 def epilogue(acc, bias, *, layouts: GemmLayouts, bias_layout, activation, preact, out_dtype) -> list:
@@ -125,13 +146,19 @@ def activated(z, *, activation, preact, out_dtype) -> list:
     return out
 
 
-def composed(a, b, *bias, layouts: GemmLayouts, bias_layout, activation, preact, out_dtype, acc_dtype,
-             precision=None) -> list:
-    """The GEMM primitive with a float32 (epilogue dtype) output, then the epilogue in XLA."""
-    acc = matmul_p.bind(a, b, layouts=layouts, out_dtype=epilogue_dtype(acc_dtype).name, acc_dtype=acc_dtype,
-                    precision=precision)
+def finish(acc, *bias, layouts: GemmLayouts, bias_layout, activation, preact, out_dtype, acc_dtype,
+           precision=None) -> list:
+    """The epilogue in XLA on the GEMM's float32 (epilogue dtype) result ``acc``."""
+    del acc_dtype, precision
     return epilogue(acc, bias[0] if bias else None, layouts=layouts, bias_layout=bias_layout,
                     activation=activation, preact=preact, out_dtype=out_dtype)
+
+
+def composed(a, b, *bias, layouts: GemmLayouts, acc_dtype, precision=None, **params) -> list:
+    """The GEMM primitive with a float32 (epilogue dtype) output, then the epilogue in XLA."""
+    acc = matmul_p.bind(a, b, layouts=layouts, out_dtype=epilogue_dtype(acc_dtype).name, acc_dtype=acc_dtype,
+                        precision=precision)
+    return finish(acc, *bias, layouts=layouts, acc_dtype=acc_dtype, **params)
 
 
 def reference(a, b, *bias, layouts: GemmLayouts, bias_layout, activation, preact, out_dtype, acc_dtype,
@@ -155,7 +182,9 @@ def _without_z(rule: Callable) -> Callable:
     return lowered
 
 
-mlir.register_lowering(fused_p, _without_z(mlir.lower_fun(composed, multiple_results=True)))
+# Both lowerings go through the partitioning rules (primitives/epilogue_sharding.py)
+mlir.register_lowering(fused_p, _without_z(epilogue_sharding.lowering(composed_local(composed), finish, composed,
+                                                                      "bias_layout")))
 
 
 def _request(avals: tuple, params: dict) -> GemmRequest:
@@ -165,8 +194,8 @@ def _request(avals: tuple, params: dict) -> GemmRequest:
 
 
 PARTITIONED_LOG = "jax_cute.%s: a partitioned fused call runs the GEMM kernel and the epilogue in XLA"
-mlir.register_lowering(fused_p, _without_z(epilogue_lowering(_request, reference, composed, multiple_results=True,
-                                                             partitioned_log=PARTITIONED_LOG % "matmul")),
+mlir.register_lowering(fused_p, _without_z(epilogue_sharding.lowering(epilogue_local(_request, reference, composed),
+                                                                      finish, composed, "bias_layout")),
                        platform="cuda")
 
 
@@ -218,7 +247,7 @@ def _jvp(primals, tangents, *, layouts: GemmLayouts, bias_layout, activation, pr
         elif type(d_op) is not ad.Zero:
             terms.append(matmul_p.bind(*((d_op, w) if which == "a" else (w, d_op)), **gemm_params))
     if bias and type(dbias[0]) is not ad.Zero:
-        terms.append(_bias_in_c(dbias[0], bias_layout, layouts, epi))
+        terms.append(_bias_term(dbias[0], bias_layout, layouts, epi, outs[-1]))
     return epilogue_tangents(outs, terms, activation=activation, preact=preact, out_dtype=out_dtype, epi=epi)
 
 

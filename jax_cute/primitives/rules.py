@@ -9,8 +9,9 @@ fused ones lower through ``custom_partitioning``). As lax's one ``_dot_batch_rul
 L sub-mode of every operand the ``layouts`` parameter reads (stride 0 where unbatched), the
 layouts re-targeted at the batched buffers by composition, no data moved. A primitive with
 operands the layouts do not cover (a bias, a pre-activation Z) rewrites them in a hook.
-``kernel_local`` and ``epilogue_lowering`` are their CUDA lowerings: the ``GemmRequest`` a call
-makes of ``dispatch.gemm``, its kernel where one is picked, else the primitive's other path.
+``kernel_local``, ``epilogue_local`` and ``epilogue_lowering`` are their CUDA lowerings: the
+``GemmRequest`` a call makes of ``dispatch.gemm``, its kernel where one is picked, else the
+primitive's other path.
 """
 
 from __future__ import annotations
@@ -104,6 +105,31 @@ def kernel_local(request: Request, reference: Callable) -> sharding.Local:
         req = dataclasses.replace(request(tuple(avals), params), free_sms=free_sms, split_k=split)
         return gemm(req, ref) or ref
     return local
+
+
+def as_list(fn: Callable) -> Callable:
+    """``fn`` returning its results as a list (a single array becomes a list of one)."""
+    def listed(*args):
+        out = fn(*args)
+        return list(out) if isinstance(out, (list, tuple)) else [out]
+    return listed
+
+
+def epilogue_local(request: Request, reference: Callable, composed: Callable) -> Callable:
+    """The one-shard computation of an epilogue primitive on CUDA (``epilogue_sharding.Local``):
+    the kernel ``dispatch.gemm`` picks for ``request(avals, params)`` (checked against
+    ``reference``), else ``composed``; its results as a list. ``whole``: as ``kernel_local``'s."""
+    def local(avals, params, whole: tuple | None = None) -> Callable:
+        req = request(tuple(avals), params)
+        if whole is not None:
+            req = dataclasses.replace(req, split_k=whole_split(request(tuple(whole[0]), whole[1])))
+        return as_list(gemm(req, functools.partial(reference, **params)) or functools.partial(composed, **params))
+    return local
+
+
+def composed_local(composed: Callable) -> Callable:
+    """The one-shard computation of an epilogue primitive off CUDA: ``composed``, as a list."""
+    return lambda avals, params, whole=None: as_list(functools.partial(composed, **params))
 
 
 def epilogue_lowering(request: Request, reference: Callable, composed: Callable, *, multiple_results: bool,

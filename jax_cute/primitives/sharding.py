@@ -84,10 +84,13 @@ REDUCTION = "k"
 REPLICATED = ("g", "h")  # groups (h: a lead's G + 1 sizes): see the module docstring
 
 
-def _modes(layouts: GemmLayouts | RaggedLayouts) -> dict[str, str]:
-    """MODES of a call; the sizes' group mode of a call with a lead is a mode of its own (h)."""
+def _modes(layouts: GemmLayouts | RaggedLayouts, extra: Sequence[str] = ()) -> dict[str, str]:
+    """MODES of a call; the sizes' group mode of a call with a lead is a mode of its own (h).
+    ``extra``: operands read at C's coordinates (an epilogue's bias or Z), after the others."""
     modes = MODES[_kind(layouts)]
-    return {**modes, "gs": "hl"} if getattr(layouts, "lead", False) else modes
+    modes = {**modes, "gs": "hl"} if getattr(layouts, "lead", False) else dict(modes)
+    c = modes.pop("c")
+    return {**modes, **{n: c for n in extra}, "c": c}
 
 
 # -- layouts of local buffers -----------------------------------------------------------------
@@ -208,11 +211,11 @@ def _clean_axis(entries: list[tuple[str, int, int]], extent: int) -> tuple[str, 
     return tuple(f for f, _, _ in reversed(entries))
 
 
-def _refined(layouts: GemmLayouts | RaggedLayouts):
+def _refined(layouts: GemmLayouts | RaggedLayouts, extra: Mapping[str, Layout]):
     """Each operand's layout with every logical mode split as in every other operand, the
     factors' extents, and each mode's factors (fastest first); None when no split is common."""
-    modes = _modes(layouts)
-    lays = {n: getattr(layouts, n) for n in modes}
+    modes = _modes(layouts, tuple(extra))
+    lays = {n: extra[n] if n in extra else getattr(layouts, n) for n in modes}
     refined: dict[str, list[Layout]] = {n: list(lays[n].modes()) for n in modes}
     sizes: dict[str, int] = {}
     mode_factors: dict[str, list[str]] = {}
@@ -260,16 +263,20 @@ def _operand(name: str, modes: str, shape: tuple[int, ...], lay: Layout | None, 
     return Operand(name, shape, lay, tuple(facs), tuple(axes)), blocked
 
 
-def problem(layouts: GemmLayouts | RaggedLayouts, shapes: Sequence[Sequence[int]]) -> Problem:
-    """The factors of a call with ``layouts`` on input buffers of ``shapes`` (call order)."""
+def problem(layouts: GemmLayouts | RaggedLayouts, shapes: Sequence[Sequence[int]],
+            extra: Mapping[str, Layout] | None = None, whole: str = "") -> Problem:
+    """The factors of a call with ``layouts`` on input buffers of ``shapes`` (call order).
+    ``extra``: the layouts of operands read at C's coordinates (an epilogue's bias or Z), whose
+    buffers follow the others in ``shapes``; ``whole``: logical modes kept unsharded."""
+    extra = dict(extra or {})
     kind = _kind(layouts)
-    modes = _modes(layouts)
+    modes = _modes(layouts, tuple(extra))
     shapes = [tuple(s) for s in shapes] + [tuple(layouts.c_shape)]
-    ref = _refined(layouts)
+    ref = _refined(layouts, extra)
     refined, sizes, mode_factors = ref if ref is not None else ({}, {}, {})
-    operands, blocked = [], set()
+    operands, blocked = [], {f for x in whole for f in mode_factors.get(x, ())}
     for n, shape in zip(modes, shapes):
-        o, b = _operand(n, modes[n], shape, refined.get(n), getattr(layouts, n))
+        o, b = _operand(n, modes[n], shape, refined.get(n), extra[n] if n in extra else getattr(layouts, n))
         operands.append(o)
         blocked |= b
     ragged_mode = {RAGGED_M: "m", RAGGED_K: "k"}.get(kind)
@@ -281,12 +288,14 @@ def problem(layouts: GemmLayouts | RaggedLayouts, shapes: Sequence[Sequence[int]
 
 
 def result_operand(layouts: GemmLayouts | RaggedLayouts) -> Operand:
-    ref = _refined(layouts)
+    ref = _refined(layouts, {})
     return _operand("c", MODES[_kind(layouts)]["c"], tuple(layouts.c_shape), ref and ref[0]["c"], layouts.c)[0]
 
 
-def sharding_rule(p: Problem) -> SdyShardingRule:
-    """Shardy's rule for the call: each buffer axis as its factors, slowest first."""
+def sharding_rule(p: Problem, results: Sequence[Sequence[int]] | None = None) -> SdyShardingRule:
+    """Shardy's rule for the call: each buffer axis as its factors, slowest first. ``results``:
+    the shapes of several results, each mapped as C where its axis has C's extent and as a
+    factor of its own, replicated, where not (a gated activation's halved N); default: C."""
     mappings, whole, used = [], set(), set()
     private: list[str] = []
     for o in p.operands:
@@ -305,6 +314,19 @@ def sharding_rule(p: Problem) -> SdyShardingRule:
                 dims.append(CompoundFactor(*fs))
             used.update(fs or ())
         mappings.append(ArrayMapping(*dims))
+    c = p.operands[-1]
+    outs = [mappings.pop()]
+    if results is not None:
+        c_dims = tuple(outs[0])
+        outs = []
+        for r, shape in enumerate(results):
+            own = [f"own_{r}_{i}" for i, n in enumerate(shape) if n != c.shape[i]]
+            private += own
+            whole.update(own)
+            it = iter(own)
+            outs.append(ArrayMapping(*(d if n == c.shape[i] else next(it)
+                                       for i, (d, n) in enumerate(zip(c_dims, shape)))))
+    mappings += outs
     # Shardy numbers factors in order of first appearance and wants the special ones in that order.
     order = [f for dims in mappings for d in dims for f in ((d,) if isinstance(d, str) else tuple(d))]
     rank = {f: i for i, f in reversed(list(enumerate(order)))}
@@ -312,7 +334,8 @@ def sharding_rule(p: Problem) -> SdyShardingRule:
     reduction = tuple(f for f in real if f in p.shardable and f.startswith(REDUCTION))
     replicated = tuple(sorted([f for f in real if f not in p.shardable] + private, key=rank.__getitem__))
     factor_sizes = {f: p.sizes[f] for f in real if f not in whole}
-    return SdyShardingRule(tuple(mappings[:-1]), (mappings[-1],), reduction_factors=reduction,
+    ins = len(mappings) - len(outs)
+    return SdyShardingRule(tuple(mappings[:ins]), tuple(mappings[ins:]), reduction_factors=reduction,
                            need_replication_factors=replicated, **factor_sizes)
 
 
@@ -403,8 +426,9 @@ def local_shapes(p: Problem, pl: Plan, mesh_shape: Mapping[str, int]) -> list[tu
     return out
 
 
-def local_layouts(p: Problem, pl: Plan, mesh_shape: Mapping[str, int], layouts):
-    """The call's layouts over the local buffers of ``pl`` (each mode coalesced)."""
+def localized(p: Problem, pl: Plan, mesh_shape: Mapping[str, int]) -> tuple[dict[str, Layout], list[tuple[int, ...]]]:
+    """Each operand's layout over its local buffer of ``pl`` (each mode coalesced), by name, and
+    the local buffers' shapes (call order, then the result)."""
     shapes = local_shapes(p, pl, mesh_shape)
     new = {}
     for o, shape in zip(p.operands, shapes):
@@ -413,6 +437,12 @@ def local_layouts(p: Problem, pl: Plan, mesh_shape: Mapping[str, int], layouts):
         if lay is None:
             raise AssertionError(f"jax_cute: cannot localize {o.name}={o.layout} of {o.shape} to {shape}")
         new[o.name] = make_layout(*(m.coalesce() for m in lay.modes()))
+    return new, shapes
+
+
+def local_layouts(p: Problem, pl: Plan, mesh_shape: Mapping[str, int], layouts):
+    """The call's layouts over the local buffers of ``pl`` (each mode coalesced)."""
+    new, shapes = localized(p, pl, mesh_shape)
     c_shape = shapes[-1]
     if isinstance(layouts, GemmLayouts):
         return GemmLayouts(new["a"], new["b"], new["c"], c_shape), shapes
@@ -445,30 +475,39 @@ def _typed_factors(name: str, p: Problem, avals) -> tuple[dict[str, tuple[str, .
     return assignment, reduced
 
 
-def result_aval(name: str, layouts: GemmLayouts | RaggedLayouts, avals, out_dtype) -> jax.core.ShapedArray:
+def result_aval(name: str, layouts: GemmLayouts | RaggedLayouts, avals, out_dtype,
+                extra: Mapping[str, Layout] | None = None, whole: str = "",
+                shape: Sequence[int] | None = None) -> jax.core.ShapedArray:
     """The type of the call's result: its buffer's shape and ``out_dtype``, weak where every
     operand is (lax's rule for its products, so gradients are weak as lax's are); where mesh
     axes are Explicit, the sharding of the factors it holds (as lax's sharding rules give
-    theirs); and the union of the operands' varying manual axes (inside shard_map)."""
+    theirs); and the union of the operands' varying manual axes (inside shard_map).
+    ``extra`` and ``whole`` as ``problem``'s (an epilogue's operands, read at C's coordinates,
+    follow A and B in ``avals``); ``shape``: a result shaped otherwise than C, unsharded along
+    each axis whose extent differs (a gated activation's halved N)."""
     meshes = {a.sharding.mesh for a in avals if not a.sharding.mesh.empty}
     if len(meshes) > 1:
         raise jax_core.ShardingTypeError(f"{name}: operands on different meshes: {meshes}")
     mesh = meshes.pop() if meshes else jax.sharding.get_abstract_mesh()
+    shape = tuple(layouts.c_shape if shape is None else shape)
     spec = PartitionSpec()
     if _explicit(mesh):
-        p = problem(layouts, [a.shape for a in avals])
+        p = problem(layouts, [a.shape for a in avals], extra, whole)
         assignment, _ = _typed_factors(name, p, avals)
-        spec = Plan(assignment, None, ()).spec(p.operands[-1], result=True)
+        assignment = {f: axes for f, axes in assignment.items() if f[0] not in whole}
+        parts = tuple(Plan(assignment, None, ()).spec(p.operands[-1], result=True))
+        parts += (None,) * (len(shape) - len(parts))
+        spec = PartitionSpec(*(x if n == c else None for x, n, c in zip(parts, shape, layouts.c_shape)))
     varying = frozenset().union(*(a.mat.varying for a in avals))
-    return jax.core.ShapedArray(layouts.c_shape, out_dtype, weak_type=all(a.weak_type for a in avals),
+    return jax.core.ShapedArray(shape, out_dtype, weak_type=all(a.weak_type for a in avals),
                                 sharding=NamedSharding(mesh, spec),
                                 manual_axis_type=jax_core.ManualAxisType(varying=varying))
 
 
 def varying_aval(shape, dtype, avals) -> jax.core.ShapedArray:
     """A result type unsharded on the operands' mesh that varies over their manual axes (inside
-    shard_map): for primitives whose partitioning is that of the GEMM they lower to (the fused
-    epilogues) or not followed in types (the block-scaled products)."""
+    shard_map): for primitives whose partitioning is not followed in types (the grouped fused
+    epilogue, the block-scaled products)."""
     meshes = {a.sharding.mesh for a in avals if not a.sharding.mesh.empty}
     mesh = meshes.pop() if len(meshes) == 1 else jax.sharding.get_abstract_mesh()
     varying = frozenset().union(*(a.mat.varying for a in avals))
