@@ -193,7 +193,6 @@ def _request(avals: tuple, params: dict) -> GemmRequest:
                        preact=params["preact"], precision=params.get("precision"))
 
 
-PARTITIONED_LOG = "jax_cute.%s: a partitioned fused call runs the GEMM kernel and the epilogue in XLA"
 mlir.register_lowering(fused_p, _without_z(epilogue_sharding.lowering(epilogue_local(_request, reference, composed),
                                                                       finish, composed, "bias_layout")),
                        platform="cuda")

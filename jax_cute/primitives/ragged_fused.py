@@ -32,7 +32,7 @@ from jax.interpreters import ad, mlir
 from jax_cute.dispatch import GemmRequest
 from jax_cute import layout as L
 from jax_cute.activations import check_gated_columns, epilogue_dtype, output_columns
-from jax_cute.primitives.fused import PARTITIONED_LOG, activated, checked_options, epilogue_tangents
+from jax_cute.primitives.fused import activated, checked_options, epilogue_tangents
 from jax_cute.primitives.grouped import ragged_m_p
 from jax_cute.primitives.rules import batch_rule, epilogue_lowering, gemm_primitive
 from jax_cute.primitives.sharding import varying_aval
@@ -112,8 +112,9 @@ def _request(avals: tuple, params: dict) -> GemmRequest:
                        precision=params.get("precision"))
 
 
+PARTITIONED_LOG = "jax_cute.ragged_dot: a partitioned fused call runs the GEMM kernel and the epilogue in XLA"
 mlir.register_lowering(ragged_fused_p, epilogue_lowering(_request, reference, composed, multiple_results=True,
-                                                         partitioned_log=PARTITIONED_LOG % "ragged_dot"),
+                                                         partitioned_log=PARTITIONED_LOG),
                        platform="cuda")
 
 
