@@ -76,6 +76,26 @@ def test_factors_of_a_gemm_and_the_shardy_rule():
     assert rule.reduction_factors == ("k0",) and rule.need_replication_factors == ()
 
 
+def test_an_epilogue_operand_shards_with_c_and_a_gated_result_keeps_n_whole():
+    """A bias read at C's coordinates holds C's N factor on its one axis (its M is a broadcast);
+    swiglu's result (N/2 columns) maps its last axis to a factor of its own, replicated, and N
+    is replicated too."""
+    from jax_cute.primitives.fused import broadcast_bias_layout
+    from jax_cute.primitives.sharding import problem, sharding_rule
+    from jax_cute.problem.gemm_layouts import matmul_layouts
+
+    layouts, _ = matmul_layouts((16, 32), (32, 64), False, False)
+    bias = {"bias": broadcast_bias_layout("matmul", (64,), (16, 64), layouts)}
+    p = problem(layouts, [(16, 32), (32, 64), (64,)], bias)
+    assert [o.axes for o in p.operands] == [(("m0",), ("k0",)), (("k0",), ("n0",)), (("n0",),), (("m0",), ("n0",))]
+    assert p.shardable == {"m0", "n0", "k0"}
+    gated = problem(layouts, [(16, 32), (32, 64), (64,)], bias, whole="n")
+    assert gated.shardable == {"m0", "k0"}
+    rule = sharding_rule(gated, [(16, 32)])
+    assert tuple(map(tuple, rule.result_mappings)) == (("m0", "own_0_1"),)
+    assert set(rule.need_replication_factors) == {"n0", "own_0_1"} and rule.reduction_factors == ("k0",)
+
+
 def test_an_axis_split_across_modes_that_cannot_follow_a_sharding_is_replicated():
     """A's rows read as M = (4, 2):(2K, K) (row 2*i0 + i1), the output's rows row-major: the slow
     part of A's axis is M's fast sub-mode, so no block sharding of A's rows is a block of C's."""
