@@ -313,10 +313,11 @@ def typed(request):
 
 @pytest.mark.parametrize("mode", ["explicit", "auto"])
 def test_products_on_typed_meshes_match_jax(typed, mode):
-    """matmul, dot_general, einsum, ragged_dot and a fused bias and gelu: values and gradients
-    equal jnp/lax's (bf16's rounding for the fused call); on Explicit axes each result (and
-    gradient) has the sharding type jnp/lax give theirs, and the bias gradient sums each shard's
-    rows before summing across shards (no gather of the cotangent)."""
+    """matmul, dot_general, einsum, ragged_dot, and matmul and ragged_dot with a fused bias and
+    gelu: values and gradients equal jnp/lax's (bf16's rounding for the fused calls); on
+    Explicit axes each result (and gradient) has the sharding type jnp/lax give theirs, and a
+    bias gradient sums each shard's rows before summing across shards (no gather of the
+    cotangent)."""
     if "skip" in typed:
         pytest.skip(typed["skip"])
     for name, case in typed[mode].items():
@@ -325,7 +326,7 @@ def test_products_on_typed_meshes_match_jax(typed, mode):
         if mode == "explicit":
             assert case["spec"] == case["want"], (name, case)
             assert case["grad_specs"] == case["arg_specs"], (name, case)
-    assert typed[mode]["matmul_bias_gelu"]["grad_gathers"] == 0
+    assert typed[mode]["matmul_bias_gelu"]["grad_gathers"] == typed[mode]["ragged_bias_gelu"]["grad_gathers"] == 0
 
 
 def test_contraction_sharded_in_both_operands(typed):
@@ -731,6 +732,15 @@ def _typed_worker() -> dict:
                                                          + c.astype(jnp.float32)).astype(jnp.bfloat16),
                              tuple((rnd(*s_).astype(jnp.bfloat16), spec) for s_, spec in
                                    (((32, 64), ("x", None)), ((64, 16), (None, "y")), ((16,), ("y",)))), None),
+        # a bias row per group: N sharded with the weight, tokens over x
+        "ragged_bias_gelu": (lambda a, b, c: jax_cute.ragged_dot(a, b, gs, bias=c, activation="gelu"),
+                             lambda a, b, c: jax.nn.gelu(
+                                 jax.lax.ragged_dot(a.astype(jnp.float32), b.astype(jnp.float32), gs)
+                                 + jnp.concatenate([c, jnp.zeros_like(c[:1])]).astype(jnp.float32)[
+                                     np.searchsorted(np.cumsum(gs), np.arange(64), side="right")]).astype(jnp.bfloat16),
+                             tuple((rnd(*s_).astype(jnp.bfloat16), spec) for s_, spec in
+                                   (((64, 32), ("x", None)), ((8, 32, 16), (None, None, "y")), ((8, 16), (None, "y")))),
+                             ["x", "y"]),
     }
     out: dict = {}
     for mode, axis_type in (("explicit", AxisType.Explicit), ("auto", AxisType.Auto)):

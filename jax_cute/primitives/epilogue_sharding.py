@@ -26,7 +26,6 @@ import jax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.interpreters import mlir
 from jax.sharding import NamedSharding, PartitionSpec
-from jax._src.interpreters import mlir as jax_mlir  # (no public API: lax's typed-result lowering)
 
 from jax_cute import config
 from jax_cute.activations import epilogue_dtype, is_gated
@@ -140,19 +139,15 @@ def lowering(local: Local, finish: Finish, composed: Callable, extra: str) -> Ca
     ``extra`` names the param with the layout of its operand past A and B. With
     ``collective_matmul`` on, a partitioned call runs ``composed`` (the GEMM primitive, which
     can take a ring, then the epilogue in XLA) instead of these rules."""
+    @sharding.typed_results
     def rule(ctx, *args, **params):
-        with sharding.unmeshed():
-            plain = ctx.replace(avals_in=sharding.plain_avals(ctx.avals_in),
-                                avals_out=sharding.plain_avals(ctx.avals_out))
-            if sharding.one_shard(ctx.module_context.axis_context):
-                fn = local(plain.avals_in, params, None)
-            elif config.collective_matmul():
-                fn = as_list(functools.partial(composed, **params))
-            else:
-                call = _Call(tuple(sorted(params.items())), local, finish, extra, config.float32_partial_sums())
-                fn = functools.partial(_partitioned, call)
-            outs = mlir.lower_fun(fn, multiple_results=True)(plain, *args)
-        # as lax's lowerings: a result typed with Explicit mesh axes is constrained to its type
-        return [jax_mlir.lower_with_sharding_in_types(ctx, out, aval) for out, aval in zip(outs, ctx.avals_out)]
+        if sharding.one_shard(ctx.module_context.axis_context):
+            fn = local(ctx.avals_in, params, None)
+        elif config.collective_matmul():
+            fn = as_list(functools.partial(composed, **params))
+        else:
+            call = _Call(tuple(sorted(params.items())), local, finish, extra, config.float32_partial_sums())
+            fn = functools.partial(_partitioned, call)
+        return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
     return rule
 

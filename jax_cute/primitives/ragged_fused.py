@@ -23,19 +23,21 @@ The grouped GEMM primitive is ``grouped.ragged_m_p``; ``ragged_dot`` binds this 
 
 from __future__ import annotations
 
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.interpreters import ad, mlir
+from jax.sharding import PartitionSpec
 
 from jax_cute.dispatch import GemmRequest
 from jax_cute import layout as L
-from jax_cute.activations import check_gated_columns, epilogue_dtype, output_columns
+from jax_cute.activations import check_gated_columns, epilogue_dtype, is_gated, output_columns
 from jax_cute.primitives.fused import activated, checked_options, epilogue_tangents
 from jax_cute.primitives.grouped import ragged_m_p
 from jax_cute.primitives.rules import batch_rule, epilogue_lowering, gemm_primitive
-from jax_cute.primitives.sharding import varying_aval
+from jax_cute.primitives.sharding import result_aval, typed_results
 from jax_cute.problem.ragged_layouts import RaggedLayouts
 from jax_cute.primitives.ragged_reference import row_groups
 from jax_cute.primitives.ragged_reference import reference as gemm_reference
@@ -48,10 +50,12 @@ def _abstract_eval(a, b, gs, *bias, layouts: RaggedLayouts, activation, preact, 
     if bias and (bias[0].ndim != len(c_shape) or tuple(bias[0].shape[-2:]) != (layouts.extents()["g"], n)
                  or any(x not in (1, y) for x, y in zip(bias[0].shape[:-2], c_shape[:-2]))):
         raise ValueError(f"jax_cute_ragged_fused: bias {bias[0].shape} is not (..., G, N) for an output {c_shape}")
-    avals = (a, b, gs, *bias)
-    out = [varying_aval(c_shape[:-1] + (output_columns(activation, n),), out_dtype, avals)]
+    # typed as the grouped GEMM's result (the bias, (..., G, N), shards no axis of its own)
+    typed = functools.partial(result_aval, "jax_cute_ragged_fused", layouts, (a, b, gs), np.dtype(out_dtype),
+                              whole="n" if is_gated(activation) else "")
+    out = [typed(shape=c_shape[:-1] + (output_columns(activation, n),))]
     if preact:
-        out.append(varying_aval(c_shape, out_dtype, avals))
+        out.append(typed())
     return out
 
 
@@ -80,6 +84,25 @@ def bias_in_c(bias, group_sizes, layouts: RaggedLayouts, dtype):
     return rows.reshape(c_shape)
 
 
+def _bias_term(bias, group_sizes, layouts: RaggedLayouts, dtype, like):
+    """``bias_in_c`` of an unbatched call, its rows taken at row indices sharded as C's rows are
+    (``like``: a result typed as C), so that under Explicit mesh axes the bias gradient (the
+    transpose) sums each shard's rows before summing across shards rather than gathering C's
+    whole cotangent onto every device."""
+    spec = tuple(jax.typeof(like).sharding.spec)
+    if bias.ndim != 2 or len(layouts.c_shape) != 2 or not spec or spec[0] is None:
+        return bias_in_c(bias, group_sizes, layouts, dtype)
+    sizes = L.read(group_sizes, layouts.gs)[:, 0]
+    zero = jnp.zeros_like(bias[:1], dtype)  # (typed as the bias: concatenated with it)
+    bias = bias.astype(dtype)
+    if layouts.lead:
+        bias = jnp.concatenate([zero, bias])
+    _, row_group = row_groups(sizes, layouts.c_shape[0])
+    row_group = jax.sharding.reshard(jnp.minimum(row_group, bias.shape[0]), PartitionSpec(spec[0]))
+    rows = jnp.concatenate([bias, zero])
+    return rows.at[row_group].get(out_sharding=PartitionSpec(*spec))
+
+
 def epilogue(acc, group_sizes, bias, *, layouts: RaggedLayouts, activation, preact, out_dtype) -> list:
     """``[act(acc + bias rows)]`` (and ``z`` with ``preact``), each rounded once to ``out_dtype``;
     ``acc`` (C's buffer) is the grouped product in the epilogue dtype."""
@@ -105,7 +128,7 @@ def reference(a, b, gs, *bias, layouts: RaggedLayouts, activation, preact, out_d
                     out_dtype=out_dtype)
 
 
-mlir.register_lowering(ragged_fused_p, mlir.lower_fun(composed, multiple_results=True))
+mlir.register_lowering(ragged_fused_p, typed_results(mlir.lower_fun(composed, multiple_results=True)))
 def _request(avals: tuple, params: dict) -> GemmRequest:
     return GemmRequest(avals, params["layouts"], params["out_dtype"], params["acc_dtype"], epilogue=True,
                        bias=len(avals) > 3, activation=params["activation"], preact=params["preact"],
@@ -143,7 +166,7 @@ def _jvp(primals, tangents, *, layouts: RaggedLayouts, activation, preact, out_d
     if type(db) is not ad.Zero:
         terms.append(ragged_m_p.bind(a, db, gs, **gemm_params))
     if bias and type(dbias[0]) is not ad.Zero:
-        terms.append(bias_in_c(dbias[0], gs, layouts, epi))
+        terms.append(_bias_term(dbias[0], gs, layouts, epi, outs[-1]))
     return epilogue_tangents(outs, terms, activation=activation, preact=preact, out_dtype=out_dtype, epi=epi)
 
 

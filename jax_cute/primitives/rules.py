@@ -138,6 +138,7 @@ def epilogue_lowering(request: Request, reference: Callable, composed: Callable,
     picks for ``request(avals, params)`` (checked against ``reference``); otherwise ``composed``
     (the GEMM primitive, which partitions itself, and the epilogue in XLA, which XLA partitions),
     logging ``partitioned_log`` at INFO for a partitioned call."""
+    @sharding.typed_results
     def rule(ctx, *args, **params):
         if sharding.one_shard(ctx.module_context.axis_context):
             impl = gemm(request(tuple(ctx.avals_in), params), functools.partial(reference, **params))

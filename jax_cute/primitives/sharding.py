@@ -721,6 +721,19 @@ def lowering(primitive, local: Local, rings: Callable[[], Callable | None] | Non
     return rule
 
 
+def typed_results(rule: Callable) -> Callable:
+    """The lowering ``rule`` (of a primitive with a list of results) traced without the caller's
+    mesh on untyped avals, so that its ops are placed by the partitioner, not typed (a bias
+    sharded along N, concatenated with an unsharded row, would be a type error), then each
+    result typed with Explicit mesh axes constrained to its type, as lax's lowerings do."""
+    def lowered(ctx, *args, **params):
+        with unmeshed():
+            plain = ctx.replace(avals_in=plain_avals(ctx.avals_in), avals_out=plain_avals(ctx.avals_out))
+            outs = rule(plain, *args, **params)
+        return [jax_mlir.lower_with_sharding_in_types(ctx, out, aval) for out, aval in zip(outs, ctx.avals_out)]
+    return lowered
+
+
 def unmeshed():
     """Trace a local computation without the caller's mesh: traced under Explicit mesh axes,
     its ops would be typed (and lowered) with shardings of that mesh, whose constraints inside a
