@@ -85,7 +85,7 @@ def test_an_epilogue_operand_shards_with_c_and_a_gated_result_keeps_n_whole():
     from jax_cute.problem.gemm_layouts import matmul_layouts
 
     layouts, _ = matmul_layouts((16, 32), (32, 64), False, False)
-    bias = {"bias": broadcast_bias_layout("matmul", (64,), (16, 64), layouts)}
+    bias = {"bias": ("mnl", broadcast_bias_layout("matmul", (64,), (16, 64), layouts))}
     p = problem(layouts, [(16, 32), (32, 64), (64,)], bias)
     assert [o.axes for o in p.operands] == [(("m0",), ("k0",)), (("k0",), ("n0",)), (("n0",),), (("m0",), ("n0",))]
     assert p.shardable == {"m0", "n0", "k0"}
@@ -255,6 +255,19 @@ def test_fused_ragged_dot_tokens_sharded(results):
     _close(case)
     assert case["fwd"] == dict.fromkeys(COLLECTIVES, 0)
     assert max(case["grad_diffs"]) <= 1e-4 * case["grad_scale"]
+
+
+def test_fused_ragged_dot_columns_and_contraction_sharded(results):
+    """ragged_dot's bias and gelu with the weight's columns sharded (the bias with them: no
+    communication forward) and with K sharded (float32 partial products summed once, then the
+    epilogue); within bf16's rounding of an f32 reference."""
+    cols, k = results["ragged_fused_columns"], results["ragged_fused_contracting"]
+    for case in (cols, k):
+        _close(case, 1e-2)
+        assert max(case["grad_diffs"]) <= 2e-2 * case["grad_scale"], case
+        assert case["grad"]["all-gather"] == 0, case
+    assert cols["fwd"] == dict.fromkeys(COLLECTIVES, 0) and cols["out_spec"] == ["data", "model"]
+    assert k["fwd"] == {**dict.fromkeys(COLLECTIVES, 0), "all-reduce": 1}
 
 
 def test_ragged_dot_experts_sharded_under_jit_are_gathered(results):
@@ -617,6 +630,19 @@ def _worker() -> dict:
     rd_swiglu = lambda a, b, g, c: jax_cute.ragged_dot(a, b, g, bias=c, activation="swiglu")  # noqa: E731
     r["ragged_fused_tokens"] = case(rd_swiglu, rd_swiglu_ref, (put(xr, "model", None), put(wr), put(gs), put(rnd(8, 16))),
                                     grad_of=2)
+    rd_gelu = lambda a, b, g, c: jax_cute.ragged_dot(a, b, g, bias=c, activation="gelu")  # noqa: E731
+
+    def rd_gelu_ref(a, b, g, c):
+        a, b, c = (t.astype(jnp.float32) for t in (a, b, c))
+        rows = jnp.concatenate([c, jnp.zeros_like(c[:1])])
+        z = jax.lax.ragged_dot(a, b, g) + rows[jnp.searchsorted(jnp.cumsum(g), jnp.arange(a.shape[0]), side="right")]
+        return apply_activation("gelu", z).astype(jnp.bfloat16)
+
+    xrh, wrh, crh = xr.astype(jnp.bfloat16), wr.astype(jnp.bfloat16), rnd(8, 16).astype(jnp.bfloat16)
+    r["ragged_fused_columns"] = case(rd_gelu, rd_gelu_ref, (put(xrh, "data", None), put(wrh, None, None, "model"),
+                                                            put(gs), put(crh, None, "model")), grad_of=2)
+    r["ragged_fused_contracting"] = case(rd_gelu, rd_gelu_ref, (put(xrh, None, "model"), put(wrh, None, "model", None),
+                                                                put(gs), put(crh)), grad_of=2)
     r["ragged_experts_jit"] = case(rd, jax.lax.ragged_dot, (put(xr), put(wr, "model", None, None), put(gs, "model")),
                                    grad_of=2)
 

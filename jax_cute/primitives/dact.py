@@ -60,7 +60,7 @@ def _dact_abstract_eval(a, b, z, *, layouts: GemmLayouts, z_layout: Layout, acti
     for name, x, lay in (("a", a, layouts.a), ("b", b, layouts.b), ("z", z, z_layout)):
         if int(np.prod(x.shape)) < lay.cosize():
             raise ValueError(f"jax_cute_matmul_dact: layout {lay} of {name} reaches past its buffer {x.shape}")
-    return result_aval("jax_cute_matmul_dact", layouts, (a, b, z), np.dtype(out_dtype), {"z": z_layout})
+    return result_aval("jax_cute_matmul_dact", layouts, (a, b, z), np.dtype(out_dtype), {"z": ("mnl", z_layout)})
 
 
 dact_p = gemm_primitive("jax_cute_matmul_dact", _dact_abstract_eval)
@@ -90,11 +90,11 @@ def _request(avals: tuple, params: dict) -> GemmRequest:
 # Both lowerings go through the partitioning rules (primitives/epilogue_sharding.py); on CUDA
 # each shard runs the GEMM kernel with the derivative in its epilogue where dispatch picks one,
 # otherwise ``dact_composed``.
-mlir.register_lowering(dact_p, epilogue_sharding.lowering(composed_local(dact_composed), dact_finish, dact_composed,
-                                                          "z_layout"))
+_Z = epilogue_sharding.layout_param("z", "z_layout")
+mlir.register_lowering(dact_p, epilogue_sharding.lowering(composed_local(dact_composed), dact_finish, dact_composed, _Z,
+                                                          matmul_p))
 mlir.register_lowering(dact_p, epilogue_sharding.lowering(epilogue_local(_request, dact_composed, dact_composed),
-                                                          dact_finish, dact_composed, "z_layout"),
-                       platform="cuda")
+                                                          dact_finish, dact_composed, _Z, matmul_p), platform="cuda")
 
 
 def align_batch(x, dim: int | None, size: int, target: int):

@@ -100,7 +100,7 @@ def _abstract_eval(a, b, *rest, layouts: GemmLayouts, bias_layout, activation, p
         if n_mode != ((layouts.c_shape[-1], 1),):
             raise ValueError(f"jax_cute_matmul_fused: {activation} needs N as C's last buffer axis ({layouts.c})")
     typed = functools.partial(result_aval, "jax_cute_matmul_fused", layouts, (a, b, *bias), np.dtype(out_dtype),
-                              {"bias": bias_layout} if bias else None, "n" if is_gated(activation) else "")
+                              {"bias": ("mnl", bias_layout)} if bias else None, "n" if is_gated(activation) else "")
     out = [typed(shape=_y_shape(layouts, activation))]
     if preact:
         out.append(typed())
@@ -183,8 +183,9 @@ def _without_z(rule: Callable) -> Callable:
 
 
 # Both lowerings go through the partitioning rules (primitives/epilogue_sharding.py)
-mlir.register_lowering(fused_p, _without_z(epilogue_sharding.lowering(composed_local(composed), finish, composed,
-                                                                      "bias_layout")))
+_BIAS = epilogue_sharding.layout_param("bias", "bias_layout")
+mlir.register_lowering(fused_p, _without_z(epilogue_sharding.lowering(composed_local(composed), finish, composed, _BIAS,
+                                                                      matmul_p)))
 
 
 def _request(avals: tuple, params: dict) -> GemmRequest:
@@ -194,7 +195,7 @@ def _request(avals: tuple, params: dict) -> GemmRequest:
 
 
 mlir.register_lowering(fused_p, _without_z(epilogue_sharding.lowering(epilogue_local(_request, reference, composed),
-                                                                      finish, composed, "bias_layout")),
+                                                                      finish, composed, _BIAS, matmul_p)),
                        platform="cuda")
 
 

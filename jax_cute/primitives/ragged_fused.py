@@ -9,8 +9,11 @@ activation maps their zeros to zero. One place for each rule, as in ``fused.py``
   pre-activation ``z`` (M, N);
 - lowering (CPU, and wherever no fused kernel runs): the grouped GEMM primitive with a float32
   output, then the epilogue in XLA (``composed``);
-- CUDA: ``dispatch.gemm``'s kernel on one shard (bias row per tile's group, activation,
-  ``z`` stored clipped at group ends like y); otherwise ``composed``, logged at INFO;
+- CUDA: ``dispatch.gemm``'s kernel (bias row per tile's group, activation, ``z`` stored
+  clipped at group ends like y); otherwise ``composed``;
+- partitioning (both lowerings, ``epilogue_sharding.py``): each shard of the rows runs the call
+  on its rows with group sizes derived from the global ones, the bias sharded along N with the
+  weight; a sharded K sums float32 partial products before the epilogue (``finish``);
 - batching: ``rules.batch_rule``, a vmapped axis an L sub-mode of the operands and a leading
   axis of the bias (..., G, N), extent 1 where the bias is shared; the fused kernel runs the
   whole batch (a gated activation: one batch only);
@@ -36,8 +39,10 @@ from jax_cute import layout as L
 from jax_cute.activations import check_gated_columns, epilogue_dtype, is_gated, output_columns
 from jax_cute.primitives.fused import activated, checked_options, epilogue_tangents
 from jax_cute.primitives.grouped import ragged_m_p
-from jax_cute.primitives.rules import batch_rule, epilogue_lowering, gemm_primitive
-from jax_cute.primitives.sharding import result_aval, typed_results
+from jax_cute.layout import Layout, make_layout
+from jax_cute.primitives import epilogue_sharding
+from jax_cute.primitives.rules import batch_rule, composed_local, epilogue_local, gemm_primitive
+from jax_cute.primitives.sharding import result_aval
 from jax_cute.problem.ragged_layouts import RaggedLayouts
 from jax_cute.primitives.ragged_reference import row_groups
 from jax_cute.primitives.ragged_reference import reference as gemm_reference
@@ -110,13 +115,19 @@ def epilogue(acc, group_sizes, bias, *, layouts: RaggedLayouts, activation, prea
     return activated(z, activation=activation, preact=preact, out_dtype=out_dtype)
 
 
-def composed(a, b, gs, *bias, layouts: RaggedLayouts, activation, preact, out_dtype, acc_dtype,
-             precision=None) -> list:
-    """The grouped GEMM primitive with a float32 (epilogue dtype) output, then the epilogue in XLA."""
-    acc = ragged_m_p.bind(a, b, gs, layouts=layouts, out_dtype=epilogue_dtype(acc_dtype).name, acc_dtype=acc_dtype,
-                    precision=precision)
+def finish(acc, gs, *bias, layouts: RaggedLayouts, activation, preact, out_dtype, acc_dtype,
+           precision=None) -> list:
+    """The epilogue in XLA on the grouped GEMM's float32 (epilogue dtype) result ``acc``."""
+    del acc_dtype, precision
     return epilogue(acc, gs, bias[0] if bias else None, layouts=layouts, activation=activation, preact=preact,
                     out_dtype=out_dtype)
+
+
+def composed(a, b, gs, *bias, layouts: RaggedLayouts, acc_dtype, precision=None, **params) -> list:
+    """The grouped GEMM primitive with a float32 (epilogue dtype) output, then the epilogue in XLA."""
+    acc = ragged_m_p.bind(a, b, gs, layouts=layouts, out_dtype=epilogue_dtype(acc_dtype).name, acc_dtype=acc_dtype,
+                          precision=precision)
+    return finish(acc, gs, *bias, layouts=layouts, acc_dtype=acc_dtype, **params)
 
 
 def reference(a, b, gs, *bias, layouts: RaggedLayouts, activation, preact, out_dtype, acc_dtype,
@@ -128,17 +139,32 @@ def reference(a, b, gs, *bias, layouts: RaggedLayouts, activation, preact, out_d
                     out_dtype=out_dtype)
 
 
-mlir.register_lowering(ragged_fused_p, typed_results(mlir.lower_fun(composed, multiple_results=True)))
+def _read_bias(params: dict, shape: tuple) -> tuple[str, Layout] | None:
+    """The bias (..., G, N) as modes (N, G, L) for the partitioning rules: its leading axes are
+    C's batch axes (extent 1: shared, stride 0); None where C's layout does not take its strides."""
+    layouts = params["layouts"]
+    own = L.row_major(shape).stride
+    at_c = L.reindex(layouts.c, tuple(layouts.c_shape), [s if x > 1 else 0 for x, s in zip(shape[:-2], own[:-2])]
+                     + [0, 1])   # C's (M, N, L) re-targeted at the bias: rows broadcast, columns its own
+    if at_c is None:
+        return None
+    return "ngl", make_layout(at_c.mode(1), Layout((shape[-2],), (shape[-1],)), at_c.mode(2))
+
+
+# Both lowerings go through the partitioning rules (primitives/epilogue_sharding.py)
+_BIAS = epilogue_sharding.Operand("bias", _read_bias, lambda params, lay: params)
+mlir.register_lowering(ragged_fused_p, epilogue_sharding.lowering(composed_local(composed), finish, composed, _BIAS,
+                                                                  ragged_m_p))
+
+
 def _request(avals: tuple, params: dict) -> GemmRequest:
     return GemmRequest(avals, params["layouts"], params["out_dtype"], params["acc_dtype"], epilogue=True,
                        bias=len(avals) > 3, activation=params["activation"], preact=params["preact"],
                        precision=params.get("precision"))
 
 
-PARTITIONED_LOG = "jax_cute.ragged_dot: a partitioned fused call runs the GEMM kernel and the epilogue in XLA"
-mlir.register_lowering(ragged_fused_p, epilogue_lowering(_request, reference, composed, multiple_results=True,
-                                                         partitioned_log=PARTITIONED_LOG),
-                       platform="cuda")
+mlir.register_lowering(ragged_fused_p, epilogue_sharding.lowering(epilogue_local(_request, reference, composed), finish,
+                                                                  composed, _BIAS, ragged_m_p), platform="cuda")
 
 
 def _batch_bias(args: list, dims: list, size: int, params: dict) -> tuple[list, list, dict]:

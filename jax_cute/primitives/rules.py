@@ -9,7 +9,7 @@ fused ones lower through ``custom_partitioning``). As lax's one ``_dot_batch_rul
 L sub-mode of every operand the ``layouts`` parameter reads (stride 0 where unbatched), the
 layouts re-targeted at the batched buffers by composition, no data moved. A primitive with
 operands the layouts do not cover (a bias, a pre-activation Z) rewrites them in a hook.
-``kernel_local``, ``epilogue_local`` and ``epilogue_lowering`` are their CUDA lowerings: the
+``kernel_local`` and ``epilogue_local`` are their CUDA per-shard computations: the
 ``GemmRequest`` a call makes of ``dispatch.gemm``, its kernel where one is picked, else the
 primitive's other path.
 """
@@ -18,20 +18,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 from typing import Callable, Sequence
 
 import jax
 from jax._src import dispatch as jax_dispatch  # no public API marks a primitive as needing devices
 from jax.extend import core
-from jax.interpreters import batching, mlir
+from jax.interpreters import batching
 
 from jax_cute.dispatch import GemmRequest, gemm, whole_split
 from jax_cute.primitives import sharding
 from jax_cute.problem.gemm_layouts import GemmLayouts, batched_gemm
 from jax_cute.problem.ragged_layouts import RaggedLayouts, batched
-
-logger = logging.getLogger("jax_cute")
 
 
 def gemm_primitive(name: str, abstract_eval: Callable, *, partitioned: bool = False,
@@ -130,21 +127,3 @@ def epilogue_local(request: Request, reference: Callable, composed: Callable) ->
 def composed_local(composed: Callable) -> Callable:
     """The one-shard computation of an epilogue primitive off CUDA: ``composed``, as a list."""
     return lambda avals, params, whole=None: as_list(functools.partial(composed, **params))
-
-
-def epilogue_lowering(request: Request, reference: Callable, composed: Callable, *, multiple_results: bool,
-                      partitioned_log: str | None = None) -> Callable:
-    """The CUDA lowering rule of an epilogue primitive: on one shard, the kernel ``dispatch.gemm``
-    picks for ``request(avals, params)`` (checked against ``reference``); otherwise ``composed``
-    (the GEMM primitive, which partitions itself, and the epilogue in XLA, which XLA partitions),
-    logging ``partitioned_log`` at INFO for a partitioned call."""
-    @sharding.typed_results
-    def rule(ctx, *args, **params):
-        if sharding.one_shard(ctx.module_context.axis_context):
-            impl = gemm(request(tuple(ctx.avals_in), params), functools.partial(reference, **params))
-            if impl is not None:
-                return mlir.lower_fun(impl, multiple_results=multiple_results)(ctx, *args)
-        elif partitioned_log:
-            logger.info(partitioned_log)
-        return mlir.lower_fun(functools.partial(composed, **params), multiple_results=multiple_results)(ctx, *args)
-    return rule

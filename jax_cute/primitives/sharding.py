@@ -84,13 +84,17 @@ REDUCTION = "k"
 REPLICATED = ("g", "h")  # groups (h: a lead's G + 1 sizes): see the module docstring
 
 
-def _modes(layouts: GemmLayouts | RaggedLayouts, extra: Sequence[str] = ()) -> dict[str, str]:
+# An epilogue's operand past the GEMM's (a bias, Z): name -> (its logical modes, its layout)
+Extra = Mapping[str, tuple[str, Layout]]
+
+
+def _modes(layouts: GemmLayouts | RaggedLayouts, extra: Extra | None = None) -> dict[str, str]:
     """MODES of a call; the sizes' group mode of a call with a lead is a mode of its own (h).
-    ``extra``: operands read at C's coordinates (an epilogue's bias or Z), after the others."""
+    ``extra``: an epilogue's operands, after the others."""
     modes = MODES[_kind(layouts)]
     modes = {**modes, "gs": "hl"} if getattr(layouts, "lead", False) else dict(modes)
     c = modes.pop("c")
-    return {**modes, **{n: c for n in extra}, "c": c}
+    return {**modes, **{n: m for n, (m, _) in (extra or {}).items()}, "c": c}
 
 
 # -- layouts of local buffers -----------------------------------------------------------------
@@ -211,11 +215,11 @@ def _clean_axis(entries: list[tuple[str, int, int]], extent: int) -> tuple[str, 
     return tuple(f for f, _, _ in reversed(entries))
 
 
-def _refined(layouts: GemmLayouts | RaggedLayouts, extra: Mapping[str, Layout]):
+def _refined(layouts: GemmLayouts | RaggedLayouts, extra: Extra):
     """Each operand's layout with every logical mode split as in every other operand, the
     factors' extents, and each mode's factors (fastest first); None when no split is common."""
-    modes = _modes(layouts, tuple(extra))
-    lays = {n: extra[n] if n in extra else getattr(layouts, n) for n in modes}
+    modes = _modes(layouts, extra)
+    lays = {n: extra[n][1] if n in extra else getattr(layouts, n) for n in modes}
     refined: dict[str, list[Layout]] = {n: list(lays[n].modes()) for n in modes}
     sizes: dict[str, int] = {}
     mode_factors: dict[str, list[str]] = {}
@@ -264,19 +268,19 @@ def _operand(name: str, modes: str, shape: tuple[int, ...], lay: Layout | None, 
 
 
 def problem(layouts: GemmLayouts | RaggedLayouts, shapes: Sequence[Sequence[int]],
-            extra: Mapping[str, Layout] | None = None, whole: str = "") -> Problem:
+            extra: Extra | None = None, whole: str = "") -> Problem:
     """The factors of a call with ``layouts`` on input buffers of ``shapes`` (call order).
-    ``extra``: the layouts of operands read at C's coordinates (an epilogue's bias or Z), whose
+    ``extra``: an epilogue's operands (a bias or Z, read at C's coordinates: modes "mnl"), whose
     buffers follow the others in ``shapes``; ``whole``: logical modes kept unsharded."""
     extra = dict(extra or {})
     kind = _kind(layouts)
-    modes = _modes(layouts, tuple(extra))
+    modes = _modes(layouts, extra)
     shapes = [tuple(s) for s in shapes] + [tuple(layouts.c_shape)]
     ref = _refined(layouts, extra)
     refined, sizes, mode_factors = ref if ref is not None else ({}, {}, {})
     operands, blocked = [], {f for x in whole for f in mode_factors.get(x, ())}
     for n, shape in zip(modes, shapes):
-        o, b = _operand(n, modes[n], shape, refined.get(n), extra[n] if n in extra else getattr(layouts, n))
+        o, b = _operand(n, modes[n], shape, refined.get(n), extra[n][1] if n in extra else getattr(layouts, n))
         operands.append(o)
         blocked |= b
     ragged_mode = {RAGGED_M: "m", RAGGED_K: "k"}.get(kind)
@@ -443,10 +447,14 @@ def localized(p: Problem, pl: Plan, mesh_shape: Mapping[str, int]) -> tuple[dict
 def local_layouts(p: Problem, pl: Plan, mesh_shape: Mapping[str, int], layouts):
     """The call's layouts over the local buffers of ``pl`` (each mode coalesced)."""
     new, shapes = localized(p, pl, mesh_shape)
-    c_shape = shapes[-1]
+    return rebuilt(layouts, new, shapes[-1]), shapes
+
+
+def rebuilt(layouts: GemmLayouts | RaggedLayouts, new: Mapping[str, Layout], c_shape) -> GemmLayouts | RaggedLayouts:
+    """``layouts`` with the operands' layouts ``new`` (by name) and the result's shape ``c_shape``."""
     if isinstance(layouts, GemmLayouts):
-        return GemmLayouts(new["a"], new["b"], new["c"], c_shape), shapes
-    return RaggedLayouts(layouts.mode, new["a"], new["b"], new["c"], new["gs"], c_shape, layouts.lead), shapes
+        return GemmLayouts(new["a"], new["b"], new["c"], c_shape)
+    return RaggedLayouts(layouts.mode, new["a"], new["b"], new["c"], new["gs"], c_shape, layouts.lead)
 
 
 # -- sharding in types ---------------------------------------------------------------------------
@@ -476,14 +484,14 @@ def _typed_factors(name: str, p: Problem, avals) -> tuple[dict[str, tuple[str, .
 
 
 def result_aval(name: str, layouts: GemmLayouts | RaggedLayouts, avals, out_dtype,
-                extra: Mapping[str, Layout] | None = None, whole: str = "",
+                extra: Extra | None = None, whole: str = "",
                 shape: Sequence[int] | None = None) -> jax.core.ShapedArray:
     """The type of the call's result: its buffer's shape and ``out_dtype``, weak where every
     operand is (lax's rule for its products, so gradients are weak as lax's are); where mesh
     axes are Explicit, the sharding of the factors it holds (as lax's sharding rules give
     theirs); and the union of the operands' varying manual axes (inside shard_map).
-    ``extra`` and ``whole`` as ``problem``'s (an epilogue's operands, read at C's coordinates,
-    follow A and B in ``avals``); ``shape``: a result shaped otherwise than C, unsharded along
+    ``extra`` and ``whole`` as ``problem``'s (an epilogue's operands follow the GEMM's in
+    ``avals``); ``shape``: a result shaped otherwise than C, unsharded along
     each axis whose extent differs (a gated activation's halved N)."""
     meshes = {a.sharding.mesh for a in avals if not a.sharding.mesh.empty}
     if len(meshes) > 1:
@@ -592,7 +600,7 @@ def shard_index(axes: Sequence[str], mesh_shape: Mapping[str, int]):
     return idx
 
 
-def _local_group_sizes(gs, gs_layout: Layout, gs_shape, extent: int, local_extent: int, offset):
+def local_group_sizes(gs, gs_layout: Layout, gs_shape, extent: int, local_extent: int, offset):
     """Group sizes of one shard's block [offset, offset + local_extent) of the ragged mode."""
     ends = group_ends(L.read(gs, gs_layout), extent)  # (G, L)
     starts = ends - clipped_sizes(ends)
@@ -641,7 +649,7 @@ def _partition(call: _Call, mesh, arg_shapes, result_shape):
             axes = pl.assignment[p.ragged]
             gs_i = [o.name for o in p.operands].index("gs")
             ext, lext = layouts.ragged_extent(), local.ragged_extent()
-            args[gs_i] = _local_group_sizes(args[gs_i], local.gs, shapes[gs_i], ext, lext,
+            args[gs_i] = local_group_sizes(args[gs_i], local.gs, shapes[gs_i], ext, lext,
                                             shard_index(axes, ms) * lext)
         out = call.local(plain_avals(args), local_params, whole=whole)(*args)
         if pl.scatter:
