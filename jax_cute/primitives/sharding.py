@@ -270,8 +270,9 @@ def _operand(name: str, modes: str, shape: tuple[int, ...], lay: Layout | None, 
 def problem(layouts: GemmLayouts | RaggedLayouts, shapes: Sequence[Sequence[int]],
             extra: Extra | None = None, whole: str = "") -> Problem:
     """The factors of a call with ``layouts`` on input buffers of ``shapes`` (call order).
-    ``extra``: an epilogue's operands (a bias or Z, read at C's coordinates: modes "mnl"), whose
-    buffers follow the others in ``shapes``; ``whole``: logical modes kept unsharded."""
+    ``extra``: an epilogue's operands (a bias or Z, with their logical modes: "mnl" where read at
+    C's coordinates), whose buffers follow the others in ``shapes``; ``whole``: logical modes
+    kept unsharded."""
     extra = dict(extra or {})
     kind = _kind(layouts)
     modes = _modes(layouts, extra)
@@ -514,8 +515,8 @@ def result_aval(name: str, layouts: GemmLayouts | RaggedLayouts, avals, out_dtyp
 
 def varying_aval(shape, dtype, avals) -> jax.core.ShapedArray:
     """A result type unsharded on the operands' mesh that varies over their manual axes (inside
-    shard_map): for primitives whose partitioning is not followed in types (the grouped fused
-    epilogue, the block-scaled products)."""
+    shard_map): for primitives whose partitioning is not followed in types (the block-scaled
+    products)."""
     meshes = {a.sharding.mesh for a in avals if not a.sharding.mesh.empty}
     mesh = meshes.pop() if len(meshes) == 1 else jax.sharding.get_abstract_mesh()
     varying = frozenset().union(*(a.mat.varying for a in avals))
