@@ -32,8 +32,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jax_cute import config
 from jax_cute.activations import epilogue_dtype, is_gated
-from jax_cute.primitives import sharding
 from jax_cute.layout import Layout
+from jax_cute.primitives import sharding
 from jax_cute.primitives.rules import as_list
 from jax_cute.problem.ragged_layouts import RaggedLayouts
 
