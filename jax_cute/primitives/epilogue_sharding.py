@@ -131,19 +131,15 @@ def _partition(call: _Call, mesh, arg_shapes, result_shape):
     lays, shapes = sharding.localized(p, pl, ms)
     local = sharding.rebuilt(layouts, lays, shapes[-1])
     local_params = {**params, "layouts": local}
-    if len(arg_shapes) > _arity(layouts):
+    n = _arity(layouts)
+    if len(arg_shapes) > n:
         local_params = call.operand.localized(local_params, lays[call.operand.name])
     whole = (sharding.plain_avals(arg_shapes), params) if call.float32_sums and not pl.reduce else None
     epi = epilogue_dtype(params["acc_dtype"]).name
-    n = _arity(layouts)
 
     @sharding.traced_unmeshed
     def lower_fn(*args):
-        args = list(args)
-        if p.ragged in pl.assignment:  # each shard's groups, clipped to its rows
-            lext = local.ragged_extent()
-            offset = sharding.shard_index(pl.assignment[p.ragged], ms) * lext
-            args[2] = sharding.local_group_sizes(args[2], local.gs, shapes[2], layouts.ragged_extent(), lext, offset)
+        args = sharding.shard_group_sizes(list(args), p, pl, ms, layouts, local, shapes)
         if not pl.reduce:
             return call.local(sharding.plain_avals(args), local_params, whole)(*args)
         # K sharded: float32 partial products, summed, then the epilogue once on the sum

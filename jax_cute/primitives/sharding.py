@@ -601,7 +601,19 @@ def shard_index(axes: Sequence[str], mesh_shape: Mapping[str, int]):
     return idx
 
 
-def local_group_sizes(gs, gs_layout: Layout, gs_shape, extent: int, local_extent: int, offset):
+def shard_group_sizes(args: list, p: Problem, pl: Plan, mesh_shape: Mapping[str, int], layouts, local,
+                      shapes) -> list:
+    """A shard's operands ``args``: where the ragged mode is sharded, the group sizes replaced by
+    those of the shard's block (``layouts`` the call's, ``local`` and ``shapes`` the shard's)."""
+    if p.ragged in pl.assignment:
+        gs_i = [o.name for o in p.operands].index("gs")
+        lext = local.ragged_extent()
+        offset = shard_index(pl.assignment[p.ragged], mesh_shape) * lext
+        args[gs_i] = _local_group_sizes(args[gs_i], local.gs, shapes[gs_i], layouts.ragged_extent(), lext, offset)
+    return args
+
+
+def _local_group_sizes(gs, gs_layout: Layout, gs_shape, extent: int, local_extent: int, offset):
     """Group sizes of one shard's block [offset, offset + local_extent) of the ragged mode."""
     ends = group_ends(L.read(gs, gs_layout), extent)  # (G, L)
     starts = ends - clipped_sizes(ends)
@@ -645,13 +657,7 @@ def _partition(call: _Call, mesh, arg_shapes, result_shape):
 
     @traced_unmeshed
     def lower_fn(*args):
-        args = list(args)
-        if p.ragged in pl.assignment:
-            axes = pl.assignment[p.ragged]
-            gs_i = [o.name for o in p.operands].index("gs")
-            ext, lext = layouts.ragged_extent(), local.ragged_extent()
-            args[gs_i] = local_group_sizes(args[gs_i], local.gs, shapes[gs_i], ext, lext,
-                                            shard_index(axes, ms) * lext)
+        args = shard_group_sizes(list(args), p, pl, ms, layouts, local, shapes)
         out = call.local(plain_avals(args), local_params, whole=whole)(*args)
         if pl.scatter:
             rest = tuple(a for a in pl.reduce if a not in pl.scatter[1])
@@ -714,24 +720,20 @@ def lowering(primitive, local: Local, rings: Callable[[], Callable | None] | Non
     # computations holding a primitive that asks for it (as custom_partitioning_p itself does).
     jax_dispatch.prim_requires_devices_during_lowering.add(primitive)
 
+    @typed_results  # the rules, not the types, partition the call
     def rule(ctx, *args, **params):
-        # The computation is typed without a mesh: the rules, not the types, partition the call.
-        with unmeshed():
-            plain = ctx.replace(avals_in=plain_avals(ctx.avals_in), avals_out=plain_avals(ctx.avals_out))
-            if one_shard(ctx.module_context.axis_context):  # nothing to partition: the computation itself
-                fn = local(plain.avals_in, params)
-            else:
-                fn = functools.partial(_partitioned, _Call(tuple(sorted(params.items())), local,
-                                                           rings() if rings else None, config.float32_partial_sums()))
-            out, = mlir.lower_fun(fn, multiple_results=False)(plain, *args)
-        # As lax's lowerings: a result typed with Explicit mesh axes is constrained to its type.
-        return [jax_mlir.lower_with_sharding_in_types(ctx, out, ctx.avals_out[0])]
+        if one_shard(ctx.module_context.axis_context):  # nothing to partition: the computation itself
+            fn = local(ctx.avals_in, params)
+        else:
+            fn = functools.partial(_partitioned, _Call(tuple(sorted(params.items())), local,
+                                                       rings() if rings else None, config.float32_partial_sums()))
+        return mlir.lower_fun(fn, multiple_results=False)(ctx, *args)
 
     return rule
 
 
 def typed_results(rule: Callable) -> Callable:
-    """The lowering ``rule`` (of a primitive with a list of results) traced without the caller's
+    """The lowering ``rule`` traced without the caller's
     mesh on untyped avals, so that its ops are placed by the partitioner, not typed (a bias
     sharded along N, concatenated with an unsharded row, would be a type error), then each
     result typed with Explicit mesh axes constrained to its type, as lax's lowerings do."""
