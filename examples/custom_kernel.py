@@ -79,7 +79,10 @@ def axpby_raw(a: jax.Array, b: jax.Array, alpha: jax.Array, *, in_place: bool = 
     flat = lambda x: x.reshape(-1)  # noqa: E731 - a free view for row-major buffers
     call = jax_cute.cute_call(axpby_launcher, out_shape=jax.ShapeDtypeStruct((a.size,), a.dtype),
                               reference=_axpby_reference, name="axpby",
-                              input_output_aliases={0: 0} if in_place else None)
+                              input_output_aliases={0: 0} if in_place else None,
+                              # under a jit partitioned over devices, each runs the kernel on its
+                              # slice of a, b and out; alpha (factor s) is read whole
+                              sharding_rule="n, n, s -> n")
     return call(flat(a), flat(b), jnp.reshape(alpha, (1,)).astype(jnp.float32)).reshape(shape)
 
 

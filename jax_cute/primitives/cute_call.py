@@ -15,18 +15,19 @@ import hashlib
 import inspect
 import logging
 import math
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax._src import dispatch as jax_dispatch  # no public API marks a primitive as needing devices
 from jax.extend import core
 from jax.interpreters import ad, batching, mlir
 
 from jax_cute import dispatch
 from jax_cute.custom_call import kernel_call
 from jax_cute.kernels import abi
-from jax_cute.primitives import sharding
+from jax_cute.primitives import call_sharding, sharding
 from jax_cute.primitives.rules import eager
 
 logger = logging.getLogger("jax_cute")
@@ -129,8 +130,27 @@ def _cuda_lowering(ctx, *args, kernel: UserKernel, out_avals, in_layouts, out_la
     return mlir.lower_fun(impl, multiple_results=True)(ctx, *args)
 
 
-mlir.register_lowering(cute_call_p, _reference_lowering)
-mlir.register_lowering(cute_call_p, _cuda_lowering, platform="cuda")
+def _bind_local(xs, out_avals, params):
+    """One shard's call (``call_sharding``): the kernel on the local blocks."""
+    return cute_call_p.bind(*xs, **{**params, "out_avals": tuple(out_avals), "rule": None})
+
+
+def _partitionable(lower: Callable) -> Callable:
+    """``lower``, or where the call has a sharding rule and is lowered as part of a computation
+    partitioned over several devices, the rule's custom_partitioning of it (each shard then lowers
+    ``lower`` on its blocks)."""
+    def lowering(ctx, *args, rule=None, **params):
+        if rule is None or sharding.one_shard(ctx.module_context.axis_context):
+            return lower(ctx, *args, **params)
+        fn = call_sharding.partitioned(rule, params, _bind_local)
+        return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
+    return lowering
+
+
+# custom_partitioning needs the device assignment while lowering
+jax_dispatch.prim_requires_devices_during_lowering.add(cute_call_p)
+mlir.register_lowering(cute_call_p, _partitionable(_reference_lowering))
+mlir.register_lowering(cute_call_p, _partitionable(_cuda_lowering), platform="cuda")
 
 
 def _no_jvp(primals, tangents, **params):
@@ -142,7 +162,8 @@ def _no_jvp(primals, tangents, **params):
 ad.primitive_jvps[cute_call_p] = _no_jvp
 
 
-def _batch_rule(args, dims, *, kernel, out_avals, in_layouts, out_layouts, name, batch_mode=False, aliases=()):
+def _batch_rule(args, dims, *, kernel, out_avals, in_layouts, out_layouts, name, batch_mode=False, aliases=(),
+                rule=None):
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
     args = [jnp.moveaxis(a, d, 0) if d is not None else a for a, d in zip(args, dims)]
     if batch_mode:
@@ -152,7 +173,7 @@ def _batch_rule(args, dims, *, kernel, out_avals, in_layouts, out_layouts, name,
         lift = lambda p: None if p is None else (0, *(q + 1 for q in p))  # noqa: E731
         res = cute_call_p.bind(*args, kernel=kernel, out_avals=outs, in_layouts=tuple(map(lift, in_layouts)),
                                out_layouts=tuple(map(lift, out_layouts)), name=name, batch_mode=True,
-                               aliases=aliases)
+                               aliases=aliases, rule=None if rule is None else rule.batched())
         return res, [0] * len(res)
     batched = [a for a, d in zip(args, dims) if d is not None]
 
@@ -160,7 +181,7 @@ def _batch_rule(args, dims, *, kernel, out_avals, in_layouts, out_layouts, name,
         it = iter(xs)
         full = [next(it) if d is not None else a for a, d in zip(args, dims)]
         return cute_call_p.bind(*full, kernel=kernel, out_avals=out_avals, in_layouts=in_layouts,
-                                out_layouts=out_layouts, name=name, batch_mode=False, aliases=aliases)
+                                out_layouts=out_layouts, name=name, batch_mode=False, aliases=aliases, rule=rule)
 
     res = jax.lax.map(one, batched)
     return list(res), [0] * len(res)
@@ -172,7 +193,9 @@ batching.primitive_batchers[cute_call_p] = _batch_rule
 def cute_call(launcher: Callable, *, out_shape: Any, in_layouts: Sequence[Sequence[int] | None] | None = None,
               out_layouts: Sequence[Sequence[int] | None] | None = None, key: str | None = None,
               reference: Callable | None = None, batch_mode: bool = False, name: str | None = None,
-              input_output_aliases: dict[int, int] | None = None, partitioned_reference: bool = False) -> Callable:
+              input_output_aliases: dict[int, int] | None = None, partitioned_reference: bool = False,
+              sharding_rule: str | None = None, replicated_factors: Sequence[str] = (),
+              factor_sizes: Mapping[str, int] | None = None) -> Callable:
     """Wrap ``launcher(stream, *inputs, *outputs)`` as a JAX function of the inputs.
 
     ``out_shape``: a ``jax.ShapeDtypeStruct`` or a sequence of them. ``in_layouts`` /
@@ -190,10 +213,23 @@ def cute_call(launcher: Callable, *, out_shape: Any, in_layouts: Sequence[Sequen
     the kernel), lower ``reference`` instead, which XLA partitions: the kernel has no
     partitioning rule, so XLA would gather its operands onto every device and run it on the
     whole. For kernels whose outputs follow their inputs' sharding (elementwise or blockwise).
+    ``sharding_rule``: instead, the kernel's own partitioning rule, so that under such a ``jit``
+    each shard runs the kernel on its blocks: each tensor axis named by a factor, in Shardy's
+    einsum-like notation (``"m n, n -> m n"``; ``"m (kb kk) -> m kb"`` for an axis of several
+    factors, slowest first, with ``factor_sizes={"kk": 128}``). A factor named in an output may
+    be sharded, with no communication, unless listed in ``replicated_factors`` (the kernel needs
+    it whole, such as a row it reduces): the promise is that the kernel computes each output
+    block along it from the same block of every input. Other factors stay whole (operands
+    sharded along them are gathered first).
     The call has no derivative: wrap it in ``jax.custom_vjp``.
     """
     if partitioned_reference and reference is None:
         raise ValueError("jax_cute.cute_call: partitioned_reference=True needs a reference")
+    if partitioned_reference and sharding_rule is not None:
+        raise ValueError("jax_cute.cute_call: give sharding_rule (the kernel runs per shard) or "
+                         "partitioned_reference (the reference runs partitioned), not both")
+    if sharding_rule is None and (replicated_factors or factor_sizes):
+        raise ValueError("jax_cute.cute_call: replicated_factors and factor_sizes belong to a sharding_rule")
     single = isinstance(out_shape, jax.ShapeDtypeStruct)
     outs = [out_shape] if single else list(out_shape)
     fn = inspect.unwrap(launcher)
@@ -202,6 +238,8 @@ def cute_call(launcher: Callable, *, out_shape: Any, in_layouts: Sequence[Sequen
     params = [p for p in inspect.signature(fn).parameters.values()
               if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     out_avals = tuple(jax.core.ShapedArray(tuple(o.shape), np.dtype(o.dtype)) for o in outs)
+    rule = None if sharding_rule is None else call_sharding.parse(
+        sharding_rule, max(len(params) - 1 - len(outs), 0), len(outs), replicated_factors, factor_sizes, label)
 
     def call(*inputs):
         dispatch.at_trace("cute_call")
@@ -220,8 +258,14 @@ def cute_call(launcher: Callable, *, out_shape: Any, in_layouts: Sequence[Sequen
         ous = _check_layouts(label, "out_layouts", out_layouts, [o.shape for o in outs],
                              [p.name for p in params[1 + len(inputs):]])
         aliases = _check_aliases(label, input_output_aliases, arrays, out_avals)
+        if rule is not None:
+            call_sharding.factor_sizes(rule, [a.shape for a in arrays] + [o.shape for o in out_avals], label)
+            for i, o in aliases:
+                if rule.tensors[i] != rule.tensors[rule.inputs + o]:
+                    raise ValueError(f"jax_cute.cute_call({label}): sharding_rule gives aliased input {i} and "
+                                     f"output {o} different factors; they share one buffer")
         res = cute_call_p.bind(*arrays, kernel=kernel, out_avals=out_avals, in_layouts=ins, out_layouts=ous,
-                               name=label, batch_mode=batch_mode, aliases=aliases)
+                               name=label, batch_mode=batch_mode, aliases=aliases, rule=rule)
         return res[0] if single else tuple(res)
 
     return call
