@@ -46,6 +46,31 @@ def test_matmul_and_cute_call_on_every_device():
     assert stats["modules_created"] >= 2 * len(devices)  # one module per kernel per device
 
 
+def test_cute_call_with_a_sharding_rule_runs_its_kernel_per_shard():
+    devices = jax.devices()
+    if len(devices) < 2:
+        pytest.skip("needs two GPUs")
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "custom_kernel.py"
+    spec = importlib.util.spec_from_file_location("custom_kernel_example", path)
+    ex = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ex)
+    mesh = jax.make_mesh((len(devices),), ("x",), axis_types=(AxisType.Auto,))
+    rng = np.random.default_rng(0)
+    n = 4096 * len(devices)  # 4096 elements a shard
+    x, y = (jax.device_put(jnp.asarray(rng.standard_normal(n), jnp.float32), NamedSharding(mesh, P("x")))
+            for _ in range(2))
+    alpha = jnp.asarray([2.0], jnp.float32)
+    with jax_cute.config.override(strict=True, nan_fill=True):
+        f = jax.jit(ex.axpby_raw)
+        hlo = f.lower(x, y, alpha).compile().as_text()
+        got = f(x, y, alpha)
+    assert "jax_cute_launch" in hlo and "all-gather" not in hlo
+    assert got.sharding.spec == P("x")
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(x) * 2 + np.asarray(y))
+
+
 def _gpt_losses(moe: bool, mesh_axes: dict | None, steps: int = 20, top_k: int = 2) -> list[float]:
     """Losses of the GPT example (a small size) trained kernelized from the same start, on one
     GPU or on a mesh of them."""
