@@ -19,7 +19,8 @@ import jax_cute
 pytestmark = pytest.mark.multigpu
 
 
-def test_matmul_and_cute_call_on_every_device():
+def _gpus_and_example():
+    """The GPUs (a skip below two) and ``examples/custom_kernel.py`` as a module."""
     devices = jax.devices()
     if len(devices) < 2:
         pytest.skip("needs two GPUs")
@@ -27,6 +28,11 @@ def test_matmul_and_cute_call_on_every_device():
     spec = importlib.util.spec_from_file_location("custom_kernel_example", path)
     ex = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ex)
+    return devices, ex
+
+
+def test_matmul_and_cute_call_on_every_device():
+    devices, ex = _gpus_and_example()
     rng = np.random.default_rng(0)
     with jax_cute.config.override(strict=True, nan_fill=True):
         mm = jax.jit(jax_cute.matmul)
@@ -47,15 +53,9 @@ def test_matmul_and_cute_call_on_every_device():
 
 
 def test_cute_call_with_a_sharding_rule_runs_its_kernel_per_shard():
-    devices = jax.devices()
-    if len(devices) < 2:
-        pytest.skip("needs two GPUs")
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "custom_kernel.py"
-    spec = importlib.util.spec_from_file_location("custom_kernel_example", path)
-    ex = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ex)
+    devices, ex = _gpus_and_example()
     mesh = jax.make_mesh((len(devices),), ("x",), axis_types=(AxisType.Auto,))
     rng = np.random.default_rng(0)
     n = 4096 * len(devices)  # 4096 elements a shard
