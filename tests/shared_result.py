@@ -56,6 +56,16 @@ def xla_flags(*flags: str) -> str:
     return " ".join([*run, *flags])
 
 
+def host_devices_env(devices: int, shardy: bool | None = None) -> dict:
+    """The environment of a test's subprocess on ``devices`` CPU host devices; ``shardy``: which
+    partitioner (None: JAX's default)."""
+    env = {**os.environ, "XLA_FLAGS": xla_flags(f"--xla_force_host_platform_device_count={devices}"),
+           "JAX_PLATFORMS": "cpu"}
+    if shardy is not None:
+        env["JAX_USE_SHARDY_PARTITIONER"] = "1" if shardy else "0"
+    return env
+
+
 _compiled: dict = {}
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import os
 import pathlib
 import sys
 
@@ -172,8 +171,7 @@ def test_scatter_chunk_gemms_leave_sms_free_after_the_first_sum_is_sent(n, mode,
 
 def _script(shardy: bool, rings: bool = False) -> shared_result.Script:
     """This file's run for a partitioner: every case but the other rings', or (``rings``) those."""
-    env = {**os.environ, "XLA_FLAGS": shared_result.xla_flags(f"--xla_force_host_platform_device_count={DEVICES}"),
-           "JAX_PLATFORMS": "cpu", "JAX_USE_SHARDY_PARTITIONER": "1" if shardy else "0"}
+    env = shared_result.host_devices_env(DEVICES, shardy)
     env.pop("JAX_CUTE_COLLECTIVE_MATMUL", None)
     return shared_result.Script(f"test_collective-{'shardy' if shardy else 'gspmd'}" + ("-rings" if rings else ""),
                                 [sys.executable, __file__, *(["rings"] if rings else [])], env=env, cwd=ROOT, timeout=900)

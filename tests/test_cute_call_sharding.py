@@ -9,7 +9,6 @@ and collectives XLA chose and every element against the unsharded computation.
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import sys
 
@@ -145,10 +144,8 @@ DEVICES = 4
 
 
 def _script(shardy: bool) -> shared_result.Script:
-    env = {**os.environ, "XLA_FLAGS": shared_result.xla_flags(f"--xla_force_host_platform_device_count={DEVICES}"),
-           "JAX_PLATFORMS": "cpu", "JAX_USE_SHARDY_PARTITIONER": "1" if shardy else "0"}
-    return shared_result.Script(f"test_cute_call_sharding-{'shardy' if shardy else 'gspmd'}",
-                                [sys.executable, __file__], env=env, cwd=ROOT, timeout=600)
+    return shared_result.Script(f"test_cute_call_sharding-{'shardy' if shardy else 'gspmd'}", [sys.executable, __file__],
+                                env=shared_result.host_devices_env(DEVICES, shardy), cwd=ROOT, timeout=600)
 
 
 SUBPROCESS_FIXTURES = {"results": _script}

@@ -12,7 +12,6 @@ The devices must be set before JAX starts, so this file runs itself in a subproc
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import sys
 
@@ -159,8 +158,7 @@ def _worker() -> dict:
 
 
 def _script(_=None) -> shared_result.Script:
-    env = {**os.environ, "XLA_FLAGS": shared_result.xla_flags("--xla_force_host_platform_device_count=8"),
-           "JAX_PLATFORMS": "cpu"}
+    env = shared_result.host_devices_env(8)
     return shared_result.Script("test_fp8_sharded", [sys.executable, __file__], env=env, cwd=ROOT, timeout=600)
 
 

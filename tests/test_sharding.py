@@ -139,8 +139,7 @@ def test_sharded_layers_example_on_one_device(capsys):
 # -- multi-device checks (subprocess) ---------------------------------------------------------
 
 def _script(key: str, devices: int, *argv: str, shardy: bool = True) -> shared_result.Script:
-    env = {**os.environ, "XLA_FLAGS": shared_result.xla_flags(f"--xla_force_host_platform_device_count={devices}"),
-           "JAX_PLATFORMS": "cpu", "JAX_USE_SHARDY_PARTITIONER": "1" if shardy else "0"}
+    env = shared_result.host_devices_env(devices, shardy)
     return shared_result.Script(key, [sys.executable, __file__, *argv], env=env, cwd=ROOT, timeout=900)
 
 

@@ -395,8 +395,7 @@ def _training_cases(out: dict, names) -> dict:
 
 def _script(part=None) -> shared_result.Script:
     """The run of this file the README's test line reads, or (``part`` "sweep") the sweeps'."""
-    env = {**os.environ, "XLA_FLAGS": shared_result.xla_flags(f"--xla_force_host_platform_device_count={DEVICES}"),
-           "JAX_PLATFORMS": "cpu"}
+    env = shared_result.host_devices_env(DEVICES)
     return shared_result.Script("test_training_sharded" + (f"-{part}" if part else ""),
                                 [sys.executable, __file__, *([part] if part else [])], env=env, cwd=ROOT, timeout=1200)
 

@@ -555,7 +555,7 @@ def gemm_plan(shapes: Sequence[tuple[int, ...]], specs, mesh_shape, a_block: int
 
 
 def _pspec(*parts) -> PartitionSpec:
-    return PartitionSpec(*(None if not a else a[0] if len(a) == 1 else a for a in parts))
+    return sharding.partition_spec(parts)
 
 
 def _gemm_shardings(mesh, plan, has_bias: bool):

@@ -54,7 +54,8 @@ class CallRule:
 
     def batched(self) -> CallRule:
         """The rule of the call with a leading batch axis on every tensor (``batch_mode``)."""
-        name = next(f"vmap{i}" for i in range(len(self.factors()) + 1) if f"vmap{i}" not in self.factors())
+        used = set(self.factors())
+        name = next(f"vmap{i}" for i in range(len(used) + 1) if f"vmap{i}" not in used)
         return dataclasses.replace(self, tensors=tuple(((name,), *t) for t in self.tensors))
 
 
@@ -137,7 +138,7 @@ def plan(rule: CallRule, sizes: Mapping[str, int], mesh_shape: Mapping[str, int]
             f = ax[0] if ax else None
             if not mesh_axes or f is None or f in assignment or f not in rule.shardable:
                 continue
-            if taken & set(mesh_axes) or sizes[f] % math.prod(mesh_shape[a] for a in mesh_axes):
+            if not sharding.can_take(mesh_axes, sizes[f], mesh_shape, taken):
                 continue
             assignment[f] = tuple(mesh_axes)
             taken.update(mesh_axes)
@@ -145,8 +146,7 @@ def plan(rule: CallRule, sizes: Mapping[str, int], mesh_shape: Mapping[str, int]
 
 
 def _spec(axes: tuple[Axis, ...], assignment: Mapping[str, tuple[str, ...]]) -> PartitionSpec:
-    parts = [assignment.get(ax[0], ()) if ax else () for ax in axes]
-    return PartitionSpec(*(None if not p else p[0] if len(p) == 1 else p for p in parts))
+    return sharding.partition_spec([assignment.get(ax[0], ()) if ax else () for ax in axes])
 
 
 def _local_shape(axes: tuple[Axis, ...], shape, assignment, mesh_shape) -> tuple[int, ...]:
@@ -167,12 +167,12 @@ class _Call:
         return dict(self.params)
 
 
-def _resolved(call: _Call, mesh, arg_shapes, result_shapes):
-    shapes = [s.shape for s in (*arg_shapes, *result_shapes)]
-    sizes = factor_sizes(call.rule, shapes, call.kwargs["name"])
-    specs = [None if getattr(s, "sharding", None) is None else sharding.spec_of(s.sharding, len(s.shape), mesh)
-             for s in (*arg_shapes, *result_shapes)]
-    return sizes, plan(call.rule, sizes, dict(mesh.shape), specs)
+def _assignment(call: _Call, mesh, arg_shapes, result_shapes) -> dict[str, tuple[str, ...]]:
+    """The plan for the tensors' shardings (a result's, when asked to infer it, is None)."""
+    tensors = (*arg_shapes, *result_shapes)
+    sizes = factor_sizes(call.rule, [s.shape for s in tensors], call.kwargs["name"])
+    specs = [None if s.sharding is None else sharding.spec_of(s.sharding, len(s.shape), mesh) for s in tensors]
+    return plan(call.rule, sizes, dict(mesh.shape), specs)
 
 
 def _as_tuple(x) -> tuple:
@@ -181,7 +181,7 @@ def _as_tuple(x) -> tuple:
 
 def _partition(call: _Call, mesh, arg_shapes, result_shape):
     results = _as_tuple(result_shape)
-    _, assignment = _resolved(call, mesh, arg_shapes, results)
+    assignment = _assignment(call, mesh, arg_shapes, results)
     ms = dict(mesh.shape)
     rule = call.rule
     out_avals = tuple(jax.core.ShapedArray(_local_shape(axes, r.shape, assignment, ms), r.dtype)
@@ -197,8 +197,7 @@ def _partition(call: _Call, mesh, arg_shapes, result_shape):
 
 
 def _infer(call: _Call, mesh, arg_shapes, result_shape):
-    results = _as_tuple(result_shape)
-    _, assignment = _resolved(call, mesh, arg_shapes, [jax.ShapeDtypeStruct(r.shape, r.dtype) for r in results])
+    assignment = _assignment(call, mesh, arg_shapes, _as_tuple(result_shape))
     return tuple(NamedSharding(mesh, _spec(t, assignment)) for t in call.rule.tensors[call.rule.inputs:])
 
 

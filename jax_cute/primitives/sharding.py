@@ -377,6 +377,17 @@ def decoded(sharding, mesh) -> NamedSharding | None:
     return NamedSharding(mesh, PartitionSpec(*parts))
 
 
+def partition_spec(parts: Sequence[Sequence[str]]) -> PartitionSpec:
+    """Per buffer axis its mesh axes (empty: not sharded) as a PartitionSpec."""
+    return PartitionSpec(*(None if not a else a[0] if len(a) == 1 else tuple(a) for a in parts))
+
+
+def can_take(axes: Sequence[str], extent: int, mesh_shape: Mapping[str, int], taken: set[str]) -> bool:
+    """Whether a factor of ``extent`` may be sharded over mesh ``axes``: none of them serves
+    another factor already (``taken``), and their shards split it evenly."""
+    return not taken & set(axes) and extent % math.prod(mesh_shape[a] for a in axes) == 0
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
     assignment: Mapping[str, tuple[str, ...]]  # factor -> mesh axes
@@ -389,8 +400,8 @@ class Plan:
             axes = self.assignment.get(fs[0], ()) if fs else ()
             if result and self.scatter and self.scatter[0] == i:
                 axes = self.scatter[1]
-            parts.append(None if not axes else axes[0] if len(axes) == 1 else axes)
-        return PartitionSpec(*parts)
+            parts.append(axes)
+        return partition_spec(parts)
 
 
 def plan(p: Problem, mesh_shape: Mapping[str, int], inputs: Sequence[Spec | None], result: Spec | None = None) -> Plan:
@@ -404,7 +415,7 @@ def plan(p: Problem, mesh_shape: Mapping[str, int], inputs: Sequence[Spec | None
         for fs, axes in zip(o.axes, spec or ()):
             if not axes or not fs or fs[0] in assignment or fs[0] not in p.shardable or not allow(fs[0]):
                 continue
-            if taken & set(axes) or p.sizes[fs[0]] % math.prod(mesh_shape[a] for a in axes):
+            if not can_take(axes, p.sizes[fs[0]], mesh_shape, taken):
                 continue
             assignment[fs[0]] = axes
             taken.update(axes)
@@ -689,7 +700,7 @@ def _propagate_user(call: _Call, mesh, user_shape):
     if spec is None:
         return user_shape.sharding
     parts = [axes if fs and axes else () for fs, axes in zip(c.axes, spec)]
-    return NamedSharding(mesh, PartitionSpec(*(None if not a else a[0] if len(a) == 1 else a for a in parts)))
+    return NamedSharding(mesh, partition_spec(parts))
 
 
 def _rule(call: _Call, mesh, operand_types, result_types) -> SdyShardingRule:
