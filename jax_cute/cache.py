@@ -321,5 +321,6 @@ def family_binary(fam, arch: str, spec, cfg) -> KernelBinary:
     """The compiled kernel of a family module for (spec, config, arch), through the cache."""
     fields = {"family": fam.FAMILY, "arch": arch, "spec": spec.key(), "config": cfg.key()}
     name = f"{fam.FAMILY}.{spec.key()}.{cfg.key()}"
+    finish = getattr(fam, "finish_object", lambda spec, cfg: None)(spec, cfg)
     return CACHE.get(fields, lambda: compile_launcher(fam.launcher(spec, cfg), fam.signature(spec, cfg),
-                                                      arch=arch, name=name))
+                                                      arch=arch, name=name, finish=finish))

@@ -15,7 +15,7 @@ import pytest
 import shared_result  # tests/ is on sys.path under pytest
 
 from jax_cute import arch
-from jax_cute.kernels import cubin_info, sm90_config, sm90_gemm, sm90_grouped
+from jax_cute.kernels import cubin_info, sass, sm90_config, sm90_gemm, sm90_grouped
 from jax_cute.kernels.abi import Dyn
 from jax_cute.kernels.gemm_spec import GemmSpec, GroupedSpec
 
@@ -67,7 +67,18 @@ def _compile(spec: GemmSpec | GroupedSpec, cfg, family=sm90_gemm):
     _check_k_loop_spills(binary.obj, _K_LOOP_RELOADS.get((spec, overlap), 0))
     if overlap or waves:
         _check_not_serialized(ptx)
+    _check_yield_pass(family, spec, cfg, binary.obj)
     return binary
+
+
+def _check_yield_pass(family, spec, cfg, obj: bytes) -> None:
+    """The dense weight gradient's objects (per-column B scales, the serial promotion) take the
+    yield pass (kernels/sass.py) and it finds promotion FFMAs to edit, none left once applied;
+    the overlapped promotion and the grouped family keep ptxas' marks."""
+    finish = getattr(family, "finish_object", lambda spec, cfg: None)(spec, cfg)
+    assert (finish is not None) == (family is sm90_gemm and spec.b_block == 1 and not cfg.overlap_promote)
+    if finish is not None:
+        assert sass.promotion_edits(obj) and not sass.promotion_edits(finish(obj))
 
 
 def _check_scale_loads(spec, cfg, ptx: str) -> None:
@@ -175,9 +186,10 @@ _CASES = [scaled(1, 128), scaled(128, 128), scaled(1, 1, F32), scaled(128, 1, F3
           scaled(1, 64, BF, bias=True, activation="swiglu")]
 
 
-# (the test line: DeepGEMM's blocks, 128 x 128 blocks with a fused epilogue and an fp32 output,
-# swiglu with paired 64-column B scales)
-@pytest.mark.parametrize("spec", _line(_CASES, 0, 5, 10), ids=lambda s: s.key())
+# (the test line: DeepGEMM's blocks, the weight gradient's (the serial promotion, its yield
+# pass), 128 x 128 blocks with a fused epilogue and an fp32 output, swiglu with paired 64-column
+# B scales)
+@pytest.mark.parametrize("spec", _line(_CASES, 0, 2, 5, 10), ids=lambda s: s.key())
 def test_compile_scaled(spec):
     cfg = sm90_gemm.heuristic(spec, 1000, 1024 if spec.activation == "swiglu" else 1040, 1000, 1)
     _compile(spec, cfg)

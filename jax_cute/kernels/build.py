@@ -60,8 +60,10 @@ def symbol_for(name: str) -> str:
 
 
 def compile_launcher(launcher: Callable, signature: abi.Signature, *, arch: str, name: str,
-                     keep_ptx: bool = False) -> KernelBinary:
-    """Compile ``launcher`` (a ``@cute.jit`` function) for ``arch`` against ``signature``."""
+                     keep_ptx: bool = False, finish: Callable[[bytes], bytes] | None = None) -> KernelBinary:
+    """Compile ``launcher`` (a ``@cute.jit`` function) for ``arch`` against ``signature``;
+    ``finish`` rewrites the object in place (a family's pass over its machine code, which the
+    family's kernel sources, part of every cache key, name)."""
     load_runtime_globally()
     # Imported here, not at the top: it imports the DSL's compiler, which loading a cached
     # kernel must not need (a GPU machine may have the DSL's runtime only).
@@ -73,6 +75,8 @@ def compile_launcher(launcher: Callable, signature: abi.Signature, *, arch: str,
         with dsl_env.program_name_only():  # the DSL parses sys.argv on every compile
             compiled = dsl.cute.compile(launcher, *abi.fake_args(signature), options=options)
             obj = compiled.dump_to_object(symbol)
+        if finish is not None:
+            obj = finish(bytes(obj))
     except Exception as e:  # the DSL raises many types; keep its message whole
         raise KernelCompileError(f"jax_cute: compiling kernel {name} for {arch} failed:\n{e}") from e
     ptx = None
