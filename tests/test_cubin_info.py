@@ -7,7 +7,7 @@ import pytest
 from jax_cute.kernels import cubin_info
 
 
-def _elf(sections: list[tuple[str, bytes]], machine: int = 190) -> bytes:
+def make_elf(sections: list[tuple[str, bytes]], machine: int = 190) -> bytes:
     """A minimal 64-bit little-endian ELF with the given (name, payload) sections."""
     names = b"\0" + b"".join(n.encode() + b"\0" for n, _ in sections) + b".shstrtab\0"
     body, offsets, at = b"", [], 64
@@ -35,18 +35,18 @@ def _attr(attr: int, value: int) -> bytes:
 
 def test_reads_registers_frame_and_spills_from_an_embedded_cubin():
     info = _attr(0x2F, 168) + struct.pack("<BBH", 3, 0x1B, 232) + _attr(0x11, 24) + _attr(0x12, 24)
-    cubin = _elf([(".nv.info", info), (".nv.local.kernel", bytes(48)), (".text.kernel", bytes(16))])
-    host = _elf([(".data", b"x" * 40 + cubin)], machine=62)   # x86-64 object carrying it
+    cubin = make_elf([(".nv.info", info), (".nv.local.kernel", bytes(48)), (".text.kernel", bytes(16))])
+    host = make_elf([(".data", b"x" * 40 + cubin)], machine=62)   # x86-64 object carrying it
     assert cubin_info.resources(host) == {"registers": 168, "frame_bytes": 24, "min_stack_bytes": 24,
                                           "local_bytes": 48}
 
 
 def test_a_spill_free_kernel_reads_zero():
-    cubin = _elf([(".nv.info", _attr(0x2F, 90)), (".text.kernel", bytes(16))])
+    cubin = make_elf([(".nv.info", _attr(0x2F, 90)), (".text.kernel", bytes(16))])
     assert cubin_info.resources(cubin) == {"registers": 90, "frame_bytes": 0, "min_stack_bytes": 0,
                                            "local_bytes": 0}
 
 
 def test_no_cuda_image_is_an_error():
     with pytest.raises(ValueError, match="no CUDA ELF"):
-        cubin_info.resources(_elf([(".data", b"abc")], machine=62))
+        cubin_info.resources(make_elf([(".data", b"abc")], machine=62))

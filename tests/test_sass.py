@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import struct
 
-import pytest
-
 from jax_cute.kernels import sass
+from test_cubin_info import make_elf  # tests/ is on sys.path under pytest
 
 _REUSE_A = 1 << 58
 _NO_YIELD = 1 << 45
@@ -23,20 +22,8 @@ def _other(k: int = 0) -> bytes:
     return struct.pack("<QQ", 0x7B19 | k << 16, 0xFE2 << 40)   # an opcode that is not FFMA
 
 
-def _cubin(text: bytes, name: bytes = b".text.kernel") -> bytes:
-    """A minimal 64-bit little-endian CUDA ELF: a null section, a string table and ``text``."""
-    shstr = b"\0" + name + b"\0.shstrtab\0"
-    head = 64
-    text_off = head
-    str_off = text_off + len(text)
-    shoff = (str_off + len(shstr) + 7) // 8 * 8
-    ident = b"\x7fELF\x02\x01\x01" + bytes(9)
-    header = ident + struct.pack("<HHIQQQIHHHHHH", 2, sass._EM_CUDA, 1, 0, 0, shoff, 0, 64, 0, 0, 64, 3, 2)
-    sections = [bytes(64),
-                struct.pack("<IIQQQQIIQQ", 1, 1, 6, 0, text_off, len(text), 0, 0, 128, 0),
-                struct.pack("<IIQQQQIIQQ", 1 + len(name) + 1, 3, 0, 0, str_off, len(shstr), 0, 0, 1, 0)]
-    body = header + text + shstr
-    return body + bytes(shoff - len(body)) + b"".join(sections)
+def _cubin(text: bytes, name: str = ".text.kernel") -> bytes:
+    return make_elf([(name, text)])
 
 
 def _words(blob: bytes, start: int, count: int) -> list[tuple[int, int]]:
@@ -78,7 +65,7 @@ def test_short_runs_predicated_ffmas_and_other_code_are_left_alone():
 
 def test_only_code_sections_are_read():
     run = b"".join(_ffma(100 + i, 7, 20 + i, 100 + i, reuse=True) for i in range(20))
-    assert sass.promotion_edits(_cubin(run, b".nv.constant0.kernel")) == []
+    assert sass.promotion_edits(_cubin(run, ".nv.constant0.kernel")) == []
     assert len(sass.promotion_edits(_cubin(run))) == 0     # each reuses an operand: kept
     run = b"".join(_ffma(100 + i, 7, 20 + i, 100 + i, reuse=False) for i in range(20))
     assert len(sass.promotion_edits(_cubin(run))) == 20

@@ -16,29 +16,36 @@ _FMT_SVAL = 4   # attribute with a length-prefixed payload (symbol index, value)
 _FMT_HVAL = 3   # attribute with a 16-bit inline value
 
 
-def _sections(elf: bytes) -> list[tuple[str, int, int]]:
-    """(name, offset, size) of every section of a 64-bit little-endian ELF image."""
-    shoff, = struct.unpack_from("<Q", elf, 0x28)
-    entsize, count, names_idx = struct.unpack_from("<HHH", elf, 0x3A)
-    raw = [struct.unpack_from("<IIQQQQIIQQ", elf, shoff + i * entsize) for i in range(count)]
-    names_off = raw[names_idx][4]
+def sections(blob: bytes, base: int = 0) -> list[tuple[str, int, int]]:
+    """(name, offset, size) of every section of the 64-bit little-endian ELF image starting at
+    ``base`` in ``blob``; offsets are the image's own (add ``base`` to index ``blob``)."""
+    shoff, = struct.unpack_from("<Q", blob, base + 0x28)
+    entsize, count, names_idx = struct.unpack_from("<HHH", blob, base + 0x3A)
+    raw = [struct.unpack_from("<IIQQQQIIQQ", blob, base + shoff + i * entsize) for i in range(count)]
+    names_off = base + raw[names_idx][4]
 
     def name(off: int) -> str:
         start = names_off + off
-        return elf[start:elf.index(b"\0", start)].decode()
+        return blob[start:blob.index(b"\0", start)].decode("ascii", "replace")
 
     return [(name(s[0]), s[4], s[5]) for s in raw]
 
 
-def _cubins(obj: bytes) -> list[bytes]:
-    """The CUDA ELF images embedded in ``obj`` (or ``obj`` itself when it is one)."""
+def cubin_offsets(obj: bytes) -> list[int]:
+    """Where the CUDA ELF images embedded in ``obj`` start (0 when ``obj`` is one)."""
     found, at = [], 0
     while (at := obj.find(b"\x7fELF", at)) >= 0:
-        machine, = struct.unpack_from("<H", obj, at + 0x12)
-        if machine == _EM_CUDA and obj[at + 4] == 2:   # 64-bit
-            found.append(obj[at:])
+        if at + 0x40 <= len(obj):
+            machine, = struct.unpack_from("<H", obj, at + 0x12)
+            if machine == _EM_CUDA and obj[at + 4] == 2:   # 64-bit
+                found.append(at)
         at += 4
     return found
+
+
+def _cubins(obj: bytes) -> list[bytes]:
+    """The CUDA ELF images embedded in ``obj`` (or ``obj`` itself when it is one)."""
+    return [obj[at:] for at in cubin_offsets(obj)]
 
 
 def resources(obj: bytes) -> dict[str, int]:
@@ -49,7 +56,7 @@ def resources(obj: bytes) -> dict[str, int]:
         raise ValueError("no CUDA ELF image in this object")
     out = {"registers": 0, "frame_bytes": 0, "min_stack_bytes": 0, "local_bytes": 0}
     for elf in cubins:
-        for name, off, size in _sections(elf):
+        for name, off, size in sections(elf):
             if name.startswith(".nv.local."):
                 out["local_bytes"] = max(out["local_bytes"], size)
             if name != ".nv.info":

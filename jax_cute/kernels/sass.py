@@ -30,8 +30,8 @@ from __future__ import annotations
 import dataclasses
 import struct
 
-_EM_CUDA = 190
-_ELF_MAGIC = b"\x7fELF"
+from jax_cute.kernels import cubin_info
+
 _FFMA_RRR = 0x223
 _NO_YIELD = 1 << 45      # set: the warp keeps issuing after this instruction
 _REUSE = 0xF << 58
@@ -45,54 +45,11 @@ class Edit:
     after: int
 
 
-def _cstr(blob: bytes, at: int) -> str:
-    end = blob.index(b"\0", at)
-    return blob[at:end].decode("ascii", "replace")
-
-
-def _elf_size_and_texts(obj: bytes, base: int) -> tuple[int, list[tuple[int, int]]] | None:
-    """(the ELF's size in bytes, [(offset, size) of each .text.* section relative to ``obj``])
-    for a 64-bit little-endian CUDA ELF starting at ``base``, or None if it is not one."""
-    if obj[base + 4:base + 6] != b"\x02\x01":            # ELFCLASS64, little-endian
-        return None
-    if struct.unpack_from("<H", obj, base + 18)[0] != _EM_CUDA:
-        return None
-    phoff, shoff = struct.unpack_from("<QQ", obj, base + 32)
-    phentsize, phnum, shentsize, shnum, shstrndx = struct.unpack_from("<HHHHH", obj, base + 54)
-    if shentsize != 64 or not shnum or base + shoff + shnum * 64 > len(obj):
-        return None
-    sections = [struct.unpack_from("<IIQQQQIIQQ", obj, base + shoff + i * 64) for i in range(shnum)]
-    strtab = sections[shstrndx][4]
-    size = max(shoff + shnum * 64, phoff + phnum * phentsize)
-    for i in range(phnum):                               # segments' file extents
-        off, = struct.unpack_from("<Q", obj, base + phoff + i * phentsize + 8)
-        filesz, = struct.unpack_from("<Q", obj, base + phoff + i * phentsize + 32)
-        size = max(size, off + filesz)
-    texts = []
-    for name, kind, _flags, _addr, off, sz, *_ in sections:
-        if kind != 8:                                    # SHT_NOBITS holds no bytes in the file
-            size = max(size, off + sz)
-        if _cstr(obj, base + strtab + name).startswith(".text.") and sz % 16 == 0:
-            texts.append((base + off, sz))
-    return size, texts
-
-
 def code_sections(obj: bytes) -> list[tuple[int, int]]:
-    """(offset, size) of each CUDA code section of every cubin embedded in ``obj`` (or of
+    """(offset in ``obj``, size) of each code section of every cubin embedded in ``obj`` (or of
     ``obj`` itself, when it is a cubin)."""
-    out, at = [], obj.find(_ELF_MAGIC)
-    while at != -1:
-        try:
-            found = _elf_size_and_texts(obj, at)
-        except (struct.error, ValueError, IndexError):    # ELF's magic inside other data
-            found = None
-        if found is not None:
-            size, texts = found
-            out += texts
-            at = obj.find(_ELF_MAGIC, at + max(size, 4))
-        else:
-            at = obj.find(_ELF_MAGIC, at + 4)
-    return out
+    return [(at + off, size) for at in cubin_info.cubin_offsets(obj)
+            for name, off, size in cubin_info.sections(obj, at) if name.startswith(".text.") and size % 16 == 0]
 
 
 def promotion_edits(obj: bytes) -> list[Edit]:
