@@ -39,7 +39,7 @@ from jax_cute.kernels.build import KernelBinary, compile_launcher
 
 logger = logging.getLogger("jax_cute")
 
-__all__ = ["CACHE", "KernelCache", "Stats", "atomic_write", "dsl_version", "family_binary", "make_key",
+__all__ = ["CACHE", "KernelCache", "Stats", "atomic_write", "dsl_version", "family_binary", "make_key", "object_pass",
            "untrusted_reason"]
 
 # Our names, and only these, are ours to read, list and delete.
@@ -321,6 +321,12 @@ def family_binary(fam, arch: str, spec, cfg) -> KernelBinary:
     """The compiled kernel of a family module for (spec, config, arch), through the cache."""
     fields = {"family": fam.FAMILY, "arch": arch, "spec": spec.key(), "config": cfg.key()}
     name = f"{fam.FAMILY}.{spec.key()}.{cfg.key()}"
-    finish = getattr(fam, "finish_object", lambda spec, cfg: None)(spec, cfg)
     return CACHE.get(fields, lambda: compile_launcher(fam.launcher(spec, cfg), fam.signature(spec, cfg),
-                                                      arch=arch, name=name, finish=finish))
+                                                      arch=arch, name=name, finish=object_pass(fam, spec, cfg)))
+
+
+def object_pass(fam, spec, cfg) -> Callable[[bytes], bytes] | None:
+    """The family's pass over its compiled object for (spec, config) (its ``finish_object``),
+    or None: families without one, and specs it leaves alone, keep the DSL's object."""
+    finish = getattr(fam, "finish_object", None)
+    return finish(spec, cfg) if finish is not None else None

@@ -14,7 +14,7 @@ import tempfile
 import pytest
 import shared_result  # tests/ is on sys.path under pytest
 
-from jax_cute import arch
+from jax_cute import arch, cache
 from jax_cute.kernels import cubin_info, sass, sm90_config, sm90_gemm, sm90_grouped
 from jax_cute.kernels.abi import Dyn
 from jax_cute.kernels.gemm_spec import GemmSpec, GroupedSpec
@@ -75,7 +75,7 @@ def _check_yield_pass(family, spec, cfg, obj: bytes) -> None:
     """The dense weight gradient's objects (per-column B scales, the serial promotion) take the
     yield pass (kernels/sass.py) and it finds promotion FFMAs to edit, none left once applied;
     the overlapped promotion and the grouped family keep ptxas' marks."""
-    finish = getattr(family, "finish_object", lambda spec, cfg: None)(spec, cfg)
+    finish = cache.object_pass(family, spec, cfg)
     assert (finish is not None) == (family is sm90_gemm and spec.b_block == 1 and not cfg.overlap_promote)
     if finish is not None:
         assert sass.promotion_edits(obj) and not sass.promotion_edits(finish(obj))

@@ -62,8 +62,8 @@ def symbol_for(name: str) -> str:
 def compile_launcher(launcher: Callable, signature: abi.Signature, *, arch: str, name: str,
                      keep_ptx: bool = False, finish: Callable[[bytes], bytes] | None = None) -> KernelBinary:
     """Compile ``launcher`` (a ``@cute.jit`` function) for ``arch`` against ``signature``;
-    ``finish`` rewrites the object in place (a family's pass over its machine code, which the
-    family's kernel sources, part of every cache key, name)."""
+    ``finish`` rewrites the object, keeping its size (a family's pass over its machine code,
+    which the family's kernel sources, part of every cache key, name)."""
     load_runtime_globally()
     # Imported here, not at the top: it imports the DSL's compiler, which loading a cached
     # kernel must not need (a GPU machine may have the DSL's runtime only).

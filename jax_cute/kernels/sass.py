@@ -41,8 +41,7 @@ MIN_RUN = 16             # a run of at least this many FFMAs is a promotion
 @dataclasses.dataclass(frozen=True)
 class Edit:
     offset: int          # of the instruction's hi word in the object
-    before: int
-    after: int
+    after: int           # its new value
 
 
 def code_sections(obj: bytes) -> list[tuple[int, int]]:
@@ -65,7 +64,7 @@ def promotion_edits(obj: bytes) -> list[Edit]:
                     run.append((pos + 8, hi))
                     continue
             if len(run) >= MIN_RUN:
-                edits += [Edit(off, hi, hi & ~_NO_YIELD) for off, hi in run
+                edits += [Edit(off, hi & ~_NO_YIELD) for off, hi in run
                           if hi & _NO_YIELD and not hi & _REUSE]
             run = []
     return edits
