@@ -168,7 +168,7 @@ def _check_k_loop_spills(obj: bytes, allowed: int) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         src = os.path.join(tmp, "k.cubin")
         with open(src, "wb") as f:
-            f.write(cubin_info._cubins(obj)[0])
+            f.write(obj[cubin_info.cubin_offsets(obj)[0]:])
         sass = subprocess.run([tool, "-c", src], capture_output=True, text=True, check=True).stdout
     main = [b for b in re.split(r"^\.L_x_\d+:", sass, flags=re.M) if "GMMA" in b or "WARPGROUP." in b]
     assert main, "no WGMMA in the SASS"

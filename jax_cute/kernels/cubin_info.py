@@ -43,31 +43,26 @@ def cubin_offsets(obj: bytes) -> list[int]:
     return found
 
 
-def _cubins(obj: bytes) -> list[bytes]:
-    """The CUDA ELF images embedded in ``obj`` (or ``obj`` itself when it is one)."""
-    return [obj[at:] for at in cubin_offsets(obj)]
-
-
 def resources(obj: bytes) -> dict[str, int]:
     """Registers, stack frame and spill (local memory) bytes of the kernel in ``obj``; the
     largest value over its kernels where it holds several. Raises ValueError without a cubin."""
-    cubins = _cubins(obj)
-    if not cubins:
+    bases = cubin_offsets(obj)
+    if not bases:
         raise ValueError("no CUDA ELF image in this object")
     out = {"registers": 0, "frame_bytes": 0, "min_stack_bytes": 0, "local_bytes": 0}
-    for elf in cubins:
-        for name, off, size in sections(elf):
+    for base in bases:   # read in place: each image's sections at its offset in obj
+        for name, off, size in sections(obj, base):
             if name.startswith(".nv.local."):
                 out["local_bytes"] = max(out["local_bytes"], size)
             if name != ".nv.info":
                 continue
-            pos, end = off, off + size
+            pos, end = base + off, base + off + size
             while pos < end:
-                fmt, attr = elf[pos], elf[pos + 1]
+                fmt, attr = obj[pos], obj[pos + 1]
                 if fmt == _FMT_SVAL:
-                    length, = struct.unpack_from("<H", elf, pos + 2)
+                    length, = struct.unpack_from("<H", obj, pos + 2)
                     if attr in _ATTR and length >= 8:
-                        _, value = struct.unpack_from("<II", elf, pos + 4)
+                        _, value = struct.unpack_from("<II", obj, pos + 4)
                         out[_ATTR[attr]] = max(out[_ATTR[attr]], value)
                     pos += 4 + length
                 else:
