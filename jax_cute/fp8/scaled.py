@@ -52,7 +52,7 @@ from jax_cute.fp8.quantize import (BLOCK, FP8_DTYPES, aligned_columns, clipped_s
 from jax_cute.kernels.gemm_spec import PAIRED_BLOCK, SCALE_ROWS
 from jax_cute.activations import apply_activation, is_gated
 from jax_cute.layout import Layout, make_layout, stride_of
-from jax_cute.primitives import sharding
+from jax_cute.primitives import remat, sharding
 from jax_cute.problem.gemm_layouts import matmul_layouts
 from jax_cute.problem.ragged_layouts import RAGGED_K, RAGGED_M, RaggedLayouts
 
@@ -352,6 +352,27 @@ def _ragged_k_abstract(a, sa, b, sb, gs, *, out_dtype, compute, aligned=False):
 scaled_gemm_p.def_abstract_eval(_gemm_abstract)
 scaled_ragged_m_p.def_abstract_eval(_ragged_m_abstract)
 scaled_ragged_k_p.def_abstract_eval(_ragged_k_abstract)
+
+# What checkpoint policies see: the product of the fp8 values (scales aside), as lax states it.
+# Operands: a, sa, b, sb[, group sizes].
+def _gemm_view(avals, params) -> remat.LaxView:
+    (l, m, k), n = avals[0].shape, avals[2].shape[1]
+    return remat.dot_view(avals[0].dtype, avals[2].dtype, l, m, n, k, params["out_dtype"])
+
+
+def _ragged_m_view(avals, params) -> remat.LaxView:
+    (m, k), (g, n, _) = avals[0].shape, avals[2].shape
+    return remat.ragged_view(avals[0].dtype, avals[2].dtype, RAGGED_M, m, n, k, g, 1, params["out_dtype"])
+
+
+def _ragged_k_view(avals, params) -> remat.LaxView:
+    (p, t), q, g = avals[0].shape, avals[2].shape[0], avals[4].shape[0]
+    return remat.ragged_view(avals[0].dtype, avals[2].dtype, RAGGED_K, p, q, t, g, 1, params["out_dtype"])
+
+
+remat.register(scaled_gemm_p, _gemm_view)
+remat.register(scaled_ragged_m_p, _ragged_m_view)
+remat.register(scaled_ragged_k_p, _ragged_k_view)
 
 
 # -- reference: two-level accumulation in lax ------------------------------------------------------

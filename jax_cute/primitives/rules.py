@@ -3,7 +3,8 @@
 As ``jax/_src/lax``'s ``standard_primitive`` bundles a primitive's rules, ``gemm_primitive``
 makes each of ours (``jax_cute_matmul``, the grouped pair, the fused and derivative epilogues):
 its abstract evaluation, its eager implementation (a one-op jit, as JAX's own primitives run
-outside jit) and the device assignment its lowering needs (the partitioned lowering and the
+outside jit), the product checkpoint policies see (``remat.py``) and the device assignment its
+lowering needs (the partitioned lowering and the
 fused ones lower through ``custom_partitioning``). As lax's one ``_dot_batch_rule`` serves
 ``dot_general`` and ``ragged_dot``, ``batch_rule`` serves them all: a vmapped axis becomes an
 L sub-mode of every operand the ``layouts`` parameter reads (stride 0 where unbatched), the
@@ -26,7 +27,7 @@ from jax.extend import core
 from jax.interpreters import batching
 
 from jax_cute.dispatch import GemmRequest, gemm, whole_split
-from jax_cute.primitives import sharding
+from jax_cute.primitives import remat, sharding
 from jax_cute.problem.gemm_layouts import GemmLayouts, batched_gemm
 from jax_cute.problem.ragged_layouts import RaggedLayouts, batched
 
@@ -43,6 +44,7 @@ def gemm_primitive(name: str, abstract_eval: Callable, *, partitioned: bool = Fa
     # custom_partitioning needs the device assignment while lowering, which jit passes only to
     # computations holding a primitive that asks for it (the fused ones hold the GEMM's lowering)
     jax_dispatch.prim_requires_devices_during_lowering.add(prim)
+    remat.register(prim)   # checkpoint policies that save dots save it
     return prim
 
 
