@@ -21,6 +21,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 from jax import lax
+from jax._src.interpreters.partial_eval import ensure_enum  # a policy's answer as an enum; not exported
 from jax._src.lax.lax import ragged_dot_general_p  # jax.lax does not export it
 from jax.ad_checkpoint import Offloadable, Recompute, Saveable
 from jax.core import ShapedArray
@@ -109,18 +110,11 @@ def layouts_view(avals: Sequence[Any], params: dict) -> LaxView:
 def _policy(saveable: Callable, eqn, view: View):
     """The policy's answer for ``eqn``: saved if it saves the primitive or the lax call."""
     avals = [x.aval for x in eqn.invars]
-    own = pe_enum(saveable(eqn.primitive, *avals, **eqn.params))
+    own = ensure_enum(saveable(eqn.primitive, *avals, **eqn.params))
     if own is not Recompute:
         return own
     lax_call = view(avals, eqn.params)
-    return pe_enum(saveable(lax_call.prim, *lax_call.avals, **lax_call.params))
-
-
-def pe_enum(case):
-    """A policy's answer as ``Saveable``, ``Recompute`` or an ``Offloadable``."""
-    if isinstance(case, (bool, np.bool_)):
-        return Saveable if case else Recompute
-    return case
+    return ensure_enum(saveable(lax_call.prim, *lax_call.avals, **lax_call.params))
 
 
 def _rule(view: View, saveable: Callable, unks_in: Sequence[bool], inst_in: Sequence[bool], eqn):
@@ -138,7 +132,7 @@ def _rule(view: View, saveable: Callable, unks_in: Sequence[bool], inst_in: Sequ
         policy = Recompute
     if policy is Saveable:   # computed once, its outputs residuals where the backward reads them
         return eqn, None, [False] * outs, [False] * outs, []
-    return eqn, eqn.replace(invars=list(eqn.invars)), [False] * outs, [True] * outs, needed
+    return eqn, eqn, [False] * outs, [True] * outs, needed
 
 
 def register(prim: core.Primitive, view: View = layouts_view) -> None:

@@ -4,9 +4,9 @@ As ``jax/_src/lax``'s ``standard_primitive`` bundles a primitive's rules, ``gemm
 makes each of ours (``jax_cute_matmul``, the grouped pair, the fused and derivative epilogues):
 its abstract evaluation, its eager implementation (a one-op jit, as JAX's own primitives run
 outside jit), the product checkpoint policies see (``remat.py``) and the device assignment its
-lowering needs (the partitioned lowering and the
-fused ones lower through ``custom_partitioning``). As lax's one ``_dot_batch_rule`` serves
-``dot_general`` and ``ragged_dot``, ``batch_rule`` serves them all: a vmapped axis becomes an
+lowering needs (the partitioned lowering and the fused ones lower through
+``custom_partitioning``). As lax's one ``_dot_batch_rule`` serves ``dot_general`` and
+``ragged_dot``, ``batch_rule`` serves them all: a vmapped axis becomes an
 L sub-mode of every operand the ``layouts`` parameter reads (stride 0 where unbatched), the
 layouts re-targeted at the batched buffers by composition, no data moved. A primitive with
 operands the layouts do not cover (a bias, a pre-activation Z) rewrites them in a hook.
