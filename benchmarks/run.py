@@ -26,7 +26,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 SUITES = {"models": "bench_models.py", "matmul": "bench_matmul.py", "layouts": "bench_layouts.py", "ragged": "bench_ragged.py",
           "launch": "bench_launch.py", "fused": "bench_fused.py", "scaling": "bench_scaling.py",
-          "collective": "bench_collective.py", "fp8": "bench_fp8.py"}
+          "collective": "bench_collective.py", "fp8": "bench_fp8.py", "scan": "bench_scan.py"}
 IMPL_ORDER = ["jax_cute", "xla", "pallas"]
 IMPL_LABEL = {"jax_cute": "jax_cute", "xla": "XLA", "pallas": "Pallas", "xla_bf16_grads": "XLA, bf16 gradient GEMMs",
               "jax_cute_kernelize": "kernelize(jnp step): gelu fused"}
@@ -228,7 +228,8 @@ SUITE_TITLE = {"models": "Models: jax_cute.kernelize", "matmul": "Dense GEMM: ja
                "launch": "Launch overhead", "fused": "Fused epilogues: bias and activation",
                "scaling": "Several GPUs: the GPT training step sharded",
                "collective": "Collective matmul: all-gather and reduce-scatter inside the GEMMs",
-               "fp8": "Block-scaled fp8 GEMM: DeepGEMM's shapes"}
+               "fp8": "Block-scaled fp8 GEMM: DeepGEMM's shapes",
+               "scan": "Layer stacks under lax.scan: checkpoint policies"}
 # A results file holding only this table (e.g. BENCH_FP8_GEMM=0) gets this title and note.
 TABLE_SECTION = {"fp8_swiglu": ("Block-scaled fp8 SwiGLU products",
                                 "The gate-and-up product of a SwiGLU MLP with a bias (N = 2 x the hidden width), "
@@ -255,6 +256,7 @@ SUITE_LABELS = {"ragged": {"xla": "lax.ragged_dot",   # what the "xla" rival is 
                         "jax_cute_raw": "jax_cute fp8 (no block scales)",
                         "xla": "XLA fp8 dot (no block scales)", "xla_bf16": "XLA bf16, as written"},
                 "models": {"jax_cute_unfused": "jax_cute, gelu not fused"},
+                "scan": {"jax_cute": "jax_cute.kernelize", "xla": "XLA, as written", "xla_bf16": "XLA, bf16 products"},
                 "scaling": {"jax_cute_float32_sums": "jax_cute, float32 sums over GPUs"},
                 "fused": {"jax_cute": "jax_cute fused", "jax_cute_remat": "jax_cute fused, jax.checkpoint",
                           "jax_cute_unfused": "jax_cute + jnp epilogue",
@@ -288,6 +290,14 @@ SUITE_NOTE = {
               "The MLP step is the forward + backward + SGD update of `examples/mlp_training.py`; *XLA, bf16 "
               "gradient GEMMs* rounds the f32 cotangent to bf16 as jax_cute does, the like-for-like baseline. "
               "The step is timed in 250 ms windows (the board at its power cap), 11 rounds.",
+    "scan": "A stack of MLP layers (`x + gelu(x @ w1) @ w2`, bf16 weights and activations) under `lax.scan`, "
+            "each layer under `jax.checkpoint` with the policy the row names (or none), the value and gradient "
+            "of a loss of its output; TFLOP/s count the six products of each layer's forward and backward, "
+            "not recomputations. *jax_cute.kernelize*: the layer kernelized (gelu in the first GEMM's epilogue, "
+            "its derivative in the backward GEMM of the second); the policies see our GEMMs as the dots they "
+            "replace. *XLA, as written*: the products with float32 outputs, so the gradient GEMMs take "
+            "float32 cotangents; *XLA, bf16 products*: bf16 outputs, so bf16 gradient GEMMs as ours (the "
+            "like-for-like baseline). Timed interleaved in one process, 250 ms windows.",
     "models": "The training step of `examples/gpt_training.py` (embeddings, pre-norm blocks of causal attention "
               "through `jnp.einsum` and a GELU MLP or a top-2 mixture of experts on `lax.ragged_dot`, layers "
               "under `lax.scan` + `jax.checkpoint`, tied LM head, AdamW; bf16 products, f32 master weights): "

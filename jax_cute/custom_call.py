@@ -30,7 +30,7 @@ def kernel_call(binary: KernelBinary, inputs: Mapping[str, tuple[jax.Array, Sequ
                 outputs: Mapping[str, tuple[jax.ShapeDtypeStruct, Sequence[int], Sequence[int]]],
                 scalars: Mapping[str, object] | None = None, *,
                 zeroed: Sequence[str] = (), aliases: Mapping[str, str] | None = None, nan_fill: bool | None = None,
-                command_buffer: bool | None = None) -> dict[str, jax.Array]:
+                command_buffer: bool | None = None, used: Sequence[str] | None = None) -> dict[str, jax.Array]:
     """Launch ``binary`` on XLA's stream; returns the outputs by name.
 
     ``inputs`` maps a tensor argument's name to (physical array, logical shape, logical
@@ -39,7 +39,9 @@ def kernel_call(binary: KernelBinary, inputs: Mapping[str, tuple[jax.Array, Sequ
     input's name to the output written into its buffer (it starts as that input); with
     ``nan_fill`` (default: ``config.nan_fill()``) every other output starts as NaN (or -1 for
     integers). ``command_buffer`` (default: ``config.command_buffer()``) picks the FFI target
-    XLA may record into a CUDA graph, or the one it launches on its stream every run.
+    XLA may record into a CUDA graph, or the one it launches on its stream every run. ``used``
+    names the outputs the caller reads (default: all; not its workspaces): when there are several
+    and no output is aliased, they pass through an optimization barrier.
     """
     runtime.ensure_registered()
     in_names, out_names = list(inputs), list(outputs)
@@ -75,8 +77,16 @@ def kernel_call(binary: KernelBinary, inputs: Mapping[str, tuple[jax.Array, Sequ
         attrs["arg_kinds"] = kinds
     graph = config.command_buffer() if command_buffer is None else command_buffer
     call = jax.ffi.ffi_call(runtime.target_name(graph), out_types, input_output_aliases=operand_aliases or None)
-    results = call(*args, **attrs)
-    return dict(zip(out_names, results))
+    got = dict(zip(out_names, call(*args, **attrs)))
+    used = out_names if used is None else list(used)
+    if len(used) > 1 and not operand_aliases:
+        # XLA's dynamic-slice fusion (jaxlib 0.11) writes an output that a scan stacks straight
+        # into the stacked buffer by cloning the call into a fusion; when another output has a
+        # further user it keeps the original call for that user, and the kernel runs twice.
+        # Behind a barrier the outputs have one user, so the call is never cloned. Not with
+        # aliased outputs (NaN-filled, zeroed or the caller's): in a scan XLA then gave wrong results.
+        got.update(zip(used, jax.lax.optimization_barrier([got[n] for n in used])))
+    return got
 
 
 def workspace_outputs(binary: KernelBinary, workspaces) -> dict:

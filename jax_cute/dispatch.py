@@ -522,7 +522,7 @@ def _implementation(req: GemmRequest, p: Plan, binary: KernelBinary, workspaces,
         outputs = {name: (jax.ShapeDtypeStruct(shape, np.dtype(req.dtypes[2])), *desc)
                    for name, (shape, desc) in outs.items()}
         outputs.update(workspace_outputs(binary, workspaces))
-        got = kernel_call(binary, inputs, outputs, zeroed=_zeroed(workspaces))
+        got = kernel_call(binary, inputs, outputs, zeroed=_zeroed(workspaces), used=list(outs))
         sliced = tuple(slice(0, n) for n in c_shape)
         return [got[name][sliced] if p.padded_c else got[name] for name in outs]
 

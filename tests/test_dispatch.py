@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import re
 
 import jax
 import jax.numpy as jnp
@@ -293,3 +294,31 @@ def test_a_requested_split_k_ranks_only_configs_of_that_split():
     # a split no candidate has (a fused pre-activation takes unsplit tiles only): the heuristic's own
     fused = GemmSpec("bfloat16", "bfloat16", "bfloat16", "k", "n", "n", activation="gelu", preact=True)
     assert sm90_gemm.heuristic(fused, 512, 512, 2048, 1, split_k=4).split_k == 1
+
+
+def test_several_outputs_pass_through_one_barrier_and_workspaces_stay_out(device):
+    """A kernel's outputs pass through an optimization barrier when the caller reads more than
+    one (the fused gelu GEMM's output and pre-activation): XLA's dynamic-slice fusion (jaxlib
+    0.11) would otherwise clone such a call whose outputs a scan stacks and run it twice
+    (tests/test_gpu_remat.py counts the launches). Calls with one read output (and split-K
+    workspaces beside it) keep none, so that fusion may still write them in place, and so do
+    calls with aliased outputs (on the GPU such a call behind a barrier in a scan gave wrong
+    results)."""
+    device(9, 0)
+
+    def mlp(x, w1, w2):
+        h = jax.nn.gelu(jnp.matmul(x, w1, preferred_element_type=jnp.float32)).astype(jnp.bfloat16)
+        return jnp.matmul(h, w2, preferred_element_type=jnp.float32)
+
+    grad = jax.grad(lambda *a: jnp.sum(jax_cute.kernelize(mlp)(*a) ** 2), argnums=(0, 1, 2))
+    args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((256, 128), (128, 512), (512, 128))]
+    text = jax.jit(grad).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    calls = dict(re.findall(r"(%\d+)(?::(\d+))? = stablehlo.custom_call @jax_cute_launch", text))
+    barriers = re.findall(r"= stablehlo.optimization_barrier ([^:]+) :", text)
+    assert len(calls) == 6 and any(n and int(n) > 2 for n in calls.values()), calls  # split-K workspaces
+    assert len(barriers) == 1, barriers
+    operands = [o.strip() for o in barriers[0].split(",")]
+    assert operands == ["%0#0", "%0#1"] and calls["%0"] == "2", (operands, calls)
+    with config.override(nan_fill=True):   # every output aliased to a NaN-filled input: no barrier
+        text = jax.jit(lambda *a: grad(*a)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "@jax_cute_launch" in text and "optimization_barrier" not in text
