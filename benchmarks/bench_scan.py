@@ -3,7 +3,7 @@ each layer under ``jax.checkpoint`` with a remat policy or none, the value and g
 loss: ``jax_cute.kernelize`` (gelu in the first GEMM's epilogue, its derivative in the backward
 GEMM of the second) against the same stack on XLA, as written (float32 product outputs, so its
 gradient GEMMs take float32 cotangents) and with bf16 product outputs (bf16 gradient GEMMs, as
-ours; the policies see plain dots either way)."""
+ours; its gelu reads the rounded product). The policies see plain dots either way."""
 
 from __future__ import annotations
 

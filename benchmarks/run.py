@@ -211,6 +211,7 @@ SECTIONS = [  # (table, record key, unit, higher is better, title, digits)
      "Block-scaled fp8 SwiGLU gate-and-up product with a bias (M×N×K; grouped G×rows×N×K), bf16 out", 1),
     ("fp8_train", "ms", "ms", False, "GPT training step, weight products in block-scaled fp8 (time per step)", 2),
     ("e2e", "ms", "ms", False, "End-to-end steps (time per call)", 2),
+    ("scan", "ms", "ms", False, "A layer stack's value and gradient (time per call)", 2),
     ("launch", "us_per_iter", "µs/iter", False, "Tiny kernel in a fori_loop (command buffers off)", 2),
     ("scaling", "tokens_per_s_per_device", "tokens/s per GPU", True, "Training step on several GPUs, same batch per GPU", 0),
     ("collective", "ms", "ms", False, "Tensor-parallel products with their collective, all visible GPUs", 3),
@@ -297,7 +298,8 @@ SUITE_NOTE = {
             "its derivative in the backward GEMM of the second); the policies see our GEMMs as the dots they "
             "replace. *XLA, as written*: the products with float32 outputs, so the gradient GEMMs take "
             "float32 cotangents; *XLA, bf16 products*: bf16 outputs, so bf16 gradient GEMMs as ours (the "
-            "like-for-like baseline). Timed interleaved in one process, 250 ms windows.",
+            "like-for-like baseline; its gelu reads the product rounded to bf16, ours the float32 "
+            "accumulator). Timed interleaved in one process, 250 ms windows.",
     "models": "The training step of `examples/gpt_training.py` (embeddings, pre-norm blocks of causal attention "
               "through `jnp.einsum` and a GELU MLP or a top-2 mixture of experts on `lax.ragged_dot`, layers "
               "under `lax.scan` + `jax.checkpoint`, tied LM head, AdamW; bf16 products, f32 master weights): "
@@ -424,7 +426,7 @@ def scaling_table(recs: list[dict], labels: dict[str, str] | None = None) -> lis
 SUMMARY_RIVALS = ("xla", "xla_bf16", "xla_bf16_grads", "pallas", "jax_cute_bf16")
 SUMMARY_TABLE = {"gemm": "single products", "gemm_loop": "small products in a loop",
                  "gemm_sustained": "1 s windows", "e2e": "MLP training step", "ragged": "single products",
-                 "fp8_gemm": "dense", "fp8_grouped": "grouped", ("ragged", "e2e"): "MoE layer"}   # (suite, table): where a suite names a table its own way
+                 "fp8_gemm": "dense", "fp8_grouped": "grouped", "scan": "scanned layer stack", ("ragged", "e2e"): "MoE layer"}   # (suite, table): where a suite names a table its own way
 # other processes' tables, beside the suite's own (bench_collective.py's flag sets)
 SUMMARY_SKIP = ("collective_windowed", "collective_lhs", "collective_memcpy_p2p", "collective_lhs_memcpy_p2p",
                 "collective_lhs_overlap2", "collective_lhs_windowed")

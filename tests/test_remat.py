@@ -138,3 +138,19 @@ def test_fp8_products_are_saved_as_dots():
     saved = grad_products(lambda x, w, _: fp8(x, w), "dots_saveable", (x, w, w))
     recomputed = grad_products(lambda x, w, _: fp8(x, w), "nothing_saveable", (x, w, w))
     assert saved < recomputed
+
+
+def test_only_real_effects_force_a_save():
+    """As in JAX's own rule, an axis-name effect (a GEMM inside ``shard_map``) leaves the choice to
+    the policy; any other effect saves the product."""
+    from jax._src import core as jax_core
+    from jax._src.debugging import DebugEffect
+    from jax.interpreters import partial_eval as pe
+
+    x = jnp.ones((16, 24), jnp.bfloat16)
+    eqn = next(e for e in jax.make_jaxpr(jax_cute.matmul)(x, x.T).eqns if e.primitive.name.startswith("jax_cute"))
+    rule = pe.partial_eval_jaxpr_custom_rules[eqn.primitive]
+    recompute = jax.checkpoint_policies.nothing_saveable
+    for effects, staged in (({jax_core.NamedAxisEffect("i")}, True), ({DebugEffect()}, False), (set(), True)):
+        known, again, *_ = rule(recompute, [False, False], [True, True], eqn.replace(effects=effects))
+        assert known is not None and (again is not None) == staged, effects

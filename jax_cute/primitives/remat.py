@@ -21,6 +21,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 from jax import lax
+from jax._src import core as jax_core  # the effect types checkpoint looks past; not exported
 from jax._src.interpreters.partial_eval import ensure_enum  # a policy's answer as an enum; not exported
 from jax._src.lax.lax import ragged_dot_general_p  # jax.lax does not export it
 from jax.ad_checkpoint import Offloadable, Recompute, Saveable
@@ -32,6 +33,10 @@ from jax_cute.problem.gemm_layouts import GemmLayouts, refine
 from jax_cute.problem.ragged_layouts import RAGGED_M, RaggedLayouts
 
 log = logging.getLogger("jax_cute")
+
+# Effects JAX's own partial evaluation does not count (an axis name, an internal ref): an
+# equation that has only these is saved or recomputed as the policy says.
+_NOT_REALLY_EFFECTS = (jax_core.NamedAxisEffect, jax_core.InternalMutableArrayEffect)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,7 +130,8 @@ def _rule(view: View, saveable: Callable, unks_in: Sequence[bool], inst_in: Sequ
     needed = [x for x, inst in zip(eqn.invars, inst_in) if isinstance(x, core.Var) and not inst]
     if any(unks_in):   # depends on the differentiated inputs: runs in the backward pass
         return None, eqn, [True] * outs, [True] * outs, needed
-    policy = Saveable if eqn.effects else _policy(saveable, eqn, view)
+    effects = any(not isinstance(e, _NOT_REALLY_EFFECTS) for e in eqn.effects)
+    policy = Saveable if effects else _policy(saveable, eqn, view)
     if isinstance(policy, Offloadable):
         log.info("jax_cute: %s under jax.checkpoint: the policy offloads it (%s -> %s); it is recomputed "
                  "instead", eqn.primitive.name, policy.src, policy.dst)
