@@ -20,7 +20,8 @@ import jax_cute  # noqa: E402
 from common import Impl, measure, suite_main  # noqa: E402
 
 BF16 = jnp.bfloat16
-POLICIES = ("dots_saveable", "nothing_saveable", None)
+# (policy, prevent_cse): the last, as JAX documents it safe inside a scan, reads the residuals in place
+POLICIES = (("dots_saveable", True), ("nothing_saveable", True), (None, True), ("dots_saveable", False))
 
 
 def _mm(a, b):
@@ -37,11 +38,11 @@ def layer(x, w, mm=_mm):
     return x + mm(h, w2).astype(BF16)
 
 
-def step(policy: str | None, kernelized: bool, mm=_mm):
+def step(policy: str | None, kernelized: bool, mm=_mm, prevent_cse: bool = True):
     """The loss's value and its gradient in both stacked weights."""
     lay = jax_cute.kernelize(layer) if kernelized else (lambda x, w: layer(x, w, mm))
     if policy:
-        lay = jax.checkpoint(lay, policy=getattr(jax.checkpoint_policies, policy))
+        lay = jax.checkpoint(lay, policy=getattr(jax.checkpoint_policies, policy), prevent_cse=prevent_cse)
 
     def loss(w1, w2, x):
         y, _ = jax.lax.scan(lambda c, w: (lay(c, w), None), x, (w1, w2))
@@ -59,14 +60,15 @@ def run(args: argparse.Namespace) -> list[dict]:
                 jax.random.normal(k[2], (t, d), BF16))
 
     recs: list[dict] = []
-    for policy in POLICIES:
+    for policy, cse in POLICIES:
         case = (f"{n} layers, {t} tokens, d_model {d}, MLP {f}, "
-                + (f"checkpoint {policy}" if policy else "no checkpoint"))
+                + (f"checkpoint {policy}" if policy else "no checkpoint") + ("" if cse else ", prevent_cse=False"))
         recs += measure("scan", "scan", case,
-                        [Impl("jax_cute", step(policy, True)), Impl("xla", step(policy, False)),
-                         Impl("xla_bf16", step(policy, False, _mm_bf16))],
+                        [Impl("jax_cute", step(policy, True, prevent_cse=cse)),
+                         Impl("xla", step(policy, False, prevent_cse=cse)),
+                         Impl("xla_bf16", step(policy, False, _mm_bf16, cse))],
                         make_args, 12.0 * t * d * f * n, rounds=2 if args.smoke else args.rounds,
-                        target_s=0.01 if args.smoke else 0.25, meta={"dtype": "bfloat16", "policy": policy})
+                        target_s=0.01 if args.smoke else 0.25, meta={"dtype": "bfloat16", "policy": policy, "prevent_cse": cse})
     return recs
 
 

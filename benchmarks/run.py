@@ -292,7 +292,8 @@ SUITE_NOTE = {
               "gradient GEMMs* rounds the f32 cotangent to bf16 as jax_cute does, the like-for-like baseline. "
               "The step is timed in 250 ms windows (the board at its power cap), 11 rounds.",
     "scan": "A stack of MLP layers (`x + gelu(x @ w1) @ w2`, bf16 weights and activations) under `lax.scan`, "
-            "each layer under `jax.checkpoint` with the policy the row names (or none), the value and gradient "
+            "each layer under `jax.checkpoint` with the policy the row names (or none; `prevent_cse=False` where "
+            "the row says so, as JAX documents it safe in a scan), the value and gradient "
             "of a loss of its output; TFLOP/s count the six products of each layer's forward and backward, "
             "not recomputations. *jax_cute.kernelize*: the layer kernelized (gelu in the first GEMM's epilogue, "
             "its derivative in the backward GEMM of the second); the policies see our GEMMs as the dots they "
