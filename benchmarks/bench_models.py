@@ -21,15 +21,36 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 
 import gpt_training as gpt  # noqa: E402
-from common import Impl, bf16_cotangent, gpt_train_cases, measure, suite_main  # noqa: E402
+from common import Impl, gpt_train_cases, measure, suite_main  # noqa: E402
+
+
+def _bf16_cotangent(product, differentiable: int = 2):
+    """``product(*operands)`` with an f32 result whose cotangent is rounded once to the operands'
+    dtype: the gradient products then run on 16-bit inputs with 16-bit outputs. Operands past
+    the first ``differentiable`` (group sizes) get no cotangent."""
+    @jax.custom_vjp
+    def f(*operands):
+        return product(*operands, preferred_element_type=gpt.F32)
+
+    def fwd(*operands):
+        return f(*operands), operands
+
+    def bwd(operands, ct):
+        dtype = operands[0].dtype
+        diff, rest = operands[:differentiable], operands[differentiable:]
+        _, vjp = jax.vjp(lambda *xs: product(*xs, *rest, preferred_element_type=dtype), *diff)
+        return (*vjp(ct.astype(dtype)), *(None for _ in rest))
+
+    f.defvjp(fwd, bwd)
+    return f
 
 
 def _mm_bf16_grads(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
-    return bf16_cotangent(functools.partial(jax.numpy.einsum, spec))(a.astype(gpt.COMPUTE), b.astype(gpt.COMPUTE))
+    return _bf16_cotangent(functools.partial(jax.numpy.einsum, spec))(a.astype(gpt.COMPUTE), b.astype(gpt.COMPUTE))
 
 
 def _grouped_mm_bf16_grads(x: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
-    return bf16_cotangent(lax.ragged_dot)(x.astype(gpt.COMPUTE), w.astype(gpt.COMPUTE), sizes)
+    return _bf16_cotangent(lax.ragged_dot)(x.astype(gpt.COMPUTE), w.astype(gpt.COMPUTE), sizes)
 
 
 @contextlib.contextmanager

@@ -28,10 +28,6 @@ def _mm(a, b):
     return jnp.matmul(a, b, preferred_element_type=jnp.float32)
 
 
-def _mm_bf16(a, b):
-    return jnp.matmul(a, b)
-
-
 def layer(x, w, mm=_mm):
     w1, w2 = w
     h = jax.nn.gelu(mm(x, w1)).astype(BF16)
@@ -66,7 +62,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         recs += measure("scan", "scan", case,
                         [Impl("jax_cute", step(policy, True, prevent_cse=cse)),
                          Impl("xla", step(policy, False, prevent_cse=cse)),
-                         Impl("xla_bf16", step(policy, False, _mm_bf16, cse))],
+                         Impl("xla_bf16", step(policy, False, jnp.matmul, cse))],
                         make_args, 12.0 * t * d * f * n, rounds=2 if args.smoke else args.rounds,
                         target_s=0.01 if args.smoke else 0.25, meta={"dtype": "bfloat16", "policy": policy, "prevent_cse": cse})
     return recs

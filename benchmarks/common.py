@@ -32,7 +32,6 @@ from typing import Callable, ContextManager, Iterator, Sequence
 from unittest import mock
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jax_cute import autotune
@@ -226,27 +225,6 @@ def best_of(records: list[dict], impl: str) -> list[dict]:
             rs[0]["configs_tried"] = len(rs)
             out.append(rs[0])
     return out
-
-
-def bf16_cotangent(product, differentiable: int = 2):
-    """``product(*operands)`` with an f32 result whose cotangent is rounded once to the operands'
-    dtype: the gradient products then run on 16-bit inputs with 16-bit outputs. Operands past
-    the first ``differentiable`` (group sizes) get no cotangent."""
-    @jax.custom_vjp
-    def f(*operands):
-        return product(*operands, preferred_element_type=jnp.float32)
-
-    def fwd(*operands):
-        return f(*operands), operands
-
-    def bwd(operands, ct):
-        dtype = operands[0].dtype
-        diff, rest = operands[:differentiable], operands[differentiable:]
-        _, vjp = jax.vjp(lambda *xs: product(*xs, *rest, preferred_element_type=dtype), *diff)
-        return (*vjp(ct.astype(dtype)), *(None for _ in rest))
-
-    f.defvjp(fwd, bwd)
-    return f
 
 
 def gpt_train_cases(gpt, smoke: bool, sizes: tuple[str, ...] = ("h200",)) -> Iterator[tuple]:
