@@ -357,8 +357,24 @@ def _provenance(data: dict, path: str) -> str:
     sw = [f"jax {data['jax_version']}" if data.get("jax_version") else None,
           f"nvidia-cutlass-dsl {data['cutlass_dsl_version']}" if data.get("cutlass_dsl_version") else None]
     # (the result file keeps the commit; the reader's page names the device, date and software)
-    return (f"Measured on {data.get('device', '?')}, {str(data.get('date', '?'))[:10]} "
+    later = "".join(f", {m['label']} on {str(m['date'])[:10]}" for m in data.get("merged", []))
+    return (f"Measured on {data.get('device', '?')}, {str(data.get('date', '?'))[:10]}{later} "
             f"({', '.join(s for s in sw if s)}); from `{Path(path).name}`.")
+
+
+def merge(into: str, new: str, label: str) -> dict:
+    """Replace the records of `into` whose cases `new` measured (a run with --cases) by `new`'s,
+    and record when (`merged`: label, date, commit), so the report dates those rows apart."""
+    old, add = json.loads(Path(into).read_text()), json.loads(Path(new).read_text())
+    if (old.get("device"), old.get("jax_version")) != (add.get("device"), add.get("jax_version")):
+        raise SystemExit(f"{new} ran on {add.get('device')} with jax {add.get('jax_version')}, "
+                         f"{into} on {old.get('device')} with jax {old.get('jax_version')}: not one table")
+    cases = {r["case"] for r in add["records"]}
+    old["records"] = [r for r in old["records"] if r["case"] not in cases] + add["records"]
+    old["merged"] = [m for m in old.get("merged", []) if m["label"] != label] + [
+        {"label": label, "date": add.get("date"), "commit": add.get("commit"), "cases": sorted(cases)}]
+    Path(into).write_text(json.dumps(old, indent=1) + "\n")
+    return old
 
 
 def first_call_section(path: str) -> list[str]:
@@ -461,7 +477,7 @@ def summary(files: list[str]) -> list[str]:
         data = json.loads(Path(f).read_text())
         recs = data.get("records", [])
         count = data.get("device_count") or 1
-        where = f"{f'{count} x ' if count > 1 else ''}{data.get('device', '?')}, {str(data.get('date', '?'))[:10]}"
+        device = f"{f'{count} x ' if count > 1 else ''}{data.get('device', '?')}"
         suites = data.get("suites") or []
         labels = _suite_labels(suites)
         tables = [t for t in SECTIONS if any(r.get("table") == t[0] for r in recs)]
@@ -485,8 +501,16 @@ def summary(files: list[str]) -> list[str]:
             if tbl == "scaling":
                 parts += _scaling_summary(rs)
             if parts:
-                out.append(f"- **{name}** ({where}): {ours} " + "; ".join(parts) + ".")
+                out.append(f"- **{name}** ({device}, {_dates(data, rs)}): {ours} " + "; ".join(parts) + ".")
     return out
+
+
+def _dates(data: dict, recs: list[dict]) -> str:
+    """When `recs` were measured: the file's date, or that of the later run merged in (`merge`)."""
+    def date(case: str) -> str:
+        later = [m["date"] for m in data.get("merged", []) if case in m.get("cases", [])]
+        return str((later or [data.get("date", "?")])[-1])[:10]
+    return " and ".join(sorted({date(r["case"]) for r in recs}))
 
 
 def _scaling_summary(recs: list[dict]) -> list[str]:
@@ -579,10 +603,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--time-limit", type=float, metavar="S",
                    help="stop the suites after S seconds in all, keeping the cases they finished")
     p.add_argument("--report", nargs="+", metavar="JSON", help="write BENCHMARKS.md and plots from these files")
+    p.add_argument("--merge", nargs=3, metavar=("INTO", "NEW", "LABEL"),
+                   help="replace INTO's records of the cases NEW measured by NEW's; LABEL names them in the report")
     p.add_argument("--md", default=str(ROOT / "BENCHMARKS.md"))
     p.add_argument("--plots", default=str(HERE / "plots"))
     args = p.parse_args(argv)
-    if args.report:
+    if args.merge:
+        data = merge(*args.merge)
+        print(f"{args.merge[0]}: {len(data['records'])} records, {args.merge[2]} from {args.merge[1]}")
+    elif args.report:
         files = report_order(args.report)
         report(files, args.md, args.plots)
         readme = ROOT / "README.md"

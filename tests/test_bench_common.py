@@ -87,6 +87,32 @@ def test_summary_is_the_geometric_mean_over_cases_where_jax_cute_ran_its_kernel(
         "- **Dense GEMM** (GPU X, 2026-01-02): jax_cute 1.00x XLA (0.50-2.00x, 2 cases)."]
 
 
+def test_merged_cases_replace_their_records_and_carry_their_own_date(tmp_path):
+    import json
+
+    import pytest
+    import run
+
+    rec = lambda case, impl, tf: {"table": "gemm", "case": case, "impl": impl, "tflops": tf}  # noqa: E731
+    head = {"device": "GPU X", "jax_version": "0.1", "suites": ["matmul"]}
+    into, new = tmp_path / "into.json", tmp_path / "new.json"
+    into.write_text(json.dumps({**head, "date": "2026-01-02T00:00", "records": [
+        rec("a", "jax_cute", 100.0), rec("a", "xla", 100.0), rec("b", "jax_cute", 100.0), rec("b", "xla", 100.0)]}))
+    new.write_text(json.dumps({**head, "date": "2026-01-05T00:00", "commit": "abc", "cases": "^b",
+                               "records": [rec("b", "jax_cute", 300.0), rec("b", "xla", 100.0)]}))
+    data = run.merge(str(into), str(new), "case b")
+    assert sorted((r["case"], r["tflops"]) for r in data["records"]) == [("a", 100.0), ("a", 100.0), ("b", 100.0),
+                                                                          ("b", 300.0)]
+    assert data["merged"] == [{"label": "case b", "date": "2026-01-05T00:00", "commit": "abc", "cases": ["b"]}]
+    assert "2026-01-02, case b on 2026-01-05 (jax 0.1)" in run._provenance(data, str(into))
+    assert run.summary([str(into)]) == [
+        "- **Dense GEMM** (GPU X, 2026-01-02 and 2026-01-05): jax_cute 1.73x XLA (1.00-3.00x, 2 cases)."]
+    # a run on another device is not merged into the table
+    new.write_text(json.dumps({**head, "device": "GPU Y", "records": []}))
+    with pytest.raises(SystemExit, match="GPU Y"):
+        run.merge(str(into), str(new), "case b")
+
+
 def test_the_readme_quotes_the_summary_of_the_committed_results():
     import run
 
