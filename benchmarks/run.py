@@ -3,7 +3,10 @@
     python benchmarks/run.py --suite matmul,ragged,launch --out benchmarks/results/h200-matmul.json
     python benchmarks/bench_first_call.py --cache DIR [--cold] --out benchmarks/results/h200-first-call.jsonl
     python benchmarks/run.py --report benchmarks/results/*
+    python benchmarks/run.py --suite ragged --cases '^MoE layer' --out moe.json
+    python benchmarks/run.py --merge benchmarks/results/h200-ragged.json moe.json "the MoE layer"
 
+The last two re-measure some cases of a table; the report then dates those rows apart.
 Each suite runs in its own process (fresh GPU memory; the launch suite needs its own XLA_FLAGS).
 The report reads only the result files: it runs on any machine and prints only what was measured.
 """

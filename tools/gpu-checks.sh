@@ -7,14 +7,15 @@
 # steps:
 #   info        nvidia-smi (power limit, clocks) and the devices jax sees
 #   build       pip install -e . (the FFI extension) without touching the installed dependencies
-#   gpu-tests   pytest -m gpu (GPU_TESTS: test files, default all of tests/; GPU_TIMEOUT: seconds,
-#               default 900) in GPU_WORKERS pytest-xdist workers (default 14: the run is bound by
+#   gpu-tests   pytest -m gpu (GPU_TESTS: test files, default all of tests/; GPU_K: a -k expression;
+#               GPU_TIMEOUT: seconds, default 900) in GPU_WORKERS pytest-xdist workers (default 14: the run is bound by
 #               kernel compiles, one CPU core each; the workers share the GPU, so none preallocates
 #               its memory); the outcomes go to $OUT/gpu-test-results.json
 #   multigpu    pytest -m multigpu tests/test_multigpu.py (two or more GPUs)
 #   sanitize    compute-sanitizer memcheck and racecheck over tools/sanitize_probe.py
 #   examples    the three examples, at their GPU sizes
-#   bench-SUITE benchmarks/run.py --suite SUITE (matmul, ragged or launch) into $OUT/SUITE.json
+#   bench-SUITE benchmarks/run.py --suite SUITE (matmul, ragged, launch, ...) into $OUT/SUITE.json
+#               (BENCH_CASES: only the cases this regex matches, for run.py --merge)
 #   first-call-warm / first-call-cold
 #               benchmarks/bench_first_call.py with the cache in .device/cache, or an empty one
 #
@@ -37,7 +38,7 @@ for step in "$@"; do
     build) python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 \
              || { tail -40 "$OUT/build.log"; rc=1; } ;;
     gpu-tests) XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_CUTE_GPU_RESULTS="$OUT/gpu-test-results.json" \
-             timeout -s INT ${GPU_TIMEOUT:-900} python3 -m pytest -m gpu -q -rf -n ${GPU_WORKERS:-14} ${GPU_TESTS:-tests} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
+             timeout -s INT ${GPU_TIMEOUT:-900} python3 -m pytest -m gpu -q -rf -n ${GPU_WORKERS:-14} ${GPU_K:+-k "$GPU_K"} ${GPU_TESTS:-tests} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
              [ "${PIPESTATUS[0]}" = 0 ] || rc=1 ;;
     multigpu) python3 -m pytest -m multigpu -q tests/test_multigpu.py 2>&1 | tee "$OUT/multigpu.log" | tail -15
              [ "${PIPESTATUS[0]}" = 0 ] || rc=1 ;;
@@ -51,7 +52,7 @@ for step in "$@"; do
                timeout 120 python3 examples/$ex 2>&1 | grep -v "^\[" | tee -a "$OUT/examples.log" | tail -6
              done ;;
     bench-*) timeout 560 python3 benchmarks/run.py --suite "${step#bench-}" --out "$OUT/${step#bench-}.json" --time-limit 480 \
-               ${BENCH_ROUNDS:+--rounds $BENCH_ROUNDS} 2>&1 | tee "$OUT/${step}.log" | tail -40 ;;
+               ${BENCH_ROUNDS:+--rounds $BENCH_ROUNDS} ${BENCH_CASES:+--cases "$BENCH_CASES"} 2>&1 | tee "$OUT/${step}.log" | tail -40 ;;
     first-call-warm) python3 benchmarks/bench_first_call.py --cache .device/cache --out "$OUT/first_call.jsonl" ;;
     first-call-cold) python3 benchmarks/bench_first_call.py --cache /tmp/jc_cold --cold --out "$OUT/first_call.jsonl" ;;
     *) echo "unknown step $step"; rc=1 ;;
