@@ -33,6 +33,13 @@ operands with gelu instead (no pairing: the unscaled-epilogue ceiling); *jax_cut
 bf16 swiglu product of the same values; *xla_bf16*: XLA's bf16 layer as written (dot, bias,
 ``silu(gate) * up``); *xla*: XLA's fp8 dot of the raw e4m3 values, the bias and swiglu in XLA.
 
+Weight gradients (``BENCH_FP8_WGRAD=0`` leaves them out): ``dw = x.T @ dy`` with both operands
+in 1 x 128 blocks along the tokens (B's scales one per column and scale block), dense (M, N,
+tokens) and ragged-K (G experts, M x N each, over the tokens; ``ragged_k_dot``), bf16 out:
+*jax_cute* (the heuristic: the serial promotion), *jax_cute_db* (the overlapped promotion
+forced: the column scales read from the stage at the promotion), *jax_cute_bf16* (the same
+values in bf16), *xla* (dense: XLA's dot of the raw e4m3 values).
+
 Training steps (``BENCH_FP8_TRAIN=0`` leaves them out; ``BENCH_FP8_GEMM=0`` leaves out the GEMMs): the GPT example's step (``examples/gpt_training.py``
 at its ``h200`` and ``h200-wide`` sizes (d_model 2048 and 4096), dense and ``--moe``), timed interleaved: *jax_cute*:
 ``value_and_grad(kernelize(loss, fp8=recipe))`` (the weight products' forward and both
@@ -54,25 +61,28 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax_cute  # noqa: E402
 from common import Impl, forced_configs, gpt_train_cases, measure, suite_main  # noqa: E402
-from jax_cute.fp8 import quantize  # noqa: E402
+from jax_cute.fp8 import quantize, quantize_grouped, ragged_k_dot  # noqa: E402
 from jax_cute.kernels import sm90_gemm, sm90_grouped  # noqa: E402
 
 DENSE = [(4096, 7168, 16384), (4096, 4096, 7168), (128, 7168, 16384)]   # (M, N, K)
 GROUPED = (4, 8192, 4096, 7168)                                          # (G, rows per group, N, K)
 SMOKE_DENSE = [(256, 256, 384)]
+WGRAD = [(4096, 16384, 8192), (16384, 4096, 8192), (4096, 4096, 4096)]   # (M, N, tokens)
+WGRAD_GROUPED = (8, 4096, 8192, 16384)                                   # (G, M, N, tokens)
 SMOKE_GROUPED = (2, 128, 256, 256)
 SWIGLU_DENSE = [(8192, 2 * 14336, 4096), (16384, 2 * 4096, 7168)]   # (M, 2 x hidden, K)
 SWIGLU_GROUPED = (8, 2048, 2 * 14336, 4096)    # 8192 tokens top-2 over 8 experts, 4096 -> 14336
 BF, E4M3 = jnp.bfloat16, jnp.float8_e4m3fn
 
 
-def dense_operands(m: int, n: int, k: int) -> Callable[[int], tuple]:
-    """seed -> (xq, wq, x bf16, w bf16 (N, K)), drawn and quantized on the device."""
+def dense_operands(m: int, n: int, k: int, w_blocks: str = "128x128") -> Callable[[int], tuple]:
+    """seed -> (xq, wq, x bf16, w bf16 (N, K)), drawn and quantized on the device (w in
+    ``w_blocks``: "1x128" for a weight gradient's dy.T, one scale per column of B and block)."""
     @jax.jit
     def make(key):
         kx, kw = jax.random.split(key)
         x, w = jax.random.normal(kx, (m, k), jnp.float32), jax.random.normal(kw, (n, k), jnp.float32)
-        return quantize(x, "1x128"), quantize(w, "128x128"), x.astype(BF), w.astype(BF)
+        return quantize(x, "1x128"), quantize(w, w_blocks), x.astype(BF), w.astype(BF)
 
     return lambda seed: make(jax.random.key(seed))
 
@@ -213,6 +223,48 @@ def _variants(fn: Callable, dense: bool) -> list[Impl]:
             for name, fields in variants.items()]
 
 
+def ragged_k_operands(g: int, m: int, n: int, t: int) -> Callable[[int], tuple]:
+    """seed -> (aq (M, T), bq (N, T) in 1 x 128 blocks restarting at each group, a, b bf16, sizes)."""
+    sizes = jnp.full((g,), t // g, jnp.int32)
+
+    @jax.jit
+    def make(key):
+        ka, kb = jax.random.split(key)
+        a, b = jax.random.normal(ka, (m, t), jnp.float32), jax.random.normal(kb, (n, t), jnp.float32)
+        return quantize_grouped(a, sizes), quantize_grouped(b, sizes), a.astype(BF), b.astype(BF), sizes
+
+    return lambda seed: make(jax.random.key(seed))
+
+
+def _ragged_k(aq, bq, a, b, sizes):
+    return ragged_k_dot(aq, bq, sizes, preferred_element_type=BF)
+
+
+def _ragged_k_bf16(aq, bq, a, b, sizes):
+    """The same per-group products in bf16: the rhs gradient of jax_cute.ragged_dot (its ragged-K
+    kernel), lhs a.T (T, M) and cotangent b.T (T, N)."""
+    w = jnp.zeros((sizes.shape[0], a.shape[0], b.shape[0]), BF)
+    return jax.vjp(lambda w: jax_cute.ragged_dot(a.T, w, sizes), w)[1](b.T)[0]
+
+
+def weight_gradients(rounds: int, smoke: bool) -> list[dict]:
+    """dw = x.T @ dy, 1 x 128 scales along the tokens on both operands: the heuristic's serial
+    promotion against the overlapped one forced, our bf16 GEMM and XLA's raw fp8 dot."""
+    recs: list[dict] = []
+    impls = lambda fn: [Impl("jax_cute", lambda *a: fn(*a)), Impl("jax_cute_db", lambda *a: fn(*a),  # noqa: E731
+                                                                  context=lambda: scaled_variant(overlap_promote=True))]
+    for m, n, t in SMOKE_DENSE if smoke else WGRAD:
+        recs += measure("fp8", "fp8_wgrad", f"{m}x{n}x{t}", [*impls(_scaled), Impl("jax_cute_bf16", _bf16),
+                                                               Impl("xla", _xla_fp8)],
+                        dense_operands(m, n, t, "1x128"), 2.0 * m * n * t, rounds=rounds,
+                        meta={"m": m, "n": n, "k": t, "dtype": "float8_e4m3fn"}, check=False)
+    g, m, n, t = (2, 256, 256, 512) if smoke else WGRAD_GROUPED
+    recs += measure("fp8", "fp8_wgrad_grouped", f"{g}x{m}x{n}x{t}", [*impls(_ragged_k), Impl("jax_cute_bf16", _ragged_k_bf16)],
+                    ragged_k_operands(g, m, n, t), 2.0 * m * n * t, rounds=rounds,
+                    meta={"g": g, "m": m, "n": n, "k": t, "dtype": "float8_e4m3fn"}, check=False)
+    return recs
+
+
 def train_steps(args: argparse.Namespace, rounds: int) -> list[dict]:
     """The GPT example's step, dense and MoE: fp8 and bf16 kernelized, and XLA's, interleaved."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
@@ -231,6 +283,8 @@ def train_steps(args: argparse.Namespace, rounds: int) -> list[dict]:
 def run(args: argparse.Namespace) -> list[dict]:
     rounds = 2 if args.smoke else args.rounds
     recs: list[dict] = train_steps(args, rounds) if os.environ.get("BENCH_FP8_TRAIN", "1") != "0" else []
+    if os.environ.get("BENCH_FP8_WGRAD", "1") != "0":
+        recs += weight_gradients(rounds, args.smoke)
     if os.environ.get("BENCH_FP8_SWIGLU", "1") != "0":
         recs += swiglu(rounds, args.smoke)
     if os.environ.get("BENCH_FP8_GEMM", "1") == "0":

@@ -210,6 +210,8 @@ SECTIONS = [  # (table, record key, unit, higher is better, title, digits)
     ("ragged", "tflops", "TFLOP/s", True, "Grouped GEMM (ragged_dot), bf16: forward, lhs and rhs gradients", 1),
     ("fp8_gemm", "tflops", "TFLOP/s", True, "Block-scaled fp8 GEMM (M×N×K, 1×128 / 128×128 scales, bf16 out)", 1),
     ("fp8_grouped", "tflops", "TFLOP/s", True, "Block-scaled fp8 grouped GEMM, contiguous groups (G×rows×N×K)", 1),
+    ("fp8_wgrad", "tflops", "TFLOP/s", True, "Block-scaled fp8 weight gradient (M×N×tokens, 1×128 scales along the tokens, bf16 out)", 1),
+    ("fp8_wgrad_grouped", "tflops", "TFLOP/s", True, "Block-scaled fp8 weight gradient, ragged-K (G×M×N×tokens)", 1),
     ("fp8_swiglu", "tflops", "TFLOP/s", True,
      "Block-scaled fp8 SwiGLU gate-and-up product with a bias (M×N×K; grouped G×rows×N×K), bf16 out", 1),
     ("fp8_train", "ms", "ms", False, "GPT training step, weight products in block-scaled fp8 (time per step)", 2),

@@ -669,6 +669,51 @@ def test_ragged_k(out, kind):
     check(got, *ragged_k_ref(dq(qa), dq(qb), K_SIZES))
 
 
+@pytest.mark.parametrize("kind", ["normal", "heavy"])
+@pytest.mark.parametrize("out", [BF, F32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("blocks,m,n,k", [(("1x128", (128, 1)), 1000, 1040, 1000), (("1x128", (128, 1)), 129, 257, 1030),
+                                          (("128x128", (128, 1)), 300, 7168, 2048)],
+                         ids=["1x128-odd", "1x128-tails", "128x128-wide"])
+def test_overlapped_promotion_with_column_scales(blocks, m, n, k, out, kind):
+    """The weight gradient's B scales per column under the overlapped promotion (forced; the
+    heuristic keeps the serial one): the column scales read from the stage at the promotion,
+    which hands the stage back after (sm90_scaled.late_columns). Several k-tiles, odd counts,
+    tails in M, N and K."""
+    xq, wq = quantize(data((m, k), kind, 50), blocks[0]), quantize(data((k, n), kind, 51), blocks[1])
+    pick = sm90_gemm.heuristic
+
+    def forced(spec, *args, **kwargs):
+        return dataclasses.replace(pick(spec, *args, **kwargs), overlap_promote=True)
+
+    with mock.patch.object(sm90_gemm, "heuristic", forced):
+        f = jax.jit(lambda x, w: jax_cute.matmul(x, w, preferred_element_type=out))
+        assert ".op" in f.lower(xq, wq).as_text()
+        got = f(xq, wq)
+    check(got, mm(dq(xq), dq(wq)), abs_product(dq(xq), dq(wq)))
+
+
+@pytest.mark.parametrize("out", [BF, F32], ids=["bf16", "f32"])
+def test_ragged_k_overlapped_promotion(out):
+    """ragged_k_dot with the overlapped promotion forced (late column scales): every element of
+    every group, empty groups exactly 0."""
+    from jax_cute.kernels import sm90_grouped
+
+    t, p, q = 1000, 520, 264
+    qa = quantize_grouped(data((p, t), "heavy", 52), K_SIZES)
+    qb = quantize_grouped(data((q, t), "heavy", 53), K_SIZES)
+    pick = sm90_grouped.heuristic
+
+    def forced(spec, *args, **kwargs):
+        return dataclasses.replace(pick(spec, *args, **kwargs), overlap_promote=True)
+
+    with mock.patch.object(sm90_grouped, "heuristic", forced):
+        f = jax.jit(lambda qa, qb, sizes: ragged_k_dot(qa, qb, sizes, preferred_element_type=out))
+        assert ".op" in f.lower(qa, qb, K_SIZES).as_text()
+        got = f(qa, qb, K_SIZES)
+    assert not np.asarray(got[0]).any() and not np.asarray(got[3]).any(), "an empty group's output is not 0"
+    check(got, *ragged_k_ref(dq(qa), dq(qb), K_SIZES))
+
+
 def test_grouped_linear_wgrad():
     """fp8.grouped_linear's weight gradient on the ragged_k kernel: all three GEMMs ours,
     dw against the recipe's group-aligned dequantised operands in float32."""

@@ -287,8 +287,9 @@ def scaled_overlap(spec) -> bool:
     floats a k-tile and its consumer registers hold both partial fragments: ptxas spills (up to
     128 bytes, sm_90a) around each tile's mainloop, not inside it but for two reloads with 128 x
     128 A scales (tests/test_sm90_scaled_compile.py). Per-column B scales (b_block 1: 32 a
-    thread) keep the serial mainloop: beside two fragments they spill 360-512 bytes. A gated
-    product's scales per 64 paired columns are four floats a k-tile: overlapped."""
+    thread) keep the serial mainloop; forced, the overlapped one reads them from the stage at the
+    promotion (sm90_scaled.late_columns: 88-200 bytes spilled around the mainloop, none inside).
+    A gated product's scales per 64 paired columns are four floats a k-tile: overlapped."""
     return spec.scaled and spec.b_block in (SCALE_K, PAIRED_BLOCK)
 
 

@@ -23,7 +23,7 @@ group starts are unaligned box coordinates along the contiguous mode; so the cal
 with every group starting at a multiple of 128 and zero-filled to the next one (GroupedSpec), and
 the walk rounds each group size up to 128: group g's k-range starts at 128 f_g, f_g its first
 scale block, and its k-tile j is scale block f_g + j of both operands (per-row A and per-column B
-scales: the serial mainloop).
+scales: the serial mainloop, or the overlapped one forced).
 
 Clipping at group ends uses TMA views whose ragged mode needs a 16-byte-multiple stride, so
 ragged_k needs MN-major A and B, and ragged_m an N-major C (what ragged_dot and its gradients
@@ -125,7 +125,9 @@ def _scaled_unsupported(spec: GroupedSpec) -> str | None:
 
 def candidate_configs(spec) -> list[Config]:
     if spec.scaled and spec.mode == "ragged_k":
-        return [Config(tile_n=128)]   # per-column B scales: the serial mainloop (see sm90_gemm.scaled_overlap)
+        # per-column B scales: the heuristic's serial mainloop, or the overlapped one forced
+        # (sm90_gemm.scaled_overlap)
+        return [Config(tile_n=128), Config(tile_n=128, overlap_promote=True)]
     if spec.scaled:
         cands = [Config(tile_n=128), Config(tile_n=128, overlap_promote=True)]
         return cands + [dataclasses.replace(c, cluster_n=2) for c in cands]

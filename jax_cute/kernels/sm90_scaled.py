@@ -101,6 +101,13 @@ def _keys(offsets: list[int], block: int) -> tuple[list[int], list[int]]:
 class ScaledMainloop:
     """The block scales' loads and the mainloop of a block-scaled product."""
 
+    def late_columns(self) -> bool:
+        """Whether B's column scales are read from the stage at the promotion, not at the issue:
+        the overlapped promotion with per-column B scales (the weight gradient), whose 32 column
+        scales a thread and k-tile, held in registers for both fragments, would spill. The stage
+        is then handed back after its k-tile's promotion, not before."""
+        return self.cfg.overlap_promote and self.b_block == 1
+
     def waves(self) -> int:
         """64-row blocks of a consumer warpgroup's share promoted one at a time through one
         partial fragment (2 for 256-row tiles: wave_mainloop; 1: the share at once)."""
@@ -168,7 +175,8 @@ class ScaledMainloop:
         # waves (256-row tiles): one 64-row block's fragment, reused by each block in turn
         part = acc.layout if const_expr(self.waves() == 1) else cute.make_layout((cute.shape(acc)[0], 1, 1))
         parts = tuple(cute.make_rmem_tensor(part, Float32) for _ in range(count))
-        bufs = tuple(cute.make_rmem_tensor(len(rows) + len(cols), Float32) for _ in range(count))
+        held = len(rows) + (0 if self.late_columns() else len(cols))
+        bufs = tuple(cute.make_rmem_tensor(held, Float32) for _ in range(count))
         return ThreadScales(sc.s_a, sc.s_b, parts, at, rows, cols, row_of, col_of, bufs)
 
     def scale_tile(self, r_a, r_b):
@@ -182,28 +190,46 @@ class ScaledMainloop:
     @cute.jit
     def read_scales(self, ts: ThreadScales, dst, stage, tile):
         """The thread's scales of the k-tile in ``stage`` into ``dst``, its rows' then its
-        columns': with 1-row blocks its own rows' (columns'), with 128-row blocks the tile's one
-        block's (64 paired columns: the tile's two, gate and up), each operand's at its ``tile``
-        entry (scale_tile) in its box."""
+        columns' (none with late_columns): with 1-row blocks its own rows' (columns'), with
+        128-row blocks the tile's one block's (64 paired columns: the tile's two, gate and up),
+        each operand's at its ``tile`` entry (scale_tile) in its box."""
         for j in range_constexpr(len(ts.rows)):
             row = tile[0] + ts.at[0] + ts.rows[j] if const_expr(self.a_block == 1) else tile[0]
             dst[j] = ts.s_a[(row, 0, stage)]
-        for j in range_constexpr(len(ts.cols)):
-            col = tile[1] + ts.at[1] + ts.cols[j] if const_expr(self.b_block == 1) else tile[1] + ts.cols[j]
-            dst[len(ts.rows) + j] = ts.s_b[(col, 0, stage)]
+        if const_expr(not self.late_columns()):
+            for j in range_constexpr(len(ts.cols)):
+                dst[len(ts.rows) + j] = self.column_scale(ts, j, stage, tile)
+
+    def column_scale(self, ts: ThreadScales, j: int, stage, tile):
+        """B's scale of the thread's column key ``j`` for the k-tile in ``stage``."""
+        col = tile[1] + ts.at[1] + ts.cols[j] if const_expr(self.b_block == 1) else tile[1] + ts.cols[j]
+        return ts.s_b[(col, 0, stage)]
 
     @cute.jit
-    def promote(self, ts: ThreadScales, acc, part, cur, wave: cutlass.Constexpr = 0):
+    def promote(self, ts: ThreadScales, acc, part, cur, wave: cutlass.Constexpr = 0, stage=None, tile=None):
         """``acc += part * sa[row] * sb[column]`` with the scales in ``cur``, element by element
         (in rows of 16: the DSL warns about longer static loops); with waves ``part`` holds the
-        warpgroup's 64-row block ``wave``, the accumulators' elements from ``wave * size(part)``."""
+        warpgroup's 64-row block ``wave``, the accumulators' elements from ``wave * size(part)``.
+        With late_columns the column scales come from ``stage`` (at ``tile``: read_scales), each
+        read once, where its first element needs it."""
         nr = len(ts.rows)
         n = cute.size(part)
+        late = [None] * len(ts.cols)
         for r in range_constexpr(n // 16):
             for i in range_constexpr(r * 16, r * 16 + 16):
                 j = wave * n + i
-                s = cur[ts.row_of[j]] * cur[nr + ts.col_of[j]]
+                c = ts.col_of[j]
+                if const_expr(self.late_columns()):
+                    if const_expr(late[c] is None):
+                        late[c] = self.column_scale(ts, c, stage, tile)
+                    s = cur[ts.row_of[j]] * late[c]
+                else:
+                    s = cur[ts.row_of[j]] * cur[nr + c]
                 acc[j] = cute.math.fma(part[i], s, acc[j])
+                if const_expr(self.late_columns()):
+                    # in program order: unpinned, the column scales' loads were hoisted and the
+                    # mainloop spilled (a 296-byte frame, 7 reloads in the k-loop; pinned 200, none)
+                    acc[j] = pin(acc[j])
 
     @cute.jit
     def issue_part(self, tiled_mma: cute.TiledMma, ts: ThreadScales, p: cutlass.Constexpr, tCrA, tCrB, pipe, read,
@@ -316,11 +342,12 @@ class ScaledMainloop:
         where the loop starts over: ptxas relates a ``wait_group(1)`` to the group issued before it
         only within one iteration, and otherwise serializes every WGMMA of the kernel. A stage
         goes back to the producer before its promotion: its scales were read into registers at
-        issue."""
+        issue (with late_columns, after its promotion, which reads its column scales there)."""
+        hold = self.late_columns()
         for _ in range(cutlass.min(kc, 1)):        # the first k-tile, waited for: p0 is done
             tiled_mma = self.issue_part(tiled_mma, ts, 0, tCrA, tCrB, pipe, read, tile)
             read.advance()
-            release = self.retire(pipe, release, 0)
+            release = self.retire(pipe, release, 0, hold)
         runs = cutlass.max(kc - 1, 0) // PROMOTE_UNROLL
         for _ in range(runs):
             tiled_mma, read, release = self.overlapped_run(tiled_mma, acc, tCrA, tCrB, ts, pipe, read, release,
@@ -335,11 +362,11 @@ class ScaledMainloop:
         for _ in range(odd):
             tiled_mma = self.issue_part(tiled_mma, ts, 1, tCrA, tCrB, pipe, read, tile)
             read.advance()
-            self.promote_part(ts, acc, 0)
-            release = self.retire(pipe, release, 0)
-            self.promote_part(ts, acc, 1)
+            release = self.promote_part(ts, acc, 0, pipe, release, tile)
+            release = self.retire(pipe, release, 0, hold)
+            release = self.promote_part(ts, acc, 1, pipe, release, tile)
         for _ in range(cutlass.min(kc, 1) - odd):
-            self.promote_part(ts, acc, 0)
+            release = self.promote_part(ts, acc, 0, pipe, release, tile)
         return read, release
 
     @cute.jit
@@ -347,26 +374,42 @@ class ScaledMainloop:
                        tile, n: cutlass.Constexpr):
         """``n`` (even) k-tiles after the one p0 holds finished: each issued into the fragment the
         previous one is not in, the previous one promoted under it, the last drained at the end,
-        so p0 holds a finished k-tile again. Returns (tiled_mma, read, release)."""
+        so p0 holds a finished k-tile again (with late_columns its stage still held). Returns
+        (tiled_mma, read, release)."""
+        hold = self.late_columns()
         for j in range_constexpr(n):
             tiled_mma = self.issue_part(tiled_mma, ts, (j + 1) % 2, tCrA, tCrB, pipe, read, tile)
             read.advance()
             if const_expr(j > 0):
-                release = self.retire(pipe, release, 1)
-            self.promote_part(ts, acc, j % 2)
-        release = self.retire(pipe, release, 0)
+                release = self.retire(pipe, release, 1, hold)
+            release = self.promote_part(ts, acc, j % 2, pipe, release, tile)
+        release = self.retire(pipe, release, 0, hold)
         return tiled_mma, read, release
 
     @cute.jit
-    def retire(self, pipe, release, in_flight: cutlass.Constexpr):
-        """Wait until at most ``in_flight`` WGMMA groups run and hand the oldest held stage back
-        to the producer; returns ``release``."""
+    def retire(self, pipe, release, in_flight: cutlass.Constexpr, hold: cutlass.Constexpr = False):
+        """Wait until at most ``in_flight`` WGMMA groups run and (unless ``hold``: promote_part
+        will) hand the oldest held stage back to the producer; returns ``release``."""
         warpgroup.wait_group(in_flight)
+        if const_expr(not hold):
+            release = self.hand_back(pipe, release)
+        return release
+
+    @cute.jit
+    def hand_back(self, pipe, release):
+        """The oldest held stage back to the producer; returns ``release``."""
         pipe.consumer_release(release)
         release.advance()
         return release
 
     @cute.jit
-    def promote_part(self, ts: ThreadScales, acc, p: cutlass.Constexpr):
-        """Promote fragment ``p``, holding a finished k-tile's partial sums, with its scales."""
-        self.promote(ts, acc, ts.parts[p], ts.bufs[p])
+    def promote_part(self, ts: ThreadScales, acc, p: cutlass.Constexpr, pipe, release, tile):
+        """Promote fragment ``p``, holding a finished k-tile's partial sums, with its scales; with
+        late_columns that k-tile's stage is the oldest held (``release``): its column scales are
+        read there, then it goes back to the producer. Returns ``release``."""
+        if const_expr(self.late_columns()):
+            self.promote(ts, acc, ts.parts[p], ts.bufs[p], stage=release.index, tile=tile)
+            release = self.hand_back(pipe, release)
+        else:
+            self.promote(ts, acc, ts.parts[p], ts.bufs[p])
+        return release
