@@ -23,6 +23,7 @@ COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all")
 
 
 def _worker() -> dict:
+    import dataclasses
     import logging
 
     import jax
@@ -92,6 +93,35 @@ def _worker() -> dict:
         out[name] = {"err": float(np.max(np.abs(np.asarray(res) - ref)) / np.max(np.abs(ref))),
                      "spec": [None if s is None else str(s) for s in res.sharding.spec],
                      "collectives": counts(rd.lower(a, b, sizes, bias).compile().as_text())}
+
+    # grouped over K (the grouped weight gradient): P over model and, where the operands are laid
+    # out group-aligned, T over data (each shard its groups' blocks, the partial sums summed); in
+    # the natural layout T is replicated, with a log line
+    from jax_cute.fp8 import quantize_grouped, ragged_k_dot, scaled
+    from jax_cute.fp8.ops import ragged_k_dot_aligned
+    from jax_cute.fp8.quantize import clipped_sizes, group_ends
+
+    t, ks = 1000, jnp.asarray([300, 0, 129, 500], jnp.int32)   # 71 tokens past the last group
+    qa, qb = (quantize_grouped(jnp.asarray(rng.standard_normal((r, t)), jnp.float32), ks) for r in (384, 520))
+    nb = qa.scales.shape[1] + 1   # 12 blocks: whole blocks on each of 2 shards
+    aligned = [(scaled.group_aligned(q.values, ks, nb), jnp.pad(q.scales, ((0, 0), (0, 1)), constant_values=1.0))
+               for q in (qa, qb)]
+    rk = jax.jit(lambda a, b: ragged_k_dot(a, b, ks))
+    rka = jax.jit(lambda a, b: ragged_k_dot_aligned(a, b, clipped_sizes(group_ends(ks, t))))
+    ref = np.asarray(rk(qa, qb))
+    sharded = lambda xs, vs, ss: [jax.device_put(x, NamedSharding(mesh, s)) for x, s in zip(xs, (vs, ss))]  # noqa: E731
+    for name, fn, args in [
+            ("ragged_k_natural", rk, [dataclasses.replace(q, values=v, scales=sc) for q, (v, sc) in
+                                      ((qa, sharded((qa.values, qa.scales), P("model", "data"), P("model", None))),
+                                       (qb, sharded((qb.values, qb.scales), P(None, "data"), P())))]),
+            ("ragged_k_aligned", rka, [tuple(sharded(aligned[0], P("model", "data"), P("model", "data"))),
+                                       tuple(sharded(aligned[1], P(None, "data"), P(None, "data")))])]:
+        del messages[:]
+        res = fn(*args)
+        out[name] = {"err": float(np.max(np.abs(np.asarray(res) - ref)) / np.max(np.abs(ref))),
+                     "spec": [None if s is None else str(s) for s in res.sharding.spec],
+                     "collectives": counts(fn.lower(*args).compile().as_text()),
+                     "replicated_log": [s for s in messages if "replicated" in s]}
 
     # a training step: fp8 MLP (tensor parallel over model, batch over data) and fp8 MoE (data)
     d, ff, g = 256, 512, 4
@@ -200,6 +230,15 @@ def test_grouped_product_sharded_over_tokens_and_n(results):
     assert not any(r["collectives"].values()), r
     r = results["ragged_k_sharded"]
     assert r["err"] < 1e-5 and r["collectives"]["all-reduce"] >= 1, r
+
+
+def test_grouped_weight_gradient_sharded_over_its_rows_and_aligned_tokens(results):
+    r = results["ragged_k_aligned"]   # P over model, T over data: summed
+    assert r["err"] < 1e-6 and r["spec"] == [None, "model"], r
+    assert r["collectives"]["all-reduce"] >= 1 and not r["collectives"]["all-gather"] and not r["replicated_log"], r
+    r = results["ragged_k_natural"]   # blocks at group starts: T gathered, P kept
+    assert r["err"] < 1e-6 and r["spec"] == [None, "model"], r
+    assert any("dimension T is replicated" in s and "group-aligned" in s for s in r["replicated_log"]), r
 
 
 def test_gated_activation_keeps_n_whole(results):

@@ -29,22 +29,22 @@ kernel passed its GPU tests and runs by default; a call no kernel takes is repor
 kernel refuses when it is lowered (logged the same way). Its operands reach the kernel with T
 laid out group-aligned (every group from a multiple of 128, zero-filled to the next): by
 ``fp8/wgrad_operands.py``'s transposing kernel, or :func:`group_aligned` (an XLA gather).
+
+Lowered over several devices, each call is partitioned by its rules (``fp8/scaled_sharding.py``)
+and runs this module's kernel or reference on each shard.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
-from typing import Callable, Sequence
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax._src import dispatch as jax_dispatch
-from jax.experimental.custom_partitioning import ArrayMapping, CompoundFactor, SdyShardingRule, custom_partitioning
 from jax.interpreters import ad, batching, mlir
-from jax.sharding import NamedSharding, PartitionSpec
 
 from jax_cute import dispatch
 from jax_cute.fp8.quantize import (BLOCK, FP8_DTYPES, aligned_columns, clipped_sizes, group_blocks, group_ends,
@@ -52,6 +52,8 @@ from jax_cute.fp8.quantize import (BLOCK, FP8_DTYPES, aligned_columns, clipped_s
 from jax_cute.kernels.gemm_spec import PAIRED_BLOCK, SCALE_ROWS
 from jax_cute.activations import apply_activation, is_gated
 from jax_cute.layout import Layout, make_layout, stride_of
+from jax_cute.fp8 import scaled_sharding
+from jax_cute.fp8.scaled_sharding import epilogue
 from jax_cute.primitives import remat, sharding
 from jax_cute.problem.gemm_layouts import matmul_layouts
 from jax_cute.problem.ragged_layouts import RAGGED_K, RAGGED_M, RaggedLayouts
@@ -247,7 +249,7 @@ def _paired_row_of_column(n: int) -> np.ndarray:
 def _cuda_kernel(name: str, avals, params) -> Callable | None:
     """The kernel for one shard's call (a function of its operands emitting the custom call),
     or None for the reference: every call asks ``dispatch.gemm``, which logs a refusal as a
-    fallback (strict mode raises); the ragged-K call's kernel is opt-in (unverified)."""
+    fallback (strict mode raises)."""
     # A gated tile pairs column j with j + N/2, which lie in different 128-column blocks: the
     # kernel reads B's 128-column scales per 64 paired columns, two a tile (gate and up), which
     # XLA gathers from B's (per-column scales, b_block 1, the kernel pairs itself).
@@ -393,12 +395,6 @@ def _row_scales(s, block: int, rows: int, axis: int):
     return s if block == 1 else jax.lax.slice_in_dim(jnp.repeat(s, block, axis=axis), 0, rows, axis=axis)
 
 
-def _epilogue(acc, bias, activation, out_dtype):
-    if bias is not None:
-        acc = acc + bias.astype(jnp.float32)
-    return apply_activation(activation, acc).astype(out_dtype)
-
-
 def gemm_reference(a, sa, b, sb, bias=None, *, a_block, b_block, out_dtype, activation=None, compute="float32"):
     """The dense scaled GEMM: per K block an f32 product of the fp8 values, scaled, summed in f32."""
     (l, m, k), n = a.shape, b.shape[1]
@@ -415,7 +411,7 @@ def gemm_reference(a, sa, b, sb, bias=None, *, a_block, b_block, out_dtype, acti
 
     xs = (jnp.moveaxis(a4, 2, 0), jnp.moveaxis(b4, 2, 0), jnp.moveaxis(sa_r, 2, 0), jnp.moveaxis(sb_r, 2, 0))
     acc, _ = jax.lax.scan(step, jnp.zeros((l, m, n), jnp.float32), xs)
-    return _epilogue(acc, bias, activation, out_dtype)
+    return epilogue(acc, bias, activation, out_dtype)
 
 
 def ragged_m_reference(a, sa, b, sb, gs, bias=None, *, b_block, out_dtype, activation=None, compute="float32"):
@@ -476,23 +472,14 @@ def ragged_k_reference(a, sa, b, sb, gs, *, out_dtype, compute="float32", aligne
 
 # -- lowering: partitioned, then per shard the kernel or the reference ----------------------------------
 
-@dataclasses.dataclass(frozen=True)
-class _Call:
-    params: tuple[tuple[str, object], ...]
-
-    @property
-    def kwargs(self) -> dict:
-        return dict(self.params)
-
-
 _REFERENCES = {"jax_cute_scaled_gemm": gemm_reference, "jax_cute_scaled_ragged_m": ragged_m_reference,
                "jax_cute_scaled_ragged_k": ragged_k_reference}
 
 
-def _local(name: str, avals, params, cuda: bool, kernel: bool = True) -> Callable:
-    """One shard's computation: the kernel where one takes it (and ``kernel``), else the reference
-    (bf16 operands on the GPU, whose bf16 x bf16 -> f32 dot is exact for fp8 values; f32 elsewhere)."""
-    impl = _cuda_kernel(name, avals, params) if cuda and kernel else None
+def _local(name: str, avals, params, cuda: bool) -> Callable:
+    """One shard's computation: the kernel where one takes it, else the reference (bf16 operands
+    on the GPU, whose bf16 x bf16 -> f32 dot is exact for fp8 values; f32 elsewhere)."""
+    impl = _cuda_kernel(name, avals, params) if cuda else None
     if impl is not None:
         return impl
     ref = _REFERENCES[name]
@@ -508,12 +495,11 @@ def _lowering(prim, cuda: bool):
             avals_in = tuple(jax.core.ShapedArray(a.shape, a.dtype) for a in ctx.avals_in)
             avals_out = tuple(jax.core.ShapedArray(a.shape, a.dtype) for a in ctx.avals_out)
             plain = ctx.replace(avals_in=avals_in, avals_out=avals_out)
-            partitioned = _PARTITIONED.get(prim.name)
-            one = sharding.one_shard(ctx.module_context.axis_context)
-            if partitioned is not None and not one:
-                fn = functools.partial(partitioned, _Call(tuple(sorted({**params, "cuda": cuda}.items()))))
-            else:  # one shard, or the ragged-K call: on several, XLA partitions the reference's ops (docs/fp8.md)
-                fn = _local(prim.name, avals_in, params, cuda, kernel=one)
+            if sharding.one_shard(ctx.module_context.axis_context):
+                fn = _local(prim.name, avals_in, params, cuda)
+            else:
+                call = scaled_sharding.Call(tuple(sorted({**params, "cuda": cuda}.items())), _local)
+                fn = functools.partial(scaled_sharding.PARTITIONED[prim.name], call)
             return mlir.lower_fun(fn, multiple_results=False)(plain, *args)
 
     return rule
@@ -523,264 +509,6 @@ for _p in (scaled_gemm_p, scaled_ragged_m_p, scaled_ragged_k_p):
     _p.def_impl(lambda *args, _prim=_p, **params: jax.jit(functools.partial(_prim.bind, **params))(*args))
     mlir.register_lowering(_p, _lowering(_p, cuda=False))
     mlir.register_lowering(_p, _lowering(_p, cuda=True), platform="cuda")
-
-
-# -- partitioning rules of the dense call --------------------------------------------------------------
-#
-# Scales shard with their blocks: a sharded axis of a (M or K) shards sa's block axis over the
-# same mesh axes, likewise b's N and K with sb, and the bias with N. An axis is kept sharded only
-# when every shard holds whole blocks (its extent divides into shards of a multiple of the block);
-# otherwise it is replicated, with a log line saying why. A sharded K is summed (psum) in f32
-# before the epilogue.
-
-def _count(axes: Sequence[str], mesh_shape) -> int:
-    return int(np.prod([mesh_shape[x] for x in axes])) if axes else 1
-
-
-def _fits(extent: int, block: int, axes, mesh_shape) -> bool:
-    n = _count(axes, mesh_shape)
-    return extent % n == 0 and (extent // n) % block == 0 if n > 1 else True
-
-
-def gemm_plan(shapes: Sequence[tuple[int, ...]], specs, mesh_shape, a_block: int, b_block: int,
-              warn: bool = True, gated: bool = False) -> dict[str, tuple[str, ...]]:
-    """Mesh axes of the dense call's L, M, N and K from its operands' specs (a's for L, M, K;
-    b's for N; K where both shard it alike), each kept only where shards hold whole blocks and
-    no mesh axis is used twice. A gated activation (swiglu pairs column j with j + N/2) keeps
-    N whole."""
-    (l, m, k), n = shapes[0], shapes[2][1]
-    sa, sb = specs[0] or ((),) * 3, specs[2] or ((),) * 3
-    want = {"l": sa[0] or sb[0], "m": sa[1], "n": sb[1], "k": sa[2] if sa[2] == sb[2] else ()}
-    extent = {"l": (l, 1), "m": (m, a_block), "n": (n, b_block), "k": (k, BLOCK)}
-    used: set[str] = set()
-    out: dict[str, tuple[str, ...]] = {}
-    for f in "lmnk":
-        axes = want[f]
-        e, blk = extent[f]
-        why = None
-        if axes and used & set(axes):
-            why = f"its mesh axes {axes} already shard another dimension"
-        elif axes and f == "n" and gated:
-            why = "a gated activation pairs columns of both halves of N"
-        elif axes and not _fits(e, blk, axes, mesh_shape):
-            why = (f"{f.upper()}={e} does not split into {_count(axes, mesh_shape)} shards of whole "
-                   f"{blk}-element scale blocks")
-        if why:
-            if warn:
-                logger.warning("jax_cute.fp8: scaled GEMM dimension %s is replicated, not sharded over %s: %s",
-                               f.upper(), axes, why)
-            axes = ()
-        used |= set(axes)
-        out[f] = tuple(axes)
-    return out
-
-
-def _pspec(*parts) -> PartitionSpec:
-    return sharding.partition_spec(parts)
-
-
-def _gemm_shardings(mesh, plan, has_bias: bool):
-    l, m, n, k = plan["l"], plan["m"], plan["n"], plan["k"]
-    args = [_pspec(l, m, k), _pspec(l, m, k), _pspec(l, n, k), _pspec(l, n, k)] + ([_pspec(n)] if has_bias else [])
-    return tuple(NamedSharding(mesh, s) for s in args), NamedSharding(mesh, _pspec(l, m, n))
-
-
-def _plan_for(call: _Call, mesh, arg_shapes, warn: bool):
-    kw = call.kwargs
-    a, b = (sharding.spec_of(arg_shapes[i].sharding, 3, mesh) for i in (0, 2))  # (the scales shard with them)
-    return gemm_plan([tuple(s.shape) for s in arg_shapes], [a, None, b, None], dict(mesh.shape), kw["a_block"],
-                     kw["b_block"], warn, is_gated(kw["activation"]))
-
-
-def _partition(call: _Call, mesh, arg_shapes, result_shape):
-    kw = call.kwargs
-    cuda = kw.pop("cuda")
-    plan = _plan_for(call, mesh, arg_shapes, warn=True)
-    arg_sh, out_sh = _gemm_shardings(mesh, plan, len(arg_shapes) == 5)
-    reduce = plan["k"]
-
-    def lower_fn(*args):
-        with sharding.unmeshed():
-            avals = tuple(jax.core.ShapedArray(x.shape, x.dtype) for x in args)
-            if not reduce:
-                return _local("jax_cute_scaled_gemm", avals, kw, cuda)(*args)
-            # K sharded: each shard's f32 partial sum, summed, then the epilogue once
-            part = _local("jax_cute_scaled_gemm", avals[:4], {**kw, "out_dtype": "float32", "activation": None},
-                          cuda)(*args[:4])
-            acc = jax.lax.psum(part, reduce)
-            return _epilogue(acc, args[4] if len(args) == 5 else None, kw["activation"], kw["out_dtype"])
-
-    return mesh, lower_fn, out_sh, arg_sh
-
-
-def _infer(call: _Call, mesh, arg_shapes, result_shape):
-    return _gemm_shardings(mesh, _plan_for(call, mesh, arg_shapes, warn=False), len(arg_shapes) == 5)[1]
-
-
-def _blocked(name: str, extent: int, block: int, *, sizes: dict, separate: list):
-    """(values' axis, scales' axis) of a Shardy rule: one factor where blocks divide the extent
-    (a compound of the block count and the in-block factor, recorded in ``sizes``), else two
-    unrelated factors, replicated (added to ``separate``)."""
-    if block == 1:
-        return name, name
-    if extent % block == 0 and extent > block:  # (Shardy: no size-1 factor in a compound)
-        sizes[f"{name}i"] = block
-        return CompoundFactor(f"{name}b", f"{name}i"), f"{name}b"
-    separate.extend([name, f"{name}s"])
-    return name, f"{name}s"
-
-
-def _sdy_rule_with_output(maps: list, out_lead: tuple, nv, activation, separate: list, k: int,
-                          sizes: dict) -> SdyShardingRule:
-    """The Shardy rule of operand mappings ``maps`` and an output of leading factors ``out_lead``
-    then N (its own factor for a gated activation, which keeps N whole)."""
-    gated = is_gated(activation)
-    out = ArrayMapping(*out_lead, "ng" if gated else nv)
-    if gated:
-        separate.append("ng")
-    # Shardy numbers factors in order of first appearance and wants the special ones in that order
-    order = [f for mp in (*maps, out) for d in mp for f in ((d,) if isinstance(d, str) else tuple(d))]
-    rank = {f: i for i, f in reversed(list(enumerate(order)))}
-    reduction = ("kb",) if k % BLOCK == 0 and k > BLOCK else ()
-    return SdyShardingRule(tuple(maps), (out,), reduction_factors=reduction,
-                           need_replication_factors=tuple(sorted(set(separate), key=rank.__getitem__)), **sizes)
-
-
-def _body(name: str) -> Callable:
-    """The body custom_partitioning runs per shard for the primitive ``name``: its local kernel or
-    reference, traced without the caller's mesh."""
-    def body(call: _Call, *args):
-        kw = call.kwargs
-        cuda = kw.pop("cuda")
-        with sharding.unmeshed():
-            avals = tuple(jax.core.ShapedArray(x.shape, x.dtype) for x in args)
-            return jax.jit(_local(name, avals, kw, cuda))(*args)
-    return body
-
-
-def _sdy_rule(call: _Call, mesh, operand_types, result_types) -> SdyShardingRule:
-    kw = call.kwargs
-    (_, m, k), n = operand_types[0].shape, operand_types[2].shape[1]
-    sizes: dict[str, int] = {}
-    separate: list[str] = []
-
-    blocked = functools.partial(_blocked, sizes=sizes, separate=separate)
-
-    mv, ms = blocked("m", m, kw["a_block"])
-    nv, ns = blocked("n", n, kw["b_block"])
-    kv, ks = blocked("k", k, BLOCK)
-    maps = [ArrayMapping("l", mv, kv), ArrayMapping("l", ms, ks), ArrayMapping("l", nv, kv), ArrayMapping("l", ns, ks)]
-    if len(operand_types) == 5:
-        maps.append(ArrayMapping(nv))
-    return _sdy_rule_with_output(maps, ("l", mv), nv, kw["activation"], separate, k, sizes)
-
-
-_gemm_body = _body("jax_cute_scaled_gemm")
-
-
-_partitioned_gemm = custom_partitioning(_gemm_body, static_argnums=(0,))
-_partitioned_gemm.def_partition(partition=_partition, infer_sharding_from_operands=_infer, sharding_rule=_sdy_rule,
-                                decode_shardings=False)
-
-
-# -- partitioning rules of the call grouped over M ----------------------------------------------------
-#
-# M (tokens) splits into row blocks: each shard derives its group sizes from the global ones
-# (the groups clipped to its rows; sizes stay replicated). N and K as in the dense call; G
-# (experts) is replicated: expert parallelism is a shard_map with a token all-to-all.
-
-def _ragged_plan(call: _Call, mesh, arg_shapes, warn: bool) -> dict[str, tuple[str, ...]]:
-    kw = call.kwargs
-    shapes = [tuple(s.shape) for s in arg_shapes]
-    a, b = (sharding.spec_of(arg_shapes[i].sharding, len(shapes[i]), mesh) or ((),) * len(shapes[i])
-            for i in (0, 2))
-    (m, k), n = shapes[0], shapes[2][1]
-    # as the dense plan over (L=1, M, K) x (L=1, N, K): a's M and K, b's N and K
-    fake = [(1, m, k), None, (1, n, k)]
-    dense = gemm_plan(fake, [((),) + tuple(a), None, ((),) + tuple(b[1:]), None], dict(mesh.shape),
-                      1, kw["b_block"], warn, is_gated(kw["activation"]))
-    return {"m": dense["m"], "n": dense["n"], "k": dense["k"]}
-
-
-def _ragged_shardings(mesh, plan, has_bias: bool):
-    m, n, k = plan["m"], plan["n"], plan["k"]
-    args = [_pspec(m, k), _pspec(m, k), _pspec((), n, k), _pspec((), n, k), _pspec(())]
-    args += [_pspec((), n)] if has_bias else []
-    return tuple(NamedSharding(mesh, s) for s in args), NamedSharding(mesh, _pspec(m, n))
-
-
-def _shard_offset(axes: Sequence[str], mesh_shape, local: int):
-    idx = jnp.int32(0)
-    for a in axes:  # the first mesh axis is the slowest, as in a PartitionSpec
-        idx = idx * mesh_shape[a] + jax.lax.axis_index(a)
-    return idx * local
-
-
-def _ragged_partition(call: _Call, mesh, arg_shapes, result_shape):
-    kw = call.kwargs
-    cuda = kw.pop("cuda")
-    plan = _ragged_plan(call, mesh, arg_shapes, warn=True)
-    has_bias = len(arg_shapes) == 6
-    arg_sh, out_sh = _ragged_shardings(mesh, plan, has_bias)
-    m = arg_shapes[0].shape[0]
-    ms = dict(mesh.shape)
-
-    def lower_fn(*args):
-        with sharding.unmeshed():
-            args = list(args)
-            lm = args[0].shape[0]
-            if plan["m"]:  # this shard's rows [offset, offset + lm): the groups clipped to them
-                ends = group_ends(args[4], m)
-                starts = ends - clipped_sizes(ends)
-                off = _shard_offset(plan["m"], ms, lm)
-                clip = lambda x: jnp.clip(x - off, 0, lm)  # noqa: E731
-                args[4] = (clip(ends) - clip(starts)).astype(jnp.int32)
-            avals = tuple(jax.core.ShapedArray(x.shape, x.dtype) for x in args)
-            if not plan["k"]:
-                return _local("jax_cute_scaled_ragged_m", avals, kw, cuda)(*args)
-            part = _local("jax_cute_scaled_ragged_m", avals[:5], {**kw, "out_dtype": "float32", "activation": None},
-                          cuda)(*args[:5])
-            acc = jax.lax.psum(part, plan["k"])
-            if has_bias or kw["activation"]:
-                # rows past the last group stay zero: the epilogue only on rows inside a group
-                ends, grp = row_groups(args[4], lm)
-                inside = (grp < ends.shape[0])[:, None]
-                bias = jnp.where(inside, args[5][jnp.minimum(grp, ends.shape[0] - 1)].astype(jnp.float32), 0) \
-                    if has_bias else None
-                return jnp.where(inside, _epilogue(acc, bias, kw["activation"], jnp.float32), 0).astype(kw["out_dtype"])
-            return acc.astype(kw["out_dtype"])
-
-    return mesh, lower_fn, out_sh, arg_sh
-
-
-def _ragged_infer(call: _Call, mesh, arg_shapes, result_shape):
-    return _ragged_shardings(mesh, _ragged_plan(call, mesh, arg_shapes, warn=False), len(arg_shapes) == 6)[1]
-
-
-def _ragged_sdy_rule(call: _Call, mesh, operand_types, result_types) -> SdyShardingRule:
-    kw = call.kwargs
-    (_, k), n = operand_types[0].shape, operand_types[2].shape[1]
-    sizes: dict[str, int] = {}
-    separate: list[str] = ["g"]
-
-    blocked = functools.partial(_blocked, sizes=sizes, separate=separate)
-
-    nv, ns = blocked("n", n, kw["b_block"])
-    kv, ks = blocked("k", k, BLOCK)
-    maps = [ArrayMapping("m", kv), ArrayMapping("m", ks), ArrayMapping("g", nv, kv), ArrayMapping("g", ns, ks),
-            ArrayMapping("g")]
-    if len(operand_types) == 6:
-        maps.append(ArrayMapping("g", nv))
-    return _sdy_rule_with_output(maps, ("m",), nv, kw["activation"], separate, k, sizes)
-
-
-_ragged_body = _body("jax_cute_scaled_ragged_m")
-
-
-_partitioned_ragged_m = custom_partitioning(_ragged_body, static_argnums=(0,))
-_partitioned_ragged_m.def_partition(partition=_ragged_partition, infer_sharding_from_operands=_ragged_infer,
-                                    sharding_rule=_ragged_sdy_rule, decode_shardings=False)
-_PARTITIONED = {"jax_cute_scaled_gemm": _partitioned_gemm, "jax_cute_scaled_ragged_m": _partitioned_ragged_m}
 
 
 # -- batching ----------------------------------------------------------------------------------------
