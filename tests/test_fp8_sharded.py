@@ -97,7 +97,7 @@ def _worker() -> dict:
     # grouped over K (the grouped weight gradient): P over model and, where the operands are laid
     # out group-aligned, T over data (each shard its groups' blocks, the partial sums summed); in
     # the natural layout T is replicated, with a log line
-    from jax_cute.fp8 import quantize_grouped, ragged_k_dot, scaled
+    from jax_cute.fp8 import quantize_grouped, ragged_k_dot, scaled, scaled_sharding
     from jax_cute.fp8.ops import ragged_k_dot_aligned
     from jax_cute.fp8.quantize import clipped_sizes, group_ends
 
@@ -122,6 +122,26 @@ def _worker() -> dict:
                      "spec": [None if s is None else str(s) for s in res.sharding.spec],
                      "collectives": counts(fn.lower(*args).compile().as_text()),
                      "replicated_log": [s for s in messages if "replicated" in s]}
+
+    # lowered for sm_90a, a shard of the group-aligned call (P over model, T over data) runs the
+    # kernel on its blocks, then the sum: its rule's per-shard function, traced as the partitioner
+    # traces it (shard_map stands in for the partitioner's mesh context)
+    from jax_cute import config
+
+    sds = lambda shape, dtype, spec: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))  # noqa: E731
+    nb = 16
+    shapes = [sds((512, 128 * nb), jnp.float8_e4m3fn, P("model", "data")), sds((512, nb), jnp.float32, P("model", "data")),
+              sds((256, 128 * nb), jnp.float8_e4m3fn, P(None, "data")), sds((256, nb), jnp.float32, P(None, "data")),
+              sds((4,), jnp.int32, P())]
+    params = {"out_dtype": "bfloat16", "compute": "float32", "aligned": True, "cuda": True}
+    call = scaled_sharding.Call(tuple(sorted(params.items())), scaled._local)
+    _, lower_fn, out_sh, arg_sh = scaled_sharding._ragged_k_partition(call, mesh, shapes, None)
+    per_shard = jax.shard_map(lower_fn, mesh=mesh, in_specs=tuple(s.spec for s in arg_sh), out_specs=out_sh.spec,
+                              check_vma=False)
+    with config.override(target_arch="sm_90a"):
+        text = jax.jit(per_shard).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+    out["ragged_k_shard_lowering"] = {"launches": text.count("@jax_cute_launch"), "sums": text.count("all_reduce"),
+                                      "specs": [list(s.spec) for s in arg_sh]}
 
     # a training step: fp8 MLP (tensor parallel over model, batch over data) and fp8 MoE (data)
     d, ff, g = 256, 512, 4
@@ -173,7 +193,6 @@ def _worker() -> dict:
 
     # the operand quantizers (cute_call kernels, no partitioning rule), lowered for sm_90a: their
     # references where jit partitions them, the kernel inside shard_map (as on one device)
-    from jax_cute import config
     from jax_cute.fp8 import wgrad_operands as wo
 
     x = jnp.asarray(rng.standard_normal((2048, 256)), jnp.bfloat16)
@@ -236,6 +255,9 @@ def test_grouped_weight_gradient_sharded_over_its_rows_and_aligned_tokens(result
     r = results["ragged_k_aligned"]   # P over model, T over data: summed
     assert r["err"] < 1e-6 and r["spec"] == [None, "model"], r
     assert r["collectives"]["all-reduce"] >= 1 and not r["collectives"]["all-gather"] and not r["replicated_log"], r
+    r = results["ragged_k_shard_lowering"]   # on the GPU: each shard's kernel, then the sum
+    assert r["launches"] == 1 and r["sums"] >= 1, r
+    assert r["specs"][:4] == [["model", "data"]] * 2 + [[None, "data"]] * 2, r
     r = results["ragged_k_natural"]   # blocks at group starts: T gathered, P kept
     assert r["err"] < 1e-6 and r["spec"] == [None, "model"], r
     assert any("dimension T is replicated" in s and "group-aligned" in s for s in r["replicated_log"]), r
