@@ -191,6 +191,14 @@ def _worker() -> dict:
         g, p, {"w1": P(None, None, "model"), "w2": P(None, "model", None), "shared": P(None, "model")}, x)
     out["split_blocks"]["replicated_log"] = sorted({s for s in messages if "replicated" in s})
 
+    # the same stack with experts (ragged_dot), their weights sharded over model along f and the
+    # tokens over data: grouped over M forward and dgrad, the ragged-K weight gradient
+    sizes = (100, 0, 56, 100)
+    p, x, gs = scanned_stack.case(True, layers=2, d=256, f=512, tokens=256, sizes=sizes)
+    moe = jax.jit(jax.value_and_grad(jax_cute.kernelize(lambda p, x: scanned_stack.loss(p, x, gs), fp8="blockwise")))
+    out["moe_scanned"], _, _ = sharded_step(
+        moe, p, {"w1": P(None, None, None, "model"), "w2": P(None, None, None, "model"), "shared": P()}, x)
+
     # the operand quantizers (cute_call kernels, no partitioning rule), lowered for sm_90a: their
     # references where jit partitions them, the kernel inside shard_map (as on one device)
     from jax_cute.fp8 import wgrad_operands as wo
@@ -278,6 +286,11 @@ def test_sharded_fp8_training_step(results):
 def test_sharded_scanned_stack_quantized_before_the_scan(results):
     r = results["scanned"]
     assert r["calls"] == {"0": 3}, r   # (JSON keys: strings)
+    assert r["loss_err"] < 1e-5 and max(r["grad_err"].values()) < 2e-3, r
+
+
+def test_sharded_moe_stack_in_fp8(results):
+    r = results["moe_scanned"]
     assert r["loss_err"] < 1e-5 and max(r["grad_err"].values()) < 2e-3, r
 
 
