@@ -22,7 +22,7 @@ from jax.experimental.custom_partitioning import ArrayMapping, CompoundFactor, S
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jax_cute.activations import apply_activation, is_gated
-from jax_cute.fp8.quantize import BLOCK, clipped_sizes, group_ends, row_groups
+from jax_cute.fp8.quantize import BLOCK, clipped_sizes, group_blocks, group_ends, grouped_blocks, row_groups
 from jax_cute.primitives import sharding
 
 logger = logging.getLogger("jax_cute")
@@ -169,10 +169,15 @@ def _sdy_rule_with_output(maps: list, out_lead: tuple, nv, activation, separate:
     out = ArrayMapping(*out_lead, "ng" if gated else nv)
     if gated:
         separate.append("ng")
+    return _factor_rule(maps, out, ("kb",) if k % BLOCK == 0 and k > BLOCK else (), separate, sizes)
+
+
+def _factor_rule(maps: list, out: ArrayMapping, reduction: tuple, separate: list, sizes: dict) -> SdyShardingRule:
+    """The Shardy rule of operand mappings ``maps``, the output's ``out``, ``reduction`` factors and
+    the factors in ``separate`` replicated."""
     # Shardy numbers factors in order of first appearance and wants the special ones in that order
     order = [f for mp in (*maps, out) for d in mp for f in ((d,) if isinstance(d, str) else tuple(d))]
     rank = {f: i for i, f in reversed(list(enumerate(order)))}
-    reduction = ("kb",) if k % BLOCK == 0 and k > BLOCK else ()
     return SdyShardingRule(tuple(maps), (out,), reduction_factors=reduction,
                            need_replication_factors=tuple(sorted(set(separate), key=rank.__getitem__)), **sizes)
 
@@ -315,30 +320,32 @@ _partitioned_ragged_m.def_partition(partition=_ragged_partition, infer_sharding_
 
 # -- partitioning rules of the call grouped over K ----------------------------------------------------
 #
-# P and Q (the weight gradient's rows and columns, one scale per row) keep their sharding. T (the
-# tokens, contracted) keeps it where the operands are laid out group-aligned (``aligned``: every
-# group from a multiple of 128, so every block is whole and in place) and each shard holds whole
-# blocks: a shard takes the groups' blocks that fall in its range (the sizes stay replicated) and
-# the shards' float32 partial sums are summed. In the natural layout a group's blocks start at the
-# group's first token, not at a shard boundary: T is replicated, logged. G is replicated.
+# P and Q (the weight gradient's rows and columns, one scale per row) keep their sharding, and so
+# does T (the tokens, contracted) where a and b shard it alike; each shard's float32 partial sums
+# are summed. G is replicated and so are the group sizes. Laid out group-aligned (``aligned``:
+# every group from a multiple of 128, every block whole and in place), T stays sharded where each
+# shard holds whole blocks, and a shard takes the groups' blocks in its range. In the natural
+# layout (blocks from each group's first token, as ``quantize_grouped`` writes them) a block may
+# straddle two shards: each shard lays out the blocks that meet its tokens group-aligned, its part
+# of a straddling block in place and zeros for the rest, with the blocks' scales (T of the scales
+# whole: 1/32 of the fp8 values' bytes), and the partial sums of a block add up across shards.
 
 def _ragged_k_plan(call: Call, mesh, arg_shapes, warn: bool) -> dict[str, tuple[str, ...]]:
     a, b = (sharding.spec_of(arg_shapes[i].sharding, 2, mesh) or ((), ()) for i in (0, 2))
     (p, t), q = arg_shapes[0].shape, arg_shapes[2].shape[0]
-    natural = None if call.kwargs.get("aligned") else (
-        "its scale blocks restart at each group's first token, not at shard boundaries (operands laid out "
-        "group-aligned, as fp8.grouped_linear's weight gradient lays them out, shard along T)")
+    block = BLOCK if call.kwargs.get("aligned") else 1
     return _kept([("p", a[0], p, 1, None), ("q", b[0], q, 1, None),
-                  ("t", a[1] if a[1] == b[1] else (), t, BLOCK, natural)], dict(mesh.shape), warn, "ragged-K scaled GEMM")
+                  ("t", a[1] if a[1] == b[1] else (), t, block, None)], dict(mesh.shape), warn, "ragged-K scaled GEMM")
 
 
-def _ragged_k_shardings(mesh, plan):
+def _ragged_k_shardings(mesh, plan, aligned: bool):
     p, q, t = plan["p"], plan["q"], plan["t"]
-    args = [_pspec(p, t), _pspec(p, t), _pspec(q, t), _pspec(q, t), _pspec(())]
+    ts = t if aligned else ()
+    args = [_pspec(p, t), _pspec(p, ts), _pspec(q, t), _pspec(q, ts), _pspec(())]
     return tuple(NamedSharding(mesh, s) for s in args), NamedSharding(mesh, _pspec((), p, q))
 
 
-def _local_blocks(sizes, total: int, lo, local: int):
+def _aligned_shard(sizes, total: int, lo, local: int):
     """The group-aligned layout's groups (``sizes`` tokens each, of ``total``) on the shard that
     holds blocks [lo, lo + local): each group's blocks there, as token counts (128 a block; the
     kernel and the reference round a group up to whole blocks, whose tail is zeros)."""
@@ -348,45 +355,79 @@ def _local_blocks(sizes, total: int, lo, local: int):
     return ((clip(first + nb) - clip(first)) * BLOCK).astype(jnp.int32)
 
 
+def natural_shard_blocks(local: int, total: int, groups: int) -> int:
+    """Room for the natural layout's blocks that meet a shard of ``local`` of ``total`` tokens:
+    a group's part of L tokens there meets at most (L + 126) / 128 + 1 blocks."""
+    return min(grouped_blocks(total, groups), (local + 126 * groups) // BLOCK + groups + 1)
+
+
+def natural_shard(a, sa, b, sb, sizes, total: int, lo, blocks: int):
+    """The natural layout's call on the shard holding tokens [lo, lo + a.shape[1]) of ``total``,
+    as a group-aligned call over ``blocks`` blocks (natural_shard_blocks): the blocks that meet
+    the shard, in order, each with its tokens there at their offsets in the block (zeros for the
+    rest) and its scales (sa, sb: every block's); the sizes: each group's blocks there times 128."""
+    local, g = a.shape[1], sizes.shape[0]
+    _, bstart, blen, bgroup = group_blocks(sizes, total)
+    meets = (blen > 0) & (bstart < lo + local) & (bstart + blen > lo)
+    first, count = jnp.argmax(meets), jnp.sum(meets)   # the blocks that meet the shard are consecutive
+    i = jnp.arange(blocks, dtype=jnp.int32)
+    j = jnp.minimum(first + i, bstart.shape[0] - 1)
+    held = i < count
+    lane = jnp.arange(BLOCK, dtype=jnp.int32)
+    src = bstart[j][:, None] + lane[None, :] - lo
+    keep = (held[:, None] & (lane[None, :] < blen[j][:, None]) & (src >= 0) & (src < local)).reshape(-1)
+    src = jnp.clip(src, 0, local - 1).reshape(-1)
+    take = lambda x: jnp.where(keep, jnp.take(x, src, axis=1), jnp.zeros((), x.dtype))  # noqa: E731
+    per_group = jax.ops.segment_sum(held.astype(jnp.int32), jnp.where(held, bgroup[j], g), num_segments=g + 1)[:g]
+    return take(a), jnp.take(sa, j, axis=1), take(b), jnp.take(sb, j, axis=1), per_group * BLOCK
+
+
 def _ragged_k_partition(call: Call, mesh, arg_shapes, result_shape):
     kw = call.kwargs
     cuda = kw.pop("cuda")
+    aligned = kw.get("aligned", False)
     plan = _ragged_k_plan(call, mesh, arg_shapes, warn=True)
-    arg_sh, out_sh = _ragged_k_shardings(mesh, plan)
+    arg_sh, out_sh = _ragged_k_shardings(mesh, plan, aligned)
     t, ms = arg_shapes[0].shape[1], dict(mesh.shape)
     name = "jax_cute_scaled_ragged_k"
 
-    def lower_fn(a, sa, b, sb, sizes):
+    def lower_fn(*args):
         with sharding.unmeshed():
-            if not plan["t"]:
-                avals = tuple(jax.core.ShapedArray(x.shape, x.dtype) for x in (a, sa, b, sb, sizes))
-                return call.local(name, avals, kw, cuda)(a, sa, b, sb, sizes)
-            local = sa.shape[1]
-            sizes = _local_blocks(sizes, t, _shard_offset(plan["t"], ms, local), local)
-            avals = tuple(jax.core.ShapedArray(x.shape, x.dtype) for x in (a, sa, b, sb, sizes))
-            part = call.local(name, avals, {**kw, "out_dtype": "float32"}, cuda)(a, sa, b, sb, sizes)
-            return jax.lax.psum(part, plan["t"]).astype(kw["out_dtype"])
+            params = kw
+            if plan["t"]:
+                local_t = args[0].shape[1]
+                if aligned:
+                    local = args[1].shape[1]
+                    args = (*args[:4], _aligned_shard(args[4], t, _shard_offset(plan["t"], ms, local), local))
+                else:
+                    blocks = natural_shard_blocks(local_t, t, args[4].shape[0])
+                    args = natural_shard(*args, t, _shard_offset(plan["t"], ms, local_t), blocks)
+                params = {**kw, "out_dtype": "float32", "aligned": True}
+            avals = tuple(jax.core.ShapedArray(x.shape, x.dtype) for x in args)
+            out = call.local(name, avals, params, cuda)(*args)
+            return jax.lax.psum(out, plan["t"]).astype(kw["out_dtype"]) if plan["t"] else out
 
     return mesh, lower_fn, out_sh, arg_sh
 
 
 def _ragged_k_infer(call: Call, mesh, arg_shapes, result_shape):
-    return _ragged_k_shardings(mesh, _ragged_k_plan(call, mesh, arg_shapes, warn=False))[1]
+    plan = _ragged_k_plan(call, mesh, arg_shapes, warn=False)
+    return _ragged_k_shardings(mesh, plan, call.kwargs.get("aligned", False))[1]
 
 
 def _ragged_k_sdy_rule(call: Call, mesh, operand_types, result_types) -> SdyShardingRule:
     t = operand_types[0].shape[1]
-    aligned = call.kwargs.get("aligned", False)
     sizes: dict[str, int] = {}
     separate: list[str] = ["g"]
-    if aligned:
+    if call.kwargs.get("aligned", False):
         tv, ts = _blocked("k", t, BLOCK, sizes=sizes, separate=separate)
-    else:   # (values and scales unrelated along T: both replicated)
-        tv, ts = "k", "ks"
-        separate += [tv, ts]
+        reduction = ("kb",) if isinstance(tv, CompoundFactor) else ()
+    else:   # the values' T shards freely, the scales' stays whole
+        tv, ts, reduction = "k", "ks", ("k",)
+        separate.append(ts)
     maps = [ArrayMapping("p", tv), ArrayMapping("p", ts), ArrayMapping("q", tv), ArrayMapping("q", ts),
             ArrayMapping("g")]
-    return _sdy_rule_with_output(maps, ("g", "p"), "q", None, separate, t if aligned else 0, sizes)
+    return _factor_rule(maps, ArrayMapping("g", "p", "q"), reduction, separate, sizes)
 
 
 _ragged_k_body = _body("jax_cute_scaled_ragged_k")
