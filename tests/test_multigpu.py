@@ -118,3 +118,43 @@ def test_gpt_training_on_every_gpu_matches_one_gpu(moe, top_k):
             print(f"{axes}: largest relative deviation from one GPU {max(rel):.2e}, first 4 steps {max(rel[:4]):.2e}")
             assert max(rel[:4]) <= 1e-3 and max(rel) <= bound, (axes, got, one)
             assert got[-1] < got[0]
+
+
+def test_block_scaled_weight_gradient_sharded_over_its_tokens():
+    """The fp8 grouped weight gradient (ragged_k_dot) with its tokens over every GPU, in strict mode
+    (each shard on the kernel, the partial sums summed): in the natural layout, whose scale
+    blocks straddle shards, and laid out group-aligned; against the same product on one GPU."""
+    import dataclasses
+
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+    from jax_cute.fp8 import quantize_grouped, ragged_k_dot, scaled
+    from jax_cute.fp8.ops import ragged_k_dot_aligned
+    from jax_cute.fp8.quantize import clipped_sizes, group_ends
+
+    n = len(jax.devices())
+    if n < 2:
+        pytest.skip("needs two GPUs")
+    mesh = jax.make_mesh((n,), ("x",), axis_types=(AxisType.Auto,))
+    put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))  # noqa: E731
+    rng = np.random.default_rng(0)
+    t = 1000 * n
+    sizes = jnp.asarray([3 * t // 10, 0, t // 7, t // 2], jnp.int32)   # tokens past the last group too
+    qa, qb = (quantize_grouped(jnp.asarray(rng.standard_normal((r, t)), jnp.float32), sizes) for r in (384, 520))
+    nb = -(-qa.scales.shape[1] // n) * n   # whole blocks on every GPU
+    aligned = [(scaled.group_aligned(q.values, sizes, nb),
+                jnp.pad(q.scales, ((0, 0), (0, nb - q.scales.shape[1])), constant_values=1.0)) for q in (qa, qb)]
+    natural = jax.jit(lambda a, b: ragged_k_dot(a, b, sizes, preferred_element_type=jnp.float32))
+    grouped = jax.jit(lambda a, b: ragged_k_dot_aligned(a, b, clipped_sizes(group_ends(sizes, t)),
+                                                        preferred_element_type=jnp.float32))
+    with jax_cute.config.override(strict=True, nan_fill=True):
+        one = np.asarray(natural(qa, qb))
+        cases = [(natural, [dataclasses.replace(q, values=put(q.values, P(None, "x")), scales=put(q.scales, P()))
+                            for q in (qa, qb)]),
+                 (grouped, [(put(v, P(None, "x")), put(s, P(None, "x"))) for v, s in aligned])]
+        for f, args in cases:
+            hlo = f.lower(*args).compile().as_text()
+            got = np.asarray(f(*args))
+            assert "jax_cute_launch" in hlo and "all-gather" not in hlo
+            # each shard's float32 partial sums, summed: the same up to the order of additions
+            np.testing.assert_allclose(got, one, rtol=0, atol=1e-5 * np.abs(one).max())
