@@ -1216,3 +1216,19 @@ def test_vmap_of_the_fp8_gradients():
     for i in range(2):
         for got, want in zip(batched, grad(x[i], w[i])):
             np.testing.assert_array_equal(np.asarray(got[i]), np.asarray(want))
+
+
+@pytest.mark.sweep   # (CI's second step: it compiles the step's kernels)
+def test_training_step_exports_for_the_gpu():
+    """An fp8.linear training step exported for CUDA on this CPU machine: serialized with every
+    kernel in it (the quantizers, the weight kernel, the three GEMMs), and read back."""
+    pytest.importorskip("cutlass")
+    from jax import export
+
+    x, w = jax.ShapeDtypeStruct((512, 256), jnp.bfloat16), jax.ShapeDtypeStruct((256, 512), jnp.float32)
+    step = jax.jit(jax.value_and_grad(lambda w, x: jnp.mean(linear(x, w, out_dtype=jnp.float32) ** 2)))
+    with config.override(target_arch="sm_90a", strict=True):
+        exp = export.export(step, platforms=["cuda"], disabled_checks=jax_cute.export_disabled_checks())(w, x)
+    again = export.deserialize(exp.serialize())
+    assert again.mlir_module().count("@jax_cute_launch") == 5, again.mlir_module().count("@jax_cute_launch")
+    assert [a.shape for a in again.out_avals] == [(), (256, 512)]

@@ -207,6 +207,59 @@ def _worker() -> dict:
     out["moe_scanned"], _, _ = sharded_step(
         moe, p, {"w1": P(None, None, None, "model"), "w2": P(None, None, None, "model"), "shared": P()}, x)
 
+    # sharding in types (Explicit mesh axes): quantization, products typed as their rules shard
+    # them, and the training layers' gradients typed as their primals
+    emesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    same = lambda a, b: all(np.array_equal(np.asarray(u), np.asarray(v))  # noqa: E731
+                            for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+    typed = lambda x: [None if a is None else str(a) for a in jax.typeof(x).sharding.spec]  # noqa: E731
+    x = jnp.asarray(rng.standard_normal((512, 256)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((256, 1024)) * 0.05, jnp.float32)
+    w_odd = jnp.asarray(rng.standard_normal((256, 1000)) * 0.05, jnp.float32)
+    mm = jax.jit(lambda a, b: jax_cute.matmul(jax_cute.quantize(a), jax_cute.quantize(b, "128x128"),
+                                              preferred_element_type=jnp.float32))
+    mlp = jax.jit(jax.value_and_grad(
+        lambda p, x: jnp.mean(linear(jax.nn.gelu(linear(x, p["w1"], out_dtype=jnp.float32)), p["w2"],
+                                     out_dtype=jnp.float32) ** 2)))
+    mlp_params = {"w1": w, "w2": jnp.asarray(rng.standard_normal((1024, 256)) * 0.05, jnp.float32)}
+    moe = jax.jit(jax.grad(lambda w, x: jnp.mean(grouped_linear(x, w, sizes, out_dtype=jnp.float32) ** 2)))
+    e1 = jnp.asarray(rng.standard_normal((4, 256, 512)) * 0.05, jnp.float32)
+    sp, sx, _ = scanned_stack.case(False, layers=2, d=256, f=512, tokens=256, sizes=())
+    stack = jax.jit(jax.value_and_grad(jax_cute.kernelize(scanned_stack.loss, fp8="blockwise")))
+    want = {"mm": mm(x, w), "mlp": mlp(mlp_params, x), "moe": moe(e1, x), "stack": stack(sp, sx)}
+    with jax.set_mesh(emesh):
+        xs, ws, wo = (jax.device_put(a, s) for a, s in ((x, P("data", None)), (w, P(None, "model")),
+                                                        (w_odd, P(None, "model"))))
+        qs = {"x": jax.jit(lambda a: jax_cute.quantize(a))(xs), "w": jax.jit(lambda a: jax_cute.quantize(a, "128x128"))(ws),
+              "w_odd": jax.jit(lambda a: jax_cute.quantize(a, "128x128"))(wo)}
+        y = mm(xs, ws)
+        ps = {"w1": ws, "w2": jax.device_put(mlp_params["w2"], P("model", None))}
+        loss, grads = mlp(ps, xs)
+        es = jax.device_put(e1, P(None, None, "model"))
+        de = moe(es, xs)
+        # kernelize(fp8=...) of the layer stack, data parallel (sharding the weights along f would
+        # make the model's own w2.T product ambiguous on Explicit axes)
+        stack_loss, stack_grads = stack(sp, jax.device_put(sx, P("data", None)))
+        out["explicit"] = {
+            "quantized": {k: same(q, jax_cute.quantize(a, "1x128" if k == "x" else "128x128"))
+                          for (k, q), a in zip(qs.items(), (x, w, w_odd))},
+            "quantized_types": {k: [typed(q.values), typed(q.scales)] for k, q in qs.items()},
+            "mm": {"same": same(y, want["mm"]), "type": typed(y),
+                   "collectives": counts(mm.lower(xs, ws).compile().as_text())},
+            "mlp": {"loss_err": abs(float(loss) - float(want["mlp"][0])) / abs(float(want["mlp"][0])),
+                    "grad_err": {k: float(jnp.linalg.norm(grads[k] - want["mlp"][1][k]) / jnp.linalg.norm(want["mlp"][1][k]))
+                                 for k in grads},
+                    "grad_types": {k: typed(v) for k, v in grads.items()}},
+            "moe": {"grad_err": float(jnp.linalg.norm(de - want["moe"]) / jnp.linalg.norm(want["moe"])),
+                    "grad_type": typed(de), "collectives": counts(moe.lower(es, xs).compile().as_text())},
+            "quantized_grouped": {str(spec): same(jax.jit(lambda a: quantize_grouped(a, ks))(jax.device_put(xk, spec)),
+                                                  quantize_grouped(xk, ks))
+                                  for xk in (jnp.asarray(rng.standard_normal((256, 1000)), jnp.float32),)
+                                  for spec in (P(None, "data"), P("model", ("data",)), P(None, ("data", "model")))},
+            "stack": {"loss_err": abs(float(stack_loss) - float(want["stack"][0])) / abs(float(want["stack"][0])),
+                      "grad_err": {k: float(jnp.linalg.norm(stack_grads[k] - want["stack"][1][k])
+                                            / jnp.linalg.norm(want["stack"][1][k])) for k in stack_grads}}}
+
     # the operand quantizers (cute_call kernels, no partitioning rule), lowered for sm_90a: their
     # references where jit partitions them, the kernel inside shard_map (as on one device)
     from jax_cute.fp8 import wgrad_operands as wo
@@ -302,6 +355,27 @@ def test_sharded_scanned_stack_quantized_before_the_scan(results):
 def test_sharded_moe_stack_in_fp8(results):
     r = results["moe_scanned"]
     assert r["loss_err"] < 1e-5 and max(r["grad_err"].values()) < 2e-3, r
+
+
+def test_sharding_in_types(results):
+    """On Explicit mesh axes: quantize keeps whole blocks a shard (a weight of 1000 columns over
+    4 shards is quantized whole), quantize_grouped quantizes each shard's tokens (a block may
+    straddle two), a scaled product's type is its rules' sharding, fp8.linear's and
+    grouped_linear's gradients take their primals' types (grouped_linear's weight gradient
+    without gathering the tokens), and a kernelized layer stack trains data parallel as on one
+    device."""
+    r = results["explicit"]
+    assert all(r["quantized"].values()), r
+    assert r["quantized_types"] == {"x": [["data", None], ["data", None]], "w": [[None, "model"], [None, "model"]],
+                                    "w_odd": [[None, None], [None, None]]}, r
+    assert r["mm"]["same"] and r["mm"]["type"] == ["data", "model"] and not any(r["mm"]["collectives"].values()), r
+    assert r["mlp"]["loss_err"] < 1e-5 and max(r["mlp"]["grad_err"].values()) < 2e-3, r
+    assert r["mlp"]["grad_types"] == {"w1": [None, "model"], "w2": ["model", None]}, r
+    assert r["moe"]["grad_err"] < 2e-3 and r["moe"]["grad_type"] == [None, None, "model"], r
+    # the tokens stay where they are: the weight gradient in quantize_grouped's layout, per shard
+    assert not r["moe"]["collectives"]["all-gather"], r
+    assert all(r["quantized_grouped"].values()), r   # each shard its tokens, bit for bit as one device
+    assert r["stack"]["loss_err"] < 1e-5 and max(r["stack"]["grad_err"].values()) < 2e-3, r
 
 
 def test_scale_blocks_a_mesh_axis_would_split_are_replicated(results):

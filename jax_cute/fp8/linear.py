@@ -214,7 +214,8 @@ def linear(x: jax.Array, w: jax.Array, *, bias=None, activation: str | None = No
         bias = jnp.broadcast_to(bias.astype(jnp.float32), w.shape[1:]).reshape(-1)
     w2 = w.reshape(k, -1)
     _check_quantized("linear", w_quantized, w2.shape, recipe)
-    y = _linear(x.reshape(-1, k), w2, bias, w_quantized, _dtypes(out, x, w, bias), recipe, activation)
+    x2 = x.reshape(-1, k)
+    y = _linear(x2, w2, bias, w_quantized, _dtypes(out, x2, w2, bias), recipe, activation)
     return y.reshape(*x.shape[:-1], *(w.shape[1] // 2,) if is_gated(activation) else w.shape[1:])
 
 
@@ -236,8 +237,29 @@ def _weight(recipe: Blockwise, w, wq):
 
 
 def _dtypes(out, x, w, bias) -> tuple:
-    """(out, x, w, bias or None) dtype names: the custom_vjp's static dtypes."""
-    return out.name, np.dtype(x.dtype).name, np.dtype(w.dtype).name, None if bias is None else np.dtype(bias.dtype).name
+    """(out, x, w, bias or None) dtype names, then x's, w's and bias' shardings on Explicit mesh
+    axes (sharding in types; else None): the custom_vjp's statics, so that each gradient takes
+    its primal's type."""
+    types = tuple(None if a is None else _explicit_sharding(a) for a in (x, w, bias))
+    return (out.name, np.dtype(x.dtype).name, np.dtype(w.dtype).name,
+            None if bias is None else np.dtype(bias.dtype).name, types)
+
+
+def _explicit_sharding(x):
+    sharding = jax.typeof(x).sharding
+    mesh = sharding.mesh
+    return sharding if not mesh.empty and jax.sharding.AxisType.Explicit in tuple(mesh.axis_types) else None
+
+
+def _sharded_tokens(x) -> bool:
+    """Whether x's type shards its tokens (its first axis) over Explicit mesh axes."""
+    sharding = _explicit_sharding(x)
+    return sharding is not None and bool(sharding.spec) and sharding.spec[0] is not None
+
+
+def _typed(grads: tuple, types: tuple) -> tuple:
+    """Each gradient resharded to its primal's type where it has one (Explicit mesh axes)."""
+    return tuple(g if g is None or t is None else jax.sharding.reshard(g, t) for g, t in zip(grads, types))
 
 
 def _activate(activation, z, out_dtype):
@@ -280,7 +302,7 @@ def _linear_fwd(x, w, bias, given, dtypes, recipe, activation):
 
 
 def _linear_bwd(dtypes, recipe, activation, res, g):
-    (_, x_dtype, w_dtype, bias_dtype), (xq_t, wq, z) = dtypes, res
+    (_, x_dtype, w_dtype, bias_dtype, types), (xq_t, wq, z) = dtypes, res
     g = _dz(activation, z, g)
     kernel = recipe.wgrad_kernel(g.shape[0], xq_t.shape[0], g.shape[1])   # as the forward pass decided
     # (M, N) in blocks along N, dgrad's K; (N, M) in blocks along the tokens, wgrad's K
@@ -290,7 +312,7 @@ def _linear_bwd(dtypes, recipe, activation, res, g):
     dx = scaled_dot_general(gq, wq, (((1,), (1,)), ((), ())), preferred_element_type=_grad_out(x_dtype))
     dw = scaled_dot_general(xq_t, gq_t, (((1,), (1,)), ((), ())), preferred_element_type=_grad_out(w_dtype))
     db = None if bias_dtype is None else jnp.sum(g.astype(jnp.float32), axis=0).astype(bias_dtype)
-    return dx.astype(x_dtype), dw.astype(w_dtype), db, None   # (given operands: no gradient)
+    return (*_typed((dx.astype(x_dtype), dw.astype(w_dtype), db), types), None)   # (given operands: no gradient)
 
 
 _linear.defvjp(_linear_fwd, _linear_bwd)
@@ -334,14 +356,18 @@ def _grouped(x, w, sizes, bias, wq, dtypes: tuple, recipe: Blockwise, activation
 def _grouped_fwd(x, w, sizes, bias, given, dtypes, recipe, activation):
     out_dtype = dtypes[0]
     wq, wq_fwd = _weight(recipe, w, given)  # (G, K, N): 128 x 128 blocks of each expert
-    xq, xq_t = recipe.q_rows_and_grouped(x, sizes, aligned=recipe.wgrad_kernel(*x.shape, w.shape[2]))
+    # the group-aligned layout gathers every token: with the tokens sharded in x's type, the weight
+    # gradient takes quantize_grouped's layout, whose blocks each shard quantizes and contracts
+    # where its tokens lie (scaled_sharding)
+    aligned = recipe.wgrad_kernel(*x.shape, w.shape[2]) and not _sharded_tokens(x)
+    xq, xq_t = recipe.q_rows_and_grouped(x, sizes, aligned=aligned)
     z = scaled_ragged_dot(xq, wq_fwd, sizes, preferred_element_type=out_dtype, bias=bias)
     res = (xq_t, wq, sizes, None if activation is None else z)
     return (z if activation is None else _activate(activation, z, out_dtype)), res
 
 
 def _grouped_bwd(dtypes, recipe, activation, res, g):
-    (_, x_dtype, w_dtype, bias_dtype), (xq_t, wq, sizes, z) = dtypes, res
+    (_, x_dtype, w_dtype, bias_dtype, types), (xq_t, wq, sizes, z) = dtypes, res
     g = _dz(activation, z, g)
     aligned = isinstance(xq_t, tuple)   # as the forward pass decided (values, scales)
     gq, gq_t = recipe.q_rows_and_grouped(g, sizes, grad=True, aligned=aligned)
@@ -356,7 +382,8 @@ def _grouped_bwd(dtypes, recipe, activation, res, g):
         groups = sizes.shape[0]
         _, rows = row_groups(sizes, g.shape[0])
         db = jax.ops.segment_sum(g.astype(jnp.float32), rows, num_segments=groups + 1)[:groups].astype(bias_dtype)
-    return dx.astype(x_dtype), dw.astype(w_dtype), None, db, None
+    dx, dw, db = _typed((dx.astype(x_dtype), dw.astype(w_dtype), db), types)
+    return dx, dw, None, db, None
 
 
 _grouped.defvjp(_grouped_fwd, _grouped_bwd)

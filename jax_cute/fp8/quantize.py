@@ -225,22 +225,47 @@ def quantize(x, block="1x128", *, pow2_scales: bool = False, dtype=jnp.float8_e4
     if x.ndim == 0:
         raise ValueError("jax_cute.quantize: x must have at least one axis")
     blk = _block_tuple(block, x.ndim)
+    x, split_spec = _whole_blocks_a_shard(x, blk)
     x32 = x.astype(jnp.float32)
     nb = scales_shape(x.shape, blk)
     padded = jnp.pad(jnp.abs(x32), [(0, n * b - s) for n, b, s in zip(nb, blk, x.shape)])
-    split = padded.reshape(tuple(d for n, b in zip(nb, blk) for d in (n, b)))
+    split = padded.reshape(tuple(d for n, b in zip(nb, blk) for d in (n, b)), out_sharding=split_spec)
     amax = jnp.max(split, axis=tuple(range(1, 2 * x.ndim, 2))) if x.size else jnp.zeros(nb, jnp.float32)
     scales = scale_of(amax, dt, pow2_scales)
     values = quantize_cast(x32, expand_scales(scales, blk, x.shape), dt)
     return BlockScaled(values, scales, _strip(blk))
 
 
+def _typed_spec(x) -> jax.sharding.PartitionSpec | None:
+    """``x``'s sharding on Explicit mesh axes (its type's), else None."""
+    sharding = jax.typeof(x).sharding
+    explicit = not sharding.mesh.empty and jax.sharding.AxisType.Explicit in tuple(sharding.mesh.axis_types)
+    return sharding.spec if explicit else None
+
+
+def _whole_blocks_a_shard(x, block: tuple[int, ...]):
+    """On Explicit mesh axes (sharding in types): ``x`` with each axis whose shards would cut a
+    block resharded whole (as the scaled products' rules replicate such a dimension), and the
+    sharding of its (blocks, block) split, the axes on the blocks. Elsewhere (x, None)."""
+    typed = _typed_spec(x)
+    if typed is None:
+        return x, None
+    mesh = jax.typeof(x).sharding.mesh
+    spec = tuple(typed) + (None,) * (x.ndim - len(typed))
+    count = lambda axes: int(np.prod([mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes)]))  # noqa: E731
+    kept = tuple(axes if axes is None or b == 1 or s % (count(axes) * b) == 0 else None
+                 for axes, b, s in zip(spec, block, x.shape))
+    if kept != spec:
+        x = jax.sharding.reshard(x, jax.sharding.PartitionSpec(*kept))
+    return x, jax.sharding.PartitionSpec(*(d for axes in kept for d in (axes, None)))
+
+
 def expand_scales(scales, block: Sequence[int], shape: Sequence[int]):
     """Each element's scale: ``scales`` repeated over its blocks and cut to ``shape``."""
     out = scales
     for axis, (b, n) in enumerate(zip(block, shape)):
-        if b > 1:
-            out = jax.lax.slice_in_dim(jnp.repeat(out, b, axis=axis), 0, n, axis=axis)
+        if b > 1:   # (on Explicit mesh axes, sharded along the blocks as the scales are)
+            out = jax.lax.slice_in_dim(jnp.repeat(out, b, axis=axis, out_sharding=_typed_spec(out)), 0, n, axis=axis)
     return out
 
 
@@ -291,21 +316,56 @@ def quantize_grouped(x, group_sizes, *, pow2_scales: bool = False, dtype=jnp.flo
     if x.ndim < 1 or group_sizes.ndim != 1 or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
         raise ValueError(f"jax_cute.quantize_grouped: expected x (..., T) and integer group_sizes (G,), got "
                          f"{x.shape} and {group_sizes.shape}:{group_sizes.dtype}")
-    t = x.shape[-1]
+    spec = _typed_spec(x)
+    if spec is not None and len(spec) == x.ndim and spec[-1] is not None:
+        values, scales = _grouped_over_shards(x, group_sizes, dt, pow2_scales, spec)
+    else:
+        values, scales = _grouped_blocks(x, group_sizes, dt, pow2_scales, x.shape[-1])
+    return BlockScaled(values, scales, (BLOCK,), group_sizes.astype(jnp.int32))
+
+
+def _grouped_blocks(x, group_sizes, dt, pow2_scales: bool, t: int, lo=0, reduce=None):
+    """quantize_grouped's (values, scales) of ``x`` (..., T'), the tokens [lo, lo + T') of ``t``;
+    ``reduce``: how the blocks' amax over these tokens combines with the other shards' (a block
+    may straddle two)."""
     # computed token-major (for x = y.T that is y's own layout), the fp8 values transposed at the
     # end: each block's amax reduces 128 gathered rows, where a segment max over a transposed
     # operand ran as a scatter, several times slower (H100, the GPT example's fp8 MoE step)
-    xt = jnp.moveaxis(x, -1, 0).astype(jnp.float32)                      # (T, ...)
+    local = x.shape[-1]
+    xt = jnp.moveaxis(x, -1, 0).astype(jnp.float32)                      # (T', ...)
     elem_block, bstart, blen, _ = group_blocks(group_sizes, t)
+    if local != t:
+        elem_block = jax.lax.dynamic_slice_in_dim(elem_block, lo, local)
     r = jnp.arange(BLOCK, dtype=jnp.int32)
-    rows = jnp.where(r < blen[:, None], bstart[:, None] + r, t)            # (nb, 128); t: past the end
+    rows = bstart[:, None] + r - lo
+    rows = jnp.where((r < blen[:, None]) & (rows >= 0) & (rows < local), rows, local)   # (nb, 128); past the end
     amax = jnp.max(jnp.take(jnp.abs(xt), rows, axis=0, mode="fill", fill_value=0), axis=1)   # (nb, ...)
+    if reduce is not None:
+        amax = reduce(amax)
     scales = scale_of(amax, dt, pow2_scales)
-    inside = (elem_block >= 0).reshape((t,) + (1,) * (x.ndim - 1))
-    per_row = jnp.take(scales, jnp.maximum(elem_block, 0), axis=0)          # (T, ...)
+    inside = (elem_block >= 0).reshape((local,) + (1,) * (x.ndim - 1))
+    per_row = jnp.take(scales, jnp.maximum(elem_block, 0), axis=0)          # (T', ...)
     values = jnp.where(inside, quantize_cast(xt, per_row, dt), jnp.zeros((), dt))
-    values, scales = jnp.moveaxis(values, 0, -1), jnp.moveaxis(scales, 0, -1)
-    return BlockScaled(values, scales, (BLOCK,), group_sizes.astype(jnp.int32))
+    return jnp.moveaxis(values, 0, -1), jnp.moveaxis(scales, 0, -1)
+
+
+def _grouped_over_shards(x, group_sizes, dt, pow2_scales: bool, spec):
+    """quantize_grouped where x's type shards its tokens (Explicit mesh axes): each shard
+    quantizes its own tokens, its blocks' amax the max over the shards (one all-reduce of the
+    scales); the values stay sharded as x is, the scales whole along the blocks."""
+    axes = spec[-1] if isinstance(spec[-1], tuple) else (spec[-1],)
+    mesh = jax.typeof(x).sharding.mesh
+
+    def shard(xl, sizes):
+        idx = 0
+        for a in axes:   # the first mesh axis is the slowest, as in a PartitionSpec
+            idx = idx * mesh.shape[a] + jax.lax.axis_index(a)
+        return _grouped_blocks(xl, sizes, dt, pow2_scales, x.shape[-1], idx * xl.shape[-1],
+                               lambda amax: jax.lax.pmax(amax, axes))
+
+    P = jax.sharding.PartitionSpec
+    return jax.shard_map(shard, mesh=mesh, in_specs=(P(*spec), P()), out_specs=(P(*spec), P(*spec[:-1], None)))(
+        x, group_sizes)
 
 
 def dequantize(x: BlockScaled, dtype=jnp.float32) -> jax.Array:

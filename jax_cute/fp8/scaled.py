@@ -45,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax._src import dispatch as jax_dispatch
 from jax.interpreters import ad, batching, mlir
+from jax.sharding import NamedSharding
 
 from jax_cute import dispatch
 from jax_cute.fp8.quantize import (BLOCK, FP8_DTYPES, aligned_columns, clipped_sizes, group_blocks, group_ends,
@@ -302,9 +303,12 @@ scaled_gemm_p = sharding.VaryingPrimitive("jax_cute_scaled_gemm")
 scaled_ragged_m_p = sharding.VaryingPrimitive("jax_cute_scaled_ragged_m")
 scaled_ragged_k_p = sharding.VaryingPrimitive("jax_cute_scaled_ragged_k")
 
-# The result type: inside shard_map it varies over the operands' manual axes. Sharding in types
-# (Explicit mesh axes) is not followed: the result's type is unsharded on the mesh.
-_result = sharding.varying_aval
+def _result(name: str, shape, dtype, avals, params: dict) -> jax.core.ShapedArray:
+    """The result type: inside shard_map it varies over the operands' manual axes; on Explicit
+    mesh axes it is sharded as the call's partitioning rules shard it (scaled_sharding)."""
+    aval = sharding.varying_aval(shape, dtype, avals)
+    spec = scaled_sharding.typed_result(name, avals, params)
+    return aval if spec is None else aval.update(sharding=NamedSharding(aval.sharding.mesh, spec))
 
 
 def _blocks(n: int, block: int) -> int:
@@ -327,7 +331,8 @@ def _gemm_abstract(a, sa, b, sb, *bias, a_block, b_block, out_dtype, activation,
     _check(n, sb.shape == (l, _blocks(nn, b_block), kbl), f"sb {sb.shape} for b {b.shape} in blocks of {b_block}")
     _check(n, not bias or bias[0].shape == (nn,), f"bias {bias[0].shape if bias else None} for N={nn}")
     out_n = nn // 2 if is_gated(activation) else nn
-    return _result((l, m, out_n), out_dtype, (a, sa, b, sb, *bias))
+    return _result(n, (l, m, out_n), out_dtype, (a, sa, b, sb, *bias),
+                   dict(a_block=a_block, b_block=b_block, out_dtype=out_dtype, activation=activation, compute=compute))
 
 
 def _ragged_m_abstract(a, sa, b, sb, gs, *bias, b_block, out_dtype, activation, compute):
@@ -339,7 +344,8 @@ def _ragged_m_abstract(a, sa, b, sb, gs, *bias, b_block, out_dtype, activation, 
            f"scales {sa.shape} / {sb.shape} for a {a.shape} / b {b.shape}")
     _check(n, not bias or bias[0].shape == (g, nn), f"bias {bias[0].shape if bias else None} for (G, N)=({g}, {nn})")
     out_n = nn // 2 if is_gated(activation) else nn
-    return _result((m, out_n), out_dtype, (a, sa, b, sb, gs, *bias))
+    return _result(n, (m, out_n), out_dtype, (a, sa, b, sb, gs, *bias),
+                   dict(b_block=b_block, out_dtype=out_dtype, activation=activation, compute=compute))
 
 
 def _ragged_k_abstract(a, sa, b, sb, gs, *, out_dtype, compute, aligned=False):
@@ -348,7 +354,7 @@ def _ragged_k_abstract(a, sa, b, sb, gs, *, out_dtype, compute, aligned=False):
     _check(n, t == tb and sa.shape[0] == p and sb.shape[0] == q and sa.shape[1] == sb.shape[1],
            f"a {a.shape}, sa {sa.shape}, b {b.shape}, sb {sb.shape}")
     _check(n, not aligned or t == BLOCK * sa.shape[1], f"group-aligned operands {a.shape} for {sa.shape[1]} blocks")
-    return _result((g, p, q), out_dtype, (a, sa, b, sb, gs))
+    return _result(n, (g, p, q), out_dtype, (a, sa, b, sb, gs), dict(out_dtype=out_dtype, compute=compute, aligned=aligned))
 
 
 scaled_gemm_p.def_abstract_eval(_gemm_abstract)
@@ -490,17 +496,14 @@ def _local(name: str, avals, params, cuda: bool) -> Callable:
 def _lowering(prim, cuda: bool):
     jax_dispatch.prim_requires_devices_during_lowering.add(prim)
 
+    @sharding.typed_results  # (traced unmeshed on untyped avals, each result then typed)
     def rule(ctx, *args, **params):
-        with sharding.unmeshed():
-            avals_in = tuple(jax.core.ShapedArray(a.shape, a.dtype) for a in ctx.avals_in)
-            avals_out = tuple(jax.core.ShapedArray(a.shape, a.dtype) for a in ctx.avals_out)
-            plain = ctx.replace(avals_in=avals_in, avals_out=avals_out)
-            if sharding.one_shard(ctx.module_context.axis_context):
-                fn = _local(prim.name, avals_in, params, cuda)
-            else:
-                call = scaled_sharding.Call(tuple(sorted({**params, "cuda": cuda}.items())), _local)
-                fn = functools.partial(scaled_sharding.PARTITIONED[prim.name], call)
-            return mlir.lower_fun(fn, multiple_results=False)(plain, *args)
+        if sharding.one_shard(ctx.module_context.axis_context):
+            fn = _local(prim.name, ctx.avals_in, params, cuda)
+        else:
+            call = scaled_sharding.Call(tuple(sorted({**params, "cuda": cuda}.items())), _local)
+            fn = functools.partial(scaled_sharding.PARTITIONED[prim.name], call)
+        return mlir.lower_fun(fn, multiple_results=False)(ctx, *args)
 
     return rule
 

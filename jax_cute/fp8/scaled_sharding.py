@@ -438,3 +438,20 @@ _partitioned_ragged_k.def_partition(partition=_ragged_k_partition, infer_shardin
                                     sharding_rule=_ragged_k_sdy_rule, decode_shardings=False)
 PARTITIONED = {"jax_cute_scaled_gemm": _partitioned_gemm, "jax_cute_scaled_ragged_m": _partitioned_ragged_m,
                 "jax_cute_scaled_ragged_k": _partitioned_ragged_k}
+
+_INFER = {"jax_cute_scaled_gemm": _infer, "jax_cute_scaled_ragged_m": _ragged_infer,
+          "jax_cute_scaled_ragged_k": _ragged_k_infer}
+
+
+def typed_result(name: str, avals, params: dict) -> PartitionSpec | None:
+    """On Explicit mesh axes (sharding in types), the sharding of the call's result as its rules
+    partition it, the operands' types read as their shardings (a dimension the rules cannot keep
+    sharded replicated, a sharded contraction summed); elsewhere None."""
+    meshes = {a.sharding.mesh for a in avals if not a.sharding.mesh.empty}
+    if len(meshes) != 1:
+        return None
+    mesh = meshes.pop()
+    if jax.sharding.AxisType.Explicit not in tuple(mesh.axis_types):
+        return None
+    return _INFER[name](Call(tuple(sorted(params.items())), None), mesh, avals, None).spec
+

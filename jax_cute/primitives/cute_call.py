@@ -213,6 +213,7 @@ def cute_call(launcher: Callable, *, out_shape: Any, in_layouts: Sequence[Sequen
     the kernel), lower ``reference`` instead, which XLA partitions: the kernel has no
     partitioning rule, so XLA would gather its operands onto every device and run it on the
     whole. For kernels whose outputs follow their inputs' sharding (elementwise or blockwise).
+    On Explicit mesh axes its results are typed as the reference's are.
     ``sharding_rule``: instead, the kernel's own partitioning rule, so that under such a ``jit``
     each shard runs the kernel on its blocks: each tensor axis named by a factor, in Shardy's
     einsum-like notation (``"m n, n -> m n"``; ``"m (kb kk) -> m kb"`` for an axis of several
@@ -264,11 +265,29 @@ def cute_call(launcher: Callable, *, out_shape: Any, in_layouts: Sequence[Sequen
                 if rule.tensors[i] != rule.tensors[rule.inputs + o]:
                     raise ValueError(f"jax_cute.cute_call({label}): sharding_rule gives aliased input {i} and "
                                      f"output {o} different factors; they share one buffer")
-        res = cute_call_p.bind(*arrays, kernel=kernel, out_avals=out_avals, in_layouts=ins, out_layouts=ous,
-                               name=label, batch_mode=batch_mode, aliases=aliases, rule=rule)
+        res = cute_call_p.bind(*arrays, kernel=kernel, out_avals=_typed_outs(kernel, arrays, out_avals, label),
+                               in_layouts=ins, out_layouts=ous, name=label, batch_mode=batch_mode, aliases=aliases,
+                               rule=rule)
         return res[0] if single else tuple(res)
 
     return call
+
+
+def _typed_outs(kernel: UserKernel, arrays, out_avals: tuple, label: str) -> tuple:
+    """The result types: ``out_avals``, or for a call partitioned as its reference (and so
+    lowered where it is partitioned) whose operands are sharded in their types (Explicit mesh
+    axes), the types of the reference's results, sharded as its jax.numpy ops shard them."""
+    meshes = {jax.typeof(a).sharding.mesh for a in arrays}
+    if not kernel.partitioned_reference or not any(
+            not m.empty and jax.sharding.AxisType.Explicit in tuple(m.axis_types) for m in meshes):
+        return out_avals
+    ref = jax.eval_shape(lambda *xs: kernel.reference(*xs), *arrays)
+    ref = list(ref) if isinstance(ref, (tuple, list)) else [ref]
+    if [(tuple(r.shape), np.dtype(r.dtype)) for r in ref] != [(tuple(o.shape), np.dtype(o.dtype)) for o in out_avals]:
+        raise ValueError(f"jax_cute.cute_call({label}): the reference returns "
+                         f"{[(tuple(r.shape), np.dtype(r.dtype).name) for r in ref]}, not out_shape's "
+                         f"{[(tuple(o.shape), np.dtype(o.dtype).name) for o in out_avals]}")
+    return tuple(o.update(sharding=r.sharding) for o, r in zip(out_avals, ref))
 
 
 _DSL_DTYPES = ("bfloat16", "float16", "float32", "int32", "int64", "uint8", "int8", "float8_e4m3fn", "float8_e5m2")
