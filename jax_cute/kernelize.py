@@ -22,7 +22,7 @@ caller's tracers (a jaxpr interpreter, like ``jax.core.eval_jaxpr``):
 Everything else is bound as written. A product stays XLA's when no kernel could take it:
 operands that are not both bf16/fp16 (or both of one fp8 type), a result that is not
 bf16/fp16/f32, integer products (XLA's integer dot is exact; jax_cute has no integer kernel),
-an explicit ``out_sharding`` or a dot algorithm, other ragged dimension numbers, and products
+a dot algorithm, other ragged dimension numbers, and products
 inside primitives kernelize does not enter (e.g. Pallas kernels). A ``shard_map`` is entered:
 its body is rewritten per shard and bound again with the same mesh and specs, so expert- and
 tensor-parallel code written with collectives runs on the kernels too. Each decision
@@ -62,6 +62,7 @@ from jax_cute.primitives.dot_dtypes import acc_dtype
 from jax_cute.primitives.dot_general import chained_dot_general
 from jax_cute.primitives.grouped import PRIMITIVES as _GROUPED
 from jax_cute.primitives.ragged_dot import ragged_dot
+from jax_cute.primitives.sharding import constrain
 from jax_cute.problem.ragged_layouts import cotangent, ragged_dot_layouts
 
 logger = logging.getLogger("jax_cute")
@@ -169,17 +170,31 @@ def _ragged_form(rd) -> tuple | None:
 # -- rewriting products ------------------------------------------------------------------------
 
 def _dot(lhs, rhs, *, dimension_numbers, precision=None, preferred_element_type=None, bias=None, activation=None,
-         preact=False, act_operand=None, **_):
-    return chained_dot_general(lhs, rhs, dimension_numbers, precision=precision,
-                               preferred_element_type=preferred_element_type, bias=bias, activation=activation,
-                               preact=preact, act_operand=act_operand)
+         preact=False, act_operand=None, out_sharding=None, **_):
+    out = chained_dot_general(lhs, rhs, dimension_numbers, precision=precision,
+                              preferred_element_type=preferred_element_type, bias=bias, activation=activation,
+                              preact=preact, act_operand=act_operand)
+    return out if out_sharding is None else constrain(out, out_sharding)   # (never fused or chained: _plain)
 
 
-def _ragged(lhs, rhs, group_sizes, *, ragged_dot_dimension_numbers, preferred_element_type=None, out_aval, **_):
-    """A ragged_dot_general of one of the three supported forms as jax_cute grouped GEMMs.
+def _plain(eqn) -> bool:
+    """Whether the product stays unfused (no epilogue, no chained operand): one with an explicit
+    ``out_sharding``, which its result takes as lax's would (``constrain``)."""
+    return eqn.params.get("out_sharding") is not None
+
+
+def _ragged(lhs, rhs, group_sizes, *, ragged_dot_dimension_numbers, preferred_element_type=None, out_aval,
+            out_sharding=None, **params):
+    """A ragged_dot_general of one of the three supported forms as jax_cute grouped GEMMs, its
+    result resharded to ``out_sharding`` where one is given (as lax's).
 
     The gradient forms are the transposes jax_cute.ragged_dot's own autodiff binds: the same
     primitives over the same buffers with permuted modes (``ragged_layouts.cotangent``)."""
+    out = _grouped_forms(lhs, rhs, group_sizes, ragged_dot_dimension_numbers, preferred_element_type, out_aval)
+    return out if out_sharding is None else constrain(out, out_sharding)
+
+
+def _grouped_forms(lhs, rhs, group_sizes, ragged_dot_dimension_numbers, preferred_element_type, out_aval):
     form = _ragged_form(ragged_dot_dimension_numbers)
     if form == _RAGGED_DOT:
         return ragged_dot(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type)
@@ -218,8 +233,6 @@ def _swappable(jaxpr, p: int, perm: tuple[int, ...]) -> bool:
 def _refusal(eqn) -> str | None:
     """Why the product ``eqn`` stays XLA's, or None to rewrite it."""
     p, avals = eqn.params, [v.aval for v in eqn.invars]
-    if p.get("out_sharding") is not None:
-        return f"explicit out_sharding {p['out_sharding']} (XLA's sharded dot is kept)"
     why = algorithm_refusal(p.get("precision"), np.dtype(avals[0].dtype).name) \
         or _dtype_refusal(avals[0], avals[1], eqn.outvars[0].aval)
     if why is not None or eqn.primitive.name == "dot_general":
@@ -351,7 +364,9 @@ class _Interpreter:
             if i in taken:   # the fp8 recipe's product (custom_vjp: its gradients in fp8 too)
                 with _context(eqn):
                     self._record(eqn, True, fp8=True)
-                    env[eqn.outvars[0]] = taken[i](*invals, w_quantized=self._given(eqn))
+                    out = taken[i](*invals, w_quantized=self._given(eqn))
+                    sharded = eqn.params.get("out_sharding")
+                    env[eqn.outvars[0]] = out if sharded is None else constrain(out, sharded)
                 continue
             if chain is not None:   # a plain product with a chained operand
                 with _context(eqn):
@@ -380,7 +395,7 @@ class _Interpreter:
             return {}
         products, grouped = {}, set()
         for i, e in enumerate(jaxpr.eqns):
-            if e.primitive.name not in ("dot_general", "ragged_dot_general") or (
+            if e.primitive.name not in ("dot_general", "ragged_dot_general") or _plain(e) or (
                     i not in taken and _refusal(e) is not None):
                 continue
             if e.primitive.name == "ragged_dot_general":
@@ -398,7 +413,7 @@ class _Interpreter:
         if not fused:
             return {}
         consumers = {i for i, e in enumerate(jaxpr.eqns)
-                     if e.primitive.name == "dot_general" and _refusal(e) is None and i not in skip}
+                     if e.primitive.name == "dot_general" and _refusal(e) is None and not _plain(e) and i not in skip}
         return find_chains(jaxpr, fused, consumers)
 
     def _eqn(self, eqn, invals: list):

@@ -117,8 +117,6 @@ def take(eqn, weights: set, recipe: Blockwise) -> Taken | None:
         return None
     if np.dtype(out.dtype) not in (*_SIXTEEN_BIT, np.dtype(jnp.float32)):
         return None
-    if eqn.params.get("out_sharding") is not None:
-        return None
     if recipe.exclude is not None and recipe.exclude(la, ra, out):
         return None
     product_dtype = np.dtype(out.dtype)
