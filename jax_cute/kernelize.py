@@ -174,7 +174,12 @@ def _dot(lhs, rhs, *, dimension_numbers, precision=None, preferred_element_type=
     out = chained_dot_general(lhs, rhs, dimension_numbers, precision=precision,
                               preferred_element_type=preferred_element_type, bias=bias, activation=activation,
                               preact=preact, act_operand=act_operand)
-    return out if out_sharding is None else constrain(out, out_sharding)   # (never fused or chained: _plain)
+    return _as_asked(out, out_sharding)   # (never fused or chained: _plain)
+
+
+def _as_asked(out, out_sharding):
+    """A product's result resharded to its ``out_sharding`` where one was given (as lax's)."""
+    return out if out_sharding is None else constrain(out, out_sharding)
 
 
 def _plain(eqn) -> bool:
@@ -184,14 +189,14 @@ def _plain(eqn) -> bool:
 
 
 def _ragged(lhs, rhs, group_sizes, *, ragged_dot_dimension_numbers, preferred_element_type=None, out_aval,
-            out_sharding=None, **params):
+            out_sharding=None, **_):
     """A ragged_dot_general of one of the three supported forms as jax_cute grouped GEMMs, its
     result resharded to ``out_sharding`` where one is given (as lax's).
 
     The gradient forms are the transposes jax_cute.ragged_dot's own autodiff binds: the same
     primitives over the same buffers with permuted modes (``ragged_layouts.cotangent``)."""
-    out = _grouped_forms(lhs, rhs, group_sizes, ragged_dot_dimension_numbers, preferred_element_type, out_aval)
-    return out if out_sharding is None else constrain(out, out_sharding)
+    return _as_asked(_grouped_forms(lhs, rhs, group_sizes, ragged_dot_dimension_numbers, preferred_element_type,
+                                    out_aval), out_sharding)
 
 
 def _grouped_forms(lhs, rhs, group_sizes, ragged_dot_dimension_numbers, preferred_element_type, out_aval):
@@ -364,9 +369,8 @@ class _Interpreter:
             if i in taken:   # the fp8 recipe's product (custom_vjp: its gradients in fp8 too)
                 with _context(eqn):
                     self._record(eqn, True, fp8=True)
-                    out = taken[i](*invals, w_quantized=self._given(eqn))
-                    sharded = eqn.params.get("out_sharding")
-                    env[eqn.outvars[0]] = out if sharded is None else constrain(out, sharded)
+                    env[eqn.outvars[0]] = _as_asked(taken[i](*invals, w_quantized=self._given(eqn)),
+                                                    eqn.params.get("out_sharding"))
                 continue
             if chain is not None:   # a plain product with a chained operand
                 with _context(eqn):

@@ -37,6 +37,7 @@ from jax_cute.fp8.ops import ragged_k_dot, ragged_k_dot_aligned, scaled_dot_gene
 from jax_cute.fp8.quantize import (BLOCK, E4M3, FP8_DTYPES, BlockScaled, checkpoint_named, clipped_sizes, group_blocks,
                                    group_ends, quantize, quantize_grouped, row_groups)
 from jax_cute.fp8.scaled import weight_kernel, wgrad_kernels
+from jax_cute.primitives.sharding import explicit_axes
 
 # The name (``jax.ad_checkpoint.checkpoint_name``) of the layers' quantized weights: under
 # ``jax.checkpoint(..., policy=jax.checkpoint_policies.save_only_these_names(WEIGHTS))`` the
@@ -247,8 +248,7 @@ def _dtypes(out, x, w, bias) -> tuple:
 
 def _explicit_sharding(x):
     sharding = jax.typeof(x).sharding
-    mesh = sharding.mesh
-    return sharding if not mesh.empty and jax.sharding.AxisType.Explicit in tuple(mesh.axis_types) else None
+    return sharding if explicit_axes(sharding.mesh) else None
 
 
 def _sharded_tokens(x) -> bool:

@@ -24,6 +24,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from jax_cute.primitives.ragged_reference import clipped_sizes, group_ends, row_groups  # noqa: F401 - re-exported
+from jax_cute.primitives.sharding import explicit_axes, shard_index
 
 E4M3 = np.dtype(jnp.float8_e4m3fn)
 E5M2 = np.dtype(jnp.float8_e5m2)
@@ -239,8 +240,7 @@ def quantize(x, block="1x128", *, pow2_scales: bool = False, dtype=jnp.float8_e4
 def _typed_spec(x) -> jax.sharding.PartitionSpec | None:
     """``x``'s sharding on Explicit mesh axes (its type's), else None."""
     sharding = jax.typeof(x).sharding
-    explicit = not sharding.mesh.empty and jax.sharding.AxisType.Explicit in tuple(sharding.mesh.axis_types)
-    return sharding.spec if explicit else None
+    return sharding.spec if explicit_axes(sharding.mesh) else None
 
 
 def _whole_blocks_a_shard(x, block: tuple[int, ...]):
@@ -357,10 +357,7 @@ def _grouped_over_shards(x, group_sizes, dt, pow2_scales: bool, spec):
     mesh = jax.typeof(x).sharding.mesh
 
     def shard(xl, sizes):
-        idx = 0
-        for a in axes:   # the first mesh axis is the slowest, as in a PartitionSpec
-            idx = idx * mesh.shape[a] + jax.lax.axis_index(a)
-        return _grouped_blocks(xl, sizes, dt, pow2_scales, x.shape[-1], idx * xl.shape[-1],
+        return _grouped_blocks(xl, sizes, dt, pow2_scales, x.shape[-1], shard_index(axes, mesh.shape) * xl.shape[-1],
                                lambda amax: jax.lax.pmax(amax, axes))
 
     P = jax.sharding.PartitionSpec

@@ -246,10 +246,7 @@ def _ragged_shardings(mesh, plan, has_bias: bool):
 
 
 def _shard_offset(axes: Sequence[str], mesh_shape, local: int):
-    idx = jnp.int32(0)
-    for a in axes:  # the first mesh axis is the slowest, as in a PartitionSpec
-        idx = idx * mesh_shape[a] + jax.lax.axis_index(a)
-    return idx * local
+    return sharding.shard_index(axes, mesh_shape) * local
 
 
 def _ragged_partition(call: Call, mesh, arg_shapes, result_shape):
@@ -355,15 +352,15 @@ def _aligned_shard(sizes, total: int, lo, local: int):
     return ((clip(first + nb) - clip(first)) * BLOCK).astype(jnp.int32)
 
 
-def natural_shard_blocks(local: int, total: int, groups: int) -> int:
+def _natural_shard_blocks(local: int, total: int, groups: int) -> int:
     """Room for the natural layout's blocks that meet a shard of ``local`` of ``total`` tokens:
     a group's part of L tokens there meets at most (L + 126) / 128 + 1 blocks."""
     return min(grouped_blocks(total, groups), (local + 126 * groups) // BLOCK + groups + 1)
 
 
-def natural_shard(a, sa, b, sb, sizes, total: int, lo, blocks: int):
+def _natural_shard(a, sa, b, sb, sizes, total: int, lo, blocks: int):
     """The natural layout's call on the shard holding tokens [lo, lo + a.shape[1]) of ``total``,
-    as a group-aligned call over ``blocks`` blocks (natural_shard_blocks): the blocks that meet
+    as a group-aligned call over ``blocks`` blocks (_natural_shard_blocks): the blocks that meet
     the shard, in order, each with its tokens there at their offsets in the block (zeros for the
     rest) and its scales (sa, sb: every block's); the sizes: each group's blocks there times 128."""
     local, g = a.shape[1], sizes.shape[0]
@@ -400,8 +397,8 @@ def _ragged_k_partition(call: Call, mesh, arg_shapes, result_shape):
                     local = args[1].shape[1]
                     args = (*args[:4], _aligned_shard(args[4], t, _shard_offset(plan["t"], ms, local), local))
                 else:
-                    blocks = natural_shard_blocks(local_t, t, args[4].shape[0])
-                    args = natural_shard(*args, t, _shard_offset(plan["t"], ms, local_t), blocks)
+                    blocks = _natural_shard_blocks(local_t, t, args[4].shape[0])
+                    args = _natural_shard(*args, t, _shard_offset(plan["t"], ms, local_t), blocks)
                 params = {**kw, "out_dtype": "float32", "aligned": True}
             avals = tuple(jax.core.ShapedArray(x.shape, x.dtype) for x in args)
             out = call.local(name, avals, params, cuda)(*args)
@@ -451,7 +448,7 @@ def typed_result(name: str, avals, params: dict) -> PartitionSpec | None:
     if len(meshes) != 1:
         return None
     mesh = meshes.pop()
-    if jax.sharding.AxisType.Explicit not in tuple(mesh.axis_types):
+    if not sharding.explicit_axes(mesh):
         return None
     return _INFER[name](Call(tuple(sorted(params.items())), None), mesh, avals, None).spec
 

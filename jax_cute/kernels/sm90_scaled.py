@@ -343,11 +343,10 @@ class ScaledMainloop:
         only within one iteration, and otherwise serializes every WGMMA of the kernel. A stage
         goes back to the producer before its promotion: its scales were read into registers at
         issue (with late_columns, after its promotion, which reads its column scales there)."""
-        hold = self.late_columns()
         for _ in range(cutlass.min(kc, 1)):        # the first k-tile, waited for: p0 is done
             tiled_mma = self.issue_part(tiled_mma, ts, 0, tCrA, tCrB, pipe, read, tile)
             read.advance()
-            release = self.retire(pipe, release, 0, hold)
+            release = self.retire(pipe, release, 0)
         runs = cutlass.max(kc - 1, 0) // PROMOTE_UNROLL
         for _ in range(runs):
             tiled_mma, read, release = self.overlapped_run(tiled_mma, acc, tCrA, tCrB, ts, pipe, read, release,
@@ -363,7 +362,7 @@ class ScaledMainloop:
             tiled_mma = self.issue_part(tiled_mma, ts, 1, tCrA, tCrB, pipe, read, tile)
             read.advance()
             release = self.promote_part(ts, acc, 0, pipe, release, tile)
-            release = self.retire(pipe, release, 0, hold)
+            release = self.retire(pipe, release, 0)
             release = self.promote_part(ts, acc, 1, pipe, release, tile)
         for _ in range(cutlass.min(kc, 1) - odd):
             release = self.promote_part(ts, acc, 0, pipe, release, tile)
@@ -376,22 +375,22 @@ class ScaledMainloop:
         previous one is not in, the previous one promoted under it, the last drained at the end,
         so p0 holds a finished k-tile again (with late_columns its stage still held). Returns
         (tiled_mma, read, release)."""
-        hold = self.late_columns()
         for j in range_constexpr(n):
             tiled_mma = self.issue_part(tiled_mma, ts, (j + 1) % 2, tCrA, tCrB, pipe, read, tile)
             read.advance()
             if const_expr(j > 0):
-                release = self.retire(pipe, release, 1, hold)
+                release = self.retire(pipe, release, 1)
             release = self.promote_part(ts, acc, j % 2, pipe, release, tile)
-        release = self.retire(pipe, release, 0, hold)
+        release = self.retire(pipe, release, 0)
         return tiled_mma, read, release
 
     @cute.jit
-    def retire(self, pipe, release, in_flight: cutlass.Constexpr, hold: cutlass.Constexpr = False):
-        """Wait until at most ``in_flight`` WGMMA groups run and (unless ``hold``: promote_part
-        will) hand the oldest held stage back to the producer; returns ``release``."""
+    def retire(self, pipe, release, in_flight: cutlass.Constexpr):
+        """Wait until at most ``in_flight`` WGMMA groups run and hand the oldest held stage back
+        to the producer (with late_columns, promote_part does, after reading its column scales);
+        returns ``release``."""
         warpgroup.wait_group(in_flight)
-        if const_expr(not hold):
+        if const_expr(not self.late_columns()):
             release = self.hand_back(pipe, release)
         return release
 

@@ -278,8 +278,7 @@ def _typed_outs(kernel: UserKernel, arrays, out_avals: tuple, label: str) -> tup
     lowered where it is partitioned) whose operands are sharded in their types (Explicit mesh
     axes), the types of the reference's results, sharded as its jax.numpy ops shard them."""
     meshes = {jax.typeof(a).sharding.mesh for a in arrays}
-    if not kernel.partitioned_reference or not any(
-            not m.empty and jax.sharding.AxisType.Explicit in tuple(m.axis_types) for m in meshes):
+    if not kernel.partitioned_reference or not any(sharding.explicit_axes(m) for m in meshes):
         return out_avals
     ref = jax.eval_shape(lambda *xs: kernel.reference(*xs), *arrays)
     ref = list(ref) if isinstance(ref, (tuple, list)) else [ref]

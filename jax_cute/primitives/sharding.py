@@ -471,7 +471,8 @@ def rebuilt(layouts: GemmLayouts | RaggedLayouts, new: Mapping[str, Layout], c_s
 
 # -- sharding in types ---------------------------------------------------------------------------
 
-def _explicit(mesh) -> bool:
+def explicit_axes(mesh) -> bool:
+    """Whether ``mesh`` has Explicit axes: sharding in types."""
     return not mesh.empty and AxisType.Explicit in tuple(mesh.axis_types)
 
 
@@ -511,7 +512,7 @@ def result_aval(name: str, layouts: GemmLayouts | RaggedLayouts, avals, out_dtyp
     mesh = meshes.pop() if meshes else jax.sharding.get_abstract_mesh()
     shape = tuple(layouts.c_shape if shape is None else shape)
     spec = PartitionSpec()
-    if _explicit(mesh):
+    if explicit_axes(mesh):
         p = problem(layouts, [a.shape for a in avals], extra, whole)
         assignment, _ = _typed_factors(name, p, avals)
         assignment = {f: axes for f, axes in assignment.items() if f[0] not in whole}
@@ -557,7 +558,7 @@ class Primitive(VaryingPrimitive):
         args = jax_core.auto_insert_reshard(*args)
         out = extend_core.Primitive.bind(self, *args, **params)
         avals = [jax.typeof(x) for x in args]
-        if any(_explicit(a.sharding.mesh) for a in avals):
+        if any(explicit_axes(a.sharding.mesh) for a in avals):
             p = problem(params["layouts"], [a.shape for a in avals])
             if _typed_factors(self.name, p, avals)[1]:
                 _reduced_result.set(weakref.ref(out))
@@ -792,6 +793,6 @@ def constrain(x, out_sharding):
                 "Please specify the output sharding via the `out_sharding` parameter.")
         return x
     mesh = out_sharding.mesh if isinstance(out_sharding, NamedSharding) else jax.sharding.get_abstract_mesh()
-    if _explicit(mesh):
+    if explicit_axes(mesh):
         return jax.sharding.reshard(x, out_sharding)
     return jax.lax.with_sharding_constraint(x, out_sharding)
