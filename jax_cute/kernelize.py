@@ -174,7 +174,7 @@ def _dot(lhs, rhs, *, dimension_numbers, precision=None, preferred_element_type=
     out = chained_dot_general(lhs, rhs, dimension_numbers, precision=precision,
                               preferred_element_type=preferred_element_type, bias=bias, activation=activation,
                               preact=preact, act_operand=act_operand)
-    return _as_asked(out, out_sharding)   # (never fused or chained: _plain)
+    return _as_asked(out, out_sharding)   # (a fused call reshards after its epilogue: _typed_as)
 
 
 def _as_asked(out, out_sharding):
@@ -182,10 +182,11 @@ def _as_asked(out, out_sharding):
     return out if out_sharding is None else constrain(out, out_sharding)
 
 
-def _plain(eqn) -> bool:
-    """Whether the product stays unfused (no epilogue, no chained operand): one with an explicit
-    ``out_sharding``, which its result takes as lax's would (``constrain``)."""
-    return eqn.params.get("out_sharding") is not None
+def _typed_as(out, eqn, var):
+    """A fused product's result ``out`` resharded to ``var``'s type (its epilogue's result) where
+    the product asked for an ``out_sharding``, which lax's products take on Explicit mesh axes
+    only: there every value's type carries its sharding."""
+    return out if eqn.params.get("out_sharding") is None else jax.sharding.reshard(out, var.aval.sharding)
 
 
 def _ragged(lhs, rhs, group_sizes, *, ragged_dot_dimension_numbers, preferred_element_type=None, out_aval,
@@ -328,7 +329,9 @@ class _Interpreter:
         taken = self._fp8_products(jaxpr)
         fused = self._epilogues(jaxpr, taken)
         # an fp8 product's backward is its custom_vjp's: no derivative epilogue is chained from it
-        chains = self._chains(jaxpr, {p: ep for p, ep in fused.items() if p not in taken}, taken)
+        # (nor from one with an out_sharding: its pre-activation would need that type too)
+        chains = self._chains(jaxpr, {p: ep for p, ep in fused.items()
+                                      if p not in taken and jaxpr.eqns[p].params.get("out_sharding") is None}, taken)
         feeds = {p for p, _ in chains.values()}
         preacts: dict = {}   # a chained fused product's result var -> its pre-activation
         skipped = {i for p, ep in fused.items() for i in (p, *ep.eqns)}
@@ -350,20 +353,20 @@ class _Interpreter:
                     self._record(eqn, True, epilogue=ep, chained=_chained(chain), fp8=q in taken)
                     ins = [read(v) for v in eqn.invars]
                     if q in taken:   # the fp8 product with its epilogue (never chained: no act_operand)
-                        env[ep.out] = taken[q](*ins, bias=bias, activation=ep.activation, out_dtype=ep.out_dtype,
-                                               transposed=ep.swap, w_quantized=self._given(eqn))
+                        out = taken[q](*ins, bias=bias, activation=ep.activation, out_dtype=ep.out_dtype,
+                                       transposed=ep.swap, w_quantized=self._given(eqn))
                     elif eqn.primitive.name == "ragged_dot_general":
-                        env[ep.out] = ragged_dot(*ins[:2], ins[2].astype(jnp.int32), preferred_element_type=ep.out_dtype,
-                                                 activation=ep.activation)
+                        out = ragged_dot(*ins[:2], ins[2].astype(jnp.int32), preferred_element_type=ep.out_dtype,
+                                         activation=ep.activation)
                     else:
-                        params = {**eqn.params, "preferred_element_type": ep.out_dtype}
+                        params = {**eqn.params, "preferred_element_type": ep.out_dtype, "out_sharding": None}
                         if ep.swap:
                             ins, params["dimension_numbers"] = ins[::-1], _swapped(eqn.params["dimension_numbers"])
                         out = _dot(*ins, **params, bias=bias, activation=ep.activation, preact=q in feeds,
                                    act_operand=chain)
                         if q in feeds:
                             out, preacts[ep.out] = out
-                        env[ep.out] = out
+                    env[ep.out] = _typed_as(out, eqn, ep.out)
                 continue
             invals = [read(v) for v in eqn.invars]
             if i in taken:   # the fp8 recipe's product (custom_vjp: its gradients in fp8 too)
@@ -399,7 +402,7 @@ class _Interpreter:
             return {}
         products, grouped = {}, set()
         for i, e in enumerate(jaxpr.eqns):
-            if e.primitive.name not in ("dot_general", "ragged_dot_general") or _plain(e) or (
+            if e.primitive.name not in ("dot_general", "ragged_dot_general") or (
                     i not in taken and _refusal(e) is not None):
                 continue
             if e.primitive.name == "ragged_dot_general":
@@ -417,7 +420,7 @@ class _Interpreter:
         if not fused:
             return {}
         consumers = {i for i, e in enumerate(jaxpr.eqns)
-                     if e.primitive.name == "dot_general" and _refusal(e) is None and not _plain(e) and i not in skip}
+                     if e.primitive.name == "dot_general" and _refusal(e) is None and i not in skip}
         return find_chains(jaxpr, fused, consumers)
 
     def _eqn(self, eqn, invals: list):

@@ -239,13 +239,13 @@ def _worker() -> dict:
         return jnp.mean(jax.lax.ragged_dot(h.astype(jnp.bfloat16), p["w2"].astype(jnp.bfloat16), routed,
                                            preferred_element_type=jnp.float32, out_sharding=rows) ** 2)
 
-    layer = {fp8: jax.jit(jax.value_and_grad(jax_cute.kernelize(functools.partial(moe_layer, rows=P("data", None)),
-                                                               fp8=fp8)))
-             for fp8 in (None, "blockwise")}
+    kernelized = {fp8: jax_cute.kernelize(functools.partial(moe_layer, rows=P("data", None)), fp8=fp8)
+                  for fp8 in (None, "blockwise")}
+    layer = {fp8: jax.jit(jax.value_and_grad(k)) for fp8, k in kernelized.items()}
     want = {"mm": mm(x, w), "mlp": mlp(mlp_params, x), "moe": moe(e1, x), "stack": stack(sp, sx)}
     one = jax.make_mesh((1, 1), ("data", "model"), axis_types=(jax.sharding.AxisType.Explicit,) * 2,
                         devices=jax.devices()[:1])
-    with jax.set_mesh(one):   # the same program on one device (products with out_sharding stay unfused)
+    with jax.set_mesh(one):   # the same program on one device
         want.update({("layer", fp8): jax.tree.map(np.asarray, f(experts, x)) for fp8, f in layer.items()})
     with jax.set_mesh(emesh):
         xs, ws, wo = (jax.device_put(a, s) for a, s in ((x, P("data", None)), (w, P(None, "model")),
@@ -279,7 +279,8 @@ def _worker() -> dict:
                                   for spec in (P(None, "data"), P("model", ("data",)), P(None, ("data", "model")))},
             "moe_layer": {str(fp8): {"loss_err": abs(float(v) - float(want[("layer", fp8)][0])) / abs(float(want[("layer", fp8)][0])),
                                      "grad_err": {k: float(jnp.linalg.norm(g[k] - want[("layer", fp8)][1][k])
-                                                           / jnp.linalg.norm(want[("layer", fp8)][1][k])) for k in g}}
+                                                           / jnp.linalg.norm(want[("layer", fp8)][1][k])) for k in g},
+                                     "epilogues": [p.epilogue for p in kernelized[fp8].report.products]}
                           for fp8, (v, g) in layer_out.items()},
             "stack": {"loss_err": abs(float(stack_loss) - float(want["stack"][0])) / abs(float(want["stack"][0])),
                       "grad_err": {k: float(jnp.linalg.norm(stack_grads[k] - want["stack"][1][k])
@@ -407,6 +408,8 @@ def test_sharding_in_types(results):
     for mode, bound in (("blockwise", 2e-3), ("None", 5e-3)):
         v = r["moe_layer"][mode]
         assert v["loss_err"] < 1e-5 and max(v["grad_err"].values()) < bound, r["moe_layer"]
+        # gelu fused into the first product, its result resharded to gelu's type
+        assert v["epilogues"][0] == "gelu" and not any(v["epilogues"][1:]), v
 
 
 def test_scale_blocks_a_mesh_axis_would_split_are_replicated(results):

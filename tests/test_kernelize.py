@@ -346,18 +346,27 @@ def test_dot_algorithms_the_kernels_compute_are_kernelized(preset):
     assert [p.kernelized for p in k.report.products] == [True]
 
 
-def test_out_sharding_is_kept():
-    """A product with an explicit out_sharding runs on jax_cute, unfused, its result sharded as
-    asked (lax's type on Explicit axes)."""
+@pytest.mark.parametrize("mlp", [False, True], ids=["layer", "mlp"])
+def test_out_sharding_is_kept(mlp):
+    """A product with an explicit out_sharding (lax takes one on Explicit mesh axes only) runs on
+    jax_cute fused with its epilogue (bias and gelu), the fused result resharded to the
+    epilogue's type, gradients too; it feeds no chain (the next product takes the activated
+    result as an operand)."""
+    from jax.sharding import PartitionSpec as P
+
     mesh = jax.make_mesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
+    b = jnp.asarray(np.random.default_rng(3).standard_normal(W.shape[1]), jnp.bfloat16)
+    layer = lambda x, w, b: jax.nn.gelu(jnp.matmul(x, w, out_sharding=P("x", None)) + b)  # noqa: E731
+    f = (lambda x, w, b: jnp.matmul(layer(x, w, b), w.T, out_sharding=P("x", None))) if mlp else layer  # noqa: E731
+    loss = lambda g: lambda x, w, b: jnp.sum(jnp.square(g(x, w, b).astype(jnp.float32)))  # noqa: E731
     with jax.set_mesh(mesh):
-        f = lambda x, w: jax.nn.gelu(jnp.matmul(x, w, out_sharding=jax.sharding.PartitionSpec("x", None)))  # noqa: E731
         k = jax_cute.kernelize(f)
-        got = jax.jit(k)(X, W)
-        np.testing.assert_allclose(np.float32(got), np.float32(f(X, W)), rtol=2e-2, atol=1e-2)
-        assert jax.typeof(got).sharding.spec == jax.typeof(f(X, W)).sharding.spec
-    (p,) = k.report.products
-    assert p.kernelized and not p.epilogue, p
+        got, want = jax.jit(k)(X, W, b), f(X, W, b)
+        np.testing.assert_allclose(np.float32(got), np.float32(want), rtol=2e-2, atol=2e-2)
+        assert jax.typeof(got).sharding.spec == jax.typeof(want).sharding.spec
+        assert_trees_close(jax.jit(jax.grad(loss(k), (0, 1, 2)))(X, W, b), jax.grad(loss(f), (0, 1, 2))(X, W, b))
+    assert [(p.kernelized, p.epilogue, p.chained) for p in k.report.products] == (
+        [(True, "bias + gelu", ""), (True, "", "")] if mlp else [(True, "bias + gelu", "")]), k.report.products
 
 
 @pytest.mark.parametrize("check_vma", [True, False])
