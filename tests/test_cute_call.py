@@ -113,6 +113,25 @@ def test_vmap_loops_over_the_batch():
     assert "@jax_cute_launch" in cuda_text(f, a, b, alpha)
 
 
+def test_outputs_vary_as_their_inputs_inside_shard_map():
+    """With check_vma, a call's outputs vary over the manual axes its inputs vary over, so they
+    mix with the body's other values (and a custom_vjp's types check) as an elementwise op's."""
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    a, b, alpha = args(16)
+    seen = []
+
+    def body(a, b, alpha):
+        out = call_for(16)(a, b, alpha)
+        seen.append(jax.typeof(out).mat.varying)
+        return out
+
+    f = jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P(), P()), out_specs=P("x"), check_vma=True)
+    np.testing.assert_allclose(jax.jit(f)(a, b, alpha), a * 1.5 + b, rtol=1e-6, atol=1e-6)
+    assert seen == [frozenset({"x"})], seen
+
+
 def test_identity_is_the_source_not_the_object():
     from jax_cute.primitives.cute_call import _identity
 

@@ -23,6 +23,7 @@ COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all")
 
 
 def _worker() -> dict:
+    import contextlib
     import dataclasses
     import functools
     import logging
@@ -182,6 +183,55 @@ def _worker() -> dict:
     out["train"], grads, _ = sharded_step(jax.jit(jax.value_and_grad(loss)), params,
                                           {"w1": P(None, "model"), "w2": P("model", None), "e1": P()}, tokens)
     out["train"]["w1_grad_spec"] = [None if s is None else str(s) for s in grads["w1"].sharding.spec]
+
+    # an fp8 MoE layer's weight gradient on Auto mesh axes, tokens over data and experts' N over
+    # model: under jax.set_mesh each shard quantizes and contracts its own tokens, the blocks'
+    # amax and the partial gradients summed; without a mesh in context the group-aligned layout
+    # takes them whole (every device's activations all-reduced into it, in float32)
+    import re
+
+    xm = jnp.asarray(rng.standard_normal((512, 384)), jnp.float32)
+    em = jnp.asarray(rng.standard_normal((4, 384, 512)) * 0.05, jnp.float32)
+    msizes = jnp.asarray([200, 0, 129, 150], jnp.int32)
+    dw = lambda: jax.jit(jax.grad(lambda w, x: jnp.mean(grouped_linear(x, w, msizes, out_dtype=jnp.float32) ** 2)))  # noqa: E731
+    want_dw = dw()(em, xm)
+    margs = (jax.device_put(em, NamedSharding(mesh, P(None, None, "model"))),
+             jax.device_put(xm, NamedSharding(mesh, P("data", None))))
+    out["auto_moe"] = {}
+    for name, ctx in (("set_mesh", lambda: jax.set_mesh(mesh)), ("no_mesh", contextlib.nullcontext)):
+        with ctx():
+            fn = dw()
+            got = fn(*margs)
+            compiled = fn.lower(*margs).compile()
+        out["auto_moe"][name] = {
+            "err": float(jnp.linalg.norm(got - want_dw) / jnp.linalg.norm(want_dw)),
+            "spec": [None if a is None else str(a) for a in got.sharding.spec],
+            "x_spec": [None if a is None else str(a) for a in compiled.input_shardings[0][1].spec],
+            "collectives": counts(compiled.as_text()),
+            "reduced": sorted(shape for line in compiled.as_text().splitlines() if " all-reduce(" in line
+                              for shape in re.findall(r"f32\[([\d,]+)\]", line.split(" all-reduce(")[0]))}
+
+    # the fp8 layers inside shard_map (data parallel over 8 devices, weights replicated), with
+    # check_vma (its default: the replicated weights' gradients summed over the devices, as JAX
+    # transposes its own ops) and without (summed by hand)
+    dmesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+    sx = jnp.asarray(rng.standard_normal((8 * 128, 128)), jnp.float32)
+    sw = {"g": jnp.asarray(rng.standard_normal((4, 128, 256)) * 0.05, jnp.float32),
+          "d": jnp.asarray(rng.standard_normal((128, 256)) * 0.05, jnp.float32)}
+    ssizes = jnp.asarray([30, 0, 29, 50], jnp.int32)
+
+    def shard_loss(p, xx):
+        return (jnp.mean(grouped_linear(xx, p["g"], ssizes, out_dtype=jnp.float32) ** 2)
+                + jnp.mean(linear(xx, p["d"], out_dtype=jnp.float32) ** 2))
+
+    want_sm = jax.jit(jax.grad(lambda p: sum(shard_loss(p, sx[i * 128:(i + 1) * 128]) for i in range(8))))(sw)
+    out["shard_map_vma"] = {}
+    for vma in (True, False):
+        body = ((lambda p, xx: jax.grad(shard_loss)(p, xx)) if vma else
+                (lambda p, xx: jax.lax.psum(jax.grad(shard_loss)(p, xx), "d")))
+        got = jax.jit(jax.shard_map(body, mesh=dmesh, in_specs=(P(), P("d")), out_specs=P(), check_vma=vma))(sw, sx)
+        out["shard_map_vma"][str(vma)] = {k: float(jnp.linalg.norm(got[k] - want_sm[k]) / jnp.linalg.norm(want_sm[k]))
+                                          for k in got}
 
     # kernelize(fp8=...) of a scanned layer stack, its weights sharded over model and the tokens
     # over data: the stacks quantized before the scan as on one device (scanned_stack)
@@ -370,6 +420,28 @@ def test_sharded_fp8_training_step(results):
     r = results["train"]
     assert r["loss_err"] < 1e-5 and max(r["grad_err"].values()) < 2e-3, r
     assert r["w1_grad_spec"] == [None, "model"]
+
+
+def test_grouped_weight_gradient_keeps_tokens_on_auto_axes(results):
+    """Under jax.set_mesh (Auto axes) grouped_linear's weight gradient takes quantize_grouped's
+    layout, whose rule quantizes each shard's tokens where they lie: only the blocks' amax and
+    the partial gradients are summed over devices; without a mesh in context the group-aligned
+    layout takes every token (the activations all-reduced)."""
+    r = results["auto_moe"]
+    for v in r.values():
+        assert v["err"] < 2e-3 and v["spec"] == [None, None, "model"], r
+    # (7 scale blocks of 512 tokens in 4 groups; K 384; N 512 over 4 shards)
+    assert r["set_mesh"]["reduced"] == ["4,384,128", "7,128", "7,384"], r
+    assert r["set_mesh"]["x_spec"][:1] == ["data"] and not r["set_mesh"]["collectives"]["all-gather"], r
+    assert "896,384" in r["no_mesh"]["reduced"], r
+
+
+def test_fp8_layers_inside_shard_map(results):
+    """fp8.linear and grouped_linear inside shard_map train as one device does, with check_vma
+    (their gradients typed as their primals: a replicated weight's summed over the devices) and
+    without."""
+    for errs in results["shard_map_vma"].values():
+        assert max(errs.values()) < 1e-5, results["shard_map_vma"]
 
 
 def test_sharded_scanned_stack_quantized_before_the_scan(results):

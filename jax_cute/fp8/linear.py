@@ -238,10 +238,10 @@ def _weight(recipe: Blockwise, w, wq):
 
 
 def _dtypes(out, x, w, bias) -> tuple:
-    """(out, x, w, bias or None) dtype names, then x's, w's and bias' shardings on Explicit mesh
-    axes (sharding in types; else None): the custom_vjp's statics, so that each gradient takes
-    its primal's type."""
-    types = tuple(None if a is None else _explicit_sharding(a) for a in (x, w, bias))
+    """(out, x, w, bias or None) dtype names, then x's, w's and bias' (sharding on Explicit mesh
+    axes or None, manual mesh axes it varies over inside shard_map): the custom_vjp's statics,
+    so that each gradient takes its primal's type."""
+    types = tuple(None if a is None else (_explicit_sharding(a), jax.typeof(a).mat.varying) for a in (x, w, bias))
     return (out.name, np.dtype(x.dtype).name, np.dtype(w.dtype).name,
             None if bias is None else np.dtype(bias.dtype).name, types)
 
@@ -252,14 +252,33 @@ def _explicit_sharding(x):
 
 
 def _sharded_tokens(x) -> bool:
-    """Whether x's type shards its tokens (its first axis) over Explicit mesh axes."""
+    """Whether x's tokens (its first axis) may be sharded: its type shards them (Explicit mesh
+    axes), or the context mesh (``jax.set_mesh``) has Auto axes over several devices, where only
+    the partitioner knows."""
     sharding = _explicit_sharding(x)
-    return sharding is not None and bool(sharding.spec) and sharding.spec[0] is not None
+    if sharding is not None:
+        return bool(sharding.spec) and sharding.spec[0] is not None
+    mesh = jax.sharding.get_abstract_mesh()
+    return not mesh.empty and mesh.size > 1 and jax.sharding.AxisType.Auto in tuple(mesh.axis_types)
 
 
 def _typed(grads: tuple, types: tuple) -> tuple:
-    """Each gradient resharded to its primal's type where it has one (Explicit mesh axes)."""
-    return tuple(g if g is None or t is None else jax.sharding.reshard(g, t) for g, t in zip(grads, types))
+    """Each gradient in its primal's type (``_dtypes``): resharded to it on Explicit mesh axes;
+    inside shard_map summed over the manual axes the primal does not vary over (a replicated
+    weight's gradient is the sum of its shards', as lax's own transposes give it) and varying
+    over those it does."""
+    out = []
+    for g, t in zip(grads, types):
+        if g is not None and t is not None:
+            sharding, varying = t
+            have = jax.typeof(g).mat.varying
+            if have - varying:
+                g = jax.lax.psum(g, tuple(sorted(have - varying)))
+            if varying - have:
+                g = jax.lax.pcast(g, tuple(sorted(varying - have)), to="varying")
+            g = g if sharding is None else jax.sharding.reshard(g, sharding)
+        out.append(g)
+    return tuple(out)
 
 
 def _activate(activation, z, out_dtype):
@@ -356,9 +375,9 @@ def _grouped(x, w, sizes, bias, wq, dtypes: tuple, recipe: Blockwise, activation
 def _grouped_fwd(x, w, sizes, bias, given, dtypes, recipe, activation):
     out_dtype = dtypes[0]
     wq, wq_fwd = _weight(recipe, w, given)  # (G, K, N): 128 x 128 blocks of each expert
-    # the group-aligned layout gathers every token: with the tokens sharded in x's type, the weight
-    # gradient takes quantize_grouped's layout, whose blocks each shard quantizes and contracts
-    # where its tokens lie (scaled_sharding)
+    # the group-aligned layout gathers every token: where they may be sharded, the weight gradient
+    # takes quantize_grouped's layout, whose blocks each shard quantizes and contracts where its
+    # tokens lie (quantize_sharding, scaled_sharding)
     aligned = recipe.wgrad_kernel(*x.shape, w.shape[2]) and not _sharded_tokens(x)
     xq, xq_t = recipe.q_rows_and_grouped(x, sizes, aligned=aligned)
     z = scaled_ragged_dot(xq, wq_fwd, sizes, preferred_element_type=out_dtype, bias=bias)

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
+from jax_cute.fp8 import quantize_sharding
 from jax_cute.primitives.ragged_reference import clipped_sizes, group_ends, row_groups  # noqa: F401 - re-exported
 from jax_cute.primitives.sharding import explicit_axes, shard_index
 
@@ -319,9 +320,22 @@ def quantize_grouped(x, group_sizes, *, pow2_scales: bool = False, dtype=jnp.flo
     spec = _typed_spec(x)
     if spec is not None and len(spec) == x.ndim and spec[-1] is not None:
         values, scales = _grouped_over_shards(x, group_sizes, dt, pow2_scales, spec)
+    elif spec is None:   # (under an Auto jit, the partitioner's rule keeps the tokens where they lie)
+        values, scales = quantize_sharding.quantize_grouped(x, group_sizes, _GroupedLocal(dt, pow2_scales))
     else:
         values, scales = _grouped_blocks(x, group_sizes, dt, pow2_scales, x.shape[-1])
     return BlockScaled(values, scales, (BLOCK,), group_sizes.astype(jnp.int32))
+
+
+@dataclasses.dataclass(frozen=True)
+class _GroupedLocal:
+    """quantize_grouped on one shard (quantize_sharding.Local)."""
+
+    dtype: np.dtype
+    pow2_scales: bool
+
+    def __call__(self, x, sizes, total: int, lo, reduce):
+        return _grouped_blocks(x, sizes, self.dtype, self.pow2_scales, total, lo, reduce)
 
 
 def _grouped_blocks(x, group_sizes, dt, pow2_scales: bool, t: int, lo=0, reduce=None):

@@ -525,6 +525,14 @@ def result_aval(name: str, layouts: GemmLayouts | RaggedLayouts, avals, out_dtyp
                                 manual_axis_type=jax_core.ManualAxisType(varying=varying))
 
 
+def varying_as(outs: Sequence[jax.core.ShapedArray], avals) -> list[jax.core.ShapedArray]:
+    """``outs`` varying over the manual mesh axes any of the operands ``avals`` varies over
+    (inside shard_map), as an elementwise op's result does; unchanged elsewhere."""
+    if not any(a.mat.varying for a in avals):
+        return list(outs)
+    return [varying_aval(o.shape, o.dtype, avals) for o in outs]
+
+
 def varying_aval(shape, dtype, avals) -> jax.core.ShapedArray:
     """A result type unsharded on the operands' mesh that varies over their manual axes (inside
     shard_map): for primitives whose partitioning is not followed in types (the block-scaled
