@@ -38,7 +38,8 @@ in 1 x 128 blocks along the tokens (B's scales one per column and scale block), 
 tokens) and ragged-K (G experts, M x N each, over the tokens; ``ragged_k_dot``), bf16 out:
 *jax_cute* (the heuristic: the serial promotion), *jax_cute_db* (the overlapped promotion
 forced: the column scales read from the stage at the promotion), *jax_cute_bf16* (the same
-values in bf16), *xla* (dense: XLA's dot of the raw e4m3 values).
+values in bf16), *jax_cute_raw* (dense: our unscaled fp8 kernel on the raw e4m3 values, XLA's
+numerics), *xla* (dense: XLA's dot of the raw e4m3 values).
 
 Training steps (``BENCH_FP8_TRAIN=0`` leaves them out; ``BENCH_FP8_GEMM=0`` leaves out the GEMMs): the GPT example's step (``examples/gpt_training.py``
 at its ``h200`` and ``h200-wide`` sizes (d_model 2048 and 4096), dense and ``--moe``), timed interleaved: *jax_cute*:
@@ -255,7 +256,7 @@ def weight_gradients(rounds: int, smoke: bool) -> list[dict]:
                                                                   context=lambda: scaled_variant(overlap_promote=True))]
     for m, n, t in SMOKE_DENSE if smoke else WGRAD:
         recs += measure("fp8", "fp8_wgrad", f"{m}x{n}x{t}", [*impls(_scaled), Impl("jax_cute_bf16", _bf16),
-                                                               Impl("xla", _xla_fp8)],
+                                                               Impl("jax_cute_raw", _raw_fp8), Impl("xla", _xla_fp8)],
                         dense_operands(m, n, t, "1x128"), 2.0 * m * n * t, rounds=rounds,
                         meta={"m": m, "n": n, "k": t, "dtype": "float8_e4m3fn"}, check=False)
     g, m, n, t = (2, 256, 256, 512) if smoke else WGRAD_GROUPED

@@ -236,7 +236,7 @@ SUITE_TITLE = {"models": "Models: jax_cute.kernelize", "matmul": "Dense GEMM: ja
                "collective": "Collective matmul: all-gather and reduce-scatter inside the GEMMs",
                "fp8": "Block-scaled fp8 GEMM: DeepGEMM's shapes",
                "scan": "Layer stacks under lax.scan: checkpoint policies"}
-# A results file holding only this table (e.g. BENCH_FP8_GEMM=0) gets this title and note.
+# A results file holding only these tables (e.g. BENCH_FP8_GEMM=0) gets this title and note.
 TABLE_SECTION = {"fp8_swiglu": ("Block-scaled fp8 SwiGLU products",
                                 "The gate-and-up product of a SwiGLU MLP with a bias (N = 2 x the hidden width), "
                                 "operands quantized beforehand (x in 1x128, w in 128x128 blocks), timed interleaved: "
@@ -253,6 +253,22 @@ TABLE_SECTION = {"fp8_swiglu": ("Block-scaled fp8 SwiGLU products",
                                "fp8=\"blockwise\"))`, the weight products' forward and both gradients block-scaled "
                                "fp8, quantization included; *jax_cute bf16*: the same kernelized in bf16; *XLA*: the "
                                "model as written (bf16 products).")}
+TABLE_SECTION["fp8_wgrad"] = TABLE_SECTION["fp8_wgrad_grouped"] = (
+    "Block-scaled fp8 weight gradients",
+    "`dw = x.T @ dy` with both operands in 1x128 blocks along the tokens (each 128-token k-tile's partial "
+    "sums promoted with x's row scales and dy's column scales), dense (M×N×tokens) and ragged-K (G experts "
+    "over the tokens, `ragged_k_dot`), operands quantized beforehand, bf16 out, timed interleaved: "
+    "*jax_cute fp8*: the heuristic's kernel (the serial promotion); *overlapped promotion*: the same with "
+    "the overlapped promotion forced (the column scales read from shared memory at the promotion); "
+    "*jax_cute bf16*: the same values in bf16; *XLA fp8 dot*: XLA's dot of the raw e4m3 values (no block "
+    "scales; dense only); *jax_cute fp8 (no block scales)*: our unscaled fp8 kernel on the same raw values "
+    "(XLA's numerics, the like-for-like rival of XLA's row and the ceiling the promotion is measured against).")
+
+
+def own_section(tables) -> tuple[str, str] | None:
+    """The (title, note) of a results file whose tables all tell one TABLE_SECTION story, or None."""
+    sections = {TABLE_SECTION.get(t) for t in tables}
+    return next(iter(sections)) if len(sections) == 1 else None
 SUITE_LABELS = {"ragged": {"xla": "lax.ragged_dot",   # what the "xla" rival is in that suite
                            "jax_cute_no_tail": "jax_cute, no tail split"},
                 "fp8": {"jax_cute": "jax_cute fp8, block-scaled", "jax_cute_bf16": "jax_cute bf16",
@@ -448,7 +464,7 @@ def scaling_table(recs: list[dict], labels: dict[str, str] | None = None) -> lis
 SUMMARY_RIVALS = ("xla", "xla_bf16", "xla_bf16_grads", "pallas", "jax_cute_bf16")
 SUMMARY_TABLE = {"gemm": "single products", "gemm_loop": "small products in a loop",
                  "gemm_sustained": "1 s windows", "e2e": "MLP training step", "ragged": "single products",
-                 "fp8_gemm": "dense", "fp8_grouped": "grouped", "scan": "scanned layer stack", ("ragged", "e2e"): "MoE layer"}   # (suite, table): where a suite names a table its own way
+                 "fp8_gemm": "dense", "fp8_grouped": "grouped", "fp8_wgrad": "dense", "fp8_wgrad_grouped": "ragged-K", "scan": "scanned layer stack", ("ragged", "e2e"): "MoE layer"}   # (suite, table): where a suite names a table its own way
 # other processes' tables, beside the suite's own (bench_collective.py's flag sets)
 SUMMARY_SKIP = ("collective_windowed", "collective_lhs", "collective_memcpy_p2p", "collective_lhs_memcpy_p2p",
                 "collective_lhs_overlap2", "collective_lhs_windowed")
@@ -488,8 +504,9 @@ def summary(files: list[str]) -> list[str]:
         tables = [t for t in SECTIONS if any(r.get("table") == t[0] for r in recs)]
         tables = [t for t in tables if t[0] not in SUMMARY_SKIP]
         title = " + ".join(SUITE_TITLE.get(su, su).split(":")[0] for su in suites) or Path(f).stem
-        if len(tables) == 1 and tables[0][0] in TABLE_SECTION:   # a file of one table with its own story
-            title = TABLE_SECTION[tables[0][0]][0].split(":")[0]
+        own = own_section([t[0] for t in tables])
+        if own:   # a file of tables with their own story
+            title = own[0].split(":")[0]
         ours = next((SUMMARY_OURS[su] for su in suites if su in SUMMARY_OURS), "jax_cute")
         for tbl, key, _, hb, sub, _ in tables:
             rs = [r for r in recs if r.get("table") == tbl]
@@ -567,9 +584,9 @@ def report(files: list[str], md: str, plots: str) -> str:
         title = " + ".join(SUITE_TITLE.get(s, s) for s in suites) or stem
         notes = [SUITE_NOTE[su] for su in suites if su in SUITE_NOTE]
         tables = {r.get("table") for r in data.get("records", [])}
-        if len(tables) == 1 and next(iter(tables)) in TABLE_SECTION:   # a file of one table with its own story
-            title, note = TABLE_SECTION[next(iter(tables))]
-            notes = [note]
+        own = own_section(tables)
+        if own:   # a file of tables with their own story
+            title, notes = own[0], [own[1]]
         print(f"{f}: {data.get('device', '?')}, {data.get('date', '?')}")
         out += [f"## {title}", "", " ".join([_provenance(data, f), *notes]), ""]
         for suite, err in (data.get("suite_errors") or {}).items():

@@ -87,6 +87,29 @@ def test_summary_is_the_geometric_mean_over_cases_where_jax_cute_ran_its_kernel(
         "- **Dense GEMM** (GPU X, 2026-01-02): jax_cute 1.00x XLA (0.50-2.00x, 2 cases)."]
 
 
+def test_a_file_of_tables_with_one_story_takes_its_title_and_note(tmp_path):
+    """The weight-gradient tables (dense and ragged-K) come from the fp8 suite without its GEMMs:
+    their section is their own, not the suite's DeepGEMM-shapes one."""
+    import json
+
+    import run
+
+    rec = lambda table, impl, tf: {"table": table, "case": "c", "impl": impl, "tflops": tf}  # noqa: E731
+    data = {"device": "GPU X", "date": "2026-01-02T03:04:05", "suites": ["fp8"], "records": [
+        rec("fp8_wgrad", "jax_cute", 120.0), rec("fp8_wgrad", "jax_cute_bf16", 100.0),
+        rec("fp8_wgrad_grouped", "jax_cute", 110.0), rec("fp8_wgrad_grouped", "jax_cute_bf16", 100.0)]}
+    path = tmp_path / "wgrad.json"
+    path.write_text(json.dumps(data))
+    title, note = run.TABLE_SECTION["fp8_wgrad"]
+    text = run.report([str(path)], str(tmp_path / "B.md"), str(tmp_path / "plots"))
+    assert f"## {title}\n" in text and note in text and run.SUITE_TITLE["fp8"] not in text
+    assert run.summary([str(path)]) == [
+        f"- **{title}, dense** (GPU X, 2026-01-02): jax_cute 1.20x jax_cute bf16 (1 case).",
+        f"- **{title}, ragged-K** (GPU X, 2026-01-02): jax_cute 1.10x jax_cute bf16 (1 case)."]
+    # tables of different stories (or none) keep the suite's section
+    assert run.own_section(["fp8_wgrad", "fp8_swiglu"]) is None and run.own_section(["gemm"]) is None
+
+
 def test_merged_cases_replace_their_records_and_carry_their_own_date(tmp_path):
     import json
 

@@ -283,7 +283,11 @@ class ScaledMainloop:
         idle meanwhile unless the other warpgroup's WGMMAs run). Making the two warpgroups issue
         each k-tile's WGMMAs in turn (two named barriers), so that one's promotion would run
         under the other's WGMMAs, ran 3-8% slower on an H200 (2026-12-02, the weight gradient's
-        1 x 128 scales on both operands, dense and ragged-K, bits equal)."""
+        1 x 128 scales on both operands, dense and ragged-K, bits equal). So did issuing each
+        k-tile as two 64-column halves into two half fragments, the first promoted while the
+        second's WGMMAs run (A read from shared memory twice): 7-12% slower on the dense weight
+        gradient (H200, 2026-12-05, 4096x16384x8192, 16384x4096x8192, 4096^3; chained across
+        pairs of k-tiles, so that only every fourth half's promotion was exposed, 7-13%)."""
         # unrolled by 2: on an H200 (2026-11-30, bits unchanged) 1-5% faster dense and 3-8%
         # ragged-K (the MoE weight gradient) than the rolled loop; by 4 no better than by 2.
         # Rolled with 128 x 128 A blocks: unrolled, their fp32-output kernels spill 48-56 bytes.
