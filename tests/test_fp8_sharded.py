@@ -185,22 +185,26 @@ def _worker() -> dict:
     out["train"]["w1_grad_spec"] = [None if s is None else str(s) for s in grads["w1"].sharding.spec]
 
     # an fp8 MoE layer's weight gradient on Auto mesh axes, tokens over data and experts' N over
-    # model: under jax.set_mesh each shard quantizes and contracts its own tokens, the blocks'
-    # amax and the partial gradients summed; without a mesh in context the group-aligned layout
-    # takes them whole (every device's activations all-reduced into it, in float32)
+    # model: under jax.set_mesh, or with no mesh in context on arrays placed on the mesh (their
+    # types carry it), each shard quantizes and contracts its own tokens, the blocks' amax and
+    # the partial gradients summed; where no trace-time type names the mesh (jit's in_shardings
+    # on host arrays) the group-aligned layout takes them whole (every device's activations
+    # all-reduced into it, in float32)
     import re
 
     xm = jnp.asarray(rng.standard_normal((512, 384)), jnp.float32)
     em = jnp.asarray(rng.standard_normal((4, 384, 512)) * 0.05, jnp.float32)
     msizes = jnp.asarray([200, 0, 129, 150], jnp.int32)
-    dw = lambda: jax.jit(jax.grad(lambda w, x: jnp.mean(grouped_linear(x, w, msizes, out_dtype=jnp.float32) ** 2)))  # noqa: E731
+    mshard = (NamedSharding(mesh, P(None, None, "model")), NamedSharding(mesh, P("data", None)))
+    dw = lambda **kw: jax.jit(jax.grad(lambda w, x: jnp.mean(grouped_linear(x, w, msizes, out_dtype=jnp.float32) ** 2)), **kw)  # noqa: E731
     want_dw = dw()(em, xm)
-    margs = (jax.device_put(em, NamedSharding(mesh, P(None, None, "model"))),
-             jax.device_put(xm, NamedSharding(mesh, P("data", None))))
+    placed = tuple(jax.device_put(a, s) for a, s in zip((em, xm), mshard))
     out["auto_moe"] = {}
-    for name, ctx in (("set_mesh", lambda: jax.set_mesh(mesh)), ("no_mesh", contextlib.nullcontext)):
+    for name, ctx, fn, margs in (("set_mesh", lambda: jax.set_mesh(mesh), dw, placed),
+                                 ("placed", contextlib.nullcontext, dw, placed),
+                                 ("in_shardings", contextlib.nullcontext, lambda: dw(in_shardings=mshard), (em, xm))):
         with ctx():
-            fn = dw()
+            fn = fn()
             got = fn(*margs)
             compiled = fn.lower(*margs).compile()
         out["auto_moe"][name] = {
@@ -423,17 +427,19 @@ def test_sharded_fp8_training_step(results):
 
 
 def test_grouped_weight_gradient_keeps_tokens_on_auto_axes(results):
-    """Under jax.set_mesh (Auto axes) grouped_linear's weight gradient takes quantize_grouped's
-    layout, whose rule quantizes each shard's tokens where they lie: only the blocks' amax and
-    the partial gradients are summed over devices; without a mesh in context the group-aligned
-    layout takes every token (the activations all-reduced)."""
+    """On Auto mesh axes, under jax.set_mesh or on arrays placed on the mesh with none in
+    context, grouped_linear's weight gradient takes quantize_grouped's layout, whose rule
+    quantizes each shard's tokens where they lie: only the blocks' amax and the partial
+    gradients are summed over devices. Where the trace sees no mesh at all (jit's in_shardings
+    on host arrays) the group-aligned layout takes every token (the activations all-reduced)."""
     r = results["auto_moe"]
     for v in r.values():
         assert v["err"] < 2e-3 and v["spec"] == [None, None, "model"], r
     # (7 scale blocks of 512 tokens in 4 groups; K 384; N 512 over 4 shards)
-    assert r["set_mesh"]["reduced"] == ["4,384,128", "7,128", "7,384"], r
-    assert r["set_mesh"]["x_spec"][:1] == ["data"] and not r["set_mesh"]["collectives"]["all-gather"], r
-    assert "896,384" in r["no_mesh"]["reduced"], r
+    for name in ("set_mesh", "placed"):
+        assert r[name]["reduced"] == ["4,384,128", "7,128", "7,384"], r
+        assert r[name]["x_spec"][:1] == ["data"] and not r[name]["collectives"]["all-gather"], r
+    assert "896,384" in r["in_shardings"]["reduced"], r
 
 
 def test_fp8_layers_inside_shard_map(results):

@@ -253,13 +253,14 @@ def _explicit_sharding(x):
 
 def _sharded_tokens(x) -> bool:
     """Whether x's tokens (its first axis) may be sharded: its type shards them (Explicit mesh
-    axes), or the context mesh (``jax.set_mesh``) has Auto axes over several devices, where only
-    the partitioner knows."""
+    axes), or a mesh with Auto axes over several devices is in context (``jax.set_mesh``) or
+    in x's type (x computed from arrays placed on such a mesh: jit traces them with it), where
+    only the partitioner knows."""
     sharding = _explicit_sharding(x)
     if sharding is not None:
         return bool(sharding.spec) and sharding.spec[0] is not None
-    mesh = jax.sharding.get_abstract_mesh()
-    return not mesh.empty and mesh.size > 1 and jax.sharding.AxisType.Auto in tuple(mesh.axis_types)
+    return any(not m.empty and m.size > 1 and jax.sharding.AxisType.Auto in tuple(m.axis_types)
+               for m in (jax.sharding.get_abstract_mesh(), jax.typeof(x).sharding.mesh))
 
 
 def _typed(grads: tuple, types: tuple) -> tuple:
