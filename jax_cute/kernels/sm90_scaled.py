@@ -291,8 +291,8 @@ class ScaledMainloop:
         turns, each warpgroup issuing only once the other's k-tile had finished (or had one WGMMA
         left), so that no two promotions coincide, ran 0.70-0.73x (0.87-0.91x) as fast dense,
         0.82x (0.87x) ragged-K and 0.69-0.70x (0.76-0.78x) with the forward's 128 x 128 B blocks
-        (H100, 2026-12-06, one process, bits equal): one warpgroup's WGMMAs alone leave the
-        tensor cores about half idle, so both warpgroups' must be in flight together."""
+        (H100, 2026-12-06, one process, bits equal): likely one warpgroup's WGMMAs alone leave
+        the tensor cores about half idle, so both warpgroups' must be in flight together."""
         # unrolled by 2: on an H200 (2026-11-30, bits unchanged) 1-5% faster dense and 3-8%
         # ragged-K (the MoE weight gradient) than the rolled loop; by 4 no better than by 2.
         # Rolled with 128 x 128 A blocks: unrolled, their fp32-output kernels spill 48-56 bytes.
