@@ -200,11 +200,11 @@ def _worker() -> dict:
     want_dw = dw()(em, xm)
     placed = tuple(jax.device_put(a, s) for a, s in zip((em, xm), mshard))
     out["auto_moe"] = {}
-    for name, ctx, fn, margs in (("set_mesh", lambda: jax.set_mesh(mesh), dw, placed),
-                                 ("placed", contextlib.nullcontext, dw, placed),
-                                 ("in_shardings", contextlib.nullcontext, lambda: dw(in_shardings=mshard), (em, xm))):
+    for name, ctx, make, margs in (("set_mesh", lambda: jax.set_mesh(mesh), dw, placed),
+                                   ("placed", contextlib.nullcontext, dw, placed),
+                                   ("in_shardings", contextlib.nullcontext, lambda: dw(in_shardings=mshard), (em, xm))):
         with ctx():
-            fn = fn()
+            fn = make()
             got = fn(*margs)
             compiled = fn.lower(*margs).compile()
         out["auto_moe"][name] = {

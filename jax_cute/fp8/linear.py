@@ -37,7 +37,7 @@ from jax_cute.fp8.ops import ragged_k_dot, ragged_k_dot_aligned, scaled_dot_gene
 from jax_cute.fp8.quantize import (BLOCK, E4M3, FP8_DTYPES, BlockScaled, checkpoint_named, clipped_sizes, group_blocks,
                                    group_ends, quantize, quantize_grouped, row_groups)
 from jax_cute.fp8.scaled import weight_kernel, wgrad_kernels
-from jax_cute.primitives.sharding import explicit_axes
+from jax_cute.primitives.sharding import auto_axes, explicit_axes
 
 # The name (``jax.ad_checkpoint.checkpoint_name``) of the layers' quantized weights: under
 # ``jax.checkpoint(..., policy=jax.checkpoint_policies.save_only_these_names(WEIGHTS))`` the
@@ -259,8 +259,7 @@ def _sharded_tokens(x) -> bool:
     sharding = _explicit_sharding(x)
     if sharding is not None:
         return bool(sharding.spec) and sharding.spec[0] is not None
-    return any(not m.empty and m.size > 1 and jax.sharding.AxisType.Auto in tuple(m.axis_types)
-               for m in (jax.sharding.get_abstract_mesh(), jax.typeof(x).sharding.mesh))
+    return any(auto_axes(m) for m in (jax.sharding.get_abstract_mesh(), jax.typeof(x).sharding.mesh))
 
 
 def _typed(grads: tuple, types: tuple) -> tuple:

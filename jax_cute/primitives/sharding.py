@@ -476,6 +476,11 @@ def explicit_axes(mesh) -> bool:
     return not mesh.empty and AxisType.Explicit in tuple(mesh.axis_types)
 
 
+def auto_axes(mesh) -> bool:
+    """Whether ``mesh`` has Auto axes over several devices: shardings only the partitioner knows."""
+    return not mesh.empty and mesh.size > 1 and AxisType.Auto in tuple(mesh.axis_types)
+
+
 def _typed_factors(name: str, p: Problem, avals) -> tuple[dict[str, tuple[str, ...]], bool]:
     """Each factor's mesh axes as the operands' sharding types give them (a buffer axis's
     sharding is its slowest factor's), and whether two operands shard a contracting factor."""
